@@ -1,0 +1,66 @@
+# Wraps CMake for the commands people type. See README.md.
+#   make            build everything (build/)
+#   make demo       two processes sharing GPU memory (the emulator without a GPU)
+#   make test       build and run the test suite on the CUDA driver emulator
+#   make gpu-test   the same suite on the real driver (needs a GPU)
+#   make bench      benchmarks (real GPU if present, else the emulator)
+#   make install PREFIX=/usr/local
+#   make asan | tsan   the suite under sanitizers (build-asan/, build-tsan/)
+
+BUILD   ?= build
+PREFIX  ?= /usr/local
+CC      ?= cc
+JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE_FLAGS ?=
+CTEST_FLAGS ?=
+
+EMU = $(BUILD)/tests/emu/libcuda-emu.so
+
+.PHONY: all build demo test gpu-test bench install asan tsan fuzz clean
+
+all: build
+
+build: $(BUILD)/CMakeCache.txt
+	@cmake --build $(BUILD) -j $(JOBS)
+
+$(BUILD)/CMakeCache.txt:
+	@cmake -S . -B $(BUILD) -DCMAKE_INSTALL_PREFIX=$(PREFIX) $(CMAKE_FLAGS) >/dev/null
+
+demo: build
+	@$(BUILD)/gpuipc demo --emulator $(abspath $(EMU))
+
+test: build
+	@cd $(BUILD) && ctest -j $(JOBS) --output-on-failure $(CTEST_FLAGS)
+
+gpu-test:
+	@cmake -S . -B build-gpu -DGPUIPC_GPU_TEST=ON $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-gpu -j $(JOBS)
+	@build-gpu/gpuipc doctor --quiet; rc=$$?; if [ $$rc -ne 0 ]; then \
+	  echo "make gpu-test: no usable GPU here (gpuipc doctor exit $$rc); run 'build-gpu/gpuipc doctor' to see why, or use 'make test' for the emulator"; \
+	  exit 1; fi
+	@cd build-gpu && ctest -j $(JOBS) --output-on-failure $(CTEST_FLAGS)
+
+bench: build
+	@$(BUILD)/gpuipc bench all --emulator $(abspath $(EMU))
+
+install: build
+	@cmake --install $(BUILD) --prefix $(PREFIX)
+
+asan:
+	@cmake -S . -B build-asan -DGPUIPC_ASAN=ON -DCMAKE_BUILD_TYPE=Debug $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-asan -j $(JOBS)
+	@cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest -j $(JOBS) --output-on-failure $(CTEST_FLAGS)
+
+tsan:
+	@cmake -S . -B build-tsan -DGPUIPC_TSAN=ON -DCMAKE_BUILD_TYPE=Debug $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-tsan -j $(JOBS)
+	@cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+	  ctest -j $(JOBS) --output-on-failure $(CTEST_FLAGS)
+
+fuzz:
+	@cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DGPUIPC_FUZZ=ON -DGPUIPC_ASAN=ON $(CMAKE_FLAGS) >/dev/null
+	@cmake --build build-fuzz -j $(JOBS)
+
+clean:
+	@rm -rf $(BUILD) build-gpu build-asan build-tsan build-fuzz

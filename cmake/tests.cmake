@@ -1,0 +1,37 @@
+# The test suite: one binary, one CTest case per TEST_IMPL found in tests/*.c.
+# Files named conformance-*.c carry the label "conformance".
+file(GLOB GPUIPC_TEST_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/*.c)
+add_executable(gpuipc-tests ${GPUIPC_TEST_SOURCES})
+target_link_libraries(gpuipc-tests PRIVATE gpuipc_internal)
+target_include_directories(gpuipc-tests PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+if(TARGET cuda-emu)
+  target_compile_definitions(gpuipc-tests PRIVATE
+    GPUIPC_EMU_PATH="$<TARGET_FILE:cuda-emu>")
+  add_dependencies(gpuipc-tests cuda-emu)
+endif()
+target_compile_definitions(gpuipc-tests PRIVATE
+  GPUIPC_CLI_PATH="$<TARGET_FILE:gpuipc_cli>")
+add_dependencies(gpuipc-tests gpuipc_cli)
+
+if(GPUIPC_GPU_TEST)
+  set(GPUIPC_TEST_ENV "GPUIPC_TEST_MODE=gpu")
+elseif(TARGET cuda-emu)
+  set(GPUIPC_TEST_ENV "GPUIPC_TEST_MODE=emu;GPUIPC_CUDA_DRIVER=$<TARGET_FILE:cuda-emu>")
+else()
+  set(GPUIPC_TEST_ENV "GPUIPC_TEST_MODE=emu")
+endif()
+
+foreach(src ${GPUIPC_TEST_SOURCES})
+  get_filename_component(base ${src} NAME_WE)
+  file(STRINGS ${src} lines REGEX "^TEST_IMPL\\(")
+  foreach(line ${lines})
+    string(REGEX REPLACE "^TEST_IMPL\\(([A-Za-z0-9_]+)\\).*" "\\1" name "${line}")
+    add_test(NAME ${name} COMMAND gpuipc-tests ${name})
+    set(labels unit)
+    if(base MATCHES "^conformance")
+      set(labels conformance)
+    endif()
+    set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 300
+      LABELS "${labels}" ENVIRONMENT "${GPUIPC_TEST_ENV}")
+  endforeach()
+endforeach()

@@ -1,0 +1,198 @@
+/*
+ * driver.h: the CUDA driver, loaded at run time.
+ *
+ * gpuipc links against neither libcuda nor libcudart. On first use it
+ * dlopens libcuda.so.1 (or GPUIPC_CUDA_DRIVER), finds cuGetProcAddress, and
+ * resolves every entry point below through it, asking for the variant that
+ * matches the prototypes of the cuda.h it was compiled against (CUDA_VERSION):
+ * cuda.h maps e.g. cuMemAlloc to cuMemAlloc_v2, and the table's member types
+ * are taken from those very prototypes, so the two cannot disagree.
+ *
+ * Use: GPUIPC__CHECK(gpuipc__driver()) at the entry of every function that
+ * needs CUDA, then call through gpuipc__cu, e.g.
+ *   CUresult r = gpuipc__cu.cuMemAlloc(&p, n);
+ *   if (r != CUDA_SUCCESS) return gpuipc__fail_cuda(r, "cuMemAlloc", "%zu bytes", n);
+ * An entry point the driver lacks is NULL; GPUIPC__CU() below turns that
+ * into CUDA_ERROR_NOT_FOUND instead of a crash.
+ */
+#ifndef GPUIPC_DRIVER_H
+#define GPUIPC_DRIVER_H
+
+#include "internal.h"
+
+#include <cuda.h>
+
+/* Every driver entry point gpuipc (and its tests and tools) uses. Add new
+ * ones here; the emulator must implement each of them. */
+#define GPUIPC__CU_FUNCS(X)                                                    \
+  X(cuInit)                                                                    \
+  X(cuDriverGetVersion)                                                        \
+  X(cuGetErrorName)                                                            \
+  X(cuGetErrorString)                                                          \
+  X(cuDeviceGet)                                                               \
+  X(cuDeviceGetCount)                                                          \
+  X(cuDeviceGetName)                                                           \
+  X(cuDeviceGetUuid)                                                           \
+  X(cuDeviceGetAttribute)                                                      \
+  X(cuDeviceTotalMem)                                                          \
+  X(cuDeviceGetPCIBusId)                                                       \
+  X(cuDeviceGetByPCIBusId)                                                     \
+  X(cuDeviceCanAccessPeer)                                                     \
+  X(cuDeviceGetP2PAttribute)                                                   \
+  X(cuDevicePrimaryCtxRetain)                                                  \
+  X(cuDevicePrimaryCtxRelease)                                                 \
+  X(cuDevicePrimaryCtxGetState)                                                \
+  X(cuCtxGetCurrent)                                                           \
+  X(cuCtxSetCurrent)                                                           \
+  X(cuCtxPushCurrent)                                                          \
+  X(cuCtxPopCurrent)                                                           \
+  X(cuCtxGetDevice)                                                            \
+  X(cuCtxSynchronize)                                                          \
+  X(cuCtxEnablePeerAccess)                                                     \
+  X(cuMemAlloc)                                                                \
+  X(cuMemFree)                                                                 \
+  X(cuMemGetInfo)                                                              \
+  X(cuMemGetAddressRange)                                                      \
+  X(cuPointerGetAttribute)                                                     \
+  X(cuPointerGetAttributes)                                                    \
+  X(cuMemcpy)                                                                  \
+  X(cuMemcpyAsync)                                                             \
+  X(cuMemcpyHtoD)                                                              \
+  X(cuMemcpyDtoH)                                                              \
+  X(cuMemcpyDtoD)                                                              \
+  X(cuMemcpyHtoDAsync)                                                         \
+  X(cuMemcpyDtoHAsync)                                                         \
+  X(cuMemcpyDtoDAsync)                                                         \
+  X(cuMemcpyPeer)                                                              \
+  X(cuMemcpyPeerAsync)                                                         \
+  X(cuMemsetD8)                                                                \
+  X(cuMemsetD32)                                                               \
+  X(cuMemsetD8Async)                                                           \
+  X(cuMemsetD32Async)                                                          \
+  X(cuIpcGetMemHandle)                                                         \
+  X(cuIpcOpenMemHandle)                                                        \
+  X(cuIpcCloseMemHandle)                                                       \
+  X(cuIpcGetEventHandle)                                                       \
+  X(cuIpcOpenEventHandle)                                                      \
+  X(cuMemPoolCreate)                                                           \
+  X(cuMemPoolDestroy)                                                          \
+  X(cuMemPoolSetAttribute)                                                     \
+  X(cuMemPoolGetAttribute)                                                     \
+  X(cuMemPoolSetAccess)                                                        \
+  X(cuMemPoolGetAccess)                                                        \
+  X(cuMemPoolTrimTo)                                                           \
+  X(cuMemPoolExportToShareableHandle)                                          \
+  X(cuMemPoolImportFromShareableHandle)                                        \
+  X(cuMemPoolExportPointer)                                                    \
+  X(cuMemPoolImportPointer)                                                    \
+  X(cuMemAllocFromPoolAsync)                                                   \
+  X(cuMemFreeAsync)                                                            \
+  X(cuMemCreate)                                                               \
+  X(cuMemRelease)                                                              \
+  X(cuMemExportToShareableHandle)                                              \
+  X(cuMemImportFromShareableHandle)                                            \
+  X(cuMemAddressReserve)                                                       \
+  X(cuMemAddressFree)                                                          \
+  X(cuMemMap)                                                                  \
+  X(cuMemUnmap)                                                                \
+  X(cuMemSetAccess)                                                            \
+  X(cuMemGetAllocationGranularity)                                             \
+  X(cuMemGetAllocationPropertiesFromHandle)                                    \
+  X(cuMemRetainAllocationHandle)                                               \
+  X(cuMemHostAlloc)                                                            \
+  X(cuMemFreeHost)                                                             \
+  X(cuMemHostRegister)                                                         \
+  X(cuMemHostUnregister)                                                       \
+  X(cuMemHostGetDevicePointer)                                                 \
+  X(cuStreamCreate)                                                            \
+  X(cuStreamDestroy)                                                           \
+  X(cuStreamSynchronize)                                                       \
+  X(cuStreamQuery)                                                             \
+  X(cuStreamWaitEvent)                                                         \
+  X(cuLaunchHostFunc)                                                          \
+  X(cuStreamWriteValue32)                                                      \
+  X(cuStreamWriteValue64)                                                      \
+  X(cuStreamWaitValue32)                                                       \
+  X(cuStreamWaitValue64)                                                       \
+  X(cuEventCreate)                                                             \
+  X(cuEventDestroy)                                                            \
+  X(cuEventRecord)                                                             \
+  X(cuEventQuery)                                                              \
+  X(cuEventSynchronize)                                                        \
+  X(cuEventElapsedTime)
+
+/* The table. Each member has the type of the cuda.h prototype (so
+ * gpuipc__cu.cuMemAlloc has cuMemAlloc_v2's type, as cuda.h's macro
+ * expands the member name too). */
+typedef struct gpuipc__cu_table {
+#define GPUIPC__CU_MEMBER(name) __typeof__(&name) name;
+  GPUIPC__CU_FUNCS(GPUIPC__CU_MEMBER)
+#undef GPUIPC__CU_MEMBER
+} gpuipc__cu_table;
+
+extern gpuipc__cu_table gpuipc__cu;
+
+/* Loads and initializes the driver once (thread-safe), then on every call
+ * checks the fork guard. Returns GPUIPC_OK, GPUIPC_E_NO_DRIVER,
+ * GPUIPC_E_FORKED or GPUIPC_E_DRIVER, with the detail recorded. Cheap after
+ * the first call: one atomic load and one flag test. */
+gpuipc_status gpuipc__driver(void);
+
+/* Loads the library and resolves the table without calling cuInit. Used by
+ * tests that check loading. */
+gpuipc_status gpuipc__driver_load(void);
+
+/* True once cuInit has succeeded in this process (or its parent, before a
+ * fork). */
+bool gpuipc__driver_initialized(void);
+
+/* Call a table entry, turning a missing entry point into
+ * CUDA_ERROR_NOT_FOUND: CUresult r = GPUIPC__CU(cuMemAlloc, &p, n); */
+#define GPUIPC__CU(fn, ...)                                                    \
+  (GPUIPC__LIKELY(gpuipc__cu.fn != NULL) ? gpuipc__cu.fn(__VA_ARGS__)          \
+                                         : CUDA_ERROR_NOT_FOUND)
+
+/* Call and, on failure, record the error and return from the enclosing
+ * function with the mapped status. The detail names the call. */
+#define GPUIPC__CU_CHECK(fn, ...)                                              \
+  do {                                                                         \
+    CUresult gpuipc__r = GPUIPC__CU(fn, __VA_ARGS__);                          \
+    if (GPUIPC__UNLIKELY(gpuipc__r != CUDA_SUCCESS))                           \
+      return gpuipc__fail_cuda(gpuipc__r, #fn, NULL);                          \
+  } while (0)
+#define GPUIPC__CU_CHECK_GOTO(res, label, fn, ...)                             \
+  do {                                                                         \
+    CUresult gpuipc__r = GPUIPC__CU(fn, __VA_ARGS__);                          \
+    if (GPUIPC__UNLIKELY(gpuipc__r != CUDA_SUCCESS)) {                         \
+      (res) = gpuipc__fail_cuda(gpuipc__r, #fn, NULL);                         \
+      goto label;                                                              \
+    }                                                                          \
+  } while (0)
+
+/* The name of a CUresult ("CUDA_ERROR_INVALID_VALUE"); works without a
+ * driver for the codes cuda.h defines. */
+const char *gpuipc__cuda_error_name(int curesult);
+/* Maps a CUresult to the closest gpuipc status. */
+gpuipc_status gpuipc__status_from_cuda(int curesult);
+
+/* ---- contexts ------------------------------------------------------------ */
+
+/* gpuipc works in each device's primary context and restores whatever
+ * context the caller had current (DESIGN rule 5). Usage:
+ *   gpuipc__ctx_guard g;
+ *   GPUIPC__CHECK(gpuipc__ctx_enter(&g, ordinal));
+ *   ... driver calls ...
+ *   gpuipc__ctx_leave(&g);
+ * The primary context is retained once per device for the life of the
+ * process (cached), so enter/leave cost one push and one pop, or nothing when
+ * the primary context is already current. */
+typedef struct gpuipc__ctx_guard {
+  CUcontext pushed; /* NULL when nothing was pushed */
+} gpuipc__ctx_guard;
+
+gpuipc_status gpuipc__ctx_enter(gpuipc__ctx_guard *g, int ordinal);
+void gpuipc__ctx_leave(gpuipc__ctx_guard *g);
+/* The retained primary context of a device (retains it on first use). */
+gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx /* OUT */);
+
+#endif /* GPUIPC_DRIVER_H */

@@ -1,0 +1,146 @@
+/*
+ * log.c: owns the logger. The level comes from GPUIPC_LOG (read once), the
+ * destination from GPUIPC_LOG_FILE ("%p" becomes the pid; default stderr).
+ * Every line starts "host:pid:tid gpuipc LEVEL [module] " and is written
+ * with one write(2), so lines from several threads or processes sharing a
+ * file do not interleave.
+ */
+#include "internal.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static atomic_int level_cache = -1;
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static int log_fd = -1;     /* -1: not opened yet */
+static pid_t log_fd_pid;    /* the pid whose "%p" the file name carries */
+static char hostname[64];
+
+static const char *const level_names[] = {"OFF",  "ERROR", "WARN",
+                                          "INFO", "DEBUG", "TRACE"};
+
+static int parse_level(const char *s) {
+  if (s == NULL || *s == '\0')
+    return GPUIPC_LOG_WARN;
+  static const struct {
+    const char *name;
+    int level;
+  } names[] = {{"off", GPUIPC_LOG_OFF},     {"none", GPUIPC_LOG_OFF},
+               {"error", GPUIPC_LOG_ERROR}, {"warn", GPUIPC_LOG_WARN},
+               {"warning", GPUIPC_LOG_WARN}, {"info", GPUIPC_LOG_INFO},
+               {"debug", GPUIPC_LOG_DEBUG}, {"trace", GPUIPC_LOG_TRACE}};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(names); i++)
+    if (strcasecmp(s, names[i].name) == 0)
+      return names[i].level;
+  return GPUIPC_LOG_WARN;
+}
+
+int gpuipc__log_level_get(void) {
+  int l = atomic_load_explicit(&level_cache, memory_order_relaxed);
+  if (GPUIPC__LIKELY(l >= 0))
+    return l;
+  l = parse_level(getenv("GPUIPC_LOG"));
+  int expected = -1;
+  atomic_compare_exchange_strong(&level_cache, &expected, l);
+  return atomic_load(&level_cache);
+}
+
+void gpuipc_log_set_level(gpuipc_log_level level) {
+  if ((int)level < GPUIPC_LOG_OFF)
+    level = GPUIPC_LOG_OFF;
+  if ((int)level > GPUIPC_LOG_TRACE)
+    level = GPUIPC_LOG_TRACE;
+  atomic_store(&level_cache, (int)level);
+}
+
+gpuipc_log_level gpuipc_log_get_level(void) {
+  return (gpuipc_log_level)gpuipc__log_level_get();
+}
+
+/* Expands "%p" to the pid and "%h" to the host name. */
+static void expand_path(const char *tmpl, char *out, size_t n) {
+  size_t o = 0;
+  for (const char *p = tmpl; *p && o + 1 < n; p++) {
+    if (p[0] == '%' && (p[1] == 'p' || p[1] == 'h')) {
+      int w = p[1] == 'p' ? snprintf(out + o, n - o, "%d", (int)getpid())
+                          : snprintf(out + o, n - o, "%s", hostname);
+      if (w < 0 || (size_t)w >= n - o) {
+        o = n - 1;
+        break;
+      }
+      o += (size_t)w;
+      p++;
+    } else {
+      out[o++] = *p;
+    }
+  }
+  out[o] = '\0';
+}
+
+/* Called with log_lock held. Re-opens after fork so that "%p" names the
+ * child's own file. */
+static int log_target(void) {
+  if (hostname[0] == '\0') {
+    if (gethostname(hostname, sizeof hostname - 1) != 0)
+      strcpy(hostname, "?");
+    char *dot = strchr(hostname, '.');
+    if (dot)
+      *dot = '\0';
+  }
+  const char *tmpl = getenv("GPUIPC_LOG_FILE");
+  if (tmpl == NULL || *tmpl == '\0')
+    return STDERR_FILENO;
+  pid_t pid = getpid();
+  if (log_fd >= 0 && log_fd_pid == pid)
+    return log_fd;
+  if (log_fd >= 0 && strstr(tmpl, "%p") == NULL) {
+    log_fd_pid = pid; /* same file: keep it */
+    return log_fd;
+  }
+  if (log_fd >= 0)
+    close(log_fd);
+  char path[4096];
+  expand_path(tmpl, path, sizeof path);
+  log_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  log_fd_pid = pid;
+  return log_fd >= 0 ? log_fd : STDERR_FILENO;
+}
+
+void gpuipc__log_write(int level, const char *module, const char *fmt, ...) {
+  int saved_errno = errno;
+  char line[2048];
+  pthread_mutex_lock(&log_lock);
+  int fd = log_target();
+  int n = snprintf(line, sizeof line, "%s:%d:%ld gpuipc %s [%s] ", hostname,
+                   (int)getpid(), (long)syscall(SYS_gettid),
+                   level_names[level < 0 ? 0 : level > 5 ? 5 : level], module);
+  pthread_mutex_unlock(&log_lock);
+  if (n < 0)
+    n = 0;
+  if ((size_t)n < sizeof line - 2) {
+    va_list ap;
+    va_start(ap, fmt);
+    int m = vsnprintf(line + n, sizeof line - 1 - (size_t)n, fmt, ap);
+    va_end(ap);
+    if (m > 0)
+      n += m;
+  }
+  if ((size_t)n > sizeof line - 2)
+    n = (int)(sizeof line - 2);
+  line[n++] = '\n';
+  size_t off = 0;
+  while (off < (size_t)n) {
+    ssize_t w = write(fd, line + off, (size_t)n - off);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      break;
+    off += (size_t)w;
+  }
+  errno = saved_errno;
+}

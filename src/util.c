@@ -1,0 +1,116 @@
+/*
+ * util.c: owns small process-level facts and helpers that several layers
+ * need: the environment getters, the monotonic clock, the boot id, the pid
+ * namespace and process start times, the version functions.
+ */
+#include "internal.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+unsigned gpuipc_version(void) { return GPUIPC_VERSION_HEX; }
+const char *gpuipc_version_string(void) { return GPUIPC_VERSION_STRING; }
+
+const char *gpuipc__getenv(const char *name) { return getenv(name); }
+
+long long gpuipc__getenv_int(const char *name, long long def) {
+  const char *s = getenv(name);
+  if (s == NULL || *s == '\0')
+    return def;
+  char *end = NULL;
+  errno = 0;
+  long long v = strtoll(s, &end, 0);
+  if (errno != 0 || end == s || *end != '\0' || v < 0) {
+    GPUIPC__WARN("env", "ignoring %s=%s: not a non-negative integer", name, s);
+    return def;
+  }
+  return v;
+}
+
+uint64_t gpuipc__now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int hexval(int c) {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  if (c >= 'a' && c <= 'f')
+    return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F')
+    return c - 'A' + 10;
+  return -1;
+}
+
+gpuipc_status gpuipc__boot_id(uint8_t out[16]) {
+  char buf[64] = {0};
+  int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return gpuipc__fail_errno(errno, "open", "/proc/sys/kernel/random/boot_id");
+  ssize_t n;
+  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
+  int err = errno;
+  close(fd);
+  if (n < 0)
+    return gpuipc__fail_errno(err, "read", "/proc/sys/kernel/random/boot_id");
+  int k = 0;
+  for (ssize_t i = 0; i + 1 < n && k < 16; i++) {
+    int hi = hexval((unsigned char)buf[i]);
+    if (hi < 0)
+      continue;
+    int lo = hexval((unsigned char)buf[i + 1]);
+    if (lo < 0)
+      continue;
+    out[k++] = (uint8_t)(hi << 4 | lo);
+    i++;
+  }
+  if (k != 16)
+    return gpuipc__fail(GPUIPC_E_SYSTEM, "boot_id: cannot parse '%s'", buf);
+  return GPUIPC_OK;
+}
+
+uint64_t gpuipc__pid_namespace(void) {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0)
+    return 0;
+  return (uint64_t)st.st_ino;
+}
+
+uint64_t gpuipc__process_start_time(int pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return 0;
+  ssize_t n;
+  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
+  close(fd);
+  if (n <= 0)
+    return 0;
+  buf[n] = '\0';
+  /* The command name (field 2) may hold spaces and parentheses: count
+   * fields from the last ')'. */
+  char *p = strrchr(buf, ')');
+  if (p == NULL)
+    return 0;
+  p++;
+  int field = 2;
+  while (*p && field < 22) {
+    if (*p == ' ') {
+      field++;
+      while (*p == ' ')
+        p++;
+      continue;
+    }
+    p++;
+  }
+  if (field != 22)
+    return 0;
+  return strtoull(p, NULL, 10);
+}
