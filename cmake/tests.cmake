@@ -10,7 +10,8 @@ if(TARGET cuda-emu)
   add_dependencies(gpuipc-tests cuda-emu)
 endif()
 target_compile_definitions(gpuipc-tests PRIVATE
-  GPUIPC_CLI_PATH="$<TARGET_FILE:gpuipc_cli>")
+  GPUIPC_CLI_PATH="$<TARGET_FILE:gpuipc_cli>"
+  GPUIPC_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 add_dependencies(gpuipc-tests gpuipc_cli)
 
 if(GPUIPC_GPU_TEST)
@@ -35,3 +36,8 @@ foreach(src ${GPUIPC_TEST_SOURCES})
       LABELS "${labels}" ENVIRONMENT "${GPUIPC_TEST_ENV}")
   endforeach()
 endforeach()
+
+# libFuzzer targets and their corpus replay live under tests/fuzz.
+if(EXISTS ${PROJECT_SOURCE_DIR}/tests/fuzz/CMakeLists.txt)
+  add_subdirectory(${PROJECT_SOURCE_DIR}/tests/fuzz ${PROJECT_BINARY_DIR}/tests/fuzz)
+endif()

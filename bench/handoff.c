@@ -1,0 +1,11 @@
+/* handoff.c: placeholder until this benchmark lands. */
+#include "cli.h"
+
+#include <stdio.h>
+
+int gpuipc_bench_handoff(int argc, char **argv) {
+  (void)argc;
+  (void)argv;
+  fprintf(stderr, "gpuipc bench handoff: not built yet\n");
+  return 2;
+}
