@@ -213,6 +213,9 @@ GPUIPC_API gpuipc_status gpuipc_uuid_parse(const char *text, gpuipc_uuid *uuid /
 #if __has_include("gpuipc/proc.h")
 #include "gpuipc/proc.h"
 #endif
+#if __has_include("gpuipc/interop.h")
+#include "gpuipc/interop.h"
+#endif
 #if __has_include("gpuipc/xfer.h")
 #include "gpuipc/xfer.h"
 #endif
