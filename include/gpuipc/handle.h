@@ -1,0 +1,478 @@
+/*
+ * gpuipc/handle.h: the handle layer: pools, buffers, interprocess events,
+ * descriptors and the import cache. Included by gpuipc.h; do not include it
+ * directly.
+ *
+ * The model
+ * - A *pool* lives on one device and hands out *buffers*. Its kind decides
+ *   how buffers travel between processes (see gpuipc_pool_kind).
+ * - A buffer can also *wrap* memory gpuipc did not allocate (a cuMemAlloc
+ *   allocation, an allocation of a caching allocator, an interior pointer):
+ *   gpuipc finds the allocation's base and range and shares it with the right
+ *   offset.
+ * - *Exporting* a buffer, pool or event produces a *descriptor*: a small byte
+ *   string (at most GPUIPC_DESC_MAX bytes) that can travel over any channel
+ *   (a socket, MPI, a pipe, a file), plus, for some kinds, file descriptors
+ *   that must travel beside it (SCM_RIGHTS, see gpuipc_desc_send()), or that
+ *   the importer may fetch itself with pidfd_getfd (opt-in, see
+ *   GPUIPC_IMPORT_PIDFD_GETFD).
+ * - *Importing* a descriptor in another process opens the same memory there.
+ *   Descriptors are hostile input: every field is validated, and each kind
+ *   of failure has its own status (see gpuipc_buffer_import()).
+ * - Imports go through a per-process *import cache*: importing the same
+ *   buffer twice returns the same mapping with a reference count; each hit
+ *   is validated with the exporter's buffer id and generation, so memory the
+ *   exporter freed and reallocated at the same address is never mistaken for
+ *   the old buffer (the CUDA driver itself happily maps stale memory).
+ *
+ * Devices are named by UUID across processes; an importer may map a buffer
+ * on a different local device than the exporter's (peer access). gpuipc
+ * works in each device's primary context and restores whatever context the
+ * calling thread had current.
+ *
+ * Security. File descriptors are capabilities: as private as the channel
+ * that carries them. LEGACY descriptors are BEARER TOKENS: the 64-byte
+ * legacy CUDA IPC handle inside lets ANY process on the machine that reads
+ * the descriptor open the memory, read it and write it. Send legacy
+ * descriptors only over private channels.
+ *
+ * Thread safety. Unless a function says otherwise, functions may be called
+ * from any thread at the same time, on different objects. One object (pool,
+ * buffer, event) must not be destroyed/freed/closed while another thread
+ * still uses it. Exports of one object from several threads at once are
+ * safe. Imports and closes from many threads at once are safe and never map
+ * the same memory twice.
+ */
+#ifndef GPUIPC_HANDLE_H
+#define GPUIPC_HANDLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The CUDA driver's stream and event types (CUstream == cudaStream_t,
+ * CUevent == cudaEvent_t): callers pass their own directly. NULL means the
+ * legacy default stream. */
+struct CUstream_st;
+struct CUevent_st;
+
+/* ------------------------------------------------------------------------ */
+/* Descriptors                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* The largest descriptor any export produces (version 1 descriptors are 192
+ * bytes; later versions may grow up to this). Size export buffers with it. */
+#define GPUIPC_DESC_MAX 256
+/* The most file descriptors that travel beside one descriptor. */
+#define GPUIPC_DESC_MAX_FDS 1
+
+/* What a descriptor describes. */
+typedef enum gpuipc_desc_type {
+  GPUIPC_DESC_BUFFER = 1,
+  GPUIPC_DESC_POOL = 2,
+  GPUIPC_DESC_EVENT = 3
+} gpuipc_desc_type;
+
+/* ------------------------------------------------------------------------ */
+/* Pools                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef struct gpuipc_pool gpuipc_pool;
+
+typedef enum gpuipc_pool_kind {
+  /* Picks the best kind the device supports (MEMPOOL, else VMM, else
+   * LEGACY) and logs the choice at level info. */
+  GPUIPC_POOL_AUTO = 0,
+  /* A stream-ordered memory pool (cuMemPoolCreate) exported once as a POSIX
+   * file descriptor. Allocation costs about a microsecond; an importer
+   * imports the pool once (expensive: ~170 us, ~13 ms across GPUs; cached
+   * per exporter pool) and then each buffer cheaply. Buffer descriptors
+   * carry the pool's fd (or the importer already has the pool: see
+   * gpuipc_pool_import()). */
+  GPUIPC_POOL_MEMPOOL = 1,
+  /* cuMemCreate allocations (sizes rounded up to the allocation
+   * granularity), each exported as its own POSIX file descriptor. */
+  GPUIPC_POOL_VMM = 2,
+  /* Ordinary cuMemAlloc allocations shared by legacy CUDA IPC handles, for
+   * peers that only speak those (CuPy, Triton-style clients). Needs no fd;
+   * BEARER TOKENS (see the top of this header). */
+  GPUIPC_POOL_LEGACY = 3,
+  /* Host memory (a sealed-size memfd, one per buffer) shared between
+   * processes and pinned (page-locked, cuMemHostRegister, portable to every
+   * context) in every process that maps it, so asynchronous copies to and
+   * from it work everywhere. gpuipc_buffer_ptr() returns the host address,
+   * which is also the device address (unified addressing). */
+  GPUIPC_POOL_PINNED_HOST = 4
+} gpuipc_pool_kind;
+
+/* "auto", "mempool", "vmm", "legacy", "pinned-host"; "unknown" otherwise. */
+GPUIPC_API const char *gpuipc_pool_kind_name(gpuipc_pool_kind kind);
+
+typedef struct gpuipc_pool_options {
+  size_t size; /* sizeof(gpuipc_pool_options): set by the initializer */
+  gpuipc_pool_kind kind;
+  /* The device, by UUID when device_uuid is non-NULL, else by local ordinal
+   * (default 0). Ignored for PINNED_HOST except to pick the context used to
+   * register the memory. */
+  int device;
+  const gpuipc_uuid *device_uuid;
+  /* MEMPOOL: the pool's maximum size in bytes (CU_MEMPOOL maxSize), 0 for
+   * no limit. Other kinds: an upper bound on the sum of live buffer sizes
+   * gpuipc enforces (GPUIPC_E_LIMIT), 0 for none. */
+  size_t capacity;
+  /* MEMPOOL: CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, bytes the pool keeps
+   * reserved after frees (default 0; UINT64_MAX keeps everything). */
+  uint64_t release_threshold;
+  /* Other local devices (by UUID) that may access this pool's memory in
+   * this process, besides its own device (peer access is enabled for
+   * them). NULL/0 for none. The array is read during gpuipc_pool_create
+   * only. */
+  const gpuipc_uuid *access_devices;
+  int n_access_devices;
+} gpuipc_pool_options;
+
+#define GPUIPC_POOL_OPTIONS_INIT                                               \
+  { sizeof(gpuipc_pool_options), GPUIPC_POOL_AUTO, 0, NULL, 0, 0, NULL, 0 }
+
+/*
+ * Creates a pool. opts NULL means all defaults (AUTO on device 0).
+ * Returns GPUIPC_E_NOT_SUPPORTED when the device cannot share memory of the
+ * requested kind (the message says which attribute is missing),
+ * GPUIPC_E_DEVICE_NOT_VISIBLE / GPUIPC_E_NO_DEVICE for a bad device, driver
+ * errors otherwise. On success *pool is owned by the caller: release it with
+ * gpuipc_pool_destroy(). Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts,
+                                            gpuipc_pool **pool /* OUT */);
+
+/*
+ * Destroys a pool created by gpuipc_pool_create(), or releases a pool
+ * obtained by gpuipc_pool_import(). NULL is a no-op. A created pool must
+ * have no live buffers (GPUIPC_E_BUSY otherwise, and the pool stays valid).
+ * Imported pools stay mapped in the driver for the life of the process (the
+ * driver cannot destroy an imported pool); gpuipc keeps them in its cache so
+ * the next import from the same exporter pool is free.
+ */
+GPUIPC_API gpuipc_status gpuipc_pool_destroy(gpuipc_pool *pool);
+
+/* The pool's kind (never AUTO: the kind AUTO chose). */
+GPUIPC_API gpuipc_pool_kind gpuipc_pool_get_kind(const gpuipc_pool *pool);
+/* The pool's device. */
+GPUIPC_API gpuipc_status gpuipc_pool_device(const gpuipc_pool *pool,
+                                            gpuipc_uuid *uuid /* OUT */);
+
+/*
+ * Exports a MEMPOOL pool: writes its descriptor (at most GPUIPC_DESC_MAX
+ * bytes) to desc[0..cap) and its length to *len, and, if fd is non-NULL, a
+ * new file descriptor for the pool to *fd, owned by the caller (close it
+ * once sent). Exporting is cheap after the first time (the pool's
+ * shareable handle is made once and dup()ed). Other kinds have no
+ * pool-level export (GPUIPC_E_NOT_SUPPORTED): their buffers travel one by
+ * one. GPUIPC_E_LIMIT when cap is too small.
+ */
+GPUIPC_API gpuipc_status gpuipc_pool_export(gpuipc_pool *pool, uint8_t *desc,
+                                            size_t cap, size_t *len /* OUT */,
+                                            int *fd /* OUT, may be NULL */);
+
+/* Options of every import (buffer, pool, event). */
+typedef struct gpuipc_import_options {
+  size_t size; /* sizeof(gpuipc_import_options) */
+  /* The local device to map on, by UUID; NULL: the exporter's device. The
+   * exporter's device must be visible in this process either way (its
+   * memory is reached through it); a different device maps the memory with
+   * peer access (NVLink/PCIe). */
+  const gpuipc_uuid *device;
+  unsigned flags; /* GPUIPC_IMPORT_* */
+} gpuipc_import_options;
+
+/* When a descriptor needs an fd that was not passed, fetch it from the
+ * exporter with pidfd_getfd(2). Needs Linux >= 5.6 and permission to ptrace
+ * the exporter (same uid and ptrace_scope allowing it, or CAP_SYS_PTRACE);
+ * when refused, the import fails with GPUIPC_E_PERMISSION and a message
+ * naming the missing permission. Off by default. */
+#define GPUIPC_IMPORT_PIDFD_GETFD 0x1u
+/* Do not use or fill the import cache: a private mapping per import. Only
+ * for kinds whose driver calls give a new mapping each time (VMM, PINNED
+ * HOST); ignored for others. */
+#define GPUIPC_IMPORT_NO_CACHE 0x2u
+
+#define GPUIPC_IMPORT_OPTIONS_INIT { sizeof(gpuipc_import_options), NULL, 0u }
+
+/*
+ * Imports a pool descriptor (from gpuipc_pool_export) with its fd (pass -1
+ * with GPUIPC_IMPORT_PIDFD_GETFD to fetch it). The fd stays owned by the
+ * caller (gpuipc dup()s what it keeps). The pool import is cached per
+ * exporter pool, so importing it again is free; while an imported pool
+ * exists, buffer descriptors of that exporter pool import without an fd.
+ * Cannot allocate (GPUIPC_E_NOT_SUPPORTED from gpuipc_buffer_alloc).
+ * Release with gpuipc_pool_destroy(). Errors as gpuipc_buffer_import().
+ */
+GPUIPC_API gpuipc_status gpuipc_pool_import(const uint8_t *desc, size_t len,
+                                            int fd,
+                                            const gpuipc_import_options *opts,
+                                            gpuipc_pool **pool /* OUT */);
+
+/* ------------------------------------------------------------------------ */
+/* Buffers                                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef struct gpuipc_buffer gpuipc_buffer;
+
+/*
+ * Allocates size bytes (> 0) from a pool created by this process. For
+ * MEMPOOL the allocation is stream-ordered on stream (cuMemAllocFromPoolAsync:
+ * the memory is usable by work on that stream at once, by other streams
+ * after synchronizing with it); other kinds ignore stream and return memory
+ * usable at once. Returns GPUIPC_E_OUT_OF_DEVICE_MEMORY, GPUIPC_E_LIMIT
+ * (capacity), GPUIPC_E_NOT_SUPPORTED for an imported pool. Owned by the
+ * caller: gpuipc_buffer_free(). Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_alloc(gpuipc_pool *pool, size_t size,
+                                             struct CUstream_st *stream,
+                                             gpuipc_buffer **buf /* OUT */);
+
+/*
+ * Wraps device memory gpuipc did not allocate: [ptr, ptr+size) must lie
+ * inside one allocation (cuMemAlloc, or a pool created with POSIX fd
+ * export), possibly in its interior: gpuipc finds the allocation's base and
+ * range (cuMemGetAddressRange) and exports the base with the offset.
+ * The kind is LEGACY for cuMemAlloc memory and MEMPOOL for IPC-capable pool
+ * memory. The memory stays owned by the caller: gpuipc_buffer_free() of a
+ * wrapped buffer frees only the wrapper, and the caller must keep the
+ * memory alive as long as importers use it. GPUIPC_E_OUT_OF_RANGE when the
+ * range leaves the allocation, GPUIPC_E_NOT_SUPPORTED for memory that
+ * cannot be shared (not IPC capable).
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_wrap(void *ptr, size_t size,
+                                            gpuipc_buffer **buf /* OUT */);
+
+/* Accessors: valid on allocated, wrapped and imported buffers; constant
+ * over the buffer's life; thread-safe. NULL buf gives NULL / 0 /
+ * GPUIPC_POOL_AUTO. */
+/* The address of the buffer's first byte in this process (device address;
+ * for PINNED_HOST also the host address). */
+GPUIPC_API void *gpuipc_buffer_ptr(const gpuipc_buffer *buf);
+GPUIPC_API size_t gpuipc_buffer_size(const gpuipc_buffer *buf);
+/* The device the memory lives on (for PINNED_HOST: the device whose context
+ * registered it). For an imported buffer mapped on another device this is
+ * still the exporter's device; see gpuipc_buffer_mapped_device(). */
+GPUIPC_API gpuipc_status gpuipc_buffer_device(const gpuipc_buffer *buf,
+                                              gpuipc_uuid *uuid /* OUT */);
+/* The local device an imported buffer was mapped on (the device itself for
+ * allocated and wrapped buffers). */
+GPUIPC_API gpuipc_status gpuipc_buffer_mapped_device(const gpuipc_buffer *buf,
+                                                     gpuipc_uuid *uuid /* OUT */);
+GPUIPC_API gpuipc_pool_kind gpuipc_buffer_kind(const gpuipc_buffer *buf);
+/* 1 when the buffer came from gpuipc_buffer_import(), else 0. */
+GPUIPC_API int gpuipc_buffer_is_imported(const gpuipc_buffer *buf);
+
+/*
+ * Frees a buffer. Allocated buffers: MEMPOOL memory is freed stream-ordered
+ * on stream (cuMemFreeAsync: the memory is reused after work already queued
+ * on stream), other kinds at once (the caller must have finished its GPU work
+ * on it). Wrapped buffers: frees only the wrapper. Imported buffers: the same
+ * as gpuipc_buffer_close(). NULL is a no-op. Calling it twice on one buffer
+ * is a use after free. Note that the driver does not stop importers from
+ * reading memory an exporter freed: freeing while peers use a buffer is the
+ * caller's (or gpuipc's connection layer's) responsibility.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_free(gpuipc_buffer *buf,
+                                            struct CUstream_st *stream);
+
+/*
+ * Exports a buffer (allocated, wrapped or imported: re-exporting an
+ * imported buffer is not supported, GPUIPC_E_NOT_SUPPORTED).
+ * desc/cap: where the descriptor goes (GPUIPC_DESC_MAX bytes always
+ * suffice; GPUIPC_E_LIMIT when cap is too small); *len: its length.
+ * fds/nfds: on input *nfds is the capacity of fds (0, or fds NULL, for
+ * none); on output the number of file descriptors written, each a new fd
+ * owned by the caller (close them once sent). MEMPOOL buffers give the
+ * pool's fd (an importer that already imported the pool does not need it),
+ * VMM and PINNED_HOST buffers their own fd, LEGACY none. An export without
+ * fds is still valid: the importer then needs the pool already, or
+ * GPUIPC_IMPORT_PIDFD_GETFD. The first export of a MEMPOOL buffer costs a
+ * cuMemPoolExportPointer (~50 us); later exports of the same buffer reuse it.
+ * Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
+                                              size_t cap, size_t *len /* OUT */,
+                                              int *fds /* OUT */,
+                                              int *nfds /* IN/OUT */);
+
+/*
+ * Imports a buffer descriptor: opens the exporter's memory in this process,
+ * on opts->device (NULL opts: the exporter's device). fds/nfds: the file
+ * descriptors that travelled with it; they stay owned by the caller (gpuipc
+ * dup()s what it keeps), so close them after this returns, whatever it
+ * returns. Goes through the import cache: importing a buffer this process
+ * already imported returns a new reference to the same mapping, after
+ * checking the exporter's buffer id and generation.
+ *
+ * Each failure has its own status:
+ *   GPUIPC_E_TRUNCATED        fewer bytes than the descriptor declares
+ *   GPUIPC_E_BAD_MAGIC        not a gpuipc descriptor
+ *   GPUIPC_E_BAD_VERSION      a format version this library does not read
+ *   GPUIPC_E_BAD_CHECKSUM     corrupted in transit
+ *   GPUIPC_E_BAD_KIND         unknown type or handle kind, or not a buffer
+ *   GPUIPC_E_PROTOCOL         inconsistent fields (trailing bytes, reserved
+ *                             fields not zero, handle length)
+ *   GPUIPC_E_OUT_OF_RANGE     offset + size beyond the allocation, checked
+ *                             against the declared size and again against
+ *                             the real mapped range after mapping
+ *   GPUIPC_E_FOREIGN_MACHINE  exported on another machine (boot id)
+ *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace
+ *   GPUIPC_E_DEVICE_NOT_VISIBLE the exporter's device (or opts->device) is
+ *                             not visible in this process
+ *   GPUIPC_E_NEED_FD          an fd is needed and was not passed (and the
+ *                             pool is not imported, and pidfd_getfd was not
+ *                             asked for)
+ *   GPUIPC_E_PERMISSION       pidfd_getfd refused (ptrace permission)
+ *   GPUIPC_E_PEER_GONE        pidfd route: the exporter exited
+ *   GPUIPC_E_STALE            the memory at that address is no longer the
+ *                             buffer the descriptor names (the exporter freed
+ *                             it and something else lives there), or an
+ *                             earlier import of the freed buffer is still
+ *                             open here and the driver hands that back
+ *   GPUIPC_E_INVALID_ARG      a descriptor exported by this very process
+ *                             (use the buffer itself)
+ * Owned by the caller: gpuipc_buffer_close(). Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
+                                              const int *fds, int nfds,
+                                              const gpuipc_import_options *opts,
+                                              gpuipc_buffer **buf /* OUT */);
+
+/*
+ * Releases an imported buffer: drops its reference on the cached mapping,
+ * and unmaps when that was the last (one driver close per driver open).
+ * For an allocated or wrapped buffer it is gpuipc_buffer_free(buf, NULL).
+ * NULL is a no-op. The caller must have finished its GPU work on the
+ * buffer. Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_close(gpuipc_buffer *buf);
+
+/* ------------------------------------------------------------------------ */
+/* Interprocess events                                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct gpuipc_event gpuipc_event;
+
+/*
+ * Creates an interprocess event on a device (NULL device: ordinal 0), with
+ * timing disabled as CUDA requires of interprocess events. Owned by the
+ * caller: gpuipc_event_destroy().
+ */
+GPUIPC_API gpuipc_status gpuipc_event_create(const gpuipc_uuid *device,
+                                             gpuipc_event **ev /* OUT */);
+/* Writes the event's descriptor (no fds needed). A legacy CUDA IPC event
+ * handle is inside: like legacy memory descriptors it is a bearer token. */
+GPUIPC_API gpuipc_status gpuipc_event_export(gpuipc_event *ev, uint8_t *desc,
+                                             size_t cap,
+                                             size_t *len /* OUT */);
+/* Opens an exported event in this process (validation and errors as
+ * gpuipc_buffer_import). Each import opens the event anew (the driver
+ * gives a distinct CUevent each time); release with gpuipc_event_destroy(). */
+GPUIPC_API gpuipc_status gpuipc_event_import(const uint8_t *desc, size_t len,
+                                             const gpuipc_import_options *opts,
+                                             gpuipc_event **ev /* OUT */);
+/* Destroys a created or imported event. NULL is a no-op. */
+GPUIPC_API gpuipc_status gpuipc_event_destroy(gpuipc_event *ev);
+/* Records the event on stream (cuEventRecord). */
+GPUIPC_API gpuipc_status gpuipc_event_record(gpuipc_event *ev,
+                                             struct CUstream_st *stream);
+/* Makes stream wait for the event's last record (cuStreamWaitEvent); the
+ * host does not block. */
+GPUIPC_API gpuipc_status gpuipc_event_wait(gpuipc_event *ev,
+                                           struct CUstream_st *stream);
+/* Blocks the host until the event's last record has completed. */
+GPUIPC_API gpuipc_status gpuipc_event_synchronize(gpuipc_event *ev);
+/* GPUIPC_OK when completed, GPUIPC_E_WOULD_BLOCK when not yet. */
+GPUIPC_API gpuipc_status gpuipc_event_query(gpuipc_event *ev);
+/* The CUevent itself, for the caller's own driver or runtime calls. Owned
+ * by the gpuipc_event. */
+GPUIPC_API struct CUevent_st *gpuipc_event_handle(const gpuipc_event *ev);
+
+/* ------------------------------------------------------------------------ */
+/* Descriptors without opening them; carrying them over sockets             */
+/* ------------------------------------------------------------------------ */
+
+/* What a descriptor says, decoded and validated (magic, version, length,
+ * checksum, type, kind, range) without touching the driver. */
+typedef struct gpuipc_desc_info {
+  size_t size;            /* sizeof(gpuipc_desc_info): set by the caller */
+  gpuipc_desc_type type;
+  gpuipc_pool_kind kind;  /* for buffers and pools */
+  unsigned version;       /* format version */
+  int nfds;               /* file descriptors the exporter attached */
+  gpuipc_uuid device;     /* the exporter's device */
+  int exporter_pid;       /* in the exporter's pid namespace */
+  uint64_t pool_id;       /* exporter-local id of the pool (MEMPOOL) */
+  uint64_t buffer_id;     /* CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter */
+  uint64_t generation;    /* exporter-local, new for every allocation */
+  uint64_t offset;        /* of the buffer inside the allocation */
+  uint64_t bytes;         /* the buffer's size */
+  uint64_t alloc_bytes;   /* the whole allocation's mapped size */
+  int same_machine;       /* boot id matches this machine's */
+  int same_namespace;     /* pid namespace matches this process's */
+} gpuipc_desc_info;
+
+#define GPUIPC_DESC_INFO_INIT { .size = sizeof(gpuipc_desc_info) }
+
+/* Decodes and validates a descriptor; fills info (up to info->size bytes).
+ * Errors: TRUNCATED, BAD_MAGIC, BAD_VERSION, BAD_CHECKSUM, BAD_KIND,
+ * PROTOCOL, OUT_OF_RANGE, as for gpuipc_buffer_import(). Does not check
+ * boot id or namespace (see same_machine / same_namespace). Needs no
+ * driver; thread-safe. */
+GPUIPC_API gpuipc_status gpuipc_desc_info_get(const uint8_t *desc, size_t len,
+                                              gpuipc_desc_info *info /* IN/OUT */);
+
+/*
+ * Sends one descriptor and its fds as one message on a connected
+ * SOCK_STREAM or SOCK_SEQPACKET Unix socket (a 4-byte little-endian length,
+ * then the bytes; the fds by SCM_RIGHTS with the first byte). Blocking;
+ * retries on EINTR; no SIGPIPE. The fds stay owned by the caller.
+ * GPUIPC_E_CLOSED when the peer closed, GPUIPC_E_SYSTEM otherwise.
+ */
+GPUIPC_API gpuipc_status gpuipc_desc_send(int sock, const uint8_t *desc,
+                                          size_t len, const int *fds,
+                                          int nfds);
+/* Receives one message sent by gpuipc_desc_send: the descriptor into
+ * desc[0..cap) (*len its length; GPUIPC_E_LIMIT if cap is too small), and
+ * up to *nfds fds (in: capacity, out: received; each owned by the caller,
+ * close-on-exec). GPUIPC_E_CLOSED at end of stream. */
+GPUIPC_API gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
+                                          size_t *len /* OUT */,
+                                          int *fds /* OUT */,
+                                          int *nfds /* IN/OUT */);
+
+/* ------------------------------------------------------------------------ */
+/* The import cache                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Counters of this process's import cache since start. */
+typedef struct gpuipc_cache_stats {
+  size_t size;             /* sizeof(gpuipc_cache_stats): set by the caller */
+  uint64_t hits;           /* imports served from a live mapping */
+  uint64_t misses;         /* imports that opened a mapping */
+  uint64_t stale;          /* cached mappings found stale (buffer id or
+                              generation differed) and retired */
+  uint64_t driver_opens;   /* driver open/import/map calls that succeeded */
+  uint64_t driver_closes;  /* driver close/free/unmap calls made */
+  uint64_t live_mappings;  /* mappings open now */
+  uint64_t pool_imports;   /* exporter pools imported (each once) */
+  uint64_t pool_hits;      /* pool imports served from the cache */
+} gpuipc_cache_stats;
+
+#define GPUIPC_CACHE_STATS_INIT { .size = sizeof(gpuipc_cache_stats) }
+
+/* Reads the counters (up to stats->size bytes). Thread-safe. */
+GPUIPC_API gpuipc_status gpuipc_cache_stats_get(gpuipc_cache_stats *stats /* IN/OUT */);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GPUIPC_HANDLE_H */
