@@ -1,8 +1,1316 @@
-/* doctor.c: placeholder until the doctor lands. */
+/*
+ * doctor.c: `gpuipc doctor`: can this machine share GPU memory between
+ * processes, and by which mechanisms?
+ *
+ * It gathers everything first (system, driver, each device's attributes, the
+ * peer matrix, the process side) into one report, then decides a verdict for
+ * each sharing mechanism, then prints the report as aligned text or as one
+ * JSON object (the keys are documented in docs/doctor.md and only ever
+ * added to). It asks the driver only for attributes: it creates no context
+ * and allocates nothing, so it is fast and safe to run beside a busy job.
+ *
+ * Exit status: 0 when at least one mechanism is usable on at least one
+ * device; 1 when the driver works but none is (including "no device");
+ * 2 when there is no usable CUDA driver; 64 for a usage error.
+ */
 #include "cli.h"
+#include "driver.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#define DOC_MAX_DEVICES 64
+#define DOC_WIDTH 100   /* no human line is longer than this */
+#define DOC_KEY_WIDTH 24 /* "  key...  " then the value at column 27 */
+#define DOC_EXIT_USAGE 64
+
+/* ---- what is gathered ------------------------------------------------------ */
+
+/* Device attributes, in the order the human report lists them. */
+enum doc_attr {
+  A_CC_MAJOR,
+  A_CC_MINOR,
+  A_OVERLAP,
+  A_ASYNC_ENGINES,
+  A_UNIFIED,
+  A_MEMPOOLS,
+  A_MEMPOOL_TYPES,
+  A_POSIX_FD,
+  A_VMM,
+  A_IPC_EVENT,
+  A_FABRIC,
+  A_MEMOPS64,
+  A_WAIT_NOR,
+  A_COUNT
+};
+
+static const struct {
+  const char *key;   /* JSON key */
+  const char *label; /* human label; NULL: printed specially */
+  CUdevice_attribute attr;
+  bool boolean;
+} attr_info[A_COUNT] = {
+    [A_CC_MAJOR] = {"cc_major", NULL, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                    false},
+    [A_CC_MINOR] = {"cc_minor", NULL, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                    false},
+    [A_OVERLAP] = {"device_overlap", "deviceOverlap", CU_DEVICE_ATTRIBUTE_GPU_OVERLAP,
+                   true},
+    [A_ASYNC_ENGINES] = {"async_engine_count", "async engines",
+                         CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, false},
+    [A_UNIFIED] = {"unified_addressing", "unified addressing",
+                   CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, true},
+    [A_MEMPOOLS] = {"memory_pools", "memory pools",
+                    CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, true},
+    [A_MEMPOOL_TYPES] = {"mempool_handle_types_mask", NULL,
+                         CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES, false},
+    [A_POSIX_FD] = {"posix_fd_handles", "POSIX-fd handles",
+                    CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                    true},
+    [A_VMM] = {"vmm", "VMM", CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+               true},
+    [A_IPC_EVENT] = {"ipc_events", "IPC events", CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED,
+                     true},
+    [A_FABRIC] = {"fabric_handles", "fabric handles",
+                  CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, true},
+    [A_MEMOPS64] = {"stream_memops_64bit", "stream memops 64-bit",
+                    CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, true},
+    [A_WAIT_NOR] = {"stream_wait_value_nor", "stream wait-value NOR",
+                    CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR, true},
+};
+
+/* The bits of CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES. */
+static const struct {
+  int bit;
+  const char *name;
+} handle_types[] = {
+    {CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, "posix_fd"},
+    {CU_MEM_HANDLE_TYPE_WIN32, "win32"},
+    {CU_MEM_HANDLE_TYPE_WIN32_KMT, "win32_kmt"},
+    {CU_MEM_HANDLE_TYPE_FABRIC, "fabric"},
+};
+
+typedef struct doc_device {
+  bool ok; /* cuDeviceGet succeeded */
+  CUdevice dev;
+  char name[256];
+  bool have_name;
+  char uuid[GPUIPC_UUID_STRLEN];
+  bool have_uuid;
+  char pci[64];
+  bool have_pci;
+  size_t total_mem;
+  bool have_mem;
+  int attr[A_COUNT];
+  bool have_attr[A_COUNT];
+  char errors[512]; /* queries that failed, "; "-separated */
+} doc_device;
+
+/* One ordered pair (row: the accessing device, column: the owner). */
+typedef struct doc_peer {
+  int can_access, access_supported, perf_rank, native_atomic;
+  bool have_can_access, have_access_supported, have_perf_rank,
+      have_native_atomic;
+} doc_peer;
+
+enum doc_mech { M_LEGACY, M_POOL_FD, M_VMM_FD, M_IPC_EVENT, M_MEMOPS, M_PEER, M_COUNT };
+
+static const struct {
+  const char *key;
+  const char *label;
+} mech_info[M_COUNT] = {
+    [M_LEGACY] = {"legacy_handles", "legacy handles"},
+    [M_POOL_FD] = {"pool_fds", "pool fds"},
+    [M_VMM_FD] = {"vmm_fds", "VMM fds"},
+    [M_IPC_EVENT] = {"ipc_events", "IPC events"},
+    [M_MEMOPS] = {"stream_memops", "stream-memop ordering"},
+    [M_PEER] = {"peer_access", "peer access"},
+};
+
+typedef struct doc_verdict {
+  bool usable;
+  bool on_device[DOC_MAX_DEVICES]; /* not used by M_PEER */
+  char reason[256];                /* why not, when !usable */
+} doc_verdict;
+
+typedef struct doc_report {
+  /* system */
+  char os[65], machine[65], kernel[65];
+  bool is_linux, is_64bit, kernel_ok, have_uname;
+  int kmajor, kminor, kpatch;
+
+  /* driver */
+  bool loaded, initialized;
+  char driver_error[512];
+  const char *library;          /* what was asked for */
+  char driver_path[PATH_MAX];   /* the file actually loaded */
+  bool have_driver_path;
+  int version;
+  bool have_version;
+  char kmod_version[64];
+  bool have_kmod_version;
+  const char *visible_devices;  /* CUDA_VISIBLE_DEVICES, or NULL */
+  int device_count;             /* devices examined (capped) */
+  int device_count_reported;    /* what the driver says */
+  char devices_error[512];      /* why there are no devices, if so */
+
+  doc_device dev[DOC_MAX_DEVICES];
+  doc_peer peer[DOC_MAX_DEVICES][DOC_MAX_DEVICES];
+
+  /* process side */
+  uid_t euid;
+  bool pidfd_available;
+  int pidfd_errno;
+  const char *pidfd_call; /* the call that failed */
+  bool yama;
+  int ptrace_scope;
+  char rt_path[PATH_MAX];
+  const char *rt_source; /* "XDG_RUNTIME_DIR" or "fallback" */
+  char rt_xdg_problem[PATH_MAX + 96];
+  bool rt_exists, rt_safe, rt_have_stat;
+  uid_t rt_owner;
+  unsigned rt_mode;
+  char rt_detail[PATH_MAX + 96];
+  bool have_nofile;
+  long long nofile_soft, nofile_hard; /* -1: unlimited */
+
+  doc_verdict verdict[M_COUNT];
+  int usable_count;
+  int exit_status;
+} doc_report;
+
+/* ---- small helpers --------------------------------------------------------- */
+
+static void append(char *buf, size_t cap, const char *fmt, ...) GPUIPC__PRINTF(3, 4);
+static void append(char *buf, size_t cap, const char *fmt, ...) {
+  size_t len = strlen(buf);
+  if (len + 1 >= cap)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf + len, cap - len, fmt, ap);
+  va_end(ap);
+}
+
+/* The symbolic name of an errno value (strerrorname_np is too recent to rely
+ * on); the few that the probes below can see. */
+static const char *errno_name(int e) {
+  switch (e) {
+  case 0: return "0";
+  case EPERM: return "EPERM";
+  case ENOENT: return "ENOENT";
+  case ESRCH: return "ESRCH";
+  case EBADF: return "EBADF";
+  case ENOMEM: return "ENOMEM";
+  case EACCES: return "EACCES";
+  case EFAULT: return "EFAULT";
+  case EINVAL: return "EINVAL";
+  case EMFILE: return "EMFILE";
+  case ENFILE: return "ENFILE";
+  case ENOSYS: return "ENOSYS";
+  case ENOTDIR: return "ENOTDIR";
+  case ELOOP: return "ELOOP";
+  case ENAMETOOLONG: return "ENAMETOOLONG";
+  default: return "errno";
+  }
+}
+
+static bool attr_yes(const doc_device *d, enum doc_attr a) {
+  return d->ok && d->have_attr[a] && d->attr[a] != 0;
+}
+
+/* ---- gathering: system ----------------------------------------------------- */
+
+static void gather_system(doc_report *r) {
+  struct utsname u;
+  r->is_64bit = sizeof(void *) == 8;
+  if (uname(&u) == 0) {
+    r->have_uname = true;
+    snprintf(r->os, sizeof r->os, "%s", u.sysname);
+    snprintf(r->machine, sizeof r->machine, "%s", u.machine);
+    snprintf(r->kernel, sizeof r->kernel, "%s", u.release);
+  } else {
+    snprintf(r->os, sizeof r->os, "unknown");
+  }
+#if defined(__linux__)
+  r->is_linux = strcmp(r->os, "Linux") == 0;
+#else
+  r->is_linux = false;
+#endif
+  r->kmajor = r->kminor = r->kpatch = 0;
+  if (r->have_uname)
+    (void)sscanf(r->kernel, "%d.%d.%d", &r->kmajor, &r->kminor, &r->kpatch);
+  /* CUDA IPC has always required Linux 2.6.18 or later. */
+  long long kv = (long long)r->kmajor * 1000000 + r->kminor * 1000 + r->kpatch;
+  r->kernel_ok = r->is_linux && kv >= 2006018LL;
+}
+
+/* ---- gathering: driver and devices ----------------------------------------- */
+
+/* The version of the NVIDIA kernel module, from the first line of
+ * /proc/driver/nvidia/version: "NVRM version: NVIDIA UNIX ... 580.65.06 ...".
+ * The first token that starts "digits.digits" is the version. */
+static void gather_kernel_module(doc_report *r) {
+  FILE *f = fopen("/proc/driver/nvidia/version", "re");
+  if (f == NULL)
+    return;
+  char line[512];
+  if (fgets(line, sizeof line, f) != NULL) {
+    char *save = NULL;
+    for (char *tok = strtok_r(line, " \t\n", &save); tok;
+         tok = strtok_r(NULL, " \t\n", &save)) {
+      int a, b;
+      char dot;
+      if (sscanf(tok, "%d%c%d", &a, &dot, &b) == 3 && dot == '.' &&
+          tok[0] >= '0' && tok[0] <= '9') {
+        snprintf(r->kmod_version, sizeof r->kmod_version, "%s", tok);
+        r->have_kmod_version = true;
+        break;
+      }
+    }
+  }
+  fclose(f);
+}
+
+/* The file the entry points actually come from: cuGetProcAddress hands out
+ * pointers into the driver library, so dladdr on one names the real file
+ * (libcuda.so.1 is a symbolic link to a versioned file). */
+static void gather_driver_path(doc_report *r) {
+  Dl_info info;
+  void *sym = NULL;
+  memcpy(&sym, &gpuipc__cu.cuInit, sizeof sym);
+  if (sym == NULL || dladdr(sym, &info) == 0 || info.dli_fname == NULL)
+    return;
+  char *real = realpath(info.dli_fname, NULL);
+  snprintf(r->driver_path, sizeof r->driver_path, "%s",
+           real ? real : info.dli_fname);
+  free(real);
+  r->have_driver_path = true;
+}
+
+static void dev_error(doc_device *d, const char *call, CUresult cr) {
+  append(d->errors, sizeof d->errors, "%s%s: %s", d->errors[0] ? "; " : "",
+         call, gpuipc__cuda_error_name(cr));
+}
+
+static void gather_device(doc_report *r, int i) {
+  doc_device *d = &r->dev[i];
+  CUresult cr = GPUIPC__CU(cuDeviceGet, &d->dev, i);
+  if (cr != CUDA_SUCCESS) {
+    dev_error(d, "cuDeviceGet", cr);
+    return;
+  }
+  d->ok = true;
+  cr = GPUIPC__CU(cuDeviceGetName, d->name, (int)sizeof d->name, d->dev);
+  if (cr == CUDA_SUCCESS)
+    d->have_name = true;
+  else
+    dev_error(d, "cuDeviceGetName", cr);
+  gpuipc_uuid u;
+  if (gpuipc_device_uuid(i, &u) == GPUIPC_OK) {
+    gpuipc_uuid_format(&u, d->uuid);
+    d->have_uuid = true;
+  } else {
+    append(d->errors, sizeof d->errors, "%s%s", d->errors[0] ? "; " : "",
+           gpuipc_last_error());
+  }
+  cr = GPUIPC__CU(cuDeviceGetPCIBusId, d->pci, (int)sizeof d->pci, d->dev);
+  if (cr == CUDA_SUCCESS)
+    d->have_pci = true;
+  else
+    dev_error(d, "cuDeviceGetPCIBusId", cr);
+  cr = GPUIPC__CU(cuDeviceTotalMem, &d->total_mem, d->dev);
+  if (cr == CUDA_SUCCESS)
+    d->have_mem = true;
+  else
+    dev_error(d, "cuDeviceTotalMem", cr);
+  for (int a = 0; a < A_COUNT; a++) {
+    int v = 0;
+    cr = GPUIPC__CU(cuDeviceGetAttribute, &v, attr_info[a].attr, d->dev);
+    if (cr == CUDA_SUCCESS) {
+      d->attr[a] = v;
+      d->have_attr[a] = true;
+    } else {
+      char call[96];
+      snprintf(call, sizeof call, "cuDeviceGetAttribute(%s)", attr_info[a].key);
+      dev_error(d, call, cr);
+    }
+  }
+}
+
+static void gather_peers(doc_report *r) {
+  for (int i = 0; i < r->device_count; i++) {
+    for (int j = 0; j < r->device_count; j++) {
+      doc_peer *p = &r->peer[i][j];
+      if (i == j || !r->dev[i].ok || !r->dev[j].ok)
+        continue;
+      CUdevice a = r->dev[i].dev, b = r->dev[j].dev;
+      p->have_can_access =
+          GPUIPC__CU(cuDeviceCanAccessPeer, &p->can_access, a, b) == CUDA_SUCCESS;
+      p->have_access_supported =
+          GPUIPC__CU(cuDeviceGetP2PAttribute, &p->access_supported,
+                     CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, a,
+                     b) == CUDA_SUCCESS;
+      p->have_perf_rank =
+          GPUIPC__CU(cuDeviceGetP2PAttribute, &p->perf_rank,
+                     CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, a,
+                     b) == CUDA_SUCCESS;
+      p->have_native_atomic =
+          GPUIPC__CU(cuDeviceGetP2PAttribute, &p->native_atomic,
+                     CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, a,
+                     b) == CUDA_SUCCESS;
+    }
+  }
+}
+
+static void gather_driver(doc_report *r) {
+  r->library = gpuipc_driver_path();
+  const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+  r->visible_devices = cvd;
+  gather_kernel_module(r);
+
+  if (gpuipc__driver_load() != GPUIPC_OK) {
+    snprintf(r->driver_error, sizeof r->driver_error, "%s", gpuipc_last_error());
+    return;
+  }
+  r->loaded = true;
+  gather_driver_path(r);
+  /* cuDriverGetVersion needs no cuInit: ask before, so that a driver whose
+   * cuInit fails still reports which CUDA it supports. */
+  if (GPUIPC__CU(cuDriverGetVersion, &r->version) == CUDA_SUCCESS)
+    r->have_version = true;
+
+  gpuipc_status s = gpuipc__driver();
+  if (s == GPUIPC_E_NO_DEVICE) {
+    /* The driver works but sees no GPU: the driver is there, devices are
+     * not (exit 1, not 2). */
+    r->initialized = false;
+    snprintf(r->devices_error, sizeof r->devices_error, "%s", gpuipc_last_error());
+    return;
+  }
+  if (s != GPUIPC_OK) {
+    snprintf(r->driver_error, sizeof r->driver_error, "%s", gpuipc_last_error());
+    return;
+  }
+  r->initialized = true;
+
+  int n = 0;
+  CUresult cr = GPUIPC__CU(cuDeviceGetCount, &n);
+  if (cr != CUDA_SUCCESS) {
+    snprintf(r->devices_error, sizeof r->devices_error, "cuDeviceGetCount: %s",
+             gpuipc__cuda_error_name(cr));
+    return;
+  }
+  r->device_count_reported = n;
+  r->device_count = n > DOC_MAX_DEVICES ? DOC_MAX_DEVICES : n;
+  if (n == 0)
+    snprintf(r->devices_error, sizeof r->devices_error,
+             "the driver reports no device (check CUDA_VISIBLE_DEVICES)");
+  for (int i = 0; i < r->device_count; i++)
+    gather_device(r, i);
+  gather_peers(r);
+}
+
+/* ---- gathering: the process side ------------------------------------------ */
+
+/* pidfd_getfd (Linux 5.6) lets a process take a file descriptor out of
+ * another one it may ptrace. Probe it on ourselves: pidfd_open(self), then
+ * pidfd_getfd of that very pidfd. ENOSYS means the kernel (or a seccomp
+ * filter) lacks the call; EPERM usually means a seccomp filter refuses it. */
+static void gather_pidfd(doc_report *r) {
+#if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
+  long pidfd = syscall(SYS_pidfd_open, (long)getpid(), 0L);
+  if (pidfd < 0) {
+    r->pidfd_errno = errno;
+    r->pidfd_call = "pidfd_open";
+    return;
+  }
+  long fd = syscall(SYS_pidfd_getfd, pidfd, pidfd, 0L);
+  if (fd < 0) {
+    r->pidfd_errno = errno;
+    r->pidfd_call = "pidfd_getfd";
+  } else {
+    r->pidfd_available = true;
+    close((int)fd);
+  }
+  close((int)pidfd);
+#else
+  r->pidfd_errno = ENOSYS;
+  r->pidfd_call = "pidfd_open";
+#endif
+}
+
+static void gather_ptrace(doc_report *r) {
+  r->ptrace_scope = -1;
+  FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "re");
+  if (f == NULL)
+    return;
+  r->yama = true;
+  if (fscanf(f, "%d", &r->ptrace_scope) != 1)
+    r->ptrace_scope = -1;
+  fclose(f);
+}
+
+static const char *ptrace_meaning(const doc_report *r) {
+  if (!r->yama)
+    return "no Yama: a process may ptrace (and pidfd_getfd) others of the same user";
+  switch (r->ptrace_scope) {
+  case 0:
+    return "classic: a process may ptrace others of the same user";
+  case 1:
+    return "restricted: only descendants, or a process that declared the "
+           "caller with PR_SET_PTRACER";
+  case 2:
+    return "admin-only: CAP_SYS_PTRACE is needed";
+  case 3:
+    return "no attach: ptrace is disabled";
+  default:
+    return "unknown value";
+  }
+}
+
+/* The directory gpuipc's sockets live in: $XDG_RUNTIME_DIR/gpuipc when
+ * XDG_RUNTIME_DIR names a directory of ours we can write to, else
+ * /tmp/gpuipc-<uid>. Inspected with lstat, never created: a symbolic link,
+ * another owner or a mode other than 0700 would let someone else see or
+ * replace the sockets. */
+static void gather_runtime_dir(doc_report *r) {
+  const char *xdg = getenv("XDG_RUNTIME_DIR");
+  struct stat st;
+  bool xdg_ok = false;
+  if (xdg == NULL || xdg[0] == '\0')
+    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
+             "XDG_RUNTIME_DIR is not set");
+  else if (xdg[0] != '/')
+    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
+             "XDG_RUNTIME_DIR=%s is not an absolute path", xdg);
+  else if (strlen(xdg) + sizeof "/gpuipc" > sizeof r->rt_path)
+    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
+             "XDG_RUNTIME_DIR is too long");
+  else if (stat(xdg, &st) != 0)
+    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
+             "XDG_RUNTIME_DIR=%s: %s", xdg, strerror(errno));
+  else if (!S_ISDIR(st.st_mode))
+    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
+             "XDG_RUNTIME_DIR=%s is not a directory", xdg);
+  else if (st.st_uid != r->euid)
+    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
+             "XDG_RUNTIME_DIR=%s is owned by uid %u, not by us", xdg,
+             (unsigned)st.st_uid);
+  else if (access(xdg, W_OK | X_OK) != 0)
+    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
+             "XDG_RUNTIME_DIR=%s is not writable", xdg);
+  else
+    xdg_ok = true;
+
+  if (xdg_ok) {
+    snprintf(r->rt_path, sizeof r->rt_path, "%s/gpuipc", xdg);
+    r->rt_source = "XDG_RUNTIME_DIR";
+  } else {
+    snprintf(r->rt_path, sizeof r->rt_path, "/tmp/gpuipc-%u", (unsigned)r->euid);
+    r->rt_source = "fallback";
+  }
+
+  if (lstat(r->rt_path, &st) != 0) {
+    int e = errno;
+    if (e == ENOENT) {
+      r->rt_safe = true;
+      snprintf(r->rt_detail, sizeof r->rt_detail,
+               "does not exist yet: gpuipc creates it with mode 0700 on first use");
+    } else {
+      snprintf(r->rt_detail, sizeof r->rt_detail, "cannot inspect it: %s",
+               strerror(e));
+    }
+    return;
+  }
+  r->rt_exists = true;
+  r->rt_have_stat = true;
+  r->rt_owner = st.st_uid;
+  r->rt_mode = (unsigned)(st.st_mode & 07777);
+  if (S_ISLNK(st.st_mode))
+    snprintf(r->rt_detail, sizeof r->rt_detail,
+             "unsafe: it is a symbolic link; remove it");
+  else if (!S_ISDIR(st.st_mode))
+    snprintf(r->rt_detail, sizeof r->rt_detail,
+             "unsafe: it is not a directory; remove it");
+  else if (st.st_uid != r->euid)
+    snprintf(r->rt_detail, sizeof r->rt_detail,
+             "unsafe: owned by uid %u, not by us (uid %u)", (unsigned)st.st_uid,
+             (unsigned)r->euid);
+  else if ((st.st_mode & 0777) != 0700)
+    snprintf(r->rt_detail, sizeof r->rt_detail,
+             "unsafe: mode %04o, should be 0700 (chmod 700 %s)",
+             (unsigned)(st.st_mode & 07777), r->rt_path);
+  else {
+    r->rt_safe = true;
+    snprintf(r->rt_detail, sizeof r->rt_detail, "safe: ours, mode 0700");
+  }
+}
+
+static void gather_process(doc_report *r) {
+  r->euid = geteuid();
+  gather_pidfd(r);
+  gather_ptrace(r);
+  gather_runtime_dir(r);
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    r->have_nofile = true;
+    r->nofile_soft = rl.rlim_cur == RLIM_INFINITY ? -1 : (long long)rl.rlim_cur;
+    r->nofile_hard = rl.rlim_max == RLIM_INFINITY ? -1 : (long long)rl.rlim_max;
+  }
+}
+
+/* ---- verdicts ---------------------------------------------------------------- */
+
+/* A mechanism that rests on one device at a time: usable on each device where
+ * `need` holds. If it holds nowhere, the reason is the first condition, in
+ * the order given, that no device meets. */
+static void per_device(doc_report *r, enum doc_mech m, const enum doc_attr *need,
+                       const char *const *why, int nneed) {
+  doc_verdict *v = &r->verdict[m];
+  for (int i = 0; i < r->device_count; i++) {
+    bool all = r->dev[i].ok;
+    for (int k = 0; k < nneed && all; k++)
+      all = attr_yes(&r->dev[i], need[k]);
+    v->on_device[i] = all;
+    if (all)
+      v->usable = true;
+  }
+  if (v->usable)
+    return;
+  /* Find the first requirement that fails on every device that met the
+   * requirements before it. */
+  bool alive[DOC_MAX_DEVICES];
+  for (int i = 0; i < r->device_count; i++)
+    alive[i] = r->dev[i].ok;
+  for (int k = 0; k < nneed; k++) {
+    bool any = false;
+    for (int i = 0; i < r->device_count; i++) {
+      alive[i] = alive[i] && attr_yes(&r->dev[i], need[k]);
+      any = any || alive[i];
+    }
+    if (!any) {
+      snprintf(v->reason, sizeof v->reason, "%s", why[k]);
+      return;
+    }
+  }
+  snprintf(v->reason, sizeof v->reason, "no device could be examined");
+}
+
+static void decide(doc_report *r) {
+  const char *common = NULL;
+  char buf[256];
+  if (!r->loaded || (!r->initialized && r->driver_error[0])) {
+    common = "no CUDA driver";
+  } else if (r->device_count == 0) {
+    common = "no device";
+  } else if (!r->is_linux) {
+    common = "CUDA IPC needs Linux";
+  } else if (!r->is_64bit) {
+    common = "CUDA IPC needs a 64-bit process";
+  } else if (!r->kernel_ok) {
+    snprintf(buf, sizeof buf, "CUDA IPC needs Linux 2.6.18 or later (this is %s)",
+             r->kernel);
+    common = buf;
+  }
+  if (common) {
+    for (int m = 0; m < M_COUNT; m++)
+      snprintf(r->verdict[m].reason, sizeof r->verdict[m].reason, "%s", common);
+  } else {
+    /* Legacy cuIpc handles: unified addressing on 64-bit Linux (compute
+     * capability 2.0 and later, which every current device has). */
+    {
+      const enum doc_attr need[] = {A_UNIFIED, A_CC_MAJOR};
+      const char *const why[] = {"no device supports unified addressing",
+                                 "no device reports its compute capability"};
+      per_device(r, M_LEGACY, need, why, 2);
+    }
+    /* Pool fds: stream-ordered pools whose handle types include POSIX fds. */
+    {
+      doc_verdict *v = &r->verdict[M_POOL_FD];
+      bool any_pools = false;
+      for (int i = 0; i < r->device_count; i++) {
+        const doc_device *d = &r->dev[i];
+        bool pools = attr_yes(d, A_MEMPOOLS);
+        any_pools = any_pools || pools;
+        v->on_device[i] = pools && d->have_attr[A_MEMPOOL_TYPES] &&
+                          (d->attr[A_MEMPOOL_TYPES] &
+                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
+        v->usable = v->usable || v->on_device[i];
+      }
+      if (!v->usable)
+        snprintf(v->reason, sizeof v->reason, "%s",
+                 any_pools ? "no device supports memory pools with POSIX fds"
+                           : "no device supports memory pools");
+    }
+    /* VMM fds: cuMemCreate with a POSIX-fd handle type. */
+    {
+      const enum doc_attr need[] = {A_VMM, A_POSIX_FD};
+      const char *const why[] = {
+          "no device supports virtual memory management (VMM)",
+          "no device supports VMM allocations with POSIX-fd handles"};
+      per_device(r, M_VMM_FD, need, why, 2);
+    }
+    /* IPC events. */
+    {
+      const enum doc_attr need[] = {A_IPC_EVENT};
+      const char *const why[] = {"no device supports IPC events"};
+      per_device(r, M_IPC_EVENT, need, why, 1);
+    }
+    /* Stream-memop ordering: 32-bit cuStreamWriteValue32/WaitValue32 are
+     * always available from CUDA 12.0 on; the flag words must live in
+     * memory both processes map, so some memory-sharing mechanism must be
+     * usable on the device too. */
+    {
+      doc_verdict *v = &r->verdict[M_MEMOPS];
+      if (!r->have_version || r->version < 12000) {
+        snprintf(v->reason, sizeof v->reason,
+                 "needs a driver for CUDA 12.0 or later (this one supports %d.%d)",
+                 r->version / 1000, (r->version % 1000) / 10);
+      } else {
+        for (int i = 0; i < r->device_count; i++) {
+          v->on_device[i] = r->verdict[M_LEGACY].on_device[i] ||
+                            r->verdict[M_POOL_FD].on_device[i] ||
+                            r->verdict[M_VMM_FD].on_device[i];
+          v->usable = v->usable || v->on_device[i];
+        }
+        if (!v->usable)
+          snprintf(v->reason, sizeof v->reason,
+                   "its flag words need shared device memory, and no "
+                   "memory-sharing mechanism is usable");
+      }
+    }
+    /* Peer access: some pair of devices can each reach the other. */
+    {
+      doc_verdict *v = &r->verdict[M_PEER];
+      for (int i = 0; i < r->device_count; i++)
+        for (int j = 0; j < r->device_count; j++)
+          if (i != j && r->peer[i][j].have_can_access && r->peer[i][j].can_access &&
+              r->peer[j][i].have_can_access && r->peer[j][i].can_access)
+            v->usable = true;
+      if (!v->usable)
+        snprintf(v->reason, sizeof v->reason, "%s",
+                 r->device_count == 1
+                     ? "not applicable: one device"
+                     : "no pair of devices can access each other's memory");
+    }
+  }
+
+  r->usable_count = 0;
+  for (int m = 0; m < M_COUNT; m++) {
+    if (r->verdict[m].usable)
+      r->usable_count++;
+    else if (r->verdict[m].reason[0] == '\0')
+      snprintf(r->verdict[m].reason, sizeof r->verdict[m].reason, "unknown");
+  }
+  if (!r->loaded || (!r->initialized && r->driver_error[0]))
+    r->exit_status = 2;
+  else
+    r->exit_status = r->usable_count > 0 ? 0 : 1;
+}
+
+/* ---- human output ------------------------------------------------------------ */
+
+static void h_section(FILE *out, const char *fmt, ...) GPUIPC__PRINTF(2, 3);
+static void h_section(FILE *out, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fputc('\n', out);
+  vfprintf(out, fmt, ap);
+  fputc('\n', out);
+  va_end(ap);
+}
+
+/* "  key                      value", the value wrapped at DOC_WIDTH with a
+ * hanging indent, so long error messages stay readable. */
+static void h_kv(FILE *out, const char *key, const char *fmt, ...) GPUIPC__PRINTF(3, 4);
+static void h_kv(FILE *out, const char *key, const char *fmt, ...) {
+  char val[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(val, sizeof val, fmt, ap);
+  va_end(ap);
+  const int indent = 2 + DOC_KEY_WIDTH + 1;
+  const size_t room = DOC_WIDTH - indent;
+  fprintf(out, "  %-*s ", DOC_KEY_WIDTH, key);
+  const char *p = val;
+  for (;;) {
+    size_t len = strlen(p);
+    if (len <= room) {
+      fprintf(out, "%s\n", p);
+      return;
+    }
+    size_t cut = room;
+    while (cut > 0 && p[cut] != ' ')
+      cut--;
+    if (cut == 0)
+      cut = room; /* one long word: break it */
+    fprintf(out, "%.*s\n%*s", (int)cut, p, indent, "");
+    p += cut;
+    while (*p == ' ')
+      p++;
+  }
+}
+
+static const char *yn(bool b) { return b ? "yes" : "no"; }
+
+static const char *attr_text(const doc_device *d, enum doc_attr a, char *buf,
+                             size_t cap) {
+  if (!d->have_attr[a])
+    return "unknown (query failed)";
+  if (attr_info[a].boolean)
+    return yn(d->attr[a] != 0);
+  snprintf(buf, cap, "%d", d->attr[a]);
+  return buf;
+}
+
+static void handle_types_text(int mask, char *buf, size_t cap) {
+  buf[0] = '\0';
+  for (size_t k = 0; k < GPUIPC__ARRAY_SIZE(handle_types); k++)
+    if (mask & handle_types[k].bit)
+      append(buf, cap, "%s%s", buf[0] ? ", " : "", handle_types[k].name);
+  if (buf[0] == '\0')
+    snprintf(buf, cap, "none");
+}
+
+static void print_human(FILE *out, const doc_report *r) {
+  fprintf(out, "gpuipc doctor %s: can this machine share GPU memory between "
+               "processes?\n",
+          gpuipc_version_string());
+
+  h_section(out, "System");
+  h_kv(out, "OS", "%s %s%s", r->os, r->machine,
+       r->is_linux ? "" : " (CUDA IPC needs Linux)");
+  h_kv(out, "64-bit process", "%s", yn(r->is_64bit));
+  h_kv(out, "kernel", "%s (2.6.18 or later: %s)", r->have_uname ? r->kernel : "unknown",
+       yn(r->kernel_ok));
+
+  h_section(out, "Driver");
+  h_kv(out, "library", "%s", r->library);
+  if (r->have_driver_path && strcmp(r->driver_path, r->library) != 0)
+    h_kv(out, "loaded from", "%s", r->driver_path);
+  if (!r->loaded) {
+    h_kv(out, "status", "not loaded: %s", r->driver_error);
+  } else {
+    if (r->have_version)
+      h_kv(out, "version", "%d (supports CUDA %d.%d)", r->version, r->version / 1000,
+           (r->version % 1000) / 10);
+    else
+      h_kv(out, "version", "unknown (cuDriverGetVersion failed)");
+    if (r->driver_error[0])
+      h_kv(out, "status", "unusable: %s", r->driver_error);
+  }
+  if (r->have_kmod_version)
+    h_kv(out, "NVIDIA kernel module", "%s", r->kmod_version);
+  h_kv(out, "CUDA_VISIBLE_DEVICES", "%s", r->visible_devices ? r->visible_devices : "(unset)");
+  if (r->loaded && !r->driver_error[0])
+    h_kv(out, "devices", "%d%s", r->device_count_reported,
+         r->device_count_reported > r->device_count ? " (only the first 64 examined)"
+                                                    : "");
+  if (r->device_count == 0) {
+    h_section(out, "Devices");
+    h_kv(out, "none", "%s", r->devices_error[0] ? r->devices_error
+                           : r->loaded        ? "the driver is not usable"
+                                              : "no CUDA driver");
+  }
+
+  for (int i = 0; i < r->device_count; i++) {
+    const doc_device *d = &r->dev[i];
+    char buf[256];
+    h_section(out, "Device %d: %s", i, d->have_name ? d->name : "(name unknown)");
+    if (!d->ok) {
+      h_kv(out, "error", "%s", d->errors);
+      continue;
+    }
+    h_kv(out, "UUID", "%s", d->have_uuid ? d->uuid : "unknown");
+    h_kv(out, "PCI bus id", "%s", d->have_pci ? d->pci : "unknown");
+    if (d->have_attr[A_CC_MAJOR] && d->have_attr[A_CC_MINOR])
+      h_kv(out, "compute capability", "%d.%d", d->attr[A_CC_MAJOR], d->attr[A_CC_MINOR]);
+    else
+      h_kv(out, "compute capability", "unknown");
+    if (d->have_mem)
+      h_kv(out, "total memory", "%.1f GiB (%zu bytes)",
+           (double)d->total_mem / (1024.0 * 1024.0 * 1024.0), d->total_mem);
+    else
+      h_kv(out, "total memory", "unknown");
+    for (int a = 0; a < A_COUNT; a++) {
+      if (a == A_MEMPOOL_TYPES) {
+        if (d->have_attr[a]) {
+          handle_types_text(d->attr[a], buf, sizeof buf);
+          h_kv(out, "pool handle types", "%s", buf);
+        } else {
+          h_kv(out, "pool handle types", "unknown (query failed)");
+        }
+        continue;
+      }
+      if (a == A_MEMOPS64)
+        h_kv(out, "stream memops 32-bit", "%s",
+             yn(r->have_version && r->version >= 12000));
+      if (attr_info[a].label)
+        h_kv(out, attr_info[a].label, "%s", attr_text(d, (enum doc_attr)a, buf, sizeof buf));
+    }
+    if (d->errors[0])
+      h_kv(out, "failed queries", "%s", d->errors);
+  }
+
+  if (r->device_count > 0) {
+    h_section(out, "Peers (from -> to: can the first device access the second's memory)");
+    if (r->device_count == 1) {
+      fprintf(out, "  one device: no pairs\n");
+    } else {
+      fprintf(out, "  %-8s %-16s %-16s %-16s %s\n", "pair", "can access peer",
+              "P2P supported", "performance rank", "native atomics");
+      for (int i = 0; i < r->device_count; i++)
+        for (int j = 0; j < r->device_count; j++) {
+          if (i == j)
+            continue;
+          const doc_peer *p = &r->peer[i][j];
+          char pair[32], rank[16];
+          snprintf(pair, sizeof pair, "%d -> %d", i, j);
+          if (p->have_perf_rank)
+            snprintf(rank, sizeof rank, "%d", p->perf_rank);
+          else
+            snprintf(rank, sizeof rank, "?");
+          fprintf(out, "  %-8s %-16s %-16s %-16s %s\n", pair,
+                  p->have_can_access ? yn(p->can_access) : "?",
+                  p->have_access_supported ? yn(p->access_supported) : "?", rank,
+                  p->have_native_atomic ? yn(p->native_atomic) : "?");
+        }
+    }
+  }
+
+  h_section(out, "Process");
+  if (r->pidfd_available)
+    h_kv(out, "pidfd_getfd", "yes");
+  else
+    h_kv(out, "pidfd_getfd", "no (%s: %s, %s)", r->pidfd_call, errno_name(r->pidfd_errno),
+         strerror(r->pidfd_errno));
+  if (r->yama)
+    h_kv(out, "ptrace policy", "Yama ptrace_scope %d (%s)", r->ptrace_scope, ptrace_meaning(r));
+  else
+    h_kv(out, "ptrace policy", "%s", ptrace_meaning(r));
+  h_kv(out, "runtime directory", "%s (%s)", r->rt_path,
+       strcmp(r->rt_source, "fallback") == 0 ? r->rt_xdg_problem : "from XDG_RUNTIME_DIR");
+  if (r->rt_have_stat)
+    h_kv(out, "", "owner uid %u, mode %04o", (unsigned)r->rt_owner, r->rt_mode);
+  h_kv(out, "", "%s", r->rt_detail);
+  if (r->have_nofile) {
+    char soft[32], hard[32];
+    if (r->nofile_soft < 0)
+      snprintf(soft, sizeof soft, "unlimited");
+    else
+      snprintf(soft, sizeof soft, "%lld", r->nofile_soft);
+    if (r->nofile_hard < 0)
+      snprintf(hard, sizeof hard, "unlimited");
+    else
+      snprintf(hard, sizeof hard, "%lld", r->nofile_hard);
+    h_kv(out, "open-file limit", "%s soft, %s hard", soft, hard);
+  } else {
+    h_kv(out, "open-file limit", "unknown");
+  }
+
+  h_section(out, "Mechanisms");
+  for (int m = 0; m < M_COUNT; m++) {
+    const doc_verdict *v = &r->verdict[m];
+    if (!v->usable) {
+      h_kv(out, mech_info[m].label, "not usable: %s", v->reason);
+      continue;
+    }
+    char where[256] = "";
+    if (m == M_PEER) {
+      for (int i = 0; i < r->device_count; i++)
+        for (int j = i + 1; j < r->device_count; j++)
+          if (r->peer[i][j].can_access && r->peer[j][i].can_access)
+            append(where, sizeof where, "%s%d<->%d", where[0] ? ", " : "", i, j);
+      h_kv(out, mech_info[m].label, "usable (pairs %s)", where);
+    } else {
+      int k = 0;
+      for (int i = 0; i < r->device_count; i++)
+        if (v->on_device[i]) {
+          append(where, sizeof where, "%s%d", where[0] ? ", " : "", i);
+          k++;
+        }
+      h_kv(out, mech_info[m].label, "usable (device%s %s)", k == 1 ? "" : "s", where);
+    }
+  }
+
+  fputc('\n', out);
+  if (r->exit_status == 2)
+    fprintf(out, "Result: no usable CUDA driver (exit 2)\n");
+  else if (r->exit_status == 1)
+    fprintf(out, "Result: no sharing mechanism is usable (exit 1)\n");
+  else
+    fprintf(out, "Result: %d of %d mechanisms usable (exit 0)\n", r->usable_count, M_COUNT);
+}
+
+/* ---- JSON output -------------------------------------------------------------- */
+
+/* A small JSON writer: containers are either "block" (one member a line) or
+ * "inline" (all on one line); keys are NULL inside arrays. */
+typedef struct jw {
+  FILE *f;
+  int depth;
+  bool first[32];
+  bool inl[32];
+} jw;
+
+static void jw_string(jw *w, const char *s);
+
+static void jw_prefix(jw *w, const char *key) {
+  if (w->depth > 0) {
+    bool first = w->first[w->depth];
+    w->first[w->depth] = false;
+    if (w->inl[w->depth]) {
+      if (!first)
+        fputs(", ", w->f);
+    } else {
+      if (!first)
+        fputc(',', w->f);
+      fprintf(w->f, "\n%*s", 2 * w->depth, "");
+    }
+  }
+  if (key) {
+    jw_string(w, key);
+    fputs(": ", w->f);
+  }
+}
+
+/* Strings are escaped per RFC 8259, and bytes that are not valid UTF-8
+ * (a dlerror message may carry any bytes of a path) become U+FFFD, so that
+ * the output always parses. */
+static void jw_string(jw *w, const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  fputc('"', w->f);
+  while (*p) {
+    unsigned c = *p;
+    if (c == '"' || c == '\\') {
+      fputc('\\', w->f);
+      fputc((int)c, w->f);
+      p++;
+    } else if (c < 0x20) {
+      switch (c) {
+      case '\n': fputs("\\n", w->f); break;
+      case '\t': fputs("\\t", w->f); break;
+      case '\r': fputs("\\r", w->f); break;
+      case '\b': fputs("\\b", w->f); break;
+      case '\f': fputs("\\f", w->f); break;
+      default: fprintf(w->f, "\\u%04x", c); break;
+      }
+      p++;
+    } else if (c < 0x80) {
+      fputc((int)c, w->f);
+      p++;
+    } else {
+      /* Length and validity of a UTF-8 sequence (no overlongs, no
+       * surrogates, nothing above U+10FFFF). */
+      int n = (c >= 0xc2 && c <= 0xdf) ? 2 : (c >= 0xe0 && c <= 0xef) ? 3
+              : (c >= 0xf0 && c <= 0xf4) ? 4 : 0;
+      bool ok = n > 0;
+      for (int k = 1; ok && k < n; k++)
+        ok = (p[k] & 0xc0) == 0x80;
+      if (ok && n == 3)
+        ok = !(c == 0xe0 && p[1] < 0xa0) && !(c == 0xed && p[1] >= 0xa0);
+      if (ok && n == 4)
+        ok = !(c == 0xf0 && p[1] < 0x90) && !(c == 0xf4 && p[1] >= 0x90);
+      if (ok) {
+        fwrite(p, 1, (size_t)n, w->f);
+        p += n;
+      } else {
+        fputs("\\ufffd", w->f);
+        p++;
+      }
+    }
+  }
+  fputc('"', w->f);
+}
+
+static void jw_open(jw *w, const char *key, char bracket, bool inl) {
+  jw_prefix(w, key);
+  fputc(bracket, w->f);
+  w->depth++;
+  w->first[w->depth] = true;
+  w->inl[w->depth] = inl || (w->depth > 1 && w->inl[w->depth - 1]);
+}
+
+static void jw_close(jw *w, char bracket) {
+  bool empty = w->first[w->depth], inl = w->inl[w->depth];
+  w->depth--;
+  if (!empty && !inl)
+    fprintf(w->f, "\n%*s", 2 * w->depth, "");
+  fputc(bracket, w->f);
+}
+
+#define jw_obj(w, key) jw_open((w), (key), '{', false)
+#define jw_obj_end(w) jw_close((w), '}')
+#define jw_arr(w, key) jw_open((w), (key), '[', false)
+#define jw_arr_inline(w, key) jw_open((w), (key), '[', true)
+#define jw_arr_end(w) jw_close((w), ']')
+
+static void jw_str(jw *w, const char *key, const char *s) {
+  jw_prefix(w, key);
+  if (s)
+    jw_string(w, s);
+  else
+    fputs("null", w->f);
+}
+static void jw_int(jw *w, const char *key, long long v) {
+  jw_prefix(w, key);
+  fprintf(w->f, "%lld", v);
+}
+static void jw_bool(jw *w, const char *key, bool b) {
+  jw_prefix(w, key);
+  fputs(b ? "true" : "false", w->f);
+}
+static void jw_null(jw *w, const char *key) {
+  jw_prefix(w, key);
+  fputs("null", w->f);
+}
+static void jw_opt_int(jw *w, const char *key, bool have, long long v) {
+  if (have)
+    jw_int(w, key, v);
+  else
+    jw_null(w, key);
+}
+static void jw_opt_bool(jw *w, const char *key, bool have, bool v) {
+  if (have)
+    jw_bool(w, key, v);
+  else
+    jw_null(w, key);
+}
+
+static void json_peer_matrix(jw *w, const doc_report *r, const char *key, int which) {
+  jw_arr(w, key);
+  for (int i = 0; i < r->device_count; i++) {
+    jw_arr_inline(w, NULL);
+    for (int j = 0; j < r->device_count; j++) {
+      const doc_peer *p = &r->peer[i][j];
+      if (i == j) {
+        jw_null(w, NULL);
+        continue;
+      }
+      switch (which) {
+      case 0: jw_opt_bool(w, NULL, p->have_can_access, p->can_access != 0); break;
+      case 1:
+        jw_opt_bool(w, NULL, p->have_access_supported, p->access_supported != 0);
+        break;
+      case 2: jw_opt_int(w, NULL, p->have_perf_rank, p->perf_rank); break;
+      default:
+        jw_opt_bool(w, NULL, p->have_native_atomic, p->native_atomic != 0);
+        break;
+      }
+    }
+    jw_arr_end(w);
+  }
+  jw_arr_end(w);
+}
+
+static void print_json(FILE *out, const doc_report *r) {
+  jw w = {.f = out};
+  jw_obj(&w, NULL);
+  jw_str(&w, "gpuipc_version", gpuipc_version_string());
+
+  jw_obj(&w, "system");
+  jw_str(&w, "os", r->os);
+  jw_str(&w, "machine", r->have_uname ? r->machine : NULL);
+  jw_bool(&w, "linux", r->is_linux);
+  jw_bool(&w, "process_64bit", r->is_64bit);
+  jw_str(&w, "kernel", r->have_uname ? r->kernel : NULL);
+  jw_bool(&w, "kernel_ok", r->kernel_ok);
+  jw_obj_end(&w);
+
+  jw_obj(&w, "driver");
+  jw_bool(&w, "loaded", r->loaded);
+  jw_bool(&w, "initialized", r->initialized);
+  jw_str(&w, "error", r->driver_error[0] ? r->driver_error : NULL);
+  jw_str(&w, "library", r->library);
+  jw_str(&w, "path", r->have_driver_path ? r->driver_path : NULL);
+  jw_opt_int(&w, "version", r->have_version, r->version);
+  if (r->have_version) {
+    char cv[32];
+    snprintf(cv, sizeof cv, "%d.%d", r->version / 1000, (r->version % 1000) / 10);
+    jw_str(&w, "cuda_version", cv);
+  } else {
+    jw_null(&w, "cuda_version");
+  }
+  jw_str(&w, "kernel_module_version", r->have_kmod_version ? r->kmod_version : NULL);
+  jw_str(&w, "cuda_visible_devices", r->visible_devices);
+  jw_int(&w, "device_count", r->device_count);
+  jw_str(&w, "devices_error", r->devices_error[0] ? r->devices_error : NULL);
+  jw_obj_end(&w);
+
+  jw_arr(&w, "devices");
+  for (int i = 0; i < r->device_count; i++) {
+    const doc_device *d = &r->dev[i];
+    jw_obj(&w, NULL);
+    jw_int(&w, "ordinal", i);
+    jw_str(&w, "name", d->have_name ? d->name : NULL);
+    jw_str(&w, "uuid", d->have_uuid ? d->uuid : NULL);
+    jw_str(&w, "pci_bus_id", d->have_pci ? d->pci : NULL);
+    if (d->have_attr[A_CC_MAJOR] && d->have_attr[A_CC_MINOR]) {
+      char cc[32];
+      snprintf(cc, sizeof cc, "%d.%d", d->attr[A_CC_MAJOR], d->attr[A_CC_MINOR]);
+      jw_str(&w, "compute_capability", cc);
+    } else {
+      jw_null(&w, "compute_capability");
+    }
+    jw_opt_int(&w, "total_memory", d->have_mem, (long long)d->total_mem);
+    for (int a = 0; a < A_COUNT; a++) {
+      if (a == A_MEMOPS64)
+        jw_bool(&w, "stream_memops_32bit", r->have_version && r->version >= 12000);
+      if (attr_info[a].boolean)
+        jw_opt_bool(&w, attr_info[a].key, d->have_attr[a], d->attr[a] != 0);
+      else
+        jw_opt_int(&w, attr_info[a].key, d->have_attr[a], d->attr[a]);
+      if (a == A_MEMPOOL_TYPES) {
+        if (d->have_attr[a]) {
+          jw_arr_inline(&w, "mempool_handle_types");
+          for (size_t k = 0; k < GPUIPC__ARRAY_SIZE(handle_types); k++)
+            if (d->attr[a] & handle_types[k].bit)
+              jw_str(&w, NULL, handle_types[k].name);
+          jw_arr_end(&w);
+        } else {
+          jw_null(&w, "mempool_handle_types");
+        }
+      }
+    }
+    jw_str(&w, "errors", d->errors[0] ? d->errors : NULL);
+    jw_obj_end(&w);
+  }
+  jw_arr_end(&w);
+
+  jw_obj(&w, "peers");
+  json_peer_matrix(&w, r, "can_access_peer", 0);
+  json_peer_matrix(&w, r, "access_supported", 1);
+  json_peer_matrix(&w, r, "performance_rank", 2);
+  json_peer_matrix(&w, r, "native_atomic", 3);
+  jw_obj_end(&w);
+
+  jw_obj(&w, "process");
+  jw_int(&w, "uid", (long long)r->euid);
+  jw_obj(&w, "pidfd_getfd");
+  jw_bool(&w, "available", r->pidfd_available);
+  jw_str(&w, "failed_call", r->pidfd_available ? NULL : r->pidfd_call);
+  jw_int(&w, "errno", r->pidfd_available ? 0 : r->pidfd_errno);
+  jw_str(&w, "errno_name", r->pidfd_available ? NULL : errno_name(r->pidfd_errno));
+  jw_obj_end(&w);
+  jw_obj(&w, "ptrace");
+  jw_bool(&w, "yama", r->yama);
+  jw_opt_int(&w, "scope", r->yama && r->ptrace_scope >= 0, r->ptrace_scope);
+  jw_str(&w, "meaning", ptrace_meaning(r));
+  jw_obj_end(&w);
+  jw_obj(&w, "runtime_dir");
+  jw_str(&w, "path", r->rt_path);
+  jw_str(&w, "source", r->rt_source);
+  jw_str(&w, "xdg_problem", r->rt_xdg_problem[0] ? r->rt_xdg_problem : NULL);
+  jw_bool(&w, "exists", r->rt_exists);
+  jw_opt_int(&w, "owner_uid", r->rt_have_stat, (long long)r->rt_owner);
+  if (r->rt_have_stat) {
+    char mode[16];
+    snprintf(mode, sizeof mode, "%04o", r->rt_mode);
+    jw_str(&w, "mode", mode);
+  } else {
+    jw_null(&w, "mode");
+  }
+  jw_bool(&w, "safe", r->rt_safe);
+  jw_str(&w, "detail", r->rt_detail);
+  jw_obj_end(&w);
+  jw_obj(&w, "nofile");
+  jw_opt_int(&w, "soft", r->have_nofile, r->nofile_soft);
+  jw_opt_int(&w, "hard", r->have_nofile, r->nofile_hard);
+  jw_obj_end(&w);
+  jw_obj_end(&w);
+
+  jw_obj(&w, "mechanisms");
+  for (int m = 0; m < M_COUNT; m++) {
+    const doc_verdict *v = &r->verdict[m];
+    jw_obj(&w, mech_info[m].key);
+    jw_bool(&w, "usable", v->usable);
+    jw_str(&w, "reason", v->usable ? NULL : v->reason);
+    if (m == M_PEER) {
+      jw_arr_inline(&w, "pairs");
+      for (int i = 0; i < r->device_count; i++)
+        for (int j = 0; j < r->device_count; j++)
+          if (i != j && r->peer[i][j].can_access && r->peer[j][i].can_access) {
+            jw_arr_inline(&w, NULL);
+            jw_int(&w, NULL, i);
+            jw_int(&w, NULL, j);
+            jw_arr_end(&w);
+          }
+      jw_arr_end(&w);
+    } else {
+      jw_arr_inline(&w, "devices");
+      for (int i = 0; i < r->device_count; i++)
+        if (v->on_device[i])
+          jw_int(&w, NULL, i);
+      jw_arr_end(&w);
+    }
+    jw_obj_end(&w);
+  }
+  jw_obj_end(&w);
+
+  jw_int(&w, "usable_mechanisms", r->usable_count);
+  jw_int(&w, "exit_status", r->exit_status);
+  jw_obj_end(&w);
+  fputc('\n', out);
+}
+
+/* ---- the command ---------------------------------------------------------------- */
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: gpuipc doctor [--json] [--quiet]\n"
+             "  Reports whether this machine can share GPU memory between processes,\n"
+             "  and by which mechanisms.\n"
+             "  --json    one JSON object (keys documented in docs/doctor.md)\n"
+             "  --quiet   print nothing; only the exit status\n"
+             "exit status: 0 some mechanism is usable, 1 none is, 2 no CUDA driver,\n"
+             "             64 usage error\n");
+}
+
 int gpuipc_cmd_doctor(int argc, char **argv) {
-  (void)argc;
-  (void)argv;
-  return 2;
+  bool json = false, quiet = false;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--json") == 0) {
+      json = true;
+    } else if (strcmp(argv[i], "--quiet") == 0 || strcmp(argv[i], "-q") == 0) {
+      quiet = true;
+    } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    } else {
+      fprintf(stderr, "gpuipc doctor: unknown option '%s'\n", argv[i]);
+      usage(stderr);
+      return DOC_EXIT_USAGE;
+    }
+  }
+
+  /* The report holds a 64x64 peer matrix: too big for the stack. */
+  doc_report *r = calloc(1, sizeof *r);
+  if (r == NULL) {
+    fprintf(stderr, "gpuipc doctor: out of memory\n");
+    return 2;
+  }
+  gather_system(r);
+  gather_process(r);
+  gather_driver(r);
+  decide(r);
+  if (!quiet) {
+    if (json)
+      print_json(stdout, r);
+    else
+      print_human(stdout, r);
+    fflush(stdout);
+  }
+  int status = r->exit_status;
+  free(r);
+  return status;
 }
