@@ -1,0 +1,613 @@
+/*
+ * descriptor.c: owns the descriptor wire format: encoding, decoding and
+ * validating descriptors (hostile input: every field is checked and each
+ * failure has its own status), CRC32C, the exporter identity, the opt-in
+ * pidfd_getfd route for fetching an exporter's fd, and carrying a
+ * descriptor plus its fds over a Unix socket. The format is documented in
+ * docs/descriptor.md; keep the two in step.
+ */
+#include "descriptor.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* ---- CRC32C ----------------------------------------------------------------- */
+
+static uint32_t crc_table[256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void) {
+  for (uint32_t i = 0; i < 256; i++) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; k++)
+      c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    crc_table[i] = c;
+  }
+}
+
+uint32_t gpuipc__crc32c(uint32_t crc, const void *data, size_t len) {
+  pthread_once(&crc_once, crc_init);
+  const uint8_t *p = data;
+  crc = ~crc;
+  for (size_t i = 0; i < len; i++)
+    crc = crc_table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+/* ---- little-endian fields --------------------------------------------------- */
+
+static void put16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+static void put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint16_t get16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
+}
+static uint32_t get32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++)
+    v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static uint64_t get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++)
+    v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* Offsets of version 1 (docs/descriptor.md has the same table). */
+enum {
+  OFF_MAGIC = 0,
+  OFF_VERSION = 4,
+  OFF_TYPE = 6,
+  OFF_KIND = 7,
+  OFF_LENGTH = 8,
+  OFF_CRC = 12,
+  OFF_NFDS = 16,
+  OFF_FLAGS = 17,
+  OFF_HANDLE_LEN = 18,
+  OFF_EXPORTER_FD = 20,
+  OFF_DEVICE = 24,
+  OFF_BOOT_ID = 40,
+  OFF_PIDNS = 56,
+  OFF_PID = 64,
+  OFF_RESERVED = 68,
+  OFF_START_TIME = 72,
+  OFF_POOL_ID = 80,
+  OFF_BUFFER_ID = 88,
+  OFF_GENERATION = 96,
+  OFF_OFFSET = 104,
+  OFF_SIZE = 112,
+  OFF_ALLOC_SIZE = 120,
+  OFF_HANDLE = 128,
+  OFF_END = 192
+};
+_Static_assert(OFF_END == GPUIPC__DESC_V1_LEN, "v1 layout");
+_Static_assert(GPUIPC__DESC_V1_LEN <= GPUIPC_DESC_MAX, "GPUIPC_DESC_MAX");
+
+gpuipc_status gpuipc__desc_encode(const gpuipc__desc *d, uint8_t *out,
+                                  size_t cap, size_t *len) {
+  if (cap < GPUIPC__DESC_V1_LEN)
+    return gpuipc__fail(GPUIPC_E_LIMIT,
+                        "descriptor needs %u bytes, the buffer holds %zu",
+                        GPUIPC__DESC_V1_LEN, cap);
+  uint8_t *p = out;
+  memset(p, 0, GPUIPC__DESC_V1_LEN);
+  put32(p + OFF_MAGIC, GPUIPC__DESC_MAGIC);
+  put16(p + OFF_VERSION, GPUIPC__DESC_VERSION);
+  p[OFF_TYPE] = d->type;
+  p[OFF_KIND] = d->kind;
+  put32(p + OFF_LENGTH, GPUIPC__DESC_V1_LEN);
+  p[OFF_NFDS] = d->nfds;
+  p[OFF_FLAGS] = d->flags;
+  put16(p + OFF_HANDLE_LEN, d->handle_len);
+  put32(p + OFF_EXPORTER_FD, (uint32_t)d->exporter_fd);
+  memcpy(p + OFF_DEVICE, d->device, 16);
+  memcpy(p + OFF_BOOT_ID, d->exporter.boot_id, 16);
+  put64(p + OFF_PIDNS, d->exporter.pidns);
+  put32(p + OFF_PID, (uint32_t)d->exporter.pid);
+  put64(p + OFF_START_TIME, d->exporter.start_time);
+  put64(p + OFF_POOL_ID, d->pool_id);
+  put64(p + OFF_BUFFER_ID, d->buffer_id);
+  put64(p + OFF_GENERATION, d->generation);
+  put64(p + OFF_OFFSET, d->offset);
+  put64(p + OFF_SIZE, d->size);
+  put64(p + OFF_ALLOC_SIZE, d->alloc_size);
+  if (d->handle_len)
+    memcpy(p + OFF_HANDLE, d->handle,
+           d->handle_len <= GPUIPC__DESC_HANDLE_BYTES
+               ? d->handle_len
+               : GPUIPC__DESC_HANDLE_BYTES);
+  put32(p + OFF_CRC, gpuipc__crc32c(0, p, GPUIPC__DESC_V1_LEN));
+  *len = GPUIPC__DESC_V1_LEN;
+  return GPUIPC_OK;
+}
+
+static bool kind_ok_for(unsigned type, unsigned kind) {
+  switch (type) {
+  case GPUIPC_DESC_BUFFER:
+    return kind >= GPUIPC_POOL_MEMPOOL && kind <= GPUIPC_POOL_PINNED_HOST;
+  case GPUIPC_DESC_POOL:
+    return kind == GPUIPC_POOL_MEMPOOL;
+  case GPUIPC_DESC_EVENT:
+    return kind == GPUIPC__KIND_IPC_EVENT;
+  default:
+    return false;
+  }
+}
+
+/* The handle bytes each kind carries, and the fds it may carry. */
+static unsigned handle_len_for(unsigned type, unsigned kind) {
+  if (type == GPUIPC_DESC_EVENT)
+    return 64;
+  if (type == GPUIPC_DESC_POOL)
+    return 0;
+  return (kind == GPUIPC_POOL_LEGACY || kind == GPUIPC_POOL_MEMPOOL) ? 64 : 0;
+}
+static unsigned max_fds_for(unsigned type, unsigned kind) {
+  if (type == GPUIPC_DESC_EVENT || kind == GPUIPC_POOL_LEGACY)
+    return 0;
+  return 1;
+}
+
+gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
+                                  gpuipc__desc *d) {
+  if (in == NULL && len > 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "descriptor: NULL bytes");
+  /* The order of the checks is part of the format's contract (see
+   * docs/descriptor.md): each failure gets its own status. */
+  if (len < 4)
+    return gpuipc__fail(GPUIPC_E_TRUNCATED,
+                        "descriptor truncated: %zu byte(s), not even a magic",
+                        len);
+  uint32_t magic = get32(in + OFF_MAGIC);
+  if (magic != GPUIPC__DESC_MAGIC)
+    return gpuipc__fail(GPUIPC_E_BAD_MAGIC,
+                        "not a gpuipc descriptor (magic 0x%08x, want 0x%08x)",
+                        magic, GPUIPC__DESC_MAGIC);
+  if (len < OFF_CRC + 4)
+    return gpuipc__fail(GPUIPC_E_TRUNCATED,
+                        "descriptor truncated: %zu byte(s), header is %d", len,
+                        OFF_CRC + 4);
+  unsigned version = get16(in + OFF_VERSION);
+  if (version != GPUIPC__DESC_VERSION)
+    return gpuipc__fail(GPUIPC_E_BAD_VERSION,
+                        "descriptor format version %u; this library (%s) "
+                        "reads version %u",
+                        version, GPUIPC_VERSION_STRING, GPUIPC__DESC_VERSION);
+  uint32_t declared = get32(in + OFF_LENGTH);
+  if (declared > len)
+    return gpuipc__fail(GPUIPC_E_TRUNCATED,
+                        "descriptor truncated: %zu of %u bytes", len,
+                        declared);
+  if (declared < GPUIPC__DESC_V1_LEN || declared > GPUIPC_DESC_MAX)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "descriptor declares %u bytes; version %u descriptors "
+                        "are %u to %d bytes",
+                        declared, version, GPUIPC__DESC_V1_LEN,
+                        GPUIPC_DESC_MAX);
+  if (len != declared)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%zu bytes given for a descriptor of %u bytes "
+                        "(trailing garbage)",
+                        len, declared);
+  /* The checksum covers the whole descriptor with its own field zeroed. */
+  uint32_t want = get32(in + OFF_CRC);
+  static const uint8_t zero4[4];
+  uint32_t crc = gpuipc__crc32c(0, in, OFF_CRC);
+  crc = gpuipc__crc32c(crc, zero4, 4);
+  crc = gpuipc__crc32c(crc, in + OFF_CRC + 4, declared - (OFF_CRC + 4));
+  if (crc != want)
+    return gpuipc__fail(GPUIPC_E_BAD_CHECKSUM,
+                        "descriptor checksum mismatch (CRC32C 0x%08x, "
+                        "carried 0x%08x): corrupted in transit",
+                        crc, want);
+  gpuipc__desc x;
+  memset(&x, 0, sizeof x);
+  x.version = (uint16_t)version;
+  x.type = in[OFF_TYPE];
+  x.kind = in[OFF_KIND];
+  x.length = declared;
+  if (!kind_ok_for(x.type, x.kind))
+    return gpuipc__fail(GPUIPC_E_BAD_KIND,
+                        "descriptor of unknown type %u / handle kind %u",
+                        x.type, x.kind);
+  x.nfds = in[OFF_NFDS];
+  x.flags = in[OFF_FLAGS];
+  x.handle_len = get16(in + OFF_HANDLE_LEN);
+  x.exporter_fd = (int32_t)get32(in + OFF_EXPORTER_FD);
+  memcpy(x.device, in + OFF_DEVICE, 16);
+  memcpy(x.exporter.boot_id, in + OFF_BOOT_ID, 16);
+  x.exporter.pidns = get64(in + OFF_PIDNS);
+  x.exporter.pid = (int32_t)get32(in + OFF_PID);
+  x.exporter.start_time = get64(in + OFF_START_TIME);
+  x.pool_id = get64(in + OFF_POOL_ID);
+  x.buffer_id = get64(in + OFF_BUFFER_ID);
+  x.generation = get64(in + OFF_GENERATION);
+  x.offset = get64(in + OFF_OFFSET);
+  x.size = get64(in + OFF_SIZE);
+  x.alloc_size = get64(in + OFF_ALLOC_SIZE);
+  memcpy(x.handle, in + OFF_HANDLE, GPUIPC__DESC_HANDLE_BYTES);
+
+  if (x.handle_len != handle_len_for(x.type, x.kind))
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "descriptor carries %u handle bytes; kind %u has %u",
+                        x.handle_len, x.kind, handle_len_for(x.type, x.kind));
+  for (unsigned i = x.handle_len; i < GPUIPC__DESC_HANDLE_BYTES; i++)
+    if (x.handle[i] != 0)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "descriptor: unused handle bytes are not zero");
+  if (x.nfds > max_fds_for(x.type, x.kind))
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "descriptor says %u fd(s) travel with it; kind %u "
+                        "takes at most %u",
+                        x.nfds, x.kind, max_fds_for(x.type, x.kind));
+  if (x.flags & ~GPUIPC__DESC_F_ALL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "descriptor: unknown flags 0x%02x",
+                        x.flags);
+  if (get32(in + OFF_RESERVED) != 0)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "descriptor: reserved field is not zero");
+  if (x.exporter.pid <= 0)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "descriptor: exporter pid %d",
+                        (int)x.exporter.pid);
+  if (x.exporter_fd < -1)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "descriptor: exporter fd %d",
+                        (int)x.exporter_fd);
+  if (x.type == GPUIPC_DESC_BUFFER) {
+    if (x.size == 0)
+      return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE, "descriptor: empty buffer");
+    /* Written so that it cannot overflow. */
+    if (x.offset > x.alloc_size || x.size > x.alloc_size - x.offset)
+      return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                          "descriptor: offset %llu + size %llu beyond the "
+                          "allocation's %llu bytes",
+                          (unsigned long long)x.offset,
+                          (unsigned long long)x.size,
+                          (unsigned long long)x.alloc_size);
+    if (x.alloc_size > (uint64_t)SIZE_MAX / 2)
+      return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                          "descriptor: allocation of %llu bytes",
+                          (unsigned long long)x.alloc_size);
+  }
+  *d = x;
+  return GPUIPC_OK;
+}
+
+/* ---- identity ---------------------------------------------------------------- */
+
+static pthread_mutex_t id_lock = PTHREAD_MUTEX_INITIALIZER;
+static gpuipc__identity self_id;
+static pid_t self_id_pid; /* the pid self_id was computed for (0: never) */
+
+gpuipc_status gpuipc__self_identity(gpuipc__identity *id) {
+  gpuipc_status s = GPUIPC_OK;
+  pthread_mutex_lock(&id_lock);
+  pid_t me = getpid();
+  if (self_id_pid != me) {
+    gpuipc__identity x;
+    memset(&x, 0, sizeof x);
+    s = gpuipc__boot_id(x.boot_id);
+    if (s == GPUIPC_OK) {
+      x.pidns = gpuipc__pid_namespace();
+      x.pid = (int32_t)me;
+      x.start_time = gpuipc__process_start_time((int)me);
+      self_id = x;
+      self_id_pid = me;
+    }
+  }
+  if (s == GPUIPC_OK)
+    *id = self_id;
+  pthread_mutex_unlock(&id_lock);
+  return s;
+}
+
+gpuipc_status gpuipc__desc_set_exporter(gpuipc__desc *d) {
+  return gpuipc__self_identity(&d->exporter);
+}
+
+bool gpuipc__identity_eq(const gpuipc__identity *a, const gpuipc__identity *b) {
+  return memcmp(a->boot_id, b->boot_id, 16) == 0 && a->pidns == b->pidns &&
+         a->pid == b->pid && a->start_time == b->start_time;
+}
+
+gpuipc_status gpuipc__desc_check_origin(const gpuipc__desc *d) {
+  gpuipc__identity me;
+  GPUIPC__CHECK(gpuipc__self_identity(&me));
+  if (memcmp(me.boot_id, d->exporter.boot_id, 16) != 0)
+    return gpuipc__fail(GPUIPC_E_FOREIGN_MACHINE,
+                        "descriptor was exported on another machine (or "
+                        "before a reboot): its boot id differs from this "
+                        "machine's; CUDA IPC works only within one machine");
+  if (me.pidns != d->exporter.pidns)
+    return gpuipc__fail(GPUIPC_E_FOREIGN_NAMESPACE,
+                        "descriptor was exported in another pid namespace "
+                        "(%llu, this process is in %llu): its exporter pid %d "
+                        "means nothing here; run both in one pid namespace "
+                        "(e.g. docker --pid=host or a shared pod)",
+                        (unsigned long long)d->exporter.pidns,
+                        (unsigned long long)me.pidns, (int)d->exporter.pid);
+  if (me.pid == d->exporter.pid && me.start_time == d->exporter.start_time)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "descriptor was exported by this very process: use "
+                        "the exported object itself (the driver refuses to "
+                        "open a process's own IPC handles)");
+  return GPUIPC_OK;
+}
+
+/* ---- the pidfd_getfd route ---------------------------------------------------- */
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+gpuipc_status gpuipc__pidfd_getfd(const gpuipc__identity *exporter,
+                                  int remote_fd, int *out) {
+  if (remote_fd < 0)
+    return gpuipc__fail(GPUIPC_E_NEED_FD,
+                        "the descriptor names no exporter fd to fetch");
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)exporter->pid, 0);
+  if (pidfd < 0) {
+    int err = errno;
+    if (err == ESRCH)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "pidfd_open: exporter process %d is gone",
+                          (int)exporter->pid);
+    if (err == ENOSYS)
+      return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                          "pidfd_open: not supported by this kernel (needs "
+                          "Linux 5.3; pidfd_getfd needs 5.6): pass the fds "
+                          "with the descriptor instead");
+    return gpuipc__fail_errno(err, "pidfd_open", "exporter pid %d",
+                              (int)exporter->pid);
+  }
+  gpuipc_status s = GPUIPC_OK;
+  /* The pidfd now pins the process the pid named when it was opened;
+   * checking the start time afterwards makes sure that is the exporter and
+   * not a later process that reused its pid. */
+  if (gpuipc__process_start_time(exporter->pid) != exporter->start_time) {
+    s = gpuipc__fail(GPUIPC_E_PEER_GONE,
+                     "exporter process %d is gone (its pid now names another "
+                     "process)",
+                     (int)exporter->pid);
+    goto out;
+  }
+  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, remote_fd, 0);
+  if (fd < 0) {
+    int err = errno;
+    if (err == EPERM || err == EACCES)
+      s = gpuipc__fail(
+          GPUIPC_E_PERMISSION,
+          "pidfd_getfd: %s: this process may not ptrace the exporter (pid "
+          "%d): pidfd_getfd needs PTRACE_MODE_ATTACH_REALCREDS permission "
+          "(same uid and kernel.yama.ptrace_scope 0, a ptracer relationship, "
+          "or CAP_SYS_PTRACE); pass the fds with the descriptor instead",
+          err == EPERM ? "EPERM" : "EACCES", (int)exporter->pid);
+    else if (err == ESRCH)
+      s = gpuipc__fail(GPUIPC_E_PEER_GONE, "pidfd_getfd: exporter %d exited",
+                       (int)exporter->pid);
+    else if (err == EBADF)
+      s = gpuipc__fail(GPUIPC_E_STALE,
+                       "pidfd_getfd: the exporter (pid %d) no longer has fd "
+                       "%d open: the object was freed",
+                       (int)exporter->pid, remote_fd);
+    else if (err == ENOSYS)
+      s = gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                       "pidfd_getfd: not supported by this kernel (needs "
+                       "Linux 5.6): pass the fds with the descriptor instead");
+    else
+      s = gpuipc__fail_errno(err, "pidfd_getfd", "exporter pid %d fd %d",
+                             (int)exporter->pid, remote_fd);
+    goto out;
+  }
+  *out = fd;
+out:
+  close(pidfd);
+  return s;
+}
+
+/* ---- public: decode without opening ------------------------------------------- */
+
+gpuipc_status gpuipc_desc_info_get(const uint8_t *desc, size_t len,
+                                   gpuipc_desc_info *info) {
+  if (info == NULL || info->size < sizeof(size_t))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_desc_info_get: info NULL or its size unset");
+  if (desc == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_desc_info_get: NULL");
+  gpuipc__desc d;
+  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
+  gpuipc_desc_info x;
+  memset(&x, 0, sizeof x);
+  x.size = info->size;
+  x.type = (gpuipc_desc_type)d.type;
+  x.kind = d.type == GPUIPC_DESC_EVENT ? GPUIPC_POOL_AUTO
+                                       : (gpuipc_pool_kind)d.kind;
+  x.version = d.version;
+  x.nfds = d.nfds;
+  memcpy(x.device.bytes, d.device, 16);
+  x.exporter_pid = d.exporter.pid;
+  x.pool_id = d.pool_id;
+  x.buffer_id = d.buffer_id;
+  x.generation = d.generation;
+  x.offset = d.offset;
+  x.bytes = d.size;
+  x.alloc_bytes = d.alloc_size;
+  gpuipc__identity me;
+  if (gpuipc__self_identity(&me) == GPUIPC_OK) {
+    x.same_machine = memcmp(me.boot_id, d.exporter.boot_id, 16) == 0;
+    x.same_namespace = x.same_machine && me.pidns == d.exporter.pidns;
+  }
+  size_t n = info->size < sizeof x ? info->size : sizeof x;
+  memcpy(info, &x, n);
+  return GPUIPC_OK;
+}
+
+/* ---- public: carrying descriptors over a socket ------------------------------- */
+
+static gpuipc_status send_all(int sock, const uint8_t *p, size_t n,
+                              const int *fds, int nfds) {
+  bool first = true;
+  while (n > 0) {
+    struct iovec iov = {(void *)p, n};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    union {
+      char buf[CMSG_SPACE(sizeof(int) * GPUIPC_DESC_MAX_FDS)];
+      struct cmsghdr align;
+    } cb;
+    if (first && nfds > 0) {
+      memset(&cb, 0, sizeof cb);
+      mh.msg_control = cb.buf;
+      mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+      struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+      memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+    }
+    ssize_t w;
+    GPUIPC__EINTR_RETRY(w, sendmsg(sock, &mh, MSG_NOSIGNAL));
+    if (w < 0) {
+      if (errno == EPIPE || errno == ECONNRESET)
+        return gpuipc__fail(GPUIPC_E_CLOSED, "gpuipc_desc_send: peer closed");
+      return gpuipc__fail_errno(errno, "sendmsg", "gpuipc_desc_send");
+    }
+    first = false;
+    p += w;
+    n -= (size_t)w;
+  }
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_desc_send(int sock, const uint8_t *desc, size_t len,
+                               const int *fds, int nfds) {
+  if (sock < 0 || desc == NULL || len == 0 || len > GPUIPC_DESC_MAX ||
+      nfds < 0 || nfds > GPUIPC_DESC_MAX_FDS || (nfds > 0 && fds == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_desc_send: bad arguments (len %zu, nfds %d)",
+                        len, nfds);
+  uint8_t msg[4 + GPUIPC_DESC_MAX];
+  put32(msg, (uint32_t)len);
+  memcpy(msg + 4, desc, len);
+  return send_all(sock, msg, 4 + len, fds, nfds);
+}
+
+static void close_fds(int *fds, int n) {
+  for (int i = 0; i < n; i++)
+    if (fds[i] >= 0)
+      close(fds[i]);
+}
+
+/* Reads exactly n bytes, collecting fds that arrive with any of them. */
+static gpuipc_status recv_all(int sock, uint8_t *p, size_t n, int *fds,
+                              int *got, int cap) {
+  while (n > 0) {
+    struct iovec iov = {p, n};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    union {
+      char buf[CMSG_SPACE(sizeof(int) * 8)];
+      struct cmsghdr align;
+    } cb;
+    mh.msg_control = cb.buf;
+    mh.msg_controllen = sizeof cb.buf;
+    ssize_t r;
+    GPUIPC__EINTR_RETRY(r, recvmsg(sock, &mh, MSG_CMSG_CLOEXEC));
+    if (r < 0)
+      return gpuipc__fail_errno(errno, "recvmsg", "gpuipc_desc_recv");
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+        continue;
+      int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      for (int i = 0; i < k; i++) {
+        int fd;
+        memcpy(&fd, CMSG_DATA(c) + sizeof(int) * (size_t)i, sizeof fd);
+        if (*got < cap)
+          fds[(*got)++] = fd;
+        else
+          close(fd); /* more than the caller can take: never leak them */
+      }
+    }
+    if (r == 0)
+      return gpuipc__fail(GPUIPC_E_CLOSED, "gpuipc_desc_recv: end of stream");
+    if (mh.msg_flags & MSG_CTRUNC)
+      GPUIPC__WARN("handle", "gpuipc_desc_recv: control data truncated");
+    p += r;
+    n -= (size_t)r;
+  }
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
+                               size_t *len, int *fds, int *nfds) {
+  if (sock < 0 || desc == NULL || len == NULL ||
+      (nfds != NULL && *nfds > 0 && fds == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_desc_recv: NULL");
+  int cap_fds = nfds ? *nfds : 0;
+  if (cap_fds > 8)
+    cap_fds = 8;
+  int tmp[8];
+  int got = 0;
+  uint8_t hdr[4];
+  gpuipc_status s = recv_all(sock, hdr, 4, tmp, &got, 8);
+  if (s != GPUIPC_OK)
+    goto fail;
+  uint32_t n = get32(hdr);
+  if (n == 0 || n > GPUIPC_DESC_MAX) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL,
+                     "gpuipc_desc_recv: message of %u bytes is no descriptor",
+                     n);
+    goto fail;
+  }
+  uint8_t body[GPUIPC_DESC_MAX];
+  s = recv_all(sock, body, n, tmp, &got, 8);
+  if (s != GPUIPC_OK)
+    goto fail;
+  if (n > cap) {
+    s = gpuipc__fail(GPUIPC_E_LIMIT,
+                     "gpuipc_desc_recv: descriptor of %u bytes, buffer %zu", n,
+                     cap);
+    goto fail;
+  }
+  if (got > cap_fds) {
+    s = gpuipc__fail(GPUIPC_E_LIMIT,
+                     "gpuipc_desc_recv: %d fd(s) arrived, room for %d", got,
+                     cap_fds);
+    goto fail;
+  }
+  memcpy(desc, body, n);
+  *len = n;
+  for (int i = 0; i < got; i++)
+    fds[i] = tmp[i];
+  if (nfds)
+    *nfds = got;
+  return GPUIPC_OK;
+fail:
+  close_fds(tmp, got);
+  if (nfds)
+    *nfds = 0;
+  return s;
+}

@@ -1,0 +1,231 @@
+/*
+ * handle_internal.h: the handle layer's objects and the internal functions
+ * other layers build on (the connection layer's arenas and per-buffer fast
+ * path, the transfer layer's shared pinned host memory).
+ *
+ * Building an arena (connection layer), the intended sequence:
+ *   exporter                                  importer
+ *   gpuipc_pool_create(MEMPOOL)               .
+ *   gpuipc__arena_alloc(pool, bytes, &buf)    .
+ *   gpuipc_pool_export(pool, d1, .., &fd)  -> gpuipc_pool_import(d1, fd, ..)
+ *     (once per connection; the fd by SCM_RIGHTS)   (cached per exporter pool)
+ *   gpuipc_buffer_export(buf, d2, .., 0 fds) -> gpuipc_buffer_import(d2, ..)
+ *     (once)                                   gpuipc__buffer_info(buf, &i):
+ *                                              i.ptr, i.buffer_id,
+ *                                              i.generation
+ *   then sub-allocate [off, off+len) of the arena and send only (arena id,
+ *   off, len, sequence numbers): no driver call per buffer.
+ * gpuipc__buffer_info() on the exporter side gives the same buffer id and
+ * generation, so both ends can tag their messages with them and refuse a
+ * message naming an arena generation they do not hold.
+ *
+ * Every function here follows the public conventions: returns a status,
+ * reports failures through gpuipc__fail*, restores the caller's context.
+ */
+#ifndef GPUIPC_HANDLE_INTERNAL_H
+#define GPUIPC_HANDLE_INTERNAL_H
+
+#include "descriptor.h"
+#include "driver.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+/* ---- objects --------------------------------------------------------------- */
+
+/* Where a buffer came from. */
+typedef enum gpuipc__origin {
+  GPUIPC__ALLOCATED = 1,
+  GPUIPC__WRAPPED = 2,
+  GPUIPC__IMPORTED = 3
+} gpuipc__origin;
+
+struct gpuipc__pool_import; /* cache.c: one imported exporter pool */
+struct gpuipc__mapping;     /* cache.c: one imported mapping */
+
+/* The most devices a pool can be made accessible to. */
+#define GPUIPC__MAX_ACCESS 16
+
+struct gpuipc_pool {
+  gpuipc_pool_kind kind;
+  int ordinal;      /* local device */
+  CUdevice cudev;
+  gpuipc_uuid uuid;
+  bool imported;
+  uint64_t id;      /* exporter-local pool id (descriptors carry it) */
+  size_t capacity;  /* 0: none */
+  atomic_size_t in_use;
+  atomic_long live; /* live buffers */
+  int access[GPUIPC__MAX_ACCESS]; /* ordinals besides `ordinal` */
+  int n_access;
+  /* MEMPOOL */
+  CUmemoryPool mp;
+  int export_fd;    /* the pool's shareable handle, made once; -1 */
+  pthread_mutex_t lock;
+  /* VMM */
+  size_t granularity;
+  /* imported pools */
+  struct gpuipc__pool_import *pimp;
+};
+
+struct gpuipc_buffer {
+  gpuipc__origin origin;
+  gpuipc_pool_kind kind;
+  int ordinal;          /* the memory's device, local ordinal */
+  int map_ordinal;      /* the device it is mapped on here */
+  gpuipc_uuid uuid;     /* the memory's device */
+  CUdeviceptr ptr;      /* first byte of the buffer here */
+  CUdeviceptr base;     /* the allocation's (mapping's) base here */
+  size_t size;          /* the buffer's bytes */
+  size_t offset;        /* ptr - base */
+  size_t alloc_size;    /* the allocation's mapped size */
+  uint64_t buffer_id;   /* CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter */
+  uint64_t generation;  /* exporter-local, per allocation */
+  gpuipc_pool *pool;    /* ALLOCATED: its pool */
+  uint64_t pool_id;     /* MEMPOOL: the exporter pool's id */
+  int pool_fd;          /* MEMPOOL wrapped: the foreign pool's fd (borrowed) */
+  /* Export state, made on first export (lock). */
+  pthread_mutex_t lock;
+  bool have_handle;
+  uint8_t handle[64];   /* CUipcMemHandle or CUmemPoolPtrExportData */
+  CUmemGenericAllocationHandle vmm;
+  int fd;               /* VMM / PINNED_HOST: shareable fd; -1 */
+  void *host;           /* PINNED_HOST: the host mapping */
+  struct gpuipc__mapping *map; /* IMPORTED: the cache entry */
+};
+
+struct gpuipc_event {
+  CUevent ev;
+  int ordinal;
+  gpuipc_uuid uuid;
+  bool imported;
+  uint8_t handle[64];
+};
+
+/* ---- the import cache (cache.c) ------------------------------------------------ */
+
+/* What identifies one mapping: the exporter, the handle kind, the local
+ * device it is mapped on, and the allocation (handle bytes for LEGACY and
+ * MEMPOOL, which the driver maps once however often it is opened; the
+ * generation for VMM and PINNED_HOST, whose fds are per allocation). */
+typedef struct gpuipc__map_key {
+  gpuipc__identity exporter;
+  uint8_t kind;
+  int map_ordinal;
+  uint64_t pool_id;
+  uint8_t bytes[64];
+} gpuipc__map_key;
+
+/* Builds the key of a decoded buffer descriptor mapped on map_ordinal. */
+void gpuipc__map_key_of(const gpuipc__desc *d, int map_ordinal,
+                        gpuipc__map_key *k);
+
+/* The result of opening: filled by the opener (buffer.c). */
+typedef struct gpuipc__opened {
+  CUdeviceptr base;
+  size_t mapped_size;
+  void *host;                          /* PINNED_HOST */
+  struct gpuipc__pool_import *pimp;    /* MEMPOOL: holds a reference */
+} gpuipc__opened;
+
+/* Opens the memory a descriptor names (buffer.c); called by the cache
+ * without its lock held. */
+typedef gpuipc_status (*gpuipc__open_fn)(const gpuipc__desc *d,
+                                         int map_ordinal, const int *fds,
+                                         int nfds, unsigned flags,
+                                         gpuipc__opened *out);
+/* Undoes an open (buffer.c). */
+void gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o);
+
+/* Looks the descriptor up in the cache; on a valid hit takes a reference,
+ * else (miss, or a stale entry which is retired) opens it with `open`,
+ * exactly once even when many threads ask at once. *map receives the entry
+ * (one reference). */
+gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
+                                    const int *fds, int nfds, unsigned flags,
+                                    gpuipc__open_fn open,
+                                    struct gpuipc__mapping **map);
+/* Drops one reference; the last one unmaps. */
+gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *map);
+/* The mapping's base address and mapped size; host address for PINNED_HOST. */
+CUdeviceptr gpuipc__mapping_base(const struct gpuipc__mapping *m);
+size_t gpuipc__mapping_size(const struct gpuipc__mapping *m);
+void *gpuipc__mapping_host(const struct gpuipc__mapping *m);
+
+/* Imported exporter pools, cached per (exporter, pool id) for the life of
+ * the process (the driver cannot destroy an imported pool). Returns the
+ * pool with access granted to map_ordinal (cuMemPoolSetAccess once per
+ * (pool, device)). fd may be -1 when the pool is cached already, or when
+ * flags has GPUIPC_IMPORT_PIDFD_GETFD. Holds one reference until
+ * gpuipc__pool_import_release. */
+gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
+                                          int map_ordinal, int fd,
+                                          unsigned flags,
+                                          struct gpuipc__pool_import **out);
+void gpuipc__pool_import_release(struct gpuipc__pool_import *p);
+CUmemoryPool gpuipc__pool_import_handle(const struct gpuipc__pool_import *p);
+
+/* Counters (cache.c). */
+void gpuipc__cache_count_open(void);
+void gpuipc__cache_count_close(void);
+
+/* ---- pools (pool.c) --------------------------------------------------------------- */
+
+/* A new exporter-local id for a pool, and a new generation for an
+ * allocation (both process-wide counters, never 0). */
+uint64_t gpuipc__next_pool_id(void);
+uint64_t gpuipc__next_generation(void);
+
+/* The pool's shareable fd, made once and owned by the pool (-1 for kinds
+ * without one). Borrowed: dup() it to send it. MEMPOOL only. */
+gpuipc_status gpuipc__pool_fd(gpuipc_pool *pool, int *fd /* OUT, borrowed */);
+
+/* Finds (or, for a foreign IPC-capable pool, registers for good) the
+ * exporter-side identity of a driver pool, so wrapped pool memory can be
+ * exported: its pool id and fd (borrowed). */
+gpuipc_status gpuipc__pool_lookup_foreign(CUmemoryPool mp, int ordinal,
+                                          uint64_t *id, int *fd);
+
+/* Resolves pool options' device to a local ordinal. */
+gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
+                                     int *out);
+
+/* ---- for the connection and transfer layers ---------------------------------------- */
+
+/* Allocates one buffer meant to be carved up (an arena): the same as
+ * gpuipc_buffer_alloc() on the default stream, followed by a stream
+ * synchronize for MEMPOOL so the memory is usable from any stream and any
+ * process at once. */
+gpuipc_status gpuipc__arena_alloc(gpuipc_pool *pool, size_t size,
+                                  gpuipc_buffer **buf);
+
+/* Everything the fast path needs to know about a buffer, either side. */
+typedef struct gpuipc__buffer_info {
+  gpuipc_pool_kind kind;
+  gpuipc__origin origin;
+  CUdeviceptr ptr;      /* first byte here */
+  void *host;           /* PINNED_HOST: host address, else NULL */
+  size_t size;
+  int ordinal;          /* the memory's device here */
+  int map_ordinal;      /* where it is mapped here */
+  uint64_t buffer_id;   /* the exporter's buffer id */
+  uint64_t generation;  /* the exporter's generation */
+  uint64_t pool_id;     /* MEMPOOL: exporter pool id */
+  gpuipc__identity exporter; /* who allocated it (this process unless
+                                imported) */
+} gpuipc__buffer_info;
+
+gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *buf,
+                                      gpuipc__buffer_info *info);
+
+/* The driver's buffer id of the allocation holding ptr (0 when the driver
+ * has none for it). Makes no context current: the pointer's own context is
+ * implied by unified addressing. */
+gpuipc_status gpuipc__pointer_buffer_id(CUdeviceptr ptr, uint64_t *id);
+
+/* Identity of a pool: the exporter plus its pool id. */
+gpuipc_status gpuipc__pool_identity(const gpuipc_pool *pool,
+                                    gpuipc__identity *exporter,
+                                    uint64_t *pool_id);
+
+#endif /* GPUIPC_HANDLE_INTERNAL_H */
