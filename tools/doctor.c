@@ -721,14 +721,24 @@ static void decide(doc_report *r) {
 
 /* ---- human output ------------------------------------------------------------ */
 
+static void sanitize(char *s);
 static void h_section(FILE *out, const char *fmt, ...) GPUIPC__PRINTF(2, 3);
 static void h_section(FILE *out, const char *fmt, ...) {
+  char line[DOC_WIDTH + 1];
   va_list ap;
   va_start(ap, fmt);
-  fputc('\n', out);
-  vfprintf(out, fmt, ap);
-  fputc('\n', out);
+  vsnprintf(line, sizeof line, fmt, ap);
   va_end(ap);
+  sanitize(line);
+  fprintf(out, "\n%s\n", line);
+}
+
+/* Device names and error messages come from the driver: control characters
+ * in them would garble the terminal, so they become spaces. */
+static void sanitize(char *s) {
+  for (; *s; s++)
+    if ((unsigned char)*s < 0x20 || *s == 0x7f)
+      *s = ' ';
 }
 
 /* "  key                      value", the value wrapped at DOC_WIDTH with a
@@ -740,6 +750,7 @@ static void h_kv(FILE *out, const char *key, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(val, sizeof val, fmt, ap);
   va_end(ap);
+  sanitize(val);
   const int indent = 2 + DOC_KEY_WIDTH + 1;
   const size_t room = DOC_WIDTH - indent;
   fprintf(out, "  %-*s ", DOC_KEY_WIDTH, key);
@@ -868,7 +879,7 @@ static void print_human(FILE *out, const doc_report *r) {
     if (r->device_count == 1) {
       fprintf(out, "  one device: no pairs\n");
     } else {
-      fprintf(out, "  %-8s %-16s %-16s %-16s %s\n", "pair", "can access peer",
+      fprintf(out, "  %-8s %-16s %-16s %-17s %s\n", "pair", "can access peer",
               "P2P supported", "performance rank", "native atomics");
       for (int i = 0; i < r->device_count; i++)
         for (int j = 0; j < r->device_count; j++) {
@@ -881,7 +892,7 @@ static void print_human(FILE *out, const doc_report *r) {
             snprintf(rank, sizeof rank, "%d", p->perf_rank);
           else
             snprintf(rank, sizeof rank, "?");
-          fprintf(out, "  %-8s %-16s %-16s %-16s %s\n", pair,
+          fprintf(out, "  %-8s %-16s %-16s %-17s %s\n", pair,
                   p->have_can_access ? yn(p->can_access) : "?",
                   p->have_access_supported ? yn(p->access_supported) : "?", rank,
                   p->have_native_atomic ? yn(p->native_atomic) : "?");
@@ -923,7 +934,8 @@ static void print_human(FILE *out, const doc_report *r) {
   for (int m = 0; m < M_COUNT; m++) {
     const doc_verdict *v = &r->verdict[m];
     if (!v->usable) {
-      h_kv(out, mech_info[m].label, "not usable: %s", v->reason);
+      h_kv(out, mech_info[m].label, "%s%s",
+           strncmp(v->reason, "not applicable", 14) == 0 ? "" : "not usable: ", v->reason);
       continue;
     }
     char where[256] = "";
