@@ -627,13 +627,22 @@ static void decide(doc_report *r) {
     for (int m = 0; m < M_COUNT; m++)
       snprintf(r->verdict[m].reason, sizeof r->verdict[m].reason, "%s", common);
   } else {
-    /* Legacy cuIpc handles: unified addressing on 64-bit Linux (compute
-     * capability 2.0 and later, which every current device has). */
+    /* Legacy cuIpc handles: unified addressing on 64-bit Linux and compute
+     * capability 2.0 or later (every device a current driver supports). */
     {
-      const enum doc_attr need[] = {A_UNIFIED, A_CC_MAJOR};
-      const char *const why[] = {"no device supports unified addressing",
-                                 "no device reports its compute capability"};
-      per_device(r, M_LEGACY, need, why, 2);
+      doc_verdict *v = &r->verdict[M_LEGACY];
+      bool any_uva = false;
+      for (int i = 0; i < r->device_count; i++) {
+        const doc_device *d = &r->dev[i];
+        bool uva = attr_yes(d, A_UNIFIED);
+        any_uva = any_uva || uva;
+        v->on_device[i] = uva && d->have_attr[A_CC_MAJOR] && d->attr[A_CC_MAJOR] >= 2;
+        v->usable = v->usable || v->on_device[i];
+      }
+      if (!v->usable)
+        snprintf(v->reason, sizeof v->reason, "%s",
+                 any_uva ? "no device of compute capability 2.0 or later"
+                         : "no device supports unified addressing");
     }
     /* Pool fds: stream-ordered pools whose handle types include POSIX fds. */
     {
