@@ -89,6 +89,9 @@ TEST_IMPL(conformance_host_alloc_device_pointer) {
   fill_host(tmp, HOST_BYTES, 53);
   ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(dev, tmp, HOST_BYTES));
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoD(dp, dev, HOST_BYTES));
+  /* A device-to-device copy does not wait for completion (cuda.h, "API
+   * synchronization behavior"): synchronize before the host reads. */
+  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
   check_host(hp, HOST_BYTES, 53);
   free(tmp);
 
@@ -183,6 +186,7 @@ HELPER_IMPL(conf_host_register_peer) {
   ASSERT_NOT_NULL(tmp);
   fill_host(tmp, half, seed + 1);
   ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(dev, tmp, half));
+  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
   free(tmp);
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoH((char *)shared + half, dev, half));
   harness_send_u64(sock, 2);

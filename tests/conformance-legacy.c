@@ -36,7 +36,8 @@ static uint32_t pattern_word(uint32_t seed, size_t i) {
   return seed * 2654435761u + (uint32_t)i * 40503u + 1u;
 }
 
-/* Writes a recognizable pattern (a function of seed and index) to n bytes. */
+/* Writes a recognizable pattern (a function of seed and index) to n bytes,
+ * and waits until it is in device memory. */
 static void put_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
   uint32_t *h = malloc(n);
   ASSERT_NOT_NULL(h);
@@ -44,6 +45,10 @@ static void put_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
     h[i] = pattern_word(seed, i);
   ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(p, h, n));
   free(h);
+  /* A copy from pageable memory may return before the data reaches the
+   * device (cuda.h, "API synchronization behavior"): finish it before
+   * another process is told to look. */
+  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
 }
 
 /* Reads n bytes back and checks they hold the pattern of seed. */

@@ -44,6 +44,10 @@ static void put_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
     h[i] = pattern_word(seed, i);
   ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(p, h, n));
   free(h);
+  /* A copy from pageable memory may return before the data reaches the
+   * device (cuda.h, "API synchronization behavior"): finish it before
+   * another process is told to look. */
+  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
 }
 
 static void check_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
