@@ -1,0 +1,419 @@
+/*
+ * gpuipc/conn.h: connections between processes, and the per-buffer fast
+ * path that hands GPU buffers over them.
+ *
+ * Included from gpuipc.h; do not include it on its own.
+ *
+ * Overview
+ * --------
+ * A connection (gpuipc_conn) is a Unix-domain stream socket between two
+ * processes of one machine. It is made by name (gpuipc_listen + gpuipc_accept
+ * on one side, gpuipc_connect on the other) or as a connected pair for a
+ * parent and the child it starts (gpuipc_conn_pair + gpuipc_conn_from_fd).
+ * When it is made, each side checks the other's credentials (SO_PEERCRED and
+ * kernel-verified SCM_CREDENTIALS): by default the peer must run under the
+ * same uid; an allow-list of uids and gids widens that.
+ *
+ * A connection carries:
+ *  - small user messages with file descriptors (gpuipc_conn_send_msg /
+ *    gpuipc_conn_recv_msg), for an application's own protocol;
+ *  - GPU buffers, the reason the library exists (gpuipc_conn_send /
+ *    gpuipc_conn_recv / gpuipc_conn_release).
+ *
+ * The fast path. Importing GPU memory into another process costs tens to
+ * hundreds of microseconds per driver call (pool import ~170 us, pointer
+ * export ~50 us, legacy open ~47 us). gpuipc pays those once: an exporter
+ * owns an arena (gpuipc_arena, one IPC-capable allocation, or a few as it
+ * grows), exported to each connection once, the first time a block of it is
+ * sent there; the consumer imports it once. Buffers are blocks
+ * (gpuipc_block) sub-allocated from the arena; sending one costs one small
+ * message (arena id, offset, length, sequence number, user metadata) and no
+ * driver export/import call.
+ *
+ * Stream ordering. gpuipc_conn_send(conn, block, stream) enqueues, on the
+ * producer's stream, a write of a sequence number into a flag word in device
+ * memory both processes map (cuStreamWriteValue64); gpuipc_conn_recv(conn,
+ * stream) enqueues on the consumer's stream a wait for that value
+ * (cuStreamWaitValue64). So the consumer's later work on its stream runs
+ * after the producer's work queued before the send, and neither host blocks.
+ * gpuipc_conn_release(conn, id, stream) does the reverse with a second flag
+ * word: the memory of a block the producer freed is handed out again (by
+ * gpuipc_arena_alloc) only after every consumer released it AND the GPU work
+ * each consumer queued before its release has completed.
+ *
+ * Leases. The exporter tracks, per connection, which blocks the peer holds
+ * (gpuipc_conn_outstanding, gpuipc_arena_stats). gpuipc_block_free of a
+ * block that peers hold defers the real free until their releases.
+ *
+ * Peer death. If a consumer dies (crash, kill -9), the exporter sees its
+ * connection close (in any call that makes progress on it) and reclaims
+ * everything the consumer held once the process is gone: a dead process's
+ * GPU work is torn down with its context, so nothing can still read the
+ * memory. If the exporter dies, the consumer's next call on the connection
+ * returns GPUIPC_E_PEER_GONE; the buffers it holds stay mapped and readable
+ * (with whatever data they last had) until released; and any of the
+ * consumer's streams that wait on a flag word the dead exporter will never
+ * write are unblocked (gpuipc writes the awaited values into its own mapping
+ * of the flag words), so nothing hangs: the data such a stream then reads is
+ * undefined, which the GPUIPC_E_PEER_GONE status tells the application.
+ *
+ * Progress. There is no background thread. Incoming frames (buffers,
+ * releases, arena exports, user messages) are read inside every call on the
+ * connection and in gpuipc_conn_progress. An event loop polls
+ * gpuipc_conn_fd() for POLLIN and calls gpuipc_conn_progress (or recv) when
+ * it is readable. An exporter that only sends must still make progress now
+ * and then (send does, too), or releases pile up in the socket.
+ *
+ * Timeouts. Every call that can wait takes its limit from the connection's
+ * timeout (gpuipc_conn_options.timeout_ms, gpuipc_conn_set_timeout): -1
+ * waits forever, 0 never waits. A connection in non-blocking mode never
+ * waits: a call that would returns GPUIPC_E_WOULD_BLOCK and has done
+ * nothing.
+ *
+ * Threads. A gpuipc_conn, gpuipc_listener, gpuipc_arena and its blocks may
+ * be used from any thread, but only from one at a time per object (no
+ * internal locking on the fast path); a connection and the arena it sends
+ * from must be used under the same lock when threads share them.
+ * Different connections are independent.
+ *
+ * Errors on a connection. A peer that sends something that is not a valid
+ * frame (bad magic or version, a length over the maximum, an unknown type, a
+ * truncated frame, file descriptors that do not match the header) is
+ * disconnected: the call returns GPUIPC_E_PROTOCOL with the reason, the
+ * socket is closed, and later calls return GPUIPC_E_CLOSED. Nothing else in
+ * the process is disturbed.
+ */
+#ifndef GPUIPC_CONN_H
+#define GPUIPC_CONN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct CUstream_st; /* CUstream / cudaStream_t; NULL = legacy default stream */
+
+typedef struct gpuipc_listener gpuipc_listener;
+typedef struct gpuipc_conn gpuipc_conn;
+typedef struct gpuipc_arena gpuipc_arena;
+typedef struct gpuipc_block gpuipc_block;
+
+/* Largest user message (gpuipc_conn_send_msg), in bytes. */
+#define GPUIPC_CONN_MSG_MAX 65536
+/* Most file descriptors in one user message. */
+#define GPUIPC_CONN_FDS_MAX 16
+/* Largest user metadata that travels with one buffer (shape, dtype, a
+ * request id...), in bytes. */
+#define GPUIPC_META_MAX 256
+/* Longest connection name (without the runtime directory). */
+#define GPUIPC_CONN_NAME_MAX 80
+
+/* How the consumer's GPU work is ordered after the producer's. */
+typedef enum gpuipc_order_mode {
+  /* Stream memory operations on flag words in shared device memory
+   * (cuStreamWriteValue64 / cuStreamWaitValue64): about a microsecond per
+   * buffer on each side; no host synchronization. The default. */
+  GPUIPC_ORDER_MEMOP = 0,
+  /* No GPU ordering: the producer promises its work on the buffer is
+   * complete before send (e.g. it synchronized), and the consumer that its
+   * work is complete before release. For host-side pipelines and tests. */
+  GPUIPC_ORDER_NONE = 1
+} gpuipc_order_mode;
+
+/* Options of a connection (and of a listener: connections it accepts take
+ * them). Read only `size` bytes. */
+typedef struct gpuipc_conn_options {
+  size_t size;
+  /* Limit for every call that waits, in milliseconds; -1: forever. Default
+   * 10000. */
+  int timeout_ms;
+  /* Nonzero: calls never wait (GPUIPC_E_WOULD_BLOCK instead). Default 0. */
+  int nonblocking;
+  /* Nonzero: the name is an abstract socket name (Linux; no file, no
+   * directory; access is governed by the credential check alone). Default
+   * 0: a socket file in the runtime directory. */
+  int abstract_name;
+  /* Directory for socket files. NULL: $XDG_RUNTIME_DIR/gpuipc when
+   * XDG_RUNTIME_DIR is set, else /tmp/gpuipc-UID. gpuipc creates it with
+   * mode 0700 and refuses it (GPUIPC_E_PERMISSION) if it exists but is not a
+   * directory owned by this uid with mode 0700. */
+  const char *runtime_dir;
+  /* Who may be on the other end. The peer is accepted when its uid equals
+   * ours, or is listed in allow_uids, or its primary gid is listed in
+   * allow_gids. The arrays are copied. */
+  const uint32_t *allow_uids;
+  size_t n_allow_uids;
+  const uint32_t *allow_gids;
+  size_t n_allow_gids;
+  /* Buffers one side may have outstanding (sent, not yet released) on this
+   * connection. Default 256; at most 65536. Each costs 16 bytes of device
+   * memory in the sender's arena. */
+  uint32_t max_outstanding;
+  /* GPU ordering of handed-over buffers. Default GPUIPC_ORDER_MEMOP. */
+  gpuipc_order_mode order;
+} gpuipc_conn_options;
+
+#define GPUIPC_CONN_OPTIONS_INIT                                               \
+  {sizeof(gpuipc_conn_options), 10000, 0, 0, NULL, NULL, 0, NULL, 0, 256,      \
+   GPUIPC_ORDER_MEMOP}
+
+/* ------------------------------------------------------------------------ */
+/* Making connections                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Listens on `name` (letters, digits, '.', '_', '-'; at most
+ * GPUIPC_CONN_NAME_MAX bytes). Creates the runtime directory when needed. A
+ * stale socket file of a dead listener is replaced; a live one makes this
+ * fail with GPUIPC_E_EXISTS. opts may be NULL. On success *out owns the
+ * socket; close it with gpuipc_listener_close. Needs no CUDA. */
+GPUIPC_API gpuipc_status gpuipc_listen(const char *name,
+                                       const gpuipc_conn_options *opts,
+                                       gpuipc_listener **out /* OUT */);
+
+/* Accepts one connection: waits (up to the listener's timeout; never in
+ * non-blocking mode: GPUIPC_E_WOULD_BLOCK) for a peer, checks its
+ * credentials and completes the handshake (which waits up to the timeout
+ * even in non-blocking mode). A refused peer is logged, told why and
+ * disconnected, and this returns GPUIPC_E_PEER_REFUSED (the listener stays
+ * usable). Other failures of one peer (garbage, a peer that vanished) return
+ * GPUIPC_E_PROTOCOL / GPUIPC_E_PEER_GONE and leave the listener usable. */
+GPUIPC_API gpuipc_status gpuipc_accept(gpuipc_listener *l,
+                                       gpuipc_conn **out /* OUT */);
+
+/* The listening socket, for poll/epoll (POLLIN: a peer waits in accept). */
+GPUIPC_API int gpuipc_listener_fd(const gpuipc_listener *l);
+/* The socket's path ("@name" for an abstract name). Owned by l. */
+GPUIPC_API const char *gpuipc_listener_path(const gpuipc_listener *l);
+/* Stops listening, removes the socket file. Connections already accepted
+ * stay open. NULL is a no-op. */
+GPUIPC_API void gpuipc_listener_close(gpuipc_listener *l);
+
+/* Connects to the listener named `name` (resolved as gpuipc_listen does,
+ * with the same opts->runtime_dir / abstract_name). Checks the listener's
+ * credentials too. Returns GPUIPC_E_NOT_FOUND when nobody listens there,
+ * GPUIPC_E_PEER_REFUSED when either side refused the other, GPUIPC_E_TIMEOUT.
+ * Needs no CUDA. */
+GPUIPC_API gpuipc_status gpuipc_connect(const char *name,
+                                        const gpuipc_conn_options *opts,
+                                        gpuipc_conn **out /* OUT */);
+
+/* A connected pair of sockets for a parent and the child it starts: give
+ * fds[1] to the child (it must survive exec: the pair is created
+ * close-on-exec, so clear FD_CLOEXEC on it, or dup2 it in posix_spawn file
+ * actions) and close it in the parent; each side then calls
+ * gpuipc_conn_from_fd on its end. */
+GPUIPC_API gpuipc_status gpuipc_conn_pair(int fds[2] /* OUT */);
+
+/* Makes a connection of a connected Unix stream socket (one end of
+ * gpuipc_conn_pair, or any connected AF_UNIX SOCK_STREAM socket): performs
+ * the handshake and credential check. Takes ownership of fd, also on
+ * failure. */
+GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
+                                             const gpuipc_conn_options *opts,
+                                             gpuipc_conn **out /* OUT */);
+
+/* Closes a connection. Buffers this side still holds are released as
+ * gpuipc_conn_release(conn, id, NULL) would (ordered after work on the
+ * legacy default stream and streams that synchronize with it; release
+ * explicitly on your own streams before closing to be exact), the peer is
+ * told, and imported arenas are unmapped once that work is done. Buffers the
+ * peer holds from us are reclaimed when the peer releases them or is gone.
+ * NULL is a no-op. */
+GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
+
+/* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
+ * recv will find something (or learn the peer is gone). Do not read or write
+ * it yourself. Valid until gpuipc_conn_close (-1 after a disconnect). */
+GPUIPC_API int gpuipc_conn_fd(const gpuipc_conn *conn);
+
+/* Sets the timeout of later calls (ms; -1 forever, 0 never wait). */
+GPUIPC_API gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn,
+                                                 int timeout_ms);
+/* Switches non-blocking mode on (nonzero) or off. */
+GPUIPC_API gpuipc_status gpuipc_conn_set_nonblocking(gpuipc_conn *conn,
+                                                     int nonblocking);
+
+/* Who is on the other end, as the kernel vouched for it at handshake. */
+typedef struct gpuipc_peer_info {
+  int pid;
+  uint32_t uid;
+  uint32_t gid;
+} gpuipc_peer_info;
+GPUIPC_API gpuipc_status gpuipc_conn_peer(const gpuipc_conn *conn,
+                                          gpuipc_peer_info *info /* OUT */);
+
+/* Makes progress without waiting longer than timeout_ms (-1: until
+ * something arrives; 0: only what is there): sends what is queued, reads and
+ * handles incoming frames (releases, arena exports, peer departure), and
+ * reclaims what a dead peer held. Returns GPUIPC_OK (also when nothing
+ * arrived), GPUIPC_E_PEER_GONE once the peer is gone (after the cleanup),
+ * GPUIPC_E_CLOSED on a connection that was disconnected earlier,
+ * GPUIPC_E_PROTOCOL when the peer sent garbage (now disconnected). */
+GPUIPC_API gpuipc_status gpuipc_conn_progress(gpuipc_conn *conn,
+                                              int timeout_ms);
+
+/* ------------------------------------------------------------------------ */
+/* User messages                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Sends a message of len bytes (<= GPUIPC_CONN_MSG_MAX) with nfds file
+ * descriptors (<= GPUIPC_CONN_FDS_MAX; the caller keeps its own copies).
+ * Messages arrive whole and in order, interleaved with buffers in send
+ * order. GPUIPC_E_TIMEOUT / GPUIPC_E_WOULD_BLOCK when the socket stays full
+ * (then nothing was sent), GPUIPC_E_PEER_GONE. */
+GPUIPC_API gpuipc_status gpuipc_conn_send_msg(gpuipc_conn *conn,
+                                              const void *data, size_t len,
+                                              const int *fds, int nfds);
+
+/* Receives the next user message into buf (cap bytes); *len gets its size.
+ * Received descriptors (close-on-exec) go to fds (capacity *nfds on entry,
+ * the number received on return); fds and nfds may be NULL when none are
+ * expected: surplus descriptors are closed. A message longer than cap is
+ * consumed and GPUIPC_E_TRUNCATED returned with *len the full size.
+ * Buffers that arrive meanwhile are queued for gpuipc_conn_recv. Waits up
+ * to the timeout: GPUIPC_E_TIMEOUT, GPUIPC_E_WOULD_BLOCK, GPUIPC_E_PEER_GONE. */
+GPUIPC_API gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf,
+                                              size_t cap, size_t *len /* OUT */,
+                                              int *fds /* OUT */,
+                                              int *nfds /* IN/OUT */);
+
+/* ------------------------------------------------------------------------ */
+/* Arenas and blocks (the exporter's side)                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct gpuipc_arena_options {
+  size_t size;
+  /* The device, by local ordinal. Default 0. */
+  int device;
+  /* Bytes of the first chunk; the arena grows by chunks of this size (or
+   * the size of a larger request) up to max_bytes. Default 64 MiB. */
+  size_t chunk_bytes;
+  /* Upper bound of all chunks together; 0: no bound but device memory.
+   * Default 0. */
+  size_t max_bytes;
+} gpuipc_arena_options;
+
+#define GPUIPC_ARENA_OPTIONS_INIT                                              \
+  {sizeof(gpuipc_arena_options), 0, (size_t)64 << 20, 0}
+
+/* Creates an arena and allocates its first chunk of IPC-capable device
+ * memory (a stream-ordered memory pool with POSIX file-descriptor export).
+ * Needs CUDA. The arena may feed any number of connections. */
+GPUIPC_API gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
+                                             gpuipc_arena **out /* OUT */);
+
+/* Destroys an arena. Fails with GPUIPC_E_BUSY (and does nothing) while
+ * blocks are allocated or held by peers, or while a connection still uses
+ * the arena for its flag words (close those connections first). NULL is a
+ * no-op. */
+GPUIPC_API gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena);
+
+/* Allocates a block of `bytes` (rounded up to 256) from the arena. Memory
+ * that was held by consumers is handed out again only once their releases
+ * arrived; if their GPU work may still be running, the allocation is
+ * ordered after it on `stream` (stream-ordered, like cuMemAllocFromPoolAsync:
+ * use the block on that stream, or order other streams after it). Grows the
+ * arena by a chunk when nothing fits (new chunks are exported to each
+ * connection the next time a block of them is sent there). Returns
+ * GPUIPC_E_OUT_OF_DEVICE_MEMORY when max_bytes or the device is
+ * exhausted. The block is owned by the caller until gpuipc_block_free. */
+GPUIPC_API gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
+                                            struct CUstream_st *stream,
+                                            gpuipc_block **out /* OUT */);
+
+/* The block's device pointer (a CUdeviceptr cast to void*) and size. */
+GPUIPC_API void *gpuipc_block_ptr(const gpuipc_block *block);
+GPUIPC_API size_t gpuipc_block_size(const gpuipc_block *block);
+/* Number of peers that hold the block now. */
+GPUIPC_API unsigned gpuipc_block_holders(const gpuipc_block *block);
+
+/* Frees a block: the caller's work on it must have been queued on `stream`
+ * (or be complete). The memory returns to the arena when every peer that
+ * holds it has released it (or died) and their GPU work is done, and the
+ * work queued on `stream` before this call is done. The block object itself
+ * is gone on return. NULL is a no-op. */
+GPUIPC_API gpuipc_status gpuipc_block_free(gpuipc_block *block,
+                                           struct CUstream_st *stream);
+
+/* What an arena has out: blocks allocated and not freed, blocks freed but
+ * still held by peers (deferred frees), and leases (block x peer) out. */
+typedef struct gpuipc_arena_stats {
+  size_t size;
+  size_t chunks;
+  size_t bytes_total;     /* all chunks */
+  size_t bytes_allocated; /* allocated blocks, including deferred frees */
+  size_t blocks_allocated;
+  size_t blocks_deferred; /* freed by the owner, still held by a peer */
+  size_t leases;          /* (block, connection) pairs outstanding */
+} gpuipc_arena_stats;
+#define GPUIPC_ARENA_STATS_INIT {sizeof(gpuipc_arena_stats), 0, 0, 0, 0, 0, 0}
+GPUIPC_API gpuipc_status gpuipc_arena_stats_get(gpuipc_arena *arena,
+                                                gpuipc_arena_stats *st /* IN/OUT: size */);
+
+/* ------------------------------------------------------------------------ */
+/* Handing buffers over                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Sends a block to the peer, ordered after the work queued on `stream`
+ * before this call: the consumer's work after its recv waits for it on the
+ * GPU. The peer holds a lease on the block until it releases it; the block
+ * may be sent to many connections (each holds its own lease) and to the
+ * same one more than once. meta (meta_len <= GPUIPC_META_MAX bytes, may be
+ * NULL/0) travels with it. The first send of a block of a given chunk on a
+ * connection exports that chunk there (setup cost, once); after that a
+ * send costs one stream memory operation and one small message.
+ * Waits (up to the timeout) when max_outstanding buffers are out on this
+ * connection, making progress meanwhile. GPUIPC_E_PEER_GONE once the peer
+ * is gone. */
+GPUIPC_API gpuipc_status gpuipc_conn_send(gpuipc_conn *conn,
+                                          gpuipc_block *block,
+                                          struct CUstream_st *stream,
+                                          const void *meta, size_t meta_len);
+
+/* What gpuipc_conn_recv hands over. */
+typedef struct gpuipc_received {
+  size_t size;      /* set to sizeof(gpuipc_received) before the call */
+  uint64_t id;      /* names this lease in gpuipc_conn_release */
+  void *ptr;        /* device pointer in this process */
+  size_t length;    /* bytes */
+  int device;       /* local ordinal of the device holding the memory */
+  uint32_t meta_len;
+  uint8_t meta[GPUIPC_META_MAX];
+} gpuipc_received;
+#define GPUIPC_RECEIVED_INIT {sizeof(gpuipc_received), 0, NULL, 0, 0, 0, {0}}
+
+/* Receives the next buffer (waiting up to the timeout). On return, the work
+ * the caller queues on `stream` after this call runs after the producer's
+ * work queued before its send; the memory is readable (and writable) at
+ * out->ptr until gpuipc_conn_release(conn, out->id, ...). User messages
+ * that arrive meanwhile are queued for gpuipc_conn_recv_msg.
+ * GPUIPC_E_TIMEOUT / GPUIPC_E_WOULD_BLOCK when nothing came;
+ * GPUIPC_E_PEER_GONE when the exporter is gone (buffers already received
+ * stay readable until released). Needs CUDA. */
+GPUIPC_API gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn,
+                                          struct CUstream_st *stream,
+                                          gpuipc_received *out /* OUT */);
+
+/* Gives a received buffer back: the exporter may reuse its memory once the
+ * work queued on `stream` before this call has completed (ordered on the
+ * GPU; this call does not wait). After it, out->ptr must no longer be used.
+ * Never blocks. GPUIPC_E_NOT_FOUND for an id not held. If the exporter is
+ * gone, the lease is dropped locally and GPUIPC_OK returned. */
+GPUIPC_API gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
+                                             struct CUstream_st *stream);
+
+/* Buffers outstanding on this connection: *held_by_peer: our blocks the
+ * peer holds now (sent, not released); *held_here: the peer's buffers we
+ * hold (received, not released). Either pointer may be NULL. Makes progress
+ * (no waiting) first, so releases already sent are counted. */
+GPUIPC_API gpuipc_status gpuipc_conn_outstanding(gpuipc_conn *conn,
+                                                 size_t *held_by_peer /* OUT */,
+                                                 size_t *held_here /* OUT */);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GPUIPC_CONN_H */

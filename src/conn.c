@@ -1,0 +1,1401 @@
+/*
+ * conn.c: owns the connection transport: the per-user runtime directory,
+ * listening / accepting / connecting by name (file or abstract), connected
+ * pairs, the handshake with credential checks, framing (length, type,
+ * version, header check), file descriptors (SCM_RIGHTS), partial reads and
+ * writes, timeouts, non-blocking mode, and user messages. It needs no CUDA;
+ * the fast-path frames are handed to handoff.c.
+ *
+ * Sockets are always O_NONBLOCK underneath: a "blocking" call is a poll()
+ * loop bounded by the connection's timeout, so no call can wait forever on
+ * a peer that stopped reading or writing, and EINTR only shortens one
+ * poll() round.
+ */
+#include "conn_internal.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define RX_CHUNK 65536
+#define TX_QUEUE_MAX ((size_t)8 << 20)
+
+struct gpuipc_listener {
+  int fd;
+  int abstract_name;
+  char path[sizeof(((struct sockaddr_un *)0)->sun_path) + 2];
+  gpuipc_conn_options opts;
+  uint32_t *allow_uids, *allow_gids;
+};
+
+/* ---- options ------------------------------------------------------------------ */
+
+typedef struct copts {
+  gpuipc_conn_options o;
+} copts;
+
+static gpuipc_status read_opts(const gpuipc_conn_options *in, copts *out) {
+  gpuipc_conn_options def = GPUIPC_CONN_OPTIONS_INIT;
+  out->o = def;
+  if (in == NULL)
+    return GPUIPC_OK;
+  if (in->size < offsetof(gpuipc_conn_options, timeout_ms) + sizeof(int) ||
+      in->size > 4096)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_options.size %zu: use "
+                        "GPUIPC_CONN_OPTIONS_INIT",
+                        in->size);
+  size_t n = in->size < sizeof def ? in->size : sizeof def;
+  memcpy(&out->o, in, n);
+  out->o.size = sizeof def;
+  if (out->o.timeout_ms < -1)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "timeout_ms %d < -1",
+                        out->o.timeout_ms);
+  if (out->o.max_outstanding == 0)
+    out->o.max_outstanding = 256;
+  if (out->o.max_outstanding > 65536)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "max_outstanding %u > 65536",
+                        out->o.max_outstanding);
+  if ((out->o.n_allow_uids && !out->o.allow_uids) ||
+      (out->o.n_allow_gids && !out->o.allow_gids) ||
+      out->o.n_allow_uids > 4096 || out->o.n_allow_gids > 4096)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "bad uid/gid allow-list");
+  if (out->o.order != GPUIPC_ORDER_MEMOP && out->o.order != GPUIPC_ORDER_NONE)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "unknown order mode %d",
+                        (int)out->o.order);
+  return GPUIPC_OK;
+}
+
+/* ---- names and the runtime directory ------------------------------------------ */
+
+static gpuipc_status check_name(const char *name) {
+  if (name == NULL || *name == '\0')
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "connection name is empty");
+  size_t n = 0;
+  for (const char *p = name; *p; p++, n++) {
+    char ch = *p;
+    bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+              (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-';
+    if (!ok || n >= GPUIPC_CONN_NAME_MAX)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "connection name '%.*s...': only letters, digits, "
+                          "'.', '_', '-', at most %d bytes",
+                          (int)(n < 40 ? n : 40), name, GPUIPC_CONN_NAME_MAX);
+  }
+  if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "connection name '%s'", name);
+  return GPUIPC_OK;
+}
+
+/* Makes sure dir exists, is a directory (not a link), belongs to us and has
+ * mode 0700: anything else could let another user connect to, or replace,
+ * our sockets. */
+static gpuipc_status ensure_private_dir(const char *dir) {
+  struct stat st;
+  if (lstat(dir, &st) != 0) {
+    if (errno != ENOENT)
+      return gpuipc__fail_errno(errno, "lstat", "runtime directory %s", dir);
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+      return gpuipc__fail_errno(errno, "mkdir", "runtime directory %s", dir);
+    if (lstat(dir, &st) != 0)
+      return gpuipc__fail_errno(errno, "lstat", "runtime directory %s", dir);
+    /* mkdir's mode went through the umask, which can only remove bits; a
+     * fresh directory of ours may need them back. */
+    if (S_ISDIR(st.st_mode) && st.st_uid == geteuid() &&
+        (st.st_mode & 07777) != 0700 && chmod(dir, 0700) == 0)
+      st.st_mode = (st.st_mode & ~(mode_t)07777) | 0700;
+  }
+  if (!S_ISDIR(st.st_mode))
+    return gpuipc__fail(GPUIPC_E_PERMISSION,
+                        "runtime directory %s is not a directory (a link or "
+                        "file is there): refusing it",
+                        dir);
+  if (st.st_uid != geteuid())
+    return gpuipc__fail(GPUIPC_E_PERMISSION,
+                        "runtime directory %s belongs to uid %u, not to us "
+                        "(uid %u): refusing it",
+                        dir, (unsigned)st.st_uid, (unsigned)geteuid());
+  if ((st.st_mode & 07777) != 0700)
+    return gpuipc__fail(GPUIPC_E_PERMISSION,
+                        "runtime directory %s has mode %04o, not 0700: "
+                        "refusing it (chmod 700 it, or remove it)",
+                        dir, (unsigned)(st.st_mode & 07777));
+  return GPUIPC_OK;
+}
+
+static gpuipc_status make_addr(const char *name, const copts *o, bool create,
+                               struct sockaddr_un *sa, socklen_t *salen,
+                               char *shown, size_t shown_cap) {
+  GPUIPC__CHECK(check_name(name));
+  memset(sa, 0, sizeof *sa);
+  sa->sun_family = AF_UNIX;
+  if (o->o.abstract_name) {
+    /* Abstract names need no directory; namespaced by a prefix. */
+    int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "gpuipc/%s",
+                     name);
+    if (n < 0 || (size_t)n >= sizeof sa->sun_path - 1)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG, "name too long");
+    *salen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+    snprintf(shown, shown_cap, "@gpuipc/%s", name);
+    return GPUIPC_OK;
+  }
+  char dir[200];
+  if (o->o.runtime_dir && *o->o.runtime_dir) {
+    if (snprintf(dir, sizeof dir, "%s", o->o.runtime_dir) >= (int)sizeof dir)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG, "runtime_dir too long");
+  } else {
+    const char *xdg = gpuipc__getenv("XDG_RUNTIME_DIR");
+    int n = (xdg && *xdg) ? snprintf(dir, sizeof dir, "%s/gpuipc", xdg)
+                          : snprintf(dir, sizeof dir, "/tmp/gpuipc-%u",
+                                     (unsigned)geteuid());
+    if (n < 0 || (size_t)n >= sizeof dir)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "XDG_RUNTIME_DIR too long for a socket path");
+  }
+  if (create)
+    GPUIPC__CHECK(ensure_private_dir(dir));
+  else {
+    /* Connecting: the directory must still pass the same checks, or the
+     * socket in it could be an impostor's. */
+    struct stat st;
+    if (lstat(dir, &st) != 0)
+      return gpuipc__fail(GPUIPC_E_NOT_FOUND,
+                          "nobody listens on '%s': runtime directory %s does "
+                          "not exist",
+                          name, dir);
+    GPUIPC__CHECK(ensure_private_dir(dir));
+  }
+  int n = snprintf(sa->sun_path, sizeof sa->sun_path, "%s/%s.sock", dir, name);
+  if (n < 0 || (size_t)n >= sizeof sa->sun_path)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "socket path %s/%s.sock is longer than %zu bytes", dir,
+                        name, sizeof sa->sun_path - 1);
+  *salen = (socklen_t)sizeof *sa;
+  snprintf(shown, shown_cap, "%s", sa->sun_path);
+  return GPUIPC_OK;
+}
+
+/* ---- connection objects ---------------------------------------------------------- */
+
+static gpuipc_conn *conn_new(int fd, const copts *o) {
+  gpuipc_conn *c = calloc(1, sizeof *c);
+  if (c == NULL)
+    return NULL;
+  c->fd = fd;
+  c->timeout_ms = o->o.timeout_ms;
+  c->nonblocking = o->o.nonblocking != 0;
+  c->max_outstanding = o->o.max_outstanding;
+  c->order = o->o.order;
+  return c;
+}
+
+static void close_rx_fds(gpuipc_conn *c) {
+  for (int i = 0; i < c->rx_nfds; i++)
+    close(c->rx_fds[i]);
+  c->rx_nfds = 0;
+}
+
+static void free_msgs(gpuipc_conn *c) {
+  gpuipc__msg *m = c->msg_head;
+  while (m) {
+    gpuipc__msg *n = m->next;
+    for (int i = 0; i < m->nfds; i++)
+      close(m->fds[i]);
+    free(m);
+    m = n;
+  }
+  c->msg_head = c->msg_tail = NULL;
+  c->msg_count = 0;
+}
+
+static void conn_free(gpuipc_conn *c) {
+  if (c->fd >= 0)
+    close(c->fd);
+  close_rx_fds(c);
+  free_msgs(c);
+  free(c->rx);
+  free(c->tx);
+  free(c);
+}
+
+uint64_t gpuipc__conn_deadline(const gpuipc_conn *c) {
+  if (c->nonblocking || c->timeout_ms == 0)
+    return 0;
+  if (c->timeout_ms < 0)
+    return UINT64_MAX;
+  return gpuipc__now_ns() + (uint64_t)c->timeout_ms * 1000000ull;
+}
+
+static uint64_t deadline_ms(int timeout_ms) {
+  if (timeout_ms < 0)
+    return UINT64_MAX;
+  if (timeout_ms == 0)
+    return 0;
+  return gpuipc__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+
+/* Milliseconds poll() may wait until the deadline (-1 forever). */
+static int poll_ms(uint64_t deadline) {
+  if (deadline == UINT64_MAX)
+    return -1;
+  uint64_t now = gpuipc__now_ns();
+  if (now >= deadline)
+    return 0;
+  uint64_t ms = (deadline - now + 999999) / 1000000;
+  return ms > 1000000 ? 1000000 : (int)ms;
+}
+
+/* Waits for events on fd until the deadline; returns revents (0 on
+ * timeout), -1 with errno on failure. EINTR restarts with the time left. */
+static int wait_fd(int fd, short events, uint64_t deadline) {
+  for (;;) {
+    struct pollfd p = {fd, events, 0};
+    int ms = poll_ms(deadline);
+    int r = poll(&p, 1, ms);
+    if (r > 0)
+      return p.revents;
+    if (r == 0)
+      return 0;
+    if (errno != EINTR)
+      return -1;
+    if (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline)
+      return 0;
+  }
+}
+
+static gpuipc_status timed_out(const gpuipc_conn *c, uint64_t deadline,
+                               const char *what) {
+  if (deadline == 0)
+    return gpuipc__fail(GPUIPC_E_WOULD_BLOCK, "%s would block", what);
+  return gpuipc__fail(GPUIPC_E_TIMEOUT, "%s: timed out after %d ms", what,
+                      c->timeout_ms);
+}
+
+gpuipc_status gpuipc__conn_ended(gpuipc_conn *c) {
+  if (c->state == GPUIPC__CONN_BROKEN)
+    return gpuipc__fail(GPUIPC_E_CLOSED,
+                        "connection was disconnected earlier: %s",
+                        c->broken_why);
+  return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                      "the peer (pid %d) %s", c->peer_pid,
+                      c->peer_said_bye ? "closed the connection"
+                                       : "is gone (connection closed)");
+}
+
+static void disconnect(gpuipc_conn *c) {
+  if (c->fd >= 0) {
+    close(c->fd);
+    c->fd = -1;
+  }
+  close_rx_fds(c);
+  c->rx_len = 0;
+  c->tx_len = c->tx_off = 0;
+}
+
+static void peer_gone(gpuipc_conn *c) {
+  if (c->state != GPUIPC__CONN_OPEN)
+    return;
+  c->state = GPUIPC__CONN_PEER_GONE;
+  GPUIPC__DEBUG("conn", "peer pid %d gone", c->peer_pid);
+  disconnect(c);
+  if (c->ho)
+    gpuipc__ho_peer_gone(c);
+}
+
+gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
+  char why[sizeof c->broken_why];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  if (c->state == GPUIPC__CONN_OPEN) {
+    GPUIPC__WARN("conn",
+                 "disconnecting peer pid %d: %s", c->peer_pid, why);
+    memcpy(c->broken_why, why, sizeof why);
+    c->state = GPUIPC__CONN_BROKEN;
+    disconnect(c);
+    if (c->ho)
+      gpuipc__ho_peer_gone(c);
+  }
+  return gpuipc__fail(GPUIPC_E_PROTOCOL, "peer pid %d disconnected: %s",
+                      c->peer_pid, why);
+}
+
+/* ---- sending --------------------------------------------------------------------- */
+
+/* Writes queued bytes; returns OK (maybe with bytes left), or an error
+ * status when the peer is gone. */
+static gpuipc_status flush_tx(gpuipc_conn *c) {
+  while (c->tx_off < c->tx_len) {
+    ssize_t w = send(c->fd, c->tx + c->tx_off, c->tx_len - c->tx_off,
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return GPUIPC_OK;
+      if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
+        peer_gone(c);
+        return gpuipc__conn_ended(c);
+      }
+      return gpuipc__fail_errno(errno, "send", "connection to pid %d",
+                                c->peer_pid);
+    }
+    c->tx_off += (size_t)w;
+  }
+  c->tx_off = c->tx_len = 0;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status tx_append(gpuipc_conn *c, const struct iovec *iov,
+                               int niov, size_t skip) {
+  size_t total = 0;
+  for (int i = 0; i < niov; i++)
+    total += iov[i].iov_len;
+  total -= skip;
+  if (c->tx_off > 0 && c->tx_off == c->tx_len)
+    c->tx_off = c->tx_len = 0;
+  if (c->tx_len + total > c->tx_cap) {
+    if (c->tx_off > 0) {
+      memmove(c->tx, c->tx + c->tx_off, c->tx_len - c->tx_off);
+      c->tx_len -= c->tx_off;
+      c->tx_off = 0;
+    }
+    if (c->tx_len + total > c->tx_cap) {
+      size_t cap = c->tx_cap ? c->tx_cap : 4096;
+      while (cap < c->tx_len + total)
+        cap *= 2;
+      unsigned char *n = realloc(c->tx, cap);
+      if (n == NULL)
+        return gpuipc__fail(GPUIPC_E_NO_MEMORY, "transmit queue of %zu bytes",
+                            cap);
+      c->tx = n;
+      c->tx_cap = cap;
+    }
+  }
+  for (int i = 0; i < niov; i++) {
+    size_t l = iov[i].iov_len;
+    const unsigned char *b = iov[i].iov_base;
+    if (skip >= l) {
+      skip -= l;
+      continue;
+    }
+    memcpy(c->tx + c->tx_len, b + skip, l - skip);
+    c->tx_len += l - skip;
+    skip = 0;
+  }
+  return GPUIPC_OK;
+}
+
+static gpuipc_status pump_once(gpuipc_conn *c);
+
+gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
+                                      size_t n1, const void *p2, size_t n2,
+                                      const int *fds, int nfds,
+                                      uint64_t deadline) {
+  if (c->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(c);
+  size_t len = n1 + n2;
+  if (len > GPUIPC__FRAME_MAX || nfds < 0 || nfds > GPUIPC__FRAME_FDS_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "frame of %zu bytes, %d fds",
+                        len, nfds);
+  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                         (uint8_t)type, (uint16_t)nfds, (uint32_t)len, 0};
+  h.check = gpuipc__frame_check(&h);
+  struct iovec iov[3] = {{&h, sizeof h}, {(void *)p1, n1}, {(void *)p2, n2}};
+  int niov = 1 + (n1 > 0) + (n2 > 0);
+  if (n1 == 0 && n2 > 0)
+    iov[1] = iov[2];
+
+  for (;;) {
+    /* Older frames first: the stream's order is the send order. */
+    if (c->tx_len > c->tx_off)
+      GPUIPC__CHECK(flush_tx(c));
+    if (c->tx_len == c->tx_off) {
+      struct msghdr mh = {0};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = (size_t)niov;
+      union {
+        char buf[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
+        struct cmsghdr align;
+      } cb;
+      if (nfds > 0) {
+        memset(&cb, 0, sizeof cb);
+        mh.msg_control = cb.buf;
+        mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+        memcpy(CMSG_DATA(cm), fds, sizeof(int) * (size_t)nfds);
+      }
+      ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w >= 0) {
+        size_t total = sizeof h + len;
+        if ((size_t)w < total)
+          /* The descriptors went with the first byte; the rest is plain
+           * bytes, flushed by later calls. */
+          GPUIPC__CHECK(tx_append(c, iov, niov, (size_t)w));
+        return GPUIPC_OK;
+      }
+      if (errno == EINTR)
+        continue;
+      if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
+        peer_gone(c);
+        return gpuipc__conn_ended(c);
+      }
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        return gpuipc__fail_errno(errno, "sendmsg", "connection to pid %d",
+                                  c->peer_pid);
+    }
+    /* The socket is full. Frames without descriptors are queued (the
+     * caller need not wait); frames with descriptors wait, since queueing
+     * them would mean duplicating the caller's descriptors. */
+    if (nfds == 0 && c->tx_len - c->tx_off + sizeof h + len <= TX_QUEUE_MAX)
+      return tx_append(c, iov, niov, 0);
+    if (deadline == 0)
+      return timed_out(c, deadline, "send");
+    int ev = wait_fd(c->fd, POLLOUT | POLLIN, deadline);
+    if (ev < 0)
+      return gpuipc__fail_errno(errno, "poll", "connection to pid %d",
+                                c->peer_pid);
+    if (ev == 0)
+      return timed_out(c, deadline, "send");
+    if (ev & (POLLIN | POLLHUP | POLLERR)) {
+      /* Keep reading while we wait, so that two peers that both send
+       * cannot deadlock on full sockets. */
+      gpuipc_status s = pump_once(c);
+      if (s != GPUIPC_OK)
+        return s;
+    }
+  }
+}
+
+/* ---- receiving -------------------------------------------------------------------- */
+
+static gpuipc_status queue_msg(gpuipc_conn *c, const unsigned char *p,
+                               size_t len, int *fds, int nfds) {
+  gpuipc__msg *m = malloc(sizeof *m + len);
+  if (m == NULL) {
+    for (int i = 0; i < nfds; i++)
+      close(fds[i]);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "message of %zu bytes", len);
+  }
+  m->next = NULL;
+  m->len = len;
+  m->nfds = nfds;
+  memcpy(m->fds, fds, sizeof(int) * (size_t)nfds);
+  memcpy(m->data, p, len);
+  if (c->msg_tail)
+    c->msg_tail->next = m;
+  else
+    c->msg_head = m;
+  c->msg_tail = m;
+  c->msg_count++;
+  return GPUIPC_OK;
+}
+
+/* Parses and dispatches every complete frame in rx. */
+static gpuipc_status parse_rx(gpuipc_conn *c) {
+  size_t off = 0;
+  gpuipc_status s = GPUIPC_OK;
+  while (c->state == GPUIPC__CONN_OPEN && c->rx_len - off >= sizeof(gpuipc__frame_hdr)) {
+    gpuipc__frame_hdr h;
+    memcpy(&h, c->rx + off, sizeof h);
+    if (h.magic != GPUIPC__FRAME_MAGIC)
+      return gpuipc__conn_break(c, "garbage on the connection (bad frame "
+                                   "magic 0x%08x)",
+                                h.magic);
+    if (h.version != GPUIPC__FRAME_VERSION)
+      return gpuipc__conn_break(c, "frame version %u, this library speaks %u",
+                                h.version, GPUIPC__FRAME_VERSION);
+    if (h.check != gpuipc__frame_check(&h))
+      return gpuipc__conn_break(c, "frame header check mismatch (corrupted "
+                                   "or forged header)");
+    if (h.len > GPUIPC__FRAME_MAX)
+      return gpuipc__conn_break(c, "frame length %u exceeds the maximum %u",
+                                h.len, (unsigned)GPUIPC__FRAME_MAX);
+    if (h.type < GPUIPC__F_MSG || h.type > GPUIPC__F_TYPE_MAX)
+      return gpuipc__conn_break(c, "unexpected frame type %u", h.type);
+    if (h.nfds > GPUIPC__FRAME_FDS_MAX || h.nfds > c->rx_nfds)
+      return gpuipc__conn_break(c,
+                                "frame declares %u file descriptors, %d "
+                                "arrived",
+                                h.nfds, c->rx_nfds);
+    if (c->rx_len - off < sizeof h + h.len)
+      break; /* the rest has not arrived yet */
+    int fds[GPUIPC__FRAME_FDS_MAX];
+    int nfds = h.nfds;
+    memcpy(fds, c->rx_fds, sizeof(int) * (size_t)nfds);
+    memmove(c->rx_fds, c->rx_fds + nfds,
+            sizeof(int) * (size_t)(c->rx_nfds - nfds));
+    c->rx_nfds -= nfds;
+    const unsigned char *p = c->rx + off + sizeof h;
+    off += sizeof h + h.len;
+    if (h.type == GPUIPC__F_MSG) {
+      if (h.len > GPUIPC_CONN_MSG_MAX) {
+        for (int i = 0; i < nfds; i++)
+          close(fds[i]);
+        return gpuipc__conn_break(c, "message of %u bytes exceeds %d", h.len,
+                                  GPUIPC_CONN_MSG_MAX);
+      }
+      s = queue_msg(c, p, h.len, fds, nfds);
+    } else {
+      s = gpuipc__ho_frame(c, h.type, p, h.len, fds, nfds);
+      if (s != GPUIPC_OK && c->state == GPUIPC__CONN_OPEN) {
+        char why[sizeof c->broken_why];
+        snprintf(why, sizeof why, "%s", gpuipc_last_error());
+        gpuipc_status s2 = gpuipc__conn_break(c, "%s", why);
+        if (s == GPUIPC_E_NO_MEMORY)
+          return s;
+        return s2;
+      }
+    }
+    if (s != GPUIPC_OK)
+      return s;
+  }
+  if (c->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(c);
+  if (off > 0) {
+    memmove(c->rx, c->rx + off, c->rx_len - off);
+    c->rx_len -= off;
+  }
+  if (c->rx_len == 0 && c->rx_nfds > 0)
+    return gpuipc__conn_break(c, "%d file descriptors arrived without a frame",
+                              c->rx_nfds);
+  return GPUIPC_OK;
+}
+
+/* One read of what is available (no waiting), then parsing. Returns OK
+ * also when nothing was there; the end of the connection as a status. */
+static gpuipc_status pump_once(gpuipc_conn *c) {
+  if (c->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(c);
+  for (int rounds = 0; rounds < 64; rounds++) {
+    if (c->rx_cap - c->rx_len < RX_CHUNK / 2) {
+      size_t need = c->rx_len + RX_CHUNK;
+      if (need < sizeof(gpuipc__frame_hdr) + GPUIPC__FRAME_MAX)
+        need = sizeof(gpuipc__frame_hdr) + GPUIPC__FRAME_MAX;
+      if (need > c->rx_cap) {
+        unsigned char *n = realloc(c->rx, need);
+        if (n == NULL)
+          return gpuipc__fail(GPUIPC_E_NO_MEMORY, "receive buffer");
+        c->rx = n;
+        c->rx_cap = need;
+      }
+    }
+    struct iovec iov = {c->rx + c->rx_len, c->rx_cap - c->rx_len};
+    union {
+      char buf[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
+      struct cmsghdr align;
+    } cb;
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cb.buf;
+    mh.msg_controllen = sizeof cb.buf;
+    ssize_t r = recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (r < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return GPUIPC_OK;
+      if (errno == ECONNRESET || errno == ENOTCONN) {
+        peer_gone(c);
+        return gpuipc__conn_ended(c);
+      }
+      return gpuipc__fail_errno(errno, "recvmsg", "connection to pid %d",
+                                c->peer_pid);
+    }
+    bool bad_fds = false;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm;
+         cm = CMSG_NXTHDR(&mh, cm)) {
+      if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+        continue;
+      int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      int tmp[GPUIPC__FRAME_FDS_MAX];
+      memcpy(tmp, CMSG_DATA(cm), sizeof(int) * (size_t)k);
+      for (int i = 0; i < k; i++) {
+        if (c->rx_nfds < (int)GPUIPC__ARRAY_SIZE(c->rx_fds))
+          c->rx_fds[c->rx_nfds++] = tmp[i];
+        else {
+          close(tmp[i]);
+          bad_fds = true;
+        }
+      }
+    }
+    if (mh.msg_flags & MSG_CTRUNC)
+      bad_fds = true;
+    if (bad_fds)
+      return gpuipc__conn_break(c, "peer sent more file descriptors than any "
+                                   "frame carries");
+    if (r == 0) {
+      /* Orderly end of stream. Whatever came before it is still
+       * dispatched; a partial frame at the end is the peer's problem. */
+      gpuipc_status s = parse_rx(c);
+      if (s != GPUIPC_OK && c->state != GPUIPC__CONN_OPEN)
+        return s;
+      if (c->rx_len > 0)
+        GPUIPC__DEBUG("conn", "peer pid %d left in the middle of a frame "
+                              "(%zu bytes)",
+                      c->peer_pid, c->rx_len);
+      peer_gone(c);
+      return gpuipc__conn_ended(c);
+    }
+    c->rx_len += (size_t)r;
+    GPUIPC__CHECK(parse_rx(c));
+  }
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
+                                bool (*wait_for)(gpuipc_conn *, void *),
+                                void *arg) {
+  for (;;) {
+    if (c->state == GPUIPC__CONN_OPEN && c->tx_len > c->tx_off) {
+      gpuipc_status s = flush_tx(c);
+      if (s != GPUIPC_OK && c->state == GPUIPC__CONN_OPEN)
+        return s;
+    }
+    gpuipc_status s = pump_once(c);
+    if (c->ho)
+      gpuipc__ho_poll(c);
+    if (wait_for && wait_for(c, arg))
+      return GPUIPC_OK;
+    if (s != GPUIPC_OK)
+      return s;
+    if (wait_for == NULL && deadline == 0)
+      return GPUIPC_OK;
+    if (deadline == 0 || (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline))
+      return wait_for ? timed_out(c, deadline, "receive") : GPUIPC_OK;
+    short ev = POLLIN;
+    if (c->tx_len > c->tx_off)
+      ev |= POLLOUT;
+    int r = wait_fd(c->fd, ev, deadline);
+    if (r < 0)
+      return gpuipc__fail_errno(errno, "poll", "connection to pid %d",
+                                c->peer_pid);
+    if (r == 0) {
+      if (wait_for == NULL)
+        return GPUIPC_OK;
+      return timed_out(c, deadline, "receive");
+    }
+    if (wait_for == NULL && !(r & (POLLIN | POLLHUP | POLLERR)))
+      continue;
+    if (wait_for == NULL) {
+      /* Progress with a timeout: one pass over what arrived is enough. */
+      s = pump_once(c);
+      if (c->ho)
+        gpuipc__ho_poll(c);
+      return s;
+    }
+  }
+}
+
+/* ---- handshake ---------------------------------------------------------------------- */
+
+static bool peer_allowed(const copts *o, uint32_t uid, uint32_t gid) {
+  if (uid == (uint32_t)geteuid())
+    return true;
+  for (size_t i = 0; i < o->o.n_allow_uids; i++)
+    if (o->o.allow_uids[i] == uid)
+      return true;
+  for (size_t i = 0; i < o->o.n_allow_gids; i++)
+    if (o->o.allow_gids[i] == gid)
+      return true;
+  return false;
+}
+
+/* Reads exactly one handshake frame (no fds) without the frame machinery:
+ * the handshake precedes everything else on the stream. Captures the
+ * kernel-vouched credentials of its sender. */
+static gpuipc_status hs_read(int fd, uint64_t deadline, gpuipc__frame_hdr *h,
+                             unsigned char *payload, size_t cap,
+                             struct ucred *cred, bool *have_cred) {
+  unsigned char buf[sizeof *h + 512];
+  size_t got = 0, want = sizeof *h;
+  *have_cred = false;
+  while (got < want) {
+    union {
+      char b[CMSG_SPACE(sizeof(struct ucred)) +
+             CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
+      struct cmsghdr align;
+    } cb;
+    struct iovec iov = {buf + got, want - got};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cb.b;
+    mh.msg_controllen = sizeof cb.b;
+    ssize_t r = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      int ev = wait_fd(fd, POLLIN, deadline);
+      if (ev < 0)
+        return gpuipc__fail_errno(errno, "poll", "handshake");
+      if (ev == 0)
+        return gpuipc__fail(GPUIPC_E_TIMEOUT,
+                            "handshake: the peer did not answer in time");
+      continue;
+    }
+    if (r < 0) {
+      if (errno == ECONNRESET)
+        return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                            "handshake: the peer reset the connection");
+      return gpuipc__fail_errno(errno, "recvmsg", "handshake");
+    }
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm;
+         cm = CMSG_NXTHDR(&mh, cm)) {
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_CREDENTIALS &&
+          got == 0) {
+        memcpy(cred, CMSG_DATA(cm), sizeof *cred);
+        *have_cred = true;
+      } else if (cm->cmsg_level == SOL_SOCKET &&
+                 cm->cmsg_type == SCM_RIGHTS) {
+        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        int tmp[GPUIPC__FRAME_FDS_MAX];
+        if (k > GPUIPC__FRAME_FDS_MAX)
+          k = GPUIPC__FRAME_FDS_MAX;
+        memcpy(tmp, CMSG_DATA(cm), sizeof(int) * (size_t)k);
+        for (int i = 0; i < k; i++)
+          close(tmp[i]);
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake: unexpected file descriptors");
+      }
+    }
+    if (r == 0)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer closed the connection");
+    got += (size_t)r;
+    if (got == sizeof *h) {
+      memcpy(h, buf, sizeof *h);
+      if (h->magic != GPUIPC__FRAME_MAGIC ||
+          h->check != gpuipc__frame_check(h))
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake: the peer does not speak gpuipc (bad "
+                            "frame header)");
+      if (h->version != GPUIPC__FRAME_VERSION)
+        return gpuipc__fail(GPUIPC_E_BAD_VERSION,
+                            "handshake: frame version %u, this library "
+                            "speaks %u",
+                            h->version, GPUIPC__FRAME_VERSION);
+      if (h->len > cap || h->len > 512 || h->nfds != 0)
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake frame of %u bytes, %u fds", h->len,
+                            h->nfds);
+      want = sizeof *h + h->len;
+    }
+  }
+  memcpy(payload, buf + sizeof *h, h->len);
+  return GPUIPC_OK;
+}
+
+/* Writes one handshake frame whole (the socket is empty at this point, so
+ * it fits; the loop covers EINTR and a peer that is slow to drain), with
+ * our credentials attached for the kernel to vouch for. */
+static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
+                              uint64_t deadline) {
+  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                         (uint8_t)type, 0, (uint32_t)n, 0};
+  h.check = gpuipc__frame_check(&h);
+  unsigned char buf[sizeof h + 512];
+  if (n > 512)
+    return gpuipc__fail(GPUIPC_E_INTERNAL, "handshake frame too long");
+  memcpy(buf, &h, sizeof h);
+  memcpy(buf + sizeof h, p, n);
+  size_t total = sizeof h + n, off = 0;
+  while (off < total) {
+    struct iovec iov = {buf + off, total - off};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    union {
+      char b[CMSG_SPACE(sizeof(struct ucred))];
+      struct cmsghdr align;
+    } cb;
+    if (off == 0) {
+      memset(&cb, 0, sizeof cb);
+      mh.msg_control = cb.b;
+      mh.msg_controllen = sizeof cb.b;
+      struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_CREDENTIALS;
+      cm->cmsg_len = CMSG_LEN(sizeof(struct ucred));
+      struct ucred uc = {getpid(), geteuid(), getegid()};
+      memcpy(CMSG_DATA(cm), &uc, sizeof uc);
+    }
+    ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      int ev = wait_fd(fd, POLLOUT, deadline);
+      if (ev < 0)
+        return gpuipc__fail_errno(errno, "poll", "handshake");
+      if (ev == 0)
+        return gpuipc__fail(GPUIPC_E_TIMEOUT, "handshake: send timed out");
+      continue;
+    }
+    if (w < 0) {
+      if (errno == EPIPE || errno == ECONNRESET)
+        return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                            "handshake: the peer closed the connection");
+      return gpuipc__fail_errno(errno, "sendmsg", "handshake");
+    }
+    off += (size_t)w;
+  }
+  return GPUIPC_OK;
+}
+
+static void refuse(int fd, const char *why, uint64_t deadline) {
+  gpuipc_status keep = GPUIPC_OK;
+  (void)keep;
+  char save[1024];
+  snprintf(save, sizeof save, "%s", gpuipc_last_error());
+  (void)hs_write(fd, GPUIPC__F_REFUSE, why, strlen(why), deadline);
+  /* Keep the caller's message: it says why we refused. */
+  gpuipc__fail(GPUIPC_E_PEER_REFUSED, "%s", save);
+}
+
+/* The handshake, run by both sides alike: send HELLO (with credentials),
+ * read the peer's HELLO and check its credentials, send ACCEPT or REFUSE,
+ * read the peer's verdict. `pre` carries SO_PEERCRED for sockets made by
+ * connect/accept (the kernel's record of the peer at connect time). */
+static gpuipc_status handshake(gpuipc_conn *c, const copts *o,
+                               const struct ucred *pre, uint64_t deadline) {
+  int one = 1;
+  if (setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &one, sizeof one) != 0)
+    return gpuipc__fail_errno(errno, "setsockopt", "SO_PASSCRED");
+  gpuipc__hello me = {0};
+  me.proto = GPUIPC__PROTO_VERSION;
+  me.pid = getpid();
+  me.uid = geteuid();
+  me.gid = getegid();
+  me.max_outstanding = c->max_outstanding;
+  me.start_time = gpuipc__process_start_time(getpid());
+  if (gpuipc__boot_id(me.boot_id) != GPUIPC_OK)
+    memset(me.boot_id, 0, sizeof me.boot_id);
+  gpuipc__frame_hdr h;
+  unsigned char p[512];
+  struct ucred cred;
+  bool have_cred;
+  gpuipc_status ws = hs_write(c->fd, GPUIPC__F_HELLO, &me, sizeof me, deadline);
+  if (ws == GPUIPC_E_PEER_GONE) {
+    /* A peer that refused us at once has closed already; its REFUSE frame
+     * may still wait in our receive queue and says why. */
+    if (hs_read(c->fd, deadline_ms(50), &h, p, sizeof p, &cred, &have_cred) ==
+            GPUIPC_OK &&
+        h.type == GPUIPC__F_REFUSE)
+      return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
+                          (int)h.len, (const char *)p);
+    return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                        "handshake: the peer closed the connection");
+  }
+  if (ws != GPUIPC_OK)
+    return ws;
+  GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));
+  if (h.type == GPUIPC__F_REFUSE) {
+    return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
+                        (int)h.len, (const char *)p);
+  }
+  if (h.type != GPUIPC__F_HELLO || h.len < sizeof(gpuipc__hello)) {
+    refuse(c->fd, "expected a HELLO frame", deadline);
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "handshake: expected HELLO, got frame type %u of %u "
+                        "bytes",
+                        h.type, h.len);
+  }
+  gpuipc__hello peer;
+  memcpy(&peer, p, sizeof peer);
+  if (!have_cred) {
+    refuse(c->fd, "no credentials", deadline);
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "handshake: the peer's HELLO came without "
+                        "credentials");
+  }
+  if (peer.proto != GPUIPC__PROTO_VERSION) {
+    char why[96];
+    snprintf(why, sizeof why, "protocol version %u, this side speaks %u",
+             peer.proto, GPUIPC__PROTO_VERSION);
+    refuse(c->fd, why, deadline);
+    return gpuipc__fail(GPUIPC_E_BAD_VERSION, "handshake: peer speaks %s",
+                        why);
+  }
+  /* The kernel vouches for cred (SCM_CREDENTIALS are checked at send
+   * time); the HELLO's own fields must agree with it. */
+  if ((uint32_t)cred.uid != peer.uid || (uint32_t)cred.gid != peer.gid ||
+      cred.pid != peer.pid || (pre && (pre->uid != cred.uid))) {
+    refuse(c->fd, "credentials do not match", deadline);
+    return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
+                        "handshake: the peer's claimed identity (pid %d uid "
+                        "%u) differs from the kernel's (pid %d uid %u)",
+                        peer.pid, peer.uid, (int)cred.pid,
+                        (unsigned)cred.uid);
+  }
+  if (!peer_allowed(o, cred.uid, cred.gid)) {
+    char why[160];
+    snprintf(why, sizeof why,
+             "uid %u gid %u is not allowed (same uid %u required, or an "
+             "allow-list entry)",
+             (unsigned)cred.uid, (unsigned)cred.gid, (unsigned)geteuid());
+    GPUIPC__WARN("conn", "refusing peer pid %d: %s", (int)cred.pid, why);
+    gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
+                 (int)cred.pid, why);
+    refuse(c->fd, why, deadline);
+    return GPUIPC_E_PEER_REFUSED;
+  }
+  c->peer_pid = cred.pid;
+  c->peer_uid = cred.uid;
+  c->peer_gid = cred.gid;
+  c->peer_start_time = peer.start_time;
+  c->peer_max_outstanding = peer.max_outstanding;
+  GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, deadline));
+  GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));
+  if (h.type == GPUIPC__F_REFUSE)
+    return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
+                        (int)h.len, (const char *)p);
+  if (h.type != GPUIPC__F_ACCEPT)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "handshake: expected ACCEPT, got frame type %u",
+                        h.type);
+  /* Credentials are checked; stop asking the kernel for them on every
+   * read (they would also split reads at every sender change). */
+  int zero = 0;
+  (void)setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &zero, sizeof zero);
+  GPUIPC__DEBUG("conn", "connected to pid %d uid %u", c->peer_pid,
+                c->peer_uid);
+  return GPUIPC_OK;
+}
+
+static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
+                            gpuipc_conn **out) {
+  gpuipc_conn *c = conn_new(fd, o);
+  if (c == NULL) {
+    close(fd);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "connection object");
+  }
+  /* The handshake may wait even on a non-blocking connection: it is part of
+   * making the connection, and bounded by the timeout. */
+  int t = o->o.timeout_ms;
+  uint64_t deadline = deadline_ms(t == 0 ? 10000 : t);
+  gpuipc_status s = handshake(c, o, pre, deadline);
+  if (s != GPUIPC_OK) {
+    conn_free(c);
+    return s;
+  }
+  *out = c;
+  return GPUIPC_OK;
+}
+
+/* ---- public: listen / accept / connect / pair ---------------------------------- */
+
+gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
+                            gpuipc_listener **out) {
+  if (out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_listen: out is NULL");
+  *out = NULL;
+  copts o;
+  GPUIPC__CHECK(read_opts(opts, &o));
+  gpuipc_listener *l = calloc(1, sizeof *l);
+  if (l == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "listener");
+  l->fd = -1;
+  gpuipc_status s;
+  struct sockaddr_un sa;
+  socklen_t salen;
+  GPUIPC__CHECK_GOTO(make_addr(name, &o, true, &sa, &salen, l->path,
+                               sizeof l->path),
+                     s, fail);
+  l->abstract_name = o.o.abstract_name;
+  l->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (l->fd < 0) {
+    s = gpuipc__fail_errno(errno, "socket", "AF_UNIX");
+    goto fail;
+  }
+  if (bind(l->fd, (struct sockaddr *)&sa, salen) != 0) {
+    if (errno != EADDRINUSE || l->abstract_name) {
+      s = gpuipc__fail_errno(errno, "bind", "%s", l->path);
+      if (errno == EADDRINUSE)
+        s = gpuipc__fail(GPUIPC_E_EXISTS, "bind: %s is in use", l->path);
+      goto fail;
+    }
+    /* A socket file is there. If a listener answers, the name is taken;
+     * if nobody does, it is the leftover of a dead listener. */
+    int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int r = probe >= 0 ? connect(probe, (struct sockaddr *)&sa, salen) : -1;
+    int err = errno;
+    if (probe >= 0)
+      close(probe);
+    if (r == 0 || (err != ECONNREFUSED && err != ENOENT)) {
+      s = gpuipc__fail(GPUIPC_E_EXISTS,
+                       "gpuipc_listen: '%s' is in use by a live listener (%s)",
+                       name, l->path);
+      goto fail;
+    }
+    struct stat st;
+    if (lstat(sa.sun_path, &st) == 0 && !S_ISSOCK(st.st_mode)) {
+      s = gpuipc__fail(GPUIPC_E_EXISTS, "%s exists and is not a socket",
+                       l->path);
+      goto fail;
+    }
+    unlink(sa.sun_path);
+    if (bind(l->fd, (struct sockaddr *)&sa, salen) != 0) {
+      s = gpuipc__fail_errno(errno, "bind", "%s", l->path);
+      goto fail;
+    }
+  }
+  /* Accepted sockets inherit SO_PASSCRED, so the peer's first frame already
+   * carries credentials even if it arrives before accept() returns. */
+  int one = 1;
+  (void)setsockopt(l->fd, SOL_SOCKET, SO_PASSCRED, &one, sizeof one);
+  if (listen(l->fd, 256) != 0) {
+    s = gpuipc__fail_errno(errno, "listen", "%s", l->path);
+    if (!l->abstract_name)
+      unlink(sa.sun_path);
+    goto fail;
+  }
+  l->opts = o.o;
+  if (o.o.n_allow_uids) {
+    l->allow_uids = malloc(sizeof(uint32_t) * o.o.n_allow_uids);
+    if (!l->allow_uids)
+      goto nomem;
+    memcpy(l->allow_uids, o.o.allow_uids, sizeof(uint32_t) * o.o.n_allow_uids);
+  }
+  if (o.o.n_allow_gids) {
+    l->allow_gids = malloc(sizeof(uint32_t) * o.o.n_allow_gids);
+    if (!l->allow_gids)
+      goto nomem;
+    memcpy(l->allow_gids, o.o.allow_gids, sizeof(uint32_t) * o.o.n_allow_gids);
+  }
+  l->opts.allow_uids = l->allow_uids;
+  l->opts.allow_gids = l->allow_gids;
+  l->opts.runtime_dir = NULL; /* not needed after bind */
+  GPUIPC__DEBUG("conn", "listening on %s", l->path);
+  *out = l;
+  return GPUIPC_OK;
+nomem:
+  s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "allow-list");
+  if (!l->abstract_name)
+    unlink(l->path);
+fail:
+  if (l->fd >= 0)
+    close(l->fd);
+  free(l->allow_uids);
+  free(l->allow_gids);
+  free(l);
+  return s;
+}
+
+int gpuipc_listener_fd(const gpuipc_listener *l) { return l ? l->fd : -1; }
+const char *gpuipc_listener_path(const gpuipc_listener *l) {
+  return l ? l->path : "";
+}
+
+void gpuipc_listener_close(gpuipc_listener *l) {
+  if (l == NULL)
+    return;
+  if (!l->abstract_name)
+    unlink(l->path);
+  close(l->fd);
+  free(l->allow_uids);
+  free(l->allow_gids);
+  free(l);
+}
+
+gpuipc_status gpuipc_accept(gpuipc_listener *l, gpuipc_conn **out) {
+  if (l == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_accept: NULL argument");
+  *out = NULL;
+  copts o = {l->opts};
+  uint64_t deadline =
+      o.o.nonblocking ? 0 : deadline_ms(o.o.timeout_ms);
+  int fd;
+again:
+  for (;;) {
+    fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd >= 0)
+      break;
+    if (errno == EINTR || errno == ECONNABORTED)
+      continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+      return gpuipc__fail_errno(errno, "accept4", "%s", l->path);
+    if (deadline == 0)
+      return gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
+                          "gpuipc_accept: no peer is waiting on %s", l->path);
+    int ev = wait_fd(l->fd, POLLIN, deadline);
+    if (ev < 0)
+      return gpuipc__fail_errno(errno, "poll", "%s", l->path);
+    if (ev == 0)
+      return gpuipc__fail(GPUIPC_E_TIMEOUT,
+                          "gpuipc_accept: no peer within %d ms on %s",
+                          o.o.timeout_ms, l->path);
+  }
+  struct ucred pre;
+  socklen_t pl = sizeof pre;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &pre, &pl) != 0) {
+    int err = errno;
+    close(fd);
+    return gpuipc__fail_errno(err, "getsockopt", "SO_PEERCRED");
+  }
+  if (!peer_allowed(&o, pre.uid, pre.gid)) {
+    char why[160];
+    snprintf(why, sizeof why,
+             "uid %u gid %u is not allowed (same uid %u required, or an "
+             "allow-list entry)",
+             (unsigned)pre.uid, (unsigned)pre.gid, (unsigned)geteuid());
+    GPUIPC__WARN("conn", "refusing peer pid %d on %s: %s", (int)pre.pid,
+                 l->path, why);
+    (void)hs_write(fd, GPUIPC__F_REFUSE, why, strlen(why), deadline_ms(100));
+    close(fd);
+    return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
+                        (int)pre.pid, why);
+  }
+  gpuipc_status s = finish(fd, &o, &pre, out);
+  if (s == GPUIPC_E_PEER_GONE) {
+    /* The peer left before the handshake ended (e.g. a probe that only
+     * checks someone listens): nothing to tell the caller about; wait for
+     * the next one. */
+    GPUIPC__DEBUG("conn", "peer pid %d left during the handshake",
+                  (int)pre.pid);
+    if (deadline == 0 || (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline))
+      return deadline == 0 ? gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
+                                          "gpuipc_accept: the waiting peer "
+                                          "left")
+                           : gpuipc__fail(GPUIPC_E_TIMEOUT,
+                                          "gpuipc_accept: no peer within %d "
+                                          "ms on %s",
+                                          o.o.timeout_ms, l->path);
+    goto again;
+  }
+  return s;
+}
+
+gpuipc_status gpuipc_connect(const char *name, const gpuipc_conn_options *opts,
+                             gpuipc_conn **out) {
+  if (out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_connect: out is NULL");
+  *out = NULL;
+  copts o;
+  GPUIPC__CHECK(read_opts(opts, &o));
+  struct sockaddr_un sa;
+  socklen_t salen;
+  char shown[sizeof sa.sun_path + 2];
+  GPUIPC__CHECK(make_addr(name, &o, false, &sa, &salen, shown, sizeof shown));
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0)
+    return gpuipc__fail_errno(errno, "socket", "AF_UNIX");
+  int t = o.o.timeout_ms;
+  uint64_t deadline = deadline_ms(t == 0 ? 10000 : t);
+  for (;;) {
+    if (connect(fd, (struct sockaddr *)&sa, salen) == 0)
+      break;
+    int err = errno;
+    if (err == EINTR)
+      continue;
+    if (err == EAGAIN || err == EINPROGRESS) {
+      /* The listener's backlog is full: try again shortly. */
+      if (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline) {
+        close(fd);
+        return gpuipc__fail(GPUIPC_E_TIMEOUT,
+                            "connect %s: the listener's queue stayed full",
+                            shown);
+      }
+      poll(NULL, 0, 2);
+      continue;
+    }
+    close(fd);
+    if (err == ENOENT || err == ECONNREFUSED)
+      return gpuipc__fail(GPUIPC_E_NOT_FOUND, "connect: nobody listens on %s",
+                          shown);
+    return gpuipc__fail_errno(err, "connect", "%s", shown);
+  }
+  struct ucred pre;
+  socklen_t pl = sizeof pre;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &pre, &pl) != 0) {
+    int err = errno;
+    close(fd);
+    return gpuipc__fail_errno(err, "getsockopt", "SO_PEERCRED");
+  }
+  if (!peer_allowed(&o, pre.uid, pre.gid)) {
+    close(fd);
+    GPUIPC__WARN("conn", "refusing listener %s: uid %u is not allowed", shown,
+                 (unsigned)pre.uid);
+    return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
+                        "connect %s: the listener runs as uid %u, which is "
+                        "not allowed",
+                        shown, (unsigned)pre.uid);
+  }
+  return finish(fd, &o, &pre, out);
+}
+
+gpuipc_status gpuipc_conn_pair(int fds[2]) {
+  if (fds == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_pair: NULL");
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0)
+    return gpuipc__fail_errno(errno, "socketpair", NULL);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_from_fd(int fd, const gpuipc_conn_options *opts,
+                                  gpuipc_conn **out) {
+  if (out == NULL || fd < 0) {
+    if (fd >= 0)
+      close(fd);
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_from_fd: bad fd %d or NULL out", fd);
+  }
+  *out = NULL;
+  copts o;
+  gpuipc_status s = read_opts(opts, &o);
+  if (s != GPUIPC_OK) {
+    close(fd);
+    return s;
+  }
+  int type = 0, dom = 0;
+  socklen_t tl = sizeof type, dl = sizeof dom;
+  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) != 0 ||
+      getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &dom, &dl) != 0 ||
+      type != SOCK_STREAM || dom != AF_UNIX) {
+    close(fd);
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_from_fd: fd %d is not a Unix stream "
+                        "socket",
+                        fd);
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0 ||
+      fcntl(fd, F_SETFD, FD_CLOEXEC) != 0) {
+    int err = errno;
+    close(fd);
+    return gpuipc__fail_errno(err, "fcntl", "fd %d", fd);
+  }
+  return finish(fd, &o, NULL, out);
+}
+
+/* ---- public: connection calls ---------------------------------------------------- */
+
+void gpuipc_conn_close(gpuipc_conn *conn) {
+  if (conn == NULL)
+    return;
+  if (conn->ho)
+    gpuipc__ho_close(conn);
+  if (conn->state == GPUIPC__CONN_OPEN && conn->tx_len > conn->tx_off) {
+    /* Give queued frames (releases above all) a short chance to leave. */
+    uint64_t deadline = gpuipc__now_ns() + 100ull * 1000000ull;
+    while (conn->state == GPUIPC__CONN_OPEN && conn->tx_len > conn->tx_off &&
+           gpuipc__now_ns() < deadline) {
+      if (flush_tx(conn) != GPUIPC_OK)
+        break;
+      if (conn->tx_len > conn->tx_off)
+        wait_fd(conn->fd, POLLOUT, deadline);
+    }
+  }
+  conn_free(conn);
+}
+
+int gpuipc_conn_fd(const gpuipc_conn *conn) { return conn ? conn->fd : -1; }
+
+gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn, int timeout_ms) {
+  if (conn == NULL || timeout_ms < -1)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_set_timeout: bad argument");
+  conn->timeout_ms = timeout_ms;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_set_nonblocking(gpuipc_conn *conn, int nonblocking) {
+  if (conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_set_nonblocking: NULL");
+  conn->nonblocking = nonblocking != 0;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_peer(const gpuipc_conn *conn, gpuipc_peer_info *info) {
+  if (conn == NULL || info == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_peer: NULL");
+  info->pid = conn->peer_pid;
+  info->uid = conn->peer_uid;
+  info->gid = conn->peer_gid;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_progress(gpuipc_conn *conn, int timeout_ms) {
+  if (conn == NULL || timeout_ms < -1)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_progress: bad "
+                                              "argument");
+  if (conn->state != GPUIPC__CONN_OPEN) {
+    if (conn->ho)
+      gpuipc__ho_poll(conn);
+    return gpuipc__conn_ended(conn);
+  }
+  return gpuipc__conn_pump(conn, deadline_ms(timeout_ms), NULL, NULL);
+}
+
+gpuipc_status gpuipc_conn_send_msg(gpuipc_conn *conn, const void *data,
+                                   size_t len, const int *fds, int nfds) {
+  if (conn == NULL || (len > 0 && data == NULL) || len > GPUIPC_CONN_MSG_MAX ||
+      nfds < 0 || nfds > GPUIPC_CONN_FDS_MAX || (nfds > 0 && fds == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_msg: bad argument (len %zu, nfds "
+                        "%d)",
+                        len, nfds);
+  for (int i = 0; i < nfds; i++)
+    if (fcntl(fds[i], F_GETFD) < 0)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_send_msg: fds[%d] = %d is not open", i,
+                          fds[i]);
+  return gpuipc__conn_send_frame(conn, GPUIPC__F_MSG, data, len, NULL, 0, fds,
+                                 nfds, gpuipc__conn_deadline(conn));
+}
+
+static bool have_msg(gpuipc_conn *c, void *arg) {
+  (void)arg;
+  return c->msg_head != NULL;
+}
+
+gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf, size_t cap,
+                                   size_t *len, int *fds, int *nfds) {
+  if (conn == NULL || len == NULL || (cap > 0 && buf == NULL) ||
+      (nfds && *nfds < 0) || (nfds && *nfds > 0 && fds == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_recv_msg: bad argument");
+  int fcap = nfds ? *nfds : 0;
+  if (nfds)
+    *nfds = 0;
+  *len = 0;
+  if (conn->msg_head == NULL) {
+    gpuipc_status s =
+        gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_msg, NULL);
+    if (s != GPUIPC_OK)
+      return s;
+  }
+  gpuipc__msg *m = conn->msg_head;
+  conn->msg_head = m->next;
+  if (conn->msg_head == NULL)
+    conn->msg_tail = NULL;
+  conn->msg_count--;
+  *len = m->len;
+  memcpy(buf, m->data, m->len < cap ? m->len : cap);
+  for (int i = 0; i < m->nfds; i++) {
+    if (i < fcap)
+      fds[(*nfds)++] = m->fds[i];
+    else
+      close(m->fds[i]);
+  }
+  int extra = m->nfds - fcap;
+  size_t full = m->len;
+  free(m);
+  if (full > cap)
+    return gpuipc__fail(GPUIPC_E_TRUNCATED,
+                        "message of %zu bytes, buffer of %zu", full, cap);
+  if (extra > 0)
+    GPUIPC__DEBUG("conn", "closed %d surplus descriptors of a message", extra);
+  return GPUIPC_OK;
+}

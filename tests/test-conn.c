@@ -1,0 +1,836 @@
+/*
+ * test-conn.c: the connection transport (no CUDA): pairs, names, the
+ * runtime directory's checks, credentials, framing, descriptors, hostile
+ * frames, timeouts, EINTR and partial I/O, many peers.
+ */
+#include "harness.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "conn_internal.h"
+
+static const char *rt_dir(void) {
+  static char dir[300];
+  snprintf(dir, sizeof dir, "%s/rt", harness_tmpdir());
+  return dir;
+}
+
+static gpuipc_conn_options opts_ms(int timeout_ms) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = timeout_ms;
+  o.runtime_dir = rt_dir();
+  return o;
+}
+
+/* Echo helper: returns every message (with its descriptors) until the peer
+ * closes. argv[0]: "pair" (use the harness fd), or a name to connect to
+ * (argv[1]: runtime dir, or "@" for an abstract name). */
+static gpuipc_conn *helper_conn(int argc, char **argv) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 20000;
+  gpuipc_conn *c = NULL;
+  if (argc >= 1 && strcmp(argv[0], "pair") == 0) {
+    ASSERT_OK(gpuipc_conn_from_fd(dup(harness_helper_fd()), &o, &c));
+  } else {
+    ASSERT(argc >= 2);
+    if (strcmp(argv[1], "@") == 0)
+      o.abstract_name = 1;
+    else
+      o.runtime_dir = argv[1];
+    ASSERT_OK(gpuipc_connect(argv[0], &o, &c));
+  }
+  return c;
+}
+
+HELPER_IMPL(conn_echo) {
+  gpuipc_conn *c = helper_conn(argc, argv);
+  static unsigned char buf[GPUIPC_CONN_MSG_MAX];
+  for (;;) {
+    size_t len = 0;
+    int fds[GPUIPC_CONN_FDS_MAX];
+    int nfds = GPUIPC_CONN_FDS_MAX;
+    gpuipc_status s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, fds, &nfds);
+    if (s == GPUIPC_E_PEER_GONE)
+      break;
+    ASSERT_OK(s);
+    ASSERT_OK(gpuipc_conn_send_msg(c, buf, len, fds, nfds));
+    for (int i = 0; i < nfds; i++)
+      close(fds[i]);
+  }
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* Sends a message with a pipe's read end; checks that the echo comes back
+ * whole and that the descriptor still reaches the same pipe. */
+static void roundtrip(gpuipc_conn *c, size_t len, int tag) {
+  static unsigned char out[GPUIPC_CONN_MSG_MAX], in[GPUIPC_CONN_MSG_MAX];
+  for (size_t i = 0; i < len; i++)
+    out[i] = (unsigned char)(i * 7 + (size_t)tag);
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, out, len, &p[0], 1));
+  close(p[0]);
+  size_t got = 0;
+  int fd = -1, nfds = 1;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, in, sizeof in, &got, &fd, &nfds));
+  ASSERT_EQ(got, len);
+  ASSERT_MEM_EQ(in, out, len);
+  ASSERT_EQ(nfds, 1);
+  ASSERT_EQ(write(p[1], "x", 1), 1);
+  char ch = 0;
+  ASSERT_EQ(read(fd, &ch, 1), 1);
+  ASSERT_EQ(ch, 'x');
+  ASSERT(fcntl(fd, F_GETFD) & FD_CLOEXEC);
+  close(fd);
+  close(p[1]);
+}
+
+TEST_IMPL(conn_pair_messages) {
+  int fd;
+  pid_t pid = spawn_helper("conn_echo", NULL, &fd, "pair", NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_EQ(pi.pid, pid);
+  ASSERT_EQ(pi.uid, geteuid());
+  roundtrip(c, 0, 1);
+  roundtrip(c, 1, 2);
+  roundtrip(c, 1000, 3);
+  roundtrip(c, GPUIPC_CONN_MSG_MAX, 4);
+  /* Many small messages queued back to back arrive in order. */
+  for (int i = 0; i < 100; i++)
+    ASSERT_OK(gpuipc_conn_send_msg(c, &i, sizeof i, NULL, 0));
+  for (int i = 0; i < 100; i++) {
+    int v = -1;
+    size_t len = 0;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, &v, sizeof v, &len, NULL, NULL));
+    ASSERT_EQ(len, sizeof v);
+    ASSERT_EQ(v, i);
+  }
+  /* A message longer than the buffer: consumed, TRUNCATED, full length. */
+  char big[100] = {0}, small[10];
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_send_msg(c, big, sizeof big, NULL, 0));
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, small, sizeof small, &len, NULL, NULL),
+                GPUIPC_E_TRUNCATED);
+  ASSERT_EQ(len, sizeof big);
+  /* Bad arguments. */
+  ASSERT_STATUS(gpuipc_conn_send_msg(c, big, GPUIPC_CONN_MSG_MAX + 1, NULL, 0),
+                GPUIPC_E_INVALID_ARG);
+  int badfd = 1000;
+  ASSERT_STATUS(gpuipc_conn_send_msg(c, big, 1, &badfd, 1),
+                GPUIPC_E_INVALID_ARG);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}
+
+TEST_IMPL(conn_listen_connect) {
+  int base_fds = harness_count_fds();
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("echo-1", &o, &l));
+  ASSERT_STR_CONTAINS(gpuipc_listener_path(l), "/rt/echo-1.sock");
+  struct stat st;
+  ASSERT_EQ(stat(rt_dir(), &st), 0);
+  ASSERT_EQ(st.st_mode & 07777, 0700);
+  /* A second listener on the same live name is refused. */
+  gpuipc_listener *l2 = NULL;
+  ASSERT_STATUS(gpuipc_listen("echo-1", &o, &l2), GPUIPC_E_EXISTS);
+  pid_t pid = spawn_helper("conn_echo", NULL, NULL, "echo-1", (char *)rt_dir(),
+                           NULL);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_accept(l, &c));
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_EQ(pi.pid, pid);
+  roundtrip(c, 123, 9);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  /* Bad names. */
+  ASSERT_STATUS(gpuipc_listen("a/b", &o, &l2), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_listen("", &o, &l2), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_listen("..", &o, &l2), GPUIPC_E_INVALID_ARG);
+  /* Nobody listening. */
+  gpuipc_conn *c2 = NULL;
+  ASSERT_STATUS(gpuipc_connect("nobody-here", &o, &c2), GPUIPC_E_NOT_FOUND);
+  char path[300];
+  snprintf(path, sizeof path, "%s", gpuipc_listener_path(l));
+  gpuipc_listener_close(l);
+  ASSERT_NE(access(path, F_OK), 0);
+  /* The file is gone and the name can be listened on again; a stale socket
+   * file left by a dead listener is replaced. */
+  ASSERT_OK(gpuipc_listen("echo-1", &o, &l));
+  pid_t child = fork();
+  if (child == 0) {
+    gpuipc_listener *ls = NULL;
+    _exit(gpuipc_listen("stale", &o, &ls) == GPUIPC_OK ? 0 : 1);
+  }
+  ASSERT_EQ(wait_helper(child, 30), 0);
+  gpuipc_listener *ls = NULL;
+  ASSERT_OK(gpuipc_listen("stale", &o, &ls));
+  gpuipc_listener_close(ls);
+  gpuipc_listener_close(l);
+  ASSERT_EQ(harness_count_fds(), base_fds);
+  return 0;
+}
+
+TEST_IMPL(conn_abstract_name) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.abstract_name = 1;
+  char name[64];
+  snprintf(name, sizeof name, "abs-%d", (int)getpid());
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen(name, &o, &l));
+  ASSERT_EQ(gpuipc_listener_path(l)[0], '@');
+  pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_accept(l, &c));
+  roundtrip(c, 77, 5);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_listener_close(l);
+  return 0;
+}
+
+TEST_IMPL(conn_runtime_dir_checks) {
+  char dir[400];
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  gpuipc_listener *l = NULL;
+  /* Too open. */
+  snprintf(dir, sizeof dir, "%s/open", harness_tmpdir());
+  ASSERT_EQ(mkdir(dir, 0755), 0);
+  ASSERT_EQ(chmod(dir, 0755), 0);
+  o.runtime_dir = dir;
+  ASSERT_STATUS(gpuipc_listen("x", &o, &l), GPUIPC_E_PERMISSION);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "0755");
+  gpuipc_conn *c = NULL;
+  ASSERT_STATUS(gpuipc_connect("x", &o, &c), GPUIPC_E_PERMISSION);
+  /* A symbolic link, even to a good directory. */
+  char good[400], link[400];
+  snprintf(good, sizeof good, "%s/good", harness_tmpdir());
+  snprintf(link, sizeof link, "%s/link", harness_tmpdir());
+  ASSERT_EQ(mkdir(good, 0700), 0);
+  ASSERT_EQ(symlink(good, link), 0);
+  o.runtime_dir = link;
+  ASSERT_STATUS(gpuipc_listen("x", &o, &l), GPUIPC_E_PERMISSION);
+  /* A file. */
+  char file[400];
+  snprintf(file, sizeof file, "%s/file", harness_tmpdir());
+  int fd = open(file, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  o.runtime_dir = file;
+  ASSERT_STATUS(gpuipc_listen("x", &o, &l), GPUIPC_E_PERMISSION);
+  /* Owned by someone else (root can make one). */
+  if (geteuid() == 0) {
+    char other[400];
+    snprintf(other, sizeof other, "%s/other", harness_tmpdir());
+    ASSERT_EQ(mkdir(other, 0700), 0);
+    ASSERT_EQ(chown(other, 65534, 65534), 0);
+    o.runtime_dir = other;
+    ASSERT_STATUS(gpuipc_listen("x", &o, &l), GPUIPC_E_PERMISSION);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "belongs to uid 65534");
+  }
+  /* Created fresh with 0700 even under a permissive umask. */
+  mode_t old = umask(0);
+  snprintf(dir, sizeof dir, "%s/fresh", harness_tmpdir());
+  o.runtime_dir = dir;
+  ASSERT_OK(gpuipc_listen("x", &o, &l));
+  umask(old);
+  struct stat st;
+  ASSERT_EQ(lstat(dir, &st), 0);
+  ASSERT_EQ(st.st_mode & 07777, 0700);
+  gpuipc_listener_close(l);
+  /* XDG_RUNTIME_DIR is used when no directory is given. */
+  char xdg[400];
+  snprintf(xdg, sizeof xdg, "%s/xdg", harness_tmpdir());
+  ASSERT_EQ(mkdir(xdg, 0700), 0);
+  setenv("XDG_RUNTIME_DIR", xdg, 1);
+  o.runtime_dir = NULL;
+  ASSERT_OK(gpuipc_listen("y", &o, &l));
+  ASSERT_STR_CONTAINS(gpuipc_listener_path(l), "/xdg/gpuipc/y.sock");
+  gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- credentials ---------------------------------------------------------------- */
+
+/* Runs as uid/gid 65534 (nobody) and tries to connect to an abstract name;
+ * argv[0] name, argv[1] "refused" or "accepted". */
+HELPER_IMPL(conn_other_uid) {
+  ASSERT(argc >= 2);
+  ASSERT_EQ(setgroups(0, NULL), 0);
+  ASSERT_EQ(setresgid(65534, 65534, 65534), 0);
+  ASSERT_EQ(setresuid(65534, 65534, 65534), 0);
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.abstract_name = 1;
+  o.timeout_ms = 20000;
+  uint32_t root = 0;
+  o.allow_uids = &root; /* we accept the listener (root) */
+  o.n_allow_uids = 1;
+  gpuipc_conn *c = NULL;
+  gpuipc_status s = gpuipc_connect(argv[0], &o, &c);
+  if (strcmp(argv[1], "refused") == 0) {
+    ASSERT_STATUS(s, GPUIPC_E_PEER_REFUSED);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "not allowed");
+    return 0;
+  }
+  ASSERT_OK(s);
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_EQ(pi.uid, 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "hi", 2, NULL, 0));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(conn_refuses_other_uid) {
+  if (geteuid() != 0)
+    SKIP("needs root to run a helper under another uid (setresuid); the "
+         "same check runs whenever the suite runs as root");
+  char name[64];
+  snprintf(name, sizeof name, "uid-%d", (int)getpid());
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.abstract_name = 1; /* a 0700 directory would stop the helper earlier */
+  o.timeout_ms = 20000;
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen(name, &o, &l));
+  pid_t pid = spawn_helper("conn_other_uid", NULL, NULL, name, "refused", NULL);
+  gpuipc_conn *c = NULL;
+  ASSERT_STATUS(gpuipc_accept(l, &c), GPUIPC_E_PEER_REFUSED);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "uid 65534");
+  ASSERT_NULL(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_listener_close(l);
+
+  /* With the uid on the allow-list the same peer is accepted. */
+  uint32_t nobody = 65534;
+  o.allow_uids = &nobody;
+  o.n_allow_uids = 1;
+  ASSERT_OK(gpuipc_listen(name, &o, &l));
+  pid = spawn_helper("conn_other_uid", NULL, NULL, name, "accepted", NULL);
+  ASSERT_OK(gpuipc_accept(l, &c));
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_EQ(pi.uid, 65534);
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_listener_close(l);
+
+  /* A gid allow-list works as well. */
+  o.allow_uids = NULL;
+  o.n_allow_uids = 0;
+  o.allow_gids = &nobody;
+  o.n_allow_gids = 1;
+  ASSERT_OK(gpuipc_listen(name, &o, &l));
+  pid = spawn_helper("conn_other_uid", NULL, NULL, name, "accepted", NULL);
+  ASSERT_OK(gpuipc_accept(l, &c));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- hostile peers ------------------------------------------------------------------ */
+
+/* Completes the handshake, then writes raw bytes the test sends it on the
+ * harness fd: each message is [u32 mode][bytes]; mode 1: write bytes on the
+ * connection; mode 2: write bytes with one descriptor; mode 3: close. */
+HELPER_IMPL(conn_raw) {
+  int ctl = harness_helper_fd();
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.abstract_name = 1;
+  o.timeout_ms = 20000;
+  gpuipc_conn *c = NULL;
+  ASSERT(argc >= 1);
+  ASSERT_OK(gpuipc_connect(argv[0], &o, &c));
+  int fd = gpuipc_conn_fd(c);
+  static unsigned char buf[1 << 17];
+  for (;;) {
+    ssize_t n = harness_recv(ctl, buf, sizeof buf, NULL, NULL);
+    if (n < 4)
+      break;
+    uint32_t mode;
+    memcpy(&mode, buf, 4);
+    if (mode == 3)
+      break;
+    struct iovec iov = {buf + 4, (size_t)n - 4};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    union {
+      char b[CMSG_SPACE(sizeof(int))];
+      struct cmsghdr a;
+    } cb;
+    if (mode == 2) {
+      memset(&cb, 0, sizeof cb);
+      mh.msg_control = cb.b;
+      mh.msg_controllen = sizeof cb.b;
+      struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(sizeof(int));
+      int zero = 0;
+      memcpy(CMSG_DATA(cm), &zero, sizeof zero);
+    }
+    ASSERT_EQ(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)iov.iov_len);
+    harness_send_u64(ctl, 1); /* written */
+  }
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static void raw_send(int ctl, uint32_t mode, const void *p, size_t n) {
+  unsigned char buf[4096];
+  ASSERT_LE(n + 4, sizeof buf);
+  memcpy(buf, &mode, 4);
+  memcpy(buf + 4, p, n);
+  harness_send(ctl, buf, n + 4, NULL, 0);
+  if (mode != 3)
+    ASSERT_EQ(harness_recv_u64(ctl), 1);
+}
+
+static gpuipc__frame_hdr good_hdr(int type, uint32_t len, uint16_t nfds) {
+  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                         (uint8_t)type, nfds, len, 0};
+  h.check = gpuipc__frame_check(&h);
+  return h;
+}
+
+typedef struct bad_case {
+  const char *what;
+  unsigned char bytes[64];
+  size_t n;
+  uint32_t mode;
+  gpuipc_status want; /* of the receive */
+  const char *text;
+} bad_case;
+
+TEST_IMPL(conn_rejects_garbage) {
+  char name[64];
+  snprintf(name, sizeof name, "raw-%d", (int)getpid());
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.abstract_name = 1;
+  o.timeout_ms = 10000;
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen(name, &o, &l));
+  int base_fds = harness_count_fds();
+
+  bad_case cases[8];
+  memset(cases, 0, sizeof cases);
+  int nc = 0;
+  /* Plain garbage. */
+  cases[nc] = (bad_case){"garbage", {0}, 32, 1, GPUIPC_E_PROTOCOL, "magic"};
+  memcpy(cases[nc].bytes, "GET / HTTP/1.1\r\nHost: x\r\n\r\n....", 32);
+  nc++;
+  /* A forged length, far over the maximum, with a correct header check. */
+  {
+    gpuipc__frame_hdr h = good_hdr(GPUIPC__F_MSG, 0x7fffffffu, 0);
+    cases[nc] = (bad_case){"forged length", {0}, sizeof h, 1, GPUIPC_E_PROTOCOL,
+                           "exceeds the maximum"};
+    memcpy(cases[nc].bytes, &h, sizeof h);
+    nc++;
+  }
+  /* A header whose check does not match (a length changed in transit). */
+  {
+    gpuipc__frame_hdr h = good_hdr(GPUIPC__F_MSG, 4, 0);
+    h.len = 40;
+    cases[nc] = (bad_case){"bad check", {0}, sizeof h, 1, GPUIPC_E_PROTOCOL,
+                           "check"};
+    memcpy(cases[nc].bytes, &h, sizeof h);
+    nc++;
+  }
+  /* Another version. */
+  {
+    gpuipc__frame_hdr h = good_hdr(GPUIPC__F_MSG, 0, 0);
+    h.version = 99;
+    h.check = gpuipc__frame_check(&h);
+    cases[nc] = (bad_case){"version", {0}, sizeof h, 1, GPUIPC_E_PROTOCOL,
+                           "version 99"};
+    memcpy(cases[nc].bytes, &h, sizeof h);
+    nc++;
+  }
+  /* An unknown type. */
+  {
+    gpuipc__frame_hdr h = good_hdr(200, 0, 0);
+    cases[nc] = (bad_case){"type", {0}, sizeof h, 1, GPUIPC_E_PROTOCOL,
+                           "type 200"};
+    memcpy(cases[nc].bytes, &h, sizeof h);
+    nc++;
+  }
+  /* A frame that declares descriptors it does not carry. */
+  {
+    gpuipc__frame_hdr h = good_hdr(GPUIPC__F_MSG, 0, 3);
+    cases[nc] = (bad_case){"missing fds", {0}, sizeof h, 1, GPUIPC_E_PROTOCOL,
+                           "3 file descriptors"};
+    memcpy(cases[nc].bytes, &h, sizeof h);
+    nc++;
+  }
+  /* Descriptors without a frame that declares them. */
+  {
+    gpuipc__frame_hdr h = good_hdr(GPUIPC__F_MSG, 0, 0);
+    cases[nc] = (bad_case){"stray fds", {0}, sizeof h, 2, GPUIPC_E_PROTOCOL,
+                           "without a frame"};
+    memcpy(cases[nc].bytes, &h, sizeof h);
+    nc++;
+  }
+  /* A truncated frame, then the peer leaves: not a protocol error of ours
+   * to report beyond "gone", and nothing is delivered. */
+  {
+    gpuipc__frame_hdr h = good_hdr(GPUIPC__F_MSG, 100, 0);
+    cases[nc] = (bad_case){"truncated", {0}, sizeof h + 10, 1,
+                           GPUIPC_E_PEER_GONE, "gone"};
+    memcpy(cases[nc].bytes, &h, sizeof h);
+    nc++;
+  }
+
+  /* A well-behaved connection stays open next to the hostile ones. */
+  pid_t good_pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+  gpuipc_conn *good = NULL;
+  ASSERT_OK(gpuipc_accept(l, &good));
+
+  for (int i = 0; i < nc; i++) {
+    int ctl;
+    pid_t pid = spawn_helper("conn_raw", NULL, &ctl, name, NULL);
+    gpuipc_conn *c = NULL;
+    ASSERT_OK(gpuipc_accept(l, &c));
+    raw_send(ctl, cases[i].mode, cases[i].bytes, cases[i].n);
+    if (cases[i].want == GPUIPC_E_PEER_GONE)
+      raw_send(ctl, 3, NULL, 0);
+    char buf[64];
+    size_t len = 0;
+    gpuipc_status s = GPUIPC_OK;
+    /* A frame that came before the violation in the same read may still be
+     * delivered; the violation then shows on the next call. */
+    for (int k = 0; k < 3 && s == GPUIPC_OK; k++)
+      s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+    if (s == GPUIPC_E_CLOSED)
+      s = GPUIPC_E_PROTOCOL;
+    if (s != cases[i].want)
+      harness_fail(__FILE__, __LINE__, "case %s: got %s (%s), want %s",
+                   cases[i].what, gpuipc_status_name(s), gpuipc_last_error(),
+                   gpuipc_status_name(cases[i].want));
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), cases[i].text);
+    if (s == GPUIPC_E_PROTOCOL) {
+      ASSERT_EQ(gpuipc_conn_fd(c), -1);
+      ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
+                    GPUIPC_E_CLOSED);
+      ASSERT_STATUS(gpuipc_conn_send_msg(c, buf, 1, NULL, 0), GPUIPC_E_CLOSED);
+      raw_send(ctl, 3, NULL, 0);
+    }
+    gpuipc_conn_close(c);
+    close(ctl);
+    ASSERT_EQ(wait_helper(pid, 30), 0);
+    roundtrip(good, 10, i);
+  }
+  /* Garbage instead of a handshake: accept fails for that peer only. */
+  {
+    int raw = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    int n = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "gpuipc/%s", name);
+    ASSERT_EQ(connect(raw, (struct sockaddr *)&sa,
+                      (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 +
+                                  (size_t)n)),
+              0);
+    ASSERT_EQ(write(raw, "garbage garbage garbage!", 24), 24);
+    gpuipc_conn *c = NULL;
+    ASSERT_STATUS(gpuipc_accept(l, &c), GPUIPC_E_PROTOCOL);
+    ASSERT_NULL(c);
+    close(raw);
+  }
+  /* A peer that connects and leaves without a word is skipped: accept
+   * returns the next real one. */
+  {
+    int raw = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    int n = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "gpuipc/%s", name);
+    ASSERT_EQ(connect(raw, (struct sockaddr *)&sa,
+                      (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 +
+                                  (size_t)n)),
+              0);
+    close(raw);
+    pid_t pid2 = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    gpuipc_conn *c = NULL;
+    ASSERT_OK(gpuipc_accept(l, &c));
+    gpuipc_peer_info pi;
+    ASSERT_OK(gpuipc_conn_peer(c, &pi));
+    ASSERT_EQ(pi.pid, pid2);
+    roundtrip(c, 5, 1);
+    gpuipc_conn_close(c);
+    ASSERT_EQ(wait_helper(pid2, 30), 0);
+  }
+  roundtrip(good, 10, 99);
+  gpuipc_conn_close(good);
+  ASSERT_EQ(wait_helper(good_pid, 30), 0);
+  ASSERT_EQ(harness_count_fds(), base_fds);
+  gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- timeouts ---------------------------------------------------------------------- */
+
+/* Connects and then does nothing until told (one u64 on the harness fd). */
+HELPER_IMPL(conn_silent) {
+  gpuipc_conn *c = helper_conn(argc, argv);
+  (void)harness_recv_u64(harness_helper_fd());
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(conn_timeouts) {
+  gpuipc_conn_options o = opts_ms(150);
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("slow", &o, &l));
+  /* accept with nobody coming. */
+  gpuipc_conn *c = NULL;
+  ASSERT_STATUS(gpuipc_accept(l, &c), GPUIPC_E_TIMEOUT);
+  /* Non-blocking accept. */
+  gpuipc_listener *lnb = NULL;
+  gpuipc_conn_options onb = opts_ms(150);
+  onb.nonblocking = 1;
+  ASSERT_OK(gpuipc_listen("slow-nb", &onb, &lnb));
+  ASSERT_STATUS(gpuipc_accept(lnb, &c), GPUIPC_E_WOULD_BLOCK);
+  gpuipc_listener_close(lnb);
+
+  /* A peer that never completes the handshake: connect times out. */
+  {
+    int raw = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    char mpath[400];
+    snprintf(mpath, sizeof mpath, "%s/mute.sock", rt_dir());
+    ASSERT_LT(strlen(mpath), sizeof sa.sun_path);
+    memcpy(sa.sun_path, mpath, strlen(mpath) + 1);
+    ASSERT_EQ(bind(raw, (struct sockaddr *)&sa, sizeof sa), 0);
+    ASSERT_EQ(listen(raw, 4), 0);
+    ASSERT_STATUS(gpuipc_connect("mute", &o, &c), GPUIPC_E_TIMEOUT);
+    close(raw);
+    unlink(sa.sun_path);
+  }
+
+  int ctl;
+  pid_t pid = spawn_helper("conn_silent", NULL, &ctl, "slow", (char *)rt_dir(),
+                           NULL);
+  ASSERT_OK(gpuipc_accept(l, &c));
+  char buf[16];
+  size_t len;
+  uint64_t t0 = (uint64_t)time(NULL);
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
+                GPUIPC_E_TIMEOUT);
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
+                GPUIPC_E_WOULD_BLOCK);
+  ASSERT_OK(gpuipc_conn_progress(c, 0));
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 0));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 0));
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
+                GPUIPC_E_WOULD_BLOCK);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 100));
+  /* A peer that does not read: frames with descriptors time out once the
+   * socket is full; frames without are queued up to a bound, then time out
+   * too. Nothing blocks for longer than the timeout. */
+  int one = 4096;
+  ASSERT_EQ(setsockopt(gpuipc_conn_fd(c), SOL_SOCKET, SO_SNDBUF, &one,
+                       sizeof one),
+            0);
+  static char chunk[GPUIPC_CONN_MSG_MAX];
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  gpuipc_status s = GPUIPC_OK;
+  int sent = 0;
+  for (int i = 0; i < 100000 && s == GPUIPC_OK; i++, sent++)
+    s = gpuipc_conn_send_msg(c, chunk, sizeof chunk, &p[0], 1);
+  ASSERT_STATUS(s, GPUIPC_E_TIMEOUT);
+  ASSERT_GT(sent, 0);
+  s = GPUIPC_OK;
+  for (int i = 0; i < 100000 && s == GPUIPC_OK; i++)
+    s = gpuipc_conn_send_msg(c, chunk, sizeof chunk, NULL, 0);
+  ASSERT_STATUS(s, GPUIPC_E_TIMEOUT);
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
+  ASSERT_STATUS(gpuipc_conn_send_msg(c, chunk, sizeof chunk, NULL, 0),
+                GPUIPC_E_WOULD_BLOCK);
+  ASSERT_LT((uint64_t)time(NULL) - t0, 20);
+  close(p[0]);
+  close(p[1]);
+  harness_send_u64(ctl, 1);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  /* The helper is gone: calls say so. */
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 0));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 5000));
+  s = GPUIPC_OK;
+  for (int i = 0; i < 1000 && s == GPUIPC_OK; i++)
+    s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT_STATUS(s, GPUIPC_E_PEER_GONE);
+  ASSERT_STATUS(gpuipc_conn_progress(c, 0), GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  close(ctl);
+  gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- EINTR and partial I/O -------------------------------------------------------------- */
+
+static volatile sig_atomic_t alarms;
+static void on_alarm(int sig) {
+  (void)sig;
+  alarms++;
+}
+
+/* Sends messages slowly (argv[1] ms apart), large ones split by a tiny
+ * send buffer. */
+HELPER_IMPL(conn_slow_sender) {
+  gpuipc_conn *c = helper_conn(argc, argv);
+  int one = 2048;
+  setsockopt(gpuipc_conn_fd(c), SOL_SOCKET, SO_SNDBUF, &one, sizeof one);
+  static unsigned char buf[GPUIPC_CONN_MSG_MAX];
+  for (int i = 0; i < 20; i++) {
+    for (size_t k = 0; k < sizeof buf; k++)
+      buf[k] = (unsigned char)(k + (size_t)i);
+    int p[2];
+    ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+    ASSERT_OK(gpuipc_conn_send_msg(c, buf, sizeof buf, p, 2));
+    close(p[0]);
+    close(p[1]);
+    if (i % 5 == 0)
+      usleep(30000);
+  }
+  ASSERT_OK(gpuipc_conn_progress(c, 0));
+  /* Drain what is queued before leaving. */
+  char b;
+  size_t len;
+  gpuipc_conn_set_timeout(c, 20000);
+  ASSERT_OK(gpuipc_conn_recv_msg(c, &b, 1, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(conn_eintr_partial_io) {
+  struct sigaction sa = {0};
+  sa.sa_handler = on_alarm;
+  sa.sa_flags = 0; /* no SA_RESTART: poll and recvmsg see EINTR */
+  sigemptyset(&sa.sa_mask);
+  ASSERT_EQ(sigaction(SIGALRM, &sa, NULL), 0);
+  struct itimerval it = {{0, 2000}, {0, 2000}};
+  ASSERT_EQ(setitimer(ITIMER_REAL, &it, NULL), 0);
+
+  int fd;
+  pid_t pid = spawn_helper("conn_slow_sender", NULL, &fd, "pair", NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  int one = 2048;
+  setsockopt(gpuipc_conn_fd(c), SOL_SOCKET, SO_RCVBUF, &one, sizeof one);
+  static unsigned char buf[GPUIPC_CONN_MSG_MAX];
+  for (int i = 0; i < 20; i++) {
+    size_t len = 0;
+    int fds[4], nfds = 4;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, fds, &nfds));
+    ASSERT_EQ(len, sizeof buf);
+    for (size_t k = 0; k < sizeof buf; k++)
+      if (buf[k] != (unsigned char)(k + (size_t)i))
+        harness_fail(__FILE__, __LINE__, "message %d byte %zu", i, k);
+    ASSERT_EQ(nfds, 2);
+    close(fds[0]);
+    close(fds[1]);
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  struct itimerval off = {{0, 0}, {0, 0}};
+  setitimer(ITIMER_REAL, &off, NULL);
+  ASSERT_GT(alarms, 0);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* ---- poll integration -------------------------------------------------------------------- */
+
+TEST_IMPL(conn_poll_fd) {
+  int fd;
+  pid_t pid = spawn_helper("conn_echo", NULL, &fd, "pair", NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  o.nonblocking = 1;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ping", 4, NULL, 0));
+  char buf[8];
+  size_t len = 0;
+  gpuipc_status s;
+  int rounds = 0;
+  while ((s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL)) ==
+         GPUIPC_E_WOULD_BLOCK) {
+    struct pollfd p = {gpuipc_conn_fd(c), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 20000), 1);
+    rounds++;
+  }
+  ASSERT_OK(s);
+  ASSERT_EQ(len, 4);
+  ASSERT_MEM_EQ(buf, "ping", 4);
+  ASSERT_LE(rounds, 2);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}
+
+/* ---- many peers ------------------------------------------------------------------------------ */
+
+TEST_IMPL(conn_64_peers) {
+  enum { N = 64 };
+  gpuipc_conn_options o = opts_ms(30000);
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("many", &o, &l));
+  int base_fds = harness_count_fds();
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  for (int i = 0; i < N; i++)
+    pids[i] = spawn_helper("conn_echo", NULL, NULL, "many", (char *)rt_dir(),
+                           NULL);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_accept(l, &cs[i]));
+  /* Send to all, then collect all: every peer is served concurrently. */
+  for (int r = 0; r < 3; r++) {
+    for (int i = 0; i < N; i++) {
+      int v = i * 1000 + r;
+      ASSERT_OK(gpuipc_conn_send_msg(cs[i], &v, sizeof v, NULL, 0));
+    }
+    for (int i = 0; i < N; i++) {
+      int v = -1;
+      size_t len;
+      ASSERT_OK(gpuipc_conn_recv_msg(cs[i], &v, sizeof v, &len, NULL, NULL));
+      ASSERT_EQ(v, i * 1000 + r);
+    }
+  }
+  /* Each peer is who the kernel says. */
+  for (int i = 0; i < N; i++) {
+    gpuipc_peer_info pi;
+    ASSERT_OK(gpuipc_conn_peer(cs[i], &pi));
+    bool found = false;
+    for (int k = 0; k < N; k++)
+      found |= pi.pid == pids[k];
+    ASSERT(found);
+  }
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_EQ(harness_count_fds(), base_fds);
+  gpuipc_listener_close(l);
+  return 0;
+}
