@@ -53,6 +53,7 @@ struct gpuipc_pool {
   gpuipc_uuid uuid;
   bool imported;
   uint64_t id;      /* exporter-local pool id (descriptors carry it) */
+  gpuipc__identity exporter; /* this process, or the exporter if imported */
   size_t capacity;  /* 0: none */
   atomic_size_t in_use;
   atomic_long live; /* live buffers */
@@ -92,6 +93,7 @@ struct gpuipc_buffer {
   int fd;               /* VMM / PINNED_HOST: shareable fd; -1 */
   void *host;           /* PINNED_HOST: the host mapping */
   struct gpuipc__mapping *map; /* IMPORTED: the cache entry */
+  gpuipc__identity exporter;   /* IMPORTED: who exported it */
 };
 
 struct gpuipc_event {
@@ -145,6 +147,9 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
                                     const int *fds, int nfds, unsigned flags,
                                     gpuipc__open_fn open,
                                     struct gpuipc__mapping **map);
+/* True when a live cached mapping of this kind sits at base on that device
+ * (the driver hands back an existing import instead of a new one). */
+bool gpuipc__cache_base_held(uint8_t kind, int map_ordinal, CUdeviceptr base);
 /* Drops one reference; the last one unmaps. */
 gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *map);
 /* The mapping's base address and mapped size; host address for PINNED_HOST. */

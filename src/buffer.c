@@ -1,0 +1,1047 @@
+/*
+ * buffer.c: owns buffers: allocating them from a pool of each kind,
+ * wrapping foreign allocations (base + range + offset), exporting them as
+ * descriptors (+ fds), importing descriptors (the driver side of opening
+ * each kind, with the checks the driver does not make: the buffer id on the
+ * mapping and the real mapped range), and closing/freeing.
+ */
+#include "handle_internal.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static gpuipc_buffer *buffer_new(void) {
+  gpuipc_buffer *b = calloc(1, sizeof *b);
+  if (b == NULL)
+    return NULL;
+  b->fd = -1;
+  b->pool_fd = -1;
+  b->ordinal = -1;
+  b->map_ordinal = -1;
+  pthread_mutex_init(&b->lock, NULL);
+  return b;
+}
+
+static void buffer_delete(gpuipc_buffer *b) {
+  pthread_mutex_destroy(&b->lock);
+  free(b);
+}
+
+static size_t round_up(size_t n, size_t g) { return (n + g - 1) / g * g; }
+
+gpuipc_status gpuipc__pointer_buffer_id(CUdeviceptr ptr, uint64_t *id) {
+  unsigned long long v = 0;
+  CUresult r =
+      GPUIPC__CU(cuPointerGetAttribute, &v, CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuPointerGetAttribute",
+                             "CU_POINTER_ATTRIBUTE_BUFFER_ID of 0x%llx",
+                             (unsigned long long)ptr);
+  *id = v;
+  return GPUIPC_OK;
+}
+
+/* ---- allocation per kind (context of the pool's device is current) --------- */
+
+static gpuipc_status alloc_vmm(gpuipc_pool *p, gpuipc_buffer *b, size_t size) {
+  size_t n = round_up(size, p->granularity);
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = p->cudev;
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  bool mapped = false;
+  gpuipc_status s = GPUIPC_OK;
+  CUresult r = GPUIPC__CU(cuMemCreate, &h, n, &prop, 0);
+  if (r != CUDA_SUCCESS) {
+    h = 0;
+    s = gpuipc__fail_cuda(r, "cuMemCreate", "%zu bytes on device %d", n,
+                          p->ordinal);
+    goto fail;
+  }
+  r = GPUIPC__CU(cuMemAddressReserve, &va, n, p->granularity, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    va = 0;
+    s = gpuipc__fail_cuda(r, "cuMemAddressReserve", "%zu bytes", n);
+    goto fail;
+  }
+  r = GPUIPC__CU(cuMemMap, va, n, 0, h, 0);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemMap", "%zu bytes", n);
+    goto fail;
+  }
+  mapped = true;
+  CUmemAccessDesc ad[GPUIPC__MAX_ACCESS + 1];
+  memset(ad, 0, sizeof ad);
+  int nad = 0;
+  ad[nad].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  ad[nad].location.id = p->ordinal;
+  ad[nad++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  for (int i = 0; i < p->n_access; i++) {
+    ad[nad].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    ad[nad].location.id = p->access[i];
+    ad[nad++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  r = GPUIPC__CU(cuMemSetAccess, va, n, ad, (size_t)nad);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemSetAccess", "%zu bytes", n);
+    goto fail;
+  }
+  b->vmm = h;
+  b->ptr = b->base = va;
+  b->alloc_size = n;
+  return GPUIPC_OK;
+fail:
+  if (mapped)
+    (void)GPUIPC__CU(cuMemUnmap, va, n);
+  if (va)
+    (void)GPUIPC__CU(cuMemAddressFree, va, n);
+  if (h)
+    (void)GPUIPC__CU(cuMemRelease, h);
+  return s;
+}
+
+static void free_vmm(gpuipc_buffer *b, gpuipc_status *s) {
+  CUresult r = GPUIPC__CU(cuMemUnmap, b->base, b->alloc_size);
+  if (r != CUDA_SUCCESS && *s == GPUIPC_OK)
+    *s = gpuipc__fail_cuda(r, "cuMemUnmap", NULL);
+  r = GPUIPC__CU(cuMemAddressFree, b->base, b->alloc_size);
+  if (r != CUDA_SUCCESS && *s == GPUIPC_OK)
+    *s = gpuipc__fail_cuda(r, "cuMemAddressFree", NULL);
+  r = GPUIPC__CU(cuMemRelease, b->vmm);
+  if (r != CUDA_SUCCESS && *s == GPUIPC_OK)
+    *s = gpuipc__fail_cuda(r, "cuMemRelease", NULL);
+}
+
+/* Maps a pinned-host fd (size bytes) and registers it with the driver. */
+static gpuipc_status map_pinned(int fd, size_t size, void **host_out,
+                                CUdeviceptr *dev_out) {
+  void *host = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (host == MAP_FAILED)
+    return gpuipc__fail_errno(errno, "mmap", "%zu bytes of pinned host memory",
+                              size);
+  /* PORTABLE: pinned for every context, so copies on any device's streams
+   * are asynchronous; DEVICEMAP: reachable from kernels. */
+  CUresult r = GPUIPC__CU(cuMemHostRegister, host, size,
+                          CU_MEMHOSTREGISTER_PORTABLE |
+                              CU_MEMHOSTREGISTER_DEVICEMAP);
+  if (r != CUDA_SUCCESS) {
+    munmap(host, size);
+    return gpuipc__fail_cuda(r, "cuMemHostRegister", "%zu bytes", size);
+  }
+  CUdeviceptr d = 0;
+  r = GPUIPC__CU(cuMemHostGetDevicePointer, &d, host, 0);
+  if (r != CUDA_SUCCESS) {
+    (void)GPUIPC__CU(cuMemHostUnregister, host);
+    munmap(host, size);
+    return gpuipc__fail_cuda(r, "cuMemHostGetDevicePointer", NULL);
+  }
+  *host_out = host;
+  *dev_out = d;
+  return GPUIPC_OK;
+}
+
+static void unmap_pinned(void *host, size_t size, gpuipc_status *s) {
+  CUresult r = GPUIPC__CU(cuMemHostUnregister, host);
+  if (r != CUDA_SUCCESS && *s == GPUIPC_OK)
+    *s = gpuipc__fail_cuda(r, "cuMemHostUnregister", NULL);
+  munmap(host, size);
+}
+
+static gpuipc_status alloc_pinned(gpuipc_buffer *b, size_t size) {
+  long page = sysconf(_SC_PAGESIZE);
+  size_t n = round_up(size, page > 0 ? (size_t)page : 4096);
+  int fd = memfd_create("gpuipc-pinned-host", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return gpuipc__fail_errno(errno, "memfd_create", "pinned host buffer");
+  gpuipc_status s = GPUIPC_OK;
+  if (ftruncate(fd, (off_t)n) != 0) {
+    s = gpuipc__fail_errno(errno, "ftruncate", "%zu bytes", n);
+    goto fail;
+  }
+  /* Sealed size: an importer's mapping can never be cut short under it
+   * (which would turn its accesses into SIGBUS). */
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    s = gpuipc__fail_errno(errno, "fcntl", "F_ADD_SEALS");
+    goto fail;
+  }
+  void *host = NULL;
+  CUdeviceptr d = 0;
+  GPUIPC__CHECK_GOTO(map_pinned(fd, n, &host, &d), s, fail);
+  b->fd = fd;
+  b->host = host;
+  b->ptr = b->base = d;
+  b->alloc_size = n;
+  return GPUIPC_OK;
+fail:
+  close(fd);
+  return s;
+}
+
+gpuipc_status gpuipc_buffer_alloc(gpuipc_pool *pool, size_t size,
+                                  struct CUstream_st *stream,
+                                  gpuipc_buffer **out) {
+  if (out == NULL || pool == NULL || size == 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_alloc: NULL pool/out or size 0");
+  *out = NULL;
+  if (pool->imported)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_buffer_alloc: cannot allocate from an "
+                        "imported pool (the driver refuses)");
+  GPUIPC__CHECK(gpuipc__driver());
+  bool counted = false;
+  if (pool->capacity && pool->kind != GPUIPC_POOL_MEMPOOL) {
+    size_t before = atomic_fetch_add(&pool->in_use, size);
+    counted = true;
+    if (before + size > pool->capacity || before + size < before) {
+      atomic_fetch_sub(&pool->in_use, size);
+      return gpuipc__fail(GPUIPC_E_LIMIT,
+                          "pool %llu: %zu more bytes would exceed its "
+                          "capacity of %zu (%zu in use)",
+                          (unsigned long long)pool->id, size, pool->capacity,
+                          before);
+    }
+  }
+  gpuipc_buffer *b = buffer_new();
+  gpuipc_status s = GPUIPC_OK;
+  gpuipc__ctx_guard g = {0};
+  bool entered = false;
+  if (b == NULL) {
+    s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "buffer");
+    goto fail;
+  }
+  b->origin = GPUIPC__ALLOCATED;
+  b->kind = pool->kind;
+  b->ordinal = b->map_ordinal = pool->ordinal;
+  b->uuid = pool->uuid;
+  b->size = size;
+  b->pool = pool;
+  b->pool_id = pool->id;
+  GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, pool->ordinal), s, fail);
+  entered = true;
+  CUresult r;
+  switch (pool->kind) {
+  case GPUIPC_POOL_MEMPOOL:
+    r = GPUIPC__CU(cuMemAllocFromPoolAsync, &b->ptr, size, pool->mp,
+                   (CUstream)stream);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemAllocFromPoolAsync", "%zu bytes from pool %llu",
+                            size, (unsigned long long)pool->id);
+      goto fail;
+    }
+    b->base = b->ptr;
+    b->alloc_size = size;
+    break;
+  case GPUIPC_POOL_LEGACY: {
+    r = GPUIPC__CU(cuMemAlloc, &b->ptr, size);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemAlloc", "%zu bytes on device %d", size,
+                            pool->ordinal);
+      goto fail;
+    }
+    CUdeviceptr base = 0;
+    size_t n = 0;
+    r = GPUIPC__CU(cuMemGetAddressRange, &base, &n, b->ptr);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemGetAddressRange", NULL);
+      (void)GPUIPC__CU(cuMemFree, b->ptr);
+      goto fail;
+    }
+    b->base = base;
+    b->offset = (size_t)(b->ptr - base);
+    b->alloc_size = n;
+    break;
+  }
+  case GPUIPC_POOL_VMM:
+    GPUIPC__CHECK_GOTO(alloc_vmm(pool, b, size), s, fail);
+    break;
+  case GPUIPC_POOL_PINNED_HOST:
+    GPUIPC__CHECK_GOTO(alloc_pinned(b, size), s, fail);
+    break;
+  default:
+    s = gpuipc__fail(GPUIPC_E_INTERNAL, "pool kind %d", (int)pool->kind);
+    goto fail;
+  }
+  /* The buffer id validates importers' cached mappings. Legacy and pool
+   * memory must have one; for VMM and pinned host memory the fd pins the
+   * allocation, so a missing id is not an error there. */
+  if (pool->kind == GPUIPC_POOL_LEGACY || pool->kind == GPUIPC_POOL_MEMPOOL) {
+    s = gpuipc__pointer_buffer_id(b->base, &b->buffer_id);
+    if (s != GPUIPC_OK) {
+      if (pool->kind == GPUIPC_POOL_MEMPOOL)
+        (void)GPUIPC__CU(cuMemFreeAsync, b->ptr, (CUstream)stream);
+      else
+        (void)GPUIPC__CU(cuMemFree, b->ptr);
+      goto fail;
+    }
+  } else {
+    uint64_t id = 0;
+    unsigned long long v = 0;
+    if (GPUIPC__CU(cuPointerGetAttribute, &v, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                   b->base) == CUDA_SUCCESS)
+      id = v;
+    b->buffer_id = id;
+  }
+  b->generation = gpuipc__next_generation();
+  gpuipc__ctx_leave(&g);
+  atomic_fetch_add(&pool->live, 1);
+  *out = b;
+  return GPUIPC_OK;
+fail:
+  if (entered)
+    gpuipc__ctx_leave(&g);
+  if (counted)
+    atomic_fetch_sub(&pool->in_use, size);
+  if (b)
+    buffer_delete(b);
+  return s;
+}
+
+gpuipc_status gpuipc__arena_alloc(gpuipc_pool *pool, size_t size,
+                                  gpuipc_buffer **buf) {
+  GPUIPC__CHECK(gpuipc_buffer_alloc(pool, size, NULL, buf));
+  if (pool->kind != GPUIPC_POOL_MEMPOOL)
+    return GPUIPC_OK;
+  gpuipc__ctx_guard g;
+  gpuipc_status s = gpuipc__ctx_enter(&g, pool->ordinal);
+  if (s == GPUIPC_OK) {
+    CUresult r = GPUIPC__CU(cuStreamSynchronize, (CUstream)NULL);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuStreamSynchronize", "arena allocation");
+    gpuipc__ctx_leave(&g);
+  }
+  if (s != GPUIPC_OK) {
+    gpuipc_buffer_free(*buf, NULL);
+    *buf = NULL;
+  }
+  return s;
+}
+
+/* ---- wrap ------------------------------------------------------------------------- */
+
+gpuipc_status gpuipc_buffer_wrap(void *ptr, size_t size, gpuipc_buffer **out) {
+  if (out == NULL || ptr == NULL || size == 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_wrap: NULL pointer/out or size 0");
+  *out = NULL;
+  GPUIPC__CHECK(gpuipc__driver());
+  CUdeviceptr p = (CUdeviceptr)(uintptr_t)ptr;
+  int ordinal = -1;
+  CUresult r = GPUIPC__CU(cuPointerGetAttribute, &ordinal,
+                          CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuPointerGetAttribute",
+                             "CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL of %p: not "
+                             "device memory known to the driver",
+                             ptr);
+  gpuipc_buffer *b = buffer_new();
+  if (b == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "buffer");
+  gpuipc_status s = GPUIPC_OK;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, ordinal), s, fail_noctx);
+  CUdeviceptr base = 0;
+  size_t n = 0;
+  r = GPUIPC__CU(cuMemGetAddressRange, &base, &n, p);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemGetAddressRange", "%p", ptr);
+    goto fail;
+  }
+  size_t off = (size_t)(p - base);
+  if (off > n || size > n - off) {
+    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                     "gpuipc_buffer_wrap: [%p, +%zu) leaves its allocation "
+                     "[0x%llx, +%zu)",
+                     ptr, size, (unsigned long long)base, n);
+    goto fail;
+  }
+  /* Which kind of memory is it? Pool memory names its pool; anything else
+   * must be legacy-IPC capable (cuMemAlloc memory). */
+  CUmemoryPool mp = NULL;
+  r = GPUIPC__CU(cuPointerGetAttribute, &mp,
+                 CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, p);
+  if (r != CUDA_SUCCESS)
+    mp = NULL;
+  if (mp != NULL) {
+    b->kind = GPUIPC_POOL_MEMPOOL;
+    GPUIPC__CHECK_GOTO(
+        gpuipc__pool_lookup_foreign(mp, ordinal, &b->pool_id, &b->pool_fd), s,
+        fail);
+  } else {
+    int capable = 1;
+    r = GPUIPC__CU(cuPointerGetAttribute, &capable,
+                   CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p);
+    if (r == CUDA_SUCCESS && !capable) {
+      s = gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                       "gpuipc_buffer_wrap: %p is neither legacy-IPC capable "
+                       "(cuMemAlloc) memory nor memory of an IPC-capable pool",
+                       ptr);
+      goto fail;
+    }
+    b->kind = GPUIPC_POOL_LEGACY;
+  }
+  GPUIPC__CHECK_GOTO(gpuipc__pointer_buffer_id(base, &b->buffer_id), s, fail);
+  gpuipc__ctx_leave(&g);
+  b->origin = GPUIPC__WRAPPED;
+  b->ordinal = b->map_ordinal = ordinal;
+  GPUIPC__CHECK_GOTO(gpuipc_device_uuid(ordinal, &b->uuid), s, fail_noctx);
+  b->ptr = p;
+  b->base = base;
+  b->offset = off;
+  b->size = size;
+  b->alloc_size = n;
+  /* Wrapped allocations have generation 0: one allocation wrapped several
+   * times (interior views) must stay one mapping in every importer, and the
+   * driver's buffer id alone names the allocation. */
+  b->generation = 0;
+  *out = b;
+  return GPUIPC_OK;
+fail:
+  gpuipc__ctx_leave(&g);
+fail_noctx:
+  buffer_delete(b);
+  return s;
+}
+
+/* ---- accessors -------------------------------------------------------------------- */
+
+void *gpuipc_buffer_ptr(const gpuipc_buffer *b) {
+  return b ? (void *)(uintptr_t)b->ptr : NULL;
+}
+size_t gpuipc_buffer_size(const gpuipc_buffer *b) { return b ? b->size : 0; }
+gpuipc_pool_kind gpuipc_buffer_kind(const gpuipc_buffer *b) {
+  return b ? b->kind : GPUIPC_POOL_AUTO;
+}
+int gpuipc_buffer_is_imported(const gpuipc_buffer *b) {
+  return b && b->origin == GPUIPC__IMPORTED;
+}
+gpuipc_status gpuipc_buffer_device(const gpuipc_buffer *b, gpuipc_uuid *uuid) {
+  if (b == NULL || uuid == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_buffer_device: NULL");
+  *uuid = b->uuid;
+  return GPUIPC_OK;
+}
+gpuipc_status gpuipc_buffer_mapped_device(const gpuipc_buffer *b,
+                                          gpuipc_uuid *uuid) {
+  if (b == NULL || uuid == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_mapped_device: NULL");
+  if (b->map_ordinal == b->ordinal) {
+    *uuid = b->uuid;
+    return GPUIPC_OK;
+  }
+  return gpuipc_device_uuid(b->map_ordinal, uuid);
+}
+
+gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *b,
+                                      gpuipc__buffer_info *i) {
+  if (b == NULL || i == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc__buffer_info_get: NULL");
+  memset(i, 0, sizeof *i);
+  i->kind = b->kind;
+  i->origin = b->origin;
+  i->ptr = b->ptr;
+  i->host = b->kind == GPUIPC_POOL_PINNED_HOST ? (void *)(uintptr_t)b->ptr
+                                               : NULL;
+  i->size = b->size;
+  i->ordinal = b->ordinal;
+  i->map_ordinal = b->map_ordinal;
+  i->buffer_id = b->buffer_id;
+  i->generation = b->generation;
+  i->pool_id = b->pool_id;
+  if (b->origin == GPUIPC__IMPORTED) {
+    i->exporter = b->exporter;
+    return GPUIPC_OK;
+  }
+  return gpuipc__self_identity(&i->exporter);
+}
+
+/* ---- export ------------------------------------------------------------------------ */
+
+/* Makes the buffer's shareable handle once (b->lock held). */
+static gpuipc_status make_handle(gpuipc_buffer *b) {
+  if (b->have_handle)
+    return GPUIPC_OK;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, b->ordinal));
+  gpuipc_status s = GPUIPC_OK;
+  CUresult r = CUDA_SUCCESS;
+  switch (b->kind) {
+  case GPUIPC_POOL_LEGACY: {
+    /* The handle of an interior pointer is the handle of the base: the
+     * offset travels beside it. */
+    CUipcMemHandle h;
+    r = GPUIPC__CU(cuIpcGetMemHandle, &h, b->base);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuIpcGetMemHandle", "0x%llx",
+                            (unsigned long long)b->base);
+    else
+      memcpy(b->handle, &h, 64);
+    break;
+  }
+  case GPUIPC_POOL_MEMPOOL: {
+    /* cuMemPoolExportPointer refuses interior pointers: export the base. */
+    CUmemPoolPtrExportData e;
+    memset(&e, 0, sizeof e);
+    r = GPUIPC__CU(cuMemPoolExportPointer, &e, b->base);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuMemPoolExportPointer", "0x%llx",
+                            (unsigned long long)b->base);
+    else
+      memcpy(b->handle, &e, 64);
+    break;
+  }
+  case GPUIPC_POOL_VMM: {
+    int fd = -1;
+    r = GPUIPC__CU(cuMemExportToShareableHandle, &fd, b->vmm,
+                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuMemExportToShareableHandle", NULL);
+    else
+      b->fd = fd;
+    break;
+  }
+  default:
+    break;
+  }
+  gpuipc__ctx_leave(&g);
+  if (s == GPUIPC_OK)
+    b->have_handle = true;
+  return s;
+}
+
+gpuipc_status gpuipc_buffer_export(gpuipc_buffer *b, uint8_t *desc, size_t cap,
+                                   size_t *len, int *fds, int *nfds) {
+  if (b == NULL || desc == NULL || len == NULL ||
+      (nfds && *nfds > 0 && fds == NULL) || (nfds && *nfds < 0))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_buffer_export: NULL");
+  int cap_fds = nfds ? *nfds : 0;
+  if (nfds)
+    *nfds = 0;
+  if (b->origin == GPUIPC__IMPORTED)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_buffer_export: re-exporting an imported "
+                        "buffer is not supported: pass on its descriptor");
+  GPUIPC__CHECK(gpuipc__driver());
+  pthread_mutex_lock(&b->lock);
+  gpuipc_status s = make_handle(b);
+  pthread_mutex_unlock(&b->lock);
+  if (s != GPUIPC_OK)
+    return s;
+
+  gpuipc__desc d;
+  memset(&d, 0, sizeof d);
+  d.type = GPUIPC_DESC_BUFFER;
+  d.kind = (uint8_t)b->kind;
+  d.flags = b->origin == GPUIPC__WRAPPED ? GPUIPC__DESC_F_WRAPPED : 0;
+  memcpy(d.device, b->uuid.bytes, 16);
+  GPUIPC__CHECK(gpuipc__desc_set_exporter(&d));
+  d.buffer_id = b->buffer_id;
+  d.generation = b->generation;
+  d.offset = b->offset;
+  d.size = b->size;
+  d.alloc_size = b->alloc_size;
+  int fd = -1;
+  switch (b->kind) {
+  case GPUIPC_POOL_LEGACY:
+    d.handle_len = 64;
+    memcpy(d.handle, b->handle, 64);
+    d.exporter_fd = -1;
+    break;
+  case GPUIPC_POOL_MEMPOOL:
+    d.handle_len = 64;
+    memcpy(d.handle, b->handle, 64);
+    d.pool_id = b->pool_id;
+    fd = b->origin == GPUIPC__WRAPPED ? b->pool_fd : b->pool->export_fd;
+    d.exporter_fd = fd;
+    break;
+  default:
+    fd = b->fd;
+    d.exporter_fd = fd;
+    break;
+  }
+  int newfd = -1;
+  if (fd >= 0 && cap_fds > 0) {
+    newfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (newfd < 0)
+      return gpuipc__fail_errno(errno, "dup", "buffer export fd");
+    d.nfds = 1;
+  }
+  s = gpuipc__desc_encode(&d, desc, cap, len);
+  if (s != GPUIPC_OK) {
+    if (newfd >= 0)
+      close(newfd);
+    return s;
+  }
+  if (newfd >= 0) {
+    fds[0] = newfd;
+    *nfds = 1;
+  }
+  return GPUIPC_OK;
+}
+
+/* ---- import: opening each kind (called by the cache, without its lock) ------- */
+
+static gpuipc_status check_range(const gpuipc__desc *d, CUdeviceptr base,
+                                 size_t *mapped) {
+  CUdeviceptr rb = 0;
+  size_t rn = 0;
+  CUresult r = GPUIPC__CU(cuMemGetAddressRange, &rb, &rn, base);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuMemGetAddressRange", "imported mapping");
+  /* The descriptor's size and offset are claims; the driver's range of the
+   * mapping is the truth. */
+  size_t avail = (size_t)(rn - (size_t)(base - rb));
+  if (d->offset > avail || d->size > avail - d->offset)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "descriptor claims offset %llu + size %llu, but the "
+                        "mapping is %zu bytes: forged or corrupted",
+                        (unsigned long long)d->offset,
+                        (unsigned long long)d->size, avail);
+  *mapped = avail;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status check_buffer_id(const gpuipc__desc *d, CUdeviceptr base) {
+  uint64_t id = 0;
+  GPUIPC__CHECK(gpuipc__pointer_buffer_id(base, &id));
+  if (id != d->buffer_id)
+    return gpuipc__fail(GPUIPC_E_STALE,
+                        "the memory this %s descriptor names is gone: the "
+                        "mapping holds buffer id %llu, the descriptor names "
+                        "%llu (the exporter freed it and reused the address, "
+                        "or this process still holds an import of the freed "
+                        "buffer there)",
+                        gpuipc_pool_kind_name((gpuipc_pool_kind)d->kind),
+                        (unsigned long long)id,
+                        (unsigned long long)d->buffer_id);
+  return GPUIPC_OK;
+}
+
+/* The fd for an fd-carrying kind: the caller's, or one fetched by pidfd. */
+static gpuipc_status get_fd(const gpuipc__desc *d, const int *fds, int nfds,
+                            unsigned flags, int *fd, int *fetched) {
+  *fetched = -1;
+  if (nfds > 0) {
+    *fd = fds[0];
+    return GPUIPC_OK;
+  }
+  if (flags & GPUIPC_IMPORT_PIDFD_GETFD) {
+    GPUIPC__CHECK(gpuipc__pidfd_getfd(&d->exporter, d->exporter_fd, fetched));
+    *fd = *fetched;
+    return GPUIPC_OK;
+  }
+  return gpuipc__fail(GPUIPC_E_NEED_FD,
+                      "%s buffer of pid %d: its file descriptor must come "
+                      "with the descriptor (SCM_RIGHTS), or allow "
+                      "GPUIPC_IMPORT_PIDFD_GETFD",
+                      gpuipc_pool_kind_name((gpuipc_pool_kind)d->kind),
+                      (int)d->exporter.pid);
+}
+
+static gpuipc_status open_legacy(const gpuipc__desc *d, gpuipc__opened *o) {
+  CUipcMemHandle h;
+  memcpy(&h, d->handle, 64);
+  CUdeviceptr p = 0;
+  /* Lazy peer access: the mapping may be on another device than the
+   * memory's. */
+  CUresult r = GPUIPC__CU(cuIpcOpenMemHandle, &p, h,
+                          CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  if (r != CUDA_SUCCESS) {
+    gpuipc_status s = gpuipc__fail_cuda(
+        r, "cuIpcOpenMemHandle",
+        "legacy handle of pid %d%s", (int)d->exporter.pid,
+        r == CUDA_ERROR_INVALID_VALUE
+            ? ": the exporter freed this memory, exited, or the handle is "
+              "forged"
+            : "");
+    return r == CUDA_ERROR_INVALID_VALUE ? GPUIPC_E_STALE : s;
+  }
+  gpuipc__cache_count_open();
+  /* A freed allocation's handle bytes can come back for a new allocation
+   * at the same address: the buffer id tells them apart. */
+  gpuipc_status s = check_buffer_id(d, p);
+  if (s == GPUIPC_OK)
+    s = check_range(d, p, &o->mapped_size);
+  if (s != GPUIPC_OK) {
+    /* One close per open: the driver counts them. */
+    (void)GPUIPC__CU(cuIpcCloseMemHandle, p);
+    gpuipc__cache_count_close();
+    return s;
+  }
+  o->base = p;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status open_mempool(const gpuipc__desc *d, int map_ordinal,
+                                  const int *fds, int nfds, unsigned flags,
+                                  gpuipc__opened *o) {
+  struct gpuipc__pool_import *pimp = NULL;
+  GPUIPC__CHECK(gpuipc__pool_import_acquire(d, map_ordinal,
+                                            nfds > 0 ? fds[0] : -1, flags,
+                                            &pimp));
+  CUmemPoolPtrExportData e;
+  memcpy(&e, d->handle, 64);
+  CUdeviceptr p = 0;
+  CUresult r = GPUIPC__CU(cuMemPoolImportPointer, &p,
+                          gpuipc__pool_import_handle(pimp), &e);
+  if (r != CUDA_SUCCESS) {
+    gpuipc__pool_import_release(pimp);
+    return gpuipc__fail_cuda(r, "cuMemPoolImportPointer",
+                             "pool %llu of pid %d",
+                             (unsigned long long)d->pool_id,
+                             (int)d->exporter.pid);
+  }
+  gpuipc__cache_count_open();
+  gpuipc_status s = check_buffer_id(d, p);
+  if (s == GPUIPC_OK)
+    s = check_range(d, p, &o->mapped_size);
+  if (s != GPUIPC_OK) {
+    /* The driver hands back an existing import of the same pointer rather
+     * than a new one: free only what nobody else here holds. */
+    if (!gpuipc__cache_base_held(GPUIPC_POOL_MEMPOOL, map_ordinal, p)) {
+      (void)GPUIPC__CU(cuMemFree, p);
+      gpuipc__cache_count_close();
+    }
+    gpuipc__pool_import_release(pimp);
+    return s;
+  }
+  o->base = p;
+  o->pimp = pimp;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status open_vmm(const gpuipc__desc *d, int map_ordinal,
+                              const int *fds, int nfds, unsigned flags,
+                              gpuipc__opened *o) {
+  int fd = -1, fetched = -1;
+  GPUIPC__CHECK(get_fd(d, fds, nfds, flags, &fd, &fetched));
+  gpuipc_status s = GPUIPC_OK;
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  size_t n = (size_t)d->alloc_size;
+  bool mapped = false;
+  CUresult r = GPUIPC__CU(cuMemImportFromShareableHandle, &h,
+                          (void *)(uintptr_t)fd,
+                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (r != CUDA_SUCCESS) {
+    h = 0;
+    s = gpuipc__fail_cuda(r, "cuMemImportFromShareableHandle",
+                          "VMM buffer of pid %d", (int)d->exporter.pid);
+    goto fail;
+  }
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  r = GPUIPC__CU(cuMemGetAllocationPropertiesFromHandle, &prop, h);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemGetAllocationPropertiesFromHandle", NULL);
+    goto fail;
+  }
+  size_t gran = 0;
+  r = GPUIPC__CU(cuMemGetAllocationGranularity, &gran, &prop,
+                 CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemGetAllocationGranularity", NULL);
+    goto fail;
+  }
+  if (gran == 0 || n % gran != 0) {
+    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                     "VMM descriptor: allocation size %zu is not a multiple "
+                     "of the granularity %zu",
+                     n, gran);
+    goto fail;
+  }
+  r = GPUIPC__CU(cuMemAddressReserve, &va, n, gran, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    va = 0;
+    s = gpuipc__fail_cuda(r, "cuMemAddressReserve", "%zu bytes", n);
+    goto fail;
+  }
+  /* Mapping more than the allocation holds fails: that is the real range
+   * check for a forged size. */
+  r = GPUIPC__CU(cuMemMap, va, n, 0, h, 0);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemMap",
+                          "%zu bytes (the size the descriptor claims)", n);
+    if (r == CUDA_ERROR_INVALID_VALUE)
+      s = GPUIPC_E_OUT_OF_RANGE;
+    goto fail;
+  }
+  mapped = true;
+  CUmemAccessDesc ad;
+  memset(&ad, 0, sizeof ad);
+  ad.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  ad.location.id = map_ordinal;
+  ad.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  r = GPUIPC__CU(cuMemSetAccess, va, n, &ad, 1);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemSetAccess", "device %d", map_ordinal);
+    goto fail;
+  }
+  /* The mapping holds the allocation; the handle is no longer needed. */
+  (void)GPUIPC__CU(cuMemRelease, h);
+  h = 0;
+  gpuipc__cache_count_open();
+  o->base = va;
+  o->mapped_size = n;
+  if (fetched >= 0)
+    close(fetched);
+  return GPUIPC_OK;
+fail:
+  if (mapped)
+    (void)GPUIPC__CU(cuMemUnmap, va, n);
+  if (va)
+    (void)GPUIPC__CU(cuMemAddressFree, va, n);
+  if (h)
+    (void)GPUIPC__CU(cuMemRelease, h);
+  if (fetched >= 0)
+    close(fetched);
+  return s;
+}
+
+static gpuipc_status open_pinned(const gpuipc__desc *d, const int *fds,
+                                 int nfds, unsigned flags, gpuipc__opened *o) {
+  int fd = -1, fetched = -1;
+  GPUIPC__CHECK(get_fd(d, fds, nfds, flags, &fd, &fetched));
+  gpuipc_status s = GPUIPC_OK;
+  struct stat st;
+  size_t n = (size_t)d->alloc_size;
+  if (fstat(fd, &st) != 0) {
+    s = gpuipc__fail_errno(errno, "fstat", "pinned host buffer fd %d", fd);
+    goto out;
+  }
+  if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size < d->alloc_size) {
+    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                     "pinned host descriptor claims %zu bytes; its fd holds "
+                     "%lld: forged or corrupted",
+                     n, (long long)st.st_size);
+    goto out;
+  }
+  void *host = NULL;
+  CUdeviceptr dp = 0;
+  GPUIPC__CHECK_GOTO(map_pinned(fd, n, &host, &dp), s, out);
+  gpuipc__cache_count_open();
+  o->host = host;
+  o->base = dp;
+  o->mapped_size = n;
+out:
+  if (fetched >= 0)
+    close(fetched);
+  return s;
+}
+
+static gpuipc_status open_desc(const gpuipc__desc *d, int map_ordinal,
+                               const int *fds, int nfds, unsigned flags,
+                               gpuipc__opened *o) {
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, map_ordinal));
+  gpuipc_status s;
+  switch (d->kind) {
+  case GPUIPC_POOL_LEGACY:
+    s = open_legacy(d, o);
+    break;
+  case GPUIPC_POOL_MEMPOOL:
+    s = open_mempool(d, map_ordinal, fds, nfds, flags, o);
+    break;
+  case GPUIPC_POOL_VMM:
+    s = open_vmm(d, map_ordinal, fds, nfds, flags, o);
+    break;
+  case GPUIPC_POOL_PINNED_HOST:
+    s = open_pinned(d, fds, nfds, flags, o);
+    break;
+  default:
+    s = gpuipc__fail(GPUIPC_E_BAD_KIND, "kind %u", d->kind);
+    break;
+  }
+  gpuipc__ctx_leave(&g);
+  return s;
+}
+
+void gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o) {
+  gpuipc__ctx_guard g;
+  gpuipc_status s = gpuipc__ctx_enter(&g, map_ordinal);
+  if (s != GPUIPC_OK) {
+    GPUIPC__WARN("handle", "closing an import: no context: %s",
+                 gpuipc_last_error());
+    return;
+  }
+  CUresult r = CUDA_SUCCESS;
+  switch (kind) {
+  case GPUIPC_POOL_LEGACY:
+    r = GPUIPC__CU(cuIpcCloseMemHandle, o->base);
+    break;
+  case GPUIPC_POOL_MEMPOOL:
+    r = GPUIPC__CU(cuMemFree, o->base);
+    break;
+  case GPUIPC_POOL_VMM:
+    r = GPUIPC__CU(cuMemUnmap, o->base, o->mapped_size);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuMemAddressFree, o->base, o->mapped_size);
+    break;
+  case GPUIPC_POOL_PINNED_HOST:
+    unmap_pinned(o->host, o->mapped_size, &s);
+    break;
+  default:
+    break;
+  }
+  gpuipc__ctx_leave(&g);
+  gpuipc__cache_count_close();
+  if (r != CUDA_SUCCESS)
+    GPUIPC__WARN("handle", "closing an imported %s mapping 0x%llx: %s",
+                 gpuipc_pool_kind_name((gpuipc_pool_kind)kind),
+                 (unsigned long long)o->base, gpuipc__cuda_error_name(r));
+  gpuipc__pool_import_release(o->pimp);
+  o->pimp = NULL;
+}
+
+gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
+                                   const int *fds, int nfds,
+                                   const gpuipc_import_options *opts_in,
+                                   gpuipc_buffer **out) {
+  if (desc == NULL || out == NULL || nfds < 0 || nfds > GPUIPC_DESC_MAX_FDS ||
+      (nfds > 0 && fds == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_import: NULL, or %d fds (at most %d)",
+                        nfds, GPUIPC_DESC_MAX_FDS);
+  *out = NULL;
+  for (int i = 0; i < nfds; i++)
+    if (fds[i] < 0)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_buffer_import: fd %d", fds[i]);
+  gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
+  if (opts_in) {
+    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_buffer_import: options size %zu",
+                          opts_in->size);
+    memcpy(&opts, opts_in,
+           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
+  }
+  gpuipc__desc d;
+  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
+  if (d.type != GPUIPC_DESC_BUFFER)
+    return gpuipc__fail(GPUIPC_E_BAD_KIND,
+                        "gpuipc_buffer_import: descriptor of type %u is not a "
+                        "buffer",
+                        d.type);
+  GPUIPC__CHECK(gpuipc__desc_check_origin(&d));
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc_uuid dev;
+  memcpy(dev.bytes, d.device, 16);
+  int home = -1, map = -1;
+  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &home));
+  map = home;
+  if (opts.device && d.kind != GPUIPC_POOL_PINNED_HOST)
+    GPUIPC__CHECK(gpuipc_device_from_uuid(opts.device, &map));
+
+  gpuipc_buffer *b = buffer_new();
+  if (b == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "buffer");
+  struct gpuipc__mapping *m = NULL;
+  gpuipc_status s =
+      gpuipc__cache_acquire(&d, map, fds, nfds, opts.flags, open_desc, &m);
+  if (s != GPUIPC_OK) {
+    buffer_delete(b);
+    return s;
+  }
+  /* A cache hit may come from a descriptor with another offset and size:
+   * check them against this mapping too. */
+  size_t mapped = gpuipc__mapping_size(m);
+  if (d.offset > mapped || d.size > mapped - d.offset) {
+    gpuipc__cache_release(m);
+    buffer_delete(b);
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "descriptor claims offset %llu + size %llu, but the "
+                        "mapping is %zu bytes: forged or corrupted",
+                        (unsigned long long)d.offset,
+                        (unsigned long long)d.size, mapped);
+  }
+  b->origin = GPUIPC__IMPORTED;
+  b->kind = (gpuipc_pool_kind)d.kind;
+  b->ordinal = home;
+  b->map_ordinal = map;
+  b->uuid = dev;
+  b->base = gpuipc__mapping_base(m);
+  b->ptr = b->base + d.offset;
+  if (d.kind == GPUIPC_POOL_PINNED_HOST)
+    b->ptr = (CUdeviceptr)(uintptr_t)gpuipc__mapping_host(m) + d.offset;
+  b->size = (size_t)d.size;
+  b->offset = (size_t)d.offset;
+  b->alloc_size = mapped;
+  b->buffer_id = d.buffer_id;
+  b->generation = d.generation;
+  b->pool_id = d.pool_id;
+  b->exporter = d.exporter;
+  b->map = m;
+  *out = b;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_buffer_close(gpuipc_buffer *b) {
+  if (b == NULL)
+    return GPUIPC_OK;
+  if (b->origin != GPUIPC__IMPORTED)
+    return gpuipc_buffer_free(b, NULL);
+  gpuipc_status s = gpuipc__cache_release(b->map);
+  buffer_delete(b);
+  return s;
+}
+
+gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
+  if (b == NULL)
+    return GPUIPC_OK;
+  if (b->origin == GPUIPC__IMPORTED)
+    return gpuipc_buffer_close(b);
+  if (b->origin == GPUIPC__WRAPPED) {
+    buffer_delete(b);
+    return GPUIPC_OK;
+  }
+  gpuipc_pool *pool = b->pool;
+  gpuipc_status s = gpuipc__driver();
+  gpuipc__ctx_guard g;
+  if (s == GPUIPC_OK)
+    s = gpuipc__ctx_enter(&g, b->ordinal);
+  if (s == GPUIPC_OK) {
+    CUresult r = CUDA_SUCCESS;
+    switch (b->kind) {
+    case GPUIPC_POOL_MEMPOOL:
+      r = GPUIPC__CU(cuMemFreeAsync, b->ptr, (CUstream)stream);
+      if (r != CUDA_SUCCESS)
+        s = gpuipc__fail_cuda(r, "cuMemFreeAsync", NULL);
+      break;
+    case GPUIPC_POOL_LEGACY:
+      r = GPUIPC__CU(cuMemFree, b->base);
+      if (r != CUDA_SUCCESS)
+        s = gpuipc__fail_cuda(r, "cuMemFree", NULL);
+      break;
+    case GPUIPC_POOL_VMM:
+      free_vmm(b, &s);
+      break;
+    case GPUIPC_POOL_PINNED_HOST:
+      unmap_pinned(b->host, b->alloc_size, &s);
+      break;
+    default:
+      break;
+    }
+    gpuipc__ctx_leave(&g);
+  }
+  /* The buffer is gone even when the driver reported an error: there is
+   * nothing a caller could retry. */
+  if (b->fd >= 0)
+    close(b->fd);
+  if (pool) {
+    if (pool->capacity && pool->kind != GPUIPC_POOL_MEMPOOL)
+      atomic_fetch_sub(&pool->in_use, b->size);
+    atomic_fetch_sub(&pool->live, 1);
+  }
+  buffer_delete(b);
+  return s;
+}

@@ -1,0 +1,397 @@
+/*
+ * cache.c: owns the per-process import cache: imported mappings, keyed by
+ * exporter + allocation and reference counted, and imported exporter pools,
+ * keyed by exporter + pool id and kept for the life of the process.
+ *
+ * Why it exists and why it validates every hit:
+ * - The driver maps a legacy handle once per process however often it is
+ *   opened (it counts the opens: one cuIpcCloseMemHandle per open), and
+ *   imports a pool pointer once; gpuipc must hand back the same mapping and
+ *   close it once, when its last user closes.
+ * - Pool imports are expensive (~170 us, ~13 ms across GPUs): once per
+ *   exporter pool, cuMemPoolSetAccess once per (pool, device).
+ * - The driver returns stale memory for freed pointers, and a legacy handle
+ *   of a new allocation at a freed one's address can have the very same
+ *   bytes. So a cached entry is only reused when the descriptor's buffer id
+ *   (the driver's CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter) and
+ *   generation (gpuipc's per-allocation counter at the exporter) both match;
+ *   otherwise the entry is retired (its holders keep it; nobody new gets it)
+ *   and the descriptor is opened anew.
+ * Concurrency: one mutex guards the tables; driver calls happen outside it.
+ * An entry being opened is in state OPENING, and threads that want the same
+ * key wait for it, so the same memory is never mapped twice.
+ */
+#include "handle_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { ST_OPENING = 1, ST_LIVE = 2 };
+
+struct gpuipc__mapping {
+  gpuipc__map_key key;
+  uint64_t buffer_id;
+  uint64_t generation;
+  int state;
+  bool linked; /* findable by key (false once retired) */
+  long refs;
+  gpuipc__opened o;
+  struct gpuipc__mapping *next; /* all entries: live, opening and retired */
+};
+
+struct gpuipc__pool_import {
+  gpuipc__identity exporter;
+  uint64_t pool_id;
+  int home_ordinal;
+  CUmemoryPool mp;
+  int state;
+  long refs;
+  uint64_t access_mask; /* devices granted access (cuMemPoolSetAccess) */
+  pthread_mutex_t access_lock;
+  struct gpuipc__pool_import *next;
+};
+
+static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cache_cond = PTHREAD_COND_INITIALIZER;
+static struct gpuipc__mapping *maps;
+static struct gpuipc__pool_import *pools;
+static gpuipc_cache_stats stats;
+
+void gpuipc__cache_count_open(void) {
+  pthread_mutex_lock(&cache_lock);
+  stats.driver_opens++;
+  pthread_mutex_unlock(&cache_lock);
+}
+void gpuipc__cache_count_close(void) {
+  pthread_mutex_lock(&cache_lock);
+  stats.driver_closes++;
+  pthread_mutex_unlock(&cache_lock);
+}
+
+void gpuipc__map_key_of(const gpuipc__desc *d, int map_ordinal,
+                        gpuipc__map_key *k) {
+  memset(k, 0, sizeof *k);
+  k->exporter = d->exporter;
+  k->kind = d->kind;
+  k->map_ordinal = map_ordinal;
+  if (d->kind == GPUIPC_POOL_LEGACY || d->kind == GPUIPC_POOL_MEMPOOL) {
+    k->pool_id = d->kind == GPUIPC_POOL_MEMPOOL ? d->pool_id : 0;
+    memcpy(k->bytes, d->handle, 64);
+  } else {
+    /* One fd per allocation: the generation names it. */
+    memcpy(k->bytes, &d->generation, sizeof d->generation);
+  }
+}
+
+static bool key_eq(const gpuipc__map_key *a, const gpuipc__map_key *b) {
+  return gpuipc__identity_eq(&a->exporter, &b->exporter) &&
+         a->kind == b->kind && a->map_ordinal == b->map_ordinal &&
+         a->pool_id == b->pool_id && memcmp(a->bytes, b->bytes, 64) == 0;
+}
+
+static void unlink_entry(struct gpuipc__mapping *m) {
+  for (struct gpuipc__mapping **pp = &maps; *pp; pp = &(*pp)->next)
+    if (*pp == m) {
+      *pp = m->next;
+      return;
+    }
+}
+
+/* True when another entry (live or retired) holds a mapping at the same
+ * base on the same device. Caller holds cache_lock. */
+static bool base_shared(const struct gpuipc__mapping *m) {
+  for (struct gpuipc__mapping *e = maps; e; e = e->next)
+    if (e != m && e->state == ST_LIVE && e->key.kind == m->key.kind &&
+        e->key.map_ordinal == m->key.map_ordinal && e->o.base == m->o.base)
+      return true;
+  return false;
+}
+
+bool gpuipc__cache_base_held(uint8_t kind, int map_ordinal, CUdeviceptr base) {
+  bool held = false;
+  pthread_mutex_lock(&cache_lock);
+  for (struct gpuipc__mapping *e = maps; e; e = e->next)
+    if (e->state == ST_LIVE && e->key.kind == kind &&
+        e->key.map_ordinal == map_ordinal && e->o.base == base) {
+      held = true;
+      break;
+    }
+  pthread_mutex_unlock(&cache_lock);
+  return held;
+}
+
+gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
+                                    const int *fds, int nfds, unsigned flags,
+                                    gpuipc__open_fn open,
+                                    struct gpuipc__mapping **out) {
+  gpuipc__map_key key;
+  gpuipc__map_key_of(d, map_ordinal, &key);
+  bool cacheable = !(flags & GPUIPC_IMPORT_NO_CACHE) ||
+                   d->kind == GPUIPC_POOL_LEGACY ||
+                   d->kind == GPUIPC_POOL_MEMPOOL;
+
+  struct gpuipc__mapping *n = calloc(1, sizeof *n);
+  if (n == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "import cache entry");
+
+  pthread_mutex_lock(&cache_lock);
+  for (;;) {
+    struct gpuipc__mapping *e = NULL;
+    if (cacheable)
+      for (e = maps; e; e = e->next)
+        if (e->linked && key_eq(&e->key, &key))
+          break;
+    if (e == NULL)
+      break;
+    if (e->state == ST_OPENING) {
+      pthread_cond_wait(&cache_cond, &cache_lock);
+      continue;
+    }
+    if (e->buffer_id == d->buffer_id && e->generation == d->generation) {
+      e->refs++;
+      stats.hits++;
+      pthread_mutex_unlock(&cache_lock);
+      free(n);
+      *out = e;
+      GPUIPC__TRACE("handle", "import cache hit: base 0x%llx, %ld refs",
+                    (unsigned long long)e->o.base, e->refs);
+      return GPUIPC_OK;
+    }
+    /* Same exporter and handle bytes, another allocation: the exporter
+     * freed the buffer we hold and reused its address. Retire the entry:
+     * its holders keep their (stale) mapping, nobody new gets it. */
+    GPUIPC__DEBUG("handle",
+                  "import cache: retiring stale mapping 0x%llx (buffer id "
+                  "%llu gen %llu; descriptor has %llu gen %llu)",
+                  (unsigned long long)e->o.base,
+                  (unsigned long long)e->buffer_id,
+                  (unsigned long long)e->generation,
+                  (unsigned long long)d->buffer_id,
+                  (unsigned long long)d->generation);
+    e->linked = false;
+    stats.stale++;
+  }
+  n->key = key;
+  n->buffer_id = d->buffer_id;
+  n->generation = d->generation;
+  n->state = ST_OPENING;
+  n->linked = cacheable;
+  n->refs = 1;
+  n->next = maps;
+  maps = n;
+  stats.misses++;
+  pthread_mutex_unlock(&cache_lock);
+
+  gpuipc_status s = open(d, map_ordinal, fds, nfds, flags, &n->o);
+
+  pthread_mutex_lock(&cache_lock);
+  if (s == GPUIPC_OK) {
+    n->state = ST_LIVE;
+    stats.live_mappings++;
+  } else {
+    unlink_entry(n);
+  }
+  pthread_cond_broadcast(&cache_cond);
+  pthread_mutex_unlock(&cache_lock);
+  if (s != GPUIPC_OK) {
+    free(n);
+    return s;
+  }
+  *out = n;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
+  if (m == NULL)
+    return GPUIPC_OK;
+  pthread_mutex_lock(&cache_lock);
+  if (--m->refs > 0) {
+    pthread_mutex_unlock(&cache_lock);
+    return GPUIPC_OK;
+  }
+  unlink_entry(m);
+  stats.live_mappings--;
+  /* A pool pointer imported twice is one mapping in the driver (it can
+   * happen only when an exporter reallocated at the address of a buffer
+   * still held here): free it once, with the last holder. Legacy opens are
+   * counted by the driver, so each entry closes its own. */
+  bool skip = m->key.kind == GPUIPC_POOL_MEMPOOL && base_shared(m);
+  pthread_mutex_unlock(&cache_lock);
+  if (skip) {
+    gpuipc__pool_import_release(m->o.pimp);
+    m->o.pimp = NULL;
+  } else {
+    gpuipc__close_opened(m->key.kind, m->key.map_ordinal, &m->o);
+  }
+  free(m);
+  return GPUIPC_OK;
+}
+
+CUdeviceptr gpuipc__mapping_base(const struct gpuipc__mapping *m) {
+  return m->o.base;
+}
+size_t gpuipc__mapping_size(const struct gpuipc__mapping *m) {
+  return m->o.mapped_size;
+}
+void *gpuipc__mapping_host(const struct gpuipc__mapping *m) {
+  return m->o.host;
+}
+
+/* ---- imported pools ------------------------------------------------------------ */
+
+CUmemoryPool gpuipc__pool_import_handle(const struct gpuipc__pool_import *p) {
+  return p->mp;
+}
+
+void gpuipc__pool_import_release(struct gpuipc__pool_import *p) {
+  if (p == NULL)
+    return;
+  pthread_mutex_lock(&cache_lock);
+  p->refs--;
+  pthread_mutex_unlock(&cache_lock);
+}
+
+/* Grants map_ordinal access to an imported pool, once per (pool, device). */
+static gpuipc_status grant_access(struct gpuipc__pool_import *p,
+                                  int map_ordinal) {
+  if (map_ordinal < 0 || map_ordinal >= 64)
+    return gpuipc__fail(GPUIPC_E_NO_DEVICE, "device ordinal %d", map_ordinal);
+  uint64_t bit = 1ull << map_ordinal;
+  gpuipc_status s = GPUIPC_OK;
+  pthread_mutex_lock(&p->access_lock);
+  if (!(p->access_mask & bit)) {
+    gpuipc__ctx_guard g;
+    s = gpuipc__ctx_enter(&g, map_ordinal);
+    if (s == GPUIPC_OK) {
+      CUmemAccessDesc ad;
+      memset(&ad, 0, sizeof ad);
+      ad.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      ad.location.id = map_ordinal;
+      ad.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      CUresult r = GPUIPC__CU(cuMemPoolSetAccess, p->mp, &ad, 1);
+      if (r != CUDA_SUCCESS)
+        s = gpuipc__fail_cuda(r, "cuMemPoolSetAccess",
+                              "imported pool %llu of pid %d for device %d",
+                              (unsigned long long)p->pool_id,
+                              (int)p->exporter.pid, map_ordinal);
+      else
+        p->access_mask |= bit;
+      gpuipc__ctx_leave(&g);
+    }
+  }
+  pthread_mutex_unlock(&p->access_lock);
+  return s;
+}
+
+gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
+                                          int map_ordinal, int fd,
+                                          unsigned flags,
+                                          struct gpuipc__pool_import **out) {
+  int home = -1;
+  gpuipc_uuid dev;
+  memcpy(dev.bytes, d->device, 16);
+  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &home));
+
+  struct gpuipc__pool_import *p = NULL;
+  pthread_mutex_lock(&cache_lock);
+  for (;;) {
+    for (p = pools; p; p = p->next)
+      if (p->pool_id == d->pool_id &&
+          gpuipc__identity_eq(&p->exporter, &d->exporter))
+        break;
+    if (p == NULL || p->state != ST_OPENING)
+      break;
+    pthread_cond_wait(&cache_cond, &cache_lock);
+  }
+  if (p != NULL) {
+    p->refs++;
+    stats.pool_hits++;
+    pthread_mutex_unlock(&cache_lock);
+  } else {
+    p = calloc(1, sizeof *p);
+    if (p == NULL) {
+      pthread_mutex_unlock(&cache_lock);
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "pool import entry");
+    }
+    p->exporter = d->exporter;
+    p->pool_id = d->pool_id;
+    p->home_ordinal = home;
+    p->state = ST_OPENING;
+    p->refs = 1;
+    pthread_mutex_init(&p->access_lock, NULL);
+    p->next = pools;
+    pools = p;
+    pthread_mutex_unlock(&cache_lock);
+
+    gpuipc_status s = GPUIPC_OK;
+    int fetched = -1;
+    if (fd < 0 && (flags & GPUIPC_IMPORT_PIDFD_GETFD)) {
+      s = gpuipc__pidfd_getfd(&d->exporter, d->exporter_fd, &fetched);
+      fd = fetched;
+    } else if (fd < 0) {
+      s = gpuipc__fail(GPUIPC_E_NEED_FD,
+                       "buffer of memory pool %llu of pid %d: this process "
+                       "has not imported that pool, and no fd came with the "
+                       "descriptor: pass the fd the export produced, import "
+                       "the pool first (gpuipc_pool_import), or allow "
+                       "GPUIPC_IMPORT_PIDFD_GETFD",
+                       (unsigned long long)d->pool_id, (int)d->exporter.pid);
+    }
+    if (s == GPUIPC_OK) {
+      gpuipc__ctx_guard g;
+      s = gpuipc__ctx_enter(&g, home);
+      if (s == GPUIPC_OK) {
+        CUresult r = GPUIPC__CU(cuMemPoolImportFromShareableHandle, &p->mp,
+                                (void *)(uintptr_t)fd,
+                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        if (r != CUDA_SUCCESS)
+          s = gpuipc__fail_cuda(r, "cuMemPoolImportFromShareableHandle",
+                                "pool %llu of pid %d, fd %d",
+                                (unsigned long long)d->pool_id,
+                                (int)d->exporter.pid, fd);
+        gpuipc__ctx_leave(&g);
+      }
+    }
+    if (fetched >= 0)
+      close(fetched);
+    pthread_mutex_lock(&cache_lock);
+    if (s == GPUIPC_OK) {
+      p->state = ST_LIVE;
+      stats.pool_imports++;
+      stats.driver_opens++;
+    } else {
+      for (struct gpuipc__pool_import **pp = &pools; *pp; pp = &(*pp)->next)
+        if (*pp == p) {
+          *pp = p->next;
+          break;
+        }
+    }
+    pthread_cond_broadcast(&cache_cond);
+    pthread_mutex_unlock(&cache_lock);
+    if (s != GPUIPC_OK) {
+      pthread_mutex_destroy(&p->access_lock);
+      free(p);
+      return s;
+    }
+  }
+  gpuipc_status s = grant_access(p, map_ordinal);
+  if (s != GPUIPC_OK) {
+    gpuipc__pool_import_release(p);
+    return s;
+  }
+  *out = p;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_cache_stats_get(gpuipc_cache_stats *st) {
+  if (st == NULL || st->size < sizeof(size_t))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_cache_stats_get: NULL or size unset");
+  pthread_mutex_lock(&cache_lock);
+  gpuipc_cache_stats x = stats;
+  pthread_mutex_unlock(&cache_lock);
+  x.size = st->size;
+  memcpy(st, &x, st->size < sizeof x ? st->size : sizeof x);
+  return GPUIPC_OK;
+}

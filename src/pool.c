@@ -1,0 +1,512 @@
+/*
+ * pool.c: owns pools: creating them per kind (mempool | vmm | legacy |
+ * pinned host, and auto), exporting and importing a mempool once, the
+ * process-wide counters behind pool ids and generations, and the registry
+ * of exportable driver pools (ours, and foreign IPC-capable ones whose
+ * memory was wrapped).
+ */
+#include "handle_internal.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static atomic_uint_fast64_t pool_ids;
+static atomic_uint_fast64_t generations;
+
+uint64_t gpuipc__next_pool_id(void) { return atomic_fetch_add(&pool_ids, 1) + 1; }
+uint64_t gpuipc__next_generation(void) {
+  return atomic_fetch_add(&generations, 1) + 1;
+}
+
+const char *gpuipc_pool_kind_name(gpuipc_pool_kind kind) {
+  switch (kind) {
+  case GPUIPC_POOL_AUTO:
+    return "auto";
+  case GPUIPC_POOL_MEMPOOL:
+    return "mempool";
+  case GPUIPC_POOL_VMM:
+    return "vmm";
+  case GPUIPC_POOL_LEGACY:
+    return "legacy";
+  case GPUIPC_POOL_PINNED_HOST:
+    return "pinned-host";
+  }
+  return "unknown";
+}
+
+gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
+                                     int *out) {
+  if (uuid)
+    return gpuipc_device_from_uuid(uuid, out);
+  int n = 0;
+  GPUIPC__CHECK(gpuipc_device_count(&n));
+  if (ordinal < 0 || ordinal >= n)
+    return gpuipc__fail(GPUIPC_E_NO_DEVICE,
+                        "device ordinal %d: %d device(s) visible", ordinal, n);
+  *out = ordinal;
+  return GPUIPC_OK;
+}
+
+/* ---- registry of exportable driver pools ----------------------------------------- */
+
+typedef struct reg_pool {
+  CUmemoryPool mp;
+  uint64_t id;
+  int fd;       /* owned by the gpuipc_pool, or by the registry if foreign */
+  bool foreign;
+  struct reg_pool *next;
+} reg_pool;
+
+static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
+static reg_pool *registry;
+
+static gpuipc_status reg_add(CUmemoryPool mp, uint64_t id, int fd,
+                             bool foreign) {
+  reg_pool *r = calloc(1, sizeof *r);
+  if (r == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "pool registry");
+  r->mp = mp;
+  r->id = id;
+  r->fd = fd;
+  r->foreign = foreign;
+  pthread_mutex_lock(&reg_lock);
+  r->next = registry;
+  registry = r;
+  pthread_mutex_unlock(&reg_lock);
+  return GPUIPC_OK;
+}
+
+static void reg_remove(CUmemoryPool mp) {
+  pthread_mutex_lock(&reg_lock);
+  for (reg_pool **pp = &registry; *pp; pp = &(*pp)->next)
+    if ((*pp)->mp == mp) {
+      reg_pool *r = *pp;
+      *pp = r->next;
+      free(r);
+      break;
+    }
+  pthread_mutex_unlock(&reg_lock);
+}
+
+gpuipc_status gpuipc__pool_lookup_foreign(CUmemoryPool mp, int ordinal,
+                                          uint64_t *id, int *fd) {
+  pthread_mutex_lock(&reg_lock);
+  for (reg_pool *r = registry; r; r = r->next)
+    if (r->mp == mp) {
+      *id = r->id;
+      *fd = r->fd;
+      pthread_mutex_unlock(&reg_lock);
+      return GPUIPC_OK;
+    }
+  pthread_mutex_unlock(&reg_lock);
+  /* A pool gpuipc did not create: it can be shared only if it was created
+   * with POSIX fd export. Its fd is made once and kept for the life of the
+   * process (gpuipc cannot know when the owner destroys the pool). */
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, ordinal));
+  int newfd = -1;
+  CUresult r = GPUIPC__CU(cuMemPoolExportToShareableHandle, &newfd, mp,
+                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  gpuipc__ctx_leave(&g);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuMemPoolExportToShareableHandle",
+                             "the wrapped memory's pool was not created with "
+                             "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, so it "
+                             "cannot be shared");
+  uint64_t nid = gpuipc__next_pool_id();
+  gpuipc_status s = reg_add(mp, nid, newfd, true);
+  if (s != GPUIPC_OK) {
+    close(newfd);
+    return s;
+  }
+  *id = nid;
+  *fd = newfd;
+  return GPUIPC_OK;
+}
+
+/* ---- create / destroy ------------------------------------------------------------- */
+
+static int dev_attr(CUdevice dev, CUdevice_attribute a) {
+  int v = 0;
+  if (GPUIPC__CU(cuDeviceGetAttribute, &v, a, dev) != CUDA_SUCCESS)
+    return 0;
+  return v;
+}
+
+static gpuipc_pool_kind pick_kind(CUdevice dev, int ordinal) {
+  if (dev_attr(dev, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) &&
+      (dev_attr(dev, CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES) &
+       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+    GPUIPC__INFO("handle", "pool kind auto on device %d: mempool", ordinal);
+    return GPUIPC_POOL_MEMPOOL;
+  }
+  if (dev_attr(dev, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) &&
+      dev_attr(dev,
+               CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)) {
+    GPUIPC__INFO("handle",
+                 "pool kind auto on device %d: vmm (no IPC-capable memory "
+                 "pools)",
+                 ordinal);
+    return GPUIPC_POOL_VMM;
+  }
+  GPUIPC__INFO("handle",
+               "pool kind auto on device %d: legacy (neither IPC memory pools "
+               "nor VMM fd export)",
+               ordinal);
+  return GPUIPC_POOL_LEGACY;
+}
+
+static gpuipc_status make_mempool(gpuipc_pool *p, uint64_t threshold) {
+  CUmemPoolProps props;
+  memset(&props, 0, sizeof props);
+  props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  props.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  props.location.id = p->cudev;
+  props.maxSize = p->capacity;
+  gpuipc_status s = GPUIPC_OK;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, p->ordinal));
+  CUresult r = GPUIPC__CU(cuMemPoolCreate, &p->mp, &props);
+  if (r != CUDA_SUCCESS) {
+    p->mp = NULL;
+    s = gpuipc__fail_cuda(r, "cuMemPoolCreate", "device %d, fd export",
+                          p->ordinal);
+    goto out;
+  }
+  if (threshold) {
+    cuuint64_t t = threshold;
+    r = GPUIPC__CU(cuMemPoolSetAttribute, p->mp,
+                   CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &t);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemPoolSetAttribute",
+                            "release threshold %llu",
+                            (unsigned long long)threshold);
+      goto out;
+    }
+  }
+  for (int i = 0; i < p->n_access; i++) {
+    CUmemAccessDesc ad;
+    memset(&ad, 0, sizeof ad);
+    ad.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    ad.location.id = p->access[i];
+    ad.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = GPUIPC__CU(cuMemPoolSetAccess, p->mp, &ad, 1);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemPoolSetAccess", "device %d for pool on %d",
+                            p->access[i], p->ordinal);
+      goto out;
+    }
+  }
+  /* The pool's shareable handle, made once: every export dup()s it, and the
+   * pidfd route fetches this very fd number. */
+  r = GPUIPC__CU(cuMemPoolExportToShareableHandle, &p->export_fd, p->mp,
+                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  if (r != CUDA_SUCCESS) {
+    p->export_fd = -1;
+    s = gpuipc__fail_cuda(r, "cuMemPoolExportToShareableHandle", "device %d",
+                          p->ordinal);
+    goto out;
+  }
+  s = reg_add(p->mp, p->id, p->export_fd, false);
+out:
+  if (s != GPUIPC_OK) {
+    if (p->export_fd >= 0)
+      close(p->export_fd);
+    p->export_fd = -1;
+    if (p->mp) {
+      CUresult r2 = GPUIPC__CU(cuMemPoolDestroy, p->mp);
+      if (r2 != CUDA_SUCCESS)
+        GPUIPC__WARN("handle", "cuMemPoolDestroy after a failed create: %s",
+                     gpuipc__cuda_error_name(r2));
+      p->mp = NULL;
+    }
+  }
+  gpuipc__ctx_leave(&g);
+  return s;
+}
+
+static gpuipc_status vmm_granularity(gpuipc_pool *p) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = p->cudev;
+  size_t gran = 0;
+  CUresult r = GPUIPC__CU(cuMemGetAllocationGranularity, &gran, &prop,
+                          CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuMemGetAllocationGranularity", "device %d",
+                             p->ordinal);
+  if (gran == 0 || (gran & (gran - 1)) != 0)
+    return gpuipc__fail(GPUIPC_E_INTERNAL, "VMM granularity %zu", gran);
+  p->granularity = gran;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts_in,
+                                 gpuipc_pool **out) {
+  if (out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_create: pool NULL");
+  *out = NULL;
+  gpuipc_pool_options opts = GPUIPC_POOL_OPTIONS_INIT;
+  if (opts_in) {
+    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_pool_create: options size %zu (use "
+                          "GPUIPC_POOL_OPTIONS_INIT)",
+                          opts_in->size);
+    memcpy(&opts, opts_in,
+           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
+  }
+  if ((unsigned)opts.kind > GPUIPC_POOL_PINNED_HOST)
+    return gpuipc__fail(GPUIPC_E_BAD_KIND, "gpuipc_pool_create: kind %d",
+                        (int)opts.kind);
+  if (opts.n_access_devices < 0 || opts.n_access_devices > GPUIPC__MAX_ACCESS ||
+      (opts.n_access_devices > 0 && opts.access_devices == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_pool_create: %d access devices (at most %d)",
+                        opts.n_access_devices, GPUIPC__MAX_ACCESS);
+  GPUIPC__CHECK(gpuipc__driver());
+
+  gpuipc_pool *p = calloc(1, sizeof *p);
+  if (p == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "pool");
+  p->export_fd = -1;
+  pthread_mutex_init(&p->lock, NULL);
+  gpuipc_status s = gpuipc__resolve_device(opts.device_uuid, opts.device,
+                                           &p->ordinal);
+  if (s != GPUIPC_OK)
+    goto fail;
+  CUresult r = GPUIPC__CU(cuDeviceGet, &p->cudev, p->ordinal);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuDeviceGet", "ordinal %d", p->ordinal);
+    goto fail;
+  }
+  GPUIPC__CHECK_GOTO(gpuipc_device_uuid(p->ordinal, &p->uuid), s, fail);
+  for (int i = 0; i < opts.n_access_devices; i++) {
+    int o = -1;
+    GPUIPC__CHECK_GOTO(gpuipc_device_from_uuid(&opts.access_devices[i], &o), s,
+                       fail);
+    if (o == p->ordinal)
+      continue;
+    CUdevice other;
+    int can = 0;
+    r = GPUIPC__CU(cuDeviceGet, &other, o);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuDeviceCanAccessPeer, &can, other, p->cudev);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuDeviceCanAccessPeer", "%d -> %d", o,
+                            p->ordinal);
+      goto fail;
+    }
+    if (!can) {
+      s = gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                       "device %d cannot access device %d's memory (no peer "
+                       "access between them)",
+                       o, p->ordinal);
+      goto fail;
+    }
+    p->access[p->n_access++] = o;
+  }
+  p->kind = opts.kind == GPUIPC_POOL_AUTO ? pick_kind(p->cudev, p->ordinal)
+                                          : opts.kind;
+  p->capacity = opts.capacity;
+  p->id = gpuipc__next_pool_id();
+  GPUIPC__CHECK_GOTO(gpuipc__self_identity(&p->exporter), s, fail);
+  switch (p->kind) {
+  case GPUIPC_POOL_MEMPOOL:
+    s = make_mempool(p, opts.release_threshold);
+    break;
+  case GPUIPC_POOL_VMM:
+    s = vmm_granularity(p);
+    break;
+  case GPUIPC_POOL_LEGACY:
+  case GPUIPC_POOL_PINNED_HOST:
+  default:
+    /* Nothing to create up front: each buffer is its own allocation. The
+     * primary context is retained here so that allocation does not pay it. */
+    {
+      CUcontext c;
+      s = gpuipc__primary_ctx(p->ordinal, &c);
+    }
+    break;
+  }
+  if (s != GPUIPC_OK)
+    goto fail;
+  GPUIPC__DEBUG("handle", "pool %llu created: %s on device %d",
+                (unsigned long long)p->id, gpuipc_pool_kind_name(p->kind),
+                p->ordinal);
+  *out = p;
+  return GPUIPC_OK;
+fail:
+  pthread_mutex_destroy(&p->lock);
+  free(p);
+  return s;
+}
+
+gpuipc_status gpuipc_pool_destroy(gpuipc_pool *p) {
+  if (p == NULL)
+    return GPUIPC_OK;
+  if (p->imported) {
+    gpuipc__pool_import_release(p->pimp);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+    return GPUIPC_OK;
+  }
+  long live = atomic_load(&p->live);
+  if (live > 0)
+    return gpuipc__fail(GPUIPC_E_BUSY,
+                        "gpuipc_pool_destroy: pool %llu still has %ld live "
+                        "buffer(s)",
+                        (unsigned long long)p->id, live);
+  gpuipc_status s = GPUIPC_OK;
+  if (p->kind == GPUIPC_POOL_MEMPOOL && p->mp) {
+    reg_remove(p->mp);
+    if (p->export_fd >= 0)
+      close(p->export_fd);
+    gpuipc__ctx_guard g;
+    s = gpuipc__ctx_enter(&g, p->ordinal);
+    if (s == GPUIPC_OK) {
+      CUresult r = GPUIPC__CU(cuMemPoolDestroy, p->mp);
+      if (r != CUDA_SUCCESS)
+        s = gpuipc__fail_cuda(r, "cuMemPoolDestroy", "pool %llu",
+                              (unsigned long long)p->id);
+      gpuipc__ctx_leave(&g);
+    }
+  }
+  pthread_mutex_destroy(&p->lock);
+  free(p);
+  return s;
+}
+
+gpuipc_pool_kind gpuipc_pool_get_kind(const gpuipc_pool *p) {
+  return p ? p->kind : GPUIPC_POOL_AUTO;
+}
+
+gpuipc_status gpuipc_pool_device(const gpuipc_pool *p, gpuipc_uuid *uuid) {
+  if (p == NULL || uuid == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_device: NULL");
+  *uuid = p->uuid;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__pool_fd(gpuipc_pool *p, int *fd) {
+  if (p == NULL || fd == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc__pool_fd: NULL");
+  if (p->kind != GPUIPC_POOL_MEMPOOL || p->imported || p->export_fd < 0)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "only a mempool created here has a pool fd");
+  *fd = p->export_fd;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__pool_identity(const gpuipc_pool *p,
+                                    gpuipc__identity *exporter,
+                                    uint64_t *pool_id) {
+  if (p == NULL || exporter == NULL || pool_id == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc__pool_identity: NULL");
+  *exporter = p->exporter;
+  *pool_id = p->id;
+  return GPUIPC_OK;
+}
+
+/* ---- export / import -------------------------------------------------------------- */
+
+gpuipc_status gpuipc_pool_export(gpuipc_pool *p, uint8_t *desc, size_t cap,
+                                 size_t *len, int *fd) {
+  if (p == NULL || desc == NULL || len == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_export: NULL");
+  if (fd)
+    *fd = -1;
+  if (p->imported)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_pool_export: an imported pool cannot be "
+                        "re-exported");
+  if (p->kind != GPUIPC_POOL_MEMPOOL)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_pool_export: %s pools have no pool-level "
+                        "export; export their buffers one by one",
+                        gpuipc_pool_kind_name(p->kind));
+  gpuipc__desc d;
+  memset(&d, 0, sizeof d);
+  d.type = GPUIPC_DESC_POOL;
+  d.kind = GPUIPC_POOL_MEMPOOL;
+  d.exporter_fd = p->export_fd;
+  memcpy(d.device, p->uuid.bytes, 16);
+  d.pool_id = p->id;
+  GPUIPC__CHECK(gpuipc__desc_set_exporter(&d));
+  int newfd = -1;
+  if (fd) {
+    newfd = fcntl(p->export_fd, F_DUPFD_CLOEXEC, 0);
+    if (newfd < 0)
+      return gpuipc__fail_errno(errno, "dup", "pool fd");
+    d.nfds = 1;
+  }
+  gpuipc_status s = gpuipc__desc_encode(&d, desc, cap, len);
+  if (s != GPUIPC_OK) {
+    if (newfd >= 0)
+      close(newfd);
+    return s;
+  }
+  if (fd)
+    *fd = newfd;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_pool_import(const uint8_t *desc, size_t len, int fd,
+                                 const gpuipc_import_options *opts_in,
+                                 gpuipc_pool **out) {
+  if (desc == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_import: NULL");
+  *out = NULL;
+  gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
+  if (opts_in) {
+    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_pool_import: options size %zu",
+                          opts_in->size);
+    memcpy(&opts, opts_in,
+           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
+  }
+  gpuipc__desc d;
+  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
+  if (d.type != GPUIPC_DESC_POOL)
+    return gpuipc__fail(GPUIPC_E_BAD_KIND,
+                        "gpuipc_pool_import: descriptor of type %u is not a "
+                        "pool",
+                        d.type);
+  GPUIPC__CHECK(gpuipc__desc_check_origin(&d));
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc_uuid dev;
+  memcpy(dev.bytes, d.device, 16);
+  int home = -1, map = -1;
+  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &home));
+  map = home;
+  if (opts.device)
+    GPUIPC__CHECK(gpuipc_device_from_uuid(opts.device, &map));
+
+  gpuipc_pool *p = calloc(1, sizeof *p);
+  if (p == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "pool");
+  gpuipc_status s =
+      gpuipc__pool_import_acquire(&d, map, fd, opts.flags, &p->pimp);
+  if (s != GPUIPC_OK) {
+    free(p);
+    return s;
+  }
+  pthread_mutex_init(&p->lock, NULL);
+  p->kind = GPUIPC_POOL_MEMPOOL;
+  p->imported = true;
+  p->ordinal = home;
+  p->uuid = dev;
+  p->id = d.pool_id;
+  p->exporter = d.exporter;
+  p->export_fd = -1;
+  p->mp = gpuipc__pool_import_handle(p->pimp);
+  *out = p;
+  return GPUIPC_OK;
+}
