@@ -1,0 +1,471 @@
+/*
+ * conformance-emu.c: checks of the CUDA driver emulator's own features,
+ * which make sense only on the emulator (each test starts with
+ * REQUIRE_EMULATOR and is skipped on a real GPU): fault injection
+ * (GPUIPC_EMU_FAIL), capabilities turned off (GPUIPC_EMU_DISABLE), the
+ * number of emulated devices (GPUIPC_EMU_DEVICES), the promise that two
+ * processes never see one allocation at the same address, and the
+ * conformance checks that need two devices, run with two emulated devices.
+ *
+ * Settings are read by the emulator once, at its first call, so every
+ * scenario runs in a helper process started with the setting in its
+ * environment.
+ */
+#include "harness.h"
+
+#include "driver.h"
+
+#include <unistd.h>
+
+/* ---- fault injection -------------------------------------------------------- */
+
+/* Three cuMemAlloc calls; reports their results. */
+HELPER_IMPL(conf_emu_three_allocs) {
+  int sock = harness_helper_fd();
+  ASSERT_GE(sock, 0);
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__driver());
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  int32_t results[4];
+  for (int i = 0; i < 3; i++) {
+    CUdeviceptr p = 0;
+    results[i] = gpuipc__cu.cuMemAlloc(&p, 4096);
+    if (results[i] == CUDA_SUCCESS)
+      ASSERT_CU(gpuipc__cu.cuMemFree(p));
+  }
+  size_t free_b = 0, total = 0;
+  results[3] = gpuipc__cu.cuMemGetInfo(&free_b, &total);
+  harness_send(sock, results, sizeof results, NULL, 0);
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+static void three_allocs(const char *fail, int32_t results[4]) {
+  char var[256];
+  snprintf(var, sizeof var, "GPUIPC_EMU_FAIL=%s", fail);
+  char *env[] = {var, NULL};
+  int sock = -1;
+  pid_t pid = spawn_helper("conf_emu_three_allocs", env, &sock, NULL);
+  ASSERT_EQ(harness_recv(sock, results, 4 * sizeof(int32_t), NULL, NULL),
+            (ssize_t)(4 * sizeof(int32_t)));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  close(sock);
+}
+
+/* GPUIPC_EMU_FAIL=NAME:N:ERROR fails exactly the Nth call, with ERROR. */
+TEST_IMPL(emu_fail_nth_call) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FAIL is an emulator setting");
+  int32_t r[4];
+  three_allocs("cuMemAlloc:2:CUDA_ERROR_OUT_OF_MEMORY", r);
+  ASSERT_CU(r[0]);
+  ASSERT_CU_EQ(r[1], CUDA_ERROR_OUT_OF_MEMORY);
+  ASSERT_CU(r[2]);
+  ASSERT_CU(r[3]);
+  return 0;
+}
+
+/* GPUIPC_EMU_FAIL=NAME:* fails every call, by default with
+ * CUDA_ERROR_UNKNOWN; a versioned name (cuMemAlloc_v2) is the same function,
+ * and other functions are unaffected. */
+TEST_IMPL(emu_fail_every_call) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FAIL is an emulator setting");
+  int32_t r[4];
+  three_allocs("cuMemAlloc:*", r);
+  for (int i = 0; i < 3; i++)
+    ASSERT_CU_EQ(r[i], CUDA_ERROR_UNKNOWN);
+  ASSERT_CU(r[3]);
+  three_allocs("cuMemAlloc_v2:*:2", r); /* an error by number */
+  for (int i = 0; i < 3; i++)
+    ASSERT_CU_EQ(r[i], CUDA_ERROR_OUT_OF_MEMORY);
+  ASSERT_CU(r[3]);
+  return 0;
+}
+
+/* ---- capabilities turned off ------------------------------------------------ */
+
+typedef struct emu_caps {
+  int32_t vmm, posix_fd, pools, pool_handle_types, ipc_event, memops64,
+      unified;
+  int32_t mem_create;  /* cuMemCreate with a POSIX-fd handle type */
+  int32_t event_ipc;   /* cuEventCreate(INTERPROCESS | DISABLE_TIMING) */
+  int32_t pool_create; /* cuMemPoolCreate with a POSIX-fd handle type */
+  int32_t wait64;      /* cuStreamWaitValue64 */
+} emu_caps;
+
+static int32_t attr0(CUdevice_attribute a) {
+  int v = -1;
+  ASSERT_CU(gpuipc__cu.cuDeviceGetAttribute(&v, a, 0));
+  return v;
+}
+
+/* Reports device 0's capability attributes and whether the calls behind
+ * them work. */
+HELPER_IMPL(conf_emu_caps) {
+  int sock = harness_helper_fd();
+  ASSERT_GE(sock, 0);
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__driver());
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  emu_caps c;
+  memset(&c, 0, sizeof c);
+  c.vmm = attr0(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED);
+  c.posix_fd = attr0(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
+  c.pools = attr0(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED);
+  c.pool_handle_types = attr0(CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES);
+  c.ipc_event = attr0(CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED);
+  c.memops64 = attr0(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS);
+  c.unified = attr0(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING);
+
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 2u << 20;
+  (void)gpuipc__cu.cuMemGetAllocationGranularity(
+      &gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  CUmemGenericAllocationHandle h = 0;
+  c.mem_create = gpuipc__cu.cuMemCreate(&h, gran, &prop, 0);
+  if (c.mem_create == CUDA_SUCCESS)
+    ASSERT_CU(gpuipc__cu.cuMemRelease(h));
+
+  CUevent ev = NULL;
+  c.event_ipc = gpuipc__cu.cuEventCreate(
+      &ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+  if (c.event_ipc == CUDA_SUCCESS)
+    ASSERT_CU(gpuipc__cu.cuEventDestroy(ev));
+
+  CUmemPoolProps pp;
+  memset(&pp, 0, sizeof pp);
+  pp.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  pp.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  pp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  pp.location.id = 0;
+  CUmemoryPool pool = NULL;
+  c.pool_create = gpuipc__cu.cuMemPoolCreate(&pool, &pp);
+  if (c.pool_create == CUDA_SUCCESS)
+    ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool));
+
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr flag = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&flag, 4096));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(flag, 0, 8, s));
+  c.wait64 = gpuipc__cu.cuStreamWaitValue64(s, flag, 0, CU_STREAM_WAIT_VALUE_GEQ);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFree(flag));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+
+  harness_send(sock, &c, sizeof c, NULL, 0);
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+static emu_caps caps_with(const char *disable) {
+  char var[256];
+  snprintf(var, sizeof var, "GPUIPC_EMU_DISABLE=%s", disable ? disable : "");
+  char *env[] = {var, NULL};
+  int sock = -1;
+  pid_t pid = spawn_helper("conf_emu_caps", disable ? env : NULL, &sock, NULL);
+  emu_caps c;
+  ASSERT_EQ(harness_recv(sock, &c, sizeof c, NULL, NULL), (ssize_t)sizeof c);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  close(sock);
+  return c;
+}
+
+/* Without GPUIPC_EMU_DISABLE every capability gpuipc uses is on. */
+TEST_IMPL(emu_capabilities_default_on) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_DISABLE is an emulator setting");
+  emu_caps c = caps_with(NULL);
+  ASSERT_EQ(c.vmm, 1);
+  ASSERT_EQ(c.posix_fd, 1);
+  ASSERT_EQ(c.pools, 1);
+  ASSERT_NE(c.pool_handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  ASSERT_EQ(c.ipc_event, 1);
+  ASSERT_EQ(c.memops64, 1);
+  ASSERT_EQ(c.unified, 1);
+  ASSERT_CU(c.mem_create);
+  ASSERT_CU(c.event_ipc);
+  ASSERT_CU(c.pool_create);
+  ASSERT_CU(c.wait64);
+  return 0;
+}
+
+/* GPUIPC_EMU_DISABLE=vmm: the attribute says no and cuMemCreate fails;
+ * nothing else changes. */
+TEST_IMPL(emu_disable_vmm) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_DISABLE is an emulator setting");
+  emu_caps c = caps_with("vmm");
+  ASSERT_EQ(c.vmm, 0);
+  ASSERT_NE(c.mem_create, CUDA_SUCCESS);
+  ASSERT_EQ(c.pools, 1);
+  ASSERT_CU(c.pool_create);
+  ASSERT_CU(c.event_ipc);
+  return 0;
+}
+
+/* GPUIPC_EMU_DISABLE=ipc_event: the attribute says no and an interprocess
+ * event cannot be created. */
+TEST_IMPL(emu_disable_ipc_event) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_DISABLE is an emulator setting");
+  emu_caps c = caps_with("ipc_event");
+  ASSERT_EQ(c.ipc_event, 0);
+  ASSERT_NE(c.event_ipc, CUDA_SUCCESS);
+  ASSERT_EQ(c.vmm, 1);
+  ASSERT_CU(c.mem_create);
+  return 0;
+}
+
+/* GPUIPC_EMU_DISABLE=mempool: no memory pools. */
+TEST_IMPL(emu_disable_mempool) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_DISABLE is an emulator setting");
+  emu_caps c = caps_with("mempool");
+  ASSERT_EQ(c.pools, 0);
+  ASSERT_NE(c.pool_create, CUDA_SUCCESS);
+  ASSERT_CU(c.mem_create);
+  return 0;
+}
+
+/* GPUIPC_EMU_DISABLE=posix_fd: no POSIX-fd handles for VMM or pools. */
+TEST_IMPL(emu_disable_posix_fd) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_DISABLE is an emulator setting");
+  emu_caps c = caps_with("posix_fd");
+  ASSERT_EQ(c.posix_fd, 0);
+  ASSERT_EQ(c.pool_handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  ASSERT_NE(c.mem_create, CUDA_SUCCESS);
+  ASSERT_NE(c.pool_create, CUDA_SUCCESS);
+  return 0;
+}
+
+/* GPUIPC_EMU_DISABLE=memops64 (and memops, which implies it): no 64-bit
+ * stream memory operations. */
+TEST_IMPL(emu_disable_memops64) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_DISABLE is an emulator setting");
+  emu_caps c = caps_with("memops64");
+  ASSERT_EQ(c.memops64, 0);
+  ASSERT_NE(c.wait64, CUDA_SUCCESS);
+  c = caps_with("memops");
+  ASSERT_EQ(c.memops64, 0);
+  ASSERT_NE(c.wait64, CUDA_SUCCESS);
+  return 0;
+}
+
+/* ---- emulated devices ------------------------------------------------------- */
+
+typedef struct emu_devs {
+  int32_t count;
+  int32_t major[8], minor[8];
+  CUuuid uuid[8];
+} emu_devs;
+
+HELPER_IMPL(conf_emu_devices) {
+  int sock = harness_helper_fd();
+  ASSERT_GE(sock, 0);
+  ASSERT_OK(gpuipc__driver());
+  emu_devs d;
+  memset(&d, 0, sizeof d);
+  int n = 0;
+  ASSERT_CU(gpuipc__cu.cuDeviceGetCount(&n));
+  ASSERT_LE(n, 8);
+  d.count = n;
+  for (int i = 0; i < n; i++) {
+    int v = 0;
+    ASSERT_CU(gpuipc__cu.cuDeviceGetAttribute(
+        &v, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, i));
+    d.major[i] = v;
+    ASSERT_CU(gpuipc__cu.cuDeviceGetAttribute(
+        &v, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, i));
+    d.minor[i] = v;
+    ASSERT_CU(gpuipc__cu.cuDeviceGetUuid(&d.uuid[i], i));
+  }
+  harness_send(sock, &d, sizeof d, NULL, 0);
+  return 0;
+}
+
+static emu_devs devices_with(const char *count) {
+  char var[64];
+  snprintf(var, sizeof var, "GPUIPC_EMU_DEVICES=%s", count);
+  /* An outer CUDA_VISIBLE_DEVICES would hide some: remove it. */
+  char unset[] = "CUDA_VISIBLE_DEVICES=";
+  char *env[] = {var, unset, NULL};
+  int sock = -1;
+  pid_t pid = spawn_helper("conf_emu_devices", env, &sock, NULL);
+  emu_devs d;
+  ASSERT_EQ(harness_recv(sock, &d, sizeof d, NULL, NULL), (ssize_t)sizeof d);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  close(sock);
+  return d;
+}
+
+/* GPUIPC_EMU_DEVICES=N gives N devices of compute capability 9.0 with
+ * distinct UUIDs, stable from one process to the next. */
+TEST_IMPL(emu_devices_setting) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_DEVICES is an emulator setting");
+  emu_devs a = devices_with("3");
+  ASSERT_EQ(a.count, 3);
+  for (int i = 0; i < 3; i++) {
+    ASSERT_EQ(a.major[i], 9);
+    ASSERT_EQ(a.minor[i], 0);
+    for (int j = 0; j < i; j++)
+      ASSERT_NE(memcmp(&a.uuid[i], &a.uuid[j], sizeof a.uuid[i]), 0);
+  }
+  emu_devs b = devices_with("3");
+  ASSERT_MEM_EQ(b.uuid, a.uuid, 3 * sizeof a.uuid[0]);
+  emu_devs one = devices_with("1");
+  ASSERT_EQ(one.count, 1);
+  ASSERT_MEM_EQ(&one.uuid[0], &a.uuid[0], sizeof a.uuid[0]);
+  return 0;
+}
+
+/* ---- distinct addresses across processes ------------------------------------ */
+
+/* Opens a legacy handle (or imports a pool pointer) and reports the
+ * address it got. */
+HELPER_IMPL(conf_emu_import_address) {
+  int sock = harness_helper_fd();
+  ASSERT_GE(sock, 0);
+  struct {
+    CUipcMemHandle legacy;
+    CUmemPoolPtrExportData pool_ptr;
+  } m;
+  int fd = -1, nfds = 1;
+  ASSERT_EQ(harness_recv(sock, &m, sizeof m, &fd, &nfds), (ssize_t)sizeof m);
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__driver());
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  CUdeviceptr q = 0;
+  if (nfds == 0) {
+    ASSERT_CU(gpuipc__cu.cuIpcOpenMemHandle(&q, m.legacy,
+                                            CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+    harness_send_u64(sock, q);
+    ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(q));
+  } else {
+    CUmemoryPool pool;
+    ASSERT_CU(gpuipc__cu.cuMemPoolImportFromShareableHandle(
+        &pool, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        0));
+    close(fd);
+    ASSERT_CU(gpuipc__cu.cuMemPoolImportPointer(&q, pool, &m.pool_ptr));
+    harness_send_u64(sock, q);
+    ASSERT_CU(gpuipc__cu.cuMemFree(q));
+  }
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+/* The emulator promises that two processes never see one allocation at the
+ * same address, so code that wrongly assumes equal addresses fails in CI.
+ * (The real driver promises nothing either way: cuda.h, cuIpcOpenMemHandle.) */
+TEST_IMPL(emu_legacy_import_address_differs) {
+  REQUIRE_EMULATOR("only the emulator promises distinct addresses");
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__driver());
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  CUdeviceptr p = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&p, 1 << 20));
+  struct {
+    CUipcMemHandle legacy;
+    CUmemPoolPtrExportData pool_ptr;
+  } m;
+  memset(&m, 0, sizeof m);
+  ASSERT_CU(gpuipc__cu.cuIpcGetMemHandle(&m.legacy, p));
+  int sock = -1;
+  pid_t pid = spawn_helper("conf_emu_import_address", NULL, &sock, NULL);
+  harness_send(sock, &m, sizeof m, NULL, 0);
+  uint64_t q = harness_recv_u64(sock);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  close(sock);
+  ASSERT_NE(q, 0);
+  ASSERT_NE(q, p);
+  ASSERT_CU(gpuipc__cu.cuMemFree(p));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+TEST_IMPL(emu_pool_import_address_differs) {
+  REQUIRE_EMULATOR("only the emulator promises distinct addresses");
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__driver());
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  CUmemPoolProps pp;
+  memset(&pp, 0, sizeof pp);
+  pp.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  pp.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  pp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  pp.location.id = 0;
+  CUmemoryPool pool;
+  ASSERT_CU(gpuipc__cu.cuMemPoolCreate(&pool, &pp));
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr p = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p, 1 << 20, pool, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  struct {
+    CUipcMemHandle legacy;
+    CUmemPoolPtrExportData pool_ptr;
+  } m;
+  memset(&m, 0, sizeof m);
+  ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&m.pool_ptr, p));
+  int fd = -1;
+  ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
+      &fd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  int sock = -1;
+  pid_t pid = spawn_helper("conf_emu_import_address", NULL, &sock, NULL);
+  harness_send(sock, &m, sizeof m, &fd, 1);
+  close(fd);
+  uint64_t q = harness_recv_u64(sock);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  close(sock);
+  ASSERT_NE(q, 0);
+  ASSERT_NE(q, p);
+  ASSERT_CU(gpuipc__cu.cuMemFreeAsync(p, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+/* ---- two-device conformance checks on two emulated devices ------------------ */
+
+/* Runs one conformance test of this binary in a child process that has two
+ * emulated devices; it must pass (not skip). */
+static int run_with_two_devices(const char *test) {
+  REQUIRE_EMULATOR("emulated devices");
+  char devices[] = "GPUIPC_EMU_DEVICES=2";
+  char unset[] = "CUDA_VISIBLE_DEVICES=";
+  char *env[] = {devices, unset, NULL};
+  char *argv[] = {"/proc/self/exe", (char *)test, NULL};
+  char out[8192];
+  int st = harness_run(argv, env, out, sizeof out);
+  printf("%s", out);
+  ASSERT_EQ(st, 0);
+  return 0;
+}
+
+TEST_IMPL(emu_two_devices_uuids_unique) {
+  return run_with_two_devices("conformance_device_uuids_unique");
+}
+TEST_IMPL(emu_two_devices_attributes) {
+  return run_with_two_devices("conformance_device_attributes_for_gpuipc");
+}
+TEST_IMPL(emu_two_devices_can_access_peer) {
+  return run_with_two_devices("conformance_device_can_access_peer");
+}
+TEST_IMPL(emu_two_devices_visible_reorder_ordinals) {
+  return run_with_two_devices("conformance_visible_devices_reorder_ordinals");
+}
+TEST_IMPL(emu_two_devices_visible_reorder_uuids) {
+  return run_with_two_devices("conformance_visible_devices_reorder_uuids");
+}
+TEST_IMPL(emu_two_devices_visible_hide_one) {
+  return run_with_two_devices("conformance_visible_devices_hide_one");
+}
+TEST_IMPL(emu_two_devices_legacy_cross_gpu_open) {
+  return run_with_two_devices("conformance_legacy_cross_gpu_open");
+}
+TEST_IMPL(emu_two_devices_pool_cross_gpu_import) {
+  return run_with_two_devices("conformance_pool_cross_gpu_import");
+}
