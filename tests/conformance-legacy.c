@@ -129,6 +129,13 @@ TEST_IMPL(conformance_legacy_interior_handle_equals_base) {
   ASSERT_MEM_EQ(&again, &base, sizeof base);
   ASSERT_MEM_EQ(&mid, &base, sizeof base);
   ASSERT_MEM_EQ(&last, &base, sizeof base);
+  /* The exporter finds the base (and so the offset to send) of an interior
+   * pointer with cuMemGetAddressRange. */
+  CUdeviceptr found = 0;
+  size_t size = 0;
+  ASSERT_CU(gpuipc__cu.cuMemGetAddressRange(&found, &size, p + 4096));
+  ASSERT_PTR_EQ((void *)(uintptr_t)found, (void *)(uintptr_t)p);
+  ASSERT_GE(size, LEGACY_BYTES);
   ASSERT_CU(gpuipc__cu.cuMemFree(p));
   gpuipc__ctx_leave(&g);
   return 0;
