@@ -1,0 +1,356 @@
+/*
+ * gpuipc/xfer.h: pipelined host<->device transfers, and pinned host memory
+ * shared between processes.
+ *
+ * Included by gpuipc.h; may also be included on its own.
+ *
+ * A copy engine (gpuipc_xfer) belongs to one device. It moves data
+ *   - host -> device          gpuipc_xfer_to_device()
+ *   - device -> host          gpuipc_xfer_to_host()
+ *   - host -> device -> (the caller's work on each chunk) -> host
+ *                             gpuipc_xfer_pipeline()
+ * cutting the work into chunks spread over a few non-blocking streams that
+ * the engine creates once, so that copy-in, the caller's work and copy-out of
+ * different chunks overlap. Host memory that is not pinned ("pageable") goes
+ * through a ring of pinned staging buffers that the engine allocates once;
+ * pinned host memory (cuMemHostAlloc, cuMemHostRegister, cudaMallocHost, ...)
+ * and device memory are copied directly, with no extra copy.
+ *
+ * Ordering with the caller's stream. Every operation takes the caller's
+ * stream (a CUstream / cudaStream_t; NULL is the legacy default stream). The
+ * copy starts after the work the caller enqueued on that stream before the
+ * call, and work the caller enqueues on that stream after the call runs
+ * after the copy. The stream must belong to the device's primary context
+ * (the context the CUDA runtime uses), because the engine records its
+ * events on it.
+ *
+ * Completion. By default an operation returns as soon as everything is
+ * enqueued: the caller learns of completion through its stream
+ * (cuStreamSynchronize, an event recorded on it, or later work on it).
+ * With GPUIPC_XFER_SYNC the call returns only once the copy has completed.
+ * Pageable host memory cannot be copied asynchronously without a host thread
+ * doing the memcpy, and gpuipc runs no background threads; so, honestly:
+ *   - a pageable SOURCE is consumed during the call: when the call returns,
+ *     every byte of it has been copied into staging and the caller may reuse
+ *     it at once; the last chunks' DMA may still be in flight (ordered on the
+ *     stream as above);
+ *   - a pageable DESTINATION is filled during the call: the call returns only
+ *     once the data is in it (as if GPUIPC_XFER_SYNC were given);
+ *   - pinned and device memory are copied fully asynchronously: keep them
+ *     alive and unmodified until the stream has passed the copy.
+ *
+ * Errors. When an operation fails part way (a driver call fails, or the
+ * caller's stage returns an error) it stops enqueueing, waits until the work
+ * it already enqueued has finished (so that nothing it started touches the
+ * caller's memory or its staging buffers after it returns), and returns the
+ * first error; the engine remains usable and its staging buffers are free
+ * again. The destination then holds partial data.
+ *
+ * Threads. An engine may be shared between threads: its operations take a
+ * lock, so they run one at a time (use one engine per thread for parallel
+ * pipelines; engines are independent of each other). A stage callback must
+ * not call back into its own engine (that returns GPUIPC_E_BUSY).
+ *
+ * The heuristic (each part can be overridden in gpuipc_xfer_options):
+ *   - streams: 4 when the device has at least two copy engines
+ *     (CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT >= 2, so that copy-in and
+ *     copy-out really run at the same time), else 2 (the copies still
+ *     overlap the caller's stage).
+ *   - maximum chunk: 8 MiB. The chunk of an n-byte transfer is n/32 rounded
+ *     up to 64 KiB, at least 1 MiB and at most the maximum, so that filling
+ *     and draining the pipeline (about one chunk at each end) costs a few
+ *     percent; a transfer no larger than one chunk is one chunk.
+ *     Exception: a one-way copy between pinned host and device memory is
+ *     not cut at all: one DMA per direction already saturates the link, and
+ *     chunks would only add per-chunk cost. It is issued directly on the
+ *     caller's stream. (An explicit chunk_bytes cuts it anyway.)
+ *   - staging ring: 2 slots per stream, each slot one maximum chunk
+ *     (64 MiB of pinned memory with the defaults), allocated on the first
+ *     copy that needs it and kept until the engine is destroyed.
+ *   - device scratch (gpuipc_xfer_pipeline without caller buffers): one
+ *     input and one output chunk per stream, allocated on first use.
+ */
+#ifndef GPUIPC_XFER_H
+#define GPUIPC_XFER_H
+
+#include "../gpuipc.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct CUstream_st;
+struct CUevent_st;
+
+/* A copy engine for one device. Opaque. */
+typedef struct gpuipc_xfer gpuipc_xfer;
+
+typedef struct gpuipc_xfer_options {
+  size_t size;          /* sizeof(gpuipc_xfer_options): set by the INIT macro */
+  int streams;          /* non-blocking streams of the engine; 0: automatic.
+                           At most GPUIPC_XFER_MAX_STREAMS. */
+  size_t chunk_bytes;   /* 0: automatic (see the heuristic above). Otherwise
+                           every transfer is cut into chunks of exactly this
+                           size (the last one shorter), one-way pinned copies
+                           included. */
+  size_t staging_bytes; /* pinned staging ring in bytes; 0: automatic. At
+                           least 2 slots; a ring smaller than two chunks
+                           makes staged chunks smaller. */
+} gpuipc_xfer_options;
+
+#define GPUIPC_XFER_OPTIONS_INIT {sizeof(gpuipc_xfer_options), 0, 0, 0}
+#define GPUIPC_XFER_MAX_STREAMS 16
+
+/* Flags of the transfer operations. */
+#define GPUIPC_XFER_SYNC 0x1u /* return only once the transfer has completed */
+
+/*
+ * Creates a copy engine for device `device` (a local ordinal; -1: the device
+ * of the calling thread's current context). Creates its streams and events
+ * in the device's primary context; staging and scratch memory come later,
+ * on first need. opts may be NULL (all automatic).
+ * Returns GPUIPC_E_INVALID_ARG for bad options, GPUIPC_E_NO_DEVICE for a bad
+ * ordinal, driver errors as usual. *out is set only on success.
+ */
+GPUIPC_API gpuipc_status gpuipc_xfer_create(int device,
+                                            const gpuipc_xfer_options *opts,
+                                            gpuipc_xfer **out /* OUT */);
+
+/*
+ * Waits for everything the engine enqueued to finish, then frees its
+ * streams, events, staging and scratch memory. NULL: nothing to do, returns
+ * GPUIPC_OK. The engine is freed even when a driver call fails on the way
+ * (the first failure is returned). No operation on the engine may be in
+ * progress on another thread.
+ */
+GPUIPC_API gpuipc_status gpuipc_xfer_destroy(gpuipc_xfer *x);
+
+/*
+ * Copies `bytes` bytes from host memory `src` (pageable or pinned; device
+ * memory is accepted too and copied device to device) to device memory
+ * `dst`, ordered on `stream` as described above. bytes == 0 does nothing
+ * (the pointers may then be NULL).
+ */
+GPUIPC_API gpuipc_status gpuipc_xfer_to_device(gpuipc_xfer *x, void *dst,
+                                               const void *src, size_t bytes,
+                                               struct CUstream_st *stream,
+                                               unsigned flags);
+
+/*
+ * Copies `bytes` bytes from device memory `src` to host memory `dst`
+ * (pageable or pinned; a pageable dst makes the call blocking).
+ */
+GPUIPC_API gpuipc_status gpuipc_xfer_to_host(gpuipc_xfer *x, void *dst,
+                                             const void *src, size_t bytes,
+                                             struct CUstream_st *stream,
+                                             unsigned flags);
+
+/*
+ * The caller's work on one chunk. Called on the calling thread, once per
+ * chunk, in increasing offset order, with the device's primary context
+ * current. It must ENQUEUE work on `stream` (a kernel launch, a library
+ * call, cuMemcpyDtoDAsync, ...) that reads `len` bytes at dev_in and writes
+ * `len` bytes at dev_out; work it enqueues elsewhere must be made to finish
+ * before later work on `stream` (cuStreamWaitEvent). The input has arrived
+ * before the work enqueued on `stream` starts; the engine copies dev_out
+ * out after it. `offset` is the chunk's position in the whole transfer.
+ * dev_in and dev_out are valid for this chunk only (with engine scratch they
+ * are reused by later chunks on the same stream, in stream order).
+ * Returning anything but GPUIPC_OK stops the transfer, which returns that
+ * status (GPUIPC_E_USER is meant for this).
+ */
+typedef gpuipc_status (*gpuipc_xfer_stage_fn)(void *user,
+                                              struct CUstream_st *stream,
+                                              void *dev_in, void *dev_out,
+                                              size_t offset, size_t len);
+
+typedef struct gpuipc_xfer_stage {
+  size_t size;             /* sizeof(gpuipc_xfer_stage): set by the INIT macro */
+  gpuipc_xfer_stage_fn fn; /* NULL: no stage; dev_in is copied out as is */
+  void *user;              /* passed to fn */
+  void *dev_in;  /* device buffer of the whole transfer's size that receives
+                    the input (chunk i at dev_in + offset), left holding it;
+                    NULL: engine scratch, one chunk per stream */
+  void *dev_out; /* same for the output; may equal dev_in (in place) */
+} gpuipc_xfer_stage;
+
+#define GPUIPC_XFER_STAGE_INIT {sizeof(gpuipc_xfer_stage), NULL, NULL, NULL, NULL}
+
+/*
+ * copy-in -> stage -> copy-out: for each chunk, copies it from host memory
+ * `src` to the device, runs stage->fn on it, and copies the stage's output to
+ * host memory `dst` at the same offset. dst and src may be pageable or
+ * pinned (a pageable dst makes the call blocking) and must not overlap.
+ * Chunk i runs on engine stream i % streams, so the copy-in of one chunk,
+ * the stage of another and the copy-out of a third proceed at once.
+ */
+GPUIPC_API gpuipc_status gpuipc_xfer_pipeline(gpuipc_xfer *x, void *dst,
+                                              const void *src, size_t bytes,
+                                              const gpuipc_xfer_stage *stage,
+                                              struct CUstream_st *stream,
+                                              unsigned flags);
+
+/* What an engine chose, and what it has done (for tests and benchmarks). */
+typedef struct gpuipc_xfer_info {
+  size_t size;              /* sizeof(gpuipc_xfer_info): set by the caller */
+  int device;               /* ordinal */
+  int streams;              /* engine streams */
+  int copy_engines;         /* CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT */
+  size_t max_chunk_bytes;   /* largest chunk */
+  size_t staging_slot_bytes;/* staging slot size */
+  int staging_slots;        /* slots in the ring */
+  int staging_allocated;    /* 1 once the ring has been allocated */
+  uint64_t transfers;       /* operations completed or enqueued */
+  uint64_t chunks;          /* chunks enqueued */
+  uint64_t staged_bytes;    /* bytes that went through the staging ring */
+  uint64_t direct_bytes;    /* bytes copied directly (pinned or device) */
+} gpuipc_xfer_info;
+
+/* Fills *info (only the first info->size bytes; set info->size =
+ * sizeof *info first). Takes the engine's lock. */
+GPUIPC_API gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x,
+                                              gpuipc_xfer_info *info /* IN/OUT */);
+
+/* The chunk size the engine would use for a transfer of `bytes` bytes that
+ * goes through staging or scratch (the pipeline, or a pageable side). */
+GPUIPC_API gpuipc_status gpuipc_xfer_chunk_size(gpuipc_xfer *x, size_t bytes,
+                                                size_t *chunk /* OUT */);
+
+/* ------------------------------------------------------------------------ */
+/* Shared pinned host memory                                                */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A host memory segment shared by several processes, cut into `slots` slots
+ * of `slot_bytes` bytes, with the ordering between a filler and a copier
+ * kept in the segment itself. A loader process (which needs no GPU) fills a
+ * slot and publishes it; a GPU process's stream waits for the publication
+ * (cuStreamWaitValue32 on the host-mapped word: no host thread waits), copies
+ * the slot straight to the device with one DMA (the segment is pinned in the
+ * copier's process: no staging copy), and then writes "consumed"
+ * (cuStreamWriteValue32, after the copy in stream order), which is what the
+ * filler waits for before it refills the slot.
+ *
+ * Messages are numbered by a 64-bit sequence number seq = 0, 1, 2, ...;
+ * message seq lives in slot seq % slots. Each side keeps its own count; the
+ * words in the segment say how far the other side has come. The filler:
+ *     gpuipc_xfer_shared_acquire(sh, seq, timeout_ms, &ptr, &cap);  // waits
+ *     ... write up to cap bytes at ptr ...
+ *     gpuipc_xfer_shared_publish(sh, seq, len);
+ * The copier (after gpuipc_xfer_shared_pin once):
+ *     gpuipc_xfer_shared_to_device(sh, seq, dev_dst, len, stream, 0);
+ * or, on the host, gpuipc_xfer_shared_wait_filled + read +
+ * gpuipc_xfer_shared_release.
+ *
+ * A GPU-side wait never times out: if the filler may die before publishing,
+ * the copier should first wait on the host with a timeout
+ * (gpuipc_xfer_shared_wait_filled), after which the GPU-side wait passes at
+ * once. Only one filler and one copier per segment.
+ *
+ * The segment is a sealed memfd (size fixed), mapped into each process and
+ * passed as a file descriptor (send it over a Unix socket with SCM_RIGHTS,
+ * e.g. a gpuipc connection). The first page holds a validated header and the
+ * control words (each on its own cache line); slots follow, page aligned.
+ */
+typedef struct gpuipc_xfer_shared gpuipc_xfer_shared;
+
+/* Creates a segment of `slots` slots (1..GPUIPC_XFER_SHARED_MAX_SLOTS) of
+ * slot_bytes bytes each (rounded up to the page size). Needs no driver. */
+#define GPUIPC_XFER_SHARED_MAX_SLOTS 1024
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_create(size_t slot_bytes, int slots,
+                                                   gpuipc_xfer_shared **out /* OUT */);
+
+/* Opens a segment from a file descriptor received from its creator. The fd
+ * is not taken over (the caller still closes it). Validates the header, the
+ * seals and the size: GPUIPC_E_BAD_MAGIC / E_BAD_VERSION / E_TRUNCATED /
+ * E_OUT_OF_RANGE for anything that is not a segment made by
+ * gpuipc_xfer_shared_create. Needs no driver. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_open(int fd,
+                                                 gpuipc_xfer_shared **out /* OUT */);
+
+/* Unpins (if pinned) and unmaps. The memory lives on while another process
+ * has it open. NULL: nothing. The caller must make sure no GPU work that it
+ * enqueued on this segment is still pending (synchronize its streams). */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_close(gpuipc_xfer_shared *sh);
+
+/* The segment's file descriptor, to send to another process (owned by sh:
+ * do not close it; valid until gpuipc_xfer_shared_close). */
+GPUIPC_API int gpuipc_xfer_shared_fd(const gpuipc_xfer_shared *sh);
+GPUIPC_API int gpuipc_xfer_shared_slots(const gpuipc_xfer_shared *sh);
+GPUIPC_API size_t gpuipc_xfer_shared_slot_bytes(const gpuipc_xfer_shared *sh);
+/* Address of the slot that holds message seq, in this process. */
+GPUIPC_API void *gpuipc_xfer_shared_slot(const gpuipc_xfer_shared *sh,
+                                         uint64_t seq);
+
+/* Pins the segment for DMA in this process (cuMemHostRegister with
+ * PORTABLE | DEVICEMAP, done in device `device`'s primary context) and maps
+ * its control words for the GPU. Needed before the _device functions;
+ * idempotent. Pinning costs time proportional to the size: do it once. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh,
+                                                int device);
+
+/* Filler: waits until the slot of message seq is free (the message that
+ * used it before, seq - slots, has been consumed), then returns the slot's
+ * address and capacity. timeout_ms < 0: wait forever; 0: do not wait.
+ * GPUIPC_E_TIMEOUT when the time runs out. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_acquire(gpuipc_xfer_shared *sh,
+                                                    uint64_t seq, int timeout_ms,
+                                                    void **ptr /* OUT */,
+                                                    size_t *cap /* OUT */);
+
+/* Filler: publishes message seq of len bytes (len <= slot_bytes): stores the
+ * length, then the sequence word with release semantics, so that whoever
+ * sees the word sees the data. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_publish(gpuipc_xfer_shared *sh,
+                                                    uint64_t seq, size_t len);
+
+/* Copier on the host: waits until message seq has been published; returns its
+ * length. Then read the slot, and call gpuipc_xfer_shared_release. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_wait_filled(gpuipc_xfer_shared *sh,
+                                                        uint64_t seq,
+                                                        int timeout_ms,
+                                                        size_t *len /* OUT */);
+/* Copier on the host: message seq has been consumed; its slot may be
+ * refilled. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_release(gpuipc_xfer_shared *sh,
+                                                    uint64_t seq);
+
+/*
+ * Copier on the GPU: enqueues on `stream`: wait until message seq is
+ * published (cuStreamWaitValue32 on the mapped word), copy `len` bytes of its
+ * slot to device memory `dst` (one DMA, straight from the shared pages), then
+ * mark the message consumed (cuStreamWriteValue32, which the filler's
+ * acquire waits for). The host does not wait unless flags has
+ * GPUIPC_XFER_SYNC. len <= slot_bytes; the copier must know it (it is part
+ * of the two sides' agreement, or read with wait_filled first). Needs
+ * gpuipc_xfer_shared_pin first; stream belongs to the pinned device's
+ * primary context.
+ */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_to_device(gpuipc_xfer_shared *sh,
+                                                      uint64_t seq, void *dst,
+                                                      size_t len,
+                                                      struct CUstream_st *stream,
+                                                      unsigned flags);
+
+/*
+ * The reverse direction, a GPU process filling the segment for a host
+ * reader: enqueues on `stream`: wait until the slot of message seq is free,
+ * copy `len` bytes from device memory `src` into it, write the length and
+ * publish message seq. The reader uses gpuipc_xfer_shared_wait_filled /
+ * gpuipc_xfer_shared_release.
+ */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_from_device(gpuipc_xfer_shared *sh,
+                                                        uint64_t seq,
+                                                        const void *src,
+                                                        size_t len,
+                                                        struct CUstream_st *stream,
+                                                        unsigned flags);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GPUIPC_XFER_H */
