@@ -191,16 +191,16 @@ gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
                         "reads version %u",
                         version, GPUIPC_VERSION_STRING, GPUIPC__DESC_VERSION);
   uint32_t declared = get32(in + OFF_LENGTH);
-  if (declared > len)
-    return gpuipc__fail(GPUIPC_E_TRUNCATED,
-                        "descriptor truncated: %zu of %u bytes", len,
-                        declared);
   if (declared < GPUIPC__DESC_V1_LEN || declared > GPUIPC_DESC_MAX)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "descriptor declares %u bytes; version %u descriptors "
                         "are %u to %d bytes",
                         declared, version, GPUIPC__DESC_V1_LEN,
                         GPUIPC_DESC_MAX);
+  if (declared > len)
+    return gpuipc__fail(GPUIPC_E_TRUNCATED,
+                        "descriptor truncated: %zu of %u bytes", len,
+                        declared);
   if (len != declared)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "%zu bytes given for a descriptor of %u bytes "
