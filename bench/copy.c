@@ -1,11 +1,415 @@
-/* copy.c: placeholder until this benchmark lands. */
+/*
+ * copy.c: `gpuipc bench copy`: host<->device copies, plain driver calls
+ * against gpuipc's copy engine, for pinned and pageable host memory and for
+ * copy-in -> stage -> copy-out, with the bounds measured in the same run:
+ *   - one-way bound: a raw pinned cuMemcpy{HtoD,DtoH}Async of the same size;
+ *   - both-ways bound: a pinned HtoD and a pinned DtoH of the same size at
+ *     once on two streams (bytes moved both ways / time).
+ * Every figure is the median of several repetitions, in GB/s (1e9 bytes/s).
+ * The stage of the pipeline is a device-to-device copy of the chunk
+ * (gpuipc launches no kernels).
+ */
 #include "cli.h"
+#include "driver.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MIB ((size_t)1 << 20)
+
+typedef struct bench {
+  int device;
+  int reps;
+  CUstream s1, s2;
+  gpuipc_xfer *x;
+  /* buffers of the largest size */
+  size_t cap;
+  CUdeviceptr dev_a, dev_b, dev_c;
+  char *pin_a, *pin_b;
+  char *page_a, *page_b;
+} bench;
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+enum which {
+  RAW_H2D_PINNED,
+  RAW_D2H_PINNED,
+  RAW_BOTH_PINNED,
+  RAW_H2D_PAGEABLE,
+  RAW_D2H_PAGEABLE,
+  RAW_SERIAL_PIPE, /* H2D, D2D, D2H of the whole buffer on one stream */
+  X_H2D_PINNED,
+  X_D2H_PINNED,
+  X_H2D_PAGEABLE,
+  X_D2H_PAGEABLE,
+  X_PIPE_PINNED,
+  X_PIPE_PAGEABLE,
+  X_PIPE_PAGEABLE_SERIAL /* pageable pipeline done plainly: cuMemcpy + D2D */
+};
+
+static gpuipc_status d2d_stage(void *user, struct CUstream_st *stream,
+                               void *din, void *dout, size_t off, size_t len) {
+  (void)user;
+  (void)off;
+  CUresult r = gpuipc__cu.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dout,
+                                            (CUdeviceptr)(uintptr_t)din, len,
+                                            stream);
+  return r == CUDA_SUCCESS ? GPUIPC_OK : GPUIPC_E_DRIVER;
+}
+
+#define CU_OK(call)                                                            \
+  do {                                                                         \
+    CUresult r_ = (call);                                                      \
+    if (r_ != CUDA_SUCCESS) {                                                  \
+      fprintf(stderr, "gpuipc bench copy: %s: %s\n", #call,                    \
+              gpuipc__cuda_error_name(r_));                                    \
+      return -1;                                                               \
+    }                                                                          \
+  } while (0)
+#define GP_OK(call)                                                            \
+  do {                                                                         \
+    gpuipc_status s_ = (call);                                                 \
+    if (s_ != GPUIPC_OK) {                                                     \
+      fprintf(stderr, "gpuipc bench copy: %s: %s\n", #call,                    \
+              gpuipc_last_error());                                            \
+      return -1;                                                               \
+    }                                                                          \
+  } while (0)
+
+/* One run of a case; returns seconds, or < 0 on failure. */
+static double run_once(bench *b, int which, size_t n) {
+  gpuipc_xfer_stage st = GPUIPC_XFER_STAGE_INIT;
+  st.fn = d2d_stage;
+  uint64_t t0 = gpuipc__now_ns();
+  switch (which) {
+  case RAW_H2D_PINNED:
+    CU_OK(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case RAW_D2H_PINNED:
+    CU_OK(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_b, n, b->s1));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case RAW_BOTH_PINNED:
+    CU_OK(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1));
+    CU_OK(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_b, n, b->s2));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s2));
+    break;
+  case RAW_H2D_PAGEABLE:
+    CU_OK(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n));
+    break;
+  case RAW_D2H_PAGEABLE:
+    CU_OK(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_b, n));
+    break;
+  case RAW_SERIAL_PIPE:
+    CU_OK(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1));
+    CU_OK(gpuipc__cu.cuMemcpyDtoDAsync(b->dev_c, b->dev_a, n, b->s1));
+    CU_OK(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_c, n, b->s1));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case X_PIPE_PAGEABLE_SERIAL:
+    CU_OK(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n));
+    CU_OK(gpuipc__cu.cuMemcpyDtoDAsync(b->dev_c, b->dev_a, n, b->s1));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    CU_OK(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_c, n));
+    break;
+  case X_H2D_PINNED:
+    GP_OK(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->pin_a, n,
+                                b->s1, 0));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case X_D2H_PINNED:
+    GP_OK(gpuipc_xfer_to_host(b->x, b->pin_b, (void *)(uintptr_t)b->dev_b, n,
+                              b->s1, 0));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case X_H2D_PAGEABLE:
+    GP_OK(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->page_a,
+                                n, b->s1, 0));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case X_D2H_PAGEABLE:
+    GP_OK(gpuipc_xfer_to_host(b->x, b->page_b, (void *)(uintptr_t)b->dev_b, n,
+                              b->s1, 0));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case X_PIPE_PINNED:
+    GP_OK(gpuipc_xfer_pipeline(b->x, b->pin_b, b->pin_a, n, &st, b->s1, 0));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  case X_PIPE_PAGEABLE:
+    GP_OK(gpuipc_xfer_pipeline(b->x, b->page_b, b->page_a, n, &st, b->s1, 0));
+    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    break;
+  }
+  return (double)(gpuipc__now_ns() - t0) / 1e9;
+}
+
+/* Median rate in GB/s of `bytes_moved` bytes per run (after one warm-up). */
+static double rate(bench *b, int which, size_t n, double bytes_moved) {
+  double t[64];
+  if (run_once(b, which, n) < 0)
+    return -1;
+  for (int i = 0; i < b->reps; i++) {
+    t[i] = run_once(b, which, n);
+    if (t[i] < 0)
+      return -1;
+  }
+  double m = median(t, b->reps);
+  return m > 0 ? bytes_moved / m / 1e9 : 0;
+}
+
+static int parse_size(const char *s, size_t *out) {
+  char *end = NULL;
+  double v = strtod(s, &end);
+  if (end == s || v <= 0)
+    return -1;
+  size_t mul = 1;
+  if (*end == 'k' || *end == 'K')
+    mul = (size_t)1 << 10;
+  else if (*end == 'm' || *end == 'M')
+    mul = MIB;
+  else if (*end == 'g' || *end == 'G')
+    mul = (size_t)1 << 30;
+  else if (*end != '\0')
+    return -1;
+  *out = (size_t)(v * (double)mul);
+  return 0;
+}
+
+static void size_text(size_t n, char *buf, size_t cap) {
+  if (n >= ((size_t)1 << 30) && n % ((size_t)1 << 30) == 0)
+    snprintf(buf, cap, "%zu GiB", n >> 30);
+  else if (n >= MIB && n % MIB == 0)
+    snprintf(buf, cap, "%zu MiB", n >> 20);
+  else
+    snprintf(buf, cap, "%zu B", n);
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: gpuipc bench copy [--max SIZE] [--min SIZE] [--reps N] "
+          "[--quick] [--device N] [--emulator PATH]\n"
+          "  sizes go from --min (default 1M) to --max (default 4G on a GPU,\n"
+          "  16M on the emulator) by factors of 4; SIZE takes K/M/G.\n"
+          "  --quick: 3 repetitions and at most 64M (4M on the emulator).\n");
+}
+
+static void row(const char *size, const char *name, double plain, double x,
+                double bound, const char *target, int ok) {
+  char pf[32], bf[32], fr[32], sp[32];
+  if (plain > 0)
+    snprintf(pf, sizeof pf, "%8.2f", plain);
+  else
+    snprintf(pf, sizeof pf, "%8s", "-");
+  snprintf(bf, sizeof bf, "%8.2f", bound);
+  snprintf(fr, sizeof fr, "%6.1f%%", bound > 0 ? 100 * x / bound : 0);
+  if (plain > 0)
+    snprintf(sp, sizeof sp, "%6.2fx", x / plain);
+  else
+    snprintf(sp, sizeof sp, "%7s", "-");
+  printf("%-8s  %-26s %s  %8.2f  %s  %s  %s  %s%s\n", size, name, pf, x, bf,
+         fr, sp, target, *target ? (ok ? " ok" : " MISS") : "");
+}
 
 int gpuipc_bench_copy(int argc, char **argv) {
-  (void)argc;
-  (void)argv;
-  fprintf(stderr, "gpuipc bench copy: not built yet\n");
-  return 2;
+  int emulated = gpuipc_cli_pick_driver(&argc, argv, "bench copy");
+  if (emulated < 0)
+    return 2;
+  size_t max = 0, min = MIB;
+  int reps = 0, quick = 0, device = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--help") == 0) {
+      usage(stdout);
+      return 0;
+    } else if (strcmp(argv[i], "--quick") == 0) {
+      quick = 1;
+    } else if (strcmp(argv[i], "--max") == 0 && i + 1 < argc) {
+      if (parse_size(argv[++i], &max) != 0) {
+        usage(stderr);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--min") == 0 && i + 1 < argc) {
+      if (parse_size(argv[++i], &min) != 0) {
+        usage(stderr);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
+      reps = atoi(argv[++i]);
+      if (reps < 1 || reps > 63) {
+        usage(stderr);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) {
+      device = atoi(argv[++i]);
+    } else {
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (max == 0)
+    max = emulated ? (quick ? 4 * MIB : 16 * MIB)
+                   : (quick ? 64 * MIB : (size_t)4 << 30);
+  if (reps == 0)
+    reps = quick || emulated ? 3 : 7;
+  if (min > max)
+    min = max;
+
+  if (gpuipc_init() != GPUIPC_OK) {
+    fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
+    return 1;
+  }
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, device) != GPUIPC_OK) {
+    fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
+    return 1;
+  }
+  /* Fit in memory: three device buffers, two pinned and two pageable host
+   * buffers of the largest size, plus the engine's scratch and staging. */
+  size_t free_b = 0, total_b = 0;
+  if (gpuipc__cu.cuMemGetInfo(&free_b, &total_b) == CUDA_SUCCESS) {
+    while (max > min && 3 * max + ((size_t)256 << 20) > free_b)
+      max /= 4;
+  }
+  long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && psz > 0) {
+    size_t host = (size_t)pages * (size_t)psz;
+    while (max > min && 5 * max > host)
+      max /= 4;
+  }
+
+  bench b;
+  memset(&b, 0, sizeof b);
+  b.device = device;
+  b.reps = reps;
+  b.cap = max;
+  int rc = 1;
+  char name[256] = "?";
+  CUdevice dev;
+  if (gpuipc__cu.cuDeviceGet(&dev, device) == CUDA_SUCCESS)
+    gpuipc__cu.cuDeviceGetName(name, sizeof name, dev);
+  if (gpuipc__cu.cuStreamCreate(&b.s1, CU_STREAM_NON_BLOCKING) ||
+      gpuipc__cu.cuStreamCreate(&b.s2, CU_STREAM_NON_BLOCKING) ||
+      gpuipc__cu.cuMemAlloc(&b.dev_a, max) ||
+      gpuipc__cu.cuMemAlloc(&b.dev_b, max) ||
+      gpuipc__cu.cuMemAlloc(&b.dev_c, max) ||
+      gpuipc__cu.cuMemHostAlloc((void **)&b.pin_a, max, 0) ||
+      gpuipc__cu.cuMemHostAlloc((void **)&b.pin_b, max, 0)) {
+    fprintf(stderr, "gpuipc bench copy: cannot allocate buffers of %zu bytes\n",
+            max);
+    goto out;
+  }
+  b.page_a = malloc(max);
+  b.page_b = malloc(max);
+  if (!b.page_a || !b.page_b) {
+    fprintf(stderr, "gpuipc bench copy: out of host memory\n");
+    goto out;
+  }
+  /* Touch every page first: first-touch faults are not copy time. */
+  memset(b.page_a, 1, max);
+  memset(b.page_b, 2, max);
+  memset(b.pin_a, 3, max);
+  memset(b.pin_b, 4, max);
+  gpuipc__cu.cuMemsetD8(b.dev_a, 5, max);
+  gpuipc__cu.cuMemsetD8(b.dev_b, 6, max);
+  if (gpuipc_xfer_create(device, NULL, &b.x) != GPUIPC_OK) {
+    fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
+    goto out;
+  }
+  gpuipc_xfer_info in;
+  memset(&in, 0, sizeof in);
+  in.size = sizeof in;
+  gpuipc_xfer_get_info(b.x, &in);
+
+  printf("gpuipc bench copy: device %d (%s)%s, %d copy engine(s); engine: %d "
+         "streams, chunks up to %zu MiB, staging %d x %zu MiB; median of %d\n",
+         device, name, emulated ? " [CUDA driver emulator]" : "",
+         in.copy_engines, in.streams, in.max_chunk_bytes >> 20,
+         in.staging_slots, in.staging_slot_bytes >> 20, reps);
+  printf("plain: the raw driver call (pinned one-way: cuMemcpy*Async = the "
+         "bound; pageable: cuMemcpy; pipeline: H2D, D2D, D2H in sequence on "
+         "one stream)\n"
+         "bound: pinned one-way of the same direction; pipeline: H2D and D2H "
+         "at once on two streams. Pipeline rates count bytes moved both "
+         "ways (2 x size / time).\n");
+  if (emulated)
+    printf("(emulator: rates are memcpy speeds of this machine, not a GPU's; "
+           "the targets apply to a real GPU)\n");
+  printf("\n%-8s  %-26s %8s  %8s  %8s  %7s  %7s  %s\n", "size", "case",
+         "plain", "gpuipc", "bound", "x/bound", "x/plain", "target");
+
+  int misses = 0;
+  for (size_t n = min; n <= max; n *= 4) {
+    char sz[32];
+    size_text(n, sz, sizeof sz);
+    double dn = (double)n;
+    double h2d = rate(&b, RAW_H2D_PINNED, n, dn);
+    double d2h = rate(&b, RAW_D2H_PINNED, n, dn);
+    double both = rate(&b, RAW_BOTH_PINNED, n, 2 * dn);
+    double h2d_pg = rate(&b, RAW_H2D_PAGEABLE, n, dn);
+    double d2h_pg = rate(&b, RAW_D2H_PAGEABLE, n, dn);
+    double serial = rate(&b, RAW_SERIAL_PIPE, n, 2 * dn);
+    double serial_pg = rate(&b, X_PIPE_PAGEABLE_SERIAL, n, 2 * dn);
+    double xh2d = rate(&b, X_H2D_PINNED, n, dn);
+    double xd2h = rate(&b, X_D2H_PINNED, n, dn);
+    double xh2d_pg = rate(&b, X_H2D_PAGEABLE, n, dn);
+    double xd2h_pg = rate(&b, X_D2H_PAGEABLE, n, dn);
+    double xpipe = rate(&b, X_PIPE_PINNED, n, 2 * dn);
+    double xpipe_pg = rate(&b, X_PIPE_PAGEABLE, n, 2 * dn);
+    if (h2d < 0 || d2h < 0 || both < 0 || h2d_pg < 0 || d2h_pg < 0 ||
+        serial < 0 || serial_pg < 0 || xh2d < 0 || xd2h < 0 || xh2d_pg < 0 ||
+        xd2h_pg < 0 || xpipe < 0 || xpipe_pg < 0)
+      goto out;
+    int ok;
+    ok = xh2d >= 0.95 * h2d;
+    misses += !ok;
+    row(sz, "H2D pinned", h2d, xh2d, h2d, ">=95% bound", ok);
+    ok = xd2h >= 0.95 * d2h;
+    misses += !ok;
+    row(sz, "D2H pinned", d2h, xd2h, d2h, ">=95% bound", ok);
+    ok = xh2d_pg >= 3 * h2d_pg;
+    misses += !ok;
+    row(sz, "H2D pageable (staged)", h2d_pg, xh2d_pg, h2d, ">=3x plain", ok);
+    ok = xd2h_pg >= 3 * d2h_pg;
+    misses += !ok;
+    row(sz, "D2H pageable (staged)", d2h_pg, xd2h_pg, d2h, ">=3x plain", ok);
+    ok = xpipe >= 0.90 * both;
+    misses += !ok;
+    row(sz, "in->stage->out pinned", serial, xpipe, both, ">=90% bound", ok);
+    row(sz, "in->stage->out pageable", serial_pg, xpipe_pg, both, "", 1);
+  }
+  printf("\n%d target(s) missed%s\n", misses,
+         emulated ? " (emulator: not meaningful)" : "");
+  rc = 0;
+out:
+  gpuipc_xfer_destroy(b.x);
+  if (b.pin_a)
+    gpuipc__cu.cuMemFreeHost(b.pin_a);
+  if (b.pin_b)
+    gpuipc__cu.cuMemFreeHost(b.pin_b);
+  if (b.dev_a)
+    gpuipc__cu.cuMemFree(b.dev_a);
+  if (b.dev_b)
+    gpuipc__cu.cuMemFree(b.dev_b);
+  if (b.dev_c)
+    gpuipc__cu.cuMemFree(b.dev_c);
+  if (b.s1)
+    gpuipc__cu.cuStreamDestroy(b.s1);
+  if (b.s2)
+    gpuipc__cu.cuStreamDestroy(b.s2);
+  free(b.page_a);
+  free(b.page_b);
+  gpuipc__ctx_leave(&g);
+  return rc;
 }

@@ -11,8 +11,10 @@
  * device scratch is reused only in stream order.
  */
 #include "driver.h"
+#include "xfer_internal.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -64,6 +66,19 @@ struct gpuipc_xfer {
 
   uint64_t transfers, chunks, staged_bytes, direct_bytes;
 };
+
+/* Live pinned allocations of all engines: leak checks in tests. */
+static atomic_uint_fast64_t pinned_live, pinned_live_bytes;
+
+uint64_t gpuipc__xfer_pinned_live(uint64_t *bytes) {
+  if (bytes)
+    *bytes = atomic_load(&pinned_live_bytes);
+  return atomic_load(&pinned_live);
+}
+
+void *gpuipc__xfer_staging_base(const gpuipc_xfer *x) {
+  return x ? x->staging : NULL;
+}
 
 static inline CUdeviceptr dptr(const void *p) { return (CUdeviceptr)(uintptr_t)p; }
 static inline void *hptr(CUdeviceptr d) { return (void *)(uintptr_t)d; }
@@ -228,8 +243,16 @@ static gpuipc_status engine_release(gpuipc_xfer *x) {
       XFER_KEEP(GPUIPC__CU(cuEventDestroy, x->slots[i].ev), "cuEventDestroy");
     x->slots[i].ev = NULL;
   }
-  if (x->staging)
-    XFER_KEEP(GPUIPC__CU(cuMemFreeHost, x->staging), "cuMemFreeHost");
+  if (x->staging) {
+    r = GPUIPC__CU(cuMemFreeHost, x->staging);
+    if (r == CUDA_SUCCESS) {
+      atomic_fetch_sub(&pinned_live, 1);
+      atomic_fetch_sub(&pinned_live_bytes,
+                       (uint64_t)x->slot_bytes * (uint64_t)x->nslots);
+    } else if (s == GPUIPC_OK) {
+      s = gpuipc__fail_cuda(r, "cuMemFreeHost", "destroying a copy engine");
+    }
+  }
   x->staging = NULL;
   if (x->scratch)
     XFER_KEEP(GPUIPC__CU(cuMemFree, x->scratch), "cuMemFree");
@@ -284,6 +307,8 @@ static gpuipc_status staging_alloc(gpuipc_xfer *x) {
     x->slots[i].state = SLOT_FREE;
   }
   x->staging = p;
+  atomic_fetch_add(&pinned_live, 1);
+  atomic_fetch_add(&pinned_live_bytes, (uint64_t)total);
   x->next_slot = 0;
   x->drain_head = x->drain_count = 0;
   return GPUIPC_OK;

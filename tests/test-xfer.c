@@ -12,6 +12,7 @@
 #include "harness.h"
 
 #include "driver.h"
+#include "xfer_internal.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -128,6 +129,31 @@ static gpuipc_xfer_info info_of(gpuipc_xfer *x) {
   i.size = sizeof i;
   ASSERT_OK(gpuipc_xfer_get_info(x, &i));
   return i;
+}
+
+/* Destroys an engine and checks, with the driver, that its staging ring is
+ * no longer pinned memory, and that no engine of this process holds pinned
+ * memory any more (when it was the last one). Returns destroy's status. */
+static gpuipc_status destroy_checked(gpuipc_xfer *x, int last) {
+  void *staging = gpuipc__xfer_staging_base(x);
+  unsigned type = 0;
+  if (staging) {
+    ASSERT_CU(gpuipc__cu.cuPointerGetAttribute(
+        &type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)staging));
+    ASSERT_EQ(type, CU_MEMORYTYPE_HOST);
+  }
+  gpuipc_status s = gpuipc_xfer_destroy(x);
+  if (staging)
+    ASSERT_CU_EQ(gpuipc__cu.cuPointerGetAttribute(
+                     &type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                     (CUdeviceptr)(uintptr_t)staging),
+                 CUDA_ERROR_INVALID_VALUE);
+  if (last) {
+    uint64_t bytes = 1;
+    ASSERT_UEQ(gpuipc__xfer_pinned_live(&bytes), 0);
+    ASSERT_UEQ(bytes, 0);
+  }
+  return s;
 }
 
 /* ---- arguments ------------------------------------------------------------ */
@@ -718,7 +744,8 @@ TEST_IMPL(xfer_stage_error) {
     check_marked(dst, src, n, l);
     free(l);
   }
-  ASSERT_OK(gpuipc_xfer_destroy(x));
+  ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL), 1);
+  ASSERT_OK(destroy_checked(x, 1));
   ASSERT_UEQ(dev_free_bytes(), free0);
   free(src);
   free(dst);
@@ -751,7 +778,7 @@ static int workload_op(gpuipc_xfer *x, int op, CUdeviceptr dev,
     break;
   case 1: /* pinned, chunked */
     memcpy(pin, src, n);
-    s = gpuipc_xfer_to_device(x, D(dev), pin, n, NULL, 0);
+    s = gpuipc_xfer_to_device(x, D(dev), pin, n, NULL, GPUIPC_XFER_SYNC);
     memset(pin, 0, n);
     if (s == GPUIPC_OK)
       s = gpuipc_xfer_to_host(x, pin, D(dev), n, NULL, GPUIPC_XFER_SYNC);
@@ -820,7 +847,9 @@ HELPER_IMPL(xfer_fault) {
           }
         }
       }
-    gpuipc_status ds = gpuipc_xfer_destroy(x);
+    ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL),
+               gpuipc__xfer_staging_base(x) != NULL);
+    gpuipc_status ds = destroy_checked(x, 1);
     if (ds != GPUIPC_OK) {
       failures++;
       ASSERT_STR_CONTAINS(gpuipc_last_error(), fname);
@@ -907,7 +936,7 @@ TEST_IMPL(xfer_several_engines) {
   for (int i = 0; i < NT; i++)
     ASSERT_EQ(pthread_join(th[i], NULL), 0);
   for (int i = 0; i < 5; i++)
-    ASSERT_OK(gpuipc_xfer_destroy(xs[i]));
+    ASSERT_OK(destroy_checked(xs[i], i == 4));
   ASSERT_UEQ(dev_free_bytes(), free0);
   gpuipc__ctx_leave(&g);
   return 0;
