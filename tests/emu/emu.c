@@ -1202,6 +1202,7 @@ typedef struct ev_state {
   uint32_t pad;
   _Atomic uint64_t ts_ns; /* completion time of the latest record */
   uint64_t id;
+  _Atomic int32_t recorder; /* pid of the process of the latest record */
 } ev_state;
 #define EV_STATE_MAGIC 0x45564e54u
 
@@ -1241,13 +1242,27 @@ static void ev_complete(ev_state *st, uint64_t seq) {
   futex_wake_all(&st->futex);
 }
 
+/* A record made by a process that has died since will never complete: its
+ * work is gone with it. Treat it as complete rather than hang a waiter. */
+static bool ev_recorder_dead(ev_state *st) {
+  int32_t pid = atomic_load(&st->recorder);
+  return pid > 0 && pid != E.pid && kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+static bool ev_done(ev_state *st, uint64_t seq) {
+  return atomic_load(&st->completed) >= seq || ev_recorder_dead(st);
+}
+
 static void ev_wait(ev_state *st, uint64_t seq) {
   for (;;) {
     uint32_t f = atomic_load(&st->futex);
     if (atomic_load(&st->completed) >= seq)
       return;
-    /* The timeout only bounds a lost wake-up across processes. */
+    /* The timeout bounds a lost wake-up across processes, and notices a
+     * recording process that died. */
     futex_wait_ns(&st->futex, f, 50 * 1000 * 1000);
+    if (ev_recorder_dead(st))
+      return;
   }
 }
 
@@ -1828,7 +1843,7 @@ CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
   if (r != CUDA_SUCCESS)
     RET(r);
   uint64_t seq = atomic_load(&e->st->issued);
-  if (seq == 0 || atomic_load(&e->st->completed) >= seq)
+  if (seq == 0 || ev_done(e->st, seq))
     RET(CUDA_SUCCESS); /* nothing outstanding to wait for */
   op *o = op_new(OP_EV_WAIT);
   if (!o)
@@ -1973,6 +1988,7 @@ CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     RET(CUDA_ERROR_OUT_OF_MEMORY);
   atomic_fetch_add(&e->refs, 1);
   o->u.ev.ev = e;
+  atomic_store(&e->st->recorder, (int32_t)E.pid);
   o->u.ev.seq = atomic_fetch_add(&e->st->issued, 1) + 1;
   enqueue(s, o);
   RET(CUDA_SUCCESS);
@@ -1990,9 +2006,7 @@ CUresult cuEventQuery(CUevent hEvent) {
   emu_event *e = event_from(hEvent);
   if (!e)
     RET(CUDA_ERROR_INVALID_HANDLE);
-  RET(atomic_load(&e->st->completed) >= atomic_load(&e->st->issued)
-          ? CUDA_SUCCESS
-          : CUDA_ERROR_NOT_READY);
+  RET(ev_done(e->st, atomic_load(&e->st->issued)) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY);
 }
 
 CUresult cuEventSynchronize(CUevent hEvent) {
@@ -2245,9 +2259,7 @@ typedef struct dev_alloc {
 } dev_alloc;
 
 /* Freed address ranges, still reserved, handed back for an allocation of the
- * same size as the real driver does (same address, new buffer id). The old
- * memfd stays mapped there until the range is reused or evicted, so work
- * still in flight on freed memory reads stale data instead of faulting. */
+ * same size as the real driver does (same address, new buffer id). */
 #define ADDR_CACHE_MAX 64
 #define ADDR_CACHE_BYTES ((size_t)1 << 30)
 static struct { uintptr_t base; size_t size; } addr_cache[ADDR_CACHE_MAX];
@@ -2343,6 +2355,11 @@ static void dev_free(dev_alloc *a) { /* already out of the registry */
    * already opened keep their mapping (the memfd lives while mapped). */
   shm_set_field(a->fd, offsetof(shm_hdr, live), &dead, sizeof dead);
   close(a->fd);
+  /* Keep the address reserved for reuse, but let go of the pages (importers
+   * keep theirs): anonymous memory, so work still in flight on the freed
+   * range touches junk instead of faulting. */
+  mmap((void *)a->base, a->map_size, PROT_READ | PROT_WRITE,
+       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   pthread_mutex_lock(&E.mu);
   addr_cache_put(a->base, a->map_size);
   pthread_mutex_unlock(&E.mu);
