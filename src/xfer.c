@@ -61,6 +61,9 @@ struct gpuipc_xfer {
   int drain_q[XFER_MAX_SLOTS]; /* slots in SLOT_DRAIN, in the order filled */
   int drain_head, drain_count;
 
+  int host_threads;      /* chosen */
+  gpuipc__hcopy *hcopy;  /* started with the staging ring */
+
   /* device scratch for the pipeline: per stream an input and an output chunk */
   CUdeviceptr scratch;
 
@@ -102,6 +105,11 @@ static gpuipc_status read_options(const gpuipc_xfer_options *in,
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_options.streams = %d: want 0 (automatic) "
                         "to %d", o->streams, GPUIPC_XFER_MAX_STREAMS);
+  if (o->host_threads < 0 || o->host_threads > GPUIPC__HCOPY_MAX_THREADS)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_xfer_options.host_threads = %d: want 0 "
+                        "(automatic) to %d", o->host_threads,
+                        GPUIPC__HCOPY_MAX_THREADS);
   if (o->staging_bytes != 0 && o->staging_bytes < 2)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_options.staging_bytes = %zu: the ring "
@@ -173,6 +181,13 @@ gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
   x->nstreams = o.streams ? o.streams : (engines >= 2 ? 4 : 2);
   x->user_chunk = o.chunk_bytes;
   x->max_chunk = o.chunk_bytes ? o.chunk_bytes : XFER_DEFAULT_MAX_CHUNK;
+
+  if (o.host_threads) {
+    x->host_threads = o.host_threads;
+  } else {
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    x->host_threads = cpus >= 8 ? 4 : cpus >= 2 ? (int)(cpus / 2) : 1;
+  }
 
   size_t staging = o.staging_bytes ? o.staging_bytes
                                    : 2 * (size_t)x->nstreams * x->max_chunk;
@@ -254,6 +269,8 @@ static gpuipc_status engine_release(gpuipc_xfer *x) {
     }
   }
   x->staging = NULL;
+  gpuipc__hcopy_destroy(x->hcopy);
+  x->hcopy = NULL;
   if (x->scratch)
     XFER_KEEP(GPUIPC__CU(cuMemFree, x->scratch), "cuMemFree");
   x->scratch = 0;
@@ -306,6 +323,17 @@ static gpuipc_status staging_alloc(gpuipc_xfer *x) {
     x->slots[i].host = (char *)p + (size_t)i * x->slot_bytes;
     x->slots[i].state = SLOT_FREE;
   }
+  if (x->host_threads > 1) {
+    gpuipc_status hs = gpuipc__hcopy_create(x->host_threads, &x->hcopy);
+    if (hs != GPUIPC_OK) {
+      for (int j = 0; j < x->nslots; j++) {
+        GPUIPC__CU(cuEventDestroy, x->slots[j].ev);
+        x->slots[j].ev = NULL;
+      }
+      GPUIPC__CU(cuMemFreeHost, p);
+      return hs;
+    }
+  }
   x->staging = p;
   atomic_fetch_add(&pinned_live, 1);
   atomic_fetch_add(&pinned_live_bytes, (uint64_t)total);
@@ -341,7 +369,7 @@ static gpuipc_status drain_one(gpuipc_xfer *x) {
   CUresult r = GPUIPC__CU(cuEventSynchronize, sl->ev);
   if (r != CUDA_SUCCESS)
     return gpuipc__fail_cuda(r, "cuEventSynchronize", "staging slot %d", i);
-  memcpy(sl->drain_dst, sl->host, sl->drain_len);
+  gpuipc__hcopy_run(x->hcopy, sl->drain_dst, sl->host, sl->drain_len);
   sl->state = SLOT_FREE;
   x->drain_head = (x->drain_head + 1) % XFER_MAX_SLOTS;
   x->drain_count--;
@@ -457,7 +485,7 @@ static gpuipc_status copy_in(gpuipc_xfer *x, CUstream st, CUdeviceptr d,
   if (k == MEM_PAGEABLE) {
     struct slot *sl;
     GPUIPC__CHECK(slot_acquire(x, &sl));
-    memcpy(sl->host, src, len);
+    gpuipc__hcopy_run(x->hcopy, sl->host, src, len);
     r = GPUIPC__CU(cuMemcpyHtoDAsync, d, sl->host, len, st);
     if (r != CUDA_SUCCESS)
       return gpuipc__fail_cuda(r, "cuMemcpyHtoDAsync", "%zu bytes, staged",
@@ -769,6 +797,7 @@ gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info) {
   v.staging_slot_bytes = x->slot_bytes;
   v.staging_slots = x->nslots;
   v.staging_allocated = x->staging != NULL;
+  v.host_threads = x->hcopy ? gpuipc__hcopy_threads(x->hcopy) : x->host_threads;
   v.transfers = x->transfers;
   v.chunks = x->chunks;
   v.staged_bytes = x->staged_bytes;

@@ -15,4 +15,20 @@ uint64_t gpuipc__xfer_pinned_live(uint64_t *bytes /* OUT, may be NULL */);
  * so that a test can ask the driver whether it is still pinned. */
 void *gpuipc__xfer_staging_base(const gpuipc_xfer *x);
 
+/* ---- host copy helpers (xfer_host.c) ---------------------------------- */
+
+#define GPUIPC__HCOPY_MAX_THREADS 16
+typedef struct gpuipc__hcopy gpuipc__hcopy;
+
+/* Starts threads - 1 helper threads (the caller of run is the last one).
+ * Starting fewer is not an error: copies are only slower. */
+gpuipc_status gpuipc__hcopy_create(int threads, gpuipc__hcopy **out /* OUT */);
+void gpuipc__hcopy_destroy(gpuipc__hcopy *p);
+/* Threads that share a copy, the caller included (1 for NULL). */
+int gpuipc__hcopy_threads(const gpuipc__hcopy *p);
+/* memcpy(dst, src, n), split between the helpers and the caller when n is
+ * large enough; returns when all of it is done. One caller at a time.
+ * p may be NULL (plain memcpy). */
+void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n);
+
 #endif /* GPUIPC_XFER_INTERNAL_H */

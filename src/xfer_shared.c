@@ -55,7 +55,9 @@ _Static_assert(sizeof(struct shared_ctrl) == SHARED_CTRL_STRIDE,
                "control block layout");
 
 struct gpuipc_xfer_shared {
-  int fd;
+  int fd;            /* -1 over a gpuipc_buffer */
+  int borrowed;      /* over a gpuipc_buffer: the caller's memory, pinned by
+                        the handle layer; close only forgets it */
   char *base;
   size_t total;
   uint32_t nslots;
@@ -170,6 +172,34 @@ fail:
   return s;
 }
 
+/* The header is input from another process: check every field against the
+ * real size before using any. exact: the segment is the whole mapping (a
+ * memfd of ours) rather than the start of a larger buffer. */
+static gpuipc_status check_header(const char *base, size_t avail, int exact,
+                                  const char *fn) {
+  size_t page = page_size();
+  struct shared_header h;
+  memcpy(&h, base, sizeof h);
+  if (h.magic != SHARED_MAGIC)
+    return gpuipc__fail(GPUIPC_E_BAD_MAGIC, "%s: magic 0x%08x", fn, h.magic);
+  if (h.version != SHARED_VERSION || h.header_bytes != sizeof h)
+    return gpuipc__fail(GPUIPC_E_BAD_VERSION, "%s: version %u (want %u)", fn,
+                        h.version, SHARED_VERSION);
+  if (h.nslots < 1 || h.nslots > GPUIPC_XFER_SHARED_MAX_SLOTS ||
+      h.slot_bytes == 0 || h.slot_bytes % page != 0 ||
+      h.data_offset != layout_data_offset(h.nslots, page) ||
+      h.slot_bytes > (SIZE_MAX - h.data_offset) / h.nslots ||
+      h.total_bytes != h.data_offset + h.slot_bytes * h.nslots ||
+      (exact ? h.total_bytes != avail : h.total_bytes > avail))
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "%s: inconsistent header (%u slots of %llu bytes at "
+                        "%llu, %llu bytes; the memory has %zu)",
+                        fn, h.nslots, (unsigned long long)h.slot_bytes,
+                        (unsigned long long)h.data_offset,
+                        (unsigned long long)h.total_bytes, avail);
+  return GPUIPC_OK;
+}
+
 gpuipc_status gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out) {
   if (out == NULL || fd < 0)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -195,35 +225,9 @@ gpuipc_status gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out) {
   if (base == MAP_FAILED)
     return gpuipc__fail_errno(errno, "mmap", "shared segment of %zu bytes",
                               total);
-  /* The header is input from another process: check every field against
-   * the real size before using it. */
-  struct shared_header h;
-  memcpy(&h, base, sizeof h);
-  if (h.magic != SHARED_MAGIC) {
-    s = gpuipc__fail(GPUIPC_E_BAD_MAGIC,
-                     "gpuipc_xfer_shared_open: magic 0x%08x", h.magic);
+  s = check_header(base, total, 1, "gpuipc_xfer_shared_open");
+  if (s != GPUIPC_OK)
     goto fail;
-  }
-  if (h.version != SHARED_VERSION || h.header_bytes != sizeof h) {
-    s = gpuipc__fail(GPUIPC_E_BAD_VERSION,
-                     "gpuipc_xfer_shared_open: version %u (want %u)",
-                     h.version, SHARED_VERSION);
-    goto fail;
-  }
-  if (h.nslots < 1 || h.nslots > GPUIPC_XFER_SHARED_MAX_SLOTS ||
-      h.slot_bytes == 0 || h.slot_bytes % page != 0 ||
-      h.data_offset != layout_data_offset(h.nslots, page) ||
-      h.slot_bytes > (SIZE_MAX - h.data_offset) / h.nslots ||
-      h.total_bytes != h.data_offset + h.slot_bytes * h.nslots ||
-      h.total_bytes != total) {
-    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                     "gpuipc_xfer_shared_open: inconsistent header (%u slots "
-                     "of %llu bytes at %llu, %llu bytes; the file has %zu)",
-                     h.nslots, (unsigned long long)h.slot_bytes,
-                     (unsigned long long)h.data_offset,
-                     (unsigned long long)h.total_bytes, total);
-    goto fail;
-  }
   myfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (myfd < 0) {
     s = gpuipc__fail_errno(errno, "fcntl(F_DUPFD_CLOEXEC)", "fd %d", fd);
@@ -244,6 +248,19 @@ gpuipc_status gpuipc_xfer_shared_close(gpuipc_xfer_shared *sh) {
   if (sh == NULL)
     return GPUIPC_OK;
   gpuipc_status s = GPUIPC_OK;
+  if (sh->borrowed) {
+    if (sh->ev && gpuipc__driver() == GPUIPC_OK) {
+      gpuipc__ctx_guard g;
+      if (gpuipc__ctx_enter(&g, sh->pinned_device) == GPUIPC_OK) {
+        CUresult r = GPUIPC__CU(cuEventDestroy, sh->ev);
+        if (r != CUDA_SUCCESS)
+          s = gpuipc__fail_cuda(r, "cuEventDestroy", "shared segment");
+        gpuipc__ctx_leave(&g);
+      }
+    }
+    free(sh);
+    return s;
+  }
   if (sh->pinned_device >= 0) {
     s = gpuipc__driver();
     gpuipc__ctx_guard g;
@@ -287,7 +304,7 @@ gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh, int device) {
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_shared_pin: %s",
                         sh == NULL ? "NULL segment" : "bad device");
   if (sh->pinned_device >= 0) {
-    if (sh->pinned_device == device)
+    if (sh->pinned_device == device || sh->borrowed)
       return GPUIPC_OK;
     return gpuipc__fail(GPUIPC_E_EXISTS,
                         "gpuipc_xfer_shared_pin: already pinned for device %d",
@@ -325,6 +342,113 @@ gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh, int device) {
 out:
   gpuipc__ctx_leave(&g);
   return s;
+}
+
+/* ---- over a pinned-host buffer of the handle layer ------------------------ */
+
+/* The segment over buf's memory: already pinned by the handle layer in this
+ * process (in every process that maps it), and its address is also its
+ * device address; only the event for GPUIPC_XFER_SYNC is ours. */
+static gpuipc_status over_buffer(gpuipc_buffer *buf, const char *fn,
+                                 gpuipc_xfer_shared **out) {
+  gpuipc_uuid u;
+  int ordinal = -1;
+  GPUIPC__CHECK(gpuipc_buffer_mapped_device(buf, &u));
+  GPUIPC__CHECK(gpuipc_device_from_uuid(&u, &ordinal));
+  GPUIPC__CHECK(gpuipc__driver());
+  char *base = gpuipc_buffer_ptr(buf);
+  gpuipc_xfer_shared *sh = NULL;
+  GPUIPC__CHECK(shared_new(-1, base, gpuipc_buffer_size(buf), &sh));
+  sh->borrowed = 1;
+  gpuipc__ctx_guard g;
+  gpuipc_status s = gpuipc__ctx_enter(&g, ordinal);
+  if (s != GPUIPC_OK) {
+    free(sh);
+    return s;
+  }
+  CUresult r = GPUIPC__CU(cuMemHostGetDevicePointer, &sh->dbase, base, 0);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemHostGetDevicePointer",
+                          "%s: the buffer is not pinned here", fn);
+    goto fail;
+  }
+  r = GPUIPC__CU(cuEventCreate, &sh->ev, CU_EVENT_DISABLE_TIMING);
+  if (r != CUDA_SUCCESS) {
+    sh->ev = NULL;
+    s = gpuipc__fail_cuda(r, "cuEventCreate", "%s", fn);
+    goto fail;
+  }
+  gpuipc__ctx_leave(&g);
+  sh->pinned_device = ordinal;
+  *out = sh;
+  return GPUIPC_OK;
+fail:
+  gpuipc__ctx_leave(&g);
+  free(sh);
+  return s;
+}
+
+static gpuipc_status check_buffer(gpuipc_buffer *buf, const char *fn,
+                                  gpuipc_xfer_shared **out) {
+  if (buf == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "%s: NULL", fn);
+  *out = NULL;
+  if (gpuipc_buffer_kind(buf) != GPUIPC_POOL_PINNED_HOST)
+    return gpuipc__fail(GPUIPC_E_BAD_KIND,
+                        "%s: the buffer is of kind %s, not pinned-host", fn,
+                        gpuipc_pool_kind_name(gpuipc_buffer_kind(buf)));
+  if (((uintptr_t)gpuipc_buffer_ptr(buf)) % page_size() != 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "%s: the buffer does not start on a page", fn);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_xfer_shared_format(gpuipc_buffer *buf, size_t slot_bytes,
+                                        int slots, gpuipc_xfer_shared **out) {
+  static const char fn[] = "gpuipc_xfer_shared_format";
+  GPUIPC__CHECK(check_buffer(buf, fn, out));
+  if (slots < 1 || slots > GPUIPC_XFER_SHARED_MAX_SLOTS)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "%s: %d slots (want 1..%d)", fn,
+                        slots, GPUIPC_XFER_SHARED_MAX_SLOTS);
+  size_t page = page_size(), size = gpuipc_buffer_size(buf);
+  size_t data_off = layout_data_offset((uint32_t)slots, page);
+  if (size < data_off + page * (size_t)slots)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "%s: a buffer of %zu bytes cannot hold %d slots", fn,
+                        size, slots);
+  size_t fit = (size - data_off) / (size_t)slots / page * page;
+  if (slot_bytes == 0)
+    slot_bytes = fit;
+  slot_bytes = (slot_bytes + page - 1) / page * page;
+  if (slot_bytes > fit)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "%s: %d slots of %zu bytes need %zu bytes; the buffer "
+                        "has %zu", fn, slots, slot_bytes,
+                        data_off + slot_bytes * (size_t)slots, size);
+  char *base = gpuipc_buffer_ptr(buf);
+  memset(base, 0, data_off);
+  struct shared_header *h = (struct shared_header *)base;
+  h->version = SHARED_VERSION;
+  h->header_bytes = sizeof *h;
+  h->nslots = (uint32_t)slots;
+  h->slot_bytes = slot_bytes;
+  h->data_offset = data_off;
+  h->total_bytes = data_off + slot_bytes * (size_t)slots;
+  /* The magic last: a half-written header never looks valid. */
+  __atomic_store_n(&h->magic, SHARED_MAGIC, __ATOMIC_RELEASE);
+  return over_buffer(buf, fn, out);
+}
+
+gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
+                                        gpuipc_xfer_shared **out) {
+  static const char fn[] = "gpuipc_xfer_shared_attach";
+  GPUIPC__CHECK(check_buffer(buf, fn, out));
+  if (gpuipc_buffer_size(buf) < sizeof(struct shared_header))
+    return gpuipc__fail(GPUIPC_E_TRUNCATED, "%s: %zu bytes", fn,
+                        gpuipc_buffer_size(buf));
+  GPUIPC__CHECK(check_header(gpuipc_buffer_ptr(buf), gpuipc_buffer_size(buf), 0,
+                             fn));
+  return over_buffer(buf, fn, out);
 }
 
 /* ---- host side of the protocol -------------------------------------------- */

@@ -196,11 +196,20 @@ TEST_IMPL(xfer_shared_open_rejects) {
 HELPER_IMPL(xfer_shared_filler) {
   int sock = harness_helper_fd();
   int fd = -1, nfd = 1;
-  char go[8];
-  ASSERT_GE(harness_recv(sock, go, sizeof go, &fd, &nfd), 0);
+  uint8_t msg[GPUIPC_DESC_MAX];
+  ssize_t mlen = harness_recv(sock, msg, sizeof msg, &fd, &nfd);
+  ASSERT_GE(mlen, 0);
   ASSERT_EQ(nfd, 1);
   gpuipc_xfer_shared *sh = NULL;
-  ASSERT_OK(gpuipc_xfer_shared_open(fd, &sh));
+  gpuipc_buffer *buf = NULL;
+  if (argc > 0 && strcmp(argv[0], "buffer") == 0) {
+    /* A pinned-host buffer of the handle layer: import, then attach. */
+    ASSERT_OK(gpuipc_buffer_import(msg, (size_t)mlen, &fd, 1, NULL, &buf));
+    ASSERT_OK(gpuipc_xfer_shared_attach(buf, &sh));
+    ASSERT_EQ(gpuipc_xfer_shared_fd(sh), -1);
+  } else {
+    ASSERT_OK(gpuipc_xfer_shared_open(fd, &sh));
+  }
   close(fd);
   for (uint64_t seq = 0; seq < MSGS; seq++) {
     void *p = NULL;
@@ -215,21 +224,18 @@ HELPER_IMPL(xfer_shared_filler) {
     ASSERT_OK(gpuipc_xfer_shared_publish(sh, seq, msg_len(seq)));
   }
   ASSERT_OK(gpuipc_xfer_shared_close(sh));
+  ASSERT_OK(gpuipc_buffer_close(buf));
   harness_send_u64(sock, 1);
   return 0;
 }
 
-TEST_IMPL(xfer_shared_filler_to_gpu) {
-  setenv("GPUIPC_EMU_COPY_DELAY_US", "500", 1);
-  gpuipc__ctx_guard g;
-  enter0(&g);
-  gpuipc_xfer_shared *sh = NULL;
-  ASSERT_OK(gpuipc_xfer_shared_create(SLOT_BYTES, SLOTS, &sh));
+/* The copier's half of the two-process test: everything enqueued before the
+ * filler starts, then the check of every destination. over_buffer: the
+ * segment lies over a pinned-host buffer of the handle layer. */
+static void copier_run(gpuipc_xfer_shared *sh, const uint8_t *desc,
+                       size_t dlen, int fd, const char *mode) {
   for (uint64_t s = 0; s < SLOTS; s++)
     memset(gpuipc_xfer_shared_slot(sh, s), 0xEE, SLOT_BYTES);
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0)); /* idempotent */
-
   CUstream st = NULL;
   ASSERT_CU(gpuipc__cu.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
   CUdeviceptr dst[MSGS];
@@ -237,17 +243,15 @@ TEST_IMPL(xfer_shared_filler_to_gpu) {
     ASSERT_CU(gpuipc__cu.cuMemAlloc(&dst[m], SLOT_BYTES));
     ASSERT_CU(gpuipc__cu.cuMemsetD8(dst[m], 0xCC, SLOT_BYTES));
   }
-  /* Everything is enqueued before the filler exists: the stream waits on
-   * the segment's words, the host does not. */
+  /* The stream waits on the segment's words, the host does not. */
   for (uint64_t seq = 0; seq < MSGS; seq++)
     ASSERT_OK(gpuipc_xfer_shared_to_device(
         sh, seq, (void *)(uintptr_t)dst[seq], msg_len(seq), st, 0));
   ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(st), CUDA_ERROR_NOT_READY);
 
   int sock = -1;
-  pid_t pid = spawn_helper("xfer_shared_filler", NULL, &sock, NULL);
-  int fd = gpuipc_xfer_shared_fd(sh);
-  harness_send(sock, "go", 2, &fd, 1);
+  pid_t pid = spawn_helper("xfer_shared_filler", NULL, &sock, mode, NULL);
+  harness_send(sock, desc, dlen, &fd, 1);
   ASSERT_UEQ(harness_recv_u64(sock), 1);
   ASSERT_EQ(wait_helper(pid, 120), 0);
   close(sock);
@@ -268,7 +272,7 @@ TEST_IMPL(xfer_shared_filler_to_gpu) {
     ASSERT_CU(gpuipc__cu.cuMemFree(dst[seq]));
   }
   free(h);
-  /* The GPU marked every message consumed: the next one's slot is free. */
+  /* The GPU marked every message consumed: the next ones' slots are free. */
   void *p;
   size_t c;
   ASSERT_OK(gpuipc_xfer_shared_acquire(sh, MSGS, 0, &p, &c));
@@ -276,6 +280,59 @@ TEST_IMPL(xfer_shared_filler_to_gpu) {
   ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, MSGS + SLOTS, 0, &p, &c),
                 GPUIPC_E_TIMEOUT);
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
+}
+
+/* The same over the handle layer's pinned-host pool: the buffer travels as
+ * a buffer descriptor and is pinned by the handle layer on both sides. */
+TEST_IMPL(xfer_shared_over_pinned_host_pool) {
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "500", 1);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+  po.kind = GPUIPC_POOL_PINNED_HOST;
+  gpuipc_pool *pool = NULL;
+  ASSERT_OK(gpuipc_pool_create(&po, &pool));
+  gpuipc_buffer *buf = NULL;
+  ASSERT_OK(gpuipc_buffer_alloc(pool, 4096 + SLOTS * SLOT_BYTES, NULL, &buf));
+  gpuipc_xfer_shared *sh = NULL;
+  ASSERT_STATUS(gpuipc_xfer_shared_format(buf, SLOT_BYTES, SLOTS + 1, &sh),
+                GPUIPC_E_OUT_OF_RANGE);
+  ASSERT_STATUS(gpuipc_xfer_shared_attach(buf, &sh), GPUIPC_E_BAD_MAGIC);
+  ASSERT_OK(gpuipc_xfer_shared_format(buf, SLOT_BYTES, SLOTS, &sh));
+  ASSERT_UEQ(gpuipc_xfer_shared_slot_bytes(sh), SLOT_BYTES);
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0)); /* pinned already: nothing */
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t dlen = 0;
+  int fds[GPUIPC_DESC_MAX_FDS];
+  int nfds = GPUIPC_DESC_MAX_FDS;
+  ASSERT_OK(gpuipc_buffer_export(buf, desc, sizeof desc, &dlen, fds, &nfds));
+  ASSERT_EQ(nfds, 1);
+  copier_run(sh, desc, dlen, fds[0], "buffer");
+  close(fds[0]);
+  ASSERT_OK(gpuipc_xfer_shared_close(sh));
+  ASSERT_OK(gpuipc_buffer_free(buf, NULL));
+  ASSERT_OK(gpuipc_pool_destroy(pool));
+
+  /* Device memory is refused. */
+  po.kind = GPUIPC_POOL_LEGACY;
+  ASSERT_OK(gpuipc_pool_create(&po, &pool));
+  ASSERT_OK(gpuipc_buffer_alloc(pool, 1 << 16, NULL, &buf));
+  ASSERT_STATUS(gpuipc_xfer_shared_format(buf, 0, 1, &sh), GPUIPC_E_BAD_KIND);
+  ASSERT_OK(gpuipc_buffer_free(buf, NULL));
+  ASSERT_OK(gpuipc_pool_destroy(pool));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+TEST_IMPL(xfer_shared_filler_to_gpu) {
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "500", 1);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_xfer_shared *sh = NULL;
+  ASSERT_OK(gpuipc_xfer_shared_create(SLOT_BYTES, SLOTS, &sh));
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0)); /* idempotent */
+  copier_run(sh, (const uint8_t *)"go", 2, gpuipc_xfer_shared_fd(sh), "fd");
   ASSERT_OK(gpuipc_xfer_shared_close(sh));
   gpuipc__ctx_leave(&g);
   return 0;

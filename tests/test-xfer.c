@@ -967,3 +967,35 @@ TEST_IMPL(xfer_stage_reentry) {
   gpuipc__ctx_leave(&g);
   return 0;
 }
+
+/* Helper threads share the memcpy of large staged chunks (pieces of at
+ * least 256 KiB); the data must come out the same. */
+TEST_IMPL(xfer_host_threads) {
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "100", 1);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_xfer_options o = GPUIPC_XFER_OPTIONS_INIT;
+  o.streams = 2;
+  o.chunk_bytes = ((size_t)1 << 20) + 4096 * 3 + 17; /* odd pieces */
+  o.host_threads = 4;
+  gpuipc_xfer *x = NULL;
+  o.host_threads = GPUIPC__HCOPY_MAX_THREADS + 1;
+  ASSERT_STATUS(gpuipc_xfer_create(0, &o, &x), GPUIPC_E_INVALID_ARG);
+  o.host_threads = 4;
+  ASSERT_OK(gpuipc_xfer_create(0, &o, &x));
+  ASSERT_EQ(info_of(x).host_threads, 4);
+  CUstream st = new_stream();
+  const size_t sizes[] = {1, 300000, ((size_t)1 << 20) - 5,
+                          ((size_t)5 << 20) + 999};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(sizes); i++) {
+    roundtrip(x, st, sizes[i], K_PAGEABLE, i, K_PAGEABLE, 2 * i, 3 * i, 0,
+              500 + i);
+    pipeline_once(x, st, sizes[i], K_PAGEABLE, K_PAGEABLE, 0, 0, 600 + i);
+  }
+  gpuipc_xfer_info in = info_of(x);
+  ASSERT_EQ(in.host_threads, 4); /* all helpers started */
+  ASSERT_OK(destroy_checked(x, 1));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}

@@ -29,7 +29,9 @@
  * (cuStreamSynchronize, an event recorded on it, or later work on it).
  * With GPUIPC_XFER_SYNC the call returns only once the copy has completed.
  * Pageable host memory cannot be copied asynchronously without a host thread
- * doing the memcpy, and gpuipc runs no background threads; so, honestly:
+ * doing the memcpy, and the engine does that memcpy inside the call (its
+ * helper threads only share the work of the call in progress); so,
+ * honestly:
  *   - a pageable SOURCE is consumed during the call: when the call returns,
  *     every byte of it has been copied into staging and the caller may reuse
  *     it at once; the last chunks' DMA may still be in flight (ordered on the
@@ -67,6 +69,12 @@
  *   - staging ring: 2 slots per stream, each slot one maximum chunk
  *     (64 MiB of pinned memory with the defaults), allocated on the first
  *     copy that needs it and kept until the engine is destroyed.
+ *   - host threads: one core copies memory at about 10 GB/s, less than one
+ *     direction of a PCIe 5 link, so the memcpy of a large staged chunk is
+ *     split between the calling thread and helper threads of the engine
+ *     (started on its first staged copy; they run memcpy only, with all
+ *     signals blocked): half the online CPUs, at most 4, at least 1 (no
+ *     helper). Pieces are at least 256 KiB.
  *   - device scratch (gpuipc_xfer_pipeline without caller buffers): one
  *     input and one output chunk per stream, allocated on first use.
  */
@@ -99,9 +107,12 @@ typedef struct gpuipc_xfer_options {
   size_t staging_bytes; /* pinned staging ring in bytes; 0: automatic. At
                            least 2 slots; a ring smaller than two chunks
                            makes staged chunks smaller. */
+  int host_threads;     /* threads that copy pageable memory to and from
+                           staging, the calling thread included; 0:
+                           automatic; 1: the calling thread alone. */
 } gpuipc_xfer_options;
 
-#define GPUIPC_XFER_OPTIONS_INIT {sizeof(gpuipc_xfer_options), 0, 0, 0}
+#define GPUIPC_XFER_OPTIONS_INIT {sizeof(gpuipc_xfer_options), 0, 0, 0, 0}
 #define GPUIPC_XFER_MAX_STREAMS 16
 
 /* Flags of the transfer operations. */
@@ -203,6 +214,8 @@ typedef struct gpuipc_xfer_info {
   size_t staging_slot_bytes;/* staging slot size */
   int staging_slots;        /* slots in the ring */
   int staging_allocated;    /* 1 once the ring has been allocated */
+  int host_threads;         /* threads sharing a staged memcpy (chosen;
+                               started with the ring) */
   uint64_t transfers;       /* operations completed or enqueued */
   uint64_t chunks;          /* chunks enqueued */
   uint64_t staged_bytes;    /* bytes that went through the staging ring */
@@ -250,10 +263,19 @@ GPUIPC_API gpuipc_status gpuipc_xfer_chunk_size(gpuipc_xfer *x, size_t bytes,
  * (gpuipc_xfer_shared_wait_filled), after which the GPU-side wait passes at
  * once. Only one filler and one copier per segment.
  *
- * The segment is a sealed memfd (size fixed), mapped into each process and
- * passed as a file descriptor (send it over a Unix socket with SCM_RIGHTS,
- * e.g. a gpuipc connection). The first page holds a validated header and the
- * control words (each on its own cache line); slots follow, page aligned.
+ * Two ways to share the memory:
+ *   - gpuipc_xfer_shared_create / _open: a sealed memfd (size fixed) made
+ *     here, mapped into each process and passed as a file descriptor (send
+ *     it over a Unix socket with SCM_RIGHTS, e.g. a gpuipc connection). The
+ *     filler then needs no CUDA at all; the copier pins it with
+ *     gpuipc_xfer_shared_pin.
+ *   - gpuipc_xfer_shared_format / _attach over a buffer of the handle
+ *     layer's GPUIPC_POOL_PINNED_HOST pool, which travels as a buffer
+ *     descriptor (gpuipc_buffer_export / gpuipc_buffer_import) and is
+ *     pinned in every process that maps it (so every side needs the
+ *     driver).
+ * Either way the first page holds a validated header and the control words
+ * (each on its own cache line); slots follow, page aligned.
  */
 typedef struct gpuipc_xfer_shared gpuipc_xfer_shared;
 
@@ -271,13 +293,34 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_create(size_t slot_bytes, int slots,
 GPUIPC_API gpuipc_status gpuipc_xfer_shared_open(int fd,
                                                  gpuipc_xfer_shared **out /* OUT */);
 
-/* Unpins (if pinned) and unmaps. The memory lives on while another process
+/* Lays a segment over a pinned-host buffer (gpuipc_buffer_kind ==
+ * GPUIPC_POOL_PINNED_HOST, allocated here or imported): writes the header
+ * and clears the control words, so do it once, before the buffer is shared
+ * (or while no other side uses it). slot_bytes 0: as large as fits; it is
+ * rounded up to the page size. The buffer stays owned by the caller and must
+ * outlive the segment; the segment is "pinned" at once (on the device the
+ * buffer is mapped on). GPUIPC_E_BAD_KIND for another kind of buffer,
+ * GPUIPC_E_OUT_OF_RANGE when the slots do not fit. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_format(gpuipc_buffer *buf,
+                                                   size_t slot_bytes, int slots,
+                                                   gpuipc_xfer_shared **out /* OUT */);
+
+/* The other side: a segment over a pinned-host buffer that another process
+ * formatted (typically just imported with gpuipc_buffer_import). Validates
+ * the header against the buffer's size (errors as gpuipc_xfer_shared_open).
+ * The buffer stays owned by the caller and must outlive the segment. */
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
+                                                   gpuipc_xfer_shared **out /* OUT */);
+
+/* Unpins (if pinned) and unmaps (a segment over a buffer: only forgets it;
+ * the buffer is the caller's). The memory lives on while another process
  * has it open. NULL: nothing. The caller must make sure no GPU work that it
  * enqueued on this segment is still pending (synchronize its streams). */
 GPUIPC_API gpuipc_status gpuipc_xfer_shared_close(gpuipc_xfer_shared *sh);
 
 /* The segment's file descriptor, to send to another process (owned by sh:
- * do not close it; valid until gpuipc_xfer_shared_close). */
+ * do not close it; valid until gpuipc_xfer_shared_close). -1 for a segment
+ * over a buffer (the buffer's descriptor is what travels). */
 GPUIPC_API int gpuipc_xfer_shared_fd(const gpuipc_xfer_shared *sh);
 GPUIPC_API int gpuipc_xfer_shared_slots(const gpuipc_xfer_shared *sh);
 GPUIPC_API size_t gpuipc_xfer_shared_slot_bytes(const gpuipc_xfer_shared *sh);
@@ -288,7 +331,8 @@ GPUIPC_API void *gpuipc_xfer_shared_slot(const gpuipc_xfer_shared *sh,
 /* Pins the segment for DMA in this process (cuMemHostRegister with
  * PORTABLE | DEVICEMAP, done in device `device`'s primary context) and maps
  * its control words for the GPU. Needed before the _device functions;
- * idempotent. Pinning costs time proportional to the size: do it once. */
+ * idempotent. Pinning costs time proportional to the size: do it once.
+ * A segment over a buffer is pinned already (nothing to do). */
 GPUIPC_API gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh,
                                                 int device);
 
