@@ -1,0 +1,434 @@
+/*
+ * interop.c: raw imports and exports for peers that do not speak gpuipc
+ * descriptors: legacy IPC memory and event handles (CuPy, the CUDA
+ * runtime), and memory-pool fd + pointer export data (cuda.core).
+ *
+ * Exports are gpuipc_buffer_export / gpuipc_event_export decoded back into
+ * their fields. Imports build the decoded descriptor a gpuipc exporter
+ * would have sent, naming a synthetic exporter (see raw_identity), and open
+ * it through the handle layer's import cache with an opener of their own:
+ * the handle layer's opener checks the exporter's buffer id, which raw
+ * bytes do not carry (a raw peer sends none), so that check is the one
+ * thing skipped here; the range check against the real mapping stays.
+ */
+#include "handle_internal.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* The exporter every raw import names: this machine and pid namespace, and
+ * a pid no process can have (pid_max is at most 2^22), so that raw imports
+ * share the cache among themselves (keyed by the handle bytes, which name
+ * the allocation machine-wide) and never collide with descriptors of real
+ * gpuipc exporters. */
+#define RAW_PID 0x7fffffff
+
+static gpuipc_status raw_identity(gpuipc__identity *id) {
+  GPUIPC__CHECK(gpuipc__self_identity(id));
+  id->pid = RAW_PID;
+  id->start_time = 0;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status resolve_devices(const gpuipc_uuid *device,
+                                     const gpuipc_import_options *opts_in,
+                                     gpuipc_uuid *home_uuid, int *home,
+                                     int *map) {
+  gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
+  if (opts_in) {
+    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG, "import options size %zu",
+                          opts_in->size);
+    memcpy(&opts, opts_in,
+           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
+  }
+  if (device) {
+    *home_uuid = *device;
+    GPUIPC__CHECK(gpuipc_device_from_uuid(device, home));
+  } else {
+    *home = 0;
+    GPUIPC__CHECK(gpuipc_device_uuid(0, home_uuid));
+  }
+  *map = *home;
+  if (opts.device)
+    GPUIPC__CHECK(gpuipc_device_from_uuid(opts.device, map));
+  return GPUIPC_OK;
+}
+
+/* ---- opening raw handles (called by the cache without its lock) ------------ */
+
+static gpuipc_status raw_check_range(const gpuipc__desc *d, CUdeviceptr base,
+                                     size_t *mapped) {
+  CUdeviceptr rb = 0;
+  size_t rn = 0;
+  CUresult r = GPUIPC__CU(cuMemGetAddressRange, &rb, &rn, base);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuMemGetAddressRange", "raw import");
+  size_t avail = (size_t)(rn - (size_t)(base - rb));
+  if (d->offset > avail || d->size > avail - d->offset)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "raw import: offset %llu + size %llu leaves the "
+                        "%zu-byte allocation the handle names",
+                        (unsigned long long)d->offset,
+                        (unsigned long long)d->size, avail);
+  *mapped = avail;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status open_raw(const gpuipc__desc *d, int map_ordinal,
+                              const int *fds, int nfds, unsigned flags,
+                              gpuipc__opened *o) {
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, map_ordinal));
+  gpuipc_status s = GPUIPC_OK;
+  CUdeviceptr p = 0;
+  if (d->kind == GPUIPC_POOL_LEGACY) {
+    CUipcMemHandle h;
+    memcpy(&h, d->handle, 64);
+    /* Lazy peer access: the mapping may be on another device than the
+     * memory's. */
+    CUresult r = GPUIPC__CU(cuIpcOpenMemHandle, &p, h,
+                            CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if (r != CUDA_SUCCESS) {
+      /* The driver says INVALID_CONTEXT for a handle of this very process
+       * and INVALID_VALUE for memory that is gone (or bytes that were
+       * never a handle). */
+      if (r == CUDA_ERROR_INVALID_CONTEXT)
+        s = gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                         "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_CONTEXT: the "
+                         "handle was exported by this process (use the "
+                         "pointer itself)");
+      else if (r == CUDA_ERROR_INVALID_VALUE)
+        s = gpuipc__fail(GPUIPC_E_STALE,
+                         "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE: the "
+                         "exporter freed this memory or exited, or the bytes "
+                         "are not a legacy IPC handle");
+      else
+        s = gpuipc__fail_cuda(r, "cuIpcOpenMemHandle", "raw legacy handle");
+      goto out;
+    }
+    gpuipc__cache_count_open();
+    s = raw_check_range(d, p, &o->mapped_size);
+    if (s != GPUIPC_OK) {
+      (void)GPUIPC__CU(cuIpcCloseMemHandle, p);
+      gpuipc__cache_count_close();
+      goto out;
+    }
+    o->base = p;
+  } else {
+    struct gpuipc__pool_import *pimp = NULL;
+    s = gpuipc__pool_import_acquire(d, map_ordinal, nfds > 0 ? fds[0] : -1,
+                                    flags, &pimp);
+    if (s != GPUIPC_OK)
+      goto out;
+    CUmemPoolPtrExportData e;
+    memcpy(&e, d->handle, 64);
+    CUresult r = GPUIPC__CU(cuMemPoolImportPointer, &p,
+                            gpuipc__pool_import_handle(pimp), &e);
+    if (r != CUDA_SUCCESS) {
+      gpuipc__pool_import_release(pimp);
+      s = gpuipc__fail_cuda(r, "cuMemPoolImportPointer",
+                            "raw pointer export data");
+      goto out;
+    }
+    gpuipc__cache_count_open();
+    s = raw_check_range(d, p, &o->mapped_size);
+    if (s != GPUIPC_OK) {
+      /* The driver hands back an existing import of the same pointer: free
+       * only what nobody else here holds. */
+      if (!gpuipc__cache_base_held(GPUIPC_POOL_MEMPOOL, map_ordinal, p)) {
+        (void)GPUIPC__CU(cuMemFree, p);
+        gpuipc__cache_count_close();
+      }
+      gpuipc__pool_import_release(pimp);
+      goto out;
+    }
+    o->base = p;
+    o->pimp = pimp;
+  }
+out:
+  gpuipc__ctx_leave(&g);
+  return s;
+}
+
+/* Makes an imported gpuipc_buffer of a raw descriptor: the same object
+ * gpuipc_buffer_import makes (closed by gpuipc_buffer_close). */
+static gpuipc_status import_raw(gpuipc__desc *d, int home, int map,
+                                const gpuipc_uuid *home_uuid, const int *fds,
+                                int nfds, gpuipc_buffer **out) {
+  gpuipc_buffer *b = calloc(1, sizeof *b);
+  if (b == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "buffer");
+  b->fd = -1;
+  b->pool_fd = -1;
+  pthread_mutex_init(&b->lock, NULL);
+  struct gpuipc__mapping *m = NULL;
+  gpuipc_status s = gpuipc__cache_acquire(d, map, fds, nfds, 0, open_raw, &m);
+  if (s == GPUIPC_OK) {
+    /* A cache hit may come with another offset and size. */
+    size_t mapped = gpuipc__mapping_size(m);
+    if (d->offset > mapped || d->size > mapped - d->offset) {
+      gpuipc__cache_release(m);
+      s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                       "raw import: offset %llu + size %llu leaves the "
+                       "%zu-byte allocation the handle names",
+                       (unsigned long long)d->offset,
+                       (unsigned long long)d->size, mapped);
+    }
+  }
+  if (s != GPUIPC_OK) {
+    pthread_mutex_destroy(&b->lock);
+    free(b);
+    return s;
+  }
+  b->origin = GPUIPC__IMPORTED;
+  b->kind = (gpuipc_pool_kind)d->kind;
+  b->ordinal = home;
+  b->map_ordinal = map;
+  b->uuid = *home_uuid;
+  b->base = gpuipc__mapping_base(m);
+  b->ptr = b->base + d->offset;
+  b->size = (size_t)d->size;
+  b->offset = (size_t)d->offset;
+  b->alloc_size = gpuipc__mapping_size(m);
+  b->buffer_id = 0;
+  b->generation = 0;
+  b->pool_id = d->pool_id;
+  b->exporter = d->exporter;
+  b->map = m;
+  *out = b;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status raw_desc(gpuipc__desc *d, gpuipc_pool_kind kind,
+                              const uint8_t handle[64], size_t offset,
+                              size_t size, const gpuipc_uuid *home_uuid) {
+  memset(d, 0, sizeof *d);
+  d->version = GPUIPC__DESC_VERSION;
+  d->type = GPUIPC_DESC_BUFFER;
+  d->kind = (uint8_t)kind;
+  d->flags = GPUIPC__DESC_F_WRAPPED;
+  d->handle_len = 64;
+  d->exporter_fd = -1;
+  memcpy(d->device, home_uuid->bytes, 16);
+  GPUIPC__CHECK(raw_identity(&d->exporter));
+  d->offset = offset;
+  d->size = size;
+  d->alloc_size = offset + size; /* a claim; the mapping is the truth */
+  memcpy(d->handle, handle, 64);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_buffer_import_legacy_raw(const uint8_t handle[64],
+                                              size_t offset, size_t size,
+                                              const gpuipc_uuid *device,
+                                              const gpuipc_import_options *opts,
+                                              gpuipc_buffer **buf) {
+  if (handle == NULL || buf == NULL || size == 0 || offset > SIZE_MAX - size)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_import_legacy_raw: NULL handle/out, "
+                        "size 0, or offset + size overflows");
+  *buf = NULL;
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc_uuid home_uuid;
+  int home = -1, map = -1;
+  GPUIPC__CHECK(resolve_devices(device, opts, &home_uuid, &home, &map));
+  gpuipc__desc d;
+  GPUIPC__CHECK(raw_desc(&d, GPUIPC_POOL_LEGACY, handle, offset, size,
+                         &home_uuid));
+  return import_raw(&d, home, map, &home_uuid, NULL, 0, buf);
+}
+
+/* Pool ids of raw pools, one per pool fd's open file (st_dev, st_ino): the
+ * driver gives one pool per exported pool however often it is imported,
+ * and the handle layer imports each (exporter, pool id) once. */
+typedef struct raw_pool {
+  dev_t dev;
+  ino_t ino;
+  uint64_t id;
+} raw_pool;
+static pthread_mutex_t raw_pools_lock = PTHREAD_MUTEX_INITIALIZER;
+static raw_pool *raw_pools;
+static size_t n_raw_pools, cap_raw_pools;
+static uint64_t next_raw_pool_id = 1;
+
+static gpuipc_status raw_pool_id(int fd, uint64_t *id) {
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    return gpuipc__fail_errno(errno, "fstat", "pool fd %d", fd);
+  gpuipc_status s = GPUIPC_OK;
+  pthread_mutex_lock(&raw_pools_lock);
+  size_t i;
+  for (i = 0; i < n_raw_pools; i++)
+    if (raw_pools[i].dev == st.st_dev && raw_pools[i].ino == st.st_ino)
+      break;
+  if (i == n_raw_pools) {
+    if (n_raw_pools == cap_raw_pools) {
+      size_t nc = cap_raw_pools ? cap_raw_pools * 2 : 8;
+      raw_pool *np = realloc(raw_pools, nc * sizeof *np);
+      if (np == NULL) {
+        s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "raw pool table");
+        goto out;
+      }
+      raw_pools = np;
+      cap_raw_pools = nc;
+    }
+    raw_pools[i].dev = st.st_dev;
+    raw_pools[i].ino = st.st_ino;
+    raw_pools[i].id = next_raw_pool_id++;
+    n_raw_pools++;
+  }
+  *id = raw_pools[i].id;
+out:
+  pthread_mutex_unlock(&raw_pools_lock);
+  return s;
+}
+
+gpuipc_status gpuipc_buffer_import_mempool_raw(
+    int pool_fd, const uint8_t export_data[64], size_t offset, size_t size,
+    const gpuipc_uuid *device, const gpuipc_import_options *opts,
+    gpuipc_buffer **buf) {
+  if (pool_fd < 0 || export_data == NULL || buf == NULL || size == 0 ||
+      offset > SIZE_MAX - size)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_import_mempool_raw: bad fd %d, NULL "
+                        "export data/out, size 0, or offset + size overflows",
+                        pool_fd);
+  *buf = NULL;
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc_uuid home_uuid;
+  int home = -1, map = -1;
+  GPUIPC__CHECK(resolve_devices(device, opts, &home_uuid, &home, &map));
+  gpuipc__desc d;
+  GPUIPC__CHECK(raw_desc(&d, GPUIPC_POOL_MEMPOOL, export_data, offset, size,
+                         &home_uuid));
+  GPUIPC__CHECK(raw_pool_id(pool_fd, &d.pool_id));
+  d.nfds = 1;
+  return import_raw(&d, home, map, &home_uuid, &pool_fd, 1, buf);
+}
+
+/* ---- exports ----------------------------------------------------------------- */
+
+static gpuipc_status export_fields(gpuipc_buffer *buf, gpuipc_pool_kind want,
+                                   int *fd, gpuipc__desc *d) {
+  if (buf == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "raw export: NULL buffer");
+  gpuipc_pool_kind k = gpuipc_buffer_kind(buf);
+  if (k != want)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "raw %s export of a %s buffer: only %s buffers have "
+                        "that form",
+                        gpuipc_pool_kind_name(want), gpuipc_pool_kind_name(k),
+                        gpuipc_pool_kind_name(want));
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  int fds[GPUIPC_DESC_MAX_FDS];
+  int nfds = fd ? GPUIPC_DESC_MAX_FDS : 0;
+  GPUIPC__CHECK(gpuipc_buffer_export(buf, desc, sizeof desc, &len,
+                                     fd ? fds : NULL, &nfds));
+  gpuipc_status s = gpuipc__desc_decode(desc, len, d);
+  if (fd) {
+    *fd = -1;
+    if (s == GPUIPC_OK && nfds == 1)
+      *fd = fds[0];
+    else
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+    if (s == GPUIPC_OK && *fd < 0)
+      s = gpuipc__fail(GPUIPC_E_INTERNAL, "raw export: the pool gave no fd");
+  }
+  return s;
+}
+
+gpuipc_status gpuipc_buffer_export_legacy_raw(gpuipc_buffer *buf,
+                                              uint8_t handle[64],
+                                              size_t *offset, size_t *size,
+                                              gpuipc_uuid *device) {
+  if (handle == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_export_legacy_raw: NULL handle");
+  gpuipc__desc d;
+  GPUIPC__CHECK(export_fields(buf, GPUIPC_POOL_LEGACY, NULL, &d));
+  memcpy(handle, d.handle, 64);
+  if (offset)
+    *offset = (size_t)d.offset;
+  if (size)
+    *size = (size_t)d.size;
+  if (device)
+    memcpy(device->bytes, d.device, 16);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_buffer_export_mempool_raw(gpuipc_buffer *buf,
+                                               int *pool_fd,
+                                               uint8_t export_data[64],
+                                               size_t *offset, size_t *size,
+                                               gpuipc_uuid *device) {
+  if (export_data == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_export_mempool_raw: NULL export data");
+  if (pool_fd)
+    *pool_fd = -1;
+  gpuipc__desc d;
+  GPUIPC__CHECK(export_fields(buf, GPUIPC_POOL_MEMPOOL, pool_fd, &d));
+  memcpy(export_data, d.handle, 64);
+  if (offset)
+    *offset = (size_t)d.offset;
+  if (size)
+    *size = (size_t)d.size;
+  if (device)
+    memcpy(device->bytes, d.device, 16);
+  return GPUIPC_OK;
+}
+
+/* ---- events ------------------------------------------------------------------ */
+
+gpuipc_status gpuipc_event_import_raw(const uint8_t handle[64],
+                                      const gpuipc_uuid *device,
+                                      gpuipc_event **ev) {
+  if (handle == NULL || ev == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_event_import_raw: NULL handle or out");
+  *ev = NULL;
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc_uuid home_uuid;
+  int home = -1, map = -1;
+  GPUIPC__CHECK(resolve_devices(device, NULL, &home_uuid, &home, &map));
+  gpuipc__desc d;
+  memset(&d, 0, sizeof d);
+  d.version = GPUIPC__DESC_VERSION;
+  d.type = GPUIPC_DESC_EVENT;
+  d.kind = GPUIPC__KIND_IPC_EVENT;
+  d.handle_len = 64;
+  d.exporter_fd = -1;
+  memcpy(d.device, home_uuid.bytes, 16);
+  GPUIPC__CHECK(raw_identity(&d.exporter));
+  memcpy(d.handle, handle, 64);
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  GPUIPC__CHECK(gpuipc__desc_encode(&d, desc, sizeof desc, &len));
+  return gpuipc_event_import(desc, len, NULL, ev);
+}
+
+gpuipc_status gpuipc_event_export_raw(gpuipc_event *ev, uint8_t handle[64],
+                                      gpuipc_uuid *device) {
+  if (ev == NULL || handle == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_event_export_raw: NULL event or handle");
+  if (ev->imported)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_event_export_raw: the event was imported: "
+                        "pass its raw handle on instead");
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  GPUIPC__CHECK(gpuipc_event_export(ev, desc, sizeof desc, &len));
+  gpuipc__desc d;
+  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
+  memcpy(handle, d.handle, 64);
+  if (device)
+    memcpy(device->bytes, d.device, 16);
+  return GPUIPC_OK;
+}
