@@ -967,3 +967,56 @@ TEST_IMPL(doctor_process_side) {
   doctor_run_free(&r);
   return 0;
 }
+
+/* Each capability the emulator can turn off moves exactly the verdict that
+ * rests on it, with a reason that names what is missing. */
+static void check_disabled(const char *disable, const char *devices, const char *mech,
+                           const char *reason_part) {
+  char envd[128], envn[64];
+  snprintf(envd, sizeof envd, "GPUIPC_EMU_DISABLE=%s", disable);
+  snprintf(envn, sizeof envn, "GPUIPC_EMU_DEVICES=%s", devices);
+  char *env[] = {envd, envn, "CUDA_VISIBLE_DEVICES=", NULL};
+  doctor_run r = run_doctor(env, "--json", NULL);
+  ASSERT_EQ(r.status, 0);
+  check_shape(r.json, 0);
+  char path[96];
+  snprintf(path, sizeof path, "mechanisms.%s.usable", mech);
+  if (JREQ(r.json, path, J_BOOL)->b)
+    harness_fail(__FILE__, __LINE__, "GPUIPC_EMU_DISABLE=%s: %s still usable", disable, mech);
+  snprintf(path, sizeof path, "mechanisms.%s.reason", mech);
+  ASSERT_STR_CONTAINS(JREQ(r.json, path, J_STR)->str, reason_part);
+  /* Legacy handles rest on nothing the emulator turns off here. */
+  ASSERT(JREQ(r.json, "mechanisms.legacy_handles.usable", J_BOOL)->b);
+  doctor_run_free(&r);
+}
+
+TEST_IMPL(doctor_json_disabled_capabilities) {
+  REQUIRE_EMULATOR("sets GPUIPC_EMU_DISABLE");
+  check_disabled("mempool", "1", "pool_fds", "memory pools");
+  check_disabled("mempool_ipc", "1", "pool_fds", "POSIX fds");
+  check_disabled("posix_fd", "1", "pool_fds", "POSIX fds");
+  check_disabled("posix_fd", "1", "vmm_fds", "POSIX-fd");
+  check_disabled("ipc_event", "1", "ipc_events", "IPC events");
+  check_disabled("peer", "2", "peer_access", "no pair");
+
+  /* Without peer access the matrix says so, off the diagonal. */
+  char *env[] = {"GPUIPC_EMU_DISABLE=peer", "GPUIPC_EMU_DEVICES=2", "CUDA_VISIBLE_DEVICES=",
+                 NULL};
+  doctor_run r = run_doctor(env, "--json", NULL);
+  jval *m = JREQ(r.json, "peers.can_access_peer", J_ARR);
+  ASSERT_EQ(m->n, 2);
+  ASSERT_EQ(m->items[0]->items[1]->t, J_BOOL);
+  ASSERT(!m->items[0]->items[1]->b);
+  ASSERT(!m->items[1]->items[0]->b);
+  ASSERT_EQ(JREQ(r.json, "mechanisms.peer_access.pairs", J_ARR)->n, 0);
+  doctor_run_free(&r);
+
+  /* Pools without IPC: still pools, but no handle types. */
+  char *env2[] = {"GPUIPC_EMU_DISABLE=mempool_ipc", NULL};
+  r = run_doctor(env2, "--json", NULL);
+  jval *d0 = JREQ(r.json, "devices", J_ARR)->items[0];
+  ASSERT(JREQ(d0, "memory_pools", J_BOOL)->b);
+  ASSERT_EQ(JREQ(d0, "mempool_handle_types", J_ARR)->n, 0);
+  doctor_run_free(&r);
+  return 0;
+}
