@@ -700,14 +700,18 @@ static gpuipc_status open_mempool(const gpuipc__desc *d, int map_ordinal,
                              (unsigned long long)d->pool_id,
                              (int)d->exporter.pid);
   }
-  gpuipc__cache_count_open();
+  /* The driver hands back an existing import of the same pointer rather
+   * than a new one (when the exporter reused the address of a buffer still
+   * imported here): that is no new mapping, and it must not be freed while
+   * its holders use it. */
+  bool existing = gpuipc__cache_base_held(GPUIPC_POOL_MEMPOOL, map_ordinal, p);
+  if (!existing)
+    gpuipc__cache_count_open();
   gpuipc_status s = check_buffer_id(d, p);
   if (s == GPUIPC_OK)
     s = check_range(d, p, &o->mapped_size);
   if (s != GPUIPC_OK) {
-    /* The driver hands back an existing import of the same pointer rather
-     * than a new one: free only what nobody else here holds. */
-    if (!gpuipc__cache_base_held(GPUIPC_POOL_MEMPOOL, map_ordinal, p)) {
+    if (!existing) {
       (void)GPUIPC__CU(cuMemFree, p);
       gpuipc__cache_count_close();
     }

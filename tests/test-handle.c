@@ -12,7 +12,7 @@
 
 /* ---- patterns ------------------------------------------------------------------ */
 
-static uint32_t *pattern(size_t n, uint32_t seed) {
+uint32_t *th_pattern(size_t n, uint32_t seed) {
   uint32_t *h = malloc(n + 4);
   ASSERT_NOT_NULL(h);
   for (size_t i = 0; i < n / 4; i++)
@@ -38,7 +38,7 @@ size_t th_mem_free(int ordinal) {
 }
 
 void th_fill_ptr(CUdeviceptr p, size_t n, uint32_t seed, int ordinal) {
-  uint32_t *h = pattern(n, seed);
+  uint32_t *h = th_pattern(n, seed);
   gpuipc__ctx_guard g;
   ASSERT_OK(gpuipc__ctx_enter(&g, ordinal));
   ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(p, h, n));
@@ -48,7 +48,7 @@ void th_fill_ptr(CUdeviceptr p, size_t n, uint32_t seed, int ordinal) {
 }
 
 bool th_check_ptr(CUdeviceptr p, size_t n, uint32_t seed, int ordinal) {
-  uint32_t *want = pattern(n, seed);
+  uint32_t *want = th_pattern(n, seed);
   uint32_t *got = malloc(n + 4);
   ASSERT_NOT_NULL(got);
   gpuipc__ctx_guard g;
@@ -70,7 +70,7 @@ bool th_check_ptr(CUdeviceptr p, size_t n, uint32_t seed, int ordinal) {
 void th_fill(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
   ASSERT_LE(off + n, gpuipc_buffer_size(b));
   if (gpuipc_buffer_kind(b) == GPUIPC_POOL_PINNED_HOST) {
-    uint32_t *h = pattern(n, seed);
+    uint32_t *h = th_pattern(n, seed);
     memcpy((char *)gpuipc_buffer_ptr(b) + off, h, n);
     free(h);
     return;
@@ -82,7 +82,7 @@ void th_fill(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
 bool th_check(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
   ASSERT_LE(off + n, gpuipc_buffer_size(b));
   if (gpuipc_buffer_kind(b) == GPUIPC_POOL_PINNED_HOST) {
-    uint32_t *h = pattern(n, seed);
+    uint32_t *h = th_pattern(n, seed);
     bool ok = memcmp((char *)gpuipc_buffer_ptr(b) + off, h, n) == 0;
     free(h);
     return ok;
@@ -280,6 +280,10 @@ HELPER_IMPL(handle_peer) {
         snprintf(err, sizeof err, "%s", gpuipc_last_error());
       } else {
         size_t n = gpuipc_buffer_size(b);
+        gpuipc_uuid mu;
+        ASSERT_OK(gpuipc_buffer_mapped_device(b, &mu));
+        if (dev >= 0)
+          ASSERT_MEM_EQ(mu.bytes, u.bytes, 16);
         if (!th_check(b, 0, n, seed_in)) {
           s = GPUIPC_E_USER;
           snprintf(err, sizeof err, "imported data does not match");

@@ -10,6 +10,8 @@
 
 #include "handle_internal.h"
 
+/* A malloc'ed host copy of the pattern (n bytes, a multiple of 4). */
+uint32_t *th_pattern(size_t n, uint32_t seed);
 /* Fills / checks a buffer's bytes (as seen in this process) with a pattern
  * derived from seed, through the driver (or memcpy for pinned host memory),
  * in the primary context of local device ordinal. th_check returns true
