@@ -7,11 +7,12 @@
  * legacy default stream versus blocking and non-blocking streams. Written
  * against the driver API directly.
  *
- * Every check must pass on the real driver and on the emulator. Nothing here
- * depends on timing: where work must stay pending, a host function holds its
- * stream closed (a "gate") until the test opens it, and where work must
- * complete, the test polls with a generous deadline that only guards against
- * a hang.
+ * Every check must pass on the real driver and on the emulator. No check
+ * depends on speed: where work must stay pending, a host function holds its
+ * stream closed (a "gate") or a stream wait is unsatisfied, and the test
+ * watches it stay pending for a short window (which a correct driver cannot
+ * fail; it gives a wrong one time to show itself); where work must complete,
+ * the test polls with a generous deadline that only guards against a hang.
  */
 #include "harness.h"
 
@@ -77,6 +78,31 @@ static CUresult stream_done(CUstream s, int timeout_s) {
   }
 }
 
+/* Asserts that a stream's work stays pending: cuStreamQuery must report
+ * CUDA_ERROR_NOT_READY now and all through a short observation window. A
+ * correct driver cannot fail this (the work is blocked by a gate or an
+ * unsatisfied wait); the window only gives a wrong one, whose worker may not
+ * have run yet at the first query, time to show itself. */
+#define HOLD_MS 50
+static void expect_held_at(CUstream s, const char *file, int line) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    CUresult r = gpuipc__cu.cuStreamQuery(s);
+    if (r != CUDA_ERROR_NOT_READY)
+      harness_fail(file, line,
+                   "work that must stay pending finished (cuStreamQuery "
+                   "returned %s, want CUDA_ERROR_NOT_READY)",
+                   harness_cuda_error_name(r));
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    long ms = (t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000;
+    if (ms >= HOLD_MS)
+      return;
+    usleep(1000);
+  }
+}
+#define expect_held(s) expect_held_at((s), __FILE__, __LINE__)
+
 /* A gate: a host function that holds its stream until the test opens it.
  * Gates live in static storage and are all opened at exit, so that a failed
  * assertion never leaves a driver thread blocked while the process exits. */
@@ -135,7 +161,7 @@ TEST_IMPL(conformance_stream_order) {
   ASSERT_CU(gpuipc__cu.cuMemsetD32Async(a, 0x22222222u, DATA_BYTES / 4, s));
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(h, b, DATA_BYTES, s));
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(h + DATA_BYTES / 4, a, DATA_BYTES, s));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  expect_held(s);
   gate_open(gt);
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   ASSERT_CU(gpuipc__cu.cuStreamQuery(s));
@@ -180,7 +206,7 @@ TEST_IMPL(conformance_stream_wait_event_uses_record_at_call_time) {
   ASSERT_CU(gpuipc__cu.cuEventRecord(ev, s1)); /* record 2, after the wait */
 
   /* Record 1 is behind gate 1: the wait holds. */
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(s2), CUDA_ERROR_NOT_READY);
+  expect_held(s2);
   ASSERT_CU_EQ(gpuipc__cu.cuEventQuery(ev), CUDA_ERROR_NOT_READY);
   gate_open(g1);
   /* Record 1 completes; gate 2 holds record 2. The wait must be released. */
@@ -305,7 +331,7 @@ TEST_IMPL(conformance_stream_legacy_default_syncs_blocking_streams) {
   /* blocking stream first, legacy stream after */
   gate *g1 = gate_launch(blk);
   ASSERT_CU(gpuipc__cu.cuMemsetD32Async(d, 1, DATA_BYTES / 4, NULL));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(NULL), CUDA_ERROR_NOT_READY);
+  expect_held(NULL);
   gate_open(g1);
   ASSERT_CU(stream_done(NULL, 60));
   check_words(d, DATA_BYTES, 1);
@@ -313,7 +339,7 @@ TEST_IMPL(conformance_stream_legacy_default_syncs_blocking_streams) {
   /* legacy stream first, blocking stream after */
   gate *g2 = gate_launch(NULL);
   ASSERT_CU(gpuipc__cu.cuMemsetD32Async(d, 2, DATA_BYTES / 4, blk));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(blk), CUDA_ERROR_NOT_READY);
+  expect_held(blk);
   gate_open(g2);
   ASSERT_CU(stream_done(blk, 60));
   check_words(d, DATA_BYTES, 2);
@@ -340,7 +366,7 @@ TEST_IMPL(conformance_stream_nonblocking_independent_of_legacy) {
   ASSERT_CU(gpuipc__cu.cuMemsetD32Async(d, 3, DATA_BYTES / 4, nb));
   ASSERT_CU(stream_done(nb, 60));
   ASSERT_EQ(atomic_load(&g1->open), 0);
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(NULL), CUDA_ERROR_NOT_READY);
+  expect_held(NULL);
   gate_open(g1);
   ASSERT_CU(stream_done(NULL, 60));
   check_words(d, DATA_BYTES, 3);
@@ -350,7 +376,7 @@ TEST_IMPL(conformance_stream_nonblocking_independent_of_legacy) {
   ASSERT_CU(gpuipc__cu.cuMemsetD32Async(e, 4, DATA_BYTES / 4, NULL));
   ASSERT_CU(stream_done(NULL, 60));
   ASSERT_EQ(atomic_load(&g2->open), 0);
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(nb), CUDA_ERROR_NOT_READY);
+  expect_held(nb);
   gate_open(g2);
   ASSERT_CU(stream_done(nb, 60));
   check_words(e, DATA_BYTES, 4);
@@ -384,8 +410,7 @@ TEST_IMPL(conformance_stream_query_not_ready_while_wait_value_blocks) {
   set_flag32(flag, 0, writer);
   ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(waiter, flag, 1,
                                            CU_STREAM_WAIT_VALUE_GEQ));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(waiter), CUDA_ERROR_NOT_READY);
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(waiter), CUDA_ERROR_NOT_READY);
+  expect_held(waiter);
   ASSERT_CU(gpuipc__cu.cuStreamWriteValue32(writer, flag, 1, 0));
   ASSERT_CU(stream_done(waiter, 60));
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(writer));
@@ -413,7 +438,7 @@ TEST_IMPL(conformance_stream_wait_value32_geq_is_cyclic) {
   set_flag32(flag, 0x0F, writer);
   ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(waiter, flag, 0x10,
                                            CU_STREAM_WAIT_VALUE_GEQ));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(waiter), CUDA_ERROR_NOT_READY);
+  expect_held(waiter);
   ASSERT_CU(gpuipc__cu.cuStreamWriteValue32(writer, flag, 0x10, 0));
   ASSERT_CU(stream_done(waiter, 60));
   ASSERT_CU(gpuipc__cu.cuMemFree(flag));
@@ -434,9 +459,9 @@ TEST_IMPL(conformance_stream_wait_value32_and) {
   set_flag32(flag, 0, writer);
   ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(waiter, flag, 0x4,
                                            CU_STREAM_WAIT_VALUE_AND));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(waiter), CUDA_ERROR_NOT_READY);
+  expect_held(waiter);
   set_flag32(flag, 0x3, writer);
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(waiter), CUDA_ERROR_NOT_READY);
+  expect_held(waiter);
   ASSERT_CU(gpuipc__cu.cuStreamWriteValue32(writer, flag, 0xC, 0));
   ASSERT_CU(stream_done(waiter, 60));
   ASSERT_CU(gpuipc__cu.cuMemFree(flag));
@@ -466,7 +491,7 @@ TEST_IMPL(conformance_stream_wait_value32_nor) {
   /* ~(0xF | 0xFFFFFFF0) == 0: not satisfied */
   ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(waiter, flag, 0xFFFFFFF0u,
                                            CU_STREAM_WAIT_VALUE_NOR));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(waiter), CUDA_ERROR_NOT_READY);
+  expect_held(waiter);
   /* ~(0x7 | 0xFFFFFFF0) == 0x8: satisfied */
   ASSERT_CU(gpuipc__cu.cuStreamWriteValue32(writer, flag, 0x7, 0));
   ASSERT_CU(stream_done(waiter, 60));
@@ -589,7 +614,7 @@ TEST_IMPL(conformance_event_ipc_wait_across_processes) {
   ASSERT_CU(gpuipc__cu.cuStreamWaitEvent(s, ev, 0));
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(out, buf, DATA_BYTES, s));
   /* The producer's gate is closed: the record is pending, the wait holds. */
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  expect_held(s);
   ASSERT_CU_EQ(gpuipc__cu.cuEventQuery(ev), CUDA_ERROR_NOT_READY);
   harness_send_u64(sock, 4);
   ASSERT_CU(stream_done(s, 60));
@@ -652,10 +677,10 @@ static void value_waiter(int sock, CUdeviceptr base, const value_msg *m) {
   value_wait(s, base, m);
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(out, base + FLAG_DATA_OFF, DATA_BYTES,
                                          s));
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  expect_held(s);
   harness_send_u64(sock, 2); /* armed */
   ASSERT_UEQ(harness_recv_u64(sock), 3); /* hold value written */
-  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  expect_held(s);
   harness_send_u64(sock, 4); /* still waiting */
   ASSERT_UEQ(harness_recv_u64(sock), 5); /* data and release value issued */
   ASSERT_CU(stream_done(s, 60));
