@@ -1444,6 +1444,17 @@ static void *stream_worker(void *arg) {
     pthread_cond_broadcast(&s->cv_done);
   }
   pthread_mutex_unlock(&s->mu);
+  /* Drained after cuStreamDestroy: only now does the context stop waiting
+   * for this stream (cuCtxSynchronize covers work a destroyed stream still
+   * had queued). */
+  emu_ctx *c = s->ctx;
+  pthread_mutex_lock(&c->mu);
+  for (emu_stream **pp = &c->streams; *pp; pp = &(*pp)->next)
+    if (*pp == s) {
+      *pp = s->next;
+      break;
+    }
+  pthread_mutex_unlock(&c->mu);
   stream_unref(s);
   return NULL;
 }
@@ -1486,17 +1497,9 @@ static emu_stream *stream_new(emu_ctx *c, unsigned flags, int kind) {
   return s;
 }
 
-/* Ends a stream: it leaves its context's list at once, and its worker
- * finishes the queued work before it goes away, as cuStreamDestroy does. */
+/* Ends a stream: its worker finishes the queued work, then goes away, as
+ * cuStreamDestroy does. */
 static void stream_close(emu_stream *s) {
-  emu_ctx *c = s->ctx;
-  pthread_mutex_lock(&c->mu);
-  for (emu_stream **pp = &c->streams; *pp; pp = &(*pp)->next)
-    if (*pp == s) {
-      *pp = s->next;
-      break;
-    }
-  pthread_mutex_unlock(&c->mu);
   pthread_mutex_lock(&s->mu);
   s->closing = true;
   pthread_cond_signal(&s->cv_work);
