@@ -127,7 +127,7 @@ GPUIPC_API gpuipc_status gpuipc_buffer_import_mempool_raw(
  * wrapped memory of an IPC-capable pool) in the raw form: *pool_fd: a new
  * file descriptor for the pool, owned by the caller (close it once sent;
  * NULL: none made), export_data: the allocation's 64-byte
- * cudaMemPoolPtrExportData, *offset/*size: the buffer inside that
+ * cudaMemPoolPtrExportData, *offset and *size: the buffer inside that
  * allocation (offset is 0 for buffers allocated by gpuipc), *device: the
  * pool's device. A cuda.core process opens it with
  *   mr = DeviceMemoryResource.from_allocation_handle(device, pool_fd)

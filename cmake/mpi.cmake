@@ -1,0 +1,91 @@
+# The optional MPI part: the gpuipc_mpi helper library (src/mpi/*.c), the MPI
+# examples (examples/mpi_*.c) and their tests, all built only when MPI is
+# found. libgpuipc itself never depends on MPI.
+#
+# gpuipc_mpi is a static library on top of the static gpuipc (it reports
+# errors through gpuipc's per-thread last error, whose setters are internal),
+# so a program links gpuipc_mpi and gets gpuipc_static with it.
+
+option(GPUIPC_MPI "Build the MPI helper and examples when MPI is found" ON)
+if(NOT GPUIPC_MPI)
+  return()
+endif()
+
+find_package(MPI COMPONENTS C QUIET)
+if(NOT MPI_C_FOUND)
+  message(STATUS "gpuipc: MPI not found: the MPI helper and examples are not built")
+  return()
+endif()
+message(STATUS "gpuipc: MPI found (${MPI_C_LIBRARY_VERSION_STRING}): building gpuipc_mpi")
+
+file(GLOB GPUIPC_MPI_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/mpi/*.c)
+add_library(gpuipc_mpi STATIC ${GPUIPC_MPI_SOURCES})
+target_link_libraries(gpuipc_mpi PUBLIC gpuipc_static MPI::MPI_C)
+target_include_directories(gpuipc_mpi
+  PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
+         $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>
+  PRIVATE ${PROJECT_SOURCE_DIR}/src ${CUDA_INCLUDE_DIR})
+install(TARGETS gpuipc_mpi
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+
+file(GLOB GPUIPC_MPI_EXAMPLES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/examples/mpi_*.c)
+set(GPUIPC_MPI_EXAMPLE_NAMES "")
+foreach(ex ${GPUIPC_MPI_EXAMPLES})
+  get_filename_component(exname ${ex} NAME_WE)
+  add_executable(example_${exname} ${ex})
+  set_target_properties(example_${exname} PROPERTIES OUTPUT_NAME ${exname}
+    RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/examples)
+  target_link_libraries(example_${exname} PRIVATE gpuipc_mpi)
+  list(APPEND GPUIPC_MPI_EXAMPLE_NAMES ${exname})
+endforeach()
+
+# Tests: each MPI example under mpirun with 4 ranks on this machine. This
+# file is included before cmake/tests.cmake, so the environment is made
+# here the same way: the emulator unless GPUIPC_GPU_TEST.
+if(NOT GPUIPC_TESTS)
+  return()
+endif()
+find_program(GPUIPC_MPIEXEC NAMES mpirun mpiexec HINTS ${MPIEXEC_EXECUTABLE})
+if(NOT GPUIPC_MPIEXEC)
+  set(GPUIPC_MPIEXEC ${MPIEXEC_EXECUTABLE})
+endif()
+if(NOT GPUIPC_MPIEXEC)
+  message(STATUS "gpuipc: no mpirun found: MPI tests not registered")
+  return()
+endif()
+
+# Open MPI refuses to run as root without these (CI containers run as root);
+# both the option and the variables are accepted by Open MPI only, so ask
+# mpirun which it is.
+execute_process(COMMAND ${GPUIPC_MPIEXEC} --version OUTPUT_VARIABLE _gpuipc_mpirun_version
+  ERROR_QUIET RESULT_VARIABLE _gpuipc_mpirun_rc)
+set(GPUIPC_MPIRUN_FLAGS -n 4)
+set(GPUIPC_MPI_TEST_ENV "")
+if(_gpuipc_mpirun_version MATCHES "Open MPI|OpenRTE")
+  list(APPEND GPUIPC_MPIRUN_FLAGS --oversubscribe)
+  list(APPEND GPUIPC_MPI_TEST_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    OMPI_MCA_rmaps_base_oversubscribe=1)
+  execute_process(COMMAND id -u OUTPUT_VARIABLE _gpuipc_uid OUTPUT_STRIP_TRAILING_WHITESPACE
+    ERROR_QUIET)
+  if(_gpuipc_uid STREQUAL "0")
+    list(APPEND GPUIPC_MPIRUN_FLAGS --allow-run-as-root)
+  endif()
+endif()
+
+if(GPUIPC_GPU_TEST)
+  list(APPEND GPUIPC_MPI_TEST_ENV GPUIPC_TEST_MODE=gpu)
+elseif(EXISTS ${PROJECT_SOURCE_DIR}/tests/emu/CMakeLists.txt)
+  # The emulator target is defined after this file (tests/emu); the
+  # generator expression is resolved once it exists.
+  list(APPEND GPUIPC_MPI_TEST_ENV GPUIPC_TEST_MODE=emu
+    "GPUIPC_CUDA_DRIVER=$<TARGET_FILE:cuda-emu>")
+else()
+  list(APPEND GPUIPC_MPI_TEST_ENV GPUIPC_TEST_MODE=emu)
+endif()
+
+foreach(exname ${GPUIPC_MPI_EXAMPLE_NAMES})
+  add_test(NAME ${exname}
+    COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:example_${exname}>)
+  set_tests_properties(${exname} PROPERTIES TIMEOUT 120 LABELS "mpi"
+    ENVIRONMENT "${GPUIPC_MPI_TEST_ENV}")
+endforeach()

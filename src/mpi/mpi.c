@@ -1,0 +1,280 @@
+/*
+ * mpi.c: the MPI helper (library gpuipc_mpi, built only where MPI is
+ * found): groups the ranks of a communicator by machine, checks MPI's
+ * grouping against the kernel's boot ids, and connects every pair of ranks
+ * of one machine with gpuipc connections.
+ *
+ * Connecting without deadlock: every rank of a machine listens first (and
+ * an MPI_Barrier makes sure all listen), then each connects to the ranks
+ * below it in order and accepts the ranks above it. A connect completes when
+ * its peer accepts; the lowest rank only accepts, and each rank's connects
+ * wait only on ranks below it that are already accepting, so no cycle can
+ * form. The connecting side says who it is in its first user message.
+ */
+#include "internal.h"
+
+#include "gpuipc/mpi.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct gpuipc_mpi {
+  MPI_Comm comm;       /* the caller's (not owned) */
+  MPI_Comm local;      /* this machine's ranks (owned) */
+  int rank, size;
+  int local_rank, local_size;
+  int machines;
+  int *machine_of;     /* [size]: machine index of each rank */
+  int *local_of;       /* [size]: local rank of each rank, -1 elsewhere */
+  uint8_t *boot_ids;   /* [size][16] */
+  gpuipc_conn **conns; /* [local_size], NULL for this rank */
+};
+
+static void format_boot_id(const uint8_t *b, char out[33]) {
+  for (int i = 0; i < 16; i++)
+    snprintf(out + 2 * i, 3, "%02x", b[i]);
+}
+
+static void free_g(gpuipc_mpi *g) {
+  if (g == NULL)
+    return;
+  if (g->conns)
+    for (int i = 0; i < g->local_size; i++)
+      gpuipc_conn_close(g->conns[i]);
+  if (g->local != MPI_COMM_NULL)
+    MPI_Comm_free(&g->local);
+  free(g->conns);
+  free(g->machine_of);
+  free(g->local_of);
+  free(g->boot_ids);
+  free(g);
+}
+
+/* Every rank of the local group learns whether all succeeded: the worst
+ * status wins, and the ranks that did not fail themselves say which did. */
+static gpuipc_status agree(gpuipc_mpi *g, gpuipc_status mine) {
+  int in[2] = {mine != GPUIPC_OK ? 1 : 0, (int)mine};
+  int out[2] = {0, 0};
+  if (MPI_Allreduce(in, out, 2, MPI_INT, MPI_MAX, g->local) != MPI_SUCCESS)
+    return gpuipc__fail(GPUIPC_E_SYSTEM, "gpuipc_mpi_init: MPI_Allreduce");
+  if (out[0] == 0)
+    return GPUIPC_OK;
+  if (mine != GPUIPC_OK)
+    return mine;
+  return gpuipc__fail((gpuipc_status)out[1],
+                      "gpuipc_mpi_init: another rank of this machine failed "
+                      "to connect (%s)",
+                      gpuipc_status_name((gpuipc_status)out[1]));
+}
+
+static gpuipc_status connect_all(gpuipc_mpi *g,
+                                 const gpuipc_conn_options *opts,
+                                 uint64_t token) {
+  char name[GPUIPC_CONN_NAME_MAX];
+  snprintf(name, sizeof name, "mpi-%016llx-%d", (unsigned long long)token,
+           g->local_rank);
+  gpuipc_listener *l = NULL;
+  gpuipc_status s = gpuipc_listen(name, opts, &l);
+  /* Everyone must listen before anyone connects; a failure to listen is
+   * agreed on right here. */
+  s = agree(g, s);
+  if (s != GPUIPC_OK) {
+    gpuipc_listener_close(l);
+    return s;
+  }
+  /* Connect to every rank below, in order. */
+  for (int i = 0; i < g->local_rank && s == GPUIPC_OK; i++) {
+    snprintf(name, sizeof name, "mpi-%016llx-%d", (unsigned long long)token,
+             i);
+    s = gpuipc_connect(name, opts, &g->conns[i]);
+    if (s == GPUIPC_OK) {
+      int32_t me = g->local_rank;
+      s = gpuipc_conn_send_msg(g->conns[i], &me, sizeof me, NULL, 0);
+    }
+    if (s != GPUIPC_OK) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      s = gpuipc__fail(s, "gpuipc_mpi_init: local rank %d connecting to "
+                          "local rank %d: %s",
+                       g->local_rank, i, why);
+    }
+  }
+  /* Accept every rank above: they say who they are. */
+  for (int k = g->local_rank + 1; k < g->local_size && s == GPUIPC_OK; k++) {
+    gpuipc_conn *c = NULL;
+    s = gpuipc_accept(l, &c);
+    int32_t who = -1;
+    size_t len = 0;
+    if (s == GPUIPC_OK)
+      s = gpuipc_conn_recv_msg(c, &who, sizeof who, &len, NULL, NULL);
+    if (s == GPUIPC_OK && (len != sizeof who || who <= g->local_rank ||
+                           who >= g->local_size || g->conns[who] != NULL))
+      s = gpuipc__fail(GPUIPC_E_PROTOCOL,
+                       "gpuipc_mpi_init: a peer introduced itself as local "
+                       "rank %d (%zu bytes)",
+                       (int)who, len);
+    if (s != GPUIPC_OK) {
+      gpuipc_conn_close(c);
+      char why[256];
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      s = gpuipc__fail(s, "gpuipc_mpi_init: local rank %d accepting: %s",
+                       g->local_rank, why);
+      break;
+    }
+    g->conns[who] = c;
+  }
+  gpuipc_listener_close(l);
+  return agree(g, s);
+}
+
+gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
+                              gpuipc_mpi **out) {
+  if (out == NULL || comm == MPI_COMM_NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_mpi_init: NULL out or MPI_COMM_NULL");
+  *out = NULL;
+  gpuipc_mpi *g = calloc(1, sizeof *g);
+  if (g == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_mpi_init");
+  g->comm = comm;
+  g->local = MPI_COMM_NULL;
+  gpuipc_status s = GPUIPC_OK;
+  MPI_Comm_rank(comm, &g->rank);
+  MPI_Comm_size(comm, &g->size);
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g->rank, MPI_INFO_NULL,
+                          &g->local) != MPI_SUCCESS) {
+    s = gpuipc__fail(GPUIPC_E_SYSTEM,
+                     "gpuipc_mpi_init: MPI_Comm_split_type failed");
+    goto fail;
+  }
+  MPI_Comm_rank(g->local, &g->local_rank);
+  MPI_Comm_size(g->local, &g->local_size);
+
+  /* Boot ids of everyone: which ranks really share a machine. A rank
+   * that cannot read its boot id contributes zeros (it then matches
+   * nobody, which is what the check below reports). */
+  uint8_t mine[16];
+  memset(mine, 0, sizeof mine);
+  gpuipc_status bs = gpuipc__boot_id(mine);
+  g->boot_ids = calloc((size_t)g->size, 16);
+  g->machine_of = calloc((size_t)g->size, sizeof(int));
+  g->local_of = calloc((size_t)g->size, sizeof(int));
+  g->conns = calloc((size_t)g->local_size, sizeof *g->conns);
+  int *local_ranks = calloc((size_t)g->local_size, sizeof(int));
+  if (!g->boot_ids || !g->machine_of || !g->local_of || !g->conns ||
+      !local_ranks) {
+    free(local_ranks);
+    s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_mpi_init");
+    goto fail; /* collective calls below would hang the others: MPI's
+                  own out-of-memory handling applies there anyway */
+  }
+  MPI_Allgather(mine, 16, MPI_BYTE, g->boot_ids, 16, MPI_BYTE, comm);
+  /* Machines, numbered by first appearance. */
+  g->machines = 0;
+  for (int r = 0; r < g->size; r++) {
+    int m = -1;
+    for (int q = 0; q < r && m < 0; q++)
+      if (memcmp(g->boot_ids + 16 * q, g->boot_ids + 16 * r, 16) == 0)
+        m = g->machine_of[q];
+    g->machine_of[r] = m >= 0 ? m : g->machines++;
+    g->local_of[r] = -1;
+  }
+  /* Local ranks: which rank of comm is which local rank. */
+  MPI_Allgather(&g->rank, 1, MPI_INT, local_ranks, 1, MPI_INT, g->local);
+  for (int i = 0; i < g->local_size; i++)
+    if (local_ranks[i] >= 0 && local_ranks[i] < g->size)
+      g->local_of[local_ranks[i]] = i;
+  /* MPI's shared-memory group must be one machine. */
+  gpuipc_status check = bs;
+  for (int i = 0; i < g->local_size && check == GPUIPC_OK; i++) {
+    int r = local_ranks[i];
+    if (g->machine_of[r] != g->machine_of[g->rank]) {
+      char a[33], b[33];
+      format_boot_id(g->boot_ids + 16 * g->rank, a);
+      format_boot_id(g->boot_ids + 16 * r, b);
+      check = gpuipc__fail(GPUIPC_E_FOREIGN_MACHINE,
+                           "gpuipc_mpi_init: MPI groups rank %d with rank %d "
+                           "as one shared-memory node, but their boot ids "
+                           "differ (%s vs %s): they run on different "
+                           "machines (or kernels), where CUDA IPC cannot "
+                           "share memory; use CUDA-aware MPI, UCX or NCCL "
+                           "between them",
+                           g->rank, r, a, b);
+    }
+  }
+  free(local_ranks);
+  s = agree(g, check);
+  if (s != GPUIPC_OK)
+    goto fail;
+
+  /* A token naming this job's sockets: rank 0 of the machine picks it. */
+  uint64_t token = 0;
+  if (g->local_rank == 0)
+    token = (gpuipc__now_ns() << 16) ^ ((uint64_t)getpid() << 1) ^
+            ((uint64_t)(uintptr_t)g);
+  MPI_Bcast(&token, 1, MPI_UINT64_T, 0, g->local);
+  s = connect_all(g, opts, token);
+  if (s != GPUIPC_OK)
+    goto fail;
+  *out = g;
+  return GPUIPC_OK;
+fail:
+  free_g(g);
+  return s;
+}
+
+void gpuipc_mpi_finalize(gpuipc_mpi *g) {
+  if (g == NULL)
+    return;
+  /* Nobody closes while a peer may still be reading its last messages. */
+  if (g->local != MPI_COMM_NULL)
+    MPI_Barrier(g->local);
+  free_g(g);
+}
+
+int gpuipc_mpi_rank(const gpuipc_mpi *g) { return g ? g->rank : -1; }
+int gpuipc_mpi_size(const gpuipc_mpi *g) { return g ? g->size : 0; }
+int gpuipc_mpi_local_rank(const gpuipc_mpi *g) {
+  return g ? g->local_rank : -1;
+}
+int gpuipc_mpi_local_size(const gpuipc_mpi *g) {
+  return g ? g->local_size : 0;
+}
+MPI_Comm gpuipc_mpi_local_comm(const gpuipc_mpi *g) {
+  return g ? g->local : MPI_COMM_NULL;
+}
+int gpuipc_mpi_machines(const gpuipc_mpi *g) { return g ? g->machines : 0; }
+int gpuipc_mpi_machine_of(const gpuipc_mpi *g, int rank) {
+  return g && rank >= 0 && rank < g->size ? g->machine_of[rank] : -1;
+}
+
+gpuipc_status gpuipc_mpi_peer_check(const gpuipc_mpi *g, int rank) {
+  if (g == NULL || rank < 0 || rank >= g->size)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_mpi_peer_check: rank %d out of range", rank);
+  if (rank == g->rank)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_mpi_peer_check: rank %d is this rank", rank);
+  if (g->machine_of[rank] != g->machine_of[g->rank] || g->local_of[rank] < 0) {
+    char a[33], b[33];
+    format_boot_id(g->boot_ids + 16 * g->rank, a);
+    format_boot_id(g->boot_ids + 16 * rank, b);
+    return gpuipc__fail(GPUIPC_E_FOREIGN_MACHINE,
+                        "rank %d runs on another machine than rank %d (boot "
+                        "id %s vs %s): CUDA IPC cannot share GPU memory "
+                        "across machines; use CUDA-aware MPI, UCX or NCCL",
+                        rank, g->rank, b, a);
+  }
+  return GPUIPC_OK;
+}
+
+gpuipc_conn *gpuipc_mpi_conn(const gpuipc_mpi *g, int rank) {
+  if (g == NULL || rank < 0 || rank >= g->size || rank == g->rank)
+    return NULL;
+  if (g->machine_of[rank] != g->machine_of[g->rank])
+    return NULL;
+  int l = g->local_of[rank];
+  return l >= 0 ? g->conns[l] : NULL;
+}
