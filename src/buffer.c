@@ -791,7 +791,11 @@ static gpuipc_status open_vmm(const gpuipc__desc *d, int map_ordinal,
     goto fail;
   }
   /* The mapping holds the allocation; the handle is no longer needed. */
-  (void)GPUIPC__CU(cuMemRelease, h);
+  r = GPUIPC__CU(cuMemRelease, h);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemRelease", "imported VMM handle");
+    goto fail;
+  }
   h = 0;
   gpuipc__cache_count_open();
   o->base = va;
@@ -869,26 +873,34 @@ static gpuipc_status open_desc(const gpuipc__desc *d, int map_ordinal,
   return s;
 }
 
-void gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o) {
+gpuipc_status gpuipc__close_opened(uint8_t kind, int map_ordinal,
+                                   gpuipc__opened *o) {
   gpuipc__ctx_guard g;
   gpuipc_status s = gpuipc__ctx_enter(&g, map_ordinal);
   if (s != GPUIPC_OK) {
-    GPUIPC__WARN("handle", "closing an import: no context: %s",
-                 gpuipc_last_error());
-    return;
+    /* Without a context nothing can be closed; the mapping stays. */
+    gpuipc__pool_import_release(o->pimp);
+    o->pimp = NULL;
+    return s;
   }
   CUresult r = CUDA_SUCCESS;
+  const char *call = NULL;
   switch (kind) {
   case GPUIPC_POOL_LEGACY:
+    call = "cuIpcCloseMemHandle";
     r = GPUIPC__CU(cuIpcCloseMemHandle, o->base);
     break;
   case GPUIPC_POOL_MEMPOOL:
+    call = "cuMemFree";
     r = GPUIPC__CU(cuMemFree, o->base);
     break;
   case GPUIPC_POOL_VMM:
+    call = "cuMemUnmap";
     r = GPUIPC__CU(cuMemUnmap, o->base, o->mapped_size);
-    if (r == CUDA_SUCCESS)
+    if (r == CUDA_SUCCESS) {
+      call = "cuMemAddressFree";
       r = GPUIPC__CU(cuMemAddressFree, o->base, o->mapped_size);
+    }
     break;
   case GPUIPC_POOL_PINNED_HOST:
     unmap_pinned(o->host, o->mapped_size, &s);
@@ -899,11 +911,12 @@ void gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o) {
   gpuipc__ctx_leave(&g);
   gpuipc__cache_count_close();
   if (r != CUDA_SUCCESS)
-    GPUIPC__WARN("handle", "closing an imported %s mapping 0x%llx: %s",
-                 gpuipc_pool_kind_name((gpuipc_pool_kind)kind),
-                 (unsigned long long)o->base, gpuipc__cuda_error_name(r));
+    s = gpuipc__fail_cuda(r, call, "closing an imported %s mapping 0x%llx",
+                          gpuipc_pool_kind_name((gpuipc_pool_kind)kind),
+                          (unsigned long long)o->base);
   gpuipc__pool_import_release(o->pimp);
   o->pimp = NULL;
+  return s;
 }
 
 gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,

@@ -218,14 +218,15 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
    * counted by the driver, so each entry closes its own. */
   bool skip = m->key.kind == GPUIPC_POOL_MEMPOOL && base_shared(m);
   pthread_mutex_unlock(&cache_lock);
+  gpuipc_status s = GPUIPC_OK;
   if (skip) {
     gpuipc__pool_import_release(m->o.pimp);
     m->o.pimp = NULL;
   } else {
-    gpuipc__close_opened(m->key.kind, m->key.map_ordinal, &m->o);
+    s = gpuipc__close_opened(m->key.kind, m->key.map_ordinal, &m->o);
   }
   free(m);
-  return GPUIPC_OK;
+  return s;
 }
 
 CUdeviceptr gpuipc__mapping_base(const struct gpuipc__mapping *m) {

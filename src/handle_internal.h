@@ -136,8 +136,8 @@ typedef gpuipc_status (*gpuipc__open_fn)(const gpuipc__desc *d,
                                          int map_ordinal, const int *fds,
                                          int nfds, unsigned flags,
                                          gpuipc__opened *out);
-/* Undoes an open (buffer.c). */
-void gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o);
+/* Undoes an open (buffer.c); reports the driver's failure. */
+gpuipc_status gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o);
 
 /* Looks the descriptor up in the cache; on a valid hit takes a reference,
  * else (miss, or a stale entry which is retired) opens it with `open`,

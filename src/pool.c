@@ -128,34 +128,44 @@ gpuipc_status gpuipc__pool_lookup_foreign(CUmemoryPool mp, int ordinal,
 
 /* ---- create / destroy ------------------------------------------------------------- */
 
-static int dev_attr(CUdevice dev, CUdevice_attribute a) {
-  int v = 0;
-  if (GPUIPC__CU(cuDeviceGetAttribute, &v, a, dev) != CUDA_SUCCESS)
-    return 0;
-  return v;
+static gpuipc_status dev_attr(CUdevice dev, CUdevice_attribute a, int *v) {
+  *v = 0;
+  CUresult r = GPUIPC__CU(cuDeviceGetAttribute, v, a, dev);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuDeviceGetAttribute", "attribute %d",
+                             (int)a);
+  return GPUIPC_OK;
 }
 
-static gpuipc_pool_kind pick_kind(CUdevice dev, int ordinal) {
-  if (dev_attr(dev, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) &&
-      (dev_attr(dev, CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES) &
-       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+static gpuipc_status pick_kind(CUdevice dev, int ordinal,
+                               gpuipc_pool_kind *kind) {
+  int pools = 0, types = 0, vmm = 0, fd = 0;
+  GPUIPC__CHECK(dev_attr(dev, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, &pools));
+  GPUIPC__CHECK(dev_attr(dev, CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES,
+                         &types));
+  if (pools && (types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
     GPUIPC__INFO("handle", "pool kind auto on device %d: mempool", ordinal);
-    return GPUIPC_POOL_MEMPOOL;
+    *kind = GPUIPC_POOL_MEMPOOL;
+    return GPUIPC_OK;
   }
-  if (dev_attr(dev, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) &&
-      dev_attr(dev,
-               CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)) {
+  GPUIPC__CHECK(dev_attr(dev, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                         &vmm));
+  GPUIPC__CHECK(dev_attr(
+      dev, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, &fd));
+  if (vmm && fd) {
     GPUIPC__INFO("handle",
                  "pool kind auto on device %d: vmm (no IPC-capable memory "
                  "pools)",
                  ordinal);
-    return GPUIPC_POOL_VMM;
+    *kind = GPUIPC_POOL_VMM;
+    return GPUIPC_OK;
   }
   GPUIPC__INFO("handle",
                "pool kind auto on device %d: legacy (neither IPC memory pools "
                "nor VMM fd export)",
                ordinal);
-  return GPUIPC_POOL_LEGACY;
+  *kind = GPUIPC_POOL_LEGACY;
+  return GPUIPC_OK;
 }
 
 static gpuipc_status make_mempool(gpuipc_pool *p, uint64_t threshold) {
@@ -312,8 +322,9 @@ gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts_in,
     }
     p->access[p->n_access++] = o;
   }
-  p->kind = opts.kind == GPUIPC_POOL_AUTO ? pick_kind(p->cudev, p->ordinal)
-                                          : opts.kind;
+  p->kind = opts.kind;
+  if (p->kind == GPUIPC_POOL_AUTO)
+    GPUIPC__CHECK_GOTO(pick_kind(p->cudev, p->ordinal, &p->kind), s, fail);
   p->capacity = opts.capacity;
   p->id = gpuipc__next_pool_id();
   GPUIPC__CHECK_GOTO(gpuipc__self_identity(&p->exporter), s, fail);

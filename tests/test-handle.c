@@ -109,6 +109,8 @@ typedef struct peer {
   gpuipc_buffer *exp[PEER_SLOTS];
   gpuipc_buffer *imp[PEER_SLOTS];
   int nimp;
+  gpuipc_event *ev[PEER_SLOTS];
+  int nev;
   CUmemoryPool raw_pool;
 } peer;
 
@@ -297,6 +299,19 @@ HELPER_IMPL(handle_peer) {
       harness_send(P.sock, err, strlen(err) + 1, NULL, 0);
       break;
     }
+    case TH_OP_EVENT_PRODUCE: {
+      /* An event, exported and recorded once; kept until the peer exits. */
+      ASSERT_LT(P.nev, PEER_SLOTS);
+      gpuipc_event *e = NULL;
+      ASSERT_OK(gpuipc_event_create(NULL, &e));
+      uint8_t d[GPUIPC_DESC_MAX];
+      size_t len;
+      ASSERT_OK(gpuipc_event_export(e, d, sizeof d, &len));
+      ASSERT_OK(gpuipc_event_record(e, NULL));
+      P.ev[P.nev++] = e;
+      harness_send(P.sock, d, len, NULL, 0);
+      break;
+    }
     case TH_OP_CLOSE_ALL:
       for (int i = 0; i < P.nimp; i++)
         ASSERT_OK(gpuipc_buffer_close(P.imp[i]));
@@ -309,6 +324,8 @@ HELPER_IMPL(handle_peer) {
     }
   }
 done:
+  for (int i = 0; i < P.nev; i++)
+    ASSERT_OK(gpuipc_event_destroy(P.ev[i]));
   for (int i = 0; i < P.nimp; i++)
     ASSERT_OK(gpuipc_buffer_close(P.imp[i]));
   for (int i = 0; i < PEER_SLOTS; i++)
