@@ -422,7 +422,8 @@ static int mem_kind(const void *p, size_t n) {
   unsigned int type = 0;
   /* The driver knows pinned host memory (allocated or registered) and device
    * memory; for anything else (pageable memory) it answers
-   * CUDA_ERROR_INVALID_VALUE. */
+   * CUDA_ERROR_INVALID_VALUE. Any failure means "pageable": staging is
+   * correct for every kind of host memory, only slower than a direct DMA. */
   CUresult r = GPUIPC__CU(cuPointerGetAttribute, &type,
                           CU_POINTER_ATTRIBUTE_MEMORY_TYPE, dptr(p));
   if (r != CUDA_SUCCESS)

@@ -37,7 +37,9 @@
  *     it at once; the last chunks' DMA may still be in flight (ordered on the
  *     stream as above);
  *   - a pageable DESTINATION is filled during the call: the call returns only
- *     once the data is in it (as if GPUIPC_XFER_SYNC were given);
+ *     once the data is in it (as if GPUIPC_XFER_SYNC were given), which
+ *     includes waiting for the work enqueued on the stream before the call
+ *     (so that work must not wait for something this thread does later);
  *   - pinned and device memory are copied fully asynchronously: keep them
  *     alive and unmodified until the stream has passed the copy.
  *
@@ -227,8 +229,10 @@ typedef struct gpuipc_xfer_info {
 GPUIPC_API gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x,
                                               gpuipc_xfer_info *info /* IN/OUT */);
 
-/* The chunk size the engine would use for a transfer of `bytes` bytes that
- * goes through staging or scratch (the pipeline, or a pageable side). */
+/* The chunk size the engine uses for a transfer of `bytes` bytes that it
+ * cuts (the pipeline, a pageable side, or any transfer when chunk_bytes was
+ * given); a transfer through staging uses at most staging_slot_bytes of it
+ * (gpuipc_xfer_info). */
 GPUIPC_API gpuipc_status gpuipc_xfer_chunk_size(gpuipc_xfer *x, size_t bytes,
                                                 size_t *chunk /* OUT */);
 
