@@ -954,10 +954,10 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);
   int home = -1, map = -1;
-  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &home));
+  GPUIPC__CHECK(gpuipc__device_ordinal(&dev, &home));
   map = home;
   if (opts.device && d.kind != GPUIPC_POOL_PINNED_HOST)
-    GPUIPC__CHECK(gpuipc_device_from_uuid(opts.device, &map));
+    GPUIPC__CHECK(gpuipc__device_ordinal(opts.device, &map));
 
   gpuipc_buffer *b = buffer_new();
   if (b == NULL)

@@ -131,10 +131,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
                    d->kind == GPUIPC_POOL_LEGACY ||
                    d->kind == GPUIPC_POOL_MEMPOOL;
 
-  struct gpuipc__mapping *n = calloc(1, sizeof *n);
-  if (n == NULL)
-    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "import cache entry");
-
+  struct gpuipc__mapping *n = NULL;
   pthread_mutex_lock(&cache_lock);
   for (;;) {
     struct gpuipc__mapping *e = NULL;
@@ -152,7 +149,6 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       e->refs++;
       stats.hits++;
       pthread_mutex_unlock(&cache_lock);
-      free(n);
       *out = e;
       GPUIPC__TRACE("handle", "import cache hit: base 0x%llx, %ld refs",
                     (unsigned long long)e->o.base, e->refs);
@@ -171,6 +167,11 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
                   (unsigned long long)d->generation);
     e->linked = false;
     stats.stale++;
+  }
+  n = calloc(1, sizeof *n);
+  if (n == NULL) {
+    pthread_mutex_unlock(&cache_lock);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "import cache entry");
   }
   n->key = key;
   n->buffer_id = d->buffer_id;
@@ -292,7 +293,7 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
   int home = -1;
   gpuipc_uuid dev;
   memcpy(dev.bytes, d->device, 16);
-  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &home));
+  GPUIPC__CHECK(gpuipc__device_ordinal(&dev, &home));
 
   struct gpuipc__pool_import *p = NULL;
   pthread_mutex_lock(&cache_lock);

@@ -191,6 +191,10 @@ gpuipc_status gpuipc__pool_fd(gpuipc_pool *pool, int *fd /* OUT, borrowed */);
 gpuipc_status gpuipc__pool_lookup_foreign(CUmemoryPool mp, int ordinal,
                                           uint64_t *id, int *fd);
 
+/* The local ordinal of a visible device (UUIDs read once per process);
+ * GPUIPC_E_DEVICE_NOT_VISIBLE otherwise. */
+gpuipc_status gpuipc__device_ordinal(const gpuipc_uuid *uuid, int *ordinal);
+
 /* Resolves pool options' device to a local ordinal. */
 gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
                                      int *out);

@@ -39,7 +39,7 @@ const char *gpuipc_pool_kind_name(gpuipc_pool_kind kind) {
 gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
                                      int *out) {
   if (uuid)
-    return gpuipc_device_from_uuid(uuid, out);
+    return gpuipc__device_ordinal(uuid, out);
   int n = 0;
   GPUIPC__CHECK(gpuipc_device_count(&n));
   if (ordinal < 0 || ordinal >= n)
@@ -47,6 +47,39 @@ gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
                         "device ordinal %d: %d device(s) visible", ordinal, n);
   *out = ordinal;
   return GPUIPC_OK;
+}
+
+/* The visible devices' UUIDs, read once: the set a process sees never
+ * changes after cuInit, and every import resolves a UUID, so this saves two
+ * driver calls per device per import. */
+static pthread_mutex_t uuid_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool uuids_read;
+static int n_uuids;
+static gpuipc_uuid uuids[64];
+
+gpuipc_status gpuipc__device_ordinal(const gpuipc_uuid *uuid, int *ordinal) {
+  pthread_mutex_lock(&uuid_lock);
+  if (!uuids_read) {
+    int n = 0;
+    gpuipc_status s = gpuipc_device_count(&n);
+    for (int i = 0; s == GPUIPC_OK && i < n && i < 64; i++)
+      s = gpuipc_device_uuid(i, &uuids[i]);
+    if (s != GPUIPC_OK) {
+      pthread_mutex_unlock(&uuid_lock);
+      return s;
+    }
+    n_uuids = n < 64 ? n : 64;
+    uuids_read = true;
+  }
+  for (int i = 0; i < n_uuids; i++)
+    if (memcmp(uuids[i].bytes, uuid->bytes, 16) == 0) {
+      pthread_mutex_unlock(&uuid_lock);
+      *ordinal = i;
+      return GPUIPC_OK;
+    }
+  pthread_mutex_unlock(&uuid_lock);
+  /* Not visible: the device layer words the error. */
+  return gpuipc_device_from_uuid(uuid, ordinal);
 }
 
 /* ---- registry of exportable driver pools ----------------------------------------- */
@@ -299,7 +332,7 @@ gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts_in,
   GPUIPC__CHECK_GOTO(gpuipc_device_uuid(p->ordinal, &p->uuid), s, fail);
   for (int i = 0; i < opts.n_access_devices; i++) {
     int o = -1;
-    GPUIPC__CHECK_GOTO(gpuipc_device_from_uuid(&opts.access_devices[i], &o), s,
+    GPUIPC__CHECK_GOTO(gpuipc__device_ordinal(&opts.access_devices[i], &o), s,
                        fail);
     if (o == p->ordinal)
       continue;
@@ -495,10 +528,10 @@ gpuipc_status gpuipc_pool_import(const uint8_t *desc, size_t len, int fd,
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);
   int home = -1, map = -1;
-  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &home));
+  GPUIPC__CHECK(gpuipc__device_ordinal(&dev, &home));
   map = home;
   if (opts.device)
-    GPUIPC__CHECK(gpuipc_device_from_uuid(opts.device, &map));
+    GPUIPC__CHECK(gpuipc__device_ordinal(opts.device, &map));
 
   gpuipc_pool *p = calloc(1, sizeof *p);
   if (p == NULL)
