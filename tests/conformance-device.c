@@ -152,6 +152,53 @@ TEST_IMPL(conformance_device_can_access_peer) {
   return 0;
 }
 
+/* With two devices: enabling peer access from device 0's primary context
+ * to device 1's works once; a second time is
+ * CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED (cuda.h, cuCtxEnablePeerAccess).
+ * cuMemcpyPeer then copies device 0's memory into device 1's, and back. */
+TEST_IMPL(conformance_ctx_peer_access_and_copy) {
+  REQUIRE_DEVICES(2);
+  CUcontext c0, c1;
+  ASSERT_OK(gpuipc__primary_ctx(0, &c0));
+  ASSERT_OK(gpuipc__primary_ctx(1, &c1));
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  ASSERT_CU(gpuipc__cu.cuCtxEnablePeerAccess(c1, 0));
+  ASSERT_CU_EQ(gpuipc__cu.cuCtxEnablePeerAccess(c1, 0),
+               CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
+  const size_t n = (size_t)1 << 20;
+  CUdeviceptr a = 0, b = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&a, n));
+  uint32_t *h = malloc(n), *back = malloc(n);
+  ASSERT_NOT_NULL(h);
+  ASSERT_NOT_NULL(back);
+  for (size_t i = 0; i < n / 4; i++)
+    h[i] = (uint32_t)(i * 2654435761u + 7u);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(a, h, n));
+  gpuipc__ctx_leave(&g);
+
+  ASSERT_OK(gpuipc__ctx_enter(&g, 1));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&b, n));
+  ASSERT_CU(gpuipc__cu.cuMemcpyPeer(b, c1, a, c0, n));
+  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
+  memset(back, 0, n);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, b, n));
+  ASSERT_MEM_EQ(back, h, n);
+  int ordinal = -1;
+  ASSERT_CU(gpuipc__cu.cuPointerGetAttribute(
+      &ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, b));
+  ASSERT_EQ(ordinal, 1);
+  ASSERT_CU(gpuipc__cu.cuMemFree(b));
+  gpuipc__ctx_leave(&g);
+
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  ASSERT_CU(gpuipc__cu.cuMemFree(a));
+  gpuipc__ctx_leave(&g);
+  free(h);
+  free(back);
+  return 0;
+}
+
 /* ---- CUDA_VISIBLE_DEVICES, seen from another process ----------------------- */
 
 /* Reports what this process sees: cuInit's result, the count and UUIDs. */

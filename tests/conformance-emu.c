@@ -469,3 +469,6 @@ TEST_IMPL(emu_two_devices_legacy_cross_gpu_open) {
 TEST_IMPL(emu_two_devices_pool_cross_gpu_import) {
   return run_with_two_devices("conformance_pool_cross_gpu_import");
 }
+TEST_IMPL(emu_two_devices_peer_access_and_copy) {
+  return run_with_two_devices("conformance_ctx_peer_access_and_copy");
+}

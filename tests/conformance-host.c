@@ -136,6 +136,38 @@ TEST_IMPL(conformance_pointer_attribute_memory_types) {
   return 0;
 }
 
+/* cuPointerGetAttributes answers several attributes at once, consistent
+ * with cuPointerGetAttribute: memory type, device ordinal, buffer id and the
+ * allocation's range for an interior pointer. */
+TEST_IMPL(conformance_pointer_attributes_plural) {
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  CUdeviceptr dev = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&dev, HOST_BYTES));
+  unsigned int type = 0;
+  int ordinal = -1;
+  unsigned long long id = 0, id1 = 0;
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  CUpointer_attribute attrs[] = {
+      CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+      CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+      CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  void *data[] = {&type, &ordinal, &id, &start, &size};
+  ASSERT_CU(gpuipc__cu.cuPointerGetAttributes(5, attrs, data, dev + 4096));
+  ASSERT_EQ(type, CU_MEMORYTYPE_DEVICE);
+  ASSERT_EQ(ordinal, 0);
+  ASSERT_CU(gpuipc__cu.cuPointerGetAttribute(
+      &id1, CU_POINTER_ATTRIBUTE_BUFFER_ID, dev));
+  ASSERT_NE(id, 0);
+  ASSERT_UEQ(id, id1);
+  ASSERT_PTR_EQ((void *)(uintptr_t)start, (void *)(uintptr_t)dev);
+  ASSERT_GE(size, HOST_BYTES);
+  ASSERT_CU(gpuipc__cu.cuMemFree(dev));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
 /* cuda.h (cuPointerGetAttribute): a pointer not allocated, mapped or
  * registered by the driver gives CUDA_ERROR_INVALID_VALUE. To be confirmed
  * on the GPU: with HMM (heterogeneous memory management, open kernel

@@ -247,6 +247,46 @@ TEST_IMPL(conformance_event_never_recorded_is_complete) {
   return 0;
 }
 
+/* cuda.h (cuEventElapsedTime): a time between two completed timing events;
+ * CUDA_ERROR_NOT_READY while one is pending; CUDA_ERROR_INVALID_HANDLE for an
+ * event never recorded or created with CU_EVENT_DISABLE_TIMING. */
+TEST_IMPL(conformance_event_elapsed_time) {
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  CUstream s = new_stream(CU_STREAM_NON_BLOCKING);
+  CUevent a, b, never, untimed;
+  ASSERT_CU(gpuipc__cu.cuEventCreate(&a, CU_EVENT_DEFAULT));
+  ASSERT_CU(gpuipc__cu.cuEventCreate(&b, CU_EVENT_DEFAULT));
+  ASSERT_CU(gpuipc__cu.cuEventCreate(&never, CU_EVENT_DEFAULT));
+  ASSERT_CU(gpuipc__cu.cuEventCreate(&untimed, CU_EVENT_DISABLE_TIMING));
+  CUdeviceptr d = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&d, DATA_BYTES));
+  float ms = -1;
+  ASSERT_CU(gpuipc__cu.cuEventRecord(a, s));
+  gate *gt = gate_launch(s);
+  ASSERT_CU(gpuipc__cu.cuMemsetD32Async(d, 5, DATA_BYTES / 4, s));
+  ASSERT_CU(gpuipc__cu.cuEventRecord(b, s));
+  ASSERT_CU(gpuipc__cu.cuEventRecord(untimed, s));
+  ASSERT_CU_EQ(gpuipc__cu.cuEventElapsedTime(&ms, a, b), CUDA_ERROR_NOT_READY);
+  gate_open(gt);
+  ASSERT_CU(gpuipc__cu.cuEventSynchronize(b));
+  ASSERT_CU(gpuipc__cu.cuEventSynchronize(untimed));
+  ASSERT_CU(gpuipc__cu.cuEventElapsedTime(&ms, a, b));
+  ASSERT(ms >= 0.0f);
+  ASSERT_CU_EQ(gpuipc__cu.cuEventElapsedTime(&ms, a, never),
+               CUDA_ERROR_INVALID_HANDLE);
+  ASSERT_CU_EQ(gpuipc__cu.cuEventElapsedTime(&ms, a, untimed),
+               CUDA_ERROR_INVALID_HANDLE);
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(a));
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(b));
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(never));
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(untimed));
+  ASSERT_CU(gpuipc__cu.cuMemFree(d));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
 /* cuda.h (cuEventCreate): CU_EVENT_INTERPROCESS must be specified along with
  * CU_EVENT_DISABLE_TIMING; without it creation fails with
  * CUDA_ERROR_INVALID_VALUE. (Where the real driver fails - at creation or at
