@@ -342,7 +342,10 @@ int gpuipc_bench_copy(int argc, char **argv) {
          "one stream)\n"
          "bound: pinned one-way of the same direction; pipeline: H2D and D2H "
          "at once on two streams. Pipeline rates count bytes moved both "
-         "ways (2 x size / time).\n");
+         "ways (2 x size / time).\n"
+         "targets (H200): pinned one-way >= 95%% of the bound; pipeline >= "
+         "90%% of the both-ways bound (judged from 64 MiB); pageable staged "
+         ">= 3x plain.\n");
   if (emulated)
     printf("(emulator: rates are memcpy speeds of this machine, not a GPU's; "
            "the targets apply to a real GPU)\n");
@@ -384,9 +387,15 @@ int gpuipc_bench_copy(int argc, char **argv) {
     ok = xd2h_pg >= 3 * d2h_pg;
     misses += !ok;
     row(sz, "D2H pageable (staged)", d2h_pg, xd2h_pg, d2h, ">=3x plain", ok);
-    ok = xpipe >= 0.90 * both;
-    misses += !ok;
-    row(sz, "in->stage->out pinned", serial, xpipe, both, ">=90% bound", ok);
+    /* Below 64 MiB the pipeline has too few chunks to hide its fill and
+     * drain (at least 1 MiB each): the target is judged on large copies. */
+    if (n >= 64 * MIB) {
+      ok = xpipe >= 0.90 * both;
+      misses += !ok;
+      row(sz, "in->stage->out pinned", serial, xpipe, both, ">=90% bound", ok);
+    } else {
+      row(sz, "in->stage->out pinned", serial, xpipe, both, "", 1);
+    }
     row(sz, "in->stage->out pageable", serial_pg, xpipe_pg, both, "", 1);
   }
   printf("\n%d target(s) missed%s\n", misses,

@@ -439,3 +439,48 @@ TEST_IMPL(xfer_shared_sync) {
   gpuipc__ctx_leave(&g);
   return 0;
 }
+
+/* Injected driver failures on the copier's side come back as statuses that
+ * name the call, and leave the segment usable. */
+HELPER_IMPL(xfer_shared_fault) {
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_xfer_shared *sh = NULL;
+  ASSERT_OK(gpuipc_xfer_shared_create(4096, 1, &sh));
+  ASSERT_STATUS(gpuipc_xfer_shared_pin(sh, 0), GPUIPC_E_DRIVER);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuMemHostRegister");
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
+  void *p;
+  size_t c;
+  ASSERT_OK(gpuipc_xfer_shared_acquire(sh, 0, 0, &p, &c));
+  memset(p, 0x61, 64);
+  ASSERT_OK(gpuipc_xfer_shared_publish(sh, 0, 64));
+  CUdeviceptr d;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&d, 4096));
+  ASSERT_STATUS(gpuipc_xfer_shared_to_device(sh, 0, (void *)(uintptr_t)d, 64,
+                                             NULL, GPUIPC_XFER_SYNC),
+                GPUIPC_E_DRIVER);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuStreamWriteValue32");
+  /* Not marked consumed: the slot is not free. */
+  ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c),
+                GPUIPC_E_TIMEOUT);
+  ASSERT_OK(gpuipc_xfer_shared_to_device(sh, 0, (void *)(uintptr_t)d, 64, NULL,
+                                         GPUIPC_XFER_SYNC));
+  ASSERT_OK(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c));
+  uint8_t h[64];
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, d, 64));
+  ASSERT_EQ(h[63], 0x61);
+  ASSERT_CU(gpuipc__cu.cuMemFree(d));
+  ASSERT_OK(gpuipc_xfer_shared_close(sh));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+TEST_IMPL(xfer_shared_faults) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FAIL");
+  char *env[] = {"GPUIPC_EMU_FAIL=cuMemHostRegister:1,cuStreamWriteValue32:1",
+                 NULL};
+  pid_t pid = spawn_helper("xfer_shared_fault", env, NULL, NULL);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  return 0;
+}

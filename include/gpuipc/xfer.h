@@ -375,7 +375,9 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_release(gpuipc_xfer_shared *sh,
  * GPUIPC_XFER_SYNC. len <= slot_bytes; the copier must know it (it is part
  * of the two sides' agreement, or read with wait_filled first). Needs
  * gpuipc_xfer_shared_pin first; stream belongs to the pinned device's
- * primary context.
+ * primary context. On a driver failure the steps before the failing one
+ * stay enqueued (so the stream may still wait for the publication); the
+ * message is not marked consumed, and the call may be repeated.
  */
 GPUIPC_API gpuipc_status gpuipc_xfer_shared_to_device(gpuipc_xfer_shared *sh,
                                                       uint64_t seq, void *dst,
