@@ -448,3 +448,32 @@ TEST_IMPL(proc_worker_index_outside_group) {
   ASSERT_OK(gpuipc_group_stop(NULL, 0, NULL));
   return 0;
 }
+
+/* ---- the example ----------------------------------------------------------------- */
+
+/* examples/worker_group.c, run as built beside the CLI (the examples
+ * directory of the build tree). */
+TEST_IMPL(proc_example_worker_group) {
+  REQUIRE_DEVICES(1);
+  char path[4096];
+  snprintf(path, sizeof path, "%s", GPUIPC_CLI_PATH);
+  char *slash = strrchr(path, '/');
+  ASSERT_NOT_NULL(slash);
+  snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path),
+           "examples/worker_group");
+  if (access(path, X_OK) != 0)
+    SKIP("%s not built", path);
+  static char out[16384];
+  char *plain[] = {path, "3", NULL};
+  ASSERT_EQ(harness_run(plain, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "gathered 12 jobs from 3 workers\n");
+  ASSERT_STR_CONTAINS(out, "worker 2: exit code 0");
+  ASSERT_STR_CONTAINS(out, "arena: 0 lease(s) out");
+  char *killing[] = {path, "3", "--kill", NULL};
+  ASSERT_EQ(harness_run(killing, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "worker 1 (pid ");
+  ASSERT_STR_CONTAINS(out, "killed by signal 9 (SIGKILL)");
+  ASSERT_STR_CONTAINS(out, "gathered 12 jobs from 3 workers\n");
+  ASSERT_STR_CONTAINS(out, "arena: 0 lease(s) out");
+  return 0;
+}
