@@ -1027,6 +1027,7 @@ typedef struct shm_hdr {
   uint64_t handle_types; /* requested shareable handle types */
   uint32_t live;         /* cleared when the creator frees it */
   uint32_t pad;
+  uint64_t user_size;    /* the size the creator asked for */
 } shm_hdr;
 
 /* ======================================================================== */
@@ -1474,7 +1475,7 @@ static emu_stream *stream_new(emu_ctx *c, unsigned flags, int kind) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_attr_setstacksize(&attr, 256 * 1024);
+  pthread_attr_setstacksize(&attr, 1024 * 1024); /* host functions run here */
   /* Workers take no signals: those belong to the application's threads. */
   sigset_t all, old;
   sigfillset(&all);
@@ -2311,7 +2312,8 @@ CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
     RET(CUDA_ERROR_OUT_OF_MEMORY);
   }
   shm_hdr h = {.magic = EMU_HDR_MAGIC, .kind = HK_DEV, .owner_pid = E.pid,
-               .phys = (uint32_t)c->phys, .size = map, .id = next_id(), .live = 1};
+               .phys = (uint32_t)c->phys, .size = map, .id = next_id(), .live = 1,
+               .user_size = bytesize};
   h.buffer_id = h.id;
   a->fd = shm_create(map, &h, &a->ino, &a->dev);
   if (a->fd < 0) {
@@ -2490,7 +2492,9 @@ CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned 
   im->base = (uintptr_t)p;
   im->map_size = h.size;
   im->refs = 1;
-  range r = {.base = im->base, .size = h.size, .kind = RK_IPC,
+  range r = {.base = im->base,
+             .size = h.user_size && h.user_size <= h.size ? h.user_size : h.size,
+             .kind = RK_IPC,
              .ordinal = phys_to_ordinal(h.phys, c->ordinal), .buffer_id = h.buffer_id,
              .prot = PROT_READ | PROT_WRITE, .obj = im};
   pthread_mutex_lock(&E.mu);
@@ -2747,7 +2751,8 @@ CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute 
 
 typedef struct pool_block {
   uintptr_t off;
-  size_t size;
+  size_t size; /* rounded to POOL_ALIGN */
+  size_t req;  /* the size asked for: the pointer's range */
   uint64_t id;
   int refs; /* imported pointers: one per import of the same block */
   bool pending_free;
@@ -3212,7 +3217,7 @@ CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *shareData_out, CUdevicep
     w.dev = p->dev;
     w.pool_id = p->id;
     w.off = b->off;
-    w.size = b->size;
+    w.size = b->req;
     w.id = b->id;
     w.buffer_id = r.buffer_id;
     memcpy(shareData_out->reserved, &w, sizeof w);
@@ -3310,6 +3315,7 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPoo
     p->reserved_high = p->reserved;
   b->off = off;
   b->size = size;
+  b->req = bytesize;
   b->id = next_id();
   b->next = *pp;
   *pp = b;
