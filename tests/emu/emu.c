@@ -983,6 +983,39 @@ CUresult cuCtxGetDevice(CUdevice *device) {
   RET(CUDA_SUCCESS);
 }
 
+CUresult cuCtxGetFlags(unsigned int *flags) {
+  ENTER_INIT("cuCtxGetFlags");
+  if (!flags)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  NEED_CTX(c);
+  (void)c;
+  *flags = 0;
+  RET(CUDA_SUCCESS);
+}
+
+CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
+  ENTER_INIT("cuCtxGetApiVersion");
+  if (!version)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  if (ctx && !ctx_from(ctx))
+    RET(CUDA_ERROR_INVALID_CONTEXT);
+  if (!ctx) {
+    NEED_CTX(c);
+    (void)c;
+  }
+  *version = 3020;
+  RET(CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags) {
+  ENTER_INIT("cuDevicePrimaryCtxSetFlags");
+  if (!dev_ok(dev))
+    RET(CUDA_ERROR_INVALID_DEVICE);
+  if (flags & ~(unsigned)(CU_CTX_SCHED_MASK | CU_CTX_LMEM_RESIZE_TO_MAX | CU_CTX_MAP_HOST))
+    RET(CUDA_ERROR_INVALID_VALUE);
+  RET(CUDA_SUCCESS); /* flags are accepted and have no effect here */
+}
+
 CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags) {
   ENTER_INIT("cuCtxEnablePeerAccess");
   if (Flags != 0)
@@ -1301,6 +1334,7 @@ struct emu_stream {
   emu_ctx *ctx;
   unsigned flags;
   int kind;
+  int priority;
   pthread_mutex_t mu;
   pthread_cond_t cv_work, cv_done;
   op *head, *tail;
@@ -1749,13 +1783,14 @@ CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
 
 CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
   ENTER_INIT("cuStreamCreateWithPriority");
-  (void)priority;
   if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
     RET(CUDA_ERROR_INVALID_VALUE);
   NEED_CTX(c);
   emu_stream *s = stream_new(c, flags, SK_USER);
   if (!s)
     RET(CUDA_ERROR_OUT_OF_MEMORY);
+  /* Clamped to the range, as CUDA does (-5 greatest, 0 least). */
+  s->priority = priority > 0 ? 0 : priority < -5 ? -5 : priority;
   *phStream = (CUstream)s;
   RET(CUDA_SUCCESS);
 }
@@ -1769,6 +1804,41 @@ CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags) {
   if (r != CUDA_SUCCESS)
     RET(r);
   *flags = s->flags;
+  RET(CUDA_SUCCESS);
+}
+
+CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
+  ENTER_INIT("cuStreamGetCtx");
+  if (!pctx)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  emu_stream *s;
+  CUresult r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS)
+    RET(r);
+  *pctx = (CUcontext)s->ctx;
+  RET(CUDA_SUCCESS);
+}
+
+CUresult cuStreamGetPriority(CUstream hStream, int *priority) {
+  ENTER_INIT("cuStreamGetPriority");
+  if (!priority)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  emu_stream *s;
+  CUresult r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS)
+    RET(r);
+  *priority = s->priority;
+  RET(CUDA_SUCCESS);
+}
+
+CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) {
+  ENTER_INIT("cuCtxGetStreamPriorityRange");
+  NEED_CTX(c);
+  (void)c;
+  if (leastPriority)
+    *leastPriority = 0;
+  if (greatestPriority)
+    *greatestPriority = -5; /* as on Hopper */
   RET(CUDA_SUCCESS);
 }
 
@@ -2761,7 +2831,7 @@ typedef struct pool_block {
 
 typedef struct emu_pool {
   uint32_t magic;
-  bool imported, destroyed;
+  bool imported, destroyed, is_default;
   int ordinal, phys;
   int fd;
   uint64_t ino, dev, id;
@@ -2902,6 +2972,8 @@ static CUresult check_location(const CUmemLocation *loc) {
   return CUDA_SUCCESS;
 }
 
+static CUresult pool_new(const CUmemPoolProps *poolProps, emu_pool **out);
+
 CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
   ENTER_INIT("cuMemPoolCreate");
   if (!pool || !poolProps)
@@ -2922,9 +2994,18 @@ CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
     RET(CUDA_ERROR_NOT_SUPPORTED);
   if (poolProps->win32SecurityAttributes)
     RET(CUDA_ERROR_INVALID_VALUE);
+  emu_pool *p = NULL;
+  r = pool_new(poolProps, &p);
+  if (r == CUDA_SUCCESS)
+    *pool = (CUmemoryPool)p;
+  RET(r);
+}
+
+static CUresult pool_new(const CUmemPoolProps *poolProps, emu_pool **out) {
+  unsigned ht = (unsigned)poolProps->handleTypes;
   emu_pool *p = calloc(1, sizeof *p);
   if (!p)
-    RET(CUDA_ERROR_OUT_OF_MEMORY);
+    return CUDA_ERROR_OUT_OF_MEMORY;
   p->magic = POOL_MAGIC;
   p->ordinal = poolProps->location.id;
   p->phys = E.vis[p->ordinal];
@@ -2940,14 +3021,14 @@ CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
   p->fd = shm_create(p->cap, &h, &p->ino, &p->dev);
   if (p->fd < 0) {
     free(p);
-    RET(CUDA_ERROR_OUT_OF_MEMORY);
+    return CUDA_ERROR_OUT_OF_MEMORY;
   }
   void *m = mmap(NULL, p->cap, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, p->fd,
                  (off_t)EMU_PAGE);
   if (m == MAP_FAILED) {
     close(p->fd);
     free(p);
-    RET(CUDA_ERROR_OUT_OF_MEMORY);
+    return CUDA_ERROR_OUT_OF_MEMORY;
   }
   p->base = (uintptr_t)m;
   h.owner_addr = p->base;
@@ -2956,15 +3037,69 @@ CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
   p->next = pools;
   pools = p;
   pthread_mutex_unlock(&E.mu);
-  *pool = (CUmemoryPool)p;
-  RET(CUDA_SUCCESS);
+  *out = p;
+  return CUDA_SUCCESS;
+}
+
+/* Each device's default pool (no shareable handle type), made on first use;
+ * it cannot be destroyed. cuDeviceSetMemPool is not emulated: the current
+ * pool is the default pool. */
+static emu_pool *default_pool[EMU_MAX_DEV];
+static pthread_mutex_t default_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static CUresult get_default_pool(int ord, emu_pool **out) {
+  pthread_mutex_lock(&default_pool_mu);
+  CUresult r = CUDA_SUCCESS;
+  if (!default_pool[ord]) {
+    CUmemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = ord;
+    r = pool_new(&props, &default_pool[ord]);
+    if (r == CUDA_SUCCESS)
+      default_pool[ord]->is_default = true;
+  }
+  *out = default_pool[ord];
+  pthread_mutex_unlock(&default_pool_mu);
+  return r;
+}
+
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev) {
+  ENTER_INIT("cuDeviceGetDefaultMemPool");
+  if (!pool_out)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  if (!dev_ok(dev))
+    RET(CUDA_ERROR_INVALID_DEVICE);
+  if (disabled(DIS_MEMPOOL))
+    RET(CUDA_ERROR_NOT_SUPPORTED);
+  emu_pool *p;
+  CUresult r = get_default_pool(dev, &p);
+  if (r == CUDA_SUCCESS)
+    *pool_out = (CUmemoryPool)p;
+  RET(r);
+}
+
+CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
+  ENTER_INIT("cuDeviceGetMemPool");
+  if (!pool)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  if (!dev_ok(dev))
+    RET(CUDA_ERROR_INVALID_DEVICE);
+  if (disabled(DIS_MEMPOOL))
+    RET(CUDA_ERROR_NOT_SUPPORTED);
+  emu_pool *p;
+  CUresult r = get_default_pool(dev, &p);
+  if (r == CUDA_SUCCESS)
+    *pool = (CUmemoryPool)p;
+  RET(r);
 }
 
 CUresult cuMemPoolDestroy(CUmemoryPool pool) {
   ENTER_INIT("cuMemPoolDestroy");
   pthread_mutex_lock(&E.mu);
   emu_pool *p = pool_from(pool);
-  if (!p || p->imported) {
+  if (!p || p->imported || p->is_default) {
     pthread_mutex_unlock(&E.mu);
     RET(CUDA_ERROR_INVALID_VALUE);
   }
@@ -3333,6 +3468,23 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPoo
   pthread_mutex_unlock(&E.mu);
   *dptr = (CUdeviceptr)rg.base;
   RET(CUDA_SUCCESS);
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+  ENTER_INIT("cuMemAllocAsync");
+  if (!dptr)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  if (disabled(DIS_MEMPOOL))
+    RET(CUDA_ERROR_NOT_SUPPORTED);
+  emu_stream *s;
+  CUresult r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS)
+    RET(r);
+  emu_pool *p;
+  r = get_default_pool(s->ctx->ordinal, &p);
+  if (r != CUDA_SUCCESS)
+    RET(r);
+  RET(cuMemAllocFromPoolAsync(dptr, bytesize, (CUmemoryPool)p, hStream));
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
@@ -4046,6 +4198,9 @@ static const struct { const char *name; void *fn; } emu_fns[] = {
     EMU_FN(cuCtxGetCurrent) EMU_FN(cuCtxSetCurrent) EMU_FN(cuCtxPushCurrent)
     EMU_FN(cuCtxPopCurrent) EMU_FN(cuCtxGetDevice) EMU_FN(cuCtxSynchronize)
     EMU_FN(cuCtxEnablePeerAccess) EMU_FN(cuCtxDisablePeerAccess)
+    EMU_FN(cuCtxGetFlags) EMU_FN(cuCtxGetApiVersion) EMU_FN(cuDevicePrimaryCtxSetFlags)
+    EMU_FN(cuCtxGetStreamPriorityRange) EMU_FN(cuStreamGetCtx) EMU_FN(cuStreamGetPriority)
+    EMU_FN(cuDeviceGetDefaultMemPool) EMU_FN(cuDeviceGetMemPool) EMU_FN(cuMemAllocAsync)
     EMU_FN(cuMemAlloc) EMU_FN(cuMemFree) EMU_FN(cuMemGetInfo)
     EMU_FN(cuMemGetAddressRange) EMU_FN(cuPointerGetAttribute)
     EMU_FN(cuPointerGetAttributes)
