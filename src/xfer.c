@@ -570,13 +570,18 @@ static gpuipc_status run_direct(gpuipc_xfer *x, const struct op *op) {
   if (op->flags & GPUIPC_XFER_SYNC) {
     /* An event of our own rather than cuStreamSynchronize: the caller's
      * stream may carry later work of other threads. */
+    const char *call = "cuEventRecord";
     r = GPUIPC__CU(cuEventRecord, x->ev_sync, op->caller);
-    if (r != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(r, "cuEventRecord", "%s", op_name(op->kind));
-    r = GPUIPC__CU(cuEventSynchronize, x->ev_sync);
-    if (r != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(r, "cuEventSynchronize", "%s",
-                               op_name(op->kind));
+    if (r == CUDA_SUCCESS) {
+      call = "cuEventSynchronize";
+      r = GPUIPC__CU(cuEventSynchronize, x->ev_sync);
+    }
+    if (r != CUDA_SUCCESS) {
+      gpuipc_status s = gpuipc__fail_cuda(r, call, "%s", op_name(op->kind));
+      /* The copy is enqueued: it must not outlive a failed call. */
+      (void)GPUIPC__CU(cuStreamSynchronize, op->caller);
+      return s;
+    }
   }
   return GPUIPC_OK;
 }
