@@ -484,3 +484,52 @@ TEST_IMPL(xfer_shared_faults) {
   ASSERT_EQ(wait_helper(pid, 120), 0);
   return 0;
 }
+
+/* The header is hostile input: random corruptions of a real header either
+ * open (with a geometry inside the file) or fail with a status, never crash.
+ * (A cheap stand-in for a fuzzer of this one decoder.) */
+TEST_IMPL(xfer_shared_open_corrupt) {
+  gpuipc_xfer_shared *good = NULL;
+  ASSERT_OK(gpuipc_xfer_shared_create(8192, 3, &good));
+  int gfd = gpuipc_xfer_shared_fd(good);
+  struct stat st;
+  ASSERT_EQ(fstat(gfd, &st), 0);
+  uint8_t hdr[64];
+  ASSERT_EQ(pread(gfd, hdr, sizeof hdr, 0), (ssize_t)sizeof hdr);
+  int f = memfd_create("fuzz-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(f, 0);
+  ASSERT_EQ(ftruncate(f, st.st_size), 0);
+  ASSERT_EQ(fcntl(f, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  uint64_t rs = 0x9e3779b97f4a7c15ull;
+  int opened = 0;
+  for (int it = 0; it < 3000; it++) {
+    uint8_t h[64];
+    memcpy(h, hdr, sizeof h);
+    int flips = 1 + (int)(rs % 3);
+    for (int k = 0; k < flips; k++) {
+      rs ^= rs << 13;
+      rs ^= rs >> 7;
+      rs ^= rs << 17;
+      h[rs % 40] ^= (uint8_t)(1u << ((rs >> 8) % 8));
+    }
+    ASSERT_EQ(pwrite(f, h, sizeof h, 0), (ssize_t)sizeof h);
+    gpuipc_xfer_shared *sh = NULL;
+    gpuipc_status s = gpuipc_xfer_shared_open(f, &sh);
+    if (s == GPUIPC_OK) {
+      opened++;
+      size_t end = (size_t)((char *)gpuipc_xfer_shared_slot(
+                                sh, (uint64_t)gpuipc_xfer_shared_slots(sh) - 1) -
+                            (char *)gpuipc_xfer_shared_slot(sh, 0)) +
+                   gpuipc_xfer_shared_slot_bytes(sh);
+      ASSERT_LE(end, (size_t)st.st_size);
+      ASSERT_OK(gpuipc_xfer_shared_close(sh));
+    } else {
+      ASSERT_NULL(sh);
+      ASSERT(s == GPUIPC_E_BAD_MAGIC || s == GPUIPC_E_BAD_VERSION ||
+             s == GPUIPC_E_OUT_OF_RANGE);
+    }
+  }
+  close(f);
+  ASSERT_OK(gpuipc_xfer_shared_close(good));
+  return 0;
+}
