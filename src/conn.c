@@ -953,7 +953,11 @@ static gpuipc_status handshake(gpuipc_conn *c, const copts *o,
   c->peer_pid = cred.pid;
   c->peer_uid = cred.uid;
   c->peer_gid = cred.gid;
-  c->peer_start_time = peer.start_time;
+  /* The start time, read here for the pid the kernel vouched for, pairs
+   * with it to name the process even after the pid is reused. */
+  c->peer_start_time = gpuipc__process_start_time(cred.pid);
+  if (c->peer_start_time == 0)
+    c->peer_start_time = peer.start_time;
   c->peer_max_outstanding = peer.max_outstanding;
   GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, deadline));
   GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));

@@ -22,6 +22,9 @@
 
 #include "internal.h"
 
+#include "handle_internal.h"
+
+#include <pthread.h>
 #include <sys/types.h>
 
 #define GPUIPC__FRAME_MAGIC 0x43504947u /* "GIPC" */
@@ -157,6 +160,242 @@ gpuipc_status gpuipc__conn_ended(gpuipc_conn *c);
  * socket, runs the peer-gone cleanup; returns E_PROTOCOL. */
 gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...)
     GPUIPC__PRINTF(2, 3);
+
+/* ---- arenas (arena.c) --------------------------------------------------------- */
+
+#define GPUIPC__ARENA_MAX_CHUNKS 64
+#define GPUIPC__ARENA_ALIGN 256
+
+struct CUevent_st;
+struct CUstream_st;
+
+/* A marker on an arena's reclaim stream: memory tagged with it may be
+ * reused once the marker's event completed (or by work ordered after it).
+ * Markers of one arena complete in record order (one stream). */
+typedef struct gpuipc__mark {
+  struct CUevent_st *ev;
+  uint64_t order; /* record order on the reclaim stream */
+  int refs;
+  bool done;      /* known complete */
+  struct gpuipc__mark *next_free;
+} gpuipc__mark;
+
+/* One free range of an arena chunk. */
+typedef struct gpuipc__range {
+  struct gpuipc__range *next;
+  uint32_t chunk;
+  size_t off, len;
+  gpuipc__mark *tag; /* reuse waits for it; NULL: free at once */
+} gpuipc__range;
+
+typedef struct gpuipc__chunk {
+  gpuipc_buffer *buf;
+  uint64_t base; /* CUdeviceptr */
+  size_t size;
+} gpuipc__chunk;
+
+struct gpuipc__ho;
+
+struct gpuipc_arena {
+  pthread_mutex_t lock;
+  int ordinal;
+  uint64_t id; /* process-unique, travels in frames */
+  gpuipc_pool *pool;
+  size_t chunk_bytes, max_bytes, total_bytes;
+  gpuipc__chunk chunks[GPUIPC__ARENA_MAX_CHUNKS];
+  uint32_t nchunks;
+  gpuipc__range *free_list; /* sorted by (chunk, off) */
+  struct CUstream_st *reclaim; /* non-blocking: waits for releases */
+  struct CUstream_st *side;    /* non-blocking: writes that unblock */
+  gpuipc__mark *mark_free;
+  uint64_t mark_order;
+  gpuipc__mark *last_mark; /* the newest marker recorded (a reference) */
+  size_t blocks_allocated, blocks_deferred, leases, bytes_allocated;
+  size_t internal_blocks, internal_bytes; /* flag words of connections */
+  int users; /* connections with flag words here */
+};
+
+struct gpuipc_block {
+  gpuipc_arena *arena;
+  uint32_t chunk;
+  size_t off, len; /* len: rounded up to the arena's alignment */
+  size_t bytes;     /* as asked for */
+  uint64_t ptr;     /* CUdeviceptr */
+  unsigned holders;
+  bool freed;        /* the owner freed it; the memory waits for holders */
+  bool internal;     /* flag words of a connection */
+  gpuipc__mark *tag; /* newest reclaim marker covering its releases */
+};
+
+/* Internal allocation (the arena's lock is taken inside). */
+gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
+                                 struct CUstream_st *stream, bool internal,
+                                 gpuipc_block **out);
+/* Enqueues, on the reclaim stream, a wait until the 64-bit word at `word`
+ * (a device address in the arena) reaches value (wrap-around GEQ). Lock
+ * held. */
+gpuipc_status gpuipc__arena_wait_word(gpuipc_arena *a, uint64_t word,
+                                      uint64_t value);
+/* Records a new marker on the reclaim stream, after every wait enqueued so
+ * far; tags each block with it. Lock held. */
+gpuipc_status gpuipc__arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
+                                 int n);
+/* One holder of a block gave it back (released or died). Lock held. */
+void gpuipc__block_unhold(gpuipc_block *b);
+/* Writes value into each word, on the side stream (for flag words a dead
+ * peer will never write), then waits for it to complete. Lock held. */
+gpuipc_status gpuipc__arena_force_words(gpuipc_arena *a, const uint64_t *words,
+                                        int n, uint64_t value);
+/* Reclaims what peers of closed connections held, for the peers that are
+ * gone now (lease.c). Called without any arena lock held. */
+void gpuipc__orphans_poll(void);
+
+/* ---- the fast path's state per connection ----------------------------------------- */
+
+/* Wire formats of the fast-path frames (little-endian, packed by layout). */
+typedef struct gpuipc__w_chunk { /* CHUNK: + desc bytes, + fds */
+  uint64_t arena_id;
+  uint64_t size;
+  uint32_t chunk;
+  uint32_t desc_len;
+} gpuipc__w_chunk;
+
+typedef struct gpuipc__w_ctl { /* CTL */
+  uint64_t arena_id;
+  uint64_t off;
+  uint32_t chunk;
+  uint32_t nslots;
+} gpuipc__w_ctl;
+
+#define GPUIPC__BUF_ORDERED 0x1u
+typedef struct gpuipc__w_buf { /* BUF: + meta bytes */
+  uint64_t seq;
+  uint64_t arena_id;
+  uint64_t off;
+  uint64_t len;
+  uint32_t slot;
+  uint32_t chunk;
+  uint32_t flags;
+  uint32_t meta_len;
+} gpuipc__w_buf;
+
+typedef struct gpuipc__w_rel { /* REL: n of these */
+  uint64_t seq;
+  uint32_t slot;
+  uint32_t flags;
+} gpuipc__w_rel;
+
+_Static_assert(sizeof(gpuipc__w_chunk) == 24, "wire layout");
+_Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");
+_Static_assert(sizeof(gpuipc__w_buf) == 48, "wire layout");
+_Static_assert(sizeof(gpuipc__w_rel) == 16, "wire layout");
+
+/* Sender side, per slot (a flag-word pair). */
+typedef struct gpuipc__txs {
+  gpuipc_block *block; /* the block the peer holds in this slot; NULL: free */
+  uint64_t seq;        /* its lease's sequence number */
+  uint64_t last_seq;   /* last value written to the ready word */
+  struct CUstream_st *last_stream;
+  bool ordered;
+  bool retired;        /* unusable (a send failed halfway) */
+} gpuipc__txs;
+
+/* Receiver side, per slot of the peer. */
+typedef struct gpuipc__rxs {
+  uint64_t held;       /* sequence number held now; 0: none */
+  uint64_t last_recv;  /* newest sequence number waited for */
+  uint64_t last_rel;   /* newest released */
+  struct CUstream_st *last_rel_stream;
+  uint64_t ptr;
+  size_t len;
+  bool ordered;
+} gpuipc__rxs;
+
+/* An imported chunk of the peer's arena. */
+typedef struct gpuipc__imp {
+  uint64_t arena_id;
+  uint32_t chunk;
+  gpuipc_buffer *buf;
+  uint64_t base;
+  size_t size;
+  int ordinal;
+} gpuipc__imp;
+
+typedef struct gpuipc__qbuf {
+  gpuipc__w_buf w;
+  uint8_t meta[GPUIPC_META_MAX];
+} gpuipc__qbuf;
+
+struct gpuipc__ho {
+  struct gpuipc__ho *next_orphan;
+  int peer_pid;
+  uint64_t peer_start;
+  bool dead_handled; /* the peer's death was handled (words forced) */
+  /* Sender. */
+  gpuipc_arena *ctl_arena; /* where our flag words live */
+  gpuipc_block *ctl;
+  int ordinal;
+  uint32_t nslots;
+  gpuipc__txs *tx;
+  uint32_t *tx_free;
+  uint32_t tx_nfree;
+  uint64_t tx_seq;
+  size_t tx_out;
+  struct {
+    uint64_t arena_id;
+    uint64_t mask;
+  } exp[8];
+  int nexp;
+  /* Receiver. */
+  gpuipc__imp *imp;
+  int nimp, cimp;
+  bool have_peer_ctl;
+  uint64_t peer_ctl; /* device address of the peer's flag words here */
+  uint32_t peer_nslots;
+  int peer_ordinal;
+  gpuipc__rxs *rx;
+  gpuipc__qbuf *q;
+  uint32_t qhead, qlen;
+  size_t rx_held;
+  uint64_t rx_max_seq;
+  bool rx_unblocked;
+  struct CUstream_st *unblock; /* receiver: writes that unblock our streams */
+};
+
+static inline uint64_t gpuipc__ready_word(uint64_t base, uint32_t slot) {
+  return base + 8u * (uint64_t)slot;
+}
+static inline uint64_t gpuipc__released_word(uint64_t base, uint32_t nslots,
+                                             uint32_t slot) {
+  return base + 8u * ((uint64_t)nslots + slot);
+}
+
+/* ---- leases (lease.c) --------------------------------------------------------------- */
+
+/* The peer holds block in slot (sender side). */
+void gpuipc__lease_add(struct gpuipc__ho *h, uint32_t slot, gpuipc_block *b,
+                       uint64_t seq, bool ordered);
+/* A REL frame: the peer gave these back. A non-OK status is a protocol
+ * violation (unknown slot or sequence number). */
+gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
+                                     const gpuipc__w_rel *rel, size_t n);
+/* The peer is gone and its process too: everything it held comes back. */
+void gpuipc__lease_reclaim_dead(struct gpuipc__ho *h);
+/* True while a process with this pid and start time exists and is not a
+ * zombie. */
+bool gpuipc__peer_alive(int pid, uint64_t start_time);
+/* Our side closes while the peer still holds blocks: keep the state until
+ * the peer process is gone, then reclaim. Takes ownership of h. */
+void gpuipc__orphan_add(struct gpuipc__ho *h);
+/* Frees the sender-side state (flag words back to the arena). */
+void gpuipc__ho_free_tx(struct gpuipc__ho *h);
+/* True when every "released" word already holds the newest release the
+ * peer sent (so no wait on them can still be pending). Reads the words
+ * from the device (a small copy). */
+bool gpuipc__lease_words_settled(struct gpuipc__ho *h);
+/* Our side closes the connection: frees the sender-side state now if that
+ * is safe, else keeps it as an orphan. Takes ownership of h. */
+void gpuipc__lease_close(struct gpuipc__ho *h, bool peer_open);
 
 /* ---- handoff (handoff.c) ---------------------------------------------------- */
 

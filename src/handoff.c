@@ -1,19 +1,664 @@
 /*
- * handoff.c: owns the per-buffer fast path (being written).
+ * handoff.c: owns the per-buffer fast path: exporting arena chunks and the
+ * flag words to a connection once, sending a block as one small frame,
+ * receiving it, releasing it, and the stream ordering of both directions
+ * with stream memory operations on the flag words.
+ *
+ * Flag words. Each side that sends on a connection owns 2 * nslots 64-bit
+ * words in its arena: ready[slot], written by the producer's stream after
+ * its work (cuStreamWriteValue64) and awaited by the consumer's stream in
+ * recv (cuStreamWaitValue64 GEQ); released[slot], written by the consumer's
+ * stream in release and awaited by the producer's arena reclaim stream.
+ * A slot carries one lease at a time; sequence numbers only grow, so words
+ * never need resetting, and a GEQ wait for an old value passes for any
+ * newer one.
+ *
+ * Writes to one word from different streams could land out of order and
+ * make a word go backwards (a newer value overwritten by an older, slower
+ * one), which would hang a wait. So a writer that changes streams between
+ * two writes of the same slot first makes its new stream wait for the
+ * previous cycle to be complete: the producer waits for released[slot] >=
+ * the slot's previous sequence number (which implies its previous ready
+ * write landed and was consumed), the consumer waits for released[slot] >=
+ * its previous release. With one stream per side (the common case) this
+ * costs nothing.
  */
 #include "conn_internal.h"
 
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
+
+static gpuipc_status ho_get(gpuipc_conn *c, struct gpuipc__ho **out) {
+  if (c->ho == NULL) {
+    c->ho = calloc(1, sizeof *c->ho);
+    if (c->ho == NULL)
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "connection state");
+    c->ho->peer_pid = c->peer_pid;
+    c->ho->peer_start = c->peer_start_time;
+    c->ho->ordinal = -1;
+    c->ho->peer_ordinal = -1;
+  }
+  *out = c->ho;
+  return GPUIPC_OK;
+}
+
+/* ---- sender: setup ---------------------------------------------------------------- */
+
+static int exp_find(struct gpuipc__ho *h, uint64_t arena_id) {
+  for (int i = 0; i < h->nexp; i++)
+    if (h->exp[i].arena_id == arena_id)
+      return i;
+  return -1;
+}
+
+/* Sends chunk `ci` of arena a to the peer (once per connection). */
+static gpuipc_status export_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
+                                  gpuipc_arena *a, uint32_t ci,
+                                  uint64_t deadline) {
+  int e = exp_find(h, a->id);
+  if (e >= 0 && (h->exp[e].mask >> ci & 1))
+    return GPUIPC_OK;
+  if (e < 0) {
+    if (h->nexp == (int)GPUIPC__ARRAY_SIZE(h->exp))
+      return gpuipc__fail(GPUIPC_E_LIMIT,
+                          "a connection carries blocks of at most %d arenas",
+                          (int)GPUIPC__ARRAY_SIZE(h->exp));
+    e = h->nexp++;
+    h->exp[e].arena_id = a->id;
+    h->exp[e].mask = 0;
+  }
+  pthread_mutex_lock(&a->lock);
+  gpuipc_buffer *buf = a->chunks[ci].buf;
+  size_t size = a->chunks[ci].size;
+  pthread_mutex_unlock(&a->lock);
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t dlen = 0;
+  int fds[GPUIPC_DESC_MAX_FDS];
+  int nfds = GPUIPC_DESC_MAX_FDS;
+  GPUIPC__CHECK(gpuipc_buffer_export(buf, desc, sizeof desc, &dlen, fds, &nfds));
+  gpuipc__w_chunk w = {a->id, size, ci, (uint32_t)dlen};
+  gpuipc_status s = gpuipc__conn_send_frame(c, GPUIPC__F_CHUNK, &w, sizeof w,
+                                            desc, dlen, fds, nfds, deadline);
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  if (s == GPUIPC_OK)
+    h->exp[e].mask |= (uint64_t)1 << ci;
+  return s;
+}
+
+/* Allocates our flag words in arena a and tells the peer where they are. */
+static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
+                              gpuipc_arena *a, uint64_t deadline) {
+  uint32_t n = c->max_outstanding;
+  gpuipc_status s;
+  h->tx = calloc(n, sizeof *h->tx);
+  h->tx_free = malloc(sizeof *h->tx_free * n);
+  if (h->tx == NULL || h->tx_free == NULL) {
+    s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "%u slots", n);
+    goto fail;
+  }
+  for (uint32_t i = 0; i < n; i++)
+    h->tx_free[i] = n - 1 - i;
+  h->tx_nfree = n;
+  h->nslots = n;
+  GPUIPC__CHECK_GOTO(gpuipc__arena_take(a, 16u * n, a->side, true, &h->ctl), s,
+                     fail);
+  pthread_mutex_lock(&a->lock);
+  a->users++;
+  pthread_mutex_unlock(&a->lock);
+  h->ctl_arena = a;
+  h->ordinal = a->ordinal;
+  {
+    gpuipc__ctx_guard g;
+    GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
+    /* Fresh words start at 0 (the memory may have held anything). */
+    CUresult r = GPUIPC__CU(cuMemsetD32Async, (CUdeviceptr)h->ctl->ptr, 0,
+                            h->ctl->len / 4, (CUstream)a->side);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+    gpuipc__ctx_leave(&g);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemsetD32Async", "connection flag words");
+      goto fail;
+    }
+  }
+  GPUIPC__CHECK_GOTO(export_chunk(c, h, a, h->ctl->chunk, deadline), s, fail);
+  gpuipc__w_ctl w = {a->id, h->ctl->off, h->ctl->chunk, n};
+  GPUIPC__CHECK_GOTO(gpuipc__conn_send_frame(c, GPUIPC__F_CTL, &w, sizeof w,
+                                             NULL, 0, NULL, 0, deadline),
+                     s, fail);
+  return GPUIPC_OK;
+fail:
+  gpuipc__ho_free_tx(h);
+  h->ctl_arena = NULL;
+  h->nslots = 0;
+  h->ordinal = -1;
+  return s;
+}
+
+/* ---- sender: send ------------------------------------------------------------------ */
+
+static bool have_free_slot(gpuipc_conn *c, void *arg) {
+  (void)arg;
+  return c->ho->tx_nfree > 0;
+}
+
+gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
+                               struct CUstream_st *stream, const void *meta,
+                               size_t meta_len) {
+  if (conn == NULL || block == NULL || meta_len > GPUIPC_META_MAX ||
+      (meta_len > 0 && meta == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send: NULL connection/block or metadata "
+                        "of %zu bytes (max %d)",
+                        meta_len, GPUIPC_META_MAX);
+  if (block->freed || block->internal)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send: the block was freed");
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  GPUIPC__CHECK(gpuipc__driver());
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(ho_get(conn, &h));
+  uint64_t deadline = gpuipc__conn_deadline(conn);
+  gpuipc_arena *a = block->arena;
+  if (h->ctl == NULL)
+    GPUIPC__CHECK(setup_tx(conn, h, a, deadline));
+  if (a->ordinal != h->ordinal)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send: the block is on device %d, this "
+                        "connection's flag words on device %d (one device per "
+                        "connection)",
+                        a->ordinal, h->ordinal);
+  GPUIPC__CHECK(export_chunk(conn, h, a, block->chunk, deadline));
+  if (h->tx_nfree == 0) {
+    /* Every slot is out: wait for a release. */
+    GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slot, NULL));
+  }
+  uint32_t slot = h->tx_free[h->tx_nfree - 1];
+  gpuipc__txs *t = &h->tx[slot];
+  uint64_t seq = h->tx_seq + 1;
+  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
+  if (ordered) {
+    gpuipc__ctx_guard g;
+    GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
+    CUresult r = CUDA_SUCCESS;
+    if (t->last_seq != 0 && t->last_stream != stream)
+      r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)stream,
+                     (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
+                                                        slot),
+                     (cuuint64_t)t->last_seq, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)stream,
+                     (CUdeviceptr)gpuipc__ready_word(h->ctl->ptr, slot),
+                     (cuuint64_t)seq, 0);
+    gpuipc__ctx_leave(&g);
+    if (r != CUDA_SUCCESS)
+      return gpuipc__fail_cuda(r, "cuStreamWriteValue64",
+                               "ready flag of buffer %llu",
+                               (unsigned long long)seq);
+  }
+  gpuipc__w_buf w = {seq,        a->id, block->off,          block->bytes, slot,
+                     block->chunk, ordered ? GPUIPC__BUF_ORDERED : 0u,
+                     (uint32_t)meta_len};
+  gpuipc_status s = gpuipc__conn_send_frame(conn, GPUIPC__F_BUF, &w, sizeof w,
+                                            meta, meta_len, NULL, 0, deadline);
+  h->tx_seq = seq;
+  if (ordered) {
+    t->last_seq = seq;
+    t->last_stream = stream;
+  }
+  h->tx_nfree--;
+  if (s != GPUIPC_OK) {
+    /* The ready write is queued but the peer will never hear of it: the
+     * slot cannot be reused safely on this connection. */
+    t->retired = true;
+    return s;
+  }
+  gpuipc__lease_add(h, slot, block, seq, ordered);
+  return GPUIPC_OK;
+}
+
+/* ---- receiver: frames ---------------------------------------------------------------- */
+
+static gpuipc__imp *imp_find(struct gpuipc__ho *h, uint64_t arena_id,
+                             uint32_t chunk) {
+  for (int i = 0; i < h->nimp; i++)
+    if (h->imp[i].arena_id == arena_id && h->imp[i].chunk == chunk)
+      return &h->imp[i];
+  return NULL;
+}
+
+static gpuipc_status on_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
+                              const unsigned char *p, size_t len, int *fds,
+                              int nfds) {
+  gpuipc_status s = GPUIPC_OK;
+  gpuipc__w_chunk w;
+  if (len < sizeof w) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL, "CHUNK frame of %zu bytes", len);
+    goto out;
+  }
+  memcpy(&w, p, sizeof w);
+  if (w.desc_len != len - sizeof w || w.desc_len > GPUIPC_DESC_MAX ||
+      w.chunk >= GPUIPC__ARENA_MAX_CHUNKS) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL, "bad CHUNK frame");
+    goto out;
+  }
+  if (imp_find(h, w.arena_id, w.chunk)) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL, "chunk %u of arena %llu sent twice",
+                     w.chunk, (unsigned long long)w.arena_id);
+    goto out;
+  }
+  if (h->nimp == h->cimp) {
+    int cap = h->cimp ? 2 * h->cimp : 4;
+    gpuipc__imp *n = realloc(h->imp, sizeof *n * (size_t)cap);
+    if (n == NULL) {
+      s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "imports");
+      goto out;
+    }
+    h->imp = n;
+    h->cimp = cap;
+  }
+  /* The one driver import of this memory on this connection (the handle
+   * layer's cache makes a second connection to the same exporter free). */
+  gpuipc_buffer *buf = NULL;
+  s = gpuipc_buffer_import(p + sizeof w, w.desc_len, fds, nfds, NULL, &buf);
+  if (s != GPUIPC_OK)
+    goto out;
+  gpuipc__buffer_info bi;
+  s = gpuipc__buffer_info_get(buf, &bi);
+  if (s != GPUIPC_OK || bi.size < w.size) {
+    gpuipc_buffer_close(buf);
+    if (s == GPUIPC_OK)
+      s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                       "chunk declares %llu bytes, the import maps %zu",
+                       (unsigned long long)w.size, bi.size);
+    goto out;
+  }
+  gpuipc__imp *im = &h->imp[h->nimp++];
+  im->arena_id = w.arena_id;
+  im->chunk = w.chunk;
+  im->buf = buf;
+  im->base = bi.ptr;
+  im->size = w.size;
+  im->ordinal = bi.map_ordinal;
+  GPUIPC__DEBUG("handoff", "imported chunk %u of arena %llu of pid %d (%zu "
+                           "bytes)",
+                w.chunk, (unsigned long long)w.arena_id, c->peer_pid,
+                im->size);
+out:
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  return s;
+}
+
+static gpuipc_status on_ctl(struct gpuipc__ho *h, const unsigned char *p,
+                            size_t len) {
+  gpuipc__w_ctl w;
+  if (len != sizeof w || h->have_peer_ctl)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad or repeated CTL frame");
+  memcpy(&w, p, sizeof w);
+  gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
+  if (im == NULL || w.nslots == 0 || w.nslots > 65536 ||
+      w.off > im->size || 16u * (uint64_t)w.nslots > im->size - w.off ||
+      w.off % 8)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "CTL frame names flag words outside the peer's "
+                        "imported memory");
+  h->rx = calloc(w.nslots, sizeof *h->rx);
+  h->q = calloc(w.nslots, sizeof *h->q);
+  if (h->rx == NULL || h->q == NULL) {
+    free(h->rx);
+    free(h->q);
+    h->rx = NULL;
+    h->q = NULL;
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "receive slots");
+  }
+  h->peer_ctl = im->base + w.off;
+  h->peer_nslots = w.nslots;
+  h->peer_ordinal = im->ordinal;
+  h->have_peer_ctl = true;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
+                            size_t len) {
+  gpuipc__w_buf w;
+  if (len < sizeof w)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame of %zu bytes", len);
+  memcpy(&w, p, sizeof w);
+  if (!h->have_peer_ctl)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame before CTL");
+  if (w.meta_len > GPUIPC_META_MAX || w.meta_len != len - sizeof w)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame: metadata of %u bytes",
+                        w.meta_len);
+  if (w.slot >= h->peer_nslots || h->rx[w.slot].held ||
+      w.seq <= h->rx[w.slot].last_recv || w.seq <= h->rx[w.slot].last_rel)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUF frame: slot %u (of %u) busy or sequence %llu "
+                        "not new",
+                        w.slot, h->peer_nslots, (unsigned long long)w.seq);
+  gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
+  if (im == NULL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUF frame names chunk %u of arena %llu, never sent",
+                        w.chunk, (unsigned long long)w.arena_id);
+  if (w.len == 0 || w.off > im->size || w.len > im->size - w.off)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "BUF frame: [%llu, +%llu) outside the chunk of %zu "
+                        "bytes",
+                        (unsigned long long)w.off, (unsigned long long)w.len,
+                        im->size);
+  if (h->qlen == h->peer_nslots)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "more buffers than slots");
+  /* The slot is taken from now on (queued counts as held). */
+  h->rx[w.slot].held = w.seq;
+  h->rx[w.slot].ptr = im->base + w.off;
+  h->rx[w.slot].len = (size_t)w.len;
+  h->rx[w.slot].ordered = (w.flags & GPUIPC__BUF_ORDERED) != 0;
+  if (w.seq > h->rx_max_seq)
+    h->rx_max_seq = w.seq;
+  gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
+  q->w = w;
+  memcpy(q->meta, p + sizeof w, w.meta_len);
+  h->qlen++;
+  return GPUIPC_OK;
+}
 
 gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
                                size_t len, int *fds, int nfds) {
-  (void)c;
-  (void)p;
-  (void)len;
-  for (int i = 0; i < nfds; i++)
-    close(fds[i]);
-  return gpuipc__fail(GPUIPC_E_PROTOCOL, "unexpected frame type %d", type);
+  struct gpuipc__ho *h = NULL;
+  gpuipc_status s = ho_get(c, &h);
+  if (s != GPUIPC_OK || (type != GPUIPC__F_CHUNK && nfds > 0)) {
+    for (int i = 0; i < nfds; i++)
+      close(fds[i]);
+    return s != GPUIPC_OK ? s
+                          : gpuipc__fail(GPUIPC_E_PROTOCOL,
+                                         "frame type %d with descriptors",
+                                         type);
+  }
+  switch (type) {
+  case GPUIPC__F_CHUNK:
+    return on_chunk(c, h, p, len, fds, nfds);
+  case GPUIPC__F_CTL:
+    return on_ctl(h, p, len);
+  case GPUIPC__F_BUF:
+    return on_buf(h, p, len);
+  case GPUIPC__F_REL:
+    if (len == 0 || len % sizeof(gpuipc__w_rel) || h->tx == NULL)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad REL frame of %zu bytes", len);
+    {
+      gpuipc__w_rel rel[64];
+      size_t n = len / sizeof rel[0];
+      if (n > GPUIPC__ARRAY_SIZE(rel))
+        return gpuipc__fail(GPUIPC_E_PROTOCOL, "REL frame of %zu entries", n);
+      memcpy(rel, p, len);
+      return gpuipc__lease_released(h, rel, n);
+    }
+  case GPUIPC__F_BYE:
+    c->peer_said_bye = 1;
+    return GPUIPC_OK;
+  default:
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "unexpected frame type %d", type);
+  }
 }
-void gpuipc__ho_peer_gone(gpuipc_conn *c) { (void)c; }
-void gpuipc__ho_poll(gpuipc_conn *c) { (void)c; }
-void gpuipc__ho_close(gpuipc_conn *c) { (void)c; }
+
+/* ---- receiver: recv / release ---------------------------------------------------------- */
+
+static bool have_buf(gpuipc_conn *c, void *arg) {
+  (void)arg;
+  return c->ho && c->ho->qlen > 0 && c->state == GPUIPC__CONN_OPEN;
+}
+
+static uint64_t make_id(uint32_t slot, uint64_t seq) {
+  return ((uint64_t)slot << 44) | (seq & (((uint64_t)1 << 44) - 1));
+}
+
+gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
+                               gpuipc_received *out) {
+  if (conn == NULL || out == NULL || out->size < sizeof *out)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_recv: NULL argument, or out->size not set "
+                        "(use GPUIPC_RECEIVED_INIT)");
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  if (!have_buf(conn, NULL)) {
+    GPUIPC__CHECK(
+        gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL));
+  }
+  struct gpuipc__ho *h = conn->ho;
+  gpuipc__qbuf *q = &h->q[h->qhead];
+  gpuipc__rxs *r = &h->rx[q->w.slot];
+  if (r->ordered) {
+    GPUIPC__CHECK(gpuipc__driver());
+    gpuipc__ctx_guard g;
+    GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
+    /* The consumer's stream waits, on the GPU, for the producer's work. */
+    CUresult cr = GPUIPC__CU(
+        cuStreamWaitValue64, (CUstream)stream,
+        (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, q->w.slot),
+        (cuuint64_t)q->w.seq, CU_STREAM_WAIT_VALUE_GEQ);
+    gpuipc__ctx_leave(&g);
+    if (cr != CUDA_SUCCESS)
+      return gpuipc__fail_cuda(cr, "cuStreamWaitValue64",
+                               "ready flag of buffer %llu from pid %d",
+                               (unsigned long long)q->w.seq, conn->peer_pid);
+    r->last_recv = q->w.seq;
+  }
+  out->id = make_id(q->w.slot, q->w.seq);
+  out->ptr = (void *)(uintptr_t)r->ptr;
+  out->length = r->len;
+  out->device = h->peer_ordinal;
+  out->meta_len = q->w.meta_len;
+  memcpy(out->meta, q->meta, q->w.meta_len);
+  h->qhead = (h->qhead + 1) % h->peer_nslots;
+  h->qlen--;
+  h->rx_held++;
+  return GPUIPC_OK;
+}
+
+/* Writes the release flag of a held slot on stream (ordered mode) and
+ * forgets the lease locally. */
+static gpuipc_status release_slot(struct gpuipc__ho *h, uint32_t slot,
+                                  struct CUstream_st *stream, bool write_flag) {
+  gpuipc__rxs *r = &h->rx[slot];
+  if (write_flag && r->ordered) {
+    gpuipc__ctx_guard g;
+    GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
+    CUdeviceptr word = (CUdeviceptr)gpuipc__released_word(
+        h->peer_ctl, h->peer_nslots, slot);
+    CUresult cr = CUDA_SUCCESS;
+    if (r->last_rel != 0 && r->last_rel_stream != stream)
+      cr = GPUIPC__CU(cuStreamWaitValue64, (CUstream)stream, word,
+                      (cuuint64_t)r->last_rel, CU_STREAM_WAIT_VALUE_GEQ);
+    if (cr == CUDA_SUCCESS)
+      cr = GPUIPC__CU(cuStreamWriteValue64, (CUstream)stream, word,
+                      (cuuint64_t)r->held, 0);
+    gpuipc__ctx_leave(&g);
+    if (cr != CUDA_SUCCESS)
+      return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
+                               "release flag of buffer %llu",
+                               (unsigned long long)r->held);
+    r->last_rel_stream = stream;
+  }
+  r->last_rel = r->held;
+  r->held = 0;
+  h->rx_held--;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
+                                  struct CUstream_st *stream) {
+  if (conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_release: NULL");
+  struct gpuipc__ho *h = conn->ho;
+  uint32_t slot = (uint32_t)(id >> 44);
+  uint64_t seq_lo = id & (((uint64_t)1 << 44) - 1);
+  if (h == NULL || h->rx == NULL || slot >= h->peer_nslots ||
+      h->rx[slot].held == 0 ||
+      (h->rx[slot].held & (((uint64_t)1 << 44) - 1)) != seq_lo)
+    return gpuipc__fail(GPUIPC_E_NOT_FOUND,
+                        "gpuipc_conn_release: buffer id 0x%llx is not held on "
+                        "this connection",
+                        (unsigned long long)id);
+  /* Still queued (received by the library, not by the caller)? */
+  for (uint32_t i = 0; i < h->qlen; i++)
+    if (h->q[(h->qhead + i) % h->peer_nslots].w.slot == slot)
+      return gpuipc__fail(GPUIPC_E_NOT_FOUND,
+                          "gpuipc_conn_release: buffer id 0x%llx was not "
+                          "received yet",
+                          (unsigned long long)id);
+  if (conn->state != GPUIPC__CONN_OPEN) {
+    /* The exporter is gone: nobody waits for the release any more. */
+    return release_slot(h, slot, stream, false);
+  }
+  gpuipc__w_rel rel = {h->rx[slot].held, slot, 0};
+  GPUIPC__CHECK(release_slot(h, slot, stream, true));
+  gpuipc_status s = gpuipc__conn_send_frame(conn, GPUIPC__F_REL, &rel,
+                                            sizeof rel, NULL, 0, NULL, 0, 0);
+  if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
+    return GPUIPC_OK; /* the lease ended with the exporter */
+  return s;
+}
+
+gpuipc_status gpuipc_conn_outstanding(gpuipc_conn *conn, size_t *held_by_peer,
+                                      size_t *held_here) {
+  if (conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_outstanding: NULL");
+  if (conn->state == GPUIPC__CONN_OPEN)
+    (void)gpuipc__conn_pump(conn, 0, NULL, NULL);
+  else if (conn->ho)
+    gpuipc__ho_poll(conn);
+  struct gpuipc__ho *h = conn->ho;
+  if (held_by_peer)
+    *held_by_peer = h ? h->tx_out : 0;
+  if (held_here)
+    *held_here = h ? h->rx_held : 0;
+  return GPUIPC_OK;
+}
+
+/* ---- peer departure ------------------------------------------------------------------ */
+
+void gpuipc__ho_peer_gone(gpuipc_conn *c) {
+  struct gpuipc__ho *h = c->ho;
+  if (h == NULL)
+    return;
+  /* Buffers that arrived but were not received: the producer's work on
+   * them may never complete; drop them. */
+  for (uint32_t i = 0; i < h->qlen; i++) {
+    gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    h->rx[q->w.slot].held = 0;
+  }
+  h->qlen = 0;
+  /* Our streams may wait for ready words the dead producer will never
+   * write: write them ourselves, into our own mapping of its memory (which
+   * stays mapped until we close), so nothing hangs. The data those streams
+   * then read is whatever the memory holds: the caller learns from
+   * GPUIPC_E_PEER_GONE that it is not to be trusted. */
+  if (!h->rx_unblocked && h->have_peer_ctl && !c->peer_said_bye &&
+      h->rx_max_seq > 0) {
+    h->rx_unblocked = true;
+    gpuipc__ctx_guard g;
+    if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
+      CUresult r = CUDA_SUCCESS;
+      if (h->unblock == NULL) {
+        CUstream st;
+        r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+        if (r == CUDA_SUCCESS)
+          h->unblock = (struct CUstream_st *)st;
+      }
+      for (uint32_t s = 0; r == CUDA_SUCCESS && s < h->peer_nslots; s++)
+        if (h->rx[s].last_recv != 0)
+          r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)h->unblock,
+                         (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, s),
+                         (cuuint64_t)h->rx_max_seq, 0);
+      if (r != CUDA_SUCCESS)
+        GPUIPC__WARN("handoff",
+                     "could not unblock streams waiting on dead peer %d: %s",
+                     c->peer_pid, gpuipc__cuda_error_name(r));
+      gpuipc__ctx_leave(&g);
+    }
+  }
+  gpuipc__ho_poll(c);
+}
+
+void gpuipc__ho_poll(gpuipc_conn *c) {
+  struct gpuipc__ho *h = c->ho;
+  gpuipc__orphans_poll();
+  if (h == NULL || c->state == GPUIPC__CONN_OPEN || h->ctl == NULL ||
+      h->dead_handled)
+    return;
+  /* The peer left. Once its process is gone, reclaim what it held and
+   * write the release words it can no longer write (see lease.c for why
+   * the closed socket alone is not enough). */
+  if (!gpuipc__peer_alive(h->peer_pid, h->peer_start))
+    gpuipc__lease_reclaim_dead(h);
+}
+
+void gpuipc__ho_close(gpuipc_conn *c) {
+  struct gpuipc__ho *h = c->ho;
+  c->ho = NULL;
+  /* Receiver side: give back what we hold, ordered after the legacy
+   * stream, and say goodbye. */
+  int sync_ordinal = -1;
+  if (h->rx) {
+    if (c->state == GPUIPC__CONN_OPEN) {
+      c->ho = h; /* the transport may dispatch frames while we send */
+      (void)gpuipc__conn_pump(c, 0, NULL, NULL);
+      c->ho = NULL;
+    }
+    for (uint32_t s = 0; s < h->peer_nslots; s++) {
+      if (h->rx[s].held == 0)
+        continue;
+      bool queued = false;
+      for (uint32_t i = 0; i < h->qlen; i++)
+        queued |= h->q[(h->qhead + i) % h->peer_nslots].w.slot == s;
+      gpuipc__w_rel rel = {h->rx[s].held, s, 0};
+      bool open = c->state == GPUIPC__CONN_OPEN;
+      if (queued) {
+        h->rx[s].held = 0; /* never handed to the caller: no GPU work */
+      } else {
+        (void)release_slot(h, s, NULL, open);
+      }
+      if (open)
+        (void)gpuipc__conn_send_frame(c, GPUIPC__F_REL, &rel, sizeof rel, NULL,
+                                      0, NULL, 0, 0);
+    }
+    h->qlen = 0;
+    sync_ordinal = h->peer_ordinal;
+  }
+  if (c->state == GPUIPC__CONN_OPEN)
+    (void)gpuipc__conn_send_frame(c, GPUIPC__F_BYE, NULL, 0, NULL, 0, NULL, 0,
+                                  0);
+  if (h->nimp > 0) {
+    /* The imported memory is unmapped below; GPU work of ours that may
+     * still use it (including the release writes just queued) must be
+     * done first. */
+    gpuipc__ctx_guard g;
+    if (sync_ordinal < 0)
+      sync_ordinal = h->imp[0].ordinal;
+    if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
+      GPUIPC__CU(cuCtxSynchronize);
+      if (h->unblock)
+        GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
+      gpuipc__ctx_leave(&g);
+    }
+    for (int i = 0; i < h->nimp; i++)
+      gpuipc_buffer_close(h->imp[i].buf);
+  }
+  free(h->imp);
+  free(h->rx);
+  free(h->q);
+  h->imp = NULL;
+  h->rx = NULL;
+  h->q = NULL;
+  /* Sender side. */
+  if (h->tx_out > 0 && c->state == GPUIPC__CONN_OPEN) {
+    /* The peer may have released meanwhile: read what is there. */
+    c->ho = h;
+    (void)gpuipc__conn_pump(c, 0, NULL, NULL);
+    c->ho = NULL;
+  }
+  gpuipc__lease_close(h, c->state == GPUIPC__CONN_OPEN);
+}

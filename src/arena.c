@@ -1,0 +1,542 @@
+/*
+ * arena.c: owns arenas: IPC-capable device memory (chunks of a MEMPOOL pool
+ * from the handle layer) carved into blocks with a first-fit allocator, and
+ * the stream-ordered reuse of memory that consumers held.
+ *
+ * Reuse. A block a consumer held may be handed out again only after the
+ * consumer's GPU work on it is done. The consumer says so on the GPU: its
+ * release writes a sequence number into a flag word. When the release
+ * message arrives (lease.c), the arena enqueues on its own non-blocking
+ * "reclaim" stream a wait for that word, then records an event (a marker)
+ * and tags the block with it. The memory of a freed block goes back to the
+ * free list with its newest marker; gpuipc_arena_alloc hands such memory
+ * out at once when the marker's event completed, and otherwise orders the
+ * caller's stream after it (cuStreamWaitEvent): reuse never waits on the
+ * host. Markers of one arena complete in order (one stream), so of two
+ * tags the newer covers the older, which keeps merging free ranges simple.
+ */
+#include "conn_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static atomic_uint_fast64_t arena_ids;
+
+/* ---- markers ------------------------------------------------------------------ */
+
+static void mark_unref(gpuipc_arena *a, gpuipc__mark *m) {
+  if (m == NULL || --m->refs > 0)
+    return;
+  m->next_free = a->mark_free;
+  a->mark_free = m;
+}
+
+static gpuipc__mark *mark_ref(gpuipc__mark *m) {
+  if (m)
+    m->refs++;
+  return m;
+}
+
+/* The newer of two markers (either may be NULL). */
+static gpuipc__mark *mark_newer(gpuipc__mark *x, gpuipc__mark *y) {
+  if (x == NULL)
+    return y;
+  if (y == NULL)
+    return x;
+  return x->order >= y->order ? x : y;
+}
+
+/* True when the marker's event completed (no waiting). Context current. */
+static bool mark_done(gpuipc__mark *m) {
+  if (m == NULL || m->done)
+    return true;
+  CUresult r = GPUIPC__CU(cuEventQuery, (CUevent)m->ev);
+  if (r == CUDA_SUCCESS)
+    m->done = true;
+  return m->done;
+}
+
+static gpuipc_status mark_new(gpuipc_arena *a, gpuipc__mark **out) {
+  gpuipc__mark *m = a->mark_free;
+  if (m) {
+    a->mark_free = m->next_free;
+  } else {
+    m = calloc(1, sizeof *m);
+    if (m == NULL)
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "arena marker");
+    CUevent ev;
+    CUresult r = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+    if (r != CUDA_SUCCESS) {
+      free(m);
+      return gpuipc__fail_cuda(r, "cuEventCreate", "arena marker");
+    }
+    m->ev = (struct CUevent_st *)ev;
+  }
+  m->refs = 1;
+  m->done = false;
+  m->order = ++a->mark_order;
+  m->next_free = NULL;
+  *out = m;
+  return GPUIPC_OK;
+}
+
+/* ---- free list ------------------------------------------------------------------ */
+
+/* Returns [off, off+len) of chunk to the free list, merging with
+ * neighbours. Takes over the caller's reference to tag. */
+static gpuipc_status range_put(gpuipc_arena *a, uint32_t chunk, size_t off,
+                               size_t len, gpuipc__mark *tag) {
+  if (tag && mark_done(tag)) {
+    mark_unref(a, tag);
+    tag = NULL;
+  }
+  gpuipc__range **pp = &a->free_list, *prev = NULL;
+  while (*pp && ((*pp)->chunk < chunk ||
+                 ((*pp)->chunk == chunk && (*pp)->off < off))) {
+    prev = *pp;
+    pp = &(*pp)->next;
+  }
+  gpuipc__range *next = *pp;
+  if (prev && prev->chunk == chunk && prev->off + prev->len == off) {
+    prev->len += len;
+    gpuipc__mark *t = mark_newer(prev->tag, tag);
+    if (t != prev->tag) {
+      mark_unref(a, prev->tag);
+      prev->tag = mark_ref(t);
+    }
+    mark_unref(a, tag);
+    if (next && next->chunk == chunk && prev->off + prev->len == next->off) {
+      prev->len += next->len;
+      gpuipc__mark *t2 = mark_newer(prev->tag, next->tag);
+      if (t2 != prev->tag) {
+        mark_unref(a, prev->tag);
+        prev->tag = mark_ref(t2);
+      }
+      mark_unref(a, next->tag);
+      prev->next = next->next;
+      free(next);
+    }
+    return GPUIPC_OK;
+  }
+  if (next && next->chunk == chunk && off + len == next->off) {
+    next->off = off;
+    next->len += len;
+    gpuipc__mark *t = mark_newer(next->tag, tag);
+    if (t != next->tag) {
+      mark_unref(a, next->tag);
+      next->tag = mark_ref(t);
+    }
+    mark_unref(a, tag);
+    return GPUIPC_OK;
+  }
+  gpuipc__range *r = malloc(sizeof *r);
+  if (r == NULL) {
+    mark_unref(a, tag);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "arena free range");
+  }
+  r->chunk = chunk;
+  r->off = off;
+  r->len = len;
+  r->tag = tag;
+  r->next = next;
+  *pp = r;
+  return GPUIPC_OK;
+}
+
+static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
+  if (a->nchunks >= GPUIPC__ARENA_MAX_CHUNKS)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_DEVICE_MEMORY,
+                        "arena %llu has its maximum of %d chunks",
+                        (unsigned long long)a->id, GPUIPC__ARENA_MAX_CHUNKS);
+  if (a->max_bytes && a->total_bytes + bytes > a->max_bytes)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_DEVICE_MEMORY,
+                        "arena %llu: %zu more bytes would exceed max_bytes %zu",
+                        (unsigned long long)a->id, bytes, a->max_bytes);
+  gpuipc_buffer *buf = NULL;
+  GPUIPC__CHECK(gpuipc__arena_alloc(a->pool, bytes, &buf));
+  uint32_t i = a->nchunks;
+  a->chunks[i].buf = buf;
+  a->chunks[i].base = (uint64_t)(uintptr_t)gpuipc_buffer_ptr(buf);
+  a->chunks[i].size = bytes;
+  gpuipc_status s = range_put(a, i, 0, bytes, NULL);
+  if (s != GPUIPC_OK) {
+    gpuipc_buffer_free(buf, NULL);
+    return s;
+  }
+  a->nchunks++;
+  a->total_bytes += bytes;
+  GPUIPC__DEBUG("arena", "arena %llu: chunk %u of %zu bytes",
+                (unsigned long long)a->id, i, bytes);
+  return GPUIPC_OK;
+}
+
+/* ---- public ------------------------------------------------------------------------- */
+
+gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
+                                  gpuipc_arena **out) {
+  if (out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_arena_create: out NULL");
+  *out = NULL;
+  gpuipc_arena_options o = GPUIPC_ARENA_OPTIONS_INIT;
+  if (opts) {
+    if (opts->size < offsetof(gpuipc_arena_options, device) + sizeof(int) ||
+        opts->size > 4096)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_arena_options.size %zu: use "
+                          "GPUIPC_ARENA_OPTIONS_INIT",
+                          opts->size);
+    memcpy(&o, opts, opts->size < sizeof o ? opts->size : sizeof o);
+  }
+  if (o.chunk_bytes == 0)
+    o.chunk_bytes = (size_t)64 << 20;
+  o.chunk_bytes = (o.chunk_bytes + GPUIPC__ARENA_ALIGN - 1) &
+                  ~(size_t)(GPUIPC__ARENA_ALIGN - 1);
+  if (o.max_bytes && o.max_bytes < o.chunk_bytes)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "arena max_bytes %zu < chunk_bytes %zu", o.max_bytes,
+                        o.chunk_bytes);
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc_arena *a = calloc(1, sizeof *a);
+  if (a == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "arena");
+  pthread_mutex_init(&a->lock, NULL);
+  a->id = atomic_fetch_add(&arena_ids, 1) + 1;
+  a->chunk_bytes = o.chunk_bytes;
+  a->max_bytes = o.max_bytes;
+  gpuipc_status s;
+  gpuipc__ctx_guard g = {NULL};
+  bool entered = false;
+  gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+  po.kind = GPUIPC_POOL_MEMPOOL;
+  po.device = o.device;
+  GPUIPC__CHECK_GOTO(gpuipc_pool_create(&po, &a->pool), s, fail);
+  a->ordinal = a->pool->ordinal;
+  GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
+  entered = true;
+  CUstream st;
+  GPUIPC__CU_CHECK_GOTO(s, fail, cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+  a->reclaim = (struct CUstream_st *)st;
+  GPUIPC__CU_CHECK_GOTO(s, fail, cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+  a->side = (struct CUstream_st *)st;
+  GPUIPC__CHECK_GOTO(add_chunk(a, o.chunk_bytes), s, fail);
+  gpuipc__ctx_leave(&g);
+  *out = a;
+  return GPUIPC_OK;
+fail:
+  if (a->reclaim)
+    GPUIPC__CU(cuStreamDestroy, (CUstream)a->reclaim);
+  if (a->side)
+    GPUIPC__CU(cuStreamDestroy, (CUstream)a->side);
+  if (entered)
+    gpuipc__ctx_leave(&g);
+  gpuipc_pool_destroy(a->pool);
+  pthread_mutex_destroy(&a->lock);
+  free(a);
+  return s;
+}
+
+gpuipc_status gpuipc_arena_destroy(gpuipc_arena *a) {
+  if (a == NULL)
+    return GPUIPC_OK;
+  gpuipc__orphans_poll();
+  pthread_mutex_lock(&a->lock);
+  if (a->blocks_allocated || a->users) {
+    size_t n = a->blocks_allocated;
+    int u = a->users;
+    pthread_mutex_unlock(&a->lock);
+    return gpuipc__fail(GPUIPC_E_BUSY,
+                        "gpuipc_arena_destroy: %zu block(s) still allocated "
+                        "or held, %d connection(s) still use it",
+                        n, u);
+  }
+  gpuipc__ctx_guard g;
+  gpuipc_status s = gpuipc__ctx_enter(&g, a->ordinal);
+  if (s != GPUIPC_OK) {
+    pthread_mutex_unlock(&a->lock);
+    return s;
+  }
+  /* Everything queued on the reclaim stream refers to this memory. */
+  GPUIPC__CU(cuStreamSynchronize, (CUstream)a->reclaim);
+  GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+  gpuipc__range *r = a->free_list;
+  while (r) {
+    gpuipc__range *n = r->next;
+    mark_unref(a, r->tag);
+    free(r);
+    r = n;
+  }
+  mark_unref(a, a->last_mark);
+  gpuipc__mark *m = a->mark_free;
+  while (m) {
+    gpuipc__mark *n = m->next_free;
+    GPUIPC__CU(cuEventDestroy, (CUevent)m->ev);
+    free(m);
+    m = n;
+  }
+  GPUIPC__CU(cuStreamDestroy, (CUstream)a->reclaim);
+  GPUIPC__CU(cuStreamDestroy, (CUstream)a->side);
+  for (uint32_t i = 0; i < a->nchunks; i++)
+    gpuipc_buffer_free(a->chunks[i].buf, NULL);
+  gpuipc__ctx_leave(&g);
+  s = gpuipc_pool_destroy(a->pool);
+  pthread_mutex_unlock(&a->lock);
+  pthread_mutex_destroy(&a->lock);
+  free(a);
+  return s;
+}
+
+gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
+                                 struct CUstream_st *stream, bool internal,
+                                 gpuipc_block **out) {
+  size_t need = (bytes + GPUIPC__ARENA_ALIGN - 1) &
+                ~(size_t)(GPUIPC__ARENA_ALIGN - 1);
+  gpuipc_block *b = malloc(sizeof *b);
+  if (b == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "block");
+  gpuipc__ctx_guard g;
+  gpuipc_status s = gpuipc__ctx_enter(&g, a->ordinal);
+  if (s != GPUIPC_OK) {
+    free(b);
+    return s;
+  }
+  gpuipc__orphans_poll();
+  pthread_mutex_lock(&a->lock);
+  gpuipc__range **pick = NULL;
+  for (int pass = 0; pass < 2 && pick == NULL; pass++) {
+    /* First pass: memory free at once (no marker, or a completed one);
+     * second: memory whose reuse must wait on the GPU. */
+    for (gpuipc__range **pp = &a->free_list; *pp; pp = &(*pp)->next) {
+      if ((*pp)->len < need)
+        continue;
+      if (pass == 0 && !mark_done((*pp)->tag))
+        continue;
+      pick = pp;
+      break;
+    }
+    if (pick == NULL && pass == 1) {
+      size_t grow = need > a->chunk_bytes ? need : a->chunk_bytes;
+      s = add_chunk(a, grow);
+      if (s != GPUIPC_OK)
+        goto out;
+      for (gpuipc__range **pp = &a->free_list; *pp; pp = &(*pp)->next)
+        if ((*pp)->len >= need && (*pp)->chunk == a->nchunks - 1) {
+          pick = pp;
+          break;
+        }
+    }
+  }
+  if (pick == NULL) {
+    s = gpuipc__fail(GPUIPC_E_INTERNAL, "arena free list inconsistent");
+    goto out;
+  }
+  gpuipc__range *r = *pick;
+  if (r->tag && !mark_done(r->tag)) {
+    /* Stream-ordered reuse: the caller's stream waits for the releases of
+     * the consumers that held this memory. */
+    CUresult cr = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
+                             (CUevent)r->tag->ev, 0);
+    if (cr != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(cr, "cuStreamWaitEvent",
+                            "ordering reuse of arena memory");
+      goto out;
+    }
+  }
+  b->arena = a;
+  b->chunk = r->chunk;
+  b->off = r->off;
+  b->len = need;
+  b->bytes = bytes;
+  b->ptr = a->chunks[r->chunk].base + r->off;
+  b->holders = 0;
+  b->freed = false;
+  b->internal = internal;
+  b->tag = NULL;
+  if (r->len == need) {
+    *pick = r->next;
+    mark_unref(a, r->tag);
+    free(r);
+  } else {
+    r->off += need;
+    r->len -= need;
+  }
+  a->blocks_allocated++;
+  a->bytes_allocated += need;
+  if (internal) {
+    a->internal_blocks++;
+    a->internal_bytes += need;
+  }
+  *out = b;
+  b = NULL;
+out:
+  pthread_mutex_unlock(&a->lock);
+  gpuipc__ctx_leave(&g);
+  free(b);
+  return s;
+}
+
+gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
+                                 struct CUstream_st *stream,
+                                 gpuipc_block **out) {
+  if (arena == NULL || out == NULL || bytes == 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_arena_alloc: NULL arena/out or 0 bytes");
+  *out = NULL;
+  if (bytes > ((size_t)1 << 46))
+    return gpuipc__fail(GPUIPC_E_OUT_OF_DEVICE_MEMORY,
+                        "gpuipc_arena_alloc: %zu bytes", bytes);
+  GPUIPC__CHECK(gpuipc__driver());
+  return gpuipc__arena_take(arena, bytes, stream, false, out);
+}
+
+void *gpuipc_block_ptr(const gpuipc_block *b) {
+  return b ? (void *)(uintptr_t)b->ptr : NULL;
+}
+size_t gpuipc_block_size(const gpuipc_block *b) { return b ? b->bytes : 0; }
+unsigned gpuipc_block_holders(const gpuipc_block *b) {
+  if (b == NULL)
+    return 0;
+  pthread_mutex_lock(&b->arena->lock);
+  unsigned h = b->holders;
+  pthread_mutex_unlock(&b->arena->lock);
+  return h;
+}
+
+/* The memory of a block nobody holds goes back to the free list. */
+static void block_release_memory(gpuipc_block *b) {
+  gpuipc_arena *a = b->arena;
+  a->blocks_allocated--;
+  a->bytes_allocated -= b->len;
+  if (b->internal) {
+    a->internal_blocks--;
+    a->internal_bytes -= b->len;
+  }
+  gpuipc_status s = range_put(a, b->chunk, b->off, b->len, b->tag);
+  if (s != GPUIPC_OK)
+    GPUIPC__WARN("arena", "lost %zu bytes of arena %llu: %s", b->len,
+                 (unsigned long long)a->id, gpuipc_last_error());
+  free(b);
+}
+
+void gpuipc__block_unhold(gpuipc_block *b) {
+  gpuipc_arena *a = b->arena;
+  if (b->holders > 0) {
+    b->holders--;
+    a->leases--;
+  }
+  if (b->holders == 0 && b->freed) {
+    a->blocks_deferred--;
+    block_release_memory(b);
+  }
+}
+
+gpuipc_status gpuipc_block_free(gpuipc_block *b, struct CUstream_st *stream) {
+  if (b == NULL)
+    return GPUIPC_OK;
+  gpuipc_arena *a = b->arena;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, a->ordinal));
+  pthread_mutex_lock(&a->lock);
+  gpuipc_status s = GPUIPC_OK;
+  if (b->freed) {
+    s = gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_block_free: freed twice");
+    goto out;
+  }
+  /* The owner's own work queued on `stream` must be done before reuse: the
+   * reclaim stream waits for it, and the block's marker comes after. */
+  gpuipc__mark *m = NULL;
+  s = mark_new(a, &m);
+  if (s != GPUIPC_OK)
+    goto out;
+  CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)m->ev, (CUstream)stream);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->reclaim, (CUevent)m->ev, 0);
+  mark_unref(a, m);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuEventRecord/cuStreamWaitEvent",
+                          "ordering the free of a block after its stream");
+    goto out;
+  }
+  gpuipc_block *one = b;
+  s = gpuipc__arena_mark(a, &one, 1);
+  if (s != GPUIPC_OK)
+    goto out;
+  b->freed = true;
+  if (b->holders == 0)
+    block_release_memory(b);
+  else
+    a->blocks_deferred++;
+out:
+  pthread_mutex_unlock(&a->lock);
+  gpuipc__ctx_leave(&g);
+  return s;
+}
+
+gpuipc_status gpuipc__arena_wait_word(gpuipc_arena *a, uint64_t word,
+                                      uint64_t value) {
+  CUresult r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)a->reclaim,
+                          (CUdeviceptr)word, (cuuint64_t)value,
+                          CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuStreamWaitValue64",
+                             "reclaim wait for release %llu",
+                             (unsigned long long)value);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
+                                 int n) {
+  gpuipc__mark *m = NULL;
+  GPUIPC__CHECK(mark_new(a, &m));
+  CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)m->ev, (CUstream)a->reclaim);
+  if (r != CUDA_SUCCESS) {
+    mark_unref(a, m);
+    return gpuipc__fail_cuda(r, "cuEventRecord", "reclaim marker");
+  }
+  for (int i = 0; i < n; i++) {
+    mark_unref(a, blocks[i]->tag);
+    blocks[i]->tag = mark_ref(m);
+  }
+  mark_unref(a, a->last_mark);
+  a->last_mark = m; /* keeps the creation reference */
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__arena_force_words(gpuipc_arena *a, const uint64_t *words,
+                                        int n, uint64_t value) {
+  for (int i = 0; i < n; i++) {
+    CUresult r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)a->side,
+                            (CUdeviceptr)words[i], (cuuint64_t)value, 0);
+    if (r != CUDA_SUCCESS)
+      return gpuipc__fail_cuda(r, "cuStreamWriteValue64",
+                               "unblocking flag words of a dead peer");
+  }
+  CUresult r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuStreamSynchronize", "side stream");
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_arena_stats_get(gpuipc_arena *a, gpuipc_arena_stats *st) {
+  if (a == NULL || st == NULL ||
+      st->size < offsetof(gpuipc_arena_stats, leases) + sizeof(size_t))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_arena_stats_get: NULL or size too small (use "
+                        "GPUIPC_ARENA_STATS_INIT)");
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, a->ordinal));
+  gpuipc__orphans_poll();
+  pthread_mutex_lock(&a->lock);
+  gpuipc_arena_stats s = {sizeof s,
+                          a->nchunks,
+                          a->total_bytes,
+                          a->bytes_allocated - a->internal_bytes,
+                          a->blocks_allocated - a->internal_blocks,
+                          a->blocks_deferred,
+                          a->leases};
+  pthread_mutex_unlock(&a->lock);
+  gpuipc__ctx_leave(&g);
+  size_t n = st->size < sizeof s ? st->size : sizeof s;
+  memcpy(st, &s, n);
+  st->size = n;
+  return GPUIPC_OK;
+}

@@ -1,0 +1,748 @@
+/*
+ * test-conn-handoff.c: the per-buffer fast path across processes: arenas,
+ * send / recv / release, GPU-side ordering in both directions, leases and
+ * deferred frees, 64 consumers, consumers killed at random points, an
+ * exporter killed while consumers hold its buffers.
+ *
+ * The ordering tests need the emulator's GPUIPC_EMU_COPY_DELAY_US (slow
+ * copies make a missing wait visible); on a real GPU they run with large
+ * copies instead, which the consumer would otherwise overtake.
+ */
+#include "harness.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "conn_internal.h"
+#include "driver.h"
+
+/* ---- small tools ------------------------------------------------------------------- */
+
+static void ctx_current(void) {
+  CUcontext c;
+  ASSERT_OK(gpuipc__primary_ctx(0, &c));
+  ASSERT_CU(gpuipc__cu.cuCtxSetCurrent(c));
+}
+
+static CUstream mkstream(void) {
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  return s;
+}
+
+static void pattern(uint8_t *p, size_t n, uint32_t seed) {
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    p[i] = (uint8_t)x;
+  }
+}
+
+static void check_pattern(const uint8_t *p, size_t n, uint32_t seed) {
+  uint8_t *want = malloc(n);
+  ASSERT_NOT_NULL(want);
+  pattern(want, n, seed);
+  ASSERT_MEM_EQ(p, want, n);
+  free(want);
+}
+
+static const char *rt_dir(void) {
+  static char dir[300];
+  snprintf(dir, sizeof dir, "%s/rt", harness_tmpdir());
+  return dir;
+}
+
+static gpuipc_arena *mkarena(size_t chunk) {
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = chunk;
+  gpuipc_arena *a = NULL;
+  ASSERT_OK(gpuipc_arena_create(&ao, &a));
+  return a;
+}
+
+static gpuipc_conn *pair_conn(int fd) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  return c;
+}
+
+/* Waits until no peer holds the block (making progress on c). */
+static void wait_unheld(gpuipc_conn *c, gpuipc_block *b) {
+  for (int i = 0; i < 30000 && gpuipc_block_holders(b) > 0; i++)
+    ASSERT_OK(gpuipc_conn_progress(c, 1));
+  ASSERT_EQ(gpuipc_block_holders(b), 0);
+}
+
+/* Copies n bytes of device memory at p to the host (synchronous). */
+static void d2h(void *dst, const void *p, size_t n) {
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(dst, (CUdeviceptr)(uintptr_t)p, n));
+}
+
+/* ---- consumer helper ---------------------------------------------------------------- */
+
+/* A consumer: receives `count` buffers, checks each against the pattern
+ * whose seed is in its metadata, releases it, and reports "ok". Then (if
+ * argv[1] is "swap") it becomes the producer and sends one buffer back.
+ * argv[0]: "pair" or a name to connect to in the runtime dir argv[2]. */
+HELPER_IMPL(ho_consumer) {
+  ASSERT(argc >= 2);
+  int count = atoi(argv[1]);
+  gpuipc_conn *c = NULL;
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  if (strcmp(argv[0], "pair") == 0) {
+    c = pair_conn(dup(harness_helper_fd()));
+  } else {
+    ASSERT(argc >= 3);
+    o.runtime_dir = argv[2];
+    ASSERT_OK(gpuipc_connect(argv[0], &o, &c));
+  }
+  CUstream s = mkstream();
+  for (int i = 0; i < count; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    ASSERT_EQ(r.meta_len, sizeof(uint32_t));
+    uint32_t seed;
+    memcpy(&seed, r.meta, sizeof seed);
+    uint8_t *host = malloc(r.length);
+    ASSERT_NOT_NULL(host);
+    /* Ordered on s after the wait recv queued. */
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r.ptr,
+                                          r.length, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    check_pattern(host, r.length, seed);
+    free(host);
+    ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  if (argc >= 2 && argc >= 4 && strcmp(argv[3], "swap") == 0) {
+    gpuipc_arena *a = mkarena((size_t)1 << 20);
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 8192, (struct CUstream_st *)s, &b));
+    uint8_t host[8192];
+    pattern(host, sizeof host, 4242);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
+                                          host, sizeof host, s));
+    uint32_t seed = 4242;
+    ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed, sizeof seed));
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_outstanding(c, &out, NULL));
+    ASSERT_EQ(out, 0);
+    gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+    ASSERT_OK(gpuipc_arena_stats_get(a, &st));
+    ASSERT_EQ(st.blocks_allocated, 0);
+    gpuipc_conn_close(c);
+    ASSERT_OK(gpuipc_arena_destroy(a));
+    return 0;
+  }
+  char buf[4];
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static void send_pattern(gpuipc_conn *c, gpuipc_arena *a, CUstream s,
+                         size_t n, uint32_t seed, gpuipc_block **keep) {
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  uint8_t *host = malloc(n);
+  ASSERT_NOT_NULL(host);
+  pattern(host, n, seed);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
+                                        host, n, s));
+  free(host);
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed, sizeof seed));
+  if (keep)
+    *keep = b;
+  else
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+}
+
+TEST_IMPL(handoff_basic_and_swap) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_consumer", NULL, &fd, "pair", "5", "-", "swap",
+                           NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)8 << 20);
+  CUstream s = mkstream();
+  size_t sizes[5] = {1, 4096, 100000, (size_t)1 << 20, 3 << 20};
+  gpuipc_block *held = NULL;
+  for (int i = 0; i < 5; i++)
+    send_pattern(c, a, s, sizes[i], (uint32_t)i + 1, i == 1 ? &held : NULL);
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  /* All five were released; the one we kept is ours again. */
+  size_t out = 99;
+  ASSERT_OK(gpuipc_conn_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_EQ(gpuipc_block_holders(held), 0);
+  ASSERT_OK(gpuipc_block_free(held, (struct CUstream_st *)s));
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_stats_get(a, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_EQ(st.leases, 0);
+  ASSERT_EQ(st.chunks, 1);
+  /* Now the other way round: the helper produces, we consume. */
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  ASSERT_EQ(r.length, 8192);
+  uint8_t host[8192];
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        sizeof host, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  check_pattern(host, sizeof host, 4242);
+  size_t here = 0;
+  ASSERT_OK(gpuipc_conn_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 1);
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  ASSERT_STATUS(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s),
+                GPUIPC_E_NOT_FOUND);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+TEST_IMPL(handoff_api_checks) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_consumer", NULL, &fd, "pair", "0", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_STATUS(gpuipc_arena_alloc(a, 0, NULL, &b), GPUIPC_E_INVALID_ARG);
+  ASSERT_OK(gpuipc_arena_alloc(a, 100, (struct CUstream_st *)s, &b));
+  ASSERT_EQ(gpuipc_block_size(b), 100);
+  uint8_t meta[GPUIPC_META_MAX + 1] = {0};
+  ASSERT_STATUS(gpuipc_conn_send(c, b, NULL, meta, sizeof meta),
+                GPUIPC_E_INVALID_ARG);
+  /* Destroying an arena with blocks out is refused. */
+  ASSERT_STATUS(gpuipc_arena_destroy(a), GPUIPC_E_BUSY);
+  /* A release of something never received. */
+  ASSERT_STATUS(gpuipc_conn_release(c, 12345, NULL), GPUIPC_E_NOT_FOUND);
+  /* recv with nothing coming times out, or would block. */
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 100));
+  ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_TIMEOUT);
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
+  ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_WOULD_BLOCK);
+  gpuipc_received small = GPUIPC_RECEIVED_INIT;
+  small.size = 8;
+  ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &small), GPUIPC_E_INVALID_ARG);
+  ASSERT_OK(gpuipc_block_free(b, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 0));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  ASSERT_OK(gpuipc_arena_destroy(NULL));
+  return 0;
+}
+
+/* ---- leases: deferred free, slots running out ------------------------------------------- */
+
+/* Receives buffers and holds them until told (a message), then releases
+ * them all and reports. argv[0]: how many. */
+HELPER_IMPL(ho_holder) {
+  int n = atoi(argv[0]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_received r[64];
+  for (int i = 0; i < n; i++) {
+    r[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, NULL, &r[i]));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "held", 4, NULL, 0));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  for (int i = 0; i < n; i++)
+    ASSERT_OK(gpuipc_conn_release(c, r[i].id, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "done", 4, NULL, 0));
+  gpuipc_status s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(s == GPUIPC_E_PEER_GONE || s == GPUIPC_OK);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(handoff_deferred_free_and_slots) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_holder", NULL, &fd, "2", NULL);
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  o.max_outstanding = 2;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *b1, *b2, *b3;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b1));
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b2));
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b3));
+  ASSERT_OK(gpuipc_conn_send(c, b1, NULL, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send(c, b2, NULL, NULL, 0));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(gpuipc_block_holders(b1), 1);
+  /* Both slots are out: a third send waits, then times out. */
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 100));
+  ASSERT_STATUS(gpuipc_conn_send(c, b3, NULL, NULL, 0), GPUIPC_E_TIMEOUT);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
+  /* Freeing held blocks defers the free. */
+  ASSERT_OK(gpuipc_block_free(b1, NULL));
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_stats_get(a, &st));
+  ASSERT_EQ(st.blocks_deferred, 1);
+  ASSERT_EQ(st.leases, 2);
+  ASSERT_EQ(st.blocks_allocated, 3);
+  size_t out = 0;
+  ASSERT_OK(gpuipc_conn_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 2);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_OK(gpuipc_conn_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_OK(gpuipc_arena_stats_get(a, &st));
+  ASSERT_EQ(st.blocks_deferred, 0);
+  ASSERT_EQ(st.leases, 0);
+  ASSERT_EQ(st.blocks_allocated, 2);
+  ASSERT_OK(gpuipc_block_free(b2, NULL));
+  ASSERT_OK(gpuipc_block_free(b3, NULL));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* ---- ordering ------------------------------------------------------------------------- */
+
+/* Consumer for the ordering tests. Mode "read": receive one buffer, copy
+ * it to the host on the stream recv ordered, check the pattern (seed in
+ * metadata). Mode "reuse": receive, copy it (slowly) to private device
+ * memory, release at once on the same stream, tell the producer, wait for
+ * the producer to say it overwrote the memory, then check the private copy
+ * has the original data. */
+HELPER_IMPL(ho_order) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  uint32_t seed;
+  memcpy(&seed, r.meta, sizeof seed);
+  uint8_t *host = malloc(r.length);
+  ASSERT_NOT_NULL(host);
+  if (strcmp(argv[0], "read") == 0) {
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r.ptr,
+                                          r.length, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    check_pattern(host, r.length, seed);
+    ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  } else {
+    CUdeviceptr priv;
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, r.length));
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                          r.length, s));
+    ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+    ASSERT_OK(gpuipc_conn_send_msg(c, "released", 8, NULL, 0));
+    char buf[16];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    d2h(host, (void *)(uintptr_t)priv, r.length);
+    check_pattern(host, r.length, seed);
+    ASSERT_CU(gpuipc__cu.cuMemFree(priv));
+  }
+  free(host);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  char buf[4];
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static char *delay_env[] = {"GPUIPC_EMU_COPY_DELAY_US=200000", NULL};
+
+TEST_IMPL(handoff_order_slow_producer) {
+  REQUIRE_DEVICES(1);
+  /* The producer's copy is slow (emulator) or large (GPU); the consumer's
+   * read is queued right after recv and must not overtake it. */
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)256 << 20;
+  if (harness_on_emulator())
+    setenv("GPUIPC_EMU_COPY_DELAY_US", "200000", 1);
+  int fd;
+  pid_t pid = spawn_helper("ho_order", NULL, &fd, "read", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena(n + ((size_t)1 << 20));
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  /* Poison first (and wait for it), then the slow write of the pattern. */
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
+                                  0xEE, n));
+  uint8_t *host = malloc(n);
+  pattern(host, n, 77);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
+                                        host, n, s));
+  uint32_t seed = 77;
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed, sizeof seed));
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  free(host);
+  wait_unheld(c, b);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+TEST_IMPL(handoff_order_reuse_after_release) {
+  REQUIRE_DEVICES(1);
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)256 << 20;
+  int fd;
+  /* The consumer's copy out of the buffer is slow; the producer overwrites
+   * the memory as soon as the release arrives. */
+  pid_t pid = spawn_helper("ho_order", harness_on_emulator() ? delay_env : NULL,
+                           &fd, "reuse", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  /* Room for the connection's flag words (4 KiB) and one block: the reuse
+   * below must get the same memory back. */
+  gpuipc_arena *a = mkarena(n + 8192);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  void *first = gpuipc_block_ptr(b);
+  uint8_t *host = malloc(n);
+  pattern(host, n, 99);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)first, host, n, s));
+  uint32_t seed = 99;
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed, sizeof seed));
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 8);
+  /* The release has arrived (it came before the message). Reuse: the same
+   * memory comes back, ordered on s after the consumer's queued copy. */
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  gpuipc_block *b2 = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b2));
+  ASSERT_PTR_EQ(gpuipc_block_ptr(b2), first);
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)first, 0x55, n, s));
+  /* Not synchronized: the overwrite may still be queued behind the wait. */
+  ASSERT_OK(gpuipc_conn_send_msg(c, "overwritten", 11, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t probe[16];
+  d2h(probe, first, sizeof probe);
+  ASSERT_EQ(probe[0], 0x55);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  free(host);
+  ASSERT_OK(gpuipc_block_free(b2, (struct CUstream_st *)s));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* ---- 64 consumers ------------------------------------------------------------------------ */
+
+TEST_IMPL(handoff_64_consumers) {
+  REQUIRE_DEVICES(1);
+  enum { N = 64, ROUNDS = 3 };
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 60000;
+  o.runtime_dir = rt_dir();
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("fanout", &o, &l));
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  char rounds[8];
+  snprintf(rounds, sizeof rounds, "%d", ROUNDS);
+  for (int i = 0; i < N; i++)
+    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "fanout", rounds,
+                           (char *)rt_dir(), NULL);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_accept(l, &cs[i]));
+  for (int r = 0; r < ROUNDS; r++) {
+    /* One block, broadcast to every consumer. */
+    gpuipc_block *b = NULL;
+    size_t n = 65536;
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+    uint8_t *host = malloc(n);
+    uint32_t seed = 1000u + (uint32_t)r;
+    pattern(host, n, seed);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
+                                          host, n, s));
+    free(host);
+    for (int i = 0; i < N; i++)
+      ASSERT_OK(gpuipc_conn_send(cs[i], b, (struct CUstream_st *)s, &seed,
+                                 sizeof seed));
+    ASSERT_EQ(gpuipc_block_holders(b), N);
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  }
+  for (int i = 0; i < N; i++) {
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_outstanding(cs[i], &out, NULL));
+    ASSERT_EQ(out, 0);
+  }
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_stats_get(a, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_EQ(st.leases, 0);
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- consumers killed ------------------------------------------------------------------------ */
+
+/* Receives forever, releasing every other buffer at once and keeping the
+ * rest; it is killed at some point. */
+HELPER_IMPL(ho_victim) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  for (int i = 0;; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    gpuipc_status st = gpuipc_conn_recv(c, (struct CUstream_st *)s, &r);
+    if (st != GPUIPC_OK)
+      break;
+    uint8_t b;
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(&b, (CUdeviceptr)(uintptr_t)r.ptr, 1, s));
+    if (i % 2 == 0)
+      ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  }
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(handoff_consumer_killed_100) {
+  REQUIRE_DEVICES(1);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  /* Warm up: the first connection's setup, so every later one is alike. */
+  size_t free0 = 0, total = 0;
+  ASSERT_CU(gpuipc__cu.cuMemGetInfo(&free0, &total));
+  int fds0 = harness_count_fds();
+  unsigned seed = getenv("GPUIPC_TEST_SEED")
+                      ? (unsigned)strtoul(getenv("GPUIPC_TEST_SEED"), NULL, 0)
+                      : (unsigned)time(NULL);
+  printf("seed %u (GPUIPC_TEST_SEED repeats it)\n", seed);
+  srand(seed);
+  for (int round = 0; round < 100; round++) {
+    int fd;
+    pid_t pid = spawn_helper("ho_victim", NULL, &fd, NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    int sends = rand() % 8;
+    gpuipc_block *bs[8];
+    for (int i = 0; i < sends; i++) {
+      ASSERT_OK(gpuipc_arena_alloc(a, 4096 * (size_t)(1 + rand() % 16),
+                                   (struct CUstream_st *)s, &bs[i]));
+      ASSERT_OK(gpuipc_conn_send(c, bs[i], (struct CUstream_st *)s, NULL, 0));
+      if (rand() % 2)
+        ASSERT_OK(gpuipc_conn_progress(c, 0));
+    }
+    /* Free some now (deferred while held), the rest after the death. */
+    int freed_early = sends ? rand() % (sends + 1) : 0;
+    for (int i = 0; i < freed_early; i++)
+      ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+    usleep((useconds_t)(rand() % 3000));
+    kill(pid, SIGKILL);
+    int st = wait_helper(pid, 60);
+    ASSERT(st == 128 + SIGKILL || st == 0);
+    gpuipc_status ps = GPUIPC_OK;
+    for (int k = 0; k < 1000 && ps == GPUIPC_OK; k++)
+      ps = gpuipc_conn_progress(c, 10);
+    ASSERT_STATUS(ps, GPUIPC_E_PEER_GONE);
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_outstanding(c, &out, NULL));
+    ASSERT_EQ(out, 0);
+    for (int i = freed_early; i < sends; i++) {
+      ASSERT_EQ(gpuipc_block_holders(bs[i]), 0);
+      ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+    }
+    gpuipc_conn_close(c);
+    gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+    ASSERT_OK(gpuipc_arena_stats_get(a, &as));
+    ASSERT_EQ(as.blocks_allocated, 0);
+    ASSERT_EQ(as.leases, 0);
+    ASSERT_EQ(as.blocks_deferred, 0);
+    ASSERT_EQ(as.chunks, 1);
+  }
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  size_t free1 = 0;
+  ASSERT_CU(gpuipc__cu.cuMemGetInfo(&free1, &total));
+  ASSERT_EQ(free1, free0);
+  ASSERT_EQ(harness_count_fds(), fds0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* A consumer that closes its connection while holding buffers, and stays
+ * alive: its blocks come back only when it exits. */
+TEST_IMPL(handoff_consumer_closes_holding) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_holder", NULL, &fd, "2", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *b1, *b2;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b1));
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b2));
+  ASSERT_OK(gpuipc_conn_send(c, b1, NULL, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send(c, b2, NULL, NULL, 0));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  /* We close our end while the helper holds both: they stay leased. */
+  ASSERT_OK(gpuipc_block_free(b1, NULL));
+  ASSERT_OK(gpuipc_block_free(b2, NULL));
+  gpuipc_conn_close(c);
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_stats_get(a, &st));
+  ASSERT_EQ(st.blocks_deferred, 2);
+  /* The helper sees us gone, and exits (its recv_msg fails). */
+  int rc = wait_helper(pid, 60);
+  (void)rc;
+  /* Orphans are checked every few milliseconds, in arena calls. */
+  for (int i = 0; i < 5000; i++) {
+    ASSERT_OK(gpuipc_arena_stats_get(a, &st));
+    if (st.blocks_deferred == 0)
+      break;
+    usleep(1000);
+  }
+  ASSERT_EQ(st.blocks_deferred, 0);
+  ASSERT_EQ(st.leases, 0);
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* ---- exporter killed ---------------------------------------------------------------------- */
+
+/* A producer that sends three buffers: the first ready at once, the next
+ * two behind GPU work that never completes (its stream waits on a word
+ * nobody writes), then sleeps until killed. */
+HELPER_IMPL(ho_doomed_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  uint8_t host[4096];
+  pattern(host, sizeof host, 5);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
+                                    host, sizeof host));
+  uint32_t seed = 5;
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed, sizeof seed));
+  gpuipc_block *never;
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, (struct CUstream_st *)s, &never));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(never), 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(
+      s, (CUdeviceptr)(uintptr_t)gpuipc_block_ptr(never), 1, CU_STREAM_WAIT_VALUE_GEQ));
+  for (int i = 0; i < 2; i++) {
+    gpuipc_block *x;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &x));
+    ASSERT_OK(gpuipc_conn_send(c, x, (struct CUstream_st *)s, &seed, sizeof seed));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "sent", 4, NULL, 0));
+  for (;;)
+    pause();
+  return 0;
+}
+
+static void on_alarm(int sig) {
+  (void)sig;
+  static const char msg[] = "handoff_exporter_killed: a stream hung\n";
+  ssize_t w = write(2, msg, sizeof msg - 1);
+  (void)w;
+  _exit(1);
+}
+
+TEST_IMPL(handoff_exporter_killed) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_doomed_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_received r[3];
+  for (int i = 0; i < 3; i++) {
+    r[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r[i]));
+  }
+  /* s now waits for buffers 2 and 3, which the producer's GPU work will
+   * never make ready. */
+  uint8_t host[4096];
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, 4096));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r[2].ptr,
+                                        4096, s));
+  ASSERT_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  gpuipc_received r4 = GPUIPC_RECEIVED_INIT;
+  ASSERT_STATUS(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r4),
+                GPUIPC_E_PEER_GONE);
+  ASSERT_STATUS(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r4),
+                GPUIPC_E_PEER_GONE);
+  ASSERT_STATUS(gpuipc_conn_progress(c, 0), GPUIPC_E_PEER_GONE);
+  /* Nothing hangs: the stream that waited gets through. */
+  signal(SIGALRM, on_alarm);
+  alarm(30);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  alarm(0);
+  /* What was received stays readable until released. */
+  d2h(host, r[0].ptr, sizeof host);
+  check_pattern(host, sizeof host, 5);
+  for (int i = 0; i < 3; i++)
+    ASSERT_OK(gpuipc_conn_release(c, r[i].id, (struct CUstream_st *)s));
+  size_t here = 1;
+  ASSERT_OK(gpuipc_conn_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 0);
+  gpuipc_conn_close(c);
+  ASSERT_CU(gpuipc__cu.cuMemFree(priv));
+  return 0;
+}
