@@ -377,7 +377,12 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
       return s;
     }
   }
-  gpuipc_status s = grant_access(p, map_ordinal);
+  /* "Imported memory pools are initially only accessible from their
+   * resident device" (CUDA programming guide): other devices need
+   * cuMemPoolSetAccess, the resident one has access already (and the driver
+   * rejects some access changes for a pool's own device). */
+  gpuipc_status s =
+      map_ordinal == p->home_ordinal ? GPUIPC_OK : grant_access(p, map_ordinal);
   if (s != GPUIPC_OK) {
     gpuipc__pool_import_release(p);
     return s;

@@ -102,7 +102,7 @@ static gpuipc_pool_kind kind_of(const char *k) {
   return GPUIPC_POOL_AUTO;
 }
 
-static void scenario_buffers(gpuipc_pool_kind kind, int sock) {
+static void scenario_buffers(gpuipc_pool_kind kind, int sock, int map_dev) {
   gpuipc_pool *pool = NULL;
   gpuipc_buffer *b = NULL, *ib = NULL;
   uint8_t d[GPUIPC_DESC_MAX];
@@ -137,7 +137,13 @@ static void scenario_buffers(gpuipc_pool_kind kind, int sock) {
   nfds = 1;
   slot = th_peer_export(sock, k, NBYTES, 3, d, &len, fds, &nfds);
   peer_has_slot = true;
-  s = gpuipc_buffer_import(d, len, fds, nfds, NULL, &ib);
+  gpuipc_import_options io = GPUIPC_IMPORT_OPTIONS_INIT;
+  gpuipc_uuid mu;
+  if (map_dev > 0) {
+    ASSERT_OK(gpuipc_device_uuid(map_dev, &mu));
+    io.device = &mu;
+  }
+  s = gpuipc_buffer_import(d, len, fds, nfds, &io, &ib);
   th_close_fds(fds, nfds);
   if (!ok_or_clean(s, "gpuipc_buffer_import"))
     goto out;
@@ -213,8 +219,10 @@ HELPER_IMPL(handle_fault_run) {
 
   if (strcmp(k, "event") == 0)
     scenario_event(sock);
+  else if (strcmp(k, "mempool-dev1") == 0)
+    scenario_buffers(GPUIPC_POOL_MEMPOOL, sock, 1);
   else
-    scenario_buffers(kind_of(k), sock);
+    scenario_buffers(kind_of(k), sock, 0);
 
   size_t mem1 = raw_mem_free();
   int fds1 = harness_count_fds();
@@ -236,6 +244,7 @@ HELPER_IMPL(handle_fault_run) {
 /* Runs the scenario with each listed call failing in turn. */
 static int fault_each(const char *kind, const char *const *fns, size_t nfns) {
   REQUIRE_EMULATOR("fault injection (GPUIPC_EMU_FAIL)");
+  bool two_devices = strcmp(kind, "mempool-dev1") == 0;
   int never_hit = 0;
   for (size_t i = 0; i < nfns; i++) {
     int hits = 0, clean_runs = 0;
@@ -249,7 +258,8 @@ static int fault_each(const char *kind, const char *const *fns, size_t nfns) {
       const char *prev = getenv("ASAN_OPTIONS");
       snprintf(asan, sizeof asan, "ASAN_OPTIONS=%s%sdetect_leaks=0",
                prev ? prev : "", prev && *prev ? ":" : "");
-      char *envv[] = {env, asan, NULL};
+      char *envv[] = {env, asan, two_devices ? "GPUIPC_EMU_DEVICES=2" : NULL,
+                      NULL};
       pid_t pid = spawn_helper("handle_fault_run", envv, NULL, kind, fns[i],
                                NULL);
       int rc = wait_helper(pid, 120);
@@ -290,11 +300,19 @@ static const char *const handle_fault_mempool_fns[] = {
     "cuMemPoolCreate", "cuMemPoolExportToShareableHandle",
            "cuMemAllocFromPoolAsync", "cuPointerGetAttribute",
            "cuMemPoolExportPointer", "cuMemPoolImportFromShareableHandle",
-           "cuMemPoolSetAccess", "cuMemPoolImportPointer",
+           "cuMemPoolImportPointer",
            "cuMemGetAddressRange", "cuMemFree", "cuMemFreeAsync",
            "cuMemPoolDestroy", "cuCtxPushCurrent"};
 TEST_IMPL(handle_fault_mempool) {
   return fault_each("mempool", handle_fault_mempool_fns, GPUIPC__ARRAY_SIZE(handle_fault_mempool_fns));
+}
+
+/* A pool imported on another device than its own needs access granted. */
+static const char *const handle_fault_mempool_other_device_fns[] = {
+    "cuMemPoolSetAccess", "cuMemPoolImportPointer", "cuCtxPushCurrent"};
+TEST_IMPL(handle_fault_mempool_other_device) {
+  return fault_each("mempool-dev1", handle_fault_mempool_other_device_fns,
+                    GPUIPC__ARRAY_SIZE(handle_fault_mempool_other_device_fns));
 }
 
 static const char *const handle_fault_vmm_fns[] = {
