@@ -24,6 +24,7 @@
 #define XFER_CHUNK_ALIGN ((size_t)64 << 10)
 #define XFER_TARGET_CHUNKS 32
 #define XFER_MAX_SLOTS 64
+#define XFER_MIN_SLOT ((size_t)64 << 10)
 
 enum mem_kind { MEM_PAGEABLE, MEM_PINNED, MEM_DEVICE };
 enum slot_state {
@@ -53,9 +54,10 @@ struct gpuipc_xfer {
   CUevent ev_sync;
 
   /* staging ring (allocated on first need) */
-  size_t slot_bytes;
+  size_t slot_bytes;      /* the largest slot (configured) */
+  size_t ring_slot_bytes; /* slots of the ring allocated now */
   int nslots;
-  char *staging; /* one cuMemHostAlloc of nslots * slot_bytes */
+  char *staging; /* one cuMemHostAlloc of nslots * ring_slot_bytes */
   struct slot slots[XFER_MAX_SLOTS];
   int next_slot;
   int drain_q[XFER_MAX_SLOTS]; /* slots in SLOT_DRAIN, in the order filled */
@@ -118,6 +120,7 @@ static gpuipc_status read_options(const gpuipc_xfer_options *in,
 }
 
 static gpuipc_status engine_release(gpuipc_xfer *x);
+static gpuipc_status staging_free(gpuipc_xfer *x);
 
 gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
                                  gpuipc_xfer **out) {
@@ -259,14 +262,9 @@ static gpuipc_status engine_release(gpuipc_xfer *x) {
     x->slots[i].ev = NULL;
   }
   if (x->staging) {
-    r = GPUIPC__CU(cuMemFreeHost, x->staging);
-    if (r == CUDA_SUCCESS) {
-      atomic_fetch_sub(&pinned_live, 1);
-      atomic_fetch_sub(&pinned_live_bytes,
-                       (uint64_t)x->slot_bytes * (uint64_t)x->nslots);
-    } else if (s == GPUIPC_OK) {
-      s = gpuipc__fail_cuda(r, "cuMemFreeHost", "destroying a copy engine");
-    }
+    gpuipc_status fs = staging_free(x);
+    if (fs != GPUIPC_OK && s == GPUIPC_OK)
+      s = fs;
   }
   x->staging = NULL;
   gpuipc__hcopy_destroy(x->hcopy);
@@ -297,44 +295,79 @@ gpuipc_status gpuipc_xfer_destroy(gpuipc_xfer *x) {
 
 /* ---- staging ring and scratch ------------------------------------------- */
 
-static gpuipc_status staging_alloc(gpuipc_xfer *x) {
-  if (x->staging)
+/* Frees the ring (not its events); every slot must be idle. */
+static gpuipc_status staging_free(gpuipc_xfer *x) {
+  if (x->staging == NULL)
     return GPUIPC_OK;
-  size_t total = x->slot_bytes * (size_t)x->nslots;
+  CUresult r = GPUIPC__CU(cuMemFreeHost, x->staging);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuMemFreeHost", "staging ring");
+  atomic_fetch_sub(&pinned_live, 1);
+  atomic_fetch_sub(&pinned_live_bytes,
+                   (uint64_t)x->ring_slot_bytes * (uint64_t)x->nslots);
+  x->staging = NULL;
+  x->ring_slot_bytes = 0;
+  return GPUIPC_OK;
+}
+
+/* Makes sure the ring has slots of at least `need` bytes (need <=
+ * slot_bytes). The ring grows with the transfers: slots start at the
+ * smallest power of two >= 64 KiB that holds a chunk, so an engine that
+ * only ever moves small pageable buffers pins little, and are reallocated
+ * (at most a few times) when a larger chunk comes, once every slot is idle.
+ * Allocation is the expensive part (cuMemHostAlloc pins pages: far more
+ * than a copy of the same size), hence never shrinking. */
+static gpuipc_status staging_alloc(gpuipc_xfer *x, size_t need) {
+  size_t want = XFER_MIN_SLOT;
+  while (want < need && want < x->slot_bytes)
+    want *= 2;
+  if (want > x->slot_bytes)
+    want = x->slot_bytes;
+  if (x->staging && x->ring_slot_bytes >= want)
+    return GPUIPC_OK;
+  CUresult r;
+  if (x->slots[0].ev == NULL) {
+    for (int i = 0; i < x->nslots; i++) {
+      r = GPUIPC__CU(cuEventCreate, &x->slots[i].ev, CU_EVENT_DISABLE_TIMING);
+      if (r != CUDA_SUCCESS) {
+        gpuipc_status s = gpuipc__fail_cuda(r, "cuEventCreate", "staging slot");
+        for (int j = 0; j < i; j++) {
+          GPUIPC__CU(cuEventDestroy, x->slots[j].ev);
+          x->slots[j].ev = NULL;
+        }
+        return s;
+      }
+      x->slots[i].state = SLOT_FREE;
+    }
+  }
+  if (x->host_threads > 1 && x->hcopy == NULL)
+    GPUIPC__CHECK(gpuipc__hcopy_create(x->host_threads, &x->hcopy));
+  if (x->staging) {
+    /* Growing: the DMAs of the last transfer may still read the old ring. */
+    for (int i = 0; i < x->nslots; i++) {
+      struct slot *sl = &x->slots[i];
+      if (sl->state == SLOT_FREE)
+        continue;
+      r = GPUIPC__CU(cuEventSynchronize, sl->ev);
+      if (r != CUDA_SUCCESS)
+        return gpuipc__fail_cuda(r, "cuEventSynchronize", "staging slot %d",
+                                 i);
+      sl->state = SLOT_FREE;
+    }
+    GPUIPC__CHECK(staging_free(x));
+  }
+  size_t total = want * (size_t)x->nslots;
   void *p = NULL;
-  /* Allocated once and kept: cuMemHostAlloc pins pages and costs far more
-   * than a copy of the same size. */
-  CUresult r = GPUIPC__CU(cuMemHostAlloc, &p, total, 0);
+  r = GPUIPC__CU(cuMemHostAlloc, &p, total, 0);
   if (r != CUDA_SUCCESS)
     return gpuipc__fail_cuda(r, "cuMemHostAlloc",
-                             "staging ring of %d x %zu bytes", x->nslots,
-                             x->slot_bytes);
+                             "staging ring of %d x %zu bytes", x->nslots, want);
   for (int i = 0; i < x->nslots; i++) {
-    r = GPUIPC__CU(cuEventCreate, &x->slots[i].ev, CU_EVENT_DISABLE_TIMING);
-    if (r != CUDA_SUCCESS) {
-      gpuipc_status s = gpuipc__fail_cuda(r, "cuEventCreate", "staging slot");
-      for (int j = 0; j < i; j++) {
-        GPUIPC__CU(cuEventDestroy, x->slots[j].ev);
-        x->slots[j].ev = NULL;
-      }
-      GPUIPC__CU(cuMemFreeHost, p);
-      return s;
-    }
-    x->slots[i].host = (char *)p + (size_t)i * x->slot_bytes;
+    x->slots[i].host = (char *)p + (size_t)i * want;
     x->slots[i].state = SLOT_FREE;
   }
-  if (x->host_threads > 1) {
-    gpuipc_status hs = gpuipc__hcopy_create(x->host_threads, &x->hcopy);
-    if (hs != GPUIPC_OK) {
-      for (int j = 0; j < x->nslots; j++) {
-        GPUIPC__CU(cuEventDestroy, x->slots[j].ev);
-        x->slots[j].ev = NULL;
-      }
-      GPUIPC__CU(cuMemFreeHost, p);
-      return hs;
-    }
-  }
   x->staging = p;
+  x->ring_slot_bytes = want;
   atomic_fetch_add(&pinned_live, 1);
   atomic_fetch_add(&pinned_live_bytes, (uint64_t)total);
   x->next_slot = 0;
@@ -601,7 +634,7 @@ static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
   int nuse = nchunks < (size_t)x->nstreams ? (int)nchunks : x->nstreams;
 
   if (staged)
-    GPUIPC__CHECK(staging_alloc(x));
+    GPUIPC__CHECK(staging_alloc(x, chunk));
   if (scratch)
     GPUIPC__CHECK(scratch_alloc(x));
 
@@ -803,6 +836,7 @@ gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info) {
   v.staging_slot_bytes = x->slot_bytes;
   v.staging_slots = x->nslots;
   v.staging_allocated = x->staging != NULL;
+  v.staging_bytes = x->staging ? x->ring_slot_bytes * (size_t)x->nslots : 0;
   v.host_threads = x->hcopy ? gpuipc__hcopy_threads(x->hcopy) : x->host_threads;
   v.transfers = x->transfers;
   v.chunks = x->chunks;

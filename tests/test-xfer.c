@@ -1057,3 +1057,70 @@ TEST_IMPL(xfer_host_threads) {
   gpuipc__ctx_leave(&g);
   return 0;
 }
+
+/* The staging ring starts small and grows with the chunks it must hold,
+ * waiting for the DMAs that still read the old ring before freeing it. */
+TEST_IMPL(xfer_staging_grows) {
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "2000", 1);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_xfer *x = engine(0, 0, 0);
+  gpuipc_xfer_info in = info_of(x);
+  const size_t ring_slots = (size_t)in.staging_slots;
+  CUstream st = new_stream();
+  const size_t big = (size_t)24 << 20; /* chunks of 1 MiB */
+  uint8_t *a = malloc(big), *b = malloc(big), *back = malloc(big);
+  fill_random(a, big, 1);
+  fill_random(b, big, 2);
+  CUdeviceptr da = dev_alloc(big), db = dev_alloc(big);
+
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(da), a, 1000, st, 0));
+  in = info_of(x);
+  ASSERT_UEQ(in.staging_bytes, ring_slots * (64 << 10));
+  uint64_t bytes = 0;
+  ASSERT_UEQ(gpuipc__xfer_pinned_live(&bytes), 1);
+  ASSERT_UEQ(bytes, in.staging_bytes);
+
+  /* 3 MiB: chunks of 1 MiB, the ring grows while the 1000 bytes may still
+   * be in flight from the old one. */
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(da) , a, (size_t)3 << 20, st, 0));
+  in = info_of(x);
+  ASSERT_UEQ(in.staging_bytes, ring_slots * ((size_t)1 << 20));
+  /* Tail of this one in flight while the next grows the ring again (the
+   * emulated copies are slow, so they are). */
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(db), b, big, st, 0));
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(da), a, big, st, 0)); /* same size */
+  size_t huge = (size_t)80 << 20; /* chunks of 2.5 MiB: slots of 4 MiB */
+  uint8_t *c = malloc(huge);
+  fill_random(c, huge, 3);
+  CUdeviceptr dc = dev_alloc(huge);
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(dc), c, huge, st, 0));
+  in = info_of(x);
+  ASSERT_UEQ(in.staging_bytes, ring_slots * ((size_t)4 << 20));
+  ASSERT_UEQ(gpuipc__xfer_pinned_live(&bytes), 1);
+  ASSERT_UEQ(bytes, in.staging_bytes);
+  /* A small copy afterwards keeps the large ring. */
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(db), b, 10, st, 0));
+  ASSERT_UEQ(info_of(x).staging_bytes, in.staging_bytes);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, da, big));
+  ASSERT_MEM_EQ(back, a, big);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, db, big));
+  ASSERT_MEM_EQ(back, b, big);
+  uint8_t *cback = malloc(huge);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(cback, dc, huge));
+  ASSERT_MEM_EQ(cback, c, huge);
+  free(cback);
+  ASSERT_OK(destroy_checked(x, 1));
+  free(a);
+  free(b);
+  free(c);
+  free(back);
+  ASSERT_CU(gpuipc__cu.cuMemFree(da));
+  ASSERT_CU(gpuipc__cu.cuMemFree(db));
+  ASSERT_CU(gpuipc__cu.cuMemFree(dc));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}

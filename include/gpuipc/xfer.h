@@ -68,9 +68,12 @@
  *     not cut at all: one DMA per direction already saturates the link, and
  *     chunks would only add per-chunk cost. It is issued directly on the
  *     caller's stream. (An explicit chunk_bytes cuts it anyway.)
- *   - staging ring: 2 slots per stream, each slot one maximum chunk
+ *   - staging ring: 2 slots per stream, each slot at most one maximum chunk
  *     (64 MiB of pinned memory with the defaults), allocated on the first
- *     copy that needs it and kept until the engine is destroyed.
+ *     copy that needs it and kept until the engine is destroyed. Its slots
+ *     start at the smallest power of two >= 64 KiB that holds that copy's
+ *     chunk and grow (reallocated once idle) when a larger chunk comes, so
+ *     an engine used only for small pageable copies pins little.
  *   - host threads: one core copies memory at about 10 GB/s, less than one
  *     direction of a PCIe 5 link, so the memcpy of a large staged chunk is
  *     split between the calling thread and helper threads of the engine
@@ -213,7 +216,7 @@ typedef struct gpuipc_xfer_info {
   int streams;              /* engine streams */
   int copy_engines;         /* CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT */
   size_t max_chunk_bytes;   /* largest chunk */
-  size_t staging_slot_bytes;/* staging slot size */
+  size_t staging_slot_bytes;/* largest staging slot (the ring grows to it) */
   int staging_slots;        /* slots in the ring */
   int staging_allocated;    /* 1 once the ring has been allocated */
   int host_threads;         /* threads sharing a staged memcpy (chosen;
@@ -222,6 +225,7 @@ typedef struct gpuipc_xfer_info {
   uint64_t chunks;          /* chunks enqueued */
   uint64_t staged_bytes;    /* bytes that went through the staging ring */
   uint64_t direct_bytes;    /* bytes copied directly (pinned or device) */
+  size_t staging_bytes;     /* pinned staging memory held now */
 } gpuipc_xfer_info;
 
 /* Fills *info (only the first info->size bytes; set info->size =
