@@ -250,3 +250,32 @@ TEST_IMPL(handle_cache_pool_import_once) {
   th_peer_stop(pid, sock);
   return 0;
 }
+
+/* GPUIPC_IMPORT_NO_CACHE: a private mapping per import for fd kinds. */
+TEST_IMPL(handle_cache_no_cache_flag) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len;
+  int fds[1] = {-1}, nfds = 1;
+  uint64_t slot =
+      th_peer_export(sock, GPUIPC_POOL_VMM, 65536, 5, d, &len, fds, &nfds);
+  gpuipc_import_options o = GPUIPC_IMPORT_OPTIONS_INIT;
+  o.flags = GPUIPC_IMPORT_NO_CACHE;
+  gpuipc_buffer *a = NULL, *b = NULL;
+  ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, &o, &a));
+  ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, &o, &b));
+  th_close_fds(fds, nfds);
+  ASSERT_PTR_NE(gpuipc_buffer_ptr(a), gpuipc_buffer_ptr(b));
+  ASSERT(th_check(a, 0, 65536, 5));
+  th_fill(a, 0, 65536, 6);
+  ASSERT(th_check(b, 0, 65536, 6)); /* the same memory, mapped twice */
+  ASSERT_OK(gpuipc_buffer_close(a));
+  ASSERT(th_check(b, 0, 65536, 6));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  ASSERT_EQ(stats().live_mappings, 0);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}

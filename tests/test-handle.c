@@ -312,6 +312,16 @@ HELPER_IMPL(handle_peer) {
       harness_send(P.sock, d, len, NULL, 0);
       break;
     }
+    case TH_OP_POOL_EXPORT: {
+      gpuipc_pool_kind kind = (gpuipc_pool_kind)harness_recv_u64(P.sock);
+      uint8_t d[GPUIPC_DESC_MAX];
+      size_t len;
+      int fd = -1;
+      ASSERT_OK(gpuipc_pool_export(peer_pool(&P, kind), d, sizeof d, &len, &fd));
+      harness_send(P.sock, d, len, &fd, 1);
+      close(fd);
+      break;
+    }
     case TH_OP_CLOSE_ALL:
       for (int i = 0; i < P.nimp; i++)
         ASSERT_OK(gpuipc_buffer_close(P.imp[i]));
@@ -537,6 +547,105 @@ TEST_IMPL(handle_pool_import_then_buffers_without_fd) {
   th_peer_free(sock, slot);
   th_peer_free(sock, slot2);
   th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* A pool imported explicitly, once: buffers then need no fd; allocating
+ * from it is refused; only mempools have a pool-level export. */
+TEST_IMPL(handle_pool_export_import) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  harness_send_u64(sock, TH_OP_POOL_EXPORT);
+  harness_send_u64(sock, GPUIPC_POOL_MEMPOOL);
+  uint8_t d[GPUIPC_DESC_MAX];
+  int fds[1] = {-1}, nfds = 1;
+  ssize_t len = harness_recv(sock, d, sizeof d, fds, &nfds);
+  ASSERT_EQ(nfds, 1);
+  gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
+  ASSERT_OK(gpuipc_desc_info_get(d, (size_t)len, &info));
+  ASSERT_EQ(info.type, GPUIPC_DESC_POOL);
+  ASSERT_EQ(info.kind, GPUIPC_POOL_MEMPOOL);
+  gpuipc_pool *ip = NULL;
+  ASSERT_STATUS(gpuipc_pool_import(d, (size_t)len, -1, NULL, &ip),
+                GPUIPC_E_NEED_FD);
+  ASSERT_OK(gpuipc_pool_import(d, (size_t)len, fds[0], NULL, &ip));
+  gpuipc_pool *ip2 = NULL;
+  ASSERT_OK(gpuipc_pool_import(d, (size_t)len, -1, NULL, &ip2)); /* cached */
+  th_close_fds(fds, nfds);
+  ASSERT_EQ(gpuipc_pool_get_kind(ip), GPUIPC_POOL_MEMPOOL);
+  gpuipc_uuid u0, pu;
+  ASSERT_OK(gpuipc_device_uuid(0, &u0));
+  ASSERT_OK(gpuipc_pool_device(ip, &pu));
+  ASSERT_MEM_EQ(u0.bytes, pu.bytes, 16);
+  gpuipc_buffer *b = NULL;
+  ASSERT_STATUS(gpuipc_buffer_alloc(ip, 4096, NULL, &b), GPUIPC_E_NOT_SUPPORTED);
+  size_t l2;
+  ASSERT_STATUS(gpuipc_pool_export(ip, d, sizeof d, &l2, NULL),
+                GPUIPC_E_NOT_SUPPORTED);
+  /* Buffers of that pool now import without their fd. */
+  nfds = 0;
+  uint64_t slot = th_peer_export(sock, GPUIPC_POOL_MEMPOOL, 65536, 9, d, &l2,
+                                 NULL, &nfds);
+  ASSERT_OK(gpuipc_buffer_import(d, l2, NULL, 0, NULL, &b));
+  ASSERT(th_check(b, 0, 65536, 9));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  ASSERT_OK(gpuipc_pool_destroy(ip));
+  ASSERT_OK(gpuipc_pool_destroy(ip2));
+  th_peer_free(sock, slot);
+  /* Other kinds have no pool-level export. */
+  gpuipc_pool_options o = GPUIPC_POOL_OPTIONS_INIT;
+  o.kind = GPUIPC_POOL_LEGACY;
+  gpuipc_pool *lp;
+  ASSERT_OK(gpuipc_pool_create(&o, &lp));
+  int fd = 7;
+  ASSERT_STATUS(gpuipc_pool_export(lp, d, sizeof d, &l2, &fd),
+                GPUIPC_E_NOT_SUPPORTED);
+  ASSERT_EQ(fd, -1);
+  ASSERT_OK(gpuipc_pool_destroy(lp));
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* Bad pool options are refused before anything is created. */
+TEST_IMPL(handle_pool_options) {
+  ASSERT_OK(gpuipc_init());
+  gpuipc_pool *p = NULL;
+  gpuipc_pool_options o = GPUIPC_POOL_OPTIONS_INIT;
+  o.kind = (gpuipc_pool_kind)42;
+  ASSERT_STATUS(gpuipc_pool_create(&o, &p), GPUIPC_E_BAD_KIND);
+  o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
+  o.device = 99;
+  ASSERT_STATUS(gpuipc_pool_create(&o, &p), GPUIPC_E_NO_DEVICE);
+  gpuipc_uuid ghost;
+  memset(ghost.bytes, 0xEE, 16);
+  o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
+  o.device_uuid = &ghost;
+  ASSERT_STATUS(gpuipc_pool_create(&o, &p), GPUIPC_E_DEVICE_NOT_VISIBLE);
+  o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
+  o.size = 0;
+  ASSERT_STATUS(gpuipc_pool_create(&o, &p), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_pool_create(NULL, NULL), GPUIPC_E_INVALID_ARG);
+  /* An older caller's shorter struct: the fields it lacks take defaults. */
+  o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
+  o.kind = GPUIPC_POOL_LEGACY;
+  o.size = offsetof(gpuipc_pool_options, device_uuid);
+  ASSERT_OK(gpuipc_pool_create(&o, &p));
+  ASSERT_EQ(gpuipc_pool_get_kind(p), GPUIPC_POOL_LEGACY);
+  /* Capacity is enforced for non-mempool kinds. */
+  ASSERT_OK(gpuipc_pool_destroy(p));
+  o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
+  o.kind = GPUIPC_POOL_LEGACY;
+  o.capacity = 1u << 20;
+  ASSERT_OK(gpuipc_pool_create(&o, &p));
+  gpuipc_buffer *a = NULL, *b = NULL;
+  ASSERT_OK(gpuipc_buffer_alloc(p, 768u << 10, NULL, &a));
+  ASSERT_STATUS(gpuipc_buffer_alloc(p, 512u << 10, NULL, &b), GPUIPC_E_LIMIT);
+  ASSERT_OK(gpuipc_buffer_alloc(p, 256u << 10, NULL, &b));
+  ASSERT_STATUS(gpuipc_buffer_alloc(p, 0, NULL, &b), GPUIPC_E_INVALID_ARG);
+  ASSERT_OK(gpuipc_buffer_free(a, NULL));
+  ASSERT_OK(gpuipc_buffer_free(b, NULL));
+  ASSERT_OK(gpuipc_pool_destroy(p));
   return 0;
 }
 

@@ -38,7 +38,8 @@ enum {
   TH_OP_REALLOC,      /* slot, seed -> desc(+fds), u64 same_address */
   TH_OP_WRAP,         /* kind (legacy|mempool), alloc, off, size, seed ->
                          desc(+fds), u64 slot */
-  TH_OP_EVENT_PRODUCE /* see test-handle-event.c */
+  TH_OP_EVENT_PRODUCE, /* -> event desc (created, exported, recorded) */
+  TH_OP_POOL_EXPORT    /* kind -> pool desc(+fd) of the peer's pool */
 };
 
 /* Starts a peer (env: extra environment, may be NULL). */

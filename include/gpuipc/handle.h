@@ -295,7 +295,9 @@ GPUIPC_API gpuipc_status gpuipc_buffer_free(gpuipc_buffer *buf,
  * fds is still valid: the importer then needs the pool already, or
  * GPUIPC_IMPORT_PIDFD_GETFD. The first export of a MEMPOOL buffer costs a
  * cuMemPoolExportPointer (~50 us); later exports of the same buffer reuse it.
- * Thread-safe.
+ * A MEMPOOL allocation is stream-ordered: let its stream reach it (or
+ * synchronize) before an importer's GPU work uses the memory; likewise the
+ * data the importer should see must have been written. Thread-safe.
  */
 GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
                                               size_t cap, size_t *len /* OUT */,
