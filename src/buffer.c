@@ -954,10 +954,21 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);
   int home = -1, map = -1;
-  GPUIPC__CHECK(gpuipc__device_ordinal(&dev, &home));
-  map = home;
-  if (opts.device && d.kind != GPUIPC_POOL_PINNED_HOST)
-    GPUIPC__CHECK(gpuipc__device_ordinal(opts.device, &map));
+  if (d.kind == GPUIPC_POOL_PINNED_HOST) {
+    /* Host memory does not live on the exporter's device, which may be
+     * hidden here: it is registered in the context of opts->device, or of
+     * the exporter's device when visible, else of device 0. */
+    if (opts.device)
+      GPUIPC__CHECK(gpuipc__device_ordinal(opts.device, &map));
+    else if (gpuipc__device_ordinal(&dev, &map) != GPUIPC_OK)
+      map = 0;
+    home = map;
+  } else {
+    GPUIPC__CHECK(gpuipc__device_ordinal(&dev, &home));
+    map = home;
+    if (opts.device)
+      GPUIPC__CHECK(gpuipc__device_ordinal(opts.device, &map));
+  }
 
   gpuipc_buffer *b = buffer_new();
   if (b == NULL)

@@ -229,19 +229,24 @@ static int forged_against_driver(gpuipc_pool_kind kind) {
   ASSERT_OK(gpuipc_buffer_close(b));
   ASSERT_OK(gpuipc_buffer_close(g));
 
-  /* A device nobody here can see. */
+  /* A device nobody here can see (pinned host memory does not need it). */
   memcpy(f, d, len);
   memset(f + 24, 0xEE, 16);
   reseal(f, len);
-  ASSERT_STATUS(gpuipc_buffer_import(f, len, fds, nfds, NULL, &b),
-                GPUIPC_E_DEVICE_NOT_VISIBLE);
+  if (kind == GPUIPC_POOL_PINNED_HOST) {
+    ASSERT_OK(gpuipc_buffer_import(f, len, fds, nfds, NULL, &b));
+    ASSERT(th_check(b, 0, size, 1));
+    ASSERT_OK(gpuipc_buffer_close(b));
+  } else {
+    ASSERT_STATUS(gpuipc_buffer_import(f, len, fds, nfds, NULL, &b),
+                  GPUIPC_E_DEVICE_NOT_VISIBLE);
+  }
   gpuipc_uuid ghost;
   memset(ghost.bytes, 0xEE, 16);
   gpuipc_import_options o = GPUIPC_IMPORT_OPTIONS_INIT;
   o.device = &ghost;
-  if (kind != GPUIPC_POOL_PINNED_HOST)
-    ASSERT_STATUS(gpuipc_buffer_import(d, len, fds, nfds, &o, &b),
-                  GPUIPC_E_DEVICE_NOT_VISIBLE);
+  ASSERT_STATUS(gpuipc_buffer_import(d, len, fds, nfds, &o, &b),
+                GPUIPC_E_DEVICE_NOT_VISIBLE);
 
   /* Without its fd. */
   if (kind == GPUIPC_POOL_VMM || kind == GPUIPC_POOL_PINNED_HOST) {

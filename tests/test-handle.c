@@ -804,3 +804,41 @@ TEST_IMPL(handle_import_on_other_device) {
   th_peer_stop(pb, sb);
   return 0;
 }
+
+/* The exporter's device hidden from the importer: device memory cannot be
+ * imported (GPUIPC_E_DEVICE_NOT_VISIBLE), pinned host memory can. */
+TEST_IMPL(handle_exporter_device_hidden) {
+  char *env_a[] = {"GPUIPC_EMU_DEVICES=2", "CUDA_VISIBLE_DEVICES=0,1", NULL};
+  char *env_b[] = {"GPUIPC_EMU_DEVICES=2", "CUDA_VISIBLE_DEVICES=1", NULL};
+  if (!harness_on_emulator())
+    REQUIRE_DEVICES(2);
+  int sa, sb;
+  pid_t pa = th_peer_start(env_a, &sa);
+  pid_t pb = th_peer_start(env_b, &sb);
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len;
+  int fds[1] = {-1}, nfds = 1;
+  char err[512];
+  uint64_t slot =
+      th_peer_export(sa, GPUIPC_POOL_LEGACY, 65536, 1, d, &len, fds, &nfds);
+  ASSERT_EQ(th_peer_import(sb, d, len, fds, nfds, 1, 2, -1, err, sizeof err),
+            GPUIPC_E_DEVICE_NOT_VISIBLE);
+  ASSERT_STR_CONTAINS(err, "not visible");
+  th_close_fds(fds, nfds);
+  th_peer_free(sa, slot);
+  nfds = 1;
+  slot = th_peer_export(sa, GPUIPC_POOL_PINNED_HOST, 65536, 3, d, &len, fds,
+                        &nfds);
+  gpuipc_status s =
+      th_peer_import(sb, d, len, fds, nfds, 3, 4, -1, err, sizeof err);
+  th_close_fds(fds, nfds);
+  if (s != GPUIPC_OK)
+    harness_fail(__FILE__, __LINE__, "pinned host import: %s: %s",
+                 gpuipc_status_name(s), err);
+  ASSERT(th_peer_check(sa, slot, 0, 65536, 4));
+  th_peer_close_all(sb);
+  th_peer_free(sa, slot);
+  th_peer_stop(pa, sa);
+  th_peer_stop(pb, sb);
+  return 0;
+}

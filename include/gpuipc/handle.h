@@ -183,7 +183,10 @@ typedef struct gpuipc_import_options {
   /* The local device to map on, by UUID; NULL: the exporter's device. The
    * exporter's device must be visible in this process either way (its
    * memory is reached through it); a different device maps the memory with
-   * peer access (NVLink/PCIe). */
+   * peer access (NVLink/PCIe). PINNED_HOST buffers are host memory: they
+   * import even when the exporter's device is hidden here, registered in
+   * the context of this device (NULL: the exporter's device if visible,
+   * else device 0); the registration is portable to every context. */
   const gpuipc_uuid *device;
   unsigned flags; /* GPUIPC_IMPORT_* */
 } gpuipc_import_options;
