@@ -471,6 +471,28 @@ out:
   return s;
 }
 
+/* The arena holding connections' flag words on each device: created on
+ * first use and kept for the life of the process, so that a user's arena
+ * can be destroyed while connections that carried its blocks stay open. */
+static pthread_mutex_t ctl_lock = PTHREAD_MUTEX_INITIALIZER;
+static gpuipc_arena *ctl_arenas[64];
+
+gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out) {
+  if (ordinal < 0 || ordinal >= (int)GPUIPC__ARRAY_SIZE(ctl_arenas))
+    return gpuipc__fail(GPUIPC_E_NO_DEVICE, "device %d", ordinal);
+  gpuipc_status s = GPUIPC_OK;
+  pthread_mutex_lock(&ctl_lock);
+  if (ctl_arenas[ordinal] == NULL) {
+    gpuipc_arena_options o = GPUIPC_ARENA_OPTIONS_INIT;
+    o.device = ordinal;
+    o.chunk_bytes = (size_t)1 << 20; /* 256 connections of 256 slots */
+    s = gpuipc_arena_create(&o, &ctl_arenas[ordinal]);
+  }
+  *out = ctl_arenas[ordinal];
+  pthread_mutex_unlock(&ctl_lock);
+  return s;
+}
+
 gpuipc_status gpuipc__arena_wait_word(gpuipc_arena *a, uint64_t word,
                                       uint64_t value) {
   CUresult r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)a->reclaim,

@@ -227,6 +227,8 @@ struct gpuipc_block {
   gpuipc__mark *tag; /* newest reclaim marker covering its releases */
 };
 
+/* The process's arena for connection flag words on a device. */
+gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out);
 /* Internal allocation (the arena's lock is taken inside). */
 gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
                                  struct CUstream_st *stream, bool internal,

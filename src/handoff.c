@@ -89,9 +89,11 @@ static gpuipc_status export_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
 
 /* Allocates our flag words in arena a and tells the peer where they are. */
 static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
-                              gpuipc_arena *a, uint64_t deadline) {
+                              gpuipc_arena *user, uint64_t deadline) {
   uint32_t n = c->max_outstanding;
   gpuipc_status s;
+  gpuipc_arena *a = NULL;
+  GPUIPC__CHECK(gpuipc__ctl_arena(user->ordinal, &a));
   h->tx = calloc(n, sizeof *h->tx);
   h->tx_free = malloc(sizeof *h->tx_free * n);
   if (h->tx == NULL || h->tx_free == NULL) {

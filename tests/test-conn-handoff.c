@@ -560,7 +560,22 @@ TEST_IMPL(handoff_consumer_killed_100) {
   REQUIRE_DEVICES(1);
   gpuipc_arena *a = mkarena((size_t)4 << 20);
   CUstream s = mkstream();
-  /* Warm up: the first connection's setup, so every later one is alike. */
+  /* Warm up: the first connection makes the process's flag-word arena,
+   * which lives on; every later connection is alike. */
+  {
+    int fd;
+    pid_t pid = spawn_helper("ho_victim", NULL, &fd, NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_block *b;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+    ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0));
+    kill(pid, SIGKILL);
+    wait_helper(pid, 60);
+    while (gpuipc_conn_progress(c, 10) == GPUIPC_OK)
+      ;
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+    gpuipc_conn_close(c);
+  }
   size_t free0 = 0, total = 0;
   ASSERT_CU(gpuipc__cu.cuMemGetInfo(&free0, &total));
   int fds0 = harness_count_fds();

@@ -149,7 +149,8 @@ typedef struct gpuipc_conn_options {
   size_t n_allow_gids;
   /* Buffers one side may have outstanding (sent, not yet released) on this
    * connection. Default 256; at most 65536. Each costs 16 bytes of device
-   * memory in the sender's arena. */
+   * memory (flag words, in a small per-device arena gpuipc keeps for the
+   * life of the process). */
   uint32_t max_outstanding;
   /* GPU ordering of handed-over buffers. Default GPUIPC_ORDER_MEMOP. */
   gpuipc_order_mode order;
@@ -305,9 +306,9 @@ GPUIPC_API gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
                                              gpuipc_arena **out /* OUT */);
 
 /* Destroys an arena. Fails with GPUIPC_E_BUSY (and does nothing) while
- * blocks are allocated or held by peers, or while a connection still uses
- * the arena for its flag words (close those connections first). NULL is a
- * no-op. */
+ * blocks are allocated or held by peers (free them, and let peers release
+ * them, first). Connections that carried its blocks may stay open. NULL is
+ * a no-op. */
 GPUIPC_API gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena);
 
 /* Allocates a block of `bytes` (rounded up to 256) from the arena. Memory
