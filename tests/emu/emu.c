@@ -530,6 +530,13 @@ CUresult cuInit(unsigned int flags) {
   if (E.no_devices || E.count == 0)
     RET(CUDA_ERROR_NO_DEVICE);
   if (!atomic_load(&E.inited)) {
+    /* A child forked before cuInit (after the library was configured) must
+     * not reuse its parent's identity in handles and ids. */
+    if (getpid() != E.pid) {
+      E.pid = getpid();
+      E.start_time = proc_start_time(E.pid);
+      E.id_salt = (E.start_time * 7919u) & 0xffffffffffull;
+    }
     /* Every legacy allocation keeps its memfd open (importers reach it
      * through /proc/<pid>/fd), so allow more descriptors than the usual
      * soft limit of 1024. */
