@@ -472,3 +472,6 @@ TEST_IMPL(emu_two_devices_pool_cross_gpu_import) {
 TEST_IMPL(emu_two_devices_peer_access_and_copy) {
   return run_with_two_devices("conformance_ctx_peer_access_and_copy");
 }
+TEST_IMPL(emu_two_devices_stream_wait_event_other_device) {
+  return run_with_two_devices("conformance_stream_wait_event_other_device");
+}

@@ -188,6 +188,28 @@ TEST_IMPL(conformance_pointer_attribute_unknown_memory_invalid_value) {
   return 0;
 }
 
+/* cuda.h (CUresult): registering a range that is already registered fails
+ * with CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED; unregistering memory that
+ * is not registered fails with CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED. */
+TEST_IMPL(conformance_host_register_twice_and_unregistered) {
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  void *p = mmap(NULL, HOST_BYTES, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT(p != MAP_FAILED);
+  ASSERT_CU_EQ(gpuipc__cu.cuMemHostUnregister(p),
+               CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+  ASSERT_CU(gpuipc__cu.cuMemHostRegister(p, HOST_BYTES, 0));
+  ASSERT_CU_EQ(gpuipc__cu.cuMemHostRegister(p, HOST_BYTES, 0),
+               CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+  ASSERT_CU(gpuipc__cu.cuMemHostUnregister(p));
+  ASSERT_CU_EQ(gpuipc__cu.cuMemHostUnregister(p),
+               CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+  ASSERT_EQ(munmap(p, HOST_BYTES), 0);
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
 /* Maps a shared memory file and registers it with the driver. */
 static void *map_registered(int fd) {
   void *p = mmap(NULL, HOST_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -672,6 +672,125 @@ TEST_IMPL(conformance_event_ipc_wait_across_processes) {
   return 0;
 }
 
+/* The other direction: the importer of an interprocess event records it
+ * (cuda.h, cuIpcGetEventHandle: record, synchronize, stream-wait and query
+ * may be used in either process), and the exporter's stream waits on its
+ * own event. This is how a producer learns that a consumer's GPU work on a
+ * buffer is done. The importer writes the data through its mapping of the
+ * exporter's (poisoned) buffer, behind a gate. */
+HELPER_IMPL(conf_event_importer_records) {
+  int sock = harness_helper_fd();
+  ASSERT_GE(sock, 0);
+  event_msg m;
+  ASSERT_EQ(harness_recv(sock, &m, sizeof m, NULL, NULL), (ssize_t)sizeof m);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  CUstream s = new_stream(CU_STREAM_NON_BLOCKING);
+  CUevent ev;
+  ASSERT_CU(gpuipc__cu.cuIpcOpenEventHandle(&ev, m.event));
+  CUdeviceptr buf = 0;
+  ASSERT_CU(gpuipc__cu.cuIpcOpenMemHandle(&buf, m.mem,
+                                          CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+  uint32_t *h = NULL; /* pinned: see conf_event_producer */
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&h, DATA_BYTES, 0));
+  for (size_t i = 0; i < DATA_BYTES / 4; i++)
+    h[i] = pattern_word(m.seed, i);
+  gate *gt = gate_launch(s);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(buf, h, DATA_BYTES, s));
+  ASSERT_CU(gpuipc__cu.cuEventRecord(ev, s));
+  harness_send_u64(sock, 3); /* recorded */
+  ASSERT_UEQ(harness_recv_u64(sock), 4); /* exporter: my wait holds */
+  gate_open(gt);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(h));
+  ASSERT_UEQ(harness_recv_u64(sock), 5);
+  ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(buf));
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(ev));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  harness_send_u64(sock, 1);
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+TEST_IMPL(conformance_event_ipc_record_in_importer) {
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  CUstream s = new_stream(CU_STREAM_NON_BLOCKING);
+  CUevent ev;
+  ASSERT_CU(gpuipc__cu.cuEventCreate(
+      &ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+  event_msg m;
+  memset(&m, 0, sizeof m);
+  m.bytes = DATA_BYTES;
+  m.seed = 62;
+  m.poison = 0xDEADBEEFu;
+  CUdeviceptr buf = 0, out = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&buf, DATA_BYTES));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&out, DATA_BYTES));
+  ASSERT_CU(gpuipc__cu.cuMemsetD32Async(buf, m.poison, DATA_BYTES / 4, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuIpcGetEventHandle(&m.event, ev));
+  ASSERT_CU(gpuipc__cu.cuIpcGetMemHandle(&m.mem, buf));
+  int sock = -1;
+  pid_t pid = spawn_helper("conf_event_importer_records", NULL, &sock, NULL);
+  harness_send(sock, &m, sizeof m, NULL, 0);
+  ASSERT_UEQ(harness_recv_u64(sock), 3); /* the importer's record is issued */
+  ASSERT_CU(gpuipc__cu.cuStreamWaitEvent(s, ev, 0));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(out, buf, DATA_BYTES, s));
+  expect_held(s);
+  ASSERT_CU_EQ(gpuipc__cu.cuEventQuery(ev), CUDA_ERROR_NOT_READY);
+  harness_send_u64(sock, 4);
+  ASSERT_CU(stream_done(s, 60));
+  check_pattern(out, DATA_BYTES, m.seed);
+  ASSERT_CU(gpuipc__cu.cuEventSynchronize(ev));
+  harness_send_u64(sock, 5);
+  ASSERT_UEQ(harness_recv_u64(sock), 1);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  close(sock);
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(ev));
+  ASSERT_CU(gpuipc__cu.cuMemFree(buf));
+  ASSERT_CU(gpuipc__cu.cuMemFree(out));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+/* cuda.h (cuStreamWaitEvent): the event may be from a different context or
+ * device than the stream. With two devices: a stream of device 1 waits on an
+ * event recorded by a stream of device 0. */
+TEST_IMPL(conformance_stream_wait_event_other_device) {
+  REQUIRE_DEVICES(2);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  CUstream s0 = new_stream(CU_STREAM_NON_BLOCKING);
+  CUevent ev;
+  ASSERT_CU(gpuipc__cu.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+  gate *gt = gate_launch(s0);
+  ASSERT_CU(gpuipc__cu.cuEventRecord(ev, s0));
+  gpuipc__ctx_leave(&g);
+
+  ASSERT_OK(gpuipc__ctx_enter(&g, 1));
+  CUstream s1 = new_stream(CU_STREAM_NON_BLOCKING);
+  CUdeviceptr d = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&d, DATA_BYTES));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitEvent(s1, ev, 0));
+  ASSERT_CU(gpuipc__cu.cuMemsetD32Async(d, 9, DATA_BYTES / 4, s1));
+  expect_held(s1);
+  gate_open(gt);
+  ASSERT_CU(stream_done(s1, 60));
+  check_words(d, DATA_BYTES, 9);
+  ASSERT_CU(gpuipc__cu.cuMemFree(d));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s1));
+  gpuipc__ctx_leave(&g);
+
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s0));
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(ev));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s0));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
 /* ---- across processes: stream memory operations on shared memory --------- */
 
 /* A flag word at offset 0 of a shared allocation, data at FLAG_DATA_OFF.
