@@ -1124,3 +1124,39 @@ TEST_IMPL(xfer_staging_grows) {
   gpuipc__ctx_leave(&g);
   return 0;
 }
+
+/* Growing the ring fails (injected cuMemHostAlloc failure after the old
+ * ring was freed): the error comes back, nothing stays pinned, and the next
+ * copy allocates again. */
+HELPER_IMPL(xfer_grow_fault) {
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_xfer *x = engine(2, 0, 0);
+  const size_t n = (size_t)3 << 20;
+  uint8_t *a = malloc(n), *back = malloc(n);
+  fill_random(a, n, 9);
+  CUdeviceptr d = dev_alloc(n);
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, 100, NULL, 0)); /* alloc 1 */
+  ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL), 1);
+  ASSERT_STATUS(gpuipc_xfer_to_device(x, D(d), a, n, NULL, 0), /* alloc 2 */
+                GPUIPC_E_DRIVER);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuMemHostAlloc");
+  ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL), 0);
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, NULL, GPUIPC_XFER_SYNC));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, d, n));
+  ASSERT_MEM_EQ(back, a, n);
+  ASSERT_OK(destroy_checked(x, 1));
+  ASSERT_CU(gpuipc__cu.cuMemFree(d));
+  free(a);
+  free(back);
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+TEST_IMPL(xfer_staging_grow_fault) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FAIL");
+  char *env[] = {"GPUIPC_EMU_FAIL=cuMemHostAlloc:2", NULL};
+  ASSERT_EQ(wait_helper(spawn_helper("xfer_grow_fault", env, NULL, NULL), 120),
+            0);
+  return 0;
+}
