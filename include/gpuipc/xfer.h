@@ -12,7 +12,8 @@
  * cutting the work into chunks spread over a few non-blocking streams that
  * the engine creates once, so that copy-in, the caller's work and copy-out of
  * different chunks overlap. Host memory that is not pinned ("pageable") goes
- * through a ring of pinned staging buffers that the engine allocates once;
+ * through a ring of pinned staging buffers that the engine keeps (allocated
+ * on first need, never per copy);
  * pinned host memory (cuMemHostAlloc, cuMemHostRegister, cudaMallocHost, ...)
  * and device memory are copied directly, with no extra copy.
  *
@@ -269,7 +270,9 @@ GPUIPC_API gpuipc_status gpuipc_xfer_chunk_size(gpuipc_xfer *x, size_t bytes,
  * A GPU-side wait never times out: if the filler may die before publishing,
  * the copier should first wait on the host with a timeout
  * (gpuipc_xfer_shared_wait_filled), after which the GPU-side wait passes at
- * once. Only one filler and one copier per segment.
+ * once. Only one filler and one copier per segment; each side calls from
+ * one thread at a time (the functions take no lock: the words are the
+ * synchronization).
  *
  * Two ways to share the memory:
  *   - gpuipc_xfer_shared_create / _open: a sealed memfd (size fixed) made
