@@ -36,7 +36,9 @@
  *   - a pageable SOURCE is consumed during the call: when the call returns,
  *     every byte of it has been copied into staging and the caller may reuse
  *     it at once; the last chunks' DMA may still be in flight (ordered on the
- *     stream as above);
+ *     stream as above). A source larger than the staging ring reuses slots
+ *     during the call, so the call then waits for DMAs, which wait for the
+ *     work enqueued on the stream before the call;
  *   - a pageable DESTINATION is filled during the call: the call returns only
  *     once the data is in it (as if GPUIPC_XFER_SYNC were given), which
  *     includes waiting for the work enqueued on the stream before the call
