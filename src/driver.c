@@ -43,6 +43,31 @@ const char *gpuipc_driver_path(void) {
 typedef CUresult (*get_proc_fn)(const char *, void **, int, cuuint64_t,
                                 CUdriverProcAddressQueryResult *);
 
+/* cuGetProcAddress returns the variant of an entry point that was current at
+ * the CUDA version it is asked for. gpuipc's table has the prototypes that
+ * cuda.h maps each plain name to, and those are the variants current at
+ * CUDA 12.0 -- except the few listed here, whose default variant is newer.
+ * Asking at the header's own CUDA_VERSION would be wrong: CUDA 13.0 added
+ * cuCtxSynchronize_v2(CUcontext) and cuCtxGetDevice_v2(CUdevice *,
+ * CUcontext), yet cuda.h still maps the plain names to the old signatures;
+ * on a 13.0 driver the call would land in a function with other arguments
+ * (seen as CUDA_ERROR_CONTEXT_IS_DESTROYED from cuCtxSynchronize). An entry
+ * appended to GPUIPC__CU_FUNCS whose cuda.h default is newer than 12.0 (see
+ * the PFN_<name>_v<version> typedefs in cudaTypedefs.h) goes here. */
+#define GPUIPC__CU_API_VERSION 12000
+static int api_version(const char *name) {
+  static const struct {
+    const char *name;
+    int version;
+  } newer[] = {
+      {"cuEventElapsedTime", 12080}, /* cuEventElapsedTime_v2 */
+  };
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(newer); i++)
+    if (strcmp(name, newer[i].name) == 0)
+      return newer[i].version;
+  return GPUIPC__CU_API_VERSION;
+}
+
 static void load_driver(void) {
   const char *path = gpuipc_driver_path();
   pthread_atfork(NULL, NULL, atfork_child);
@@ -81,7 +106,7 @@ static void load_driver(void) {
   do {                                                                         \
     void *pfn = NULL;                                                          \
     CUdriverProcAddressQueryResult qr = CU_GET_PROC_ADDRESS_SUCCESS;           \
-    CUresult r = get_proc(#name, &pfn, CUDA_VERSION,                           \
+    CUresult r = get_proc(#name, &pfn, api_version(#name),                     \
                           CU_GET_PROC_ADDRESS_DEFAULT, &qr);                   \
     if (r != CUDA_SUCCESS || qr != CU_GET_PROC_ADDRESS_SUCCESS) {              \
       pfn = NULL;                                                              \

@@ -4,9 +4,10 @@
  * gpuipc links against neither libcuda nor libcudart. On first use it
  * dlopens libcuda.so.1 (or GPUIPC_CUDA_DRIVER), finds cuGetProcAddress, and
  * resolves every entry point below through it, asking for the variant that
- * matches the prototypes of the cuda.h it was compiled against (CUDA_VERSION):
- * cuda.h maps e.g. cuMemAlloc to cuMemAlloc_v2, and the table's member types
- * are taken from those very prototypes, so the two cannot disagree.
+ * matches the prototypes of cuda.h: cuda.h maps e.g. cuMemAlloc to
+ * cuMemAlloc_v2, the table's member types are taken from those very
+ * prototypes, and driver.c asks for each name at the CUDA version where that
+ * variant was current (12.0, or the exceptions listed in driver.c).
  *
  * Use: GPUIPC__CHECK(gpuipc__driver()) at the entry of every function that
  * needs CUDA, then call through gpuipc__cu, e.g.
@@ -23,7 +24,9 @@
 #include <cuda.h>
 
 /* Every driver entry point gpuipc (and its tests and tools) uses. Add new
- * ones here; the emulator must implement each of them. */
+ * ones here; the emulator must implement each of them. If cuda.h maps the
+ * name to a variant newer than CUDA 12.0, add it to api_version() in
+ * driver.c. */
 #define GPUIPC__CU_FUNCS(X)                                                    \
   X(cuInit)                                                                    \
   X(cuDriverGetVersion)                                                        \
