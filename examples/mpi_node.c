@@ -95,10 +95,22 @@ int main(int argc, char **argv) {
     gpuipc_buffer *theirs = NULL;
     CHECK("gpuipc_recv_buffer_desc", gpuipc_recv_buffer_desc(c, NULL, &theirs));
     memset(host, 0, BYTES);
-    s = gpuipc_buffer_size(theirs) == BYTES
-            ? gpuipc_xfer_to_host(x, host, gpuipc_buffer_ptr(theirs), BYTES,
-                                  NULL, GPUIPC_XFER_SYNC)
-            : GPUIPC_E_OUT_OF_RANGE;
+    /* The buffer is mapped on its owner's device (by UUID): copy with an
+     * engine of that device. */
+    gpuipc_uuid where;
+    int ord = device;
+    s = gpuipc_buffer_mapped_device(theirs, &where);
+    if (s == GPUIPC_OK)
+      s = gpuipc_device_from_uuid(&where, &ord);
+    gpuipc_xfer *y = NULL;
+    if (s == GPUIPC_OK && ord != device)
+      s = gpuipc_xfer_create(ord, NULL, &y);
+    if (s == GPUIPC_OK)
+      s = gpuipc_buffer_size(theirs) == BYTES
+              ? gpuipc_xfer_to_host(y ? y : x, host, gpuipc_buffer_ptr(theirs),
+                                    BYTES, NULL, GPUIPC_XFER_SYNC)
+              : GPUIPC_E_OUT_OF_RANGE;
+    gpuipc_xfer_destroy(y);
     gpuipc_buffer_close(theirs);
     CHECK("reading a peer's buffer", s);
     for (int i = 0; i < BYTES; i++)

@@ -16,7 +16,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
+#include <fcntl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 /* The exporter every raw import names: this machine and pid namespace, and
@@ -242,46 +243,87 @@ gpuipc_status gpuipc_buffer_import_legacy_raw(const uint8_t handle[64],
   return import_raw(&d, home, map, &home_uuid, NULL, 0, buf);
 }
 
-/* Pool ids of raw pools, one per pool fd's open file (st_dev, st_ino): the
- * driver gives one pool per exported pool however often it is imported,
- * and the handle layer imports each (exporter, pool id) once. */
+/* Which exported pool a raw pool fd names. The handle layer imports each
+ * (exporter, pool id) once, so every fd of one pool must get the same id,
+ * and fds of different pools different ids. The fd's inode cannot tell:
+ * shareable handles may be anonymous files that share one inode. Two
+ * things can:
+ * - the driver: importing a pool it already imported returns the same
+ *   CUmemoryPool, so the handle's value names the pool in this process
+ *   (imported pools are never destroyed, so the value is never reused);
+ * - kcmp(KCMP_FILE): an fd received again (another SCM_RIGHTS copy of the
+ *   same export) is the same open file as one seen before, so its id is
+ *   known without asking the driver again.
+ * So: a remembered fd (a dup) per open file seen, compared with kcmp; on a
+ * miss (or where kcmp is not allowed), one driver import. */
+#define RAW_POOL_FDS 64
 typedef struct raw_pool {
-  dev_t dev;
-  ino_t ino;
+  int fd; /* our dup of a pool fd seen before; -1: free slot */
   uint64_t id;
 } raw_pool;
 static pthread_mutex_t raw_pools_lock = PTHREAD_MUTEX_INITIALIZER;
-static raw_pool *raw_pools;
-static size_t n_raw_pools, cap_raw_pools;
-static uint64_t next_raw_pool_id = 1;
+static raw_pool raw_pools[RAW_POOL_FDS];
+static bool raw_pools_init;
+static unsigned raw_pools_next; /* slot to replace when full */
+static pid_t raw_pools_pid;     /* the fds belong to this process */
 
-static gpuipc_status raw_pool_id(int fd, uint64_t *id) {
-  struct stat st;
-  if (fstat(fd, &st) != 0)
-    return gpuipc__fail_errno(errno, "fstat", "pool fd %d", fd);
+#ifndef SYS_kcmp
+#define SYS_kcmp 312
+#endif
+#define GPUIPC__KCMP_FILE 0
+
+/* 0: same open file; 1: different; -1: cannot tell. */
+static int same_file(int a, int b) {
+  pid_t me = getpid();
+  long r = syscall(SYS_kcmp, me, me, GPUIPC__KCMP_FILE, (unsigned long)a,
+                   (unsigned long)b);
+  return r == 0 ? 0 : r > 0 ? 1 : -1;
+}
+
+static gpuipc_status raw_pool_id(int fd, int home, uint64_t *id) {
   gpuipc_status s = GPUIPC_OK;
   pthread_mutex_lock(&raw_pools_lock);
-  size_t i;
-  for (i = 0; i < n_raw_pools; i++)
-    if (raw_pools[i].dev == st.st_dev && raw_pools[i].ino == st.st_ino)
-      break;
-  if (i == n_raw_pools) {
-    if (n_raw_pools == cap_raw_pools) {
-      size_t nc = cap_raw_pools ? cap_raw_pools * 2 : 8;
-      raw_pool *np = realloc(raw_pools, nc * sizeof *np);
-      if (np == NULL) {
-        s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "raw pool table");
-        goto out;
-      }
-      raw_pools = np;
-      cap_raw_pools = nc;
-    }
-    raw_pools[i].dev = st.st_dev;
-    raw_pools[i].ino = st.st_ino;
-    raw_pools[i].id = next_raw_pool_id++;
-    n_raw_pools++;
+  if (!raw_pools_init || raw_pools_pid != getpid()) {
+    /* First use, or a forked child whose table names its parent's fds. */
+    for (int i = 0; i < RAW_POOL_FDS; i++)
+      raw_pools[i].fd = -1;
+    raw_pools_init = true;
+    raw_pools_pid = getpid();
   }
-  *id = raw_pools[i].id;
+  for (int i = 0; i < RAW_POOL_FDS; i++)
+    if (raw_pools[i].fd >= 0 && same_file(raw_pools[i].fd, fd) == 0) {
+      *id = raw_pools[i].id;
+      goto out;
+    }
+  {
+    gpuipc__ctx_guard g;
+    GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, home), s, out);
+    CUmemoryPool mp = NULL;
+    CUresult r = GPUIPC__CU(cuMemPoolImportFromShareableHandle, &mp,
+                            (void *)(uintptr_t)fd,
+                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    gpuipc__ctx_leave(&g);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemPoolImportFromShareableHandle",
+                            "raw pool fd %d", fd);
+      goto out;
+    }
+    *id = (uint64_t)(uintptr_t)mp;
+  }
+  /* Remember this open file for the next buffer of the pool. */
+  int keep = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (keep >= 0) {
+    int slot = -1;
+    for (int i = 0; i < RAW_POOL_FDS && slot < 0; i++)
+      if (raw_pools[i].fd < 0)
+        slot = i;
+    if (slot < 0) {
+      slot = (int)(raw_pools_next++ % RAW_POOL_FDS);
+      close(raw_pools[slot].fd);
+    }
+    raw_pools[slot].fd = keep;
+    raw_pools[slot].id = *id;
+  }
 out:
   pthread_mutex_unlock(&raw_pools_lock);
   return s;
@@ -305,7 +347,7 @@ gpuipc_status gpuipc_buffer_import_mempool_raw(
   gpuipc__desc d;
   GPUIPC__CHECK(raw_desc(&d, GPUIPC_POOL_MEMPOOL, export_data, offset, size,
                          &home_uuid));
-  GPUIPC__CHECK(raw_pool_id(pool_fd, &d.pool_id));
+  GPUIPC__CHECK(raw_pool_id(pool_fd, home, &d.pool_id));
   d.nfds = 1;
   return import_raw(&d, home, map, &home_uuid, &pool_fd, 1, buf);
 }

@@ -120,15 +120,18 @@ HELPER_IMPL(interop_raw_peer) {
     ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(base));
     harness_send_u64(sock, 1);
   } else if (strcmp(mode, "mempool-export") == 0) {
-    CUmemoryPool pool;
-    make_pool(&pool);
-    CUdeviceptr p[2] = {0, 0};
-    int fd = -1;
-    ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
-        &fd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-    for (int i = 0; i < 2; i++) {
-      ASSERT_CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p[i], ALLOC_BYTES, pool,
-                                                   NULL));
+    /* Three buffers: two of pool A (its fd sent twice), one of pool B. */
+    CUmemoryPool pool[2];
+    int fd[2] = {-1, -1};
+    for (int k = 0; k < 2; k++) {
+      make_pool(&pool[k]);
+      ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
+          &fd[k], pool[k], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    }
+    CUdeviceptr p[3] = {0, 0, 0};
+    for (int i = 0; i < 3; i++) {
+      ASSERT_CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p[i], ALLOC_BYTES,
+                                                   pool[i / 2], NULL));
       ASSERT_CU(gpuipc__cu.cuStreamSynchronize(NULL));
       raw_msg m;
       memset(&m, 0, sizeof m);
@@ -140,16 +143,18 @@ HELPER_IMPL(interop_raw_peer) {
       CUmemPoolPtrExportData e;
       ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&e, p[i]));
       memcpy(m.handle, &e, 64);
-      harness_send(sock, &m, sizeof m, &fd, 1);
+      harness_send(sock, &m, sizeof m, &fd[i / 2], 1);
     }
-    close(fd);
+    close(fd[0]);
+    close(fd[1]);
     ASSERT_EQ(harness_recv_u64(sock), 1);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
       expect(p[i] + (uint64_t)i * 4096, ALLOC_BYTES / 2, 40 + (uint32_t)i);
       ASSERT_CU(gpuipc__cu.cuMemFreeAsync(p[i], NULL));
     }
     ASSERT_CU(gpuipc__cu.cuStreamSynchronize(NULL));
-    ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool));
+    for (int k = 0; k < 2; k++)
+      ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool[k]));
     harness_send_u64(sock, 2);
   } else if (strcmp(mode, "mempool-import") == 0) {
     raw_msg m;
@@ -254,7 +259,7 @@ TEST_IMPL(interop_legacy_import_raw) {
   ASSERT_EQ(after.driver_opens - before.driver_opens, 1);
   ASSERT_EQ(after.hits - before.hits, 1);
   /* Offset + size beyond the allocation: refused, nothing leaks. */
-  ASSERT_STATUS(gpuipc_buffer_import_legacy_raw(m.handle, ALLOC_BYTES - 16, 32,
+  ASSERT_STATUS(gpuipc_buffer_import_legacy_raw(m.handle, 64 * ALLOC_BYTES, 32,
                                                 &m.device, NULL, &bad),
                 GPUIPC_E_OUT_OF_RANGE);
   ASSERT_NULL(bad);
@@ -314,8 +319,8 @@ TEST_IMPL(interop_mempool_import_raw) {
   pid_t pid = spawn_helper("interop_raw_peer", NULL, &sock, "mempool-export", NULL);
   gpuipc_cache_stats before = GPUIPC_CACHE_STATS_INIT;
   ASSERT_OK(gpuipc_cache_stats_get(&before));
-  gpuipc_buffer *b[2] = {NULL, NULL};
-  for (int i = 0; i < 2; i++) {
+  gpuipc_buffer *b[3] = {NULL, NULL, NULL};
+  for (int i = 0; i < 3; i++) {
     raw_msg m;
     int fd = -1;
     recv_msg(sock, &m, &fd);
@@ -330,8 +335,10 @@ TEST_IMPL(interop_mempool_import_raw) {
   }
   gpuipc_cache_stats after = GPUIPC_CACHE_STATS_INIT;
   ASSERT_OK(gpuipc_cache_stats_get(&after));
-  /* Both buffers came through one pool import. */
-  ASSERT_EQ(after.pool_imports - before.pool_imports, 1);
+  /* Two pools: the two buffers of pool A came through one pool import
+   * (its fd arrived twice, as two SCM_RIGHTS copies), pool B through its
+   * own; no buffer was opened in the wrong pool (the data checks). */
+  ASSERT_EQ(after.pool_imports - before.pool_imports, 2);
   /* Bad arguments. */
   gpuipc_buffer *bad = NULL;
   uint8_t zero[64] = {0};
@@ -339,7 +346,7 @@ TEST_IMPL(interop_mempool_import_raw) {
                                                  &bad),
                 GPUIPC_E_INVALID_ARG);
   ASSERT_NULL(bad);
-  for (int i = 0; i < 2; i++)
+  for (int i = 0; i < 3; i++)
     ASSERT_OK(gpuipc_buffer_close(b[i]));
   harness_send_u64(sock, 1);
   ASSERT_EQ(harness_recv_u64(sock), 2);

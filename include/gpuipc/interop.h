@@ -110,10 +110,13 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export_legacy_raw(
  * allocation (cuda.core: 0 and IPCBufferDescriptor.size). device: the UUID
  * of the pool's device (NULL: local device 0).
  *
- * The pool is imported once per pool (keyed by the fd's open file: pass the
- * same fd, or a dup of it, for every buffer of one pool) and stays imported
- * for the life of the process (the driver cannot release an imported pool);
- * later buffers of the pool cost one pointer import. Errors as
+ * The pool is imported once per pool and stays imported for the life of
+ * the process (the driver cannot release an imported pool). Later buffers
+ * of the pool cost one pointer import when their fd is the same open file
+ * as one seen before (the same fd, a dup, or another SCM_RIGHTS copy of the
+ * same export: gpuipc keeps a dup and compares with kcmp); an fd of another
+ * export of an already imported pool costs one more driver call, which
+ * finds the pool already imported. Errors as
  * gpuipc_buffer_import_legacy_raw, plus the driver's for a bad fd.
  * *buf: owned by the caller, gpuipc_buffer_close().
  */
