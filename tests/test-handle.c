@@ -842,3 +842,43 @@ TEST_IMPL(handle_exporter_device_hidden) {
   th_peer_stop(pb, sb);
   return 0;
 }
+
+/* A pool whose memory another local device may access (peer access
+ * granted at creation): device 1 reads and writes device 0's buffer. */
+HELPER_IMPL(handle_access_devices_run) {
+  ASSERT_OK(gpuipc_init());
+  REQUIRE_DEVICES(2);
+  gpuipc_uuid u1;
+  ASSERT_OK(gpuipc_device_uuid(1, &u1));
+  gpuipc_pool_kind kinds[] = {GPUIPC_POOL_MEMPOOL, GPUIPC_POOL_VMM};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(kinds); i++) {
+    gpuipc_pool_options o = GPUIPC_POOL_OPTIONS_INIT;
+    o.kind = kinds[i];
+    o.access_devices = &u1;
+    o.n_access_devices = 1;
+    gpuipc_pool *p;
+    ASSERT_OK(gpuipc_pool_create(&o, &p));
+    gpuipc_buffer *b;
+    ASSERT_OK(gpuipc_buffer_alloc(p, 65536, NULL, &b));
+    th_sync(0);
+    CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b);
+    th_fill_ptr(ptr, 65536, 70, 1); /* through device 1's context */
+    ASSERT(th_check_ptr(ptr, 65536, 70, 0));
+    ASSERT_OK(gpuipc_buffer_free(b, NULL));
+    th_sync(0);
+    ASSERT_OK(gpuipc_pool_destroy(p));
+  }
+  return 0;
+}
+
+TEST_IMPL(handle_pool_access_devices) {
+  char *env[] = {"GPUIPC_EMU_DEVICES=2", NULL};
+  if (!harness_on_emulator())
+    REQUIRE_DEVICES(2);
+  pid_t pid = spawn_helper("handle_access_devices_run", env, NULL, NULL);
+  int rc = wait_helper(pid, 60);
+  if (rc == TEST_SKIP)
+    SKIP("the helper sees fewer than 2 devices");
+  ASSERT_EQ(rc, 0);
+  return 0;
+}
