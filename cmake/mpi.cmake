@@ -96,3 +96,12 @@ foreach(exname ${GPUIPC_MPI_EXAMPLE_NAMES})
   set_tests_properties(${exname} PROPERTIES TIMEOUT 120 LABELS "mpi"
     ENVIRONMENT "${GPUIPC_MPI_TEST_ENV}")
 endforeach()
+
+# The helper's cross-machine reporting, on one machine: ranks pretend to
+# run on two machines (see GPUIPC_MPI_SIMULATE_MACHINES in gpuipc/mpi.h).
+if(TARGET example_mpi_node)
+  add_test(NAME mpi_node_two_machines
+    COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:example_mpi_node>)
+  set_tests_properties(mpi_node_two_machines PROPERTIES TIMEOUT 120 LABELS "mpi"
+    ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};GPUIPC_MPI_SIMULATE_MACHINES=2")
+endif()

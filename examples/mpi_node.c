@@ -63,9 +63,19 @@ int main(int argc, char **argv) {
   if (rank_ == 0)
     printf("mpi_node: %d ranks on %d machine(s)\n", size,
            gpuipc_mpi_machines(g));
+  int foreign = 0;
   for (int r = 0; r < size; r++)
-    if (r != rank_ && gpuipc_mpi_peer_check(g, r) == GPUIPC_E_FOREIGN_MACHINE)
-      printf("rank %d: rank %d: %s\n", rank_, r, gpuipc_last_error());
+    if (r != rank_ && gpuipc_mpi_peer_check(g, r) == GPUIPC_E_FOREIGN_MACHINE) {
+      printf("rank %d: %s\n", rank_, gpuipc_last_error());
+      foreign++;
+    }
+  /* Every rank is either on this machine or reported as foreign. */
+  if (foreign != size - lsize) {
+    fprintf(stderr, "rank %d: %d ranks reported on other machines, expected %d\n",
+            rank_, foreign, size - lsize);
+    rc = 1;
+    goto out;
+  }
 
   int count = 0;
   CHECK("gpuipc_device_count", gpuipc_device_count(&count));

@@ -30,6 +30,11 @@
  * travel as well as legacy ones. Descriptors of LEGACY buffers need no fd
  * and may also travel in plain MPI messages (examples/mpi_hello.c).
  *
+ * Testing aid: GPUIPC_MPI_SIMULATE_MACHINES=k makes gpuipc_mpi_init
+ * pretend the ranks run on k machines (rank % k), each with a boot id of
+ * its own, so that the cross-machine reporting can be exercised on one
+ * machine. Never set it in production.
+ *
  * Thread safety: gpuipc_mpi_init and gpuipc_mpi_finalize are collective
  * over the communicator and follow MPI's threading rules; the accessors are
  * thread-safe; each connection follows conn.h's rules.

@@ -143,8 +143,18 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
   gpuipc_status s = GPUIPC_OK;
   MPI_Comm_rank(comm, &g->rank);
   MPI_Comm_size(comm, &g->size);
-  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g->rank, MPI_INFO_NULL,
-                          &g->local) != MPI_SUCCESS) {
+  /* A testing aid: GPUIPC_MPI_SIMULATE_MACHINES=k pretends the ranks run
+   * on k machines (rank % k), each with its own boot id, so that one
+   * machine can exercise the cross-machine reporting. */
+  const char *sim_env = getenv("GPUIPC_MPI_SIMULATE_MACHINES");
+  int sim = sim_env ? atoi(sim_env) : 0;
+  if (sim > 1)
+    GPUIPC__WARN("mpi", "GPUIPC_MPI_SIMULATE_MACHINES=%d: pretending the "
+                 "ranks run on %d machines", sim, sim);
+  int split = sim > 1 ? MPI_Comm_split(comm, g->rank % sim, g->rank, &g->local)
+                      : MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g->rank,
+                                            MPI_INFO_NULL, &g->local);
+  if (split != MPI_SUCCESS) {
     s = gpuipc__fail(GPUIPC_E_SYSTEM,
                      "gpuipc_mpi_init: MPI_Comm_split_type failed");
     goto fail;
@@ -158,6 +168,8 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
   uint8_t mine[16];
   memset(mine, 0, sizeof mine);
   gpuipc_status bs = gpuipc__boot_id(mine);
+  if (sim > 1)
+    mine[15] ^= (uint8_t)(1 + g->rank % sim);
   g->boot_ids = calloc((size_t)g->size, 16);
   g->machine_of = calloc((size_t)g->size, sizeof(int));
   g->local_of = calloc((size_t)g->size, sizeof(int));
