@@ -172,18 +172,30 @@ static double run_once(bench *b, int which, size_t n) {
   return (double)(gpuipc__now_ns() - t0) / 1e9;
 }
 
-/* Median rate in GB/s of `bytes_moved` bytes per run (after one warm-up). */
-static double rate(bench *b, int which, size_t n, double bytes_moved) {
-  double t[64];
-  if (run_once(b, which, n) < 0)
-    return -1;
-  for (int i = 0; i < b->reps; i++) {
-    t[i] = run_once(b, which, n);
-    if (t[i] < 0)
+#define NCASES (X_SHARED_H2D + 1)
+
+/* Median rates in GB/s of every case at size n: one warm-up each, then the
+ * repetitions interleaved (case after case, round after round), so that a
+ * drift of the machine during the run hits every case alike. A pipeline
+ * moves 2n bytes (both ways), the others n. Returns -1 on failure. */
+static int rates(bench *b, size_t n, double out[NCASES]) {
+  static double t[NCASES][64];
+  for (int c = 0; c < NCASES; c++)
+    if (run_once(b, c, n) < 0)
       return -1;
+  for (int i = 0; i < b->reps; i++)
+    for (int c = 0; c < NCASES; c++)
+      if ((t[c][i] = run_once(b, c, n)) < 0)
+        return -1;
+  for (int c = 0; c < NCASES; c++) {
+    double moved = (double)n;
+    if (c == RAW_BOTH_PINNED || c == RAW_SERIAL_PIPE || c == X_PIPE_PINNED ||
+        c == X_PIPE_PAGEABLE || c == X_PIPE_PAGEABLE_SERIAL)
+      moved *= 2;
+    double m = median(t[c], b->reps);
+    out[c] = m > 0 ? moved / m / 1e9 : 0;
   }
-  double m = median(t, b->reps);
-  return m > 0 ? bytes_moved / m / 1e9 : 0;
+  return 0;
 }
 
 static int parse_size(const char *s, size_t *out) {
@@ -355,7 +367,7 @@ int gpuipc_bench_copy(int argc, char **argv) {
   gpuipc_xfer_get_info(b.x, &in);
 
   printf("gpuipc bench copy: device %d (%s)%s, %d copy engine(s); engine: %d "
-         "streams, chunks up to %zu MiB, staging %d x %zu MiB; median of %d\n",
+         "streams, chunks up to %zu MiB, staging %d x %zu MiB; median of %d, interleaved\n",
          device, name, emulated ? " [CUDA driver emulator]" : "",
          in.copy_engines, in.streams, in.max_chunk_bytes >> 20,
          in.staging_slots, in.staging_slot_bytes >> 20, reps);
@@ -380,25 +392,16 @@ int gpuipc_bench_copy(int argc, char **argv) {
   for (size_t n = min; n <= max; n *= 4) {
     char sz[32];
     size_text(n, sz, sizeof sz);
-    double dn = (double)n;
-    double h2d = rate(&b, RAW_H2D_PINNED, n, dn);
-    double d2h = rate(&b, RAW_D2H_PINNED, n, dn);
-    double both = rate(&b, RAW_BOTH_PINNED, n, 2 * dn);
-    double h2d_pg = rate(&b, RAW_H2D_PAGEABLE, n, dn);
-    double d2h_pg = rate(&b, RAW_D2H_PAGEABLE, n, dn);
-    double serial = rate(&b, RAW_SERIAL_PIPE, n, 2 * dn);
-    double serial_pg = rate(&b, X_PIPE_PAGEABLE_SERIAL, n, 2 * dn);
-    double xh2d = rate(&b, X_H2D_PINNED, n, dn);
-    double xd2h = rate(&b, X_D2H_PINNED, n, dn);
-    double xh2d_pg = rate(&b, X_H2D_PAGEABLE, n, dn);
-    double xd2h_pg = rate(&b, X_D2H_PAGEABLE, n, dn);
-    double xpipe = rate(&b, X_PIPE_PINNED, n, 2 * dn);
-    double xpipe_pg = rate(&b, X_PIPE_PAGEABLE, n, 2 * dn);
-    double xshared = rate(&b, X_SHARED_H2D, n, dn);
-    if (h2d < 0 || d2h < 0 || both < 0 || h2d_pg < 0 || d2h_pg < 0 ||
-        serial < 0 || serial_pg < 0 || xh2d < 0 || xd2h < 0 || xh2d_pg < 0 ||
-        xd2h_pg < 0 || xpipe < 0 || xpipe_pg < 0 || xshared < 0)
+    double r[NCASES];
+    if (rates(&b, n, r) != 0)
       goto out;
+    double h2d = r[RAW_H2D_PINNED], d2h = r[RAW_D2H_PINNED],
+           both = r[RAW_BOTH_PINNED], h2d_pg = r[RAW_H2D_PAGEABLE],
+           d2h_pg = r[RAW_D2H_PAGEABLE], serial = r[RAW_SERIAL_PIPE],
+           serial_pg = r[X_PIPE_PAGEABLE_SERIAL], xh2d = r[X_H2D_PINNED],
+           xd2h = r[X_D2H_PINNED], xh2d_pg = r[X_H2D_PAGEABLE],
+           xd2h_pg = r[X_D2H_PAGEABLE], xpipe = r[X_PIPE_PINNED],
+           xpipe_pg = r[X_PIPE_PAGEABLE], xshared = r[X_SHARED_H2D];
     int ok;
     ok = xh2d >= 0.95 * h2d;
     misses += !ok;
