@@ -1,11 +1,563 @@
-/* handoff.c: placeholder until this benchmark lands. */
+/*
+ * handoff.c: `gpuipc bench handoff`: what handing a GPU buffer to another
+ * process costs over a gpuipc connection, next to the raw driver paths
+ * measured in the same run.
+ *
+ *   handoff latency   from the producer's gpuipc_conn_send to the consumer
+ *                     holding a usable, stream-ordered buffer (its
+ *                     gpuipc_conn_recv returned; the consumer polls in
+ *                     non-blocking mode), one buffer in flight;
+ *   throughput        buffers per second through the whole cycle (send,
+ *                     recv, release, the release back at the producer),
+ *                     a ring of blocks in flight;
+ *   both for 4 KiB .. 256 MiB and for 1 and 8 consumers (with 8, each
+ *   buffer goes to every consumer for latency, round-robin for throughput);
+ *   raw driver paths  legacy cuIpcGetMemHandle / Open / Close; pool pointer
+ *                     cuMemPoolExportPointer / ImportPointer / free (and the
+ *                     one-time pool import); the GPU round trip of the
+ *                     ordering mechanism itself (stream write/wait value on
+ *                     shared memory, ping-pong between two processes' streams,
+ *                     no host in the loop).
+ *
+ * Consumers are this program re-executed (/proc/self/exe) with a hidden
+ * argument, started before the producer initializes CUDA. Times are
+ * CLOCK_MONOTONIC, which all processes of the machine share.
+ */
 #include "cli.h"
+#include "driver.h"
 
+#include <spawn.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define MAXC 8
+
+enum { OP_LAT = 1, OP_TPUT, OP_LEGACY, OP_POOL, OP_MEMOP, OP_QUIT };
+
+typedef struct cmd {
+  uint32_t op;
+  uint32_t n;
+} cmd;
+
+typedef struct reply {
+  double a, b, c, d; /* op-specific, microseconds */
+} reply;
+
+static int cmp_double(const void *x, const void *y) {
+  double a = *(const double *)x, b = *(const double *)y;
+  return a < b ? -1 : a > b;
+}
+static double pct(double *v, int n, double p) {
+  if (n <= 0)
+    return 0;
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  int i = (int)(p * (n - 1) + 0.5);
+  return v[i];
+}
+static double now_us(void) { return (double)gpuipc__now_ns() / 1000.0; }
+
+#define DIE(...)                                                               \
+  do {                                                                         \
+    fprintf(stderr, "gpuipc bench handoff: " __VA_ARGS__);                     \
+    fprintf(stderr, " (%s)\n", gpuipc_last_error());                           \
+    exit(1);                                                                   \
+  } while (0)
+#define OK(expr)                                                               \
+  do {                                                                         \
+    gpuipc_status s_ = (expr);                                                 \
+    if (s_ != GPUIPC_OK)                                                       \
+      DIE("%s: %s", #expr, gpuipc_strerror(s_));                               \
+  } while (0)
+#define CU(expr)                                                               \
+  do {                                                                         \
+    CUresult r_ = (expr);                                                      \
+    if (r_ != CUDA_SUCCESS)                                                    \
+      DIE("%s: %s", #expr, gpuipc__cuda_error_name(r_));                       \
+  } while (0)
+
+static void current(void) {
+  CUcontext c;
+  OK(gpuipc__primary_ctx(0, &c));
+  CU(gpuipc__cu.cuCtxSetCurrent(c));
+}
+
+static void send_cmd(gpuipc_conn *c, uint32_t op, uint32_t n) {
+  cmd m = {op, n};
+  OK(gpuipc_conn_send_msg(c, &m, sizeof m, NULL, 0));
+}
+static void send_reply(gpuipc_conn *c, reply r) {
+  OK(gpuipc_conn_send_msg(c, &r, sizeof r, NULL, 0));
+}
+static reply get_reply(gpuipc_conn *c) {
+  reply r;
+  size_t len = 0;
+  OK(gpuipc_conn_recv_msg(c, &r, sizeof r, &len, NULL, NULL));
+  return r;
+}
+
+/* Receives, polling (non-blocking) for up to 200 us, then blocking: the
+ * latency a polling consumer sees, without starving the producer of CPU
+ * when consumers outnumber cores. */
+static void spin_recv(gpuipc_conn *c, CUstream s, gpuipc_received *r) {
+  uint64_t until = gpuipc__now_ns() + 200000;
+  for (;;) {
+    gpuipc_status st = gpuipc_conn_recv(c, (struct CUstream_st *)s, r);
+    if (st == GPUIPC_OK)
+      return;
+    if (st != GPUIPC_E_WOULD_BLOCK)
+      DIE("gpuipc_conn_recv: %s", gpuipc_strerror(st));
+    if (gpuipc__now_ns() > until) {
+      OK(gpuipc_conn_set_nonblocking(c, 0));
+      st = gpuipc_conn_recv(c, (struct CUstream_st *)s, r);
+      OK(gpuipc_conn_set_nonblocking(c, 1));
+      if (st == GPUIPC_OK)
+        return;
+      DIE("gpuipc_conn_recv: %s", gpuipc_strerror(st));
+    }
+  }
+}
+
+/* ---- consumer ----------------------------------------------------------------- */
+
+static int consumer(int fd) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 120000;
+  gpuipc_conn *c = NULL;
+  OK(gpuipc_conn_from_fd(fd, &o, &c));
+  OK(gpuipc_init());
+  current();
+  CUstream s;
+  CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdevice dev;
+  CU(gpuipc__cu.cuDeviceGet(&dev, 0));
+  for (;;) {
+    cmd m;
+    size_t len = 0;
+    OK(gpuipc_conn_set_nonblocking(c, 0));
+    gpuipc_status st = gpuipc_conn_recv_msg(c, &m, sizeof m, &len, NULL, NULL);
+    if (st == GPUIPC_E_PEER_GONE || (st == GPUIPC_OK && m.op == OP_QUIT))
+      break;
+    OK(st);
+    int n = (int)m.n;
+    double *v = calloc((size_t)n + 1, sizeof *v);
+    double *w = calloc((size_t)n + 1, sizeof *w);
+    double *x = calloc((size_t)n + 1, sizeof *x);
+    if (!v || !w || !x)
+      DIE("out of memory");
+    reply r = {0, 0, 0, 0};
+    if (m.op == OP_LAT || m.op == OP_TPUT) {
+      OK(gpuipc_conn_set_nonblocking(c, 1));
+      double t0 = 0;
+      for (int i = 0; i < n; i++) {
+        gpuipc_received in = GPUIPC_RECEIVED_INIT;
+        spin_recv(c, s, &in);
+        double t = now_us();
+        if (i == 0)
+          t0 = t;
+        double sent;
+        memcpy(&sent, in.meta, sizeof sent);
+        v[i] = t - sent;
+        OK(gpuipc_conn_release(c, in.id, (struct CUstream_st *)s));
+      }
+      OK(gpuipc_conn_set_nonblocking(c, 0));
+      r.a = pct(v, n, 0.5);
+      r.b = pct(v, n, 0.9);
+      r.c = now_us() - t0;
+    } else if (m.op == OP_LEGACY) {
+      for (int i = 0; i < n; i++) {
+        CUipcMemHandle h;
+        OK(gpuipc_conn_recv_msg(c, &h, sizeof h, &len, NULL, NULL));
+        CUdeviceptr p;
+        double t0 = now_us();
+        CU(gpuipc__cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+        double t1 = now_us();
+        CU(gpuipc__cu.cuIpcCloseMemHandle(p));
+        double t2 = now_us();
+        v[i] = t1 - t0;
+        w[i] = t2 - t1;
+        OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+      }
+      r.a = pct(v, n, 0.5);
+      r.b = pct(w, n, 0.5);
+    } else if (m.op == OP_POOL) {
+      int pfd = -1, nf = 1;
+      char b;
+      OK(gpuipc_conn_recv_msg(c, &b, 1, &len, &pfd, &nf));
+      if (nf != 1)
+        DIE("pool fd missing");
+      CUmemoryPool pool;
+      double t0 = now_us();
+      CU(gpuipc__cu.cuMemPoolImportFromShareableHandle(
+          &pool, (void *)(uintptr_t)pfd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+      CUmemAccessDesc ad = {{CU_MEM_LOCATION_TYPE_DEVICE, (int)dev},
+                            CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+      CU(gpuipc__cu.cuMemPoolSetAccess(pool, &ad, 1));
+      r.c = now_us() - t0;
+      close(pfd);
+      OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+      for (int i = 0; i < n; i++) {
+        CUmemPoolPtrExportData d;
+        OK(gpuipc_conn_recv_msg(c, &d, sizeof d, &len, NULL, NULL));
+        CUdeviceptr p;
+        double t1 = now_us();
+        CU(gpuipc__cu.cuMemPoolImportPointer(&p, pool, &d));
+        double t2 = now_us();
+        CU(gpuipc__cu.cuMemFree(p));
+        double t3 = now_us();
+        v[i] = t2 - t1;
+        w[i] = t3 - t2;
+        OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+      }
+      r.a = pct(v, n, 0.5);
+      r.b = pct(w, n, 0.5);
+    } else if (m.op == OP_MEMOP) {
+      /* The flag words arrive as a buffer: A (producer writes) at 0, B
+       * (we write) at 256. Enqueue the whole ping-pong, then say so. */
+      gpuipc_received in = GPUIPC_RECEIVED_INIT;
+      OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &in));
+      CUdeviceptr A = (CUdeviceptr)(uintptr_t)in.ptr, B = A + 256;
+      for (int i = 1; i <= n; i++) {
+        CU(gpuipc__cu.cuStreamWaitValue64(s, A, (cuuint64_t)i, CU_STREAM_WAIT_VALUE_GEQ));
+        CU(gpuipc__cu.cuStreamWriteValue64(s, B, (cuuint64_t)i, 0));
+      }
+      OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+      CU(gpuipc__cu.cuStreamSynchronize(s));
+      OK(gpuipc_conn_release(c, in.id, (struct CUstream_st *)s));
+    }
+    free(v);
+    free(w);
+    free(x);
+    send_reply(c, r);
+  }
+  CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* ---- producer ----------------------------------------------------------------- */
+
+typedef struct ctx {
+  gpuipc_conn *c[MAXC];
+  int nc;
+  CUstream s;
+  int iters;
+} bctx;
+
+static void wait_free(bctx *b, gpuipc_block *blk) {
+  while (gpuipc_block_holders(blk) > 0)
+    for (int k = 0; k < b->nc; k++)
+      OK(gpuipc_conn_progress(b->c[k], 0));
+}
+
+static void send_t(gpuipc_conn *c, gpuipc_block *blk, CUstream s) {
+  double t = now_us();
+  OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, &t, sizeof t));
+}
+
+/* Latency: one buffer in flight, to each of nc consumers. */
+static void run_lat(bctx *b, gpuipc_arena *a, size_t size, int nc,
+                    double *med, double *p90) {
+  gpuipc_block *blk;
+  OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk));
+  int n = b->iters;
+  for (int k = 0; k < nc; k++)
+    send_cmd(b->c[k], OP_LAT, (uint32_t)n);
+  for (int i = 0; i < n; i++) {
+    for (int k = 0; k < nc; k++)
+      send_t(b->c[k], blk, b->s);
+    wait_free(b, blk);
+  }
+  *med = 0;
+  *p90 = 0;
+  for (int k = 0; k < nc; k++) {
+    reply r = get_reply(b->c[k]);
+    *med += r.a / nc;
+    if (r.b > *p90)
+      *p90 = r.b;
+  }
+  OK(gpuipc_block_free(blk, (struct CUstream_st *)b->s));
+}
+
+/* Throughput: a ring of blocks in flight, round-robin over nc consumers. */
+static double run_tput(bctx *b, gpuipc_arena *a, size_t size, int nc,
+                       int ring) {
+  gpuipc_block *blk[64];
+  for (int j = 0; j < ring; j++)
+    OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk[j]));
+  int n = b->iters * 4;
+  n -= n % nc;
+  for (int k = 0; k < nc; k++)
+    send_cmd(b->c[k], OP_TPUT, (uint32_t)(n / nc));
+  double t0 = now_us();
+  for (int i = 0; i < n; i++) {
+    gpuipc_block *x = blk[i % ring];
+    gpuipc_conn *c = b->c[i % nc];
+    while (gpuipc_block_holders(x) > 0)
+      OK(gpuipc_conn_progress(b->c[(i - ring) % nc >= 0 ? (i - ring) % nc : 0], 0));
+    send_t(c, x, b->s);
+  }
+  for (int j = 0; j < ring; j++)
+    wait_free(b, blk[j]);
+  double dt = now_us() - t0;
+  for (int k = 0; k < nc; k++)
+    (void)get_reply(b->c[k]);
+  for (int j = 0; j < ring; j++)
+    OK(gpuipc_block_free(blk[j], (struct CUstream_st *)b->s));
+  return n / (dt / 1e6);
+}
+
+static void raw_legacy(bctx *b, double out[3]) {
+  gpuipc_conn *c = b->c[0];
+  int n = b->iters < 200 ? b->iters : 200;
+  CUdeviceptr p;
+  CU(gpuipc__cu.cuMemAlloc(&p, (size_t)1 << 20));
+  double *v = calloc((size_t)n, sizeof *v);
+  send_cmd(c, OP_LEGACY, (uint32_t)n);
+  for (int i = 0; i < n; i++) {
+    CUipcMemHandle h;
+    double t0 = now_us();
+    CU(gpuipc__cu.cuIpcGetMemHandle(&h, p));
+    v[i] = now_us() - t0;
+    OK(gpuipc_conn_send_msg(c, &h, sizeof h, NULL, 0));
+    char k;
+    size_t len;
+    OK(gpuipc_conn_recv_msg(c, &k, 1, &len, NULL, NULL));
+  }
+  reply r = get_reply(c);
+  out[0] = pct(v, n, 0.5);
+  out[1] = r.a;
+  out[2] = r.b;
+  free(v);
+  CU(gpuipc__cu.cuMemFree(p));
+}
+
+static void raw_pool(bctx *b, double out[4]) {
+  gpuipc_conn *c = b->c[0];
+  int n = b->iters < 200 ? b->iters : 200;
+  CUdevice dev;
+  CU(gpuipc__cu.cuDeviceGet(&dev, 0));
+  CUmemPoolProps pp;
+  memset(&pp, 0, sizeof pp);
+  pp.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  pp.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  pp.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  pp.location.id = (int)dev;
+  CUmemoryPool pool;
+  CU(gpuipc__cu.cuMemPoolCreate(&pool, &pp));
+  int pfd = -1;
+  CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
+      &pfd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  send_cmd(c, OP_POOL, (uint32_t)n);
+  OK(gpuipc_conn_send_msg(c, "p", 1, &pfd, 1));
+  close(pfd);
+  char k;
+  size_t len;
+  OK(gpuipc_conn_recv_msg(c, &k, 1, &len, NULL, NULL));
+  double *v = calloc((size_t)n, sizeof *v);
+  for (int i = 0; i < n; i++) {
+    CUdeviceptr p;
+    CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p, (size_t)1 << 20, pool, b->s));
+    CU(gpuipc__cu.cuStreamSynchronize(b->s));
+    CUmemPoolPtrExportData d;
+    double t0 = now_us();
+    CU(gpuipc__cu.cuMemPoolExportPointer(&d, p));
+    v[i] = now_us() - t0;
+    OK(gpuipc_conn_send_msg(c, &d, sizeof d, NULL, 0));
+    OK(gpuipc_conn_recv_msg(c, &k, 1, &len, NULL, NULL));
+    CU(gpuipc__cu.cuMemFreeAsync(p, b->s));
+  }
+  reply r = get_reply(c);
+  out[0] = pct(v, n, 0.5);
+  out[1] = r.a;
+  out[2] = r.b;
+  out[3] = r.c;
+  free(v);
+  CU(gpuipc__cu.cuStreamSynchronize(b->s));
+  CU(gpuipc__cu.cuMemPoolDestroy(pool));
+}
+
+/* The ordering mechanism alone: a ping-pong of stream write/wait value
+ * between the two processes' streams, timed by events on the producer's
+ * stream after a gate the host opens once everything is queued. */
+static double raw_memop(bctx *b, gpuipc_arena *a) {
+  gpuipc_conn *c = b->c[0];
+  int n = b->iters;
+  gpuipc_block *blk;
+  OK(gpuipc_arena_alloc(a, 1024, (struct CUstream_st *)b->s, &blk));
+  CUdeviceptr A = (CUdeviceptr)(uintptr_t)gpuipc_block_ptr(blk), B = A + 256,
+              G = A + 512;
+  CU(gpuipc__cu.cuMemsetD8(A, 0, 1024));
+  send_cmd(c, OP_MEMOP, (uint32_t)n);
+  OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)b->s, NULL, 0));
+  char k;
+  size_t len;
+  OK(gpuipc_conn_recv_msg(c, &k, 1, &len, NULL, NULL));
+  CUevent e0, e1;
+  CU(gpuipc__cu.cuEventCreate(&e0, 0));
+  CU(gpuipc__cu.cuEventCreate(&e1, 0));
+  CU(gpuipc__cu.cuStreamWaitValue64(b->s, G, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  CU(gpuipc__cu.cuEventRecord(e0, b->s));
+  for (int i = 1; i <= n; i++) {
+    CU(gpuipc__cu.cuStreamWriteValue64(b->s, A, (cuuint64_t)i, 0));
+    CU(gpuipc__cu.cuStreamWaitValue64(b->s, B, (cuuint64_t)i, CU_STREAM_WAIT_VALUE_GEQ));
+  }
+  CU(gpuipc__cu.cuEventRecord(e1, b->s));
+  CUstream gate;
+  CU(gpuipc__cu.cuStreamCreate(&gate, CU_STREAM_NON_BLOCKING));
+  CU(gpuipc__cu.cuStreamWriteValue64(gate, G, 1, 0));
+  CU(gpuipc__cu.cuStreamSynchronize(b->s));
+  float ms = 0;
+  CU(gpuipc__cu.cuEventElapsedTime(&ms, e0, e1));
+  (void)get_reply(c);
+  wait_free(b, blk);
+  OK(gpuipc_block_free(blk, (struct CUstream_st *)b->s));
+  CU(gpuipc__cu.cuStreamDestroy(gate));
+  CU(gpuipc__cu.cuEventDestroy(e0));
+  CU(gpuipc__cu.cuEventDestroy(e1));
+  return (double)ms * 1000.0 / n;
+}
+
+static const char *size_name(size_t s, char *buf) {
+  if (s >= ((size_t)1 << 20))
+    sprintf(buf, "%zu MiB", s >> 20);
+  else
+    sprintf(buf, "%zu KiB", s >> 10);
+  return buf;
+}
 
 int gpuipc_bench_handoff(int argc, char **argv) {
-  (void)argc;
-  (void)argv;
-  fprintf(stderr, "gpuipc bench handoff: not built yet\n");
-  return 2;
+  int emu = gpuipc_cli_pick_driver(&argc, argv, "bench handoff");
+  if (emu < 0)
+    return 1;
+  bool quick = false;
+  int iters = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--child") == 0 && i + 1 < argc)
+      return consumer(atoi(argv[i + 1]));
+    else if (strcmp(argv[i], "--quick") == 0)
+      quick = true;
+    else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc)
+      iters = atoi(argv[++i]);
+    else if (strcmp(argv[i], "all") != 0 && strcmp(argv[i], "handoff") != 0) {
+      fprintf(stderr, "usage: gpuipc bench handoff [--quick] [--iters N] "
+                      "[--emulator PATH]\n");
+      return 2;
+    }
+  }
+  if (iters <= 0)
+    iters = quick ? 200 : 2000;
+
+  /* The consumers start before this process touches CUDA. */
+  bctx b = {{0}, MAXC, NULL, iters};
+  pid_t pids[MAXC];
+  for (int k = 0; k < MAXC; k++) {
+    int fds[2];
+    OK(gpuipc_conn_pair(fds));
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 3);
+    char *args[] = {"gpuipc", "bench", "handoff", "--child", "3", NULL};
+    int err = posix_spawn(&pids[k], "/proc/self/exe", &fa, NULL, args, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(fds[1]);
+    if (err != 0) {
+      fprintf(stderr, "gpuipc bench handoff: spawn: %s\n", strerror(err));
+      return 1;
+    }
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.timeout_ms = 120000;
+    OK(gpuipc_conn_from_fd(fds[0], &o, &b.c[k]));
+  }
+  OK(gpuipc_init());
+  current();
+  CU(gpuipc__cu.cuStreamCreate(&b.s, CU_STREAM_NON_BLOCKING));
+  char name[128] = "?";
+  CUdevice dev;
+  CU(gpuipc__cu.cuDeviceGet(&dev, 0));
+  CU(gpuipc__cu.cuDeviceGetName(name, (int)sizeof name, dev));
+  printf("gpuipc bench handoff: %s%s, %d iterations%s\n", name,
+         emu ? " (emulated: times are the emulator's, not a GPU's)" : "",
+         iters, quick ? " (--quick)" : "");
+
+  size_t sizes_full[] = {(size_t)4 << 10, (size_t)64 << 10, (size_t)1 << 20,
+                         (size_t)16 << 20, (size_t)256 << 20};
+  size_t sizes_quick[] = {(size_t)4 << 10, (size_t)1 << 20, (size_t)16 << 20};
+  size_t *sizes = quick ? sizes_quick : sizes_full;
+  int nsizes = quick ? 3 : 5;
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = quick ? (size_t)128 << 20 : (size_t)1100 << 20;
+  gpuipc_arena *a = NULL;
+  OK(gpuipc_arena_create(&ao, &a));
+
+  printf("\nhandoff: send -> consumer holds an ordered, usable buffer (consumer "
+         "polls); throughput: full cycle incl. release\n");
+  printf("%-9s %9s %11s %10s %14s\n", "size", "consumers", "median us",
+         "p90 us", "buffers/s");
+  double pair_med = 0, pair_tput = 0;
+  {
+    /* Warm-up: every consumer imports the arena and the flag words. */
+    int keep = b.iters;
+    b.iters = 20;
+    double m, p;
+    run_lat(&b, a, 4096, MAXC, &m, &p);
+    b.iters = keep;
+  }
+  for (int si = 0; si < nsizes; si++) {
+    size_t sz = sizes[si];
+    int ring = sz >= ((size_t)64 << 20) ? 4 : 32;
+    int ncs[2] = {1, MAXC};
+    for (int ci = 0; ci < 2; ci++) {
+      double med, p90;
+      run_lat(&b, a, sz, ncs[ci], &med, &p90);
+      double tput = run_tput(&b, a, sz, ncs[ci], ring);
+      char sn[32];
+      printf("%-9s %9d %11.2f %10.2f %14.0f\n", size_name(sz, sn), ncs[ci], med,
+             p90, tput);
+      fflush(stdout);
+      if (ncs[ci] == 1 && si == 0) {
+        pair_med = med;
+        pair_tput = tput;
+      }
+    }
+  }
+
+  double leg[3], pool[4];
+  raw_legacy(&b, leg);
+  raw_pool(&b, pool);
+  double rt = raw_memop(&b, a);
+  printf("\nraw driver paths, same run (medians, us; 1 MiB allocations):\n");
+  printf("  legacy   cuIpcGetMemHandle %.2f | cuIpcOpenMemHandle %.2f | "
+         "cuIpcCloseMemHandle %.2f | per buffer %.2f\n",
+         leg[0], leg[1], leg[2], leg[0] + leg[1] + leg[2]);
+  printf("  mempool  cuMemPoolExportPointer %.2f | cuMemPoolImportPointer "
+         "%.2f | free %.2f | per buffer %.2f (pool import + access, once: "
+         "%.1f)\n",
+         pool[0], pool[1], pool[2], pool[0] + pool[1] + pool[2], pool[3]);
+  printf("  ordering GPU round trip, stream write+wait value across two "
+         "processes: %.2f us\n",
+         rt);
+  printf("\none pair, 4 KiB: median %.2f us (target <= 5), %.0f buffers/s "
+         "(target >= 200000)%s\n",
+         pair_med, pair_tput,
+         emu ? "; on the emulator these say little about a GPU" : "");
+
+  for (int k = 0; k < MAXC; k++) {
+    send_cmd(b.c[k], OP_QUIT, 0);
+    gpuipc_conn_close(b.c[k]);
+  }
+  int rc = 0;
+  for (int k = 0; k < MAXC; k++) {
+    int st = 0;
+    waitpid(pids[k], &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+      rc = 1;
+  }
+  CU(gpuipc__cu.cuStreamSynchronize(b.s));
+  OK(gpuipc_arena_destroy(a));
+  return rc;
 }
