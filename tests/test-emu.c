@@ -191,3 +191,26 @@ TEST_IMPL(emu_exporter_killed) {
   gpuipc__ctx_leave(&g);
   return 0;
 }
+
+/* Destroyed or made-up stream and event handles are refused with
+ * CUDA_ERROR_INVALID_HANDLE rather than dereferenced. */
+TEST_IMPL(emu_stale_handles_refused) {
+  REQUIRE_EMULATOR("the real driver may crash on a stale handle");
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  ASSERT_CU_EQ(gpuipc__cu.cuStreamDestroy(s), CUDA_ERROR_INVALID_HANDLE);
+  ASSERT_CU_EQ(gpuipc__cu.cuStreamSynchronize(s), CUDA_ERROR_INVALID_HANDLE);
+  CUevent e;
+  ASSERT_CU(gpuipc__cu.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(e));
+  ASSERT_CU_EQ(gpuipc__cu.cuEventDestroy(e), CUDA_ERROR_INVALID_HANDLE);
+  ASSERT_CU_EQ(gpuipc__cu.cuEventQuery(e), CUDA_ERROR_INVALID_HANDLE);
+  int junk[16] = {0};
+  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery((CUstream)(void *)junk), CUDA_ERROR_INVALID_HANDLE);
+  ASSERT_CU_EQ(gpuipc__cu.cuEventRecord((CUevent)(void *)junk, NULL), CUDA_ERROR_INVALID_HANDLE);
+  gpuipc__ctx_leave(&g);
+  return 0;
+}

@@ -1070,6 +1070,72 @@ typedef struct shm_hdr {
   uint64_t user_size;    /* the size the creator asked for */
 } shm_hdr;
 
+/* Live stream and event handles. A handle is checked against its set
+ * before it is dereferenced, so a destroyed or made-up handle gives
+ * CUDA_ERROR_INVALID_HANDLE instead of a crash. Sorted arrays: few handles. */
+typedef struct handle_set {
+  pthread_mutex_t mu;
+  uintptr_t *v;
+  size_t n, cap;
+} handle_set;
+static handle_set live_streams = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static handle_set live_events = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static size_t hs_lower(const handle_set *h, uintptr_t x) {
+  size_t lo = 0, hi = h->n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (h->v[mid] < x)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+static bool hs_add(handle_set *h, const void *p) {
+  uintptr_t x = (uintptr_t)p;
+  pthread_mutex_lock(&h->mu);
+  if (h->n == h->cap) {
+    size_t cap = h->cap ? h->cap * 2 : 64;
+    uintptr_t *v = realloc(h->v, cap * sizeof *v);
+    if (!v) {
+      pthread_mutex_unlock(&h->mu);
+      return false;
+    }
+    h->v = v;
+    h->cap = cap;
+  }
+  size_t i = hs_lower(h, x);
+  memmove(&h->v[i + 1], &h->v[i], (h->n - i) * sizeof *h->v);
+  h->v[i] = x;
+  h->n++;
+  pthread_mutex_unlock(&h->mu);
+  return true;
+}
+
+static bool hs_has(handle_set *h, const void *p) {
+  uintptr_t x = (uintptr_t)p;
+  pthread_mutex_lock(&h->mu);
+  size_t i = hs_lower(h, x);
+  bool found = i < h->n && h->v[i] == x;
+  pthread_mutex_unlock(&h->mu);
+  return found;
+}
+
+static bool hs_del(handle_set *h, const void *p) {
+  uintptr_t x = (uintptr_t)p;
+  pthread_mutex_lock(&h->mu);
+  size_t i = hs_lower(h, x);
+  bool found = i < h->n && h->v[i] == x;
+  if (found) {
+    memmove(&h->v[i], &h->v[i + 1], (h->n - i - 1) * sizeof *h->v);
+    h->n--;
+  }
+  pthread_mutex_unlock(&h->mu);
+  return found;
+}
+
 /* ======================================================================== */
 /* the registry of mapped ranges (this process)                              */
 /* ======================================================================== */
@@ -1615,7 +1681,7 @@ static CUresult get_stream(CUstream h, emu_stream **out) {
     return CUDA_SUCCESS;
   }
   emu_stream *s = (emu_stream *)h;
-  if (s->magic != STREAM_MAGIC)
+  if (!hs_has(&live_streams, s))
     return CUDA_ERROR_INVALID_HANDLE;
   *out = s;
   return CUDA_SUCCESS;
@@ -1784,6 +1850,10 @@ CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
   emu_stream *s = stream_new(c, Flags, SK_USER);
   if (!s)
     RET(CUDA_ERROR_OUT_OF_MEMORY);
+  if (!hs_add(&live_streams, s)) {
+    stream_close(s);
+    RET(CUDA_ERROR_OUT_OF_MEMORY);
+  }
   *phStream = (CUstream)s;
   RET(CUDA_SUCCESS);
 }
@@ -1798,6 +1868,10 @@ CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int 
     RET(CUDA_ERROR_OUT_OF_MEMORY);
   /* Clamped to the range, as CUDA does (-5 greatest, 0 least). */
   s->priority = priority > 0 ? 0 : priority < -5 ? -5 : priority;
+  if (!hs_add(&live_streams, s)) {
+    stream_close(s);
+    RET(CUDA_ERROR_OUT_OF_MEMORY);
+  }
   *phStream = (CUstream)s;
   RET(CUDA_SUCCESS);
 }
@@ -1852,8 +1926,8 @@ CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) 
 CUresult cuStreamDestroy(CUstream hStream) {
   ENTER_INIT("cuStreamDestroy");
   emu_stream *s = (emu_stream *)hStream;
-  if (!s || hStream == CU_STREAM_LEGACY || hStream == CU_STREAM_PER_THREAD ||
-      s->magic != STREAM_MAGIC || s->kind != SK_USER)
+  /* Only user streams are in the set: not NULL, legacy or per-thread. */
+  if (!s || !hs_del(&live_streams, s))
     RET(CUDA_ERROR_INVALID_HANDLE);
   stream_close(s);
   RET(CUDA_SUCCESS);
@@ -1909,7 +1983,7 @@ CUresult cuStreamQuery(CUstream hStream) {
 
 static emu_event *event_from(CUevent h) {
   emu_event *e = (emu_event *)h;
-  return e && e->magic == EVENT_MAGIC ? e : NULL;
+  return e && hs_has(&live_events, e) ? e : NULL;
 }
 
 CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
@@ -2042,6 +2116,10 @@ CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
       RET(r);
     }
   }
+  if (!hs_add(&live_events, e)) {
+    ev_unref(e);
+    RET(CUDA_ERROR_OUT_OF_MEMORY);
+  }
   *phEvent = (CUevent)e;
   RET(CUDA_SUCCESS);
 }
@@ -2050,6 +2128,8 @@ CUresult cuEventDestroy(CUevent hEvent) {
   ENTER_INIT("cuEventDestroy");
   emu_event *e = event_from(hEvent);
   if (!e)
+    RET(CUDA_ERROR_INVALID_HANDLE);
+  if (!hs_del(&live_events, e))
     RET(CUDA_ERROR_INVALID_HANDLE);
   ev_unref(e); /* queued records and waits hold their own references */
   RET(CUDA_SUCCESS);
@@ -2700,6 +2780,10 @@ CUresult cuIpcOpenEventHandle(CUevent *phEvent, CUipcEventHandle handle) {
   e->map = m;
   e->st = (ev_state *)((char *)m + 256);
   e->id = w.id;
+  if (!hs_add(&live_events, e)) {
+    ev_unref(e);
+    RET(CUDA_ERROR_OUT_OF_MEMORY);
+  }
   *phEvent = (CUevent)e;
   RET(CUDA_SUCCESS);
 }
