@@ -348,60 +348,117 @@ gpuipc_status gpuipc_buffer_wrap(void *ptr, size_t size, gpuipc_buffer **out) {
   gpuipc_status s = GPUIPC_OK;
   gpuipc__ctx_guard g;
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, ordinal), s, fail_noctx);
+  /* Which kind of memory is it? Pool memory names its pool; cuMemAlloc
+   * memory is legacy-IPC capable; VMM memory has an allocation handle. */
   CUdeviceptr base = 0;
   size_t n = 0;
-  r = GPUIPC__CU(cuMemGetAddressRange, &base, &n, p);
-  if (r != CUDA_SUCCESS) {
-    s = gpuipc__fail_cuda(r, "cuMemGetAddressRange", "%p", ptr);
-    goto fail;
-  }
-  size_t off = (size_t)(p - base);
-  if (off > n || size > n - off) {
-    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                     "gpuipc_buffer_wrap: [%p, +%zu) leaves its allocation "
-                     "[0x%llx, +%zu)",
-                     ptr, size, (unsigned long long)base, n);
-    goto fail;
-  }
-  /* Which kind of memory is it? Pool memory names its pool; anything else
-   * must be legacy-IPC capable (cuMemAlloc memory). */
   CUmemoryPool mp = NULL;
   r = GPUIPC__CU(cuPointerGetAttribute, &mp,
                  CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, p);
   if (r != CUDA_SUCCESS)
     mp = NULL;
-  if (mp != NULL) {
-    b->kind = GPUIPC_POOL_MEMPOOL;
-    GPUIPC__CHECK_GOTO(
-        gpuipc__pool_lookup_foreign(mp, ordinal, &b->pool_id, &b->pool_fd), s,
-        fail);
-  } else {
-    int capable = 1;
-    r = GPUIPC__CU(cuPointerGetAttribute, &capable,
-                   CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p);
-    if (r == CUDA_SUCCESS && !capable) {
-      s = gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
-                       "gpuipc_buffer_wrap: %p is neither legacy-IPC capable "
-                       "(cuMemAlloc) memory nor memory of an IPC-capable pool",
-                       ptr);
+  int capable = 1;
+  if (mp == NULL &&
+      GPUIPC__CU(cuPointerGetAttribute, &capable,
+                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                 p) != CUDA_SUCCESS)
+    capable = 1; /* let cuIpcGetMemHandle decide at export */
+  if (mp != NULL || capable) {
+    r = GPUIPC__CU(cuMemGetAddressRange, &base, &n, p);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail_cuda(r, "cuMemGetAddressRange", "%p", ptr);
       goto fail;
     }
-    b->kind = GPUIPC_POOL_LEGACY;
+    if (mp != NULL) {
+      b->kind = GPUIPC_POOL_MEMPOOL;
+      GPUIPC__CHECK_GOTO(
+          gpuipc__pool_lookup_foreign(mp, ordinal, &b->pool_id, &b->pool_fd),
+          s, fail);
+    } else {
+      b->kind = GPUIPC_POOL_LEGACY;
+    }
+    GPUIPC__CHECK_GOTO(gpuipc__pointer_buffer_id(base, &b->buffer_id), s,
+                       fail);
+    /* Generation 0: one allocation wrapped several times (interior views)
+     * must stay one mapping in every importer (the driver maps a legacy
+     * handle or pool pointer once per process), and the driver's buffer id
+     * alone names the allocation. */
+    b->generation = 0;
+  } else {
+    /* VMM memory (e.g. a caching allocator's expandable segments): share
+     * the physical allocation behind the mapping, if it was created
+     * exportable as a POSIX fd. */
+    CUmemGenericAllocationHandle h = 0;
+    r = GPUIPC__CU(cuMemRetainAllocationHandle, &h, ptr);
+    if (r != CUDA_SUCCESS) {
+      s = gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                       "gpuipc_buffer_wrap: %p is neither cuMemAlloc memory, "
+                       "nor memory of a pool, nor a VMM mapping "
+                       "(cuMemRetainAllocationHandle: %s)",
+                       ptr, gpuipc__cuda_error_name(r));
+      goto fail;
+    }
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    unsigned long long mbase = 0, msize = 0;
+    r = GPUIPC__CU(cuMemGetAllocationPropertiesFromHandle, &prop, h);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuMemGetAllocationPropertiesFromHandle", NULL);
+    else if (!(prop.requestedHandleTypes &
+               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+      s = gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                       "gpuipc_buffer_wrap: the VMM allocation behind %p was "
+                       "not created with CU_MEM_HANDLE_TYPE_POSIX_FILE_"
+                       "DESCRIPTOR, so it cannot be shared",
+                       ptr);
+    else if ((r = GPUIPC__CU(cuPointerGetAttribute, &mbase,
+                             CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR, p)) !=
+                 CUDA_SUCCESS ||
+             (r = GPUIPC__CU(cuPointerGetAttribute, &msize,
+                             CU_POINTER_ATTRIBUTE_MAPPING_SIZE, p)) !=
+                 CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuPointerGetAttribute",
+                            "mapping base and size of %p", ptr);
+    if (s != GPUIPC_OK) {
+      (void)GPUIPC__CU(cuMemRelease, h);
+      goto fail;
+    }
+    b->kind = GPUIPC_POOL_VMM;
+    b->vmm = h;
+    base = (CUdeviceptr)mbase;
+    n = (size_t)msize;
+    unsigned long long id = 0;
+    if (GPUIPC__CU(cuPointerGetAttribute, &id, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                   base) == CUDA_SUCCESS)
+      b->buffer_id = id;
+    /* Each VMM import is its own mapping: a new generation per wrap keeps
+     * two wrapped allocations of one exporter apart in the import cache. */
+    b->generation = gpuipc__next_generation();
   }
-  GPUIPC__CHECK_GOTO(gpuipc__pointer_buffer_id(base, &b->buffer_id), s, fail);
+  size_t off = (size_t)(p - base);
+  if (p < base || off > n || size > n - off) {
+    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                     "gpuipc_buffer_wrap: [%p, +%zu) leaves its allocation "
+                     "[0x%llx, +%zu)",
+                     ptr, size, (unsigned long long)base, n);
+    if (b->kind == GPUIPC_POOL_VMM)
+      (void)GPUIPC__CU(cuMemRelease, b->vmm);
+    goto fail;
+  }
+  s = gpuipc_device_uuid(ordinal, &b->uuid);
+  if (s != GPUIPC_OK) {
+    if (b->kind == GPUIPC_POOL_VMM)
+      (void)GPUIPC__CU(cuMemRelease, b->vmm);
+    goto fail;
+  }
   gpuipc__ctx_leave(&g);
   b->origin = GPUIPC__WRAPPED;
   b->ordinal = b->map_ordinal = ordinal;
-  GPUIPC__CHECK_GOTO(gpuipc_device_uuid(ordinal, &b->uuid), s, fail_noctx);
   b->ptr = p;
   b->base = base;
   b->offset = off;
   b->size = size;
   b->alloc_size = n;
-  /* Wrapped allocations have generation 0: one allocation wrapped several
-   * times (interior views) must stay one mapping in every importer, and the
-   * driver's buffer id alone names the allocation. */
-  b->generation = 0;
   *out = b;
   return GPUIPC_OK;
 fail:
@@ -1029,8 +1086,19 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
   if (b->origin == GPUIPC__IMPORTED)
     return gpuipc_buffer_close(b);
   if (b->origin == GPUIPC__WRAPPED) {
+    /* The memory stays the caller's; a wrapped VMM allocation holds one
+     * reference on its handle (cuMemRetainAllocationHandle) and may hold
+     * its exported fd. */
+    gpuipc_status s = GPUIPC_OK;
+    if (b->kind == GPUIPC_POOL_VMM) {
+      CUresult r = GPUIPC__CU(cuMemRelease, b->vmm);
+      if (r != CUDA_SUCCESS)
+        s = gpuipc__fail_cuda(r, "cuMemRelease", "wrapped VMM allocation");
+    }
+    if (b->fd >= 0)
+      close(b->fd);
     buffer_delete(b);
-    return GPUIPC_OK;
+    return s;
   }
   gpuipc_pool *pool = b->pool;
   gpuipc_status s = gpuipc__driver();

@@ -148,6 +148,28 @@ static CUdeviceptr raw_alloc(peer *p, gpuipc_pool_kind kind, size_t n) {
   CUdeviceptr ptr = 0;
   if (kind == GPUIPC_POOL_LEGACY) {
     ASSERT_CU(gpuipc__cu.cuMemAlloc(&ptr, n));
+  } else if (kind == GPUIPC_POOL_VMM) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    size_t gran = 0;
+    ASSERT_CU(gpuipc__cu.cuMemGetAllocationGranularity(
+        &gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    ASSERT_EQ(n % gran, 0);
+    CUmemGenericAllocationHandle h;
+    ASSERT_CU(gpuipc__cu.cuMemCreate(&h, n, &prop, 0));
+    ASSERT_CU(gpuipc__cu.cuMemAddressReserve(&ptr, n, gran, 0, 0));
+    ASSERT_CU(gpuipc__cu.cuMemMap(ptr, n, 0, h, 0));
+    ASSERT_CU(gpuipc__cu.cuMemRelease(h)); /* the mapping keeps it */
+    CUmemAccessDesc ad;
+    memset(&ad, 0, sizeof ad);
+    ad.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    ad.location.id = 0;
+    ad.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    ASSERT_CU(gpuipc__cu.cuMemSetAccess(ptr, n, &ad, 1));
   } else {
     if (p->raw_pool == NULL) {
       CUmemPoolProps props;
@@ -655,7 +677,7 @@ static int wrap_offset(gpuipc_pool_kind kind) {
   ASSERT_OK(gpuipc_init());
   int sock;
   pid_t pid = th_peer_start(NULL, &sock);
-  const size_t alloc = 1u << 20, off = 12288 + 64, size = 65536;
+  const size_t alloc = 4u << 20, off = 12288 + 64, size = 65536;
   harness_send_u64(sock, TH_OP_WRAP);
   harness_send_u64(sock, (uint64_t)kind);
   harness_send_u64(sock, alloc);
@@ -691,6 +713,7 @@ TEST_IMPL(handle_wrap_legacy_offset) { return wrap_offset(GPUIPC_POOL_LEGACY); }
 TEST_IMPL(handle_wrap_mempool_offset) {
   return wrap_offset(GPUIPC_POOL_MEMPOOL);
 }
+TEST_IMPL(handle_wrap_vmm_offset) { return wrap_offset(GPUIPC_POOL_VMM); }
 
 /* Wrapping a range that leaves its allocation is refused. */
 TEST_IMPL(handle_wrap_out_of_range) {

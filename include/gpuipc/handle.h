@@ -239,15 +239,19 @@ GPUIPC_API gpuipc_status gpuipc_buffer_alloc(gpuipc_pool *pool, size_t size,
 
 /*
  * Wraps device memory gpuipc did not allocate: [ptr, ptr+size) must lie
- * inside one allocation (cuMemAlloc, or a pool created with POSIX fd
- * export), possibly in its interior: gpuipc finds the allocation's base and
- * range (cuMemGetAddressRange) and exports the base with the offset.
- * The kind is LEGACY for cuMemAlloc memory and MEMPOOL for IPC-capable pool
- * memory. The memory stays owned by the caller: gpuipc_buffer_free() of a
- * wrapped buffer frees only the wrapper, and the caller must keep the
- * memory alive as long as importers use it. GPUIPC_E_OUT_OF_RANGE when the
- * range leaves the allocation, GPUIPC_E_NOT_SUPPORTED for memory that
- * cannot be shared (not IPC capable).
+ * inside one allocation, possibly in its interior: gpuipc finds the
+ * allocation's base and range and exports the base with the offset.
+ * The kind is LEGACY for cuMemAlloc memory (cudaMalloc, CuPy's and
+ * PyTorch's default allocators), MEMPOOL for memory of a pool created with
+ * POSIX fd export (the pool's fd is made once and kept for the life of the
+ * process), VMM for a cuMemMap'ed allocation created with POSIX fd export
+ * (expandable segments; the wrapper holds a reference on the allocation
+ * handle until freed). The memory stays owned by the caller:
+ * gpuipc_buffer_free() of a wrapped buffer frees only the wrapper, and the
+ * caller must keep the memory alive as long as importers use it. Do not
+ * wrap memory of a gpuipc buffer: export the buffer itself.
+ * GPUIPC_E_OUT_OF_RANGE when the range leaves the allocation,
+ * GPUIPC_E_NOT_SUPPORTED for memory that cannot be shared.
  */
 GPUIPC_API gpuipc_status gpuipc_buffer_wrap(void *ptr, size_t size,
                                             gpuipc_buffer **buf /* OUT */);
