@@ -22,6 +22,9 @@ else()
   set(GPUIPC_TEST_ENV "GPUIPC_TEST_MODE=emu")
 endif()
 
+# Re-run the configure step when a test file changes, so that a TEST_IMPL
+# added to an existing file becomes a CTest case without a manual re-run.
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${GPUIPC_TEST_SOURCES})
 foreach(src ${GPUIPC_TEST_SOURCES})
   get_filename_component(base ${src} NAME_WE)
   file(STRINGS ${src} lines REGEX "^TEST_IMPL\\(")
