@@ -64,9 +64,8 @@ static gpuipc_status d2d_stage(void *user, struct CUstream_st *stream,
                                void *din, void *dout, size_t off, size_t len) {
   (void)user;
   (void)off;
-  CUresult r = gpuipc__cu.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dout,
-                                            (CUdeviceptr)(uintptr_t)din, len,
-                                            stream);
+  CUresult r = gpuipc__cu.cuMemcpyDtoDAsync(
+      (CUdeviceptr)(uintptr_t)dout, (CUdeviceptr)(uintptr_t)din, len, stream);
   return r == CUDA_SUCCESS ? GPUIPC_OK : GPUIPC_E_DRIVER;
 }
 
@@ -138,8 +137,8 @@ static double run_once(bench *b, int which, size_t n) {
     CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
     break;
   case X_H2D_PAGEABLE:
-    GP_OK(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->page_a,
-                                n, b->s1, 0));
+    GP_OK(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->page_a, n,
+                                b->s1, 0));
     CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
     break;
   case X_D2H_PAGEABLE:
@@ -162,8 +161,8 @@ static double run_once(bench *b, int which, size_t n) {
     size_t cap;
     GP_OK(gpuipc_xfer_shared_acquire(b->sh, b->seq, 10000, &p, &cap));
     GP_OK(gpuipc_xfer_shared_publish(b->sh, b->seq, n));
-    GP_OK(gpuipc_xfer_shared_to_device(b->sh, b->seq, (void *)(uintptr_t)b->dev_a,
-                                       n, b->s1, 0));
+    GP_OK(gpuipc_xfer_shared_to_device(
+        b->sh, b->seq, (void *)(uintptr_t)b->dev_a, n, b->s1, 0));
     b->seq++;
     CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
     break;
@@ -247,8 +246,8 @@ static void row(const char *size, const char *name, double plain, double x,
     snprintf(sp, sizeof sp, "%6.2fx", x / plain);
   else
     snprintf(sp, sizeof sp, "%7s", "-");
-  printf("%-8s  %-26s %s  %8.2f  %s  %s  %s  %s%s\n", size, name, pf, x, bf,
-         fr, sp, target, *target ? (ok ? " ok" : " MISS") : "");
+  printf("%-8s  %-26s %s  %8.2f  %s  %s  %s  %s%s\n", size, name, pf, x, bf, fr,
+         sp, target, *target ? (ok ? " ok" : " MISS") : "");
 }
 
 int gpuipc_bench_copy(int argc, char **argv) {
@@ -367,7 +366,8 @@ int gpuipc_bench_copy(int argc, char **argv) {
   gpuipc_xfer_get_info(b.x, &in);
 
   printf("gpuipc bench copy: device %d (%s)%s, %d copy engine(s); engine: %d "
-         "streams, chunks up to %zu MiB, staging %d x %zu MiB; median of %d, interleaved\n",
+         "streams, chunks up to %zu MiB, staging %d x %zu MiB; median of %d, "
+         "interleaved\n",
          device, name, emulated ? " [CUDA driver emulator]" : "",
          in.copy_engines, in.streams, in.max_chunk_bytes >> 20,
          in.staging_slots, in.staging_slot_bytes >> 20, reps);
@@ -385,8 +385,8 @@ int gpuipc_bench_copy(int argc, char **argv) {
   if (emulated)
     printf("(emulator: rates are memcpy speeds of this machine, not a GPU's; "
            "the targets apply to a real GPU)\n");
-  printf("\n%-8s  %-26s %8s  %8s  %8s  %7s  %7s  %s\n", "size", "case",
-         "plain", "gpuipc", "bound", "x/bound", "x/plain", "target");
+  printf("\n%-8s  %-26s %8s  %8s  %8s  %7s  %7s  %s\n", "size", "case", "plain",
+         "gpuipc", "bound", "x/bound", "x/plain", "target");
 
   int misses = 0;
   for (size_t n = min; n <= max; n *= 4) {

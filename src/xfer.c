@@ -29,20 +29,21 @@
 enum mem_kind { MEM_PAGEABLE, MEM_PINNED, MEM_DEVICE };
 enum slot_state {
   SLOT_FREE,
-  SLOT_READ,  /* a DMA reads the slot (host -> device): wait its event */
-  SLOT_DRAIN  /* a DMA fills the slot (device -> host): wait, then copy out */
+  SLOT_READ, /* a DMA reads the slot (host -> device): wait its event */
+  SLOT_DRAIN /* a DMA fills the slot (device -> host): wait, then copy out */
 };
 
 struct slot {
-  char *host;        /* pinned */
-  CUevent ev;        /* recorded after the DMA that uses the slot */
+  char *host; /* pinned */
+  CUevent ev; /* recorded after the DMA that uses the slot */
   int state;
-  char *drain_dst;   /* SLOT_DRAIN: where the host copies the data */
+  char *drain_dst; /* SLOT_DRAIN: where the host copies the data */
   size_t drain_len;
 };
 
 struct gpuipc_xfer {
-  pthread_mutex_t lock; /* error-checking: a stage that re-enters gets EDEADLK */
+  /* error-checking: a stage that re-enters gets EDEADLK */
+  pthread_mutex_t lock;
   int device;
   int nstreams;
   int copy_engines;
@@ -63,8 +64,8 @@ struct gpuipc_xfer {
   int drain_q[XFER_MAX_SLOTS]; /* slots in SLOT_DRAIN, in the order filled */
   int drain_head, drain_count;
 
-  int host_threads;      /* chosen */
-  gpuipc__hcopy *hcopy;  /* started with the staging ring */
+  int host_threads;     /* chosen */
+  gpuipc__hcopy *hcopy; /* started with the staging ring */
 
   /* device scratch for the pipeline: per stream an input and an output chunk */
   CUdeviceptr scratch;
@@ -85,7 +86,9 @@ void *gpuipc__xfer_staging_base(const gpuipc_xfer *x) {
   return x ? x->staging : NULL;
 }
 
-static inline CUdeviceptr dptr(const void *p) { return (CUdeviceptr)(uintptr_t)p; }
+static inline CUdeviceptr dptr(const void *p) {
+  return (CUdeviceptr)(uintptr_t)p;
+}
 static inline void *hptr(CUdeviceptr d) { return (void *)(uintptr_t)d; }
 
 /* ---- creation ------------------------------------------------------------ */
@@ -99,23 +102,26 @@ static gpuipc_status read_options(const gpuipc_xfer_options *in,
   if (in->size < sizeof(size_t))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_options.size is %zu: set it with "
-                        "GPUIPC_XFER_OPTIONS_INIT", in->size);
+                        "GPUIPC_XFER_OPTIONS_INIT",
+                        in->size);
   /* Read only what the caller's (maybe older, smaller) struct holds. */
   memcpy(o, in, in->size < sizeof *o ? in->size : sizeof *o);
   o->size = sizeof *o;
   if (o->streams < 0 || o->streams > GPUIPC_XFER_MAX_STREAMS)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_options.streams = %d: want 0 (automatic) "
-                        "to %d", o->streams, GPUIPC_XFER_MAX_STREAMS);
+                        "to %d",
+                        o->streams, GPUIPC_XFER_MAX_STREAMS);
   if (o->host_threads < 0 || o->host_threads > GPUIPC__HCOPY_MAX_THREADS)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_options.host_threads = %d: want 0 "
-                        "(automatic) to %d", o->host_threads,
-                        GPUIPC__HCOPY_MAX_THREADS);
+                        "(automatic) to %d",
+                        o->host_threads, GPUIPC__HCOPY_MAX_THREADS);
   if (o->staging_bytes != 0 && o->staging_bytes < 2)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_options.staging_bytes = %zu: the ring "
-                        "needs at least two slots", o->staging_bytes);
+                        "needs at least two slots",
+                        o->staging_bytes);
   return GPUIPC_OK;
 }
 
@@ -125,7 +131,8 @@ static gpuipc_status staging_free(gpuipc_xfer *x);
 gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
                                  gpuipc_xfer **out) {
   if (out == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_create: out is NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_xfer_create: out is NULL");
   gpuipc_xfer_options o;
   GPUIPC__CHECK(read_options(opts, &o));
   GPUIPC__CHECK(gpuipc__driver());
@@ -134,8 +141,9 @@ gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
     CUdevice d;
     CUresult r = GPUIPC__CU(cuCtxGetDevice, &d);
     if (r != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(r, "cuCtxGetDevice",
-                               "gpuipc_xfer_create(-1) needs a current context");
+      return gpuipc__fail_cuda(
+          r, "cuCtxGetDevice",
+          "gpuipc_xfer_create(-1) needs a current context");
     device = (int)d;
   } else {
     int count = 0;
@@ -293,7 +301,7 @@ gpuipc_status gpuipc_xfer_destroy(gpuipc_xfer *x) {
   return s;
 }
 
-/* ---- staging ring and scratch ------------------------------------------- */
+/* ---- staging ring and scratch -------------------------------------------- */
 
 /* Frees the ring (not its events); every slot must be idle. */
 static gpuipc_status staging_free(gpuipc_xfer *x) {
@@ -350,8 +358,7 @@ static gpuipc_status staging_alloc(gpuipc_xfer *x, size_t need) {
         continue;
       r = GPUIPC__CU(cuEventSynchronize, sl->ev);
       if (r != CUDA_SUCCESS)
-        return gpuipc__fail_cuda(r, "cuEventSynchronize", "staging slot %d",
-                                 i);
+        return gpuipc__fail_cuda(r, "cuEventSynchronize", "staging slot %d", i);
       sl->state = SLOT_FREE;
     }
     GPUIPC__CHECK(staging_free(x));
@@ -491,7 +498,7 @@ static size_t auto_chunk(const gpuipc_xfer *x, size_t bytes) {
   return c;
 }
 
-/* ---- one transfer --------------------------------------------------------- */
+/* ---- one transfer -------------------------------------------------------- */
 
 enum op_kind { OP_TO_DEVICE, OP_TO_HOST, OP_PIPELINE };
 
@@ -589,13 +596,13 @@ static gpuipc_status copy_out(gpuipc_xfer *x, CUstream st, char *dst,
 static gpuipc_status run_direct(gpuipc_xfer *x, const struct op *op) {
   CUresult r;
   if (op->kind == OP_TO_DEVICE) {
-    gpuipc_status s = copy_in(x, op->caller, dptr(op->dst), op->src, op->bytes,
-                              op->src_kind);
+    gpuipc_status s =
+        copy_in(x, op->caller, dptr(op->dst), op->src, op->bytes, op->src_kind);
     if (s != GPUIPC_OK)
       return s;
   } else {
-    gpuipc_status s = copy_out(x, op->caller, op->dst, dptr(op->src),
-                               op->bytes, op->dst_kind);
+    gpuipc_status s = copy_out(x, op->caller, op->dst, dptr(op->src), op->bytes,
+                               op->dst_kind);
     if (s != GPUIPC_OK)
       return s;
   }
@@ -654,9 +661,9 @@ static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
     CUstream st = x->streams[si];
     switch (op->kind) {
     case OP_TO_DEVICE:
-      GPUIPC__CHECK_GOTO(copy_in(x, st, dptr(op->dst + off), op->src + off,
-                                 len, op->src_kind),
-                         s, fail);
+      GPUIPC__CHECK_GOTO(
+          copy_in(x, st, dptr(op->dst + off), op->src + off, len, op->src_kind),
+          s, fail);
       break;
     case OP_TO_HOST:
       GPUIPC__CHECK_GOTO(copy_out(x, st, op->dst + off, dptr(op->src + off),
@@ -664,17 +671,16 @@ static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
                          s, fail);
       break;
     default: {
-      CUdeviceptr din = op->stage.dev_in
-                            ? dptr((char *)op->stage.dev_in + off)
-                            : scratch_in(x, si);
+      CUdeviceptr din = op->stage.dev_in ? dptr((char *)op->stage.dev_in + off)
+                                         : scratch_in(x, si);
       CUdeviceptr dout = op->stage.dev_out
                              ? dptr((char *)op->stage.dev_out + off)
                              : scratch_out(x, si);
       GPUIPC__CHECK_GOTO(copy_in(x, st, din, op->src + off, len, op->src_kind),
                          s, fail);
       if (op->stage.fn) {
-        gpuipc_status us = op->stage.fn(op->stage.user, st, hptr(din),
-                                        hptr(dout), off, len);
+        gpuipc_status us =
+            op->stage.fn(op->stage.user, st, hptr(din), hptr(dout), off, len);
         if (us != GPUIPC_OK) {
           s = gpuipc__fail(us,
                            "gpuipc_xfer_pipeline: the stage callback returned "
@@ -685,9 +691,8 @@ static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
       } else {
         dout = din;
       }
-      GPUIPC__CHECK_GOTO(copy_out(x, st, op->dst + off, dout, len,
-                                  op->dst_kind),
-                         s, fail);
+      GPUIPC__CHECK_GOTO(
+          copy_out(x, st, op->dst + off, dout, len, op->dst_kind), s, fail);
       break;
     }
     }
@@ -698,10 +703,9 @@ static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
 
   /* Join: the caller's later work waits for every stream used. */
   for (int i = 0; i < nuse; i++) {
-    GPUIPC__CU_CHECK_GOTO(s, fail, cuEventRecord, x->ev_done[i],
-                          x->streams[i]);
-    GPUIPC__CU_CHECK_GOTO(s, fail, cuStreamWaitEvent, op->caller,
-                          x->ev_done[i], 0);
+    GPUIPC__CU_CHECK_GOTO(s, fail, cuEventRecord, x->ev_done[i], x->streams[i]);
+    GPUIPC__CU_CHECK_GOTO(s, fail, cuStreamWaitEvent, op->caller, x->ev_done[i],
+                          0);
   }
   if (op->flags & GPUIPC_XFER_SYNC)
     for (int i = 0; i < nuse; i++)
@@ -766,13 +770,17 @@ static gpuipc_status check_common(const char *fn, gpuipc_xfer *x, void *dst,
 gpuipc_status gpuipc_xfer_to_device(gpuipc_xfer *x, void *dst, const void *src,
                                     size_t bytes, struct CUstream_st *stream,
                                     unsigned flags) {
-  GPUIPC__CHECK(check_common("gpuipc_xfer_to_device", x, dst, src, bytes,
-                             flags));
+  GPUIPC__CHECK(
+      check_common("gpuipc_xfer_to_device", x, dst, src, bytes, flags));
   if (bytes == 0)
     return GPUIPC_OK;
   GPUIPC__CHECK(gpuipc__driver());
-  struct op op = {.kind = OP_TO_DEVICE, .dst = dst, .src = src,
-                  .bytes = bytes, .caller = stream, .flags = flags};
+  struct op op = {.kind = OP_TO_DEVICE,
+                  .dst = dst,
+                  .src = src,
+                  .bytes = bytes,
+                  .caller = stream,
+                  .flags = flags};
   return run(x, &op);
 }
 
@@ -783,25 +791,34 @@ gpuipc_status gpuipc_xfer_to_host(gpuipc_xfer *x, void *dst, const void *src,
   if (bytes == 0)
     return GPUIPC_OK;
   GPUIPC__CHECK(gpuipc__driver());
-  struct op op = {.kind = OP_TO_HOST, .dst = dst, .src = src, .bytes = bytes,
-                  .caller = stream, .flags = flags};
+  struct op op = {.kind = OP_TO_HOST,
+                  .dst = dst,
+                  .src = src,
+                  .bytes = bytes,
+                  .caller = stream,
+                  .flags = flags};
   return run(x, &op);
 }
 
 gpuipc_status gpuipc_xfer_pipeline(gpuipc_xfer *x, void *dst, const void *src,
                                    size_t bytes, const gpuipc_xfer_stage *stage,
                                    struct CUstream_st *stream, unsigned flags) {
-  GPUIPC__CHECK(check_common("gpuipc_xfer_pipeline", x, dst, src, bytes,
-                             flags));
-  struct op op = {.kind = OP_PIPELINE, .dst = dst, .src = src, .bytes = bytes,
-                  .caller = stream, .flags = flags};
+  GPUIPC__CHECK(
+      check_common("gpuipc_xfer_pipeline", x, dst, src, bytes, flags));
+  struct op op = {.kind = OP_PIPELINE,
+                  .dst = dst,
+                  .src = src,
+                  .bytes = bytes,
+                  .caller = stream,
+                  .flags = flags};
   gpuipc_xfer_stage def = GPUIPC_XFER_STAGE_INIT;
   op.stage = def;
   if (stage != NULL) {
     if (stage->size < sizeof(size_t))
       return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                           "gpuipc_xfer_pipeline: stage->size is %zu: set it "
-                          "with GPUIPC_XFER_STAGE_INIT", stage->size);
+                          "with GPUIPC_XFER_STAGE_INIT",
+                          stage->size);
     memcpy(&op.stage, stage,
            stage->size < sizeof op.stage ? stage->size : sizeof op.stage);
   }
@@ -815,7 +832,7 @@ gpuipc_status gpuipc_xfer_pipeline(gpuipc_xfer *x, void *dst, const void *src,
   return run(x, &op);
 }
 
-/* ---- introspection --------------------------------------------------------- */
+/* ---- introspection ------------------------------------------------------- */
 
 gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info) {
   if (x == NULL || info == NULL)

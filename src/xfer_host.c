@@ -26,12 +26,12 @@ struct gpuipc__hcopy {
   pthread_cond_t work, done;
   int nthreads; /* helpers started (the caller is one more) */
   pthread_t th[GPUIPC__HCOPY_MAX_THREADS];
-  uint64_t gen;     /* job number, bumped for each job */
+  uint64_t gen; /* job number, bumped for each job */
   char *dst;
   const char *src;
-  size_t n, part;   /* part: bytes per worker (the last takes the rest) */
-  int parts;        /* workers in this job, the caller included */
-  int pending;      /* helper parts not finished */
+  size_t n, part; /* part: bytes per worker (the last takes the rest) */
+  int parts;      /* workers in this job, the caller included */
+  int pending;    /* helper parts not finished */
   int stop;
 };
 
@@ -120,8 +120,7 @@ int gpuipc__hcopy_threads(const gpuipc__hcopy *p) {
   return p ? p->nthreads + 1 : 1;
 }
 
-void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src,
-                       size_t n) {
+void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n) {
   int parts = p ? p->nthreads + 1 : 1;
   if ((size_t)parts > n / HCOPY_MIN_PART)
     parts = (int)(n / HCOPY_MIN_PART);

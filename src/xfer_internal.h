@@ -15,7 +15,7 @@ uint64_t gpuipc__xfer_pinned_live(uint64_t *bytes /* OUT, may be NULL */);
  * so that a test can ask the driver whether it is still pinned. */
 void *gpuipc__xfer_staging_base(const gpuipc_xfer *x);
 
-/* ---- host copy helpers (xfer_host.c) ---------------------------------- */
+/* ---- host copy helpers (xfer_host.c) ------------------------------------- */
 
 #define GPUIPC__HCOPY_MAX_THREADS 16
 typedef struct gpuipc__hcopy gpuipc__hcopy;

@@ -43,7 +43,7 @@ struct shared_header {
  * the filling side, `consumed` by the consuming side: on separate cache
  * lines so the two sides never write the same line. */
 struct shared_ctrl {
-  uint32_t filled;  /* generation of the last message published */
+  uint32_t filled; /* generation of the last message published */
   uint32_t len_lo;
   uint32_t len_hi;
   uint32_t pad0[13];
@@ -55,9 +55,9 @@ _Static_assert(sizeof(struct shared_ctrl) == SHARED_CTRL_STRIDE,
                "control block layout");
 
 struct gpuipc_xfer_shared {
-  int fd;            /* -1 over a gpuipc_buffer */
-  int borrowed;      /* over a gpuipc_buffer: the caller's memory, pinned by
-                        the handle layer; close only forgets it */
+  int fd;       /* -1 over a gpuipc_buffer */
+  int borrowed; /* over a gpuipc_buffer: the caller's memory, pinned by
+                   the handle layer; close only forgets it */
   char *base;
   size_t total;
   uint32_t nslots;
@@ -122,7 +122,8 @@ gpuipc_status gpuipc_xfer_shared_create(size_t slot_bytes, int slots,
   size_t page = page_size();
   if (slot_bytes == 0 || slot_bytes > ((size_t)1 << 46))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_xfer_shared_create: slot_bytes %zu", slot_bytes);
+                        "gpuipc_xfer_shared_create: slot_bytes %zu",
+                        slot_bytes);
   slot_bytes = (slot_bytes + page - 1) / page * page;
   size_t data_off = layout_data_offset((uint32_t)slots, page);
   if (slot_bytes > (SIZE_MAX - data_off) / (size_t)slots)
@@ -208,11 +209,12 @@ gpuipc_status gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out) {
   if (fstat(fd, &st) != 0)
     return gpuipc__fail_errno(errno, "fstat", "shared segment fd %d", fd);
   int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) !=
-                       (F_SEAL_SHRINK | F_SEAL_GROW))
+  if (seals < 0 ||
+      (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
     return gpuipc__fail(GPUIPC_E_BAD_KIND,
                         "gpuipc_xfer_shared_open: fd %d is not a sealed "
-                        "shared segment (seals 0x%x)", fd, seals);
+                        "shared segment (seals 0x%x)",
+                        fd, seals);
   size_t page = page_size();
   size_t total = (size_t)st.st_size;
   if (st.st_size < (off_t)page)
@@ -317,9 +319,9 @@ gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh, int device) {
   /* PORTABLE: pinned for every context of the process, not only the primary
    * context of this device; DEVICEMAP: the GPU can address the control
    * words, which cuStreamWaitValue32/cuStreamWriteValue32 need. */
-  CUresult r = GPUIPC__CU(cuMemHostRegister, sh->base, sh->total,
-                          CU_MEMHOSTREGISTER_PORTABLE |
-                              CU_MEMHOSTREGISTER_DEVICEMAP);
+  CUresult r =
+      GPUIPC__CU(cuMemHostRegister, sh->base, sh->total,
+                 CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
   if (r != CUDA_SUCCESS) {
     s = gpuipc__fail_cuda(r, "cuMemHostRegister", "shared segment of %zu bytes",
                           sh->total);
@@ -344,7 +346,7 @@ out:
   return s;
 }
 
-/* ---- over a pinned-host buffer of the handle layer ------------------------ */
+/* ---- over a pinned-host buffer of the handle layer ----------------------- */
 
 /* The segment over buf's memory: already pinned by the handle layer in this
  * process (in every process that maps it), and its address is also its
@@ -423,7 +425,8 @@ gpuipc_status gpuipc_xfer_shared_format(gpuipc_buffer *buf, size_t slot_bytes,
   if (slot_bytes > fit)
     return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
                         "%s: %d slots of %zu bytes need %zu bytes; the buffer "
-                        "has %zu", fn, slots, slot_bytes,
+                        "has %zu",
+                        fn, slots, slot_bytes,
                         data_off + slot_bytes * (size_t)slots, size);
   char *base = gpuipc_buffer_ptr(buf);
   memset(base, 0, data_off);
@@ -446,12 +449,12 @@ gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
   if (gpuipc_buffer_size(buf) < sizeof(struct shared_header))
     return gpuipc__fail(GPUIPC_E_TRUNCATED, "%s: %zu bytes", fn,
                         gpuipc_buffer_size(buf));
-  GPUIPC__CHECK(check_header(gpuipc_buffer_ptr(buf), gpuipc_buffer_size(buf), 0,
-                             fn));
+  GPUIPC__CHECK(
+      check_header(gpuipc_buffer_ptr(buf), gpuipc_buffer_size(buf), 0, fn));
   return over_buffer(buf, fn, out);
 }
 
-/* ---- host side of the protocol -------------------------------------------- */
+/* ---- host side of the protocol ------------------------------------------- */
 
 static uint32_t load_acquire(const uint32_t *w) {
   return __atomic_load_n(w, __ATOMIC_ACQUIRE);
@@ -462,11 +465,10 @@ static void store_release(uint32_t *w, uint32_t v) {
 
 /* Waits until (int32_t)(*w - want) >= 0: spins briefly, then sleeps with a
  * growing period (at most 100 us), so a long wait costs little CPU. */
-static gpuipc_status wait_word(const uint32_t *w, uint32_t want,
-                               int timeout_ms, const char *fn, uint64_t seq) {
-  uint64_t deadline = timeout_ms > 0
-                          ? gpuipc__now_ns() + (uint64_t)timeout_ms * 1000000u
-                          : 0;
+static gpuipc_status wait_word(const uint32_t *w, uint32_t want, int timeout_ms,
+                               const char *fn, uint64_t seq) {
+  uint64_t deadline =
+      timeout_ms > 0 ? gpuipc__now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
   long nap = 1000;
   for (unsigned spin = 0;; spin++) {
     if ((int32_t)(load_acquire(w) - want) >= 0)
@@ -488,7 +490,8 @@ gpuipc_status gpuipc_xfer_shared_acquire(gpuipc_xfer_shared *sh, uint64_t seq,
                                          int timeout_ms, void **ptr,
                                          size_t *cap) {
   if (sh == NULL || ptr == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_shared_acquire: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_xfer_shared_acquire: NULL");
   struct shared_ctrl *c = ctrl(sh, slot_of(sh, seq));
   GPUIPC__CHECK(wait_word(&c->consumed, gen_of(sh, seq) - 1, timeout_ms,
                           "gpuipc_xfer_shared_acquire", seq));
@@ -501,7 +504,8 @@ gpuipc_status gpuipc_xfer_shared_acquire(gpuipc_xfer_shared *sh, uint64_t seq,
 gpuipc_status gpuipc_xfer_shared_publish(gpuipc_xfer_shared *sh, uint64_t seq,
                                          size_t len) {
   if (sh == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_shared_publish: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_xfer_shared_publish: NULL");
   if (len > sh->slot_bytes)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_shared_publish: %zu bytes, slots hold %zu",
@@ -539,12 +543,13 @@ gpuipc_status gpuipc_xfer_shared_wait_filled(gpuipc_xfer_shared *sh,
 
 gpuipc_status gpuipc_xfer_shared_release(gpuipc_xfer_shared *sh, uint64_t seq) {
   if (sh == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_shared_release: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_xfer_shared_release: NULL");
   store_release(&ctrl(sh, slot_of(sh, seq))->consumed, gen_of(sh, seq));
   return GPUIPC_OK;
 }
 
-/* ---- GPU side of the protocol ---------------------------------------------- */
+/* ---- GPU side of the protocol -------------------------------------------- */
 
 static CUdeviceptr dword(const gpuipc_xfer_shared *sh, const uint32_t *w) {
   return sh->dbase + (CUdeviceptr)((const char *)w - sh->base);
@@ -557,7 +562,8 @@ static gpuipc_status gpu_check(const gpuipc_xfer_shared *sh, const char *fn,
   if (sh->pinned_device < 0)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "%s: the segment is not pinned in this process "
-                        "(gpuipc_xfer_shared_pin)", fn);
+                        "(gpuipc_xfer_shared_pin)",
+                        fn);
   if (len > sh->slot_bytes)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "%s: %zu bytes, slots hold %zu",
                         fn, len, sh->slot_bytes);
@@ -580,8 +586,8 @@ static gpuipc_status gpu_finish(gpuipc_xfer_shared *sh, CUstream stream,
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_xfer_shared_to_device(gpuipc_xfer_shared *sh,
-                                           uint64_t seq, void *dst, size_t len,
+gpuipc_status gpuipc_xfer_shared_to_device(gpuipc_xfer_shared *sh, uint64_t seq,
+                                           void *dst, size_t len,
                                            struct CUstream_st *stream,
                                            unsigned flags) {
   static const char fn[] = "gpuipc_xfer_shared_to_device";

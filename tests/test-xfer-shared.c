@@ -49,9 +49,9 @@ TEST_IMPL(xfer_shared_host_protocol) {
   gpuipc_xfer_shared *sh = NULL;
   ASSERT_STATUS(gpuipc_xfer_shared_create(100, 0, &sh), GPUIPC_E_INVALID_ARG);
   ASSERT_STATUS(gpuipc_xfer_shared_create(0, 1, &sh), GPUIPC_E_INVALID_ARG);
-  ASSERT_STATUS(gpuipc_xfer_shared_create(100, GPUIPC_XFER_SHARED_MAX_SLOTS + 1,
-                                          &sh),
-                GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(
+      gpuipc_xfer_shared_create(100, GPUIPC_XFER_SHARED_MAX_SLOTS + 1, &sh),
+      GPUIPC_E_INVALID_ARG);
   ASSERT_OK(gpuipc_xfer_shared_close(NULL));
   ASSERT_OK(gpuipc_xfer_shared_create(100, 1, &sh));
   ASSERT_EQ(gpuipc_xfer_shared_slots(sh), 1);
@@ -80,8 +80,7 @@ TEST_IMPL(xfer_shared_host_protocol) {
   ASSERT_UEQ(len, 50);
   ASSERT_EQ(((uint8_t *)gpuipc_xfer_shared_slot(peer, 0))[49], 0x5A);
   /* One slot: message 1 needs message 0 consumed. */
-  ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c),
-                GPUIPC_E_TIMEOUT);
+  ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c), GPUIPC_E_TIMEOUT);
   ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 30, &p, &c),
                 GPUIPC_E_TIMEOUT);
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "message 1");
@@ -189,7 +188,7 @@ TEST_IMPL(xfer_shared_open_rejects) {
   return 0;
 }
 
-/* ---- two processes ---------------------------------------------------------- */
+/* ---- two processes ------------------------------------------------------- */
 
 /* The filler: needs no GPU. Opens the segment from the fd it receives and
  * writes MSGS messages, each only after its slot was consumed. */
@@ -232,8 +231,8 @@ HELPER_IMPL(xfer_shared_filler) {
 /* The copier's half of the two-process test: everything enqueued before the
  * filler starts, then the check of every destination. over_buffer: the
  * segment lies over a pinned-host buffer of the handle layer. */
-static void copier_run(gpuipc_xfer_shared *sh, const uint8_t *desc,
-                       size_t dlen, int fd, const char *mode) {
+static void copier_run(gpuipc_xfer_shared *sh, const uint8_t *desc, size_t dlen,
+                       int fd, const char *mode) {
   for (uint64_t s = 0; s < SLOTS; s++)
     memset(gpuipc_xfer_shared_slot(sh, s), 0xEE, SLOT_BYTES);
   CUstream st = NULL;
@@ -245,8 +244,8 @@ static void copier_run(gpuipc_xfer_shared *sh, const uint8_t *desc,
   }
   /* The stream waits on the segment's words, the host does not. */
   for (uint64_t seq = 0; seq < MSGS; seq++)
-    ASSERT_OK(gpuipc_xfer_shared_to_device(
-        sh, seq, (void *)(uintptr_t)dst[seq], msg_len(seq), st, 0));
+    ASSERT_OK(gpuipc_xfer_shared_to_device(sh, seq, (void *)(uintptr_t)dst[seq],
+                                           msg_len(seq), st, 0));
   ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(st), CUDA_ERROR_NOT_READY);
 
   int sock = -1;
@@ -262,11 +261,10 @@ static void copier_run(gpuipc_xfer_shared *sh, const uint8_t *desc,
     ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, dst[seq], SLOT_BYTES));
     for (size_t i = 0; i < msg_len(seq); i++)
       if (h[i] != msg_byte(seq, i))
-        harness_fail(__FILE__, __LINE__,
-                     "message %llu byte %zu: 0x%02x, want 0x%02x%s",
-                     (unsigned long long)seq, i, h[i], msg_byte(seq, i),
-                     h[i] == 0xEE ? " (the slot's poison: copied too early)"
-                                  : "");
+        harness_fail(
+            __FILE__, __LINE__, "message %llu byte %zu: 0x%02x, want 0x%02x%s",
+            (unsigned long long)seq, i, h[i], msg_byte(seq, i),
+            h[i] == 0xEE ? " (the slot's poison: copied too early)" : "");
     for (size_t i = msg_len(seq); i < SLOT_BYTES; i++)
       ASSERT_EQ(h[i], 0xCC);
     ASSERT_CU(gpuipc__cu.cuMemFree(dst[seq]));
@@ -431,9 +429,9 @@ TEST_IMPL(xfer_shared_sync) {
     ASSERT_EQ(h[i], 0x42);
   /* Consumed by the GPU: the slot is free again. */
   ASSERT_OK(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c));
-  ASSERT_STATUS(gpuipc_xfer_shared_to_device(sh, 1, (void *)(uintptr_t)d,
-                                             c + 1, NULL, 0),
-                GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(
+      gpuipc_xfer_shared_to_device(sh, 1, (void *)(uintptr_t)d, c + 1, NULL, 0),
+      GPUIPC_E_INVALID_ARG);
   ASSERT_CU(gpuipc__cu.cuMemFree(d));
   ASSERT_OK(gpuipc_xfer_shared_close(sh));
   gpuipc__ctx_leave(&g);
@@ -462,8 +460,7 @@ HELPER_IMPL(xfer_shared_fault) {
                 GPUIPC_E_DRIVER);
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuStreamWriteValue32");
   /* Not marked consumed: the slot is not free. */
-  ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c),
-                GPUIPC_E_TIMEOUT);
+  ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c), GPUIPC_E_TIMEOUT);
   ASSERT_OK(gpuipc_xfer_shared_to_device(sh, 0, (void *)(uintptr_t)d, 64, NULL,
                                          GPUIPC_XFER_SYNC));
   ASSERT_OK(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c));
@@ -517,10 +514,11 @@ TEST_IMPL(xfer_shared_open_corrupt) {
     gpuipc_status s = gpuipc_xfer_shared_open(f, &sh);
     if (s == GPUIPC_OK) {
       opened++;
-      size_t end = (size_t)((char *)gpuipc_xfer_shared_slot(
-                                sh, (uint64_t)gpuipc_xfer_shared_slots(sh) - 1) -
-                            (char *)gpuipc_xfer_shared_slot(sh, 0)) +
-                   gpuipc_xfer_shared_slot_bytes(sh);
+      size_t end =
+          (size_t)((char *)gpuipc_xfer_shared_slot(
+                       sh, (uint64_t)gpuipc_xfer_shared_slots(sh) - 1) -
+                   (char *)gpuipc_xfer_shared_slot(sh, 0)) +
+          gpuipc_xfer_shared_slot_bytes(sh);
       ASSERT_LE(end, (size_t)st.st_size);
       ASSERT_OK(gpuipc_xfer_shared_close(sh));
     } else {

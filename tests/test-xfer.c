@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-/* ---- utilities --------------------------------------------------------- */
+/* ---- utilities ----------------------------------------------------------- */
 
 static void enter0(gpuipc__ctx_guard *g) {
   ASSERT_OK(gpuipc__driver());
@@ -139,7 +139,8 @@ static gpuipc_status destroy_checked(gpuipc_xfer *x, int last) {
   unsigned type = 0;
   if (staging) {
     ASSERT_CU(gpuipc__cu.cuPointerGetAttribute(
-        &type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)staging));
+        &type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        (CUdeviceptr)(uintptr_t)staging));
     ASSERT_EQ(type, CU_MEMORYTYPE_HOST);
   }
   gpuipc_status s = gpuipc_xfer_destroy(x);
@@ -156,7 +157,7 @@ static gpuipc_status destroy_checked(gpuipc_xfer *x, int last) {
   return s;
 }
 
-/* ---- arguments ------------------------------------------------------------ */
+/* ---- arguments ----------------------------------------------------------- */
 
 TEST_IMPL(xfer_args) {
   gpuipc__ctx_guard g;
@@ -184,8 +185,8 @@ TEST_IMPL(xfer_args) {
     size_t size;
     int streams;
   } old = {sizeof old, 3};
-  ASSERT_OK(gpuipc_xfer_create(0, (const gpuipc_xfer_options *)(void *)&old,
-                               &x));
+  ASSERT_OK(
+      gpuipc_xfer_create(0, (const gpuipc_xfer_options *)(void *)&old, &x));
   ASSERT_EQ(info_of(x).streams, 3);
   ASSERT_OK(gpuipc_xfer_destroy(x));
 
@@ -265,7 +266,7 @@ TEST_IMPL(xfer_heuristic) {
   return 0;
 }
 
-/* ---- every size ------------------------------------------------------------ */
+/* ---- every size ---------------------------------------------------------- */
 
 enum { K_PAGEABLE, K_PINNED, K_DEVICE };
 static const char *kind_name(int k) {
@@ -289,8 +290,8 @@ static void roundtrip(gpuipc_xfer *x, CUstream stream, size_t n, int src_kind,
   CUdeviceptr dev = dev_alloc(devsz);
   ASSERT_CU(gpuipc__cu.cuMemsetD8(dev, 0xEE, devsz));
 
-  gpuipc_status s = gpuipc_xfer_to_device(x, D(dev + devoff), src + soff, n,
-                                          stream, flags);
+  gpuipc_status s =
+      gpuipc_xfer_to_device(x, D(dev + devoff), src + soff, n, stream, flags);
   if (s != GPUIPC_OK)
     harness_fail(__FILE__, __LINE__, "to_device %zu bytes from %s: %s: %s", n,
                  kind_name(src_kind), gpuipc_status_name(s),
@@ -339,9 +340,17 @@ TEST_IMPL(xfer_sizes) {
   /* 3 slots of 4 KiB: every size past 12 KiB wraps the ring. */
   gpuipc_xfer *x = engine(3, chunk, 3 * chunk);
   CUstream st = new_stream();
-  const size_t sizes[] = {1,         2,         7,           chunk - 1,
-                          chunk,     chunk + 1, 2 * chunk,   3 * chunk - 1,
-                          3 * chunk, 3 * chunk + 1, 10 * chunk + 123,
+  const size_t sizes[] = {1,
+                          2,
+                          7,
+                          chunk - 1,
+                          chunk,
+                          chunk + 1,
+                          2 * chunk,
+                          3 * chunk - 1,
+                          3 * chunk,
+                          3 * chunk + 1,
+                          10 * chunk + 123,
                           64 * chunk + 5};
   for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(sizes); i++)
     for (int sk = K_PAGEABLE; sk <= K_PINNED; sk++)
@@ -377,21 +386,23 @@ TEST_IMPL(xfer_random) {
   struct {
     int streams;
     size_t chunk, staging;
-  } shapes[] = {{0, 0, 0}, {3, 4096, 3 * 4096}, {1, 1000, 2500},
-                {5, 777, 0}, {2, 65536, 2 * 65536}};
+  } shapes[] = {{0, 0, 0},
+                {3, 4096, 3 * 4096},
+                {1, 1000, 2500},
+                {5, 777, 0},
+                {2, 65536, 2 * 65536}};
   CUstream st = new_stream();
   uint64_t rs = 0x1234567ull;
   for (size_t e = 0; e < GPUIPC__ARRAY_SIZE(shapes); e++) {
-    gpuipc_xfer *x = engine(shapes[e].streams, shapes[e].chunk,
-                            shapes[e].staging);
+    gpuipc_xfer *x =
+        engine(shapes[e].streams, shapes[e].chunk, shapes[e].staging);
     for (int it = 0; it < 12; it++) {
       size_t n = rng_below(&rs, 4) == 0 ? rng_below(&rs, 3)
                                         : 1 + rng_below(&rs, 200000);
-      roundtrip(x, rng_below(&rs, 2) ? st : NULL, n,
-                (int)rng_below(&rs, 2), rng_below(&rs, 100),
-                (int)rng_below(&rs, 2), rng_below(&rs, 100),
-                rng_below(&rs, 1000), rng_below(&rs, 2) ? GPUIPC_XFER_SYNC : 0,
-                rng_next(&rs));
+      roundtrip(x, rng_below(&rs, 2) ? st : NULL, n, (int)rng_below(&rs, 2),
+                rng_below(&rs, 100), (int)rng_below(&rs, 2),
+                rng_below(&rs, 100), rng_below(&rs, 1000),
+                rng_below(&rs, 2) ? GPUIPC_XFER_SYNC : 0, rng_next(&rs));
     }
     ASSERT_OK(gpuipc_xfer_destroy(x));
   }
@@ -400,7 +411,7 @@ TEST_IMPL(xfer_random) {
   return 0;
 }
 
-/* ---- the pipeline ------------------------------------------------------------ */
+/* ---- the pipeline -------------------------------------------------------- */
 
 /* The stage: copies the chunk (cuMemcpyDtoDAsync), then overwrites one byte
  * at a position and with a value derived from the chunk's offset, and
@@ -414,7 +425,7 @@ typedef struct stage_log {
   int calls;
   size_t offs[MAX_CHUNKS], lens[MAX_CHUNKS];
   atomic_int executed;
-  int fail_at;            /* return GPUIPC_E_USER at this call (-1: never) */
+  int fail_at; /* return GPUIPC_E_USER at this call (-1: never) */
   CUdeviceptr dev_in, dev_out; /* when the caller gave buffers: check them */
   int bad_order;
 } stage_log;
@@ -444,10 +455,9 @@ static gpuipc_status mark_stage(void *user, struct CUstream_st *stream,
   l->next_off = off + len;
   if (l->calls++ == l->fail_at)
     return GPUIPC_E_USER;
-  if (din != dout &&
-      gpuipc__cu.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dout,
-                                   (CUdeviceptr)(uintptr_t)din, len,
-                                   stream) != CUDA_SUCCESS)
+  if (din != dout && gpuipc__cu.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dout,
+                                                  (CUdeviceptr)(uintptr_t)din,
+                                                  len, stream) != CUDA_SUCCESS)
     return GPUIPC_E_DRIVER;
   if (gpuipc__cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)dout +
                                      mark_pos(off, len),
@@ -548,8 +558,8 @@ TEST_IMPL(xfer_pipeline_integrity) {
     size_t chunk, staging;
   } shapes[] = {{0, 0, 0}, {4, 4096, 2 * 4096}, {2, 999, 0}, {3, 8192, 0}};
   for (size_t e = 0; e < GPUIPC__ARRAY_SIZE(shapes); e++) {
-    gpuipc_xfer *x = engine(shapes[e].streams, shapes[e].chunk,
-                            shapes[e].staging);
+    gpuipc_xfer *x =
+        engine(shapes[e].streams, shapes[e].chunk, shapes[e].staging);
     for (int it = 0; it < 10; it++) {
       size_t n = it == 0 ? 1 : 1 + rng_below(&rs, 150000);
       pipeline_once(x, it % 3 ? st : NULL, n, (int)rng_below(&rs, 2),
@@ -587,7 +597,7 @@ TEST_IMPL(xfer_pipeline_no_stage) {
   return 0;
 }
 
-/* ---- ordering with the caller's stream -------------------------------------- */
+/* ---- ordering with the caller's stream ----------------------------------- */
 
 /* The copy starts after the caller's earlier work on its stream, and the
  * caller's later work runs after the copy, although the copy runs on the
@@ -708,7 +718,7 @@ TEST_IMPL(xfer_completion_modes) {
   return 0;
 }
 
-/* ---- failures ------------------------------------------------------------------ */
+/* ---- failures ------------------------------------------------------------ */
 
 /* The stage fails at its 5th chunk: the call returns its status with a
  * message, the engine stays usable, and after destroy the device memory is
@@ -739,8 +749,8 @@ TEST_IMPL(xfer_stage_error) {
     l = new_log();
     stage.user = l;
     memset(dst, 0, n);
-    ASSERT_OK(gpuipc_xfer_pipeline(x, dst, src, n, &stage, NULL,
-                                   GPUIPC_XFER_SYNC));
+    ASSERT_OK(
+        gpuipc_xfer_pipeline(x, dst, src, n, &stage, NULL, GPUIPC_XFER_SYNC));
     check_marked(dst, src, n, l);
     free(l);
   }
@@ -758,8 +768,8 @@ TEST_IMPL(xfer_stage_error) {
  * the call, every later transfer must work and carry the right data, and
  * after destroy the process holds no more device memory and no more pinned
  * memory than before the engine was created. */
-static int workload_op(gpuipc_xfer *x, int op, CUdeviceptr dev,
-                       uint8_t *pin, size_t n, gpuipc_status *st_out) {
+static int workload_op(gpuipc_xfer *x, int op, CUdeviceptr dev, uint8_t *pin,
+                       size_t n, gpuipc_status *st_out) {
   uint8_t *src = malloc(n), *dst = malloc(n);
   fill_random(src, n, (uint64_t)op + 1);
   memset(dst, 0, n);
@@ -814,9 +824,13 @@ HELPER_IMPL(xfer_fault) {
   size_t free0 = dev_free_bytes();
 
   gpuipc_xfer *x = NULL;
-  gpuipc_status s = gpuipc_xfer_create(0, &(gpuipc_xfer_options){
-      .size = sizeof(gpuipc_xfer_options), .streams = 3, .chunk_bytes = 4096,
-      .staging_bytes = 3 * 4096}, &x);
+  gpuipc_status s = gpuipc_xfer_create(
+      0,
+      &(gpuipc_xfer_options){.size = sizeof(gpuipc_xfer_options),
+                             .streams = 3,
+                             .chunk_bytes = 4096,
+                             .staging_bytes = 3 * 4096},
+      &x);
   int failures = 0;
   if (s != GPUIPC_OK) {
     failures++;
@@ -851,8 +865,8 @@ HELPER_IMPL(xfer_fault) {
                gpuipc__xfer_staging_base(x) != NULL);
     /* A failed free leaves its memory behind (nothing else can be done):
      * no leak check then. */
-    int frees = strcmp(fname, "cuMemFreeHost") == 0 ||
-                strcmp(fname, "cuMemFree") == 0;
+    int frees =
+        strcmp(fname, "cuMemFreeHost") == 0 || strcmp(fname, "cuMemFree") == 0;
     gpuipc_status ds = frees ? gpuipc_xfer_destroy(x) : destroy_checked(x, 1);
     if (ds != GPUIPC_OK) {
       failures++;
@@ -866,7 +880,7 @@ HELPER_IMPL(xfer_fault) {
   (void)gpuipc__cu.cuMemFreeHost(pin);
   gpuipc__ctx_leave(&g);
   if (failures == 0)
-    return 3; /* the count was beyond the calls made: not fired */
+    return 3;             /* the count was beyond the calls made: not fired */
   ASSERT_EQ(failures, 1); /* the injected fault fired, exactly once */
   return 0;
 }
@@ -944,7 +958,7 @@ TEST_IMPL(xfer_fault_sweep) {
   return 0;
 }
 
-/* ---- several engines at once ---------------------------------------------------- */
+/* ---- several engines at once --------------------------------------------- */
 
 typedef struct worker {
   gpuipc_xfer *x;
@@ -961,13 +975,12 @@ static void *worker_main(void *arg) {
   for (int it = 0; it < w->iters; it++) {
     size_t n = 1 + rng_below(&rs, 60000);
     if (it % 2)
-      pipeline_once(w->x, st, n, (int)rng_below(&rs, 2),
-                    (int)rng_below(&rs, 2), (int)rng_below(&rs, 2), 0,
-                    rng_next(&rs));
+      pipeline_once(w->x, st, n, (int)rng_below(&rs, 2), (int)rng_below(&rs, 2),
+                    (int)rng_below(&rs, 2), 0, rng_next(&rs));
     else
       roundtrip(w->x, st, n, (int)rng_below(&rs, 2), rng_below(&rs, 9),
-                (int)rng_below(&rs, 2), rng_below(&rs, 9), rng_below(&rs, 9),
-                0, rng_next(&rs));
+                (int)rng_below(&rs, 2), rng_below(&rs, 9), rng_below(&rs, 9), 0,
+                rng_next(&rs));
   }
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
   gpuipc__ctx_leave(&g);
@@ -1083,7 +1096,7 @@ TEST_IMPL(xfer_staging_grows) {
 
   /* 3 MiB: chunks of 1 MiB, the ring grows while the 1000 bytes may still
    * be in flight from the old one. */
-  ASSERT_OK(gpuipc_xfer_to_device(x, D(da) , a, (size_t)3 << 20, st, 0));
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(da), a, (size_t)3 << 20, st, 0));
   in = info_of(x);
   ASSERT_UEQ(in.staging_bytes, ring_slots * ((size_t)1 << 20));
   /* Tail of this one in flight while the next grows the ring again (the

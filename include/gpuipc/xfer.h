@@ -120,11 +120,13 @@ typedef struct gpuipc_xfer_options {
                            automatic; 1: the calling thread alone. */
 } gpuipc_xfer_options;
 
-#define GPUIPC_XFER_OPTIONS_INIT {sizeof(gpuipc_xfer_options), 0, 0, 0, 0}
+#define GPUIPC_XFER_OPTIONS_INIT                                               \
+  { sizeof(gpuipc_xfer_options), 0, 0, 0, 0 }
 #define GPUIPC_XFER_MAX_STREAMS 16
 
-/* Flags of the transfer operations. */
-#define GPUIPC_XFER_SYNC 0x1u /* return only once the transfer has completed */
+/* Flags of the transfer operations. GPUIPC_XFER_SYNC: return only once the
+ * transfer has completed. */
+#define GPUIPC_XFER_SYNC 0x1u
 
 /*
  * Creates a copy engine for device `device` (a local ordinal; -1: the device
@@ -187,7 +189,8 @@ typedef gpuipc_status (*gpuipc_xfer_stage_fn)(void *user,
                                               size_t offset, size_t len);
 
 typedef struct gpuipc_xfer_stage {
-  size_t size;             /* sizeof(gpuipc_xfer_stage): set by the INIT macro */
+  /* sizeof(gpuipc_xfer_stage): set by the INIT macro */
+  size_t size;
   gpuipc_xfer_stage_fn fn; /* NULL: no stage; dev_in is copied out as is */
   void *user;              /* passed to fn */
   void *dev_in;  /* device buffer of the whole transfer's size that receives
@@ -196,7 +199,8 @@ typedef struct gpuipc_xfer_stage {
   void *dev_out; /* same for the output; may equal dev_in (in place) */
 } gpuipc_xfer_stage;
 
-#define GPUIPC_XFER_STAGE_INIT {sizeof(gpuipc_xfer_stage), NULL, NULL, NULL, NULL}
+#define GPUIPC_XFER_STAGE_INIT                                                 \
+  { sizeof(gpuipc_xfer_stage), NULL, NULL, NULL, NULL }
 
 /*
  * copy-in -> stage -> copy-out: for each chunk, copies it from host memory
@@ -214,27 +218,27 @@ GPUIPC_API gpuipc_status gpuipc_xfer_pipeline(gpuipc_xfer *x, void *dst,
 
 /* What an engine chose, and what it has done (for tests and benchmarks). */
 typedef struct gpuipc_xfer_info {
-  size_t size;              /* sizeof(gpuipc_xfer_info): set by the caller */
-  int device;               /* ordinal */
-  int streams;              /* engine streams */
-  int copy_engines;         /* CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT */
-  size_t max_chunk_bytes;   /* largest chunk */
-  size_t staging_slot_bytes;/* largest staging slot (the ring grows to it) */
-  int staging_slots;        /* slots in the ring */
-  int staging_allocated;    /* 1 once the ring has been allocated */
-  int host_threads;         /* threads sharing a staged memcpy (chosen;
-                               started with the ring) */
-  uint64_t transfers;       /* operations completed or enqueued */
-  uint64_t chunks;          /* chunks enqueued */
-  uint64_t staged_bytes;    /* bytes that went through the staging ring */
-  uint64_t direct_bytes;    /* bytes copied directly (pinned or device) */
-  size_t staging_bytes;     /* pinned staging memory held now */
+  size_t size;               /* sizeof(gpuipc_xfer_info): set by the caller */
+  int device;                /* ordinal */
+  int streams;               /* engine streams */
+  int copy_engines;          /* CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT */
+  size_t max_chunk_bytes;    /* largest chunk */
+  size_t staging_slot_bytes; /* largest staging slot (the ring grows to it) */
+  int staging_slots;         /* slots in the ring */
+  int staging_allocated;     /* 1 once the ring has been allocated */
+  int host_threads;          /* threads sharing a staged memcpy (chosen;
+                                started with the ring) */
+  uint64_t transfers;        /* operations completed or enqueued */
+  uint64_t chunks;           /* chunks enqueued */
+  uint64_t staged_bytes;     /* bytes that went through the staging ring */
+  uint64_t direct_bytes;     /* bytes copied directly (pinned or device) */
+  size_t staging_bytes;      /* pinned staging memory held now */
 } gpuipc_xfer_info;
 
 /* Fills *info (only the first info->size bytes; set info->size =
  * sizeof *info first). Takes the engine's lock. */
-GPUIPC_API gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x,
-                                              gpuipc_xfer_info *info /* IN/OUT */);
+GPUIPC_API gpuipc_status
+gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info /* IN/OUT */);
 
 /* The chunk size the engine uses for a transfer of `bytes` bytes that it
  * cuts (the pipeline, a pageable side, or any transfer when chunk_bytes was
@@ -295,16 +299,16 @@ typedef struct gpuipc_xfer_shared gpuipc_xfer_shared;
 /* Creates a segment of `slots` slots (1..GPUIPC_XFER_SHARED_MAX_SLOTS) of
  * slot_bytes bytes each (rounded up to the page size). Needs no driver. */
 #define GPUIPC_XFER_SHARED_MAX_SLOTS 1024
-GPUIPC_API gpuipc_status gpuipc_xfer_shared_create(size_t slot_bytes, int slots,
-                                                   gpuipc_xfer_shared **out /* OUT */);
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_create(
+    size_t slot_bytes, int slots, gpuipc_xfer_shared **out /* OUT */);
 
 /* Opens a segment from a file descriptor received from its creator. The fd
  * is not taken over (the caller still closes it). Validates the header, the
  * seals and the size: GPUIPC_E_BAD_MAGIC / E_BAD_VERSION / E_TRUNCATED /
  * E_OUT_OF_RANGE for anything that is not a segment made by
  * gpuipc_xfer_shared_create. Needs no driver. */
-GPUIPC_API gpuipc_status gpuipc_xfer_shared_open(int fd,
-                                                 gpuipc_xfer_shared **out /* OUT */);
+GPUIPC_API gpuipc_status
+gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out /* OUT */);
 
 /* Lays a segment over a pinned-host buffer (gpuipc_buffer_kind ==
  * GPUIPC_POOL_PINNED_HOST, allocated here or imported): writes the header
@@ -314,16 +318,16 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_open(int fd,
  * outlive the segment; the segment is "pinned" at once (on the device the
  * buffer is mapped on). GPUIPC_E_BAD_KIND for another kind of buffer,
  * GPUIPC_E_OUT_OF_RANGE when the slots do not fit. */
-GPUIPC_API gpuipc_status gpuipc_xfer_shared_format(gpuipc_buffer *buf,
-                                                   size_t slot_bytes, int slots,
-                                                   gpuipc_xfer_shared **out /* OUT */);
+GPUIPC_API gpuipc_status
+gpuipc_xfer_shared_format(gpuipc_buffer *buf, size_t slot_bytes, int slots,
+                          gpuipc_xfer_shared **out /* OUT */);
 
 /* The other side: a segment over a pinned-host buffer that another process
  * formatted (typically just imported with gpuipc_buffer_import). Validates
  * the header against the buffer's size (errors as gpuipc_xfer_shared_open).
  * The buffer stays owned by the caller and must outlive the segment. */
-GPUIPC_API gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
-                                                   gpuipc_xfer_shared **out /* OUT */);
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_attach(
+    gpuipc_buffer *buf, gpuipc_xfer_shared **out /* OUT */);
 
 /* Unpins (if pinned) and unmaps (a segment over a buffer: only forgets it;
  * the buffer is the caller's). The memory lives on while another process
@@ -354,7 +358,8 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh,
  * address and capacity. timeout_ms < 0: wait forever; 0: do not wait.
  * GPUIPC_E_TIMEOUT when the time runs out. */
 GPUIPC_API gpuipc_status gpuipc_xfer_shared_acquire(gpuipc_xfer_shared *sh,
-                                                    uint64_t seq, int timeout_ms,
+                                                    uint64_t seq,
+                                                    int timeout_ms,
                                                     void **ptr /* OUT */,
                                                     size_t *cap /* OUT */);
 
@@ -388,11 +393,9 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_release(gpuipc_xfer_shared *sh,
  * stay enqueued (so the stream may still wait for the publication); the
  * message is not marked consumed, and the call may be repeated.
  */
-GPUIPC_API gpuipc_status gpuipc_xfer_shared_to_device(gpuipc_xfer_shared *sh,
-                                                      uint64_t seq, void *dst,
-                                                      size_t len,
-                                                      struct CUstream_st *stream,
-                                                      unsigned flags);
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_to_device(
+    gpuipc_xfer_shared *sh, uint64_t seq, void *dst, size_t len,
+    struct CUstream_st *stream, unsigned flags);
 
 /*
  * The reverse direction, a GPU process filling the segment for a host
@@ -401,12 +404,9 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_to_device(gpuipc_xfer_shared *sh,
  * publish message seq. The reader uses gpuipc_xfer_shared_wait_filled /
  * gpuipc_xfer_shared_release.
  */
-GPUIPC_API gpuipc_status gpuipc_xfer_shared_from_device(gpuipc_xfer_shared *sh,
-                                                        uint64_t seq,
-                                                        const void *src,
-                                                        size_t len,
-                                                        struct CUstream_st *stream,
-                                                        unsigned flags);
+GPUIPC_API gpuipc_status gpuipc_xfer_shared_from_device(
+    gpuipc_xfer_shared *sh, uint64_t seq, const void *src, size_t len,
+    struct CUstream_st *stream, unsigned flags);
 
 #ifdef __cplusplus
 }
