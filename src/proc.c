@@ -61,14 +61,15 @@ gpuipc_status gpuipc_recv_buffer_desc(gpuipc_conn *conn,
   int fds[GPUIPC_DESC_MAX_FDS];
   int nfds = GPUIPC_DESC_MAX_FDS;
   gpuipc_status s = gpuipc_conn_recv_msg(conn, msg, sizeof msg, &len, fds, &nfds);
-  if (s == GPUIPC_E_TRUNCATED)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "gpuipc_recv_buffer_desc: a %zu-byte message is not a "
-                        "buffer descriptor",
-                        len);
-  if (s != GPUIPC_OK)
-    return s;
-  if (len < sizeof desc_tag || memcmp(msg, desc_tag, sizeof desc_tag) != 0) {
+  if (s == GPUIPC_E_TRUNCATED) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL,
+                     "gpuipc_recv_buffer_desc: a %zu-byte message is not a "
+                     "buffer descriptor",
+                     len);
+  } else if (s != GPUIPC_OK) {
+    nfds = 0; /* nothing was received */
+  } else if (len < sizeof desc_tag ||
+             memcmp(msg, desc_tag, sizeof desc_tag) != 0) {
     s = gpuipc__fail(GPUIPC_E_PROTOCOL,
                      "gpuipc_recv_buffer_desc: the next message (%zu bytes) "
                      "is not a buffer descriptor",
