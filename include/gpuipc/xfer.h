@@ -53,6 +53,9 @@
  * first error; the engine remains usable and its staging buffers are free
  * again. The destination then holds partial data.
  *
+ * Stream capture (CUDA graphs) of these operations is not supported: they
+ * may wait on the host for staging slots, which capture forbids.
+ *
  * Threads. An engine may be shared between threads: its operations take a
  * lock, so they run one at a time (use one engine per thread for parallel
  * pipelines; engines are independent of each other). A stage callback must
