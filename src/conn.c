@@ -491,7 +491,8 @@ static gpuipc_status queue_msg(gpuipc_conn *c, const unsigned char *p,
   m->len = len;
   m->nfds = nfds;
   memcpy(m->fds, fds, sizeof(int) * (size_t)nfds);
-  memcpy(m->data, p, len);
+  if (len)
+    memcpy(m->data, p, len);
   if (c->msg_tail)
     c->msg_tail->next = m;
   else
@@ -809,7 +810,8 @@ static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
   if (n > 512)
     return gpuipc__fail(GPUIPC_E_INTERNAL, "handshake frame too long");
   memcpy(buf, &h, sizeof h);
-  memcpy(buf + sizeof h, p, n);
+  if (n)
+    memcpy(buf + sizeof h, p, n);
   size_t total = sizeof h + n, off = 0;
   while (off < total) {
     struct iovec iov = {buf + off, total - off};
@@ -1386,7 +1388,8 @@ gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf, size_t cap,
     conn->msg_tail = NULL;
   conn->msg_count--;
   *len = m->len;
-  memcpy(buf, m->data, m->len < cap ? m->len : cap);
+  if (m->len && cap)
+    memcpy(buf, m->data, m->len < cap ? m->len : cap);
   for (int i = 0; i < m->nfds; i++) {
     if (i < fcap)
       fds[(*nfds)++] = m->fds[i];

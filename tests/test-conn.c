@@ -403,7 +403,8 @@ static void raw_send(int ctl, uint32_t mode, const void *p, size_t n) {
   unsigned char buf[4096];
   ASSERT_LE(n + 4, sizeof buf);
   memcpy(buf, &mode, 4);
-  memcpy(buf + 4, p, n);
+  if (n)
+    memcpy(buf + 4, p, n);
   harness_send(ctl, buf, n + 4, NULL, 0);
   if (mode != 3)
     ASSERT_EQ(harness_recv_u64(ctl), 1);
