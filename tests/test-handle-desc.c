@@ -56,6 +56,29 @@ static gpuipc_status import_raw(const uint8_t *d, size_t len) {
   return s;
 }
 
+/* CRC32C's check value, and every length through the 8-byte fast path. */
+TEST_IMPL(handle_desc_crc32c) {
+  ASSERT_UEQ(gpuipc__crc32c(0, "123456789", 9), 0xE3069283u);
+  uint8_t buf[64];
+  for (int i = 0; i < 64; i++)
+    buf[i] = (uint8_t)(i * 37 + 11);
+  for (size_t n = 0; n <= 64; n++) {
+    /* Bit-by-bit reference. */
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; i++) {
+      c ^= buf[i];
+      for (int k = 0; k < 8; k++)
+        c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    }
+    ASSERT_UEQ(gpuipc__crc32c(0, buf, n), ~c);
+    /* Chained in two pieces. */
+    ASSERT_UEQ(gpuipc__crc32c(gpuipc__crc32c(0, buf, n / 3), buf + n / 3,
+                              n - n / 3),
+               ~c);
+  }
+  return 0;
+}
+
 TEST_IMPL(handle_desc_info_roundtrip) {
   uint8_t d[GPUIPC_DESC_MAX];
   size_t len = fake_desc(d);
