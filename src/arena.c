@@ -350,6 +350,7 @@ gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
   b->holders = 0;
   b->freed = false;
   b->internal = internal;
+  b->unmarked = false;
   b->tag = NULL;
   if (r->len == need) {
     *pick = r->next;
@@ -493,6 +494,28 @@ gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out) {
   return s;
 }
 
+gpuipc_status gpuipc_block_wait(gpuipc_block *b, struct CUstream_st *stream) {
+  if (b == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_block_wait: NULL");
+  gpuipc_arena *a = b->arena;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, a->ordinal));
+  pthread_mutex_lock(&a->lock);
+  gpuipc_status s = GPUIPC_OK;
+  if (b->unmarked)
+    s = gpuipc__arena_mark(a, &b, 1);
+  if (s == GPUIPC_OK && b->tag && !mark_done(b->tag)) {
+    CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
+                            (CUevent)b->tag->ev, 0);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuStreamWaitEvent",
+                            "ordering reuse of a released block");
+  }
+  pthread_mutex_unlock(&a->lock);
+  gpuipc__ctx_leave(&g);
+  return s;
+}
+
 gpuipc_status gpuipc__arena_wait_word(gpuipc_arena *a, uint64_t word,
                                       uint64_t value) {
   CUresult r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)a->reclaim,
@@ -517,6 +540,7 @@ gpuipc_status gpuipc__arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
   for (int i = 0; i < n; i++) {
     mark_unref(a, blocks[i]->tag);
     blocks[i]->tag = mark_ref(m);
+    blocks[i]->unmarked = false;
   }
   mark_unref(a, a->last_mark);
   a->last_mark = m; /* keeps the creation reference */

@@ -224,6 +224,7 @@ struct gpuipc_block {
   unsigned holders;
   bool freed;        /* the owner freed it; the memory waits for holders */
   bool internal;     /* flag words of a connection */
+  bool unmarked;     /* reclaim waits were queued after its tag */
   gpuipc__mark *tag; /* newest reclaim marker covering its releases */
 };
 

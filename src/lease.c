@@ -120,9 +120,26 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
       i++;
     }
     if (any_ordered) {
-      gpuipc_status ms = gpuipc__arena_mark(a, blocks, nb);
-      if (ms != GPUIPC_OK && s == GPUIPC_OK)
-        s = ms;
+      /* A marker (an event record) is needed only where memory goes back
+       * to the free list now: blocks freed by their owner whose last
+       * holder this was. Others are marked lazily, when freed or waited
+       * for (gpuipc_block_wait): the reclaim stream runs in order, so a
+       * later marker covers every wait queued before it. */
+      gpuipc_block *now[64];
+      int nn = 0;
+      for (int k = 0; k < nb; k++) {
+        if (!h->tx[slots[k]].ordered)
+          continue;
+        if (blocks[k]->freed && blocks[k]->holders == 1)
+          now[nn++] = blocks[k];
+        else
+          blocks[k]->unmarked = true;
+      }
+      if (nn) {
+        gpuipc_status ms = gpuipc__arena_mark(a, now, nn);
+        if (ms != GPUIPC_OK && s == GPUIPC_OK)
+          s = ms;
+      }
     }
     for (int k = 0; k < nb; k++)
       gpuipc__block_unhold(blocks[k]);

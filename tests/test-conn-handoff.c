@@ -350,6 +350,11 @@ HELPER_IMPL(ho_order) {
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   CUstream s = mkstream();
   gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  /* First a warm-up buffer (the connection's one-time setup, which may
+   * itself wait for the device, is over before the real one comes). */
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  r = (gpuipc_received)GPUIPC_RECEIVED_INIT;
   ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
   uint32_t seed;
   memcpy(&seed, r.meta, sizeof seed);
@@ -386,20 +391,36 @@ HELPER_IMPL(ho_order) {
   return 0;
 }
 
+/* Sends a small block and waits for its release: the connection's setup
+ * is done afterwards. The block is freed (its memory may be reused only
+ * after the consumer's release, which the tests below rely on too). */
+static void warm_up(gpuipc_conn *c, gpuipc_arena *a, CUstream s) {
+  gpuipc_block *w = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, (struct CUstream_st *)s, &w));
+  ASSERT_OK(gpuipc_conn_send(c, w, (struct CUstream_st *)s, NULL, 0));
+  wait_unheld(c, w);
+  ASSERT_OK(gpuipc_block_free(w, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+}
+
 static char *delay_env[] = {"GPUIPC_EMU_COPY_DELAY_US=200000", NULL};
 
 TEST_IMPL(handoff_order_slow_producer) {
-  REQUIRE_DEVICES(1);
   /* The producer's copy is slow (emulator) or large (GPU); the consumer's
-   * read is queued right after recv and must not overtake it. */
-  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)256 << 20;
+   * read is queued right after recv and must not overtake it. The
+   * emulator reads its settings at the first driver call: set first. */
   if (harness_on_emulator())
     setenv("GPUIPC_EMU_COPY_DELAY_US", "200000", 1);
+  REQUIRE_DEVICES(1);
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)256 << 20;
   int fd;
-  pid_t pid = spawn_helper("ho_order", NULL, &fd, "read", NULL);
+  /* Only the producer is slow: the consumer's own copy runs at once. */
+  static char *no_delay[] = {"GPUIPC_EMU_COPY_DELAY_US=", NULL};
+  pid_t pid = spawn_helper("ho_order", no_delay, &fd, "read", NULL);
   gpuipc_conn *c = pair_conn(fd);
   gpuipc_arena *a = mkarena(n + ((size_t)1 << 20));
   CUstream s = mkstream();
+  warm_up(c, a, s);
   gpuipc_block *b = NULL;
   ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
   /* Poison first (and wait for it), then the slow write of the pattern. */
@@ -437,6 +458,7 @@ TEST_IMPL(handoff_order_reuse_after_release) {
    * below must get the same memory back. */
   gpuipc_arena *a = mkarena(n + 8192);
   CUstream s = mkstream();
+  warm_up(c, a, s);
   gpuipc_block *b = NULL;
   ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
   void *first = gpuipc_block_ptr(b);
@@ -759,5 +781,48 @@ TEST_IMPL(handoff_exporter_killed) {
   ASSERT_EQ(here, 0);
   gpuipc_conn_close(c);
   ASSERT_CU(gpuipc__cu.cuMemFree(priv));
+  return 0;
+}
+
+/* The same as handoff_order_reuse_after_release, for a block the producer
+ * keeps and writes again (a ring of buffers): gpuipc_block_wait orders the
+ * rewrite after the consumer's queued read. */
+TEST_IMPL(handoff_order_block_wait) {
+  REQUIRE_DEVICES(1);
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)256 << 20;
+  int fd;
+  pid_t pid = spawn_helper("ho_order", harness_on_emulator() ? delay_env : NULL,
+                           &fd, "reuse", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena(n + 8192);
+  CUstream s = mkstream();
+  warm_up(c, a, s);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  void *p = gpuipc_block_ptr(b);
+  uint8_t *host = malloc(n);
+  pattern(host, n, 31);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)p, host, n, s));
+  uint32_t seed = 31;
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed, sizeof seed));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(gpuipc_block_holders(b), 0);
+  ASSERT_OK(gpuipc_block_wait(b, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)p, 0x66, n, s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "overwritten", 11, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t probe[16];
+  d2h(probe, p, sizeof probe);
+  ASSERT_EQ(probe[0], 0x66);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  free(host);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
   return 0;
 }

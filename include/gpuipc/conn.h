@@ -330,6 +330,14 @@ GPUIPC_API size_t gpuipc_block_size(const gpuipc_block *block);
 /* Number of peers that hold the block now. */
 GPUIPC_API unsigned gpuipc_block_holders(const gpuipc_block *block);
 
+/* Orders `stream` after the GPU work that peers queued before they released
+ * this block: call it before writing a block again that you keep (rather
+ * than free and allocate anew) once gpuipc_block_holders says no peer holds
+ * it. Does not wait on the host. Releases that arrive later are not
+ * covered. */
+GPUIPC_API gpuipc_status gpuipc_block_wait(gpuipc_block *block,
+                                           struct CUstream_st *stream);
+
 /* Frees a block: the caller's work on it must have been queued on `stream`
  * (or be complete). The memory returns to the arena when every peer that
  * holds it has released it (or died) and their GPU work is done, and the
