@@ -10,14 +10,18 @@
  *   gpuipc_pool_export(pool, d1, .., &fd)  -> gpuipc_pool_import(d1, fd, ..)
  *     (once per connection; the fd by SCM_RIGHTS)   (cached per exporter pool)
  *   gpuipc_buffer_export(buf, d2, .., 0 fds) -> gpuipc_buffer_import(d2, ..)
- *     (once)                                   gpuipc__buffer_info(buf, &i):
- *                                              i.ptr, i.buffer_id,
+ *     (once)                                   gpuipc__buffer_info_get(buf,
+ *                                              &i): i.ptr, i.buffer_id,
  *                                              i.generation
  *   then sub-allocate [off, off+len) of the arena and send only (arena id,
  *   off, len, sequence numbers): no driver call per buffer.
- * gpuipc__buffer_info() on the exporter side gives the same buffer id and
- * generation, so both ends can tag their messages with them and refuse a
- * message naming an arena generation they do not hold.
+ * gpuipc__buffer_info_get() on the exporter side gives the same buffer id
+ * and generation, so both ends can tag their messages with them and refuse
+ * a message naming an arena generation they do not hold. VMM and
+ * PINNED_HOST arenas work the same without the pool step: the buffer's own
+ * fd travels with its descriptor (gpuipc_buffer_export with room for 1 fd).
+ * Descriptors can be inspected without the driver (gpuipc_desc_info_get,
+ * or gpuipc__desc_decode for every field).
  *
  * Every function here follows the public conventions: returns a status,
  * reports failures through gpuipc__fail*, restores the caller's context.
