@@ -9,7 +9,10 @@
  * (cuda_core_interop.py) and the real driver: CuPy and cuda.core load
  * libcuda.so.1 themselves, so on the emulator the tests are skipped, as
  * they are where python3 or the package is missing (the script exits 77
- * and says why).
+ * and says why). Their "--backend ctypes" mode speaks the same protocol
+ * with the driver API through ctypes (the driver GPUIPC_CUDA_DRIVER names),
+ * which runs everywhere python3 does: interop_python_driver_* check the
+ * peer that way, on the emulator too.
  *
  * The peer prints what each buffer costs on its side (import + close, or
  * export), the scripts what it costs on theirs; both go to the test's
@@ -379,10 +382,28 @@ static const char *find_python(char *out, size_t cap) {
   return NULL;
 }
 
-static int run_script(const char *script) {
-  if (harness_on_emulator())
+/* Sanitizer builds build the emulator with the sanitizer too, and a
+ * sanitized library cannot be loaded into an unsanitized python3. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SANITIZED_BUILD 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define SANITIZED_BUILD 1
+#endif
+#endif
+#ifndef SANITIZED_BUILD
+#define SANITIZED_BUILD 0
+#endif
+
+/* Runs a script against this binary as its peer. backend NULL: the
+ * script's package (real driver only); "ctypes": the driver API through
+ * ctypes, on whichever driver the suite runs. */
+static int run_script(const char *script, const char *backend) {
+  if (backend == NULL && harness_on_emulator())
     SKIP("Python interop runs on the real driver only: CuPy and cuda.core "
          "load libcuda.so.1 themselves, not the emulator");
+  if (SANITIZED_BUILD && harness_on_emulator())
+    SKIP("sanitizer build: its emulator cannot be loaded into python3");
   char py[PATH_MAX];
   if (find_python(py, sizeof py) == NULL)
     SKIP("python3 not found on PATH");
@@ -392,7 +413,11 @@ static int run_script(const char *script) {
   self[n] = '\0';
   char path[PATH_MAX];
   snprintf(path, sizeof path, "%s/tests/python/%s", GPUIPC_SOURCE_DIR, script);
-  char *argv[] = {py, path, "--peer", self, NULL};
+  char *argv[] = {py, path, "--peer", self, NULL, NULL, NULL};
+  if (backend) {
+    argv[4] = "--backend";
+    argv[5] = (char *)backend;
+  }
   static char out[1 << 16];
   int rc = harness_run(argv, NULL, out, sizeof out);
   fputs(out, stdout);
@@ -400,11 +425,22 @@ static int run_script(const char *script) {
   if (rc == TEST_SKIP)
     return TEST_SKIP; /* the script printed "SKIP: why" */
   ASSERT_EQ(rc, 0);
+  ASSERT_STR_CONTAINS(out, "PASS");
   return 0;
 }
 
-TEST_IMPL(interop_python_cupy) { return run_script("cupy_interop.py"); }
+TEST_IMPL(interop_python_cupy) { return run_script("cupy_interop.py", NULL); }
 
 TEST_IMPL(interop_python_cuda_core) {
-  return run_script("cuda_core_interop.py");
+  return run_script("cuda_core_interop.py", NULL);
+}
+
+/* The same protocols with the driver API in place of CuPy / cuda.core:
+ * they check the peer on every driver, the emulator included. */
+TEST_IMPL(interop_python_driver_legacy) {
+  return run_script("cupy_interop.py", "ctypes");
+}
+
+TEST_IMPL(interop_python_driver_mempool) {
+  return run_script("cuda_core_interop.py", "ctypes");
 }

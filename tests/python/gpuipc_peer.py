@@ -196,5 +196,58 @@ class Driver:
         self._check(fn(ctypes.byref(p), h, 1), "cuIpcOpenMemHandle")
         return p.value
 
+    # ---- stream-ordered memory pools with POSIX fd export -------------------
+
+    def pool_create(self, ordinal=0):
+        # CUmemPoolProps: allocType PINNED (1), handleTypes POSIX_FD (1),
+        # location {DEVICE (1), ordinal}; the rest zero.
+        props = (ctypes.c_ubyte * 256)()
+        ints = (ctypes.c_int * 4).from_buffer(props)
+        ints[0], ints[1], ints[2], ints[3] = 1, 1, 1, ordinal
+        pool = ctypes.c_void_p()
+        self._check(self.lib.cuMemPoolCreate(ctypes.byref(pool), props), "cuMemPoolCreate")
+        return pool
+
+    def pool_alloc(self, pool, n):
+        p = ctypes.c_uint64()
+        self._check(self.lib.cuMemAllocFromPoolAsync(ctypes.byref(p), ctypes.c_size_t(n),
+                                                     pool, None), "cuMemAllocFromPoolAsync")
+        self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
+        return p.value
+
+    def pool_free(self, p):
+        self._check(self.lib.cuMemFreeAsync(ctypes.c_uint64(p), None), "cuMemFreeAsync")
+        self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
+
+    def pool_export_fd(self, pool):
+        fd = ctypes.c_int(-1)
+        self._check(self.lib.cuMemPoolExportToShareableHandle(ctypes.byref(fd), pool, 1, 0),
+                    "cuMemPoolExportToShareableHandle")
+        return fd.value
+
+    def pool_export_pointer(self, p):
+        data = (ctypes.c_ubyte * 64)()
+        self._check(self.lib.cuMemPoolExportPointer(data, ctypes.c_uint64(p)),
+                    "cuMemPoolExportPointer")
+        return bytes(data)
+
+    def pool_import(self, fd, ordinal=0):
+        pool = ctypes.c_void_p()
+        self._check(self.lib.cuMemPoolImportFromShareableHandle(
+            ctypes.byref(pool), ctypes.c_void_p(fd), 1, 0),
+            "cuMemPoolImportFromShareableHandle")
+        # CUmemAccessDesc: location {DEVICE (1), ordinal}, flags READWRITE (3).
+        desc = (ctypes.c_int * 3)(1, ordinal, 3)
+        self._check(self.lib.cuMemPoolSetAccess(pool, desc, ctypes.c_size_t(1)),
+                    "cuMemPoolSetAccess")
+        return pool
+
+    def pool_import_pointer(self, pool, data):
+        p = ctypes.c_uint64()
+        d = (ctypes.c_ubyte * 64).from_buffer_copy(data)
+        self._check(self.lib.cuMemPoolImportPointer(ctypes.byref(p), pool, d),
+                    "cuMemPoolImportPointer")
+        return p.value
+
     def ipc_close(self, ptr):
         self._check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
