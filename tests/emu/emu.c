@@ -3867,6 +3867,27 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
   if (m == MAP_FAILED) {
     if (size + alignment < size)
       RET(CUDA_ERROR_OUT_OF_MEMORY);
+    /* Each process reserves from its own 4 GiB-aligned slot (chosen by its
+     * pid) of a region the kernel rarely uses, so an importer's reservation
+     * does not land where the exporter mapped the same memory even when
+     * both follow the same steps (the real driver's addresses often
+     * coincide between processes; code must not depend on either). */
+    pthread_mutex_lock(&E.mu);
+    static uintptr_t next_resv;
+    if (!next_resv)
+      next_resv = ((uintptr_t)0x500000000000ull) +
+                  ((((uintptr_t)E.pid * 2654435761u) % 8192u) << 32);
+    uintptr_t want = round_up(next_resv, alignment);
+    void *t = mmap((void *)want, size, PROT_NONE, mf | MAP_FIXED_NOREPLACE, -1, 0);
+    if (t != MAP_FAILED && (uintptr_t)t == want) {
+      m = t;
+      next_resv = want + size + EMU_GRAN; /* a guard gap */
+    } else if (t != MAP_FAILED) {
+      munmap(t, size);
+    }
+    pthread_mutex_unlock(&E.mu);
+  }
+  if (m == MAP_FAILED) {
     char *raw = mmap(NULL, size + alignment, PROT_NONE, mf, -1, 0);
     if (raw == MAP_FAILED)
       RET(CUDA_ERROR_OUT_OF_MEMORY);
