@@ -1390,7 +1390,7 @@ typedef struct op {
   struct op *next;
   int kind;
   union {
-    struct { void *dst; const void *src; size_t n; void *owned; } cpy;
+    struct { void *dst; const void *src; size_t n; } cpy;
     struct { void *dst; uint32_t val; size_t n; int width; } set;
     struct { CUhostFn fn; void *ud; } host;
     struct { emu_event *ev; uint64_t seq; } ev;
@@ -1480,7 +1480,6 @@ static void op_run(op *o) {
     if (E.copy_delay_us)
       usleep(E.copy_delay_us);
     memmove(o->u.cpy.dst, o->u.cpy.src, o->u.cpy.n);
-    free(o->u.cpy.owned);
     break;
   case OP_SET: {
     if (E.copy_delay_us)
@@ -1782,23 +1781,25 @@ static CUresult do_copy(emu_stream *s, void *dst, const void *src, size_t n,
                         bool src_pageable, bool dst_pageable, bool sync) {
   if (n == 0)
     return CUDA_SUCCESS;
+  if (!sync && src_pageable && !dst_pageable) {
+    /* cuda.h, "API synchronization behavior": for an async copy from
+     * pageable memory "a stream sync is performed before the copy is
+     * initiated", and the call returns once the source has been consumed.
+     * So: wait for the stream (a marker carries the legacy stream's implicit
+     * dependencies), then copy here. */
+    op *m = op_new(OP_MARKER);
+    if (!m)
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    stream_wait_seq(s, enqueue(s, m));
+    memmove(dst, src, n);
+    return CUDA_SUCCESS;
+  }
   op *o = op_new(OP_COPY);
   if (!o)
     return CUDA_ERROR_OUT_OF_MEMORY;
   o->u.cpy.dst = dst;
   o->u.cpy.src = src;
   o->u.cpy.n = n;
-  if (!sync && src_pageable) {
-    /* An async copy from pageable memory returns once the source has been
-     * staged: the caller may reuse it immediately. */
-    o->u.cpy.owned = malloc(n);
-    if (!o->u.cpy.owned) {
-      free(o);
-      return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    memcpy(o->u.cpy.owned, src, n);
-    o->u.cpy.src = o->u.cpy.owned;
-  }
   /* An async copy to pageable memory returns only once it is done. */
   if (!sync && dst_pageable)
     sync = true;
@@ -2205,7 +2206,7 @@ CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd) 
 
 static CUresult copy_common(CUstream h, uintptr_t dst, uintptr_t src, size_t n,
                             int dst_rule, int src_rule, bool sync) {
-  /* rule 0: any (unified addressing), 1: must be device-accessible, 2: host. */
+  /* rule 0: any pointer (unified addressing), 1: must be device-accessible. */
   if (!dst || !src)
     return CUDA_ERROR_INVALID_VALUE;
   bool dpage = false, spage = false;
