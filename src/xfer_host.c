@@ -15,23 +15,29 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* Below this much per thread, waking a helper costs more than it saves. */
 #define HCOPY_MIN_PART ((size_t)256 << 10)
+/* In a pipeline the next job follows within microseconds: a helper that has
+ * finished watches for it this long before it sleeps (waking a sleeping
+ * thread costs tens of microseconds, a good part of a 2 MiB memcpy), and the
+ * caller watches its helpers finish as long. */
+#define HCOPY_SPIN_NS 50000u
 
 struct gpuipc__hcopy {
   pthread_mutex_t mu;
   pthread_cond_t work, done;
   int nthreads; /* helpers started (the caller is one more) */
   pthread_t th[GPUIPC__HCOPY_MAX_THREADS];
-  uint64_t gen; /* job number, bumped for each job */
+  _Atomic uint64_t gen; /* job number, bumped (under mu) for each job */
   char *dst;
   const char *src;
-  size_t n, part; /* part: bytes per worker (the last takes the rest) */
-  int parts;      /* workers in this job, the caller included */
-  int pending;    /* helper parts not finished */
+  size_t n, part;     /* part: bytes per worker (the last takes the rest) */
+  int parts;          /* workers in this job, the caller included */
+  atomic_int pending; /* helper parts not finished (changed under mu) */
   int stop;
 };
 
@@ -40,6 +46,27 @@ struct helper_arg {
   int index; /* 1..nthreads: part index */
 };
 
+/* Watches *w (without the lock) until it differs from `from` or the spin
+ * time is over; the caller then takes the lock to act on it. */
+static void spin_while_u64(_Atomic uint64_t *w, uint64_t from) {
+  uint64_t end = gpuipc__now_ns() + HCOPY_SPIN_NS;
+  for (unsigned i = 1;; i++) {
+    if (atomic_load_explicit(w, memory_order_relaxed) != from)
+      return;
+    if (i % 64 == 0 && gpuipc__now_ns() >= end)
+      return;
+  }
+}
+static void spin_while_nonzero(atomic_int *w) {
+  uint64_t end = gpuipc__now_ns() + HCOPY_SPIN_NS;
+  for (unsigned i = 1;; i++) {
+    if (atomic_load_explicit(w, memory_order_relaxed) == 0)
+      return;
+    if (i % 64 == 0 && gpuipc__now_ns() >= end)
+      return;
+  }
+}
+
 static void *helper_main(void *arg) {
   struct helper_arg a = *(struct helper_arg *)arg;
   free(arg);
@@ -47,11 +74,16 @@ static void *helper_main(void *arg) {
   uint64_t seen = 0;
   pthread_mutex_lock(&p->mu);
   for (;;) {
-    while (p->gen == seen && !p->stop)
+    if (atomic_load(&p->gen) == seen && !p->stop) {
+      pthread_mutex_unlock(&p->mu);
+      spin_while_u64(&p->gen, seen);
+      pthread_mutex_lock(&p->mu);
+    }
+    while (atomic_load(&p->gen) == seen && !p->stop)
       pthread_cond_wait(&p->work, &p->mu);
     if (p->stop)
       break;
-    seen = p->gen;
+    seen = atomic_load(&p->gen);
     if (a.index >= p->parts)
       continue;
     size_t off = (size_t)a.index * p->part;
@@ -61,7 +93,7 @@ static void *helper_main(void *arg) {
     pthread_mutex_unlock(&p->mu);
     memcpy(d, s, len);
     pthread_mutex_lock(&p->mu);
-    if (--p->pending == 0)
+    if (atomic_fetch_sub(&p->pending, 1) == 1)
       pthread_cond_signal(&p->done);
   }
   pthread_mutex_unlock(&p->mu);
@@ -136,13 +168,16 @@ void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n) {
   p->n = n;
   p->part = part;
   p->parts = parts;
-  p->pending = parts - 1;
-  p->gen++;
+  atomic_store(&p->pending, parts - 1);
+  atomic_fetch_add(&p->gen, 1);
   pthread_cond_broadcast(&p->work);
   pthread_mutex_unlock(&p->mu);
   memcpy(dst, src, part); /* part 0 is the caller's */
+  spin_while_nonzero(&p->pending);
+  /* The lock, taken after the helpers' last unlock, is also what makes
+   * their copies visible here (and so to the DMA that follows). */
   pthread_mutex_lock(&p->mu);
-  while (p->pending > 0)
+  while (atomic_load(&p->pending) > 0)
     pthread_cond_wait(&p->done, &p->mu);
   pthread_mutex_unlock(&p->mu);
 }
