@@ -537,15 +537,6 @@ CUresult cuInit(unsigned int flags) {
       E.start_time = proc_start_time(E.pid);
       E.id_salt = (E.start_time * 7919u) & 0xffffffffffull;
     }
-    /* Every legacy allocation keeps its memfd open (importers reach it
-     * through /proc/<pid>/fd), so allow more descriptors than the usual
-     * soft limit of 1024. */
-    struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max &&
-        rl.rlim_cur < 65536) {
-      rl.rlim_cur = rl.rlim_max < 65536 ? rl.rlim_max : 65536;
-      setrlimit(RLIMIT_NOFILE, &rl);
-    }
     atomic_store_explicit(&E.inited, 1, memory_order_release);
   }
   RET(CUDA_SUCCESS);
@@ -2318,8 +2309,23 @@ typedef struct ipc_wire {
 } ipc_wire;
 _Static_assert(sizeof(ipc_wire) == CU_IPC_HANDLE_SIZE, "ipc handle size");
 
+/* Every legacy allocation keeps its memfd open (importers reach it through
+ * /proc/<pid>/fd), so a process with many allocations may need more
+ * descriptors than the usual soft limit of 1024: raised (to the hard limit,
+ * at most 65536) only when that happens, since the real driver leaves the
+ * limit alone. */
+static bool raise_nofile(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max || rl.rlim_cur >= 65536)
+    return false;
+  rl.rlim_cur = rl.rlim_max < 65536 ? rl.rlim_max : 65536;
+  return setrlimit(RLIMIT_NOFILE, &rl) == 0;
+}
+
 static int shm_create(size_t data_size, const shm_hdr *h, uint64_t *ino, uint64_t *dev) {
   int fd = memfd_create("cuda-emu", MFD_CLOEXEC);
+  if (fd < 0 && errno == EMFILE && raise_nofile())
+    fd = memfd_create("cuda-emu", MFD_CLOEXEC);
   if (fd < 0)
     return -1;
   struct stat st;
