@@ -683,6 +683,33 @@ static gpuipc_status check_buffer_id(const gpuipc__desc *d, CUdeviceptr base) {
   return GPUIPC_OK;
 }
 
+/* Whether the driver reports the exporter's buffer id on an imported pool
+ * pointer. DESIGN measured it for legacy handles (and the conformance suite
+ * checks it there); for pool pointers this process learns it: once one
+ * fresh import showed the descriptor's id, every mismatch is stale memory.
+ * Until then a mismatch on a fresh mapping may just be an importer-local id
+ * and is let through (logged); a mismatch on a mapping the driver handed
+ * back from an earlier import is always stale. */
+static atomic_int pool_ids_global;
+
+static gpuipc_status check_pool_buffer_id(const gpuipc__desc *d,
+                                          CUdeviceptr base, bool existing) {
+  uint64_t id = 0;
+  GPUIPC__CHECK(gpuipc__pointer_buffer_id(base, &id));
+  if (id == d->buffer_id) {
+    if (!existing)
+      atomic_store(&pool_ids_global, 1);
+    return GPUIPC_OK;
+  }
+  if (existing || atomic_load(&pool_ids_global))
+    return check_buffer_id(d, base);
+  GPUIPC__DEBUG("handle",
+                "pool pointer import: mapping buffer id %llu, descriptor %llu "
+                "(the driver may report importer-local ids)",
+                (unsigned long long)id, (unsigned long long)d->buffer_id);
+  return GPUIPC_OK;
+}
+
 /* The fd for an fd-carrying kind: the caller's, or one fetched by pidfd. */
 static gpuipc_status get_fd(const gpuipc__desc *d, const int *fds, int nfds,
                             unsigned flags, int *fd, int *fetched) {
@@ -764,7 +791,7 @@ static gpuipc_status open_mempool(const gpuipc__desc *d, int map_ordinal,
   bool existing = gpuipc__cache_base_held(GPUIPC_POOL_MEMPOOL, map_ordinal, p);
   if (!existing)
     gpuipc__cache_count_open();
-  gpuipc_status s = check_buffer_id(d, p);
+  gpuipc_status s = check_pool_buffer_id(d, p, existing);
   if (s == GPUIPC_OK)
     s = check_range(d, p, &o->mapped_size);
   if (s != GPUIPC_OK) {
