@@ -43,7 +43,8 @@ enum {
   GPUIPC__F_BUF = 7,    /* one buffer (the fast path) */
   GPUIPC__F_REL = 8,    /* releases of buffers */
   GPUIPC__F_BYE = 9,    /* orderly close: everything I held is released */
-  GPUIPC__F_TYPE_MAX = 9
+  GPUIPC__F_BUFD = 10,  /* one buffer by descriptor (+ fds) */
+  GPUIPC__F_TYPE_MAX = 10
 };
 
 typedef struct gpuipc__frame_hdr {
@@ -271,6 +272,7 @@ typedef struct gpuipc__w_ctl { /* CTL */
 } gpuipc__w_ctl;
 
 #define GPUIPC__BUF_ORDERED 0x1u
+#define GPUIPC__BUF_DESC 0x2u /* BUFD: not an arena block */
 typedef struct gpuipc__w_buf { /* BUF: + meta bytes */
   uint64_t seq;
   uint64_t arena_id;
@@ -295,7 +297,8 @@ _Static_assert(sizeof(gpuipc__w_rel) == 16, "wire layout");
 
 /* Sender side, per slot (a flag-word pair). */
 typedef struct gpuipc__txs {
-  gpuipc_block *block; /* the block the peer holds in this slot; NULL: free */
+  gpuipc_block *block; /* the block the peer holds in this slot, or */
+  gpuipc_buffer *buf;  /* the (non-arena) buffer; both NULL: free */
   uint64_t seq;        /* its lease's sequence number */
   uint64_t last_seq;   /* last value written to the ready word */
   struct CUstream_st *last_stream;
@@ -312,7 +315,21 @@ typedef struct gpuipc__rxs {
   uint64_t ptr;
   size_t len;
   bool ordered;
+  gpuipc_buffer *imp; /* BUFD: the import (a reference in the cache) */
 } gpuipc__rxs;
+
+/* A released non-arena buffer, for gpuipc_conn_buffer_wait. */
+typedef struct gpuipc__relrec {
+  const gpuipc_buffer *buf;
+  uint32_t slot;
+  uint64_t seq;
+} gpuipc__relrec;
+
+/* An import to close once the GPU work queued before its release is done. */
+typedef struct gpuipc__closing {
+  gpuipc_buffer *imp;
+  struct CUevent_st *ev;
+} gpuipc__closing;
 
 /* An imported chunk of the peer's arena. */
 typedef struct gpuipc__imp {
@@ -344,6 +361,8 @@ struct gpuipc__ho {
   uint32_t tx_nfree;
   uint64_t tx_seq;
   size_t tx_out;
+  gpuipc__relrec *rel;
+  size_t nrel, caprel;
   struct {
     uint64_t arena_id;
     uint64_t mask;
@@ -363,6 +382,8 @@ struct gpuipc__ho {
   uint64_t rx_max_seq;
   bool rx_unblocked;
   struct CUstream_st *unblock; /* receiver: writes that unblock our streams */
+  gpuipc__closing *closing;
+  size_t nclosing, capclosing;
 };
 
 static inline uint64_t gpuipc__ready_word(uint64_t base, uint32_t slot) {

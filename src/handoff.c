@@ -89,11 +89,11 @@ static gpuipc_status export_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
 
 /* Allocates our flag words in arena a and tells the peer where they are. */
 static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
-                              gpuipc_arena *user, uint64_t deadline) {
+                              int ordinal, uint64_t deadline) {
   uint32_t n = c->max_outstanding;
   gpuipc_status s;
   gpuipc_arena *a = NULL;
-  GPUIPC__CHECK(gpuipc__ctl_arena(user->ordinal, &a));
+  GPUIPC__CHECK(gpuipc__ctl_arena(ordinal, &a));
   h->tx = calloc(n, sizeof *h->tx);
   h->tx_free = malloc(sizeof *h->tx_free * n);
   if (h->tx == NULL || h->tx_free == NULL) {
@@ -146,34 +146,16 @@ static bool have_free_slot(gpuipc_conn *c, void *arg) {
   return c->ho->tx_nfree > 0;
 }
 
-gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
-                               struct CUstream_st *stream, const void *meta,
-                               size_t meta_len) {
-  if (conn == NULL || block == NULL || meta_len > GPUIPC_META_MAX ||
-      (meta_len > 0 && meta == NULL))
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_conn_send: NULL connection/block or metadata "
-                        "of %zu bytes (max %d)",
-                        meta_len, GPUIPC_META_MAX);
-  if (block->freed || block->internal)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_conn_send: the block was freed");
-  if (conn->state != GPUIPC__CONN_OPEN)
-    return gpuipc__conn_ended(conn);
-  GPUIPC__CHECK(gpuipc__driver());
-  struct gpuipc__ho *h = NULL;
-  GPUIPC__CHECK(ho_get(conn, &h));
-  uint64_t deadline = gpuipc__conn_deadline(conn);
-  gpuipc_arena *a = block->arena;
-  if (h->ctl == NULL)
-    GPUIPC__CHECK(setup_tx(conn, h, a, deadline));
-  if (a->ordinal != h->ordinal)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_conn_send: the block is on device %d, this "
-                        "connection's flag words on device %d (one device per "
-                        "connection)",
-                        a->ordinal, h->ordinal);
-  GPUIPC__CHECK(export_chunk(conn, h, a, block->chunk, deadline));
+/* The common part of both sends: a free slot, the stream-ordered ready
+ * write, the frame. `desc` (with fds) is set for a descriptor buffer, else
+ * the frame names the arena block in w. On success the slot's lease is
+ * recorded by the caller through *slot_out / *seq_out. */
+static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
+                               struct CUstream_st *stream, gpuipc__w_buf *w,
+                               const uint8_t *desc, uint32_t desc_len,
+                               const int *fds, int nfds, const void *meta,
+                               size_t meta_len, uint64_t deadline,
+                               uint32_t *slot_out) {
   if (h->tx_nfree == 0) {
     /* Every slot is out: wait for a release. */
     GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slot, NULL));
@@ -201,11 +183,26 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
                                "ready flag of buffer %llu",
                                (unsigned long long)seq);
   }
-  gpuipc__w_buf w = {seq,        a->id, block->off,          block->bytes, slot,
-                     block->chunk, ordered ? GPUIPC__BUF_ORDERED : 0u,
-                     (uint32_t)meta_len};
-  gpuipc_status s = gpuipc__conn_send_frame(conn, GPUIPC__F_BUF, &w, sizeof w,
-                                            meta, meta_len, NULL, 0, deadline);
+  w->seq = seq;
+  w->slot = slot;
+  w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
+  w->meta_len = (uint32_t)meta_len;
+  gpuipc_status s;
+  if (desc == NULL) {
+    s = gpuipc__conn_send_frame(conn, GPUIPC__F_BUF, w, sizeof *w, meta,
+                                meta_len, NULL, 0, deadline);
+  } else {
+    unsigned char p[sizeof *w + 8 + GPUIPC_DESC_MAX + GPUIPC_META_MAX];
+    uint32_t dl[2] = {desc_len, 0};
+    memcpy(p, w, sizeof *w);
+    memcpy(p + sizeof *w, dl, sizeof dl);
+    memcpy(p + sizeof *w + 8, desc, desc_len);
+    if (meta_len)
+      memcpy(p + sizeof *w + 8 + desc_len, meta, meta_len);
+    s = gpuipc__conn_send_frame(conn, GPUIPC__F_BUFD, p,
+                                sizeof *w + 8 + desc_len + meta_len, NULL, 0,
+                                fds, nfds, deadline);
+  }
   h->tx_seq = seq;
   if (ordered) {
     t->last_seq = seq;
@@ -218,8 +215,135 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
     t->retired = true;
     return s;
   }
-  gpuipc__lease_add(h, slot, block, seq, ordered);
+  t->ordered = ordered;
+  *slot_out = slot;
   return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
+                               struct CUstream_st *stream, const void *meta,
+                               size_t meta_len) {
+  if (conn == NULL || block == NULL || meta_len > GPUIPC_META_MAX ||
+      (meta_len > 0 && meta == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send: NULL connection/block or metadata "
+                        "of %zu bytes (max %d)",
+                        meta_len, GPUIPC_META_MAX);
+  if (block->freed || block->internal)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send: the block was freed");
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  GPUIPC__CHECK(gpuipc__driver());
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(ho_get(conn, &h));
+  uint64_t deadline = gpuipc__conn_deadline(conn);
+  gpuipc_arena *a = block->arena;
+  if (h->ctl == NULL)
+    GPUIPC__CHECK(setup_tx(conn, h, a->ordinal, deadline));
+  if (a->ordinal != h->ordinal)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send: the block is on device %d, this "
+                        "connection's flag words on device %d (one device per "
+                        "connection)",
+                        a->ordinal, h->ordinal);
+  GPUIPC__CHECK(export_chunk(conn, h, a, block->chunk, deadline));
+  gpuipc__w_buf w = {0,          a->id, block->off, block->bytes, 0,
+                     block->chunk, 0,     0};
+  uint32_t slot;
+  GPUIPC__CHECK(send_core(conn, h, stream, &w, NULL, 0, NULL, 0, meta,
+                          meta_len, deadline, &slot));
+  gpuipc__lease_add(h, slot, block, w.seq, h->tx[slot].ordered);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
+                                      struct CUstream_st *stream,
+                                      const void *meta, size_t meta_len) {
+  if (conn == NULL || buf == NULL || meta_len > GPUIPC_META_MAX ||
+      (meta_len > 0 && meta == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_buffer: NULL connection/buffer or "
+                        "metadata of %zu bytes (max %d)",
+                        meta_len, GPUIPC_META_MAX);
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc__buffer_info bi;
+  GPUIPC__CHECK(gpuipc__buffer_info_get(buf, &bi));
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(ho_get(conn, &h));
+  uint64_t deadline = gpuipc__conn_deadline(conn);
+  if (h->ctl == NULL)
+    GPUIPC__CHECK(setup_tx(conn, h, bi.ordinal, deadline));
+  /* The descriptor is made once per buffer by the handle layer (later
+   * exports reuse the driver handle); the peer's import cache makes its
+   * second and later receipts of this buffer free of driver calls. */
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t dlen = 0;
+  int fds[GPUIPC_DESC_MAX_FDS];
+  int nfds = GPUIPC_DESC_MAX_FDS;
+  GPUIPC__CHECK(gpuipc_buffer_export(buf, desc, sizeof desc, &dlen, fds, &nfds));
+  gpuipc__w_buf w = {0, 0, 0, bi.size, 0, UINT32_MAX, GPUIPC__BUF_DESC, 0};
+  uint32_t slot;
+  gpuipc_status s = send_core(conn, h, stream, &w, desc, (uint32_t)dlen, fds,
+                              nfds, meta, meta_len, deadline, &slot);
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  if (s != GPUIPC_OK)
+    return s;
+  h->tx[slot].buf = buf;
+  h->tx[slot].seq = w.seq;
+  h->tx_out++;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_buffer_wait(gpuipc_conn *conn,
+                                      const gpuipc_buffer *buf,
+                                      struct CUstream_st *stream) {
+  if (conn == NULL || buf == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_buffer_wait: NULL");
+  struct gpuipc__ho *h = conn->ho;
+  if (h == NULL || h->ctl == NULL)
+    return GPUIPC_OK;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
+  gpuipc_status s = GPUIPC_OK;
+  size_t k = 0;
+  for (size_t i = 0; i < h->nrel; i++) {
+    if (h->rel[i].buf != buf) {
+      h->rel[k++] = h->rel[i];
+      continue;
+    }
+    if (s != GPUIPC_OK)
+      continue;
+    CUresult r = GPUIPC__CU(
+        cuStreamWaitValue64, (CUstream)stream,
+        (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
+                                           h->rel[i].slot),
+        (cuuint64_t)h->rel[i].seq, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuStreamWaitValue64",
+                            "ordering reuse of a released buffer");
+  }
+  h->nrel = k;
+  gpuipc__ctx_leave(&g);
+  return s;
+}
+
+unsigned gpuipc_conn_buffer_holders(gpuipc_conn *conn,
+                                    const gpuipc_buffer *buf) {
+  if (conn == NULL || buf == NULL || conn->ho == NULL || conn->ho->tx == NULL)
+    return 0;
+  if (conn->state == GPUIPC__CONN_OPEN)
+    (void)gpuipc__conn_pump(conn, 0, NULL, NULL);
+  struct gpuipc__ho *h = conn->ho;
+  unsigned n = 0;
+  if (h == NULL || h->tx == NULL)
+    return 0;
+  for (uint32_t i = 0; i < h->nslots; i++)
+    n += h->tx[i].buf == buf;
+  return n;
 }
 
 /* ---- receiver: frames ---------------------------------------------------------------- */
@@ -368,11 +492,96 @@ static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
   return GPUIPC_OK;
 }
 
+static gpuipc_status on_bufd(struct gpuipc__ho *h, const unsigned char *p,
+                             size_t len, int *fds, int nfds) {
+  gpuipc_status s = GPUIPC_OK;
+  gpuipc_buffer *imp = NULL;
+  gpuipc__w_buf w;
+  uint32_t dl[2];
+  if (len < sizeof w + sizeof dl) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFD frame of %zu bytes", len);
+    goto out;
+  }
+  memcpy(&w, p, sizeof w);
+  memcpy(dl, p + sizeof w, sizeof dl);
+  if (!h->have_peer_ctl) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFD frame before CTL");
+    goto out;
+  }
+  if (dl[0] > GPUIPC_DESC_MAX || dl[1] != 0 || w.meta_len > GPUIPC_META_MAX ||
+      (size_t)dl[0] + w.meta_len != len - sizeof w - sizeof dl ||
+      !(w.flags & GPUIPC__BUF_DESC)) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFD frame: inconsistent lengths");
+    goto out;
+  }
+  if (w.slot >= h->peer_nslots || h->rx[w.slot].held ||
+      w.seq <= h->rx[w.slot].last_recv || w.seq <= h->rx[w.slot].last_rel ||
+      h->qlen == h->peer_nslots) {
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFD frame: slot %u busy or "
+                                        "sequence %llu not new",
+                     w.slot, (unsigned long long)w.seq);
+    goto out;
+  }
+  /* Descriptors are hostile input: the handle layer validates them (and
+   * goes through its import cache: a buffer seen before costs no driver
+   * call). A descriptor that does not import is the peer's error. */
+  s = gpuipc_buffer_import(p + sizeof w + sizeof dl, dl[0], fds, nfds, NULL,
+                           &imp);
+  if (s != GPUIPC_OK)
+    goto out;
+  if (gpuipc_buffer_size(imp) < w.len || w.len == 0) {
+    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                     "BUFD frame: %llu bytes of a buffer of %zu",
+                     (unsigned long long)w.len, gpuipc_buffer_size(imp));
+    gpuipc_buffer_close(imp);
+    goto out;
+  }
+  gpuipc__buffer_info bi;
+  s = gpuipc__buffer_info_get(imp, &bi);
+  if (s != GPUIPC_OK) {
+    gpuipc_buffer_close(imp);
+    goto out;
+  }
+  gpuipc__rxs *r = &h->rx[w.slot];
+  r->held = w.seq;
+  r->ptr = bi.ptr;
+  r->len = (size_t)w.len;
+  r->ordered = (w.flags & GPUIPC__BUF_ORDERED) != 0;
+  r->imp = imp;
+  if (w.seq > h->rx_max_seq)
+    h->rx_max_seq = w.seq;
+  gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
+  q->w = w;
+  memcpy(q->meta, p + sizeof w + sizeof dl + dl[0], w.meta_len);
+  h->qlen++;
+out:
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  return s;
+}
+
+/* Closes imports whose release's GPU work completed (all when `all`, after
+ * the caller synchronized). */
+static void poll_closing(struct gpuipc__ho *h, bool all) {
+  size_t k = 0;
+  for (size_t i = 0; i < h->nclosing; i++) {
+    gpuipc__closing *x = &h->closing[i];
+    if (all || GPUIPC__CU(cuEventQuery, (CUevent)x->ev) != CUDA_ERROR_NOT_READY) {
+      gpuipc_buffer_close(x->imp);
+      GPUIPC__CU(cuEventDestroy, (CUevent)x->ev);
+    } else {
+      h->closing[k++] = *x;
+    }
+  }
+  h->nclosing = k;
+}
+
 gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
                                size_t len, int *fds, int nfds) {
   struct gpuipc__ho *h = NULL;
   gpuipc_status s = ho_get(c, &h);
-  if (s != GPUIPC_OK || (type != GPUIPC__F_CHUNK && nfds > 0)) {
+  if (s != GPUIPC_OK ||
+      (type != GPUIPC__F_CHUNK && type != GPUIPC__F_BUFD && nfds > 0)) {
     for (int i = 0; i < nfds; i++)
       close(fds[i]);
     return s != GPUIPC_OK ? s
@@ -387,6 +596,8 @@ gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
     return on_ctl(h, p, len);
   case GPUIPC__F_BUF:
     return on_buf(h, p, len);
+  case GPUIPC__F_BUFD:
+    return on_bufd(h, p, len, fds, nfds);
   case GPUIPC__F_REL:
     if (len == 0 || len % sizeof(gpuipc__w_rel) || h->tx == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad REL frame of %zu bytes", len);
@@ -484,6 +695,40 @@ static gpuipc_status release_slot(struct gpuipc__ho *h, uint32_t slot,
                                (unsigned long long)r->held);
     r->last_rel_stream = stream;
   }
+  if (r->imp) {
+    /* The import is closed once the work queued before this release is
+     * done (an event on that stream); closing it now could unmap memory a
+     * queued kernel still reads. */
+    gpuipc_status cs = GPUIPC_OK;
+    gpuipc__ctx_guard g;
+    CUevent ev = NULL;
+    if (h->nclosing == h->capclosing) {
+      size_t cap = h->capclosing ? 2 * h->capclosing : 8;
+      gpuipc__closing *n = realloc(h->closing, sizeof *n * cap);
+      if (n == NULL)
+        return gpuipc__fail(GPUIPC_E_NO_MEMORY, "closing list");
+      h->closing = n;
+      h->capclosing = cap;
+    }
+    cs = gpuipc__ctx_enter(&g, h->peer_ordinal);
+    if (cs == GPUIPC_OK) {
+      CUresult cr = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+      if (cr == CUDA_SUCCESS)
+        cr = GPUIPC__CU(cuEventRecord, ev, (CUstream)stream);
+      if (cr != CUDA_SUCCESS) {
+        if (ev)
+          GPUIPC__CU(cuEventDestroy, ev);
+        ev = NULL;
+        cs = gpuipc__fail_cuda(cr, "cuEventRecord", "release of an import");
+      }
+      gpuipc__ctx_leave(&g);
+    }
+    if (ev == NULL)
+      return cs;
+    h->closing[h->nclosing++] = (gpuipc__closing){r->imp, (struct CUevent_st *)ev};
+    r->imp = NULL;
+    poll_closing(h, false);
+  }
   r->last_rel = r->held;
   r->held = 0;
   h->rx_held--;
@@ -551,6 +796,10 @@ void gpuipc__ho_peer_gone(gpuipc_conn *c) {
   for (uint32_t i = 0; i < h->qlen; i++) {
     gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
     h->rx[q->w.slot].held = 0;
+    if (h->rx[q->w.slot].imp) {
+      gpuipc_buffer_close(h->rx[q->w.slot].imp);
+      h->rx[q->w.slot].imp = NULL;
+    }
   }
   h->qlen = 0;
   /* Our streams may wait for ready words the dead producer will never
@@ -620,6 +869,10 @@ void gpuipc__ho_close(gpuipc_conn *c) {
       bool open = c->state == GPUIPC__CONN_OPEN;
       if (queued) {
         h->rx[s].held = 0; /* never handed to the caller: no GPU work */
+        if (h->rx[s].imp) {
+          gpuipc_buffer_close(h->rx[s].imp);
+          h->rx[s].imp = NULL;
+        }
       } else {
         (void)release_slot(h, s, NULL, open);
       }
@@ -633,22 +886,27 @@ void gpuipc__ho_close(gpuipc_conn *c) {
   if (c->state == GPUIPC__CONN_OPEN)
     (void)gpuipc__conn_send_frame(c, GPUIPC__F_BYE, NULL, 0, NULL, 0, NULL, 0,
                                   0);
-  if (h->nimp > 0) {
+  if (h->nimp > 0 || h->nclosing > 0) {
     /* The imported memory is unmapped below; GPU work of ours that may
      * still use it (including the release writes just queued) must be
      * done first. */
     gpuipc__ctx_guard g;
-    if (sync_ordinal < 0)
+    if (sync_ordinal < 0 && h->nimp > 0)
       sync_ordinal = h->imp[0].ordinal;
+    if (sync_ordinal < 0)
+      sync_ordinal = 0;
     if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
       GPUIPC__CU(cuCtxSynchronize);
       if (h->unblock)
         GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
+      poll_closing(h, true);
       gpuipc__ctx_leave(&g);
     }
     for (int i = 0; i < h->nimp; i++)
       gpuipc_buffer_close(h->imp[i].buf);
   }
+  free(h->closing);
+  h->closing = NULL;
   free(h->imp);
   free(h->rx);
   free(h->q);

@@ -71,6 +71,7 @@ void gpuipc__lease_add(struct gpuipc__ho *h, uint32_t slot, gpuipc_block *b,
 
 static void slot_free(struct gpuipc__ho *h, uint32_t slot) {
   h->tx[slot].block = NULL;
+  h->tx[slot].buf = NULL;
   h->tx[slot].seq = 0;
   h->tx_free[h->tx_nfree++] = slot;
   h->tx_out--;
@@ -80,7 +81,8 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
                                      const gpuipc__w_rel *rel, size_t n) {
   /* Validate everything first: a frame is applied whole or not at all. */
   for (size_t i = 0; i < n; i++) {
-    if (rel[i].slot >= h->nslots || h->tx[rel[i].slot].block == NULL ||
+    if (rel[i].slot >= h->nslots ||
+        (h->tx[rel[i].slot].block == NULL && h->tx[rel[i].slot].buf == NULL) ||
         h->tx[rel[i].slot].seq != rel[i].seq)
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u sequence %llu, which the peer "
@@ -99,11 +101,41 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
   uint32_t slots[64];
   size_t i = 0;
   while (i < n) {
-    gpuipc_arena *a = h->tx[rel[i].slot].block->arena;
+    gpuipc__txs *t0 = &h->tx[rel[i].slot];
+    if (t0->buf) {
+      /* A buffer outside any arena: its owner orders reuse with
+       * gpuipc_conn_buffer_wait, which needs this release's word. */
+      if (t0->ordered) {
+        if (h->nrel == h->caprel) {
+          size_t cap = h->caprel ? 2 * h->caprel : 16;
+          if (cap > 4096) {
+            /* Bounded: the oldest record goes (its buffer was never
+             * waited for). */
+            memmove(h->rel, h->rel + 1, sizeof *h->rel * (h->nrel - 1));
+            h->nrel--;
+          } else {
+            gpuipc__relrec *nr = realloc(h->rel, sizeof *nr * cap);
+            if (nr == NULL) {
+              memmove(h->rel, h->rel + 1, sizeof *h->rel * (h->nrel - 1));
+              h->nrel--;
+            } else {
+              h->rel = nr;
+              h->caprel = cap;
+            }
+          }
+        }
+        h->rel[h->nrel++] = (gpuipc__relrec){t0->buf, rel[i].slot, t0->seq};
+      }
+      slot_free(h, rel[i].slot);
+      i++;
+      continue;
+    }
+    gpuipc_arena *a = t0->block->arena;
     int nb = 0;
     pthread_mutex_lock(&a->lock);
     bool any_ordered = false;
-    while (i < n && nb < 64 && h->tx[rel[i].slot].block->arena == a) {
+    while (i < n && nb < 64 && h->tx[rel[i].slot].block != NULL &&
+           h->tx[rel[i].slot].block->arena == a) {
       uint32_t slot = rel[i].slot;
       gpuipc__txs *t = &h->tx[slot];
       if (t->ordered) {
@@ -188,6 +220,11 @@ void gpuipc__lease_reclaim_dead(struct gpuipc__ho *h) {
   size_t n = 0;
   for (uint32_t s = 0; s < h->nslots; s++) {
     gpuipc__txs *t = &h->tx[s];
+    if (t->buf) {
+      slot_free(h, s); /* the caller's buffer: nothing to give back */
+      n++;
+      continue;
+    }
     if (t->block == NULL)
       continue;
     gpuipc_arena *a = t->block->arena;
@@ -221,8 +258,11 @@ void gpuipc__ho_free_tx(struct gpuipc__ho *h) {
   }
   free(h->tx);
   free(h->tx_free);
+  free(h->rel);
   h->tx = NULL;
   h->tx_free = NULL;
+  h->rel = NULL;
+  h->nrel = h->caprel = 0;
 }
 
 bool gpuipc__lease_words_settled(struct gpuipc__ho *h) {

@@ -826,3 +826,59 @@ TEST_IMPL(handoff_order_block_wait) {
   ASSERT_OK(gpuipc_arena_destroy(a));
   return 0;
 }
+
+/* Buffers outside arenas travel by descriptor: a MEMPOOL pool buffer and a
+ * wrapped cuMemAlloc allocation (legacy IPC), each sent twice (the second
+ * time the consumer's import cache serves it), rewritten in between after
+ * gpuipc_conn_buffer_wait. */
+TEST_IMPL(handoff_send_buffer) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_consumer", NULL, &fd, "pair", "4", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+  po.kind = GPUIPC_POOL_MEMPOOL;
+  gpuipc_pool *pool = NULL;
+  ASSERT_OK(gpuipc_pool_create(&po, &pool));
+  gpuipc_buffer *bufs[2] = {NULL, NULL};
+  size_t n = 65536;
+  ASSERT_OK(gpuipc_buffer_alloc(pool, n, (struct CUstream_st *)s, &bufs[0]));
+  CUdeviceptr raw;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&raw, n + 4096));
+  /* An interior range of a legacy allocation. */
+  ASSERT_OK(gpuipc_buffer_wrap((void *)(uintptr_t)(raw + 4096), n, &bufs[1]));
+  uint8_t *host = malloc(n);
+  uint32_t seed = 500;
+  for (int k = 0; k < 2; k++) {
+    for (int round = 0; round < 2; round++, seed++) {
+      if (round == 1) {
+        ASSERT_OK(gpuipc_conn_buffer_wait(c, bufs[k], (struct CUstream_st *)s));
+      }
+      pattern(host, n, seed);
+      ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(
+          (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(bufs[k]), host, n, s));
+      ASSERT_OK(gpuipc_conn_send_buffer(c, bufs[k], (struct CUstream_st *)s,
+                                        &seed, sizeof seed));
+      ASSERT_EQ(gpuipc_conn_buffer_holders(c, bufs[k]) <= 1, 1);
+      for (int i = 0; i < 30000 && gpuipc_conn_buffer_holders(c, bufs[k]) > 0;
+           i++)
+        ASSERT_OK(gpuipc_conn_progress(c, 1));
+      ASSERT_EQ(gpuipc_conn_buffer_holders(c, bufs[k]), 0);
+    }
+  }
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  gpuipc_conn_close(c);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_buffer_free(bufs[0], (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_buffer_free(bufs[1], NULL));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_pool_destroy(pool));
+  ASSERT_CU(gpuipc__cu.cuMemFree(raw));
+  free(host);
+  return 0;
+}

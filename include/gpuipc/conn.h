@@ -381,6 +381,32 @@ GPUIPC_API gpuipc_status gpuipc_conn_send(gpuipc_conn *conn,
                                           struct CUstream_st *stream,
                                           const void *meta, size_t meta_len);
 
+/* Sends a buffer that is not an arena block (from a gpuipc pool of any
+ * kind, or wrapped with gpuipc_buffer_wrap), through its descriptor: the
+ * first send of a buffer costs the handle layer's export (then cached), the
+ * peer's first receipt the driver import (then served by its import cache),
+ * and each send one message with the descriptor (and, for pool and VMM
+ * memory, a file descriptor). Ordering as gpuipc_conn_send; the peer
+ * receives it with gpuipc_conn_recv like any other. The caller keeps
+ * ownership: it must not free the buffer while the peer holds it
+ * (gpuipc_conn_buffer_holders), and must call gpuipc_conn_buffer_wait
+ * before writing it again. */
+GPUIPC_API gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn,
+                                                 gpuipc_buffer *buf,
+                                                 struct CUstream_st *stream,
+                                                 const void *meta,
+                                                 size_t meta_len);
+/* How many leases the peer holds on buf (sent with gpuipc_conn_send_buffer
+ * and not released). Makes progress (no waiting) first. */
+GPUIPC_API unsigned gpuipc_conn_buffer_holders(gpuipc_conn *conn,
+                                               const gpuipc_buffer *buf);
+/* Orders `stream` after the GPU work the peer queued before releasing buf
+ * (every release of it that arrived since the last call). Does not wait
+ * on the host. */
+GPUIPC_API gpuipc_status gpuipc_conn_buffer_wait(gpuipc_conn *conn,
+                                                 const gpuipc_buffer *buf,
+                                                 struct CUstream_st *stream);
+
 /* What gpuipc_conn_recv hands over. */
 typedef struct gpuipc_received {
   size_t size;      /* set to sizeof(gpuipc_received) before the call */
