@@ -45,7 +45,7 @@ typedef struct result {
 
 static int worker_main(void) {
   gpuipc_conn *conn = NULL;
-  CHECK("gpuipc_spawn_connection", gpuipc_spawn_connection(NULL, &conn, NULL));
+  CHECK("gpuipc_spawn_connection", gpuipc_spawn_connection(NULL, &conn, NULL, NULL));
   int me = 0, n = 0;
   CHECK("gpuipc_worker_index", gpuipc_worker_index(&me, &n));
   gpuipc_conn_set_timeout(conn, -1);

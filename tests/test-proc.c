@@ -14,14 +14,17 @@
 
 /* ---- helpers (the children) ------------------------------------------------ */
 
-static gpuipc_conn *child_connect(int *nbuf) {
+static gpuipc_conn *child_connect2(int *npool, int *nbuf) {
   gpuipc_conn *c = NULL;
-  ASSERT_OK(gpuipc_spawn_connection(NULL, &c, nbuf));
+  ASSERT_OK(gpuipc_spawn_connection(NULL, &c, npool, nbuf));
   /* Picked up once: the variables are gone. */
   ASSERT_NULL(getenv(GPUIPC_ENV_CONN_FD));
   ASSERT_NULL(getenv(GPUIPC_ENV_SPAWN_BUFFERS));
+  ASSERT_NULL(getenv(GPUIPC_ENV_SPAWN_POOLS));
   return c;
 }
+
+static gpuipc_conn *child_connect(int *nbuf) { return child_connect2(NULL, nbuf); }
 
 /* Modes: "echo" echoes one message; "exit:N" exits with N after
  * connecting; "raw-exit:N" exits with N without connecting; "sleep" never
@@ -134,6 +137,11 @@ TEST_IMPL(proc_spawn_failures) {
   o.n_buffers = 1;
   ASSERT_STATUS(gpuipc_spawn("/proc/self/exe", argv, &o, &ch),
                 GPUIPC_E_INVALID_ARG);
+  o.n_buffers = 0;
+  o.n_pools = 1;
+  ASSERT_STATUS(gpuipc_spawn("/proc/self/exe", argv, &o, &ch),
+                GPUIPC_E_INVALID_ARG);
+  o.n_pools = 0;
 
   /* A child that exits before connecting: the status says how. */
   self_argv("proc_child", "raw-exit:5", argv);
@@ -157,9 +165,9 @@ TEST_IMPL(proc_spawn_failures) {
   /* This process was not started by gpuipc_spawn. */
   gpuipc_conn *c = NULL;
   unsetenv(GPUIPC_ENV_CONN_FD);
-  ASSERT_STATUS(gpuipc_spawn_connection(NULL, &c, NULL), GPUIPC_E_NOT_FOUND);
+  ASSERT_STATUS(gpuipc_spawn_connection(NULL, &c, NULL, NULL), GPUIPC_E_NOT_FOUND);
   setenv(GPUIPC_ENV_CONN_FD, "0", 1); /* stdin: not a socket here */
-  s = gpuipc_spawn_connection(NULL, &c, NULL);
+  s = gpuipc_spawn_connection(NULL, &c, NULL, NULL);
   ASSERT(s == GPUIPC_E_INVALID_ARG || s == GPUIPC_E_PROTOCOL ||
          s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_TIMEOUT);
   ASSERT_NULL(getenv(GPUIPC_ENV_CONN_FD));
@@ -243,9 +251,15 @@ static void check(gpuipc_buffer *b, unsigned char v) {
 }
 
 HELPER_IMPL(proc_buffers_child) {
-  int n = -1;
-  gpuipc_conn *c = child_connect(&n);
+  int n = -1, np = -1;
+  gpuipc_conn *c = child_connect2(&np, &n);
   ASSERT_EQ(n, 2);
+  ASSERT_EQ(np, atoi(argv[0]));
+  gpuipc_pool *pool = NULL;
+  if (np == 1) {
+    ASSERT_OK(gpuipc_recv_pool_desc(c, NULL, &pool));
+    ASSERT_EQ(gpuipc_pool_get_kind(pool), GPUIPC_POOL_MEMPOOL);
+  }
   for (int i = 0; i < n; i++) {
     gpuipc_buffer *b = NULL;
     ASSERT_OK(gpuipc_recv_buffer_desc(c, NULL, &b));
@@ -260,6 +274,7 @@ HELPER_IMPL(proc_buffers_child) {
   gpuipc_buffer *b = NULL;
   ASSERT_STATUS(gpuipc_recv_buffer_desc(c, NULL, &b), GPUIPC_E_PROTOCOL);
   ASSERT_NULL(b);
+  ASSERT_OK(gpuipc_pool_destroy(pool));
   gpuipc_conn_close(c);
   return 0;
 }
@@ -275,11 +290,15 @@ TEST_IMPL(proc_spawn_hands_buffers_over) {
     ASSERT_OK(gpuipc_buffer_alloc(pool, 65536 * (size_t)(i + 1), NULL, &bufs[i]));
     fill(bufs[i], (unsigned char)(0xA0 + i));
   }
+  /* A MEMPOOL pool travels first, so the buffers import into it. */
+  int with_pool = gpuipc_pool_get_kind(pool) == GPUIPC_POOL_MEMPOOL;
   char *argv[5];
-  self_argv("proc_buffers_child", "x", argv);
+  self_argv("proc_buffers_child", with_pool ? "1" : "0", argv);
   gpuipc_spawn_options o = GPUIPC_SPAWN_OPTIONS_INIT;
   o.buffers = bufs;
   o.n_buffers = 2;
+  o.pools = &pool;
+  o.n_pools = with_pool;
   gpuipc_child *ch = NULL;
   ASSERT_OK(gpuipc_spawn("/proc/self/exe", argv, &o, &ch));
   char buf[8];

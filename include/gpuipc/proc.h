@@ -14,16 +14,17 @@
  *
  *   parent                                     child (a new program)
  *   gpuipc_spawn(path, argv, &opts, &ch)  ---> gpuipc_spawn_connection(NULL,
- *     (opts.buffers: sent right after start)     &conn, &n)
- *   conn = gpuipc_child_conn(ch)                for n: gpuipc_recv_buffer_desc
+ *     (opts.pools, opts.buffers: sent         &conn, &np, &nb)
+ *      right after start)                     np x gpuipc_recv_pool_desc
+ *   conn = gpuipc_child_conn(ch)                nb x gpuipc_recv_buffer_desc
  *   ... gpuipc_conn_send / send_msg ...         ... gpuipc_conn_recv ...
  *   gpuipc_child_wait(ch, -1, &status)          exit(0)
  *   gpuipc_child_destroy(ch, 0, NULL)
  *
  * The child learns its end of the pair from the environment variable
- * GPUIPC_CONN_FD (a file descriptor number) and the number of buffers sent
- * at start from GPUIPC_SPAWN_BUFFERS; gpuipc_spawn_connection() removes
- * both from its environment so that the child's own children do not
+ * GPUIPC_CONN_FD (a file descriptor number) and the numbers of pools and
+ * buffers sent at start from GPUIPC_SPAWN_POOLS and GPUIPC_SPAWN_BUFFERS;
+ * gpuipc_spawn_connection() removes them from its environment so that the child's own children do not
  * inherit them. A worker of a group also finds GPUIPC_WORKER_INDEX and
  * GPUIPC_WORKER_COUNT there (gpuipc_worker_index()).
  */
@@ -40,6 +41,7 @@ extern "C" {
 /* The environment variables the spawn helper sets in a child. */
 #define GPUIPC_ENV_CONN_FD "GPUIPC_CONN_FD"
 #define GPUIPC_ENV_SPAWN_BUFFERS "GPUIPC_SPAWN_BUFFERS"
+#define GPUIPC_ENV_SPAWN_POOLS "GPUIPC_SPAWN_POOLS"
 #define GPUIPC_ENV_WORKER_INDEX "GPUIPC_WORKER_INDEX"
 #define GPUIPC_ENV_WORKER_COUNT "GPUIPC_WORKER_COUNT"
 
@@ -73,6 +75,21 @@ GPUIPC_API gpuipc_status gpuipc_recv_buffer_desc(gpuipc_conn *conn,
                                                  const gpuipc_import_options *opts,
                                                  gpuipc_buffer **buf /* OUT */);
 
+/*
+ * The same for a MEMPOOL pool (gpuipc_pool_export with its fd): the
+ * receiver imports the pool once (~170 us, ~13 ms across GPUs), after which
+ * buffers of that pool import without their fd. Other kinds have no pool
+ * export (GPUIPC_E_NOT_SUPPORTED). The pool stays owned by the caller.
+ */
+GPUIPC_API gpuipc_status gpuipc_send_pool_desc(gpuipc_conn *conn,
+                                               gpuipc_pool *pool);
+/* Receives a pool sent by gpuipc_send_pool_desc and imports it
+ * (gpuipc_pool_import); *pool: gpuipc_pool_destroy(). Errors as
+ * gpuipc_recv_buffer_desc. */
+GPUIPC_API gpuipc_status gpuipc_recv_pool_desc(gpuipc_conn *conn,
+                                               const gpuipc_import_options *opts,
+                                               gpuipc_pool **pool /* OUT */);
+
 /* ------------------------------------------------------------------------ */
 /* The spawn helper                                                         */
 /* ------------------------------------------------------------------------ */
@@ -98,10 +115,15 @@ typedef struct gpuipc_spawn_options {
    * gpuipc_recv_buffer_desc. They stay owned by the caller. */
   gpuipc_buffer *const *buffers;
   int n_buffers;
+  /* MEMPOOL pools sent to the child right after it connects, before the
+   * buffers (as by gpuipc_send_pool_desc); the child receives them with
+   * gpuipc_recv_pool_desc. They stay owned by the caller. */
+  gpuipc_pool *const *pools;
+  int n_pools;
 } gpuipc_spawn_options;
 
 #define GPUIPC_SPAWN_OPTIONS_INIT                                              \
-  {sizeof(gpuipc_spawn_options), NULL, NULL, 0, NULL, NULL, 0}
+  {sizeof(gpuipc_spawn_options), NULL, NULL, 0, NULL, NULL, 0, NULL, 0}
 
 /* How a child ended. */
 typedef enum gpuipc_child_state {
@@ -125,7 +147,7 @@ typedef struct gpuipc_child_status {
  * stdin/stdout/stderr, and one end of a socket pair (numbered in
  * GPUIPC_CONN_FD). Then completes the connection handshake with the child
  * (waiting up to the connection timeout for it to call
- * gpuipc_spawn_connection) and sends opts->buffers.
+ * gpuipc_spawn_connection) and sends opts->pools, then opts->buffers.
  *
  * Returns GPUIPC_E_NOT_FOUND / GPUIPC_E_PERMISSION / GPUIPC_E_SYSTEM when
  * the program cannot be started; GPUIPC_E_PEER_GONE when it started but
@@ -180,16 +202,19 @@ GPUIPC_API gpuipc_status gpuipc_child_destroy(gpuipc_child *child,
 /*
  * In a child started by gpuipc_spawn: makes its connection to the parent
  * (performing the handshake, with opts or defaults) and tells how many
- * buffers the parent sends at once (*n_buffers, may be NULL), to be
- * received with gpuipc_recv_buffer_desc. Removes GPUIPC_CONN_FD and
- * GPUIPC_SPAWN_BUFFERS from the environment (so call it before starting
- * threads that read the environment). Returns GPUIPC_E_NOT_FOUND when this
- * process was not started by gpuipc_spawn (or the connection was picked up
- * already), GPUIPC_E_INVALID_ARG when the variable names no Unix socket.
- * *conn is owned by the caller: gpuipc_conn_close().
+ * pools and buffers the parent sends at once (*n_pools, *n_buffers; either
+ * may be NULL): receive the pools first with gpuipc_recv_pool_desc, then
+ * the buffers with gpuipc_recv_buffer_desc. Removes GPUIPC_CONN_FD,
+ * GPUIPC_SPAWN_POOLS and GPUIPC_SPAWN_BUFFERS from the environment (so
+ * call it before starting threads that read the environment). Returns
+ * GPUIPC_E_NOT_FOUND when this process was not started by gpuipc_spawn (or
+ * the connection was picked up already), GPUIPC_E_INVALID_ARG when the
+ * variable names no Unix socket. *conn is owned by the caller:
+ * gpuipc_conn_close().
  */
 GPUIPC_API gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts,
                                                  gpuipc_conn **conn /* OUT */,
+                                                 int *n_pools /* OUT */,
                                                  int *n_buffers /* OUT */);
 
 /* ------------------------------------------------------------------------ */
