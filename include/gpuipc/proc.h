@@ -54,11 +54,15 @@ extern "C" {
  * on conn: its descriptor (gpuipc_buffer_export) with the file descriptor
  * it needs (SCM_RIGHTS). This is the general, slow path: the first export of
  * a MEMPOOL buffer costs a driver export (~50 us) and the receiver pays a
- * driver import. For many buffers per second use arenas and
- * gpuipc_conn_send() (conn.h). The buffer stays owned by the caller, who
- * must keep it allocated while the peer uses it (the peer says when it is
- * done in the application's own protocol). Errors: those of
- * gpuipc_buffer_export and gpuipc_conn_send_msg.
+ * driver import. The receiver gets a gpuipc_buffer of its own (imported,
+ * closed when it wants), and nothing orders its GPU work after ours: the
+ * sender finishes its work on the buffer first. For stream-ordered
+ * handoff with leases use gpuipc_conn_send_buffer (any buffer) or
+ * gpuipc_conn_send (arena blocks, the fast path) from conn.h. The buffer
+ * stays owned by the caller, who must keep it allocated while the peer
+ * uses it (the peer says when it is done in the application's own
+ * protocol). Errors: those of gpuipc_buffer_export and
+ * gpuipc_conn_send_msg.
  */
 GPUIPC_API gpuipc_status gpuipc_send_buffer_desc(gpuipc_conn *conn,
                                                  gpuipc_buffer *buf);
