@@ -2697,7 +2697,12 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
     if (--im->refs == 0) {
       *pp = im->next;
       reg_del(im->base, im);
-      munmap((void *)im->base, im->map_size);
+      /* Like a freed allocation: the pages go, the address range stays
+       * reserved for reuse, and stray work still in flight on it touches
+       * junk rather than faulting the process. */
+      mmap((void *)im->base, im->map_size, PROT_READ | PROT_WRITE,
+           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+      addr_cache_put(im->base, im->map_size);
       free(im);
     }
     pthread_mutex_unlock(&E.mu);
