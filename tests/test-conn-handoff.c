@@ -882,3 +882,110 @@ TEST_IMPL(handoff_send_buffer) {
   free(host);
   return 0;
 }
+
+/* ---- hostile fast-path frames ----------------------------------------------------------- */
+
+static void raw_frame(int fd, int type, const void *p, size_t n) {
+  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                         (uint8_t)type, 0, (uint32_t)n, 0};
+  h.check = gpuipc__frame_check(&h);
+  unsigned char buf[1024];
+  ASSERT_LE(sizeof h + n, sizeof buf);
+  memcpy(buf, &h, sizeof h);
+  if (n)
+    memcpy(buf + sizeof h, p, n);
+  ASSERT_EQ(write(fd, buf, sizeof h + n), (ssize_t)(sizeof h + n));
+}
+
+/* Completes the handshake, optionally sends one real block (so the chunk
+ * and the flag words are known), then forges a frame: argv[0] names it. */
+HELPER_IMPL(ho_forger) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  const char *what = argv[0];
+  gpuipc__w_buf w = {1, 1, 0, 256, 0, 0, GPUIPC__BUF_ORDERED, 0};
+  if (strncmp(what, "buf_", 4) == 0 && strcmp(what, "buf_before_ctl") != 0) {
+    gpuipc_arena *a = mkarena((size_t)1 << 20);
+    gpuipc_block *b;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
+    ASSERT_OK(gpuipc_conn_send(c, b, NULL, NULL, 0));
+    ASSERT_OK(gpuipc_conn_progress(c, 0));
+    /* Arena ids count from 1 in each process: 1 is the helper's arena, 2
+     * the flag-word arena made by the first send. The consumer imported
+     * chunk 0 of both; the forged frames name the second (1 MiB). */
+    w.arena_id = 2;
+    w.seq = 100;
+    w.slot = 1;
+  }
+  int fd = gpuipc_conn_fd(c);
+  if (strcmp(what, "buf_before_ctl") == 0) {
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strcmp(what, "rel_unheld") == 0) {
+    gpuipc__w_rel r = {7, 3, 0};
+    raw_frame(fd, GPUIPC__F_REL, &r, sizeof r);
+  } else if (strcmp(what, "chunk_garbage") == 0) {
+    unsigned char p[24 + 64];
+    gpuipc__w_chunk ch = {9, 4096, 0, 64};
+    memcpy(p, &ch, sizeof ch);
+    memset(p + sizeof ch, 0xAB, 64);
+    raw_frame(fd, GPUIPC__F_CHUNK, p, sizeof p);
+  } else if (strcmp(what, "buf_out_of_range") == 0) {
+    w.off = (1u << 20) - 128;
+    w.len = 4096;
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strcmp(what, "buf_slot") == 0) {
+    w.slot = 1u << 20;
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strcmp(what, "buf_meta_len") == 0) {
+    w.meta_len = 200;
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strcmp(what, "buf_unknown_chunk") == 0) {
+    w.chunk = 5;
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  }
+  /* Wait until the victim hangs up on us. */
+  char b;
+  size_t len;
+  gpuipc_status s = gpuipc_conn_recv_msg(c, &b, 1, &len, NULL, NULL);
+  ASSERT(s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_TIMEOUT);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(handoff_rejects_forged_frames) {
+  REQUIRE_DEVICES(1);
+  static const struct {
+    const char *what, *text;
+  } cases[] = {
+      {"buf_before_ctl", "before CTL"},
+      {"rel_unheld", "REL"},
+      {"chunk_garbage", "peer pid"},
+      {"buf_out_of_range", "outside the chunk"},
+      {"buf_slot", "slot"},
+      {"buf_meta_len", "metadata"},
+      {"buf_unknown_chunk", "never sent"},
+  };
+  CUstream s = mkstream();
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int fd;
+    pid_t pid = spawn_helper("ho_forger", NULL, &fd, (char *)cases[i].what, NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_status st = GPUIPC_OK;
+    for (int k = 0; k < 3 && st == GPUIPC_OK; k++) {
+      gpuipc_received r = GPUIPC_RECEIVED_INIT;
+      st = gpuipc_conn_recv(c, (struct CUstream_st *)s, &r);
+      if (st == GPUIPC_OK)
+        ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+    }
+    if (st != GPUIPC_E_PROTOCOL)
+      harness_fail(__FILE__, __LINE__, "case %s: %s (%s)", cases[i].what,
+                   gpuipc_status_name(st), gpuipc_last_error());
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), cases[i].text);
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_STATUS(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r),
+                  GPUIPC_E_CLOSED);
+    gpuipc_conn_close(c);
+    ASSERT_EQ(wait_helper(pid, 60), 0);
+  }
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  return 0;
+}
