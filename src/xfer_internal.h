@@ -15,6 +15,14 @@ uint64_t gpuipc__xfer_pinned_live(uint64_t *bytes /* OUT, may be NULL */);
  * so that a test can ask the driver whether it is still pinned. */
 void *gpuipc__xfer_staging_base(const gpuipc_xfer *x);
 
+/* Validates the header of a shared segment at mem, of which avail bytes are
+ * readable (fewer than the header's 40: GPUIPC_E_TRUNCATED). exact: the segment
+ * must be exactly avail bytes (a memfd of its own) rather than lie at the start
+ * of a larger buffer. fn names the caller in the message. The decoder of input
+ * from another process: a fuzz target may call it directly. */
+gpuipc_status gpuipc__xfer_shared_check_header(const void *mem, size_t avail,
+                                               int exact, const char *fn);
+
 /* ---- host copy helpers (xfer_host.c) ------------------------------------- */
 
 #define GPUIPC__HCOPY_MAX_THREADS 16

@@ -12,6 +12,7 @@
  * a hostile or buggy peer cannot make our mapping raise SIGBUS.
  */
 #include "driver.h"
+#include "xfer_internal.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
@@ -176,10 +177,13 @@ fail:
 /* The header is input from another process: check every field against the
  * real size before using any. exact: the segment is the whole mapping (a
  * memfd of ours) rather than the start of a larger buffer. */
-static gpuipc_status check_header(const char *base, size_t avail, int exact,
-                                  const char *fn) {
+gpuipc_status gpuipc__xfer_shared_check_header(const void *mem, size_t avail,
+                                               int exact, const char *fn) {
+  const char *base = mem;
   size_t page = page_size();
   struct shared_header h;
+  if (avail < sizeof h)
+    return gpuipc__fail(GPUIPC_E_TRUNCATED, "%s: %zu bytes", fn, avail);
   memcpy(&h, base, sizeof h);
   if (h.magic != SHARED_MAGIC)
     return gpuipc__fail(GPUIPC_E_BAD_MAGIC, "%s: magic 0x%08x", fn, h.magic);
@@ -227,7 +231,8 @@ gpuipc_status gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out) {
   if (base == MAP_FAILED)
     return gpuipc__fail_errno(errno, "mmap", "shared segment of %zu bytes",
                               total);
-  s = check_header(base, total, 1, "gpuipc_xfer_shared_open");
+  s = gpuipc__xfer_shared_check_header(base, total, 1,
+                                       "gpuipc_xfer_shared_open");
   if (s != GPUIPC_OK)
     goto fail;
   myfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
@@ -449,8 +454,8 @@ gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
   if (gpuipc_buffer_size(buf) < sizeof(struct shared_header))
     return gpuipc__fail(GPUIPC_E_TRUNCATED, "%s: %zu bytes", fn,
                         gpuipc_buffer_size(buf));
-  GPUIPC__CHECK(
-      check_header(gpuipc_buffer_ptr(buf), gpuipc_buffer_size(buf), 0, fn));
+  GPUIPC__CHECK(gpuipc__xfer_shared_check_header(
+      gpuipc_buffer_ptr(buf), gpuipc_buffer_size(buf), 0, fn));
   return over_buffer(buf, fn, out);
 }
 

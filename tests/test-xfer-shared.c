@@ -12,6 +12,7 @@
 #include "harness.h"
 
 #include "driver.h"
+#include "xfer_internal.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -497,6 +498,11 @@ TEST_IMPL(xfer_shared_open_corrupt) {
   ASSERT_GE(f, 0);
   ASSERT_EQ(ftruncate(f, st.st_size), 0);
   ASSERT_EQ(fcntl(f, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  /* The decoder itself, on short input (what a fuzzer would feed it). */
+  ASSERT_STATUS(gpuipc__xfer_shared_check_header(hdr, 39, 0, "test"),
+                GPUIPC_E_TRUNCATED);
+  ASSERT_STATUS(gpuipc__xfer_shared_check_header(hdr, sizeof hdr, 0, "test"),
+                GPUIPC_E_OUT_OF_RANGE); /* declares more than 64 bytes */
   uint64_t rs = 0x9e3779b97f4a7c15ull;
   int opened = 0;
   for (int it = 0; it < 3000; it++) {
