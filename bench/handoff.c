@@ -103,9 +103,12 @@ static reply get_reply(gpuipc_conn *c) {
 /* Receives, polling (non-blocking) for up to 200 us, then blocking: the
  * latency a polling consumer sees, without starving the producer of CPU
  * when consumers outnumber cores. */
+static double last_call_start; /* start of the recv call that succeeded */
+
 static void spin_recv(gpuipc_conn *c, CUstream s, gpuipc_received *r) {
   uint64_t until = gpuipc__now_ns() + 200000;
   for (;;) {
+    last_call_start = now_us();
     gpuipc_status st = gpuipc_conn_recv(c, (struct CUstream_st *)s, r);
     if (st == GPUIPC_OK)
       return;
@@ -157,6 +160,7 @@ static int consumer(int fd) {
         gpuipc_received in = GPUIPC_RECEIVED_INIT;
         spin_recv(c, s, &in);
         double t = now_us();
+        x[i] = t - last_call_start;
         if (i == 0)
           t0 = t;
         double sent;
@@ -168,6 +172,7 @@ static int consumer(int fd) {
       r.a = pct(v, n, 0.5);
       r.b = pct(v, n, 0.9);
       r.c = now_us() - t0;
+      r.d = pct(x, n, 0.5);
     } else if (m.op == OP_LEGACY) {
       for (int i = 0; i < n; i++) {
         CUipcMemHandle h;
@@ -254,29 +259,38 @@ static void wait_free(bctx *b, gpuipc_block *blk) {
       OK(gpuipc_conn_progress(b->c[k], 0));
 }
 
-static void send_t(gpuipc_conn *c, gpuipc_block *blk, CUstream s) {
+static double send_t(gpuipc_conn *c, gpuipc_block *blk, CUstream s) {
   double t = now_us();
   OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, &t, sizeof t));
+  return now_us() - t;
 }
 
 /* Latency: one buffer in flight, to each of nc consumers. */
 static void run_lat(bctx *b, gpuipc_arena *a, size_t size, int nc,
-                    double *med, double *p90) {
+                    double *med, double *p90, double *send_call,
+                    double *recv_call) {
   gpuipc_block *blk;
   OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk));
   int n = b->iters;
+  double *sc = calloc((size_t)n * (size_t)nc, sizeof *sc);
+  if (sc == NULL)
+    DIE("out of memory");
   for (int k = 0; k < nc; k++)
     send_cmd(b->c[k], OP_LAT, (uint32_t)n);
   for (int i = 0; i < n; i++) {
     for (int k = 0; k < nc; k++)
-      send_t(b->c[k], blk, b->s);
+      sc[i * nc + k] = send_t(b->c[k], blk, b->s);
     wait_free(b, blk);
   }
+  *send_call = pct(sc, n * nc, 0.5);
+  free(sc);
   *med = 0;
   *p90 = 0;
+  *recv_call = 0;
   for (int k = 0; k < nc; k++) {
     reply r = get_reply(b->c[k]);
     *med += r.a / nc;
+    *recv_call += r.d / nc;
     if (r.b > *p90)
       *p90 = r.b;
   }
@@ -495,16 +509,18 @@ int gpuipc_bench_handoff(int argc, char **argv) {
   OK(gpuipc_arena_create(&ao, &a));
 
   printf("\nhandoff: send -> consumer holds an ordered, usable buffer (consumer "
-         "polls); throughput: full cycle incl. release\n");
-  printf("%-9s %9s %11s %10s %14s\n", "size", "consumers", "median us",
-         "p90 us", "buffers/s");
+         "polls); throughput: full cycle incl. release;\nsend()/recv(): "
+         "median time inside gpuipc_conn_send / the gpuipc_conn_recv call that "
+         "returned the buffer\n");
+  printf("%-9s %9s %11s %10s %14s %10s %10s\n", "size", "consumers",
+         "median us", "p90 us", "buffers/s", "send() us", "recv() us");
   double pair_med = 0, pair_tput = 0;
   {
     /* Warm-up: every consumer imports the arena and the flag words. */
     int keep = b.iters;
     b.iters = 20;
-    double m, p;
-    run_lat(&b, a, 4096, MAXC, &m, &p);
+    double m, p, sc, rc;
+    run_lat(&b, a, 4096, MAXC, &m, &p, &sc, &rc);
     b.iters = keep;
   }
   for (int si = 0; si < nsizes; si++) {
@@ -512,12 +528,12 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     int ring = sz >= ((size_t)64 << 20) ? 4 : 32;
     int ncs[2] = {1, MAXC};
     for (int ci = 0; ci < 2; ci++) {
-      double med, p90;
-      run_lat(&b, a, sz, ncs[ci], &med, &p90);
+      double med, p90, sc, rc;
+      run_lat(&b, a, sz, ncs[ci], &med, &p90, &sc, &rc);
       double tput = run_tput(&b, a, sz, ncs[ci], ring);
       char sn[32];
-      printf("%-9s %9d %11.2f %10.2f %14.0f\n", size_name(sz, sn), ncs[ci], med,
-             p90, tput);
+      printf("%-9s %9d %11.2f %10.2f %14.0f %10.2f %10.2f\n", size_name(sz, sn),
+             ncs[ci], med, p90, tput, sc, rc);
       fflush(stdout);
       if (ncs[ci] == 1 && si == 0) {
         pair_med = med;

@@ -76,6 +76,20 @@
  * from must be used under the same lock when threads share them.
  * Different connections are independent.
  *
+ * Security. Who may connect is decided by the credential check (and, for
+ * socket files, by the 0700 runtime directory). What a peer may touch: a
+ * consumer maps whole arena chunks (that is what makes a buffer cost one
+ * message), so it can read and write every block of the chunks it was
+ * sent, not only the blocks it holds; and it can stall the reuse of blocks
+ * it holds by never releasing them (until it exits). Feed one arena only to
+ * peers that may see each other's data; use separate arenas otherwise.
+ *
+ * Limits of this version: one device per connection (blocks sent on a
+ * connection must all live on the device of the first); GPU ordering by
+ * stream memory operations only (IPC events, for peers that speak only
+ * events, are available through the handle layer's gpuipc_event_* calls,
+ * not as a connection mode).
+ *
  * Errors on a connection. A peer that sends something that is not a valid
  * frame (bad magic or version, a length over the maximum, an unknown type, a
  * truncated frame, file descriptors that do not match the header) is
@@ -219,9 +233,14 @@ GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
  * gpuipc_conn_release(conn, id, NULL) would (ordered after work on the
  * legacy default stream and streams that synchronize with it; release
  * explicitly on your own streams before closing to be exact), the peer is
- * told, and imported arenas are unmapped once that work is done. Buffers the
- * peer holds from us are reclaimed when the peer releases them or is gone.
- * NULL is a no-op. */
+ * told, and the memory imported through the connection is unmapped. Before
+ * unmapping, close waits for the device's GPU work to finish
+ * (cuCtxSynchronize: queued work may still read that memory); this one wait
+ * is not bounded by the connection's timeout (streams waiting on a dead
+ * exporter's flag words were unblocked earlier, so it cannot hang on
+ * gpuipc's account). Buffers the peer holds from us stay leased; they are
+ * reclaimed when the peer process is gone (we can no longer hear its
+ * releases). NULL is a no-op. */
 GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
 
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
