@@ -264,6 +264,25 @@ TEST_IMPL(conn_runtime_dir_checks) {
   ASSERT_OK(gpuipc_listen("y", &o, &l));
   ASSERT_STR_CONTAINS(gpuipc_listener_path(l), "/xdg/gpuipc/y.sock");
   gpuipc_listener_close(l);
+  /* Without XDG_RUNTIME_DIR: /tmp/gpuipc-UID, with the same checks. */
+  unsetenv("XDG_RUNTIME_DIR");
+  char name[64], want[128];
+  snprintf(name, sizeof name, "fallback-%d", (int)getpid());
+  snprintf(want, sizeof want, "/tmp/gpuipc-%u/%s.sock", (unsigned)geteuid(),
+           name);
+  gpuipc_status s = gpuipc_listen(name, &o, &l);
+  if (s == GPUIPC_E_PERMISSION)
+    SKIP("/tmp/gpuipc-%u exists and is not ours/0700: %s", (unsigned)geteuid(),
+         gpuipc_last_error());
+  ASSERT_OK(s);
+  ASSERT_STR_EQ(gpuipc_listener_path(l), want);
+  struct stat st2;
+  char dir2[64];
+  snprintf(dir2, sizeof dir2, "/tmp/gpuipc-%u", (unsigned)geteuid());
+  ASSERT_EQ(lstat(dir2, &st2), 0);
+  ASSERT_EQ(st2.st_mode & 07777, 0700);
+  ASSERT_EQ(st2.st_uid, geteuid());
+  gpuipc_listener_close(l);
   return 0;
 }
 
