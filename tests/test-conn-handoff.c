@@ -278,7 +278,11 @@ HELPER_IMPL(ho_holder) {
   ASSERT_OK(gpuipc_conn_send_msg(c, "held", 4, NULL, 0));
   char buf[8];
   size_t len;
-  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_status gs = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  if (gs == GPUIPC_E_PEER_GONE && argc >= 2 && strcmp(argv[1], "linger") == 0)
+    for (;;)
+      pause(); /* alive, holding both, until killed */
+  ASSERT_OK(gs);
   for (int i = 0; i < n; i++)
     ASSERT_OK(gpuipc_conn_release(c, r[i].id, NULL));
   ASSERT_OK(gpuipc_conn_send_msg(c, "done", 4, NULL, 0));
@@ -660,7 +664,7 @@ TEST_IMPL(handoff_consumer_killed_100) {
 TEST_IMPL(handoff_consumer_closes_holding) {
   REQUIRE_DEVICES(1);
   int fd;
-  pid_t pid = spawn_helper("ho_holder", NULL, &fd, "2", NULL);
+  pid_t pid = spawn_helper("ho_holder", NULL, &fd, "2", "linger", NULL);
   gpuipc_conn *c = pair_conn(fd);
   gpuipc_arena *a = mkarena((size_t)1 << 20);
   gpuipc_block *b1, *b2;
@@ -676,11 +680,13 @@ TEST_IMPL(handoff_consumer_closes_holding) {
   ASSERT_OK(gpuipc_block_free(b2, NULL));
   gpuipc_conn_close(c);
   gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  usleep(20000); /* past the orphan check interval: it must stay held */
   ASSERT_OK(gpuipc_arena_stats_get(a, &st));
   ASSERT_EQ(st.blocks_deferred, 2);
-  /* The helper sees us gone, and exits (its recv_msg fails). */
-  int rc = wait_helper(pid, 60);
-  (void)rc;
+  ASSERT_EQ(st.leases, 2);
+  /* The helper lives on, holding them; once it is gone they come back. */
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
   /* Orphans are checked every few milliseconds, in arena calls. */
   for (int i = 0; i < 5000; i++) {
     ASSERT_OK(gpuipc_arena_stats_get(a, &st));
