@@ -2019,6 +2019,8 @@ CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData) {
   RET(CUDA_SUCCESS);
 }
 
+static void *range_pool(const range *r);
+
 static CUresult memop(CUstream hStream, CUdeviceptr addr, uint64_t value,
                       unsigned flags, bool is64, bool wait) {
   if (disabled(is64 ? DIS_MEMOPS64 : DIS_MEMOPS))
@@ -2032,9 +2034,25 @@ static CUresult memop(CUstream hStream, CUdeviceptr addr, uint64_t value,
   size_t w = is64 ? 8 : 4;
   if ((uintptr_t)addr % w)
     return CUDA_ERROR_INVALID_VALUE;
-  CUresult r = check_dev(addr, w, wait ? PROT_READ : PROT_WRITE, NULL);
+  range rg;
+  CUresult r = check_dev(addr, w, wait ? PROT_READ : PROT_WRITE, &rg);
   if (r != CUDA_SUCCESS)
     return r;
+  /* The real driver (580, H200) refuses stream memory operations on memory
+   * from a memory pool (cuMemAllocFromPoolAsync, cuMemAllocAsync, and
+   * pointers imported from a pool) with CUDA_ERROR_INVALID_VALUE, while it
+   * accepts cuMemAlloc, VMM and registered host memory. Flag words must not
+   * live in pool memory; say so once, since the error alone is puzzling. */
+  if (range_pool(&rg) != NULL) {
+    static atomic_int told;
+    if (atomic_exchange(&told, 1) == 0)
+      fprintf(stderr, "libcuda-emu: %s on memory-pool memory: "
+                      "CUDA_ERROR_INVALID_VALUE, as the real driver does (use "
+                      "cuMemAlloc, VMM or registered host memory for flag "
+                      "words)\n",
+              wait ? "cuStreamWaitValue" : "cuStreamWriteValue");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   emu_stream *s;
   r = get_stream(hStream, &s);
   if (r != CUDA_SUCCESS)
@@ -2659,7 +2677,10 @@ CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned 
   range r = {.base = im->base,
              .size = h.user_size && h.user_size <= h.size ? h.user_size : h.size,
              .kind = RK_IPC,
-             .ordinal = phys_to_ordinal(h.phys, c->ordinal), .buffer_id = h.buffer_id,
+             .ordinal = phys_to_ordinal(h.phys, c->ordinal),
+             /* The real driver gives an imported mapping a buffer id of the
+              * importer's own, not the exporter's (seen on driver 580). */
+             .buffer_id = next_id(),
              .prot = PROT_READ | PROT_WRITE, .obj = im};
   pthread_mutex_lock(&E.mu);
   /* Another thread may have opened it meanwhile: keep one mapping. */
@@ -3202,9 +3223,16 @@ CUresult cuMemPoolDestroy(CUmemoryPool pool) {
   ENTER_INIT("cuMemPoolDestroy");
   pthread_mutex_lock(&E.mu);
   emu_pool *p = pool_from(pool);
-  if (!p || p->imported || p->is_default) {
+  if (!p || p->is_default) {
     pthread_mutex_unlock(&E.mu);
     RET(CUDA_ERROR_INVALID_VALUE);
+  }
+  if (p->imported) {
+    /* The real driver (580) accepts destroying an imported pool; pointers
+     * already imported from it stay readable. The emulator keeps the import
+     * itself, so a later import of the same pool finds it again. */
+    pthread_mutex_unlock(&E.mu);
+    RET(CUDA_SUCCESS);
   }
   /* As in CUDA, outstanding allocations keep the memory until freed. */
   p->destroyed = true;
@@ -3498,7 +3526,7 @@ CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool,
   ip->id = w.id;
   ip->refs = 1;
   range rg = {.base = p->base + w.off, .size = w.size, .kind = RK_POOL_IMPORT,
-              .ordinal = p->ordinal, .buffer_id = w.buffer_id,
+              .ordinal = p->ordinal, .buffer_id = next_id(), /* importer's own */
               .prot = PROT_READ | PROT_WRITE, .obj = ip, .pool = p,
               .handle_types = (uint64_t)p->props.handleTypes};
   if (!reg_add(&rg)) {
@@ -3877,36 +3905,23 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
     }
   }
   if (m == MAP_FAILED) {
-    if (size + alignment < size)
+    /* The kernel picks the region (sanitizers need that), and each process
+     * skips a different number of granules (by its pid) at its start: two
+     * processes following the same steps (an exporter and its importer) do
+     * not end up with the same addresses even without address-space
+     * randomization. The real driver's addresses often coincide between
+     * processes; code must depend on neither. */
+    size_t pad = (size_t)(((uint32_t)E.pid * 2654435761u) >> 24) * EMU_GRAN;
+    if (size > SIZE_MAX - alignment - pad)
       RET(CUDA_ERROR_OUT_OF_MEMORY);
-    /* Each process reserves from its own 4 GiB-aligned slot (chosen by its
-     * pid) of a region the kernel rarely uses, so an importer's reservation
-     * does not land where the exporter mapped the same memory even when
-     * both follow the same steps (the real driver's addresses often
-     * coincide between processes; code must not depend on either). */
-    pthread_mutex_lock(&E.mu);
-    static uintptr_t next_resv;
-    if (!next_resv)
-      next_resv = ((uintptr_t)0x500000000000ull) +
-                  ((((uintptr_t)E.pid * 2654435761u) % 8192u) << 32);
-    uintptr_t want = round_up(next_resv, alignment);
-    void *t = mmap((void *)want, size, PROT_NONE, mf | MAP_FIXED_NOREPLACE, -1, 0);
-    if (t != MAP_FAILED && (uintptr_t)t == want) {
-      m = t;
-      next_resv = want + size + EMU_GRAN; /* a guard gap */
-    } else if (t != MAP_FAILED) {
-      munmap(t, size);
-    }
-    pthread_mutex_unlock(&E.mu);
-  }
-  if (m == MAP_FAILED) {
-    char *raw = mmap(NULL, size + alignment, PROT_NONE, mf, -1, 0);
+    size_t span = size + alignment + pad;
+    char *raw = mmap(NULL, span, PROT_NONE, mf, -1, 0);
     if (raw == MAP_FAILED)
       RET(CUDA_ERROR_OUT_OF_MEMORY);
-    uintptr_t b = round_up((uintptr_t)raw, alignment);
+    uintptr_t b = round_up((uintptr_t)raw + pad, alignment);
     if (b > (uintptr_t)raw)
       munmap(raw, b - (uintptr_t)raw);
-    uintptr_t tail = (uintptr_t)raw + size + alignment - (b + size);
+    uintptr_t tail = (uintptr_t)raw + span - (b + size);
     if (tail)
       munmap((void *)(b + size), tail);
     m = (void *)b;
