@@ -7,6 +7,8 @@
 #   make install PREFIX=/usr/local
 #   make asan | tsan   the suite under sanitizers (build-asan/, build-tsan/)
 
+MAKEFLAGS += --no-print-directory
+
 BUILD   ?= build
 PREFIX  ?= /usr/local
 CC      ?= cc
