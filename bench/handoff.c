@@ -221,18 +221,22 @@ static int consumer(int fd) {
       r.a = pct(v, n, 0.5);
       r.b = pct(w, n, 0.5);
     } else if (m.op == OP_MEMOP) {
-      /* The flag words arrive as a buffer: A (producer writes) at 0, B
-       * (we write) at 256. Enqueue the whole ping-pong, then say so. */
-      gpuipc_received in = GPUIPC_RECEIVED_INIT;
-      OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &in));
-      CUdeviceptr A = (CUdeviceptr)(uintptr_t)in.ptr, B = A + 256;
+      /* The flag words (cuMemAlloc memory: stream memory operations
+       * refuse pool memory) arrive as a legacy handle: A (producer writes)
+       * at 0, B (we write) at 256. Enqueue the whole ping-pong, then say
+       * so. */
+      CUipcMemHandle hd;
+      OK(gpuipc_conn_recv_msg(c, &hd, sizeof hd, &len, NULL, NULL));
+      CUdeviceptr A;
+      CU(gpuipc__cu.cuIpcOpenMemHandle(&A, hd, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+      CUdeviceptr B = A + 256;
       for (int i = 1; i <= n; i++) {
         CU(gpuipc__cu.cuStreamWaitValue64(s, A, (cuuint64_t)i, CU_STREAM_WAIT_VALUE_GEQ));
         CU(gpuipc__cu.cuStreamWriteValue64(s, B, (cuuint64_t)i, 0));
       }
       OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
       CU(gpuipc__cu.cuStreamSynchronize(s));
-      OK(gpuipc_conn_release(c, in.id, (struct CUstream_st *)s));
+      CU(gpuipc__cu.cuIpcCloseMemHandle(A));
     }
     free(v);
     free(w);
@@ -398,16 +402,17 @@ static void raw_pool(bctx *b, double out[4]) {
 /* The ordering mechanism alone: a ping-pong of stream write/wait value
  * between the two processes' streams, timed by events on the producer's
  * stream after a gate the host opens once everything is queued. */
-static double raw_memop(bctx *b, gpuipc_arena *a) {
+static double raw_memop(bctx *b) {
   gpuipc_conn *c = b->c[0];
   int n = b->iters;
-  gpuipc_block *blk;
-  OK(gpuipc_arena_alloc(a, 1024, (struct CUstream_st *)b->s, &blk));
-  CUdeviceptr A = (CUdeviceptr)(uintptr_t)gpuipc_block_ptr(blk), B = A + 256,
-              G = A + 512;
+  CUdeviceptr A;
+  CU(gpuipc__cu.cuMemAlloc(&A, 4096));
+  CUdeviceptr B = A + 256, G = A + 512;
   CU(gpuipc__cu.cuMemsetD8(A, 0, 1024));
+  CUipcMemHandle hd;
+  CU(gpuipc__cu.cuIpcGetMemHandle(&hd, A));
   send_cmd(c, OP_MEMOP, (uint32_t)n);
-  OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)b->s, NULL, 0));
+  OK(gpuipc_conn_send_msg(c, &hd, sizeof hd, NULL, 0));
   char k;
   size_t len;
   OK(gpuipc_conn_recv_msg(c, &k, 1, &len, NULL, NULL));
@@ -428,8 +433,7 @@ static double raw_memop(bctx *b, gpuipc_arena *a) {
   float ms = 0;
   CU(gpuipc__cu.cuEventElapsedTime(&ms, e0, e1));
   (void)get_reply(c);
-  wait_free(b, blk);
-  OK(gpuipc_block_free(blk, (struct CUstream_st *)b->s));
+  CU(gpuipc__cu.cuMemFree(A));
   CU(gpuipc__cu.cuStreamDestroy(gate));
   CU(gpuipc__cu.cuEventDestroy(e0));
   CU(gpuipc__cu.cuEventDestroy(e1));
@@ -545,7 +549,7 @@ int gpuipc_bench_handoff(int argc, char **argv) {
   double leg[3], pool[4];
   raw_legacy(&b, leg);
   raw_pool(&b, pool);
-  double rt = raw_memop(&b, a);
+  double rt = raw_memop(&b);
   printf("\nraw driver paths, same run (medians, us; 1 MiB allocations):\n");
   printf("  legacy   cuIpcGetMemHandle %.2f | cuIpcOpenMemHandle %.2f | "
          "cuIpcCloseMemHandle %.2f | per buffer %.2f\n",

@@ -172,8 +172,16 @@ static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
 
 /* ---- public ------------------------------------------------------------------------- */
 
+static gpuipc_status arena_create(const gpuipc_arena_options *opts,
+                                  gpuipc_pool_kind kind, gpuipc_arena **out);
+
 gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
                                   gpuipc_arena **out) {
+  return arena_create(opts, GPUIPC_POOL_MEMPOOL, out);
+}
+
+static gpuipc_status arena_create(const gpuipc_arena_options *opts,
+                                  gpuipc_pool_kind kind, gpuipc_arena **out) {
   if (out == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_arena_create: out NULL");
   *out = NULL;
@@ -207,7 +215,7 @@ gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
   gpuipc__ctx_guard g = {NULL};
   bool entered = false;
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
-  po.kind = GPUIPC_POOL_MEMPOOL;
+  po.kind = kind;
   po.device = o.device;
   GPUIPC__CHECK_GOTO(gpuipc_pool_create(&po, &a->pool), s, fail);
   a->ordinal = a->pool->ordinal;
@@ -474,7 +482,12 @@ out:
 
 /* The arena holding connections' flag words on each device: created on
  * first use and kept for the life of the process, so that a user's arena
- * can be destroyed while connections that carried its blocks stay open. */
+ * can be destroyed while connections that carried its blocks stay open.
+ * Its memory is VMM (cuMemCreate, shared by file descriptor), or, where
+ * the device lacks VMM, cuMemAlloc memory shared by legacy IPC handle:
+ * the driver refuses stream memory operations (cuStreamWriteValue /
+ * WaitValue) on memory-pool memory, so the flag words cannot live in a
+ * MEMPOOL arena like the data. */
 static pthread_mutex_t ctl_lock = PTHREAD_MUTEX_INITIALIZER;
 static gpuipc_arena *ctl_arenas[64];
 
@@ -486,8 +499,14 @@ gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out) {
   if (ctl_arenas[ordinal] == NULL) {
     gpuipc_arena_options o = GPUIPC_ARENA_OPTIONS_INIT;
     o.device = ordinal;
-    o.chunk_bytes = (size_t)1 << 20; /* 256 connections of 256 slots */
-    s = gpuipc_arena_create(&o, &ctl_arenas[ordinal]);
+    o.chunk_bytes = (size_t)2 << 20; /* 512 connections of 256 slots */
+    s = arena_create(&o, GPUIPC_POOL_VMM, &ctl_arenas[ordinal]);
+    if (s == GPUIPC_E_NOT_SUPPORTED) {
+      GPUIPC__INFO("arena", "device %d: no VMM for connection flag words "
+                            "(%s); using cuMemAlloc memory with legacy IPC",
+                   ordinal, gpuipc_last_error());
+      s = arena_create(&o, GPUIPC_POOL_LEGACY, &ctl_arenas[ordinal]);
+    }
   }
   *out = ctl_arenas[ordinal];
   pthread_mutex_unlock(&ctl_lock);

@@ -66,7 +66,8 @@ static gpuipc_status read_opts(const gpuipc_conn_options *in, copts *out) {
       (out->o.n_allow_gids && !out->o.allow_gids) ||
       out->o.n_allow_uids > 4096 || out->o.n_allow_gids > 4096)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "bad uid/gid allow-list");
-  if (out->o.order != GPUIPC_ORDER_MEMOP && out->o.order != GPUIPC_ORDER_NONE)
+  if (out->o.order != GPUIPC_ORDER_MEMOP && out->o.order != GPUIPC_ORDER_NONE &&
+      out->o.order != GPUIPC_ORDER_EVENT)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "unknown order mode %d",
                         (int)out->o.order);
   return GPUIPC_OK;

@@ -44,7 +44,8 @@ enum {
   GPUIPC__F_REL = 8,    /* releases of buffers */
   GPUIPC__F_BYE = 9,    /* orderly close: everything I held is released */
   GPUIPC__F_BUFD = 10,  /* one buffer by descriptor (+ fds) */
-  GPUIPC__F_TYPE_MAX = 10
+  GPUIPC__F_EVD = 11,   /* event mode: a slot's interprocess event */
+  GPUIPC__F_TYPE_MAX = 11
 };
 
 typedef struct gpuipc__frame_hdr {
@@ -272,7 +273,16 @@ typedef struct gpuipc__w_ctl { /* CTL */
 } gpuipc__w_ctl;
 
 #define GPUIPC__BUF_ORDERED 0x1u
-#define GPUIPC__BUF_DESC 0x2u /* BUFD: not an arena block */
+#define GPUIPC__BUF_DESC 0x2u  /* BUFD: not an arena block */
+#define GPUIPC__BUF_EVENT 0x4u /* ordered by the slot's interprocess event */
+
+typedef struct gpuipc__w_evd { /* EVD: + event descriptor */
+  uint32_t slot;
+  uint32_t which; /* 0: the sender's ready event; 1: the receiver's release */
+  uint32_t len;
+  uint32_t pad;
+} gpuipc__w_evd;
+_Static_assert(sizeof(gpuipc__w_evd) == 16, "wire layout");
 typedef struct gpuipc__w_buf { /* BUF: + meta bytes */
   uint64_t seq;
   uint64_t arena_id;
@@ -303,7 +313,10 @@ typedef struct gpuipc__txs {
   uint64_t last_seq;   /* last value written to the ready word */
   struct CUstream_st *last_stream;
   bool ordered;
+  bool by_event;       /* event mode */
   bool retired;        /* unusable (a send failed halfway) */
+  gpuipc_event *ready_ev; /* event mode: ours, recorded at send */
+  gpuipc_event *rel_ev;   /* event mode: the peer's, recorded at release */
 } gpuipc__txs;
 
 /* Receiver side, per slot of the peer. */
@@ -315,6 +328,9 @@ typedef struct gpuipc__rxs {
   uint64_t ptr;
   size_t len;
   bool ordered;
+  bool by_event;
+  gpuipc_event *ready_ev; /* event mode: the peer's */
+  gpuipc_event *rel_ev;   /* event mode: ours */
   gpuipc_buffer *imp; /* BUFD: the import (a reference in the cache) */
 } gpuipc__rxs;
 
@@ -323,6 +339,7 @@ typedef struct gpuipc__relrec {
   const gpuipc_buffer *buf;
   uint32_t slot;
   uint64_t seq;
+  struct CUevent_st *local; /* event mode: completes after the release */
 } gpuipc__relrec;
 
 /* An import to close once the GPU work queued before its release is done. */
@@ -363,6 +380,7 @@ struct gpuipc__ho {
   size_t tx_out;
   gpuipc__relrec *rel;
   size_t nrel, caprel;
+  struct CUstream_st *evq; /* event mode: where releases are awaited */
   struct {
     uint64_t arena_id;
     uint64_t mask;

@@ -146,6 +146,31 @@ static bool have_free_slot(gpuipc_conn *c, void *arg) {
   return c->ho->tx_nfree > 0;
 }
 
+/* Event mode: makes an interprocess event on device `ordinal` and sends its
+ * descriptor for `slot` (which: 0 ready, 1 release). */
+static gpuipc_status make_event(gpuipc_conn *conn, int ordinal, uint32_t slot,
+                                uint32_t which, uint64_t deadline,
+                                gpuipc_event **out) {
+  gpuipc_uuid u;
+  GPUIPC__CHECK(gpuipc_device_uuid(ordinal, &u));
+  gpuipc_event *ev = NULL;
+  GPUIPC__CHECK(gpuipc_event_create(&u, &ev));
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t dl = 0;
+  gpuipc_status s = gpuipc_event_export(ev, desc, sizeof desc, &dl);
+  if (s == GPUIPC_OK) {
+    gpuipc__w_evd w = {slot, which, (uint32_t)dl, 0};
+    s = gpuipc__conn_send_frame(conn, GPUIPC__F_EVD, &w, sizeof w, desc, dl,
+                                NULL, 0, deadline);
+  }
+  if (s != GPUIPC_OK) {
+    gpuipc_event_destroy(ev);
+    return s;
+  }
+  *out = ev;
+  return GPUIPC_OK;
+}
+
 /* The common part of both sends: a free slot, the stream-ordered ready
  * write, the frame. `desc` (with fds) is set for a descriptor buffer, else
  * the frame names the arena block in w. On success the slot's lease is
@@ -164,6 +189,15 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   gpuipc__txs *t = &h->tx[slot];
   uint64_t seq = h->tx_seq + 1;
   bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
+  bool by_event = conn->order == GPUIPC_ORDER_EVENT;
+  if (by_event) {
+    if (t->ready_ev == NULL)
+      GPUIPC__CHECK(make_event(conn, h->ordinal, slot, 0, deadline,
+                               &t->ready_ev));
+    /* The consumer's wait (at recv) captures this record; the slot's event
+     * is recorded again only after the consumer released this lease. */
+    GPUIPC__CHECK(gpuipc_event_record(t->ready_ev, stream));
+  }
   if (ordered) {
     gpuipc__ctx_guard g;
     GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
@@ -186,6 +220,7 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   w->seq = seq;
   w->slot = slot;
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
+  w->flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
   w->meta_len = (uint32_t)meta_len;
   gpuipc_status s;
   if (desc == NULL) {
@@ -216,6 +251,7 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
     return s;
   }
   t->ordered = ordered;
+  t->by_event = by_event;
   *slot_out = slot;
   return GPUIPC_OK;
 }
@@ -315,8 +351,20 @@ gpuipc_status gpuipc_conn_buffer_wait(gpuipc_conn *conn,
       h->rel[k++] = h->rel[i];
       continue;
     }
-    if (s != GPUIPC_OK)
+    if (s != GPUIPC_OK) {
+      if (h->rel[i].local)
+        GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[i].local);
       continue;
+    }
+    if (h->rel[i].local) {
+      CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
+                              (CUevent)h->rel[i].local, 0);
+      GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[i].local);
+      if (r != CUDA_SUCCESS)
+        s = gpuipc__fail_cuda(r, "cuStreamWaitEvent",
+                              "ordering reuse of a released buffer");
+      continue;
+    }
     CUresult r = GPUIPC__CU(
         cuStreamWaitValue64, (CUstream)stream,
         (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
@@ -483,6 +531,13 @@ static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
   h->rx[w.slot].ptr = im->base + w.off;
   h->rx[w.slot].len = (size_t)w.len;
   h->rx[w.slot].ordered = (w.flags & GPUIPC__BUF_ORDERED) != 0;
+  h->rx[w.slot].by_event = (w.flags & GPUIPC__BUF_EVENT) != 0;
+  if (h->rx[w.slot].by_event && h->rx[w.slot].ready_ev == NULL) {
+    h->rx[w.slot].held = 0;
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUF frame ordered by an event never sent (slot %u)",
+                        w.slot);
+  }
   if (w.seq > h->rx_max_seq)
     h->rx_max_seq = w.seq;
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
@@ -547,6 +602,15 @@ static gpuipc_status on_bufd(struct gpuipc__ho *h, const unsigned char *p,
   r->ptr = bi.ptr;
   r->len = (size_t)w.len;
   r->ordered = (w.flags & GPUIPC__BUF_ORDERED) != 0;
+  r->by_event = (w.flags & GPUIPC__BUF_EVENT) != 0;
+  if (r->by_event && r->ready_ev == NULL) {
+    r->held = 0;
+    gpuipc_buffer_close(imp);
+    s = gpuipc__fail(GPUIPC_E_PROTOCOL,
+                     "BUFD frame ordered by an event never sent (slot %u)",
+                     w.slot);
+    goto out;
+  }
   r->imp = imp;
   if (w.seq > h->rx_max_seq)
     h->rx_max_seq = w.seq;
@@ -558,6 +622,27 @@ out:
   for (int i = 0; i < nfds; i++)
     close(fds[i]);
   return s;
+}
+
+static gpuipc_status on_evd(struct gpuipc__ho *h, const unsigned char *p,
+                            size_t len) {
+  gpuipc__w_evd w;
+  if (len < sizeof w)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "EVD frame of %zu bytes", len);
+  memcpy(&w, p, sizeof w);
+  if (w.len != len - sizeof w || w.len > GPUIPC_DESC_MAX || w.pad != 0 ||
+      w.which > 1)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad EVD frame");
+  gpuipc_event **slotp = NULL;
+  if (w.which == 0 && h->have_peer_ctl && w.slot < h->peer_nslots)
+    slotp = &h->rx[w.slot].ready_ev;
+  else if (w.which == 1 && h->tx && w.slot < h->nslots)
+    slotp = &h->tx[w.slot].rel_ev;
+  if (slotp == NULL || *slotp != NULL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "EVD frame for slot %u: unknown or sent twice",
+                        w.slot);
+  return gpuipc_event_import(p + sizeof w, w.len, NULL, slotp);
 }
 
 /* Closes imports whose release's GPU work completed (all when `all`, after
@@ -598,6 +683,8 @@ gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
     return on_buf(h, p, len);
   case GPUIPC__F_BUFD:
     return on_bufd(h, p, len, fds, nfds);
+  case GPUIPC__F_EVD:
+    return on_evd(h, p, len);
   case GPUIPC__F_REL:
     if (len == 0 || len % sizeof(gpuipc__w_rel) || h->tx == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad REL frame of %zu bytes", len);
@@ -643,7 +730,11 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
   struct gpuipc__ho *h = conn->ho;
   gpuipc__qbuf *q = &h->q[h->qhead];
   gpuipc__rxs *r = &h->rx[q->w.slot];
-  if (r->ordered) {
+  if (r->by_event) {
+    /* Captures the producer's record made before its send. */
+    GPUIPC__CHECK(gpuipc_event_wait(r->ready_ev, stream));
+    r->last_recv = q->w.seq;
+  } else if (r->ordered) {
     GPUIPC__CHECK(gpuipc__driver());
     gpuipc__ctx_guard g;
     GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
@@ -673,9 +764,16 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
 
 /* Writes the release flag of a held slot on stream (ordered mode) and
  * forgets the lease locally. */
-static gpuipc_status release_slot(struct gpuipc__ho *h, uint32_t slot,
-                                  struct CUstream_st *stream, bool write_flag) {
+static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
+                                  uint32_t slot, struct CUstream_st *stream,
+                                  bool write_flag) {
   gpuipc__rxs *r = &h->rx[slot];
+  if (write_flag && r->by_event) {
+    if (r->rel_ev == NULL)
+      GPUIPC__CHECK(make_event(conn, h->peer_ordinal, slot, 1,
+                               gpuipc__conn_deadline(conn), &r->rel_ev));
+    GPUIPC__CHECK(gpuipc_event_record(r->rel_ev, stream));
+  }
   if (write_flag && r->ordered) {
     gpuipc__ctx_guard g;
     GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
@@ -758,10 +856,10 @@ gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
                           (unsigned long long)id);
   if (conn->state != GPUIPC__CONN_OPEN) {
     /* The exporter is gone: nobody waits for the release any more. */
-    return release_slot(h, slot, stream, false);
+    return release_slot(conn, h, slot, stream, false);
   }
   gpuipc__w_rel rel = {h->rx[slot].held, slot, 0};
-  GPUIPC__CHECK(release_slot(h, slot, stream, true));
+  GPUIPC__CHECK(release_slot(conn, h, slot, stream, true));
   gpuipc_status s = gpuipc__conn_send_frame(conn, GPUIPC__F_REL, &rel,
                                             sizeof rel, NULL, 0, NULL, 0, 0);
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
@@ -819,11 +917,17 @@ void gpuipc__ho_peer_gone(gpuipc_conn *c) {
         if (r == CUDA_SUCCESS)
           h->unblock = (struct CUstream_st *)st;
       }
-      for (uint32_t s = 0; r == CUDA_SUCCESS && s < h->peer_nslots; s++)
-        if (h->rx[s].last_recv != 0)
-          r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)h->unblock,
-                         (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, s),
-                         (cuuint64_t)h->rx_max_seq, 0);
+      for (uint32_t s = 0; r == CUDA_SUCCESS && s < h->peer_nslots; s++) {
+        if (h->rx[s].last_recv == 0)
+          continue;
+        if (h->rx[s].ready_ev)
+          /* A record of ours completes, which a wait for the dead
+           * producer's earlier record accepts too. */
+          (void)gpuipc_event_record(h->rx[s].ready_ev, h->unblock);
+        r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)h->unblock,
+                       (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, s),
+                       (cuuint64_t)h->rx_max_seq, 0);
+      }
       if (r != CUDA_SUCCESS)
         GPUIPC__WARN("handoff",
                      "could not unblock streams waiting on dead peer %d: %s",
@@ -874,7 +978,7 @@ void gpuipc__ho_close(gpuipc_conn *c) {
           h->rx[s].imp = NULL;
         }
       } else {
-        (void)release_slot(h, s, NULL, open);
+        (void)release_slot(c, h, s, NULL, open);
       }
       if (open)
         (void)gpuipc__conn_send_frame(c, GPUIPC__F_REL, &rel, sizeof rel, NULL,
@@ -907,6 +1011,11 @@ void gpuipc__ho_close(gpuipc_conn *c) {
   }
   free(h->closing);
   h->closing = NULL;
+  if (h->rx)
+    for (uint32_t s = 0; s < h->peer_nslots; s++) {
+      gpuipc_event_destroy(h->rx[s].ready_ev);
+      gpuipc_event_destroy(h->rx[s].rel_ev);
+    }
   free(h->imp);
   free(h->rx);
   free(h->q);

@@ -92,6 +92,9 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
       if (rel[k].slot == rel[i].slot)
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "slot %u released twice",
                             rel[i].slot);
+    if (h->tx[rel[i].slot].by_event && h->tx[rel[i].slot].rel_ev == NULL)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "release of slot %u without its event", rel[i].slot);
   }
   gpuipc__ctx_guard g;
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
@@ -105,26 +108,52 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
     if (t0->buf) {
       /* A buffer outside any arena: its owner orders reuse with
        * gpuipc_conn_buffer_wait, which needs this release's word. */
-      if (t0->ordered) {
+      struct CUevent_st *local = NULL;
+      if (t0->by_event) {
+        /* The release event is recorded again when the slot comes back;
+         * capture this record now on a private stream, and remember a
+         * local event that completes after it. */
+        CUresult r = CUDA_SUCCESS;
+        if (h->evq == NULL) {
+          CUstream st;
+          r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+          if (r == CUDA_SUCCESS)
+            h->evq = (struct CUstream_st *)st;
+        }
+        CUevent ev = NULL;
+        if (r == CUDA_SUCCESS)
+          r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)h->evq,
+                         (CUevent)gpuipc_event_handle(t0->rel_ev), 0);
+        if (r == CUDA_SUCCESS)
+          r = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+        if (r == CUDA_SUCCESS)
+          r = GPUIPC__CU(cuEventRecord, ev, (CUstream)h->evq);
+        if (r != CUDA_SUCCESS && s == GPUIPC_OK)
+          s = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
+        local = (struct CUevent_st *)ev;
+      }
+      if (t0->ordered || local) {
         if (h->nrel == h->caprel) {
           size_t cap = h->caprel ? 2 * h->caprel : 16;
-          if (cap > 4096) {
+          gpuipc__relrec *nr =
+              cap > 4096 ? NULL : realloc(h->rel, sizeof *nr * cap);
+          if (nr != NULL) {
+            h->rel = nr;
+            h->caprel = cap;
+          } else if (h->nrel > 0) {
             /* Bounded: the oldest record goes (its buffer was never
              * waited for). */
+            if (h->rel[0].local)
+              GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[0].local);
             memmove(h->rel, h->rel + 1, sizeof *h->rel * (h->nrel - 1));
             h->nrel--;
-          } else {
-            gpuipc__relrec *nr = realloc(h->rel, sizeof *nr * cap);
-            if (nr == NULL) {
-              memmove(h->rel, h->rel + 1, sizeof *h->rel * (h->nrel - 1));
-              h->nrel--;
-            } else {
-              h->rel = nr;
-              h->caprel = cap;
-            }
           }
         }
-        h->rel[h->nrel++] = (gpuipc__relrec){t0->buf, rel[i].slot, t0->seq};
+        if (h->nrel < h->caprel)
+          h->rel[h->nrel++] =
+              (gpuipc__relrec){t0->buf, rel[i].slot, t0->seq, local};
+        else if (local)
+          GPUIPC__CU(cuEventDestroy, (CUevent)local);
       }
       slot_free(h, rel[i].slot);
       i++;
@@ -145,6 +174,14 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
         if (ws != GPUIPC_OK && s == GPUIPC_OK)
           s = ws;
         any_ordered = true;
+      } else if (t->by_event) {
+        /* The same with the consumer's release event; the wait captures
+         * its record now, before the slot can be used again. */
+        CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->reclaim,
+                                (CUevent)gpuipc_event_handle(t->rel_ev), 0);
+        if (r != CUDA_SUCCESS && s == GPUIPC_OK)
+          s = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
+        any_ordered = true;
       }
       blocks[nb] = t->block;
       slots[nb] = slot;
@@ -160,7 +197,7 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
       gpuipc_block *now[64];
       int nn = 0;
       for (int k = 0; k < nb; k++) {
-        if (!h->tx[slots[k]].ordered)
+        if (!h->tx[slots[k]].ordered && !h->tx[slots[k]].by_event)
           continue;
         if (blocks[k]->freed && blocks[k]->holders == 1)
           now[nn++] = blocks[k];
@@ -206,6 +243,10 @@ void gpuipc__lease_reclaim_dead(struct gpuipc__ho *h) {
   gpuipc_arena *ca = h->ctl_arena;
   pthread_mutex_lock(&ca->lock);
   for (uint32_t s = 0; s < h->nslots; s++) {
+    if (h->tx[s].rel_ev)
+      /* Event mode: a record of ours completes, which waits for the dead
+       * peer's last record accept too. */
+      (void)gpuipc_event_record(h->tx[s].rel_ev, ca->side);
     if (h->tx[s].last_seq == 0)
       continue;
     words[nw++] = gpuipc__released_word(h->ctl->ptr, h->nslots, s);
@@ -232,7 +273,7 @@ void gpuipc__lease_reclaim_dead(struct gpuipc__ho *h) {
     gpuipc_block *b = t->block;
     /* The block's reuse must still come after any reclaim wait already
      * queued for it: the newest marker covers them. */
-    if (t->ordered)
+    if (t->ordered || t->by_event)
       gpuipc__arena_mark(a, &b, 1);
     gpuipc__block_unhold(b);
     pthread_mutex_unlock(&a->lock);
@@ -256,6 +297,17 @@ void gpuipc__ho_free_tx(struct gpuipc__ho *h) {
     pthread_mutex_unlock(&a->lock);
     h->ctl = NULL;
   }
+  if (h->tx)
+    for (uint32_t s = 0; s < h->nslots; s++) {
+      gpuipc_event_destroy(h->tx[s].ready_ev);
+      gpuipc_event_destroy(h->tx[s].rel_ev);
+    }
+  for (size_t i = 0; i < h->nrel; i++)
+    if (h->rel[i].local)
+      GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[i].local);
+  if (h->evq)
+    GPUIPC__CU(cuStreamDestroy, (CUstream)h->evq);
+  h->evq = NULL;
   free(h->tx);
   free(h->tx_free);
   free(h->rel);

@@ -67,9 +67,16 @@ static gpuipc_arena *mkarena(size_t chunk) {
   return a;
 }
 
+/* GPUIPC_TEST_ORDER=event runs a test (and its helpers) in event mode. */
+static gpuipc_order_mode test_order(void) {
+  const char *e = getenv("GPUIPC_TEST_ORDER");
+  return e && strcmp(e, "event") == 0 ? GPUIPC_ORDER_EVENT : GPUIPC_ORDER_MEMOP;
+}
+
 static gpuipc_conn *pair_conn(int fd) {
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 30000;
+  o.order = test_order();
   gpuipc_conn *c = NULL;
   ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
   return c;
@@ -430,7 +437,10 @@ TEST_IMPL(handoff_order_slow_producer) {
   /* Poison first (and wait for it), then the slow write of the pattern. */
   ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
                                   0xEE, n));
-  uint8_t *host = malloc(n);
+  /* Pinned host memory: a copy from pageable memory would return only
+   * once done, and the consumer could not overtake it. */
+  uint8_t *host = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&host, n, 0));
   pattern(host, n, 77);
   ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
                                         host, n, s));
@@ -441,7 +451,8 @@ TEST_IMPL(handoff_order_slow_producer) {
   ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
   ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
   ASSERT_EQ(wait_helper(pid, 60), 0);
-  free(host);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(host));
   wait_unheld(c, b);
   ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
   gpuipc_conn_close(c);
@@ -718,11 +729,11 @@ HELPER_IMPL(ho_doomed_producer) {
                                     host, sizeof host));
   uint32_t seed = 5;
   ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed, sizeof seed));
-  gpuipc_block *never;
-  ASSERT_OK(gpuipc_arena_alloc(a, 256, (struct CUstream_st *)s, &never));
-  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_ptr(never), 0, 256));
-  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(
-      s, (CUdeviceptr)(uintptr_t)gpuipc_block_ptr(never), 1, CU_STREAM_WAIT_VALUE_GEQ));
+  /* Stream memory operations need cuMemAlloc (or VMM) memory. */
+  CUdeviceptr never;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&never, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(never, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, never, 1, CU_STREAM_WAIT_VALUE_GEQ));
   for (int i = 0; i < 2; i++) {
     gpuipc_block *x;
     ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &x));
@@ -935,7 +946,7 @@ HELPER_IMPL(ho_forger) {
     memset(p + sizeof ch, 0xAB, 64);
     raw_frame(fd, GPUIPC__F_CHUNK, p, sizeof p);
   } else if (strcmp(what, "buf_out_of_range") == 0) {
-    w.off = (1u << 20) - 128;
+    w.off = (uint64_t)64 << 20; /* the chunk has 2 MiB */
     w.len = 4096;
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
   } else if (strcmp(what, "buf_slot") == 0) {
@@ -994,4 +1005,31 @@ TEST_IMPL(handoff_rejects_forged_frames) {
   }
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   return 0;
+}
+
+/* ---- the same in event mode ---------------------------------------------------------------- */
+
+TEST_IMPL(handoff_event_basic_and_swap) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_basic_and_swap();
+}
+
+TEST_IMPL(handoff_event_order_slow_producer) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_order_slow_producer();
+}
+
+TEST_IMPL(handoff_event_order_reuse_after_release) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_order_reuse_after_release();
+}
+
+TEST_IMPL(handoff_event_send_buffer) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_send_buffer();
+}
+
+TEST_IMPL(handoff_event_exporter_killed) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_exporter_killed();
 }

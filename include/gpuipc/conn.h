@@ -85,10 +85,7 @@
  * peers that may see each other's data; use separate arenas otherwise.
  *
  * Limits of this version: one device per connection (blocks sent on a
- * connection must all live on the device of the first); GPU ordering by
- * stream memory operations only (IPC events, for peers that speak only
- * events, are available through the handle layer's gpuipc_event_* calls,
- * not as a connection mode).
+ * connection must all live on the device of the first).
  *
  * Errors on a connection. A peer that sends something that is not a valid
  * frame (bad magic or version, a length over the maximum, an unknown type, a
@@ -133,7 +130,15 @@ typedef enum gpuipc_order_mode {
   /* No GPU ordering: the producer promises its work on the buffer is
    * complete before send (e.g. it synchronized), and the consumer that its
    * work is complete before release. For host-side pipelines and tests. */
-  GPUIPC_ORDER_NONE = 1
+  GPUIPC_ORDER_NONE = 1,
+  /* Interprocess CUDA events (cuIpcGetEventHandle): one event per slot and
+   * direction, exported once (the first time the slot is used), then per
+   * buffer a cuEventRecord on the sending side and a cuStreamWaitEvent on
+   * the receiving side. For interop with code that speaks only events;
+   * slower than MEMOP (an interprocess event wait costs more on the GPU).
+   * If a peer dies between recording an event and running the work before
+   * it, gpuipc records the event itself so that nothing waits forever. */
+  GPUIPC_ORDER_EVENT = 2
 } gpuipc_order_mode;
 
 /* Options of a connection (and of a listener: connections it accepts take
