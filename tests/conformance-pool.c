@@ -111,6 +111,8 @@ static void export_buffer(pool_export *x, pool_msg *m, int device,
   ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
       &x->fd, x->pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
   ASSERT_GE(x->fd, 0);
+  /* *m was zeroed above: the real driver writes only the first 48 bytes of
+   * the export data (see conformance_pool_export_pointer_twice_identical). */
   ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&m->export_data, x->ptr));
   m->bytes = POOL_BYTES;
   m->seed = seed;
@@ -212,17 +214,31 @@ TEST_IMPL(conformance_pool_export_interior_pointer_fails) {
   return 0;
 }
 
-/* DESIGN: exporting the same pointer twice gives identical bytes. */
+/* DESIGN: exporting the same pointer twice gives identical bytes -- when
+ * the caller zeroes the struct first. The real driver (580, H200) fills
+ * only the first 48 bytes of the 64-byte CUmemPoolPtrExportData and leaves
+ * bytes 48..63 as they were (a struct poisoned with 0xa5 kept 0xa5 there),
+ * so gpuipc zeroes the struct before every export. An export into a
+ * poisoned struct therefore agrees with one into a zeroed struct over the
+ * first 48 bytes only. The emulator writes all 64 bytes, so nothing is
+ * asserted about the tail of the poisoned struct: the comparison is limited
+ * to what both drivers write. */
 TEST_IMPL(conformance_pool_export_pointer_twice_identical) {
   gpuipc__ctx_guard g;
   enter(&g, 0);
   pool_export x;
   pool_msg m;
-  export_buffer(&x, &m, 0, 24, false);
-  CUmemPoolPtrExportData again;
-  memset(&again, 0xA5, sizeof again);
+  export_buffer(&x, &m, 0, 24, false); /* into a zeroed message */
+  CUmemPoolPtrExportData again, poisoned;
+  memset(&again, 0, sizeof again);
   ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&again, x.ptr));
   ASSERT_MEM_EQ(&again, &m.export_data, sizeof again);
+  memset(&poisoned, 0xA5, sizeof poisoned);
+  ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&poisoned, x.ptr));
+  ASSERT_MEM_EQ(&poisoned, &m.export_data, 48);
+  /* The bytes the driver writes do describe the pointer. */
+  static const unsigned char zero[48];
+  ASSERT_NE(memcmp(&again, zero, sizeof zero), 0);
   export_done(&x);
   gpuipc__ctx_leave(&g);
   return 0;
@@ -316,12 +332,22 @@ HELPER_IMPL(conf_pool_importer) {
     check_pattern(q, (size_t)m.bytes, m.seed);
     ASSERT_CU(gpuipc__cu.cuMemFree(q));
   } else if (strcmp(mode, "destroy") == 0) {
-    ASSERT_CU_EQ(gpuipc__cu.cuMemPoolDestroy(pool), CUDA_ERROR_INVALID_VALUE);
-    /* The failed call left the pool usable for imports. */
     set_access(pool, m.device);
     CUdeviceptr q = import_ptr(pool, &m);
     check_pattern(q, (size_t)m.bytes, m.seed);
-    ASSERT_CU(gpuipc__cu.cuMemFree(q));
+    /* The real driver (580) accepts destroying an imported pool. */
+    ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool));
+    /* A pointer imported before stays readable. */
+    ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
+    check_pattern(q, (size_t)m.bytes, m.seed);
+    /* Whether the pointer may still be freed after its pool was destroyed
+     * is not recorded for the real driver: report it, assert nothing
+     * (process exit releases the mapping either way). */
+    CUresult r = gpuipc__cu.cuMemFreeAsync(q, s);
+    CUresult r2 = gpuipc__cu.cuStreamSynchronize(s);
+    printf("cuMemFreeAsync of a pointer imported before its pool was "
+           "destroyed: %s (stream synchronize: %s)\n",
+           harness_cuda_error_name(r), harness_cuda_error_name(r2));
   } else if (strcmp(mode, "access") == 0) {
     set_access(pool, m.device);
     CUmemLocation loc;
@@ -451,9 +477,10 @@ TEST_IMPL(conformance_pool_alloc_from_imported_fails) {
   return 0;
 }
 
-/* DESIGN: destroying an imported pool fails with CUDA_ERROR_INVALID_VALUE
- * (and leaves it usable). */
-TEST_IMPL(conformance_pool_destroy_imported_fails) {
+/* cuMemPoolDestroy on an imported pool returns CUDA_SUCCESS on the real
+ * driver (580, H200; DESIGN.md had CUDA_ERROR_INVALID_VALUE), and a pointer
+ * imported from the pool before stays readable after it. */
+TEST_IMPL(conformance_pool_destroy_imported_succeeds) {
   gpuipc__ctx_guard g;
   enter(&g, 0);
   pool_export x;
