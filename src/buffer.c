@@ -2,8 +2,15 @@
  * buffer.c: owns buffers: allocating them from a pool of each kind,
  * wrapping foreign allocations (base + range + offset), exporting them as
  * descriptors (+ fds), importing descriptors (the driver side of opening
- * each kind, with the checks the driver does not make: the buffer id on the
- * mapping and the real mapped range), and closing/freeing.
+ * each kind, with the checks the driver does not make: whether the exporter
+ * freed the allocation (its liveness table, pool.c), whether the driver
+ * handed back an earlier import of other memory at that address, and the
+ * real mapped range), and closing/freeing.
+ *
+ * Buffer ids: CU_POINTER_ATTRIBUTE_BUFFER_ID is read at the exporter and
+ * travels in the descriptor as part of the allocation's identity (cache
+ * keys). It is never compared with the id the importer's driver reports:
+ * on driver 580 every import (legacy or pool) gets importer-local ids.
  */
 #include "handle_internal.h"
 
@@ -270,9 +277,10 @@ gpuipc_status gpuipc_buffer_alloc(gpuipc_pool *pool, size_t size,
     s = gpuipc__fail(GPUIPC_E_INTERNAL, "pool kind %d", (int)pool->kind);
     goto fail;
   }
-  /* The buffer id validates importers' cached mappings. Legacy and pool
-   * memory must have one; for VMM and pinned host memory the fd pins the
-   * allocation, so a missing id is not an error there. */
+  /* The exporter's buffer id is part of the allocation's identity in
+   * descriptors (importers' cache keys). Legacy and pool memory must have
+   * one; VMM and pinned host memory are named by their fd and generation,
+   * so a missing id is not an error there. */
   if (pool->kind == GPUIPC_POOL_LEGACY || pool->kind == GPUIPC_POOL_MEMPOOL) {
     s = gpuipc__pointer_buffer_id(b->base, &b->buffer_id);
     if (s != GPUIPC_OK) {
@@ -431,9 +439,6 @@ gpuipc_status gpuipc_buffer_wrap(void *ptr, size_t size, gpuipc_buffer **out) {
     if (GPUIPC__CU(cuPointerGetAttribute, &id, CU_POINTER_ATTRIBUTE_BUFFER_ID,
                    base) == CUDA_SUCCESS)
       b->buffer_id = id;
-    /* Each VMM import is its own mapping: a new generation per wrap keeps
-     * two wrapped allocations of one exporter apart in the import cache. */
-    b->generation = gpuipc__next_generation();
   }
   size_t off = (size_t)(p - base);
   if (p < base || off > n || size > n - off) {
@@ -452,6 +457,11 @@ gpuipc_status gpuipc_buffer_wrap(void *ptr, size_t size, gpuipc_buffer **out) {
     goto fail;
   }
   gpuipc__ctx_leave(&g);
+  /* Each VMM import is its own mapping: a new generation per wrap keeps two
+   * wrapped allocations of one exporter apart in the import cache (and
+   * marks the wrapper live in the liveness table until it is freed). */
+  if (b->kind == GPUIPC_POOL_VMM)
+    b->generation = gpuipc__next_generation();
   b->origin = GPUIPC__WRAPPED;
   b->ordinal = b->map_ordinal = ordinal;
   b->ptr = p;
@@ -545,7 +555,10 @@ static gpuipc_status make_handle(gpuipc_buffer *b) {
     break;
   }
   case GPUIPC_POOL_MEMPOOL: {
-    /* cuMemPoolExportPointer refuses interior pointers: export the base. */
+    /* cuMemPoolExportPointer refuses interior pointers: export the base.
+     * It writes only the first 48 of the struct's 64 bytes (driver 580):
+     * zeroed first, the descriptor's handle bytes are the same on every
+     * export and its unused bytes are 0 as the format demands. */
     CUmemPoolPtrExportData e;
     memset(&e, 0, sizeof e);
     r = GPUIPC__CU(cuMemPoolExportPointer, &e, b->base);
@@ -667,47 +680,37 @@ static gpuipc_status check_range(const gpuipc__desc *d, CUdeviceptr base,
   return GPUIPC_OK;
 }
 
-static gpuipc_status check_buffer_id(const gpuipc__desc *d, CUdeviceptr base) {
-  uint64_t id = 0;
-  GPUIPC__CHECK(gpuipc__pointer_buffer_id(base, &id));
-  if (id != d->buffer_id)
+/* The driver hands back an existing import when this process still holds
+ * a mapping at the address it opens (a legacy handle, or a pool pointer, of
+ * a new allocation at a freed one's address): refuse it unless that mapping
+ * is of the very allocation the descriptor names. *existing tells whether
+ * the address was held already. */
+static gpuipc_status check_not_shadowed(const gpuipc__desc *d, int map_ordinal,
+                                        CUdeviceptr base, bool *existing) {
+  int owner = gpuipc__cache_base_owner(d->kind, map_ordinal, base, d);
+  *existing = owner != 0;
+  if (owner == 2)
     return gpuipc__fail(GPUIPC_E_STALE,
-                        "the memory this %s descriptor names is gone: the "
-                        "mapping holds buffer id %llu, the descriptor names "
-                        "%llu (the exporter freed it and reused the address, "
-                        "or this process still holds an import of the freed "
-                        "buffer there)",
+                        "this %s descriptor (pid %d, buffer id %llu, "
+                        "generation %llu) opened at 0x%llx, where this "
+                        "process still holds an import of another allocation "
+                        "of that exporter: the exporter freed that one and "
+                        "reused its address, and the driver hands back the "
+                        "old mapping; close the old import first",
                         gpuipc_pool_kind_name((gpuipc_pool_kind)d->kind),
-                        (unsigned long long)id,
-                        (unsigned long long)d->buffer_id);
+                        (int)d->exporter.pid, (unsigned long long)d->buffer_id,
+                        (unsigned long long)d->generation,
+                        (unsigned long long)base);
   return GPUIPC_OK;
 }
 
-/* Whether the driver reports the exporter's buffer id on an imported pool
- * pointer. DESIGN measured it for legacy handles (and the conformance suite
- * checks it there); for pool pointers this process learns it: once one
- * fresh import showed the descriptor's id, every mismatch is stale memory.
- * Until then a mismatch on a fresh mapping may just be an importer-local id
- * and is let through (logged); a mismatch on a mapping the driver handed
- * back from an earlier import is always stale. */
-static atomic_int pool_ids_global;
-
-static gpuipc_status check_pool_buffer_id(const gpuipc__desc *d,
-                                          CUdeviceptr base, bool existing) {
-  uint64_t id = 0;
-  GPUIPC__CHECK(gpuipc__pointer_buffer_id(base, &id));
-  if (id == d->buffer_id) {
-    if (!existing)
-      atomic_store(&pool_ids_global, 1);
-    return GPUIPC_OK;
-  }
-  if (existing || atomic_load(&pool_ids_global))
-    return check_buffer_id(d, base);
-  GPUIPC__DEBUG("handle",
-                "pool pointer import: mapping buffer id %llu, descriptor %llu "
-                "(the driver may report importer-local ids)",
-                (unsigned long long)id, (unsigned long long)d->buffer_id);
-  return GPUIPC_OK;
+/* The mapping's own buffer id here (0 when the driver has none). */
+static uint64_t local_buffer_id(CUdeviceptr base) {
+  unsigned long long v = 0;
+  if (GPUIPC__CU(cuPointerGetAttribute, &v, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                 base) != CUDA_SUCCESS)
+    return 0;
+  return v;
 }
 
 /* The fd for an fd-carrying kind: the caller's, or one fetched by pidfd. */
@@ -731,7 +734,8 @@ static gpuipc_status get_fd(const gpuipc__desc *d, const int *fds, int nfds,
                       (int)d->exporter.pid);
 }
 
-static gpuipc_status open_legacy(const gpuipc__desc *d, gpuipc__opened *o) {
+static gpuipc_status open_legacy(const gpuipc__desc *d, int map_ordinal,
+                                 gpuipc__opened *o) {
   CUipcMemHandle h;
   memcpy(&h, d->handle, 64);
   CUdeviceptr p = 0;
@@ -751,8 +755,10 @@ static gpuipc_status open_legacy(const gpuipc__desc *d, gpuipc__opened *o) {
   }
   gpuipc__cache_count_open();
   /* A freed allocation's handle bytes can come back for a new allocation
-   * at the same address: the buffer id tells them apart. */
-  gpuipc_status s = check_buffer_id(d, p);
+   * at the same address, and the driver then returns the mapping this
+   * process still holds of the freed one. */
+  bool existing = false;
+  gpuipc_status s = check_not_shadowed(d, map_ordinal, p, &existing);
   if (s == GPUIPC_OK)
     s = check_range(d, p, &o->mapped_size);
   if (s != GPUIPC_OK) {
@@ -762,6 +768,7 @@ static gpuipc_status open_legacy(const gpuipc__desc *d, gpuipc__opened *o) {
     return s;
   }
   o->base = p;
+  o->local_id = local_buffer_id(p);
   return GPUIPC_OK;
 }
 
@@ -788,10 +795,10 @@ static gpuipc_status open_mempool(const gpuipc__desc *d, int map_ordinal,
    * than a new one (when the exporter reused the address of a buffer still
    * imported here): that is no new mapping, and it must not be freed while
    * its holders use it. */
-  bool existing = gpuipc__cache_base_held(GPUIPC_POOL_MEMPOOL, map_ordinal, p);
+  bool existing = false;
+  gpuipc_status s = check_not_shadowed(d, map_ordinal, p, &existing);
   if (!existing)
     gpuipc__cache_count_open();
-  gpuipc_status s = check_pool_buffer_id(d, p, existing);
   if (s == GPUIPC_OK)
     s = check_range(d, p, &o->mapped_size);
   if (s != GPUIPC_OK) {
@@ -804,6 +811,7 @@ static gpuipc_status open_mempool(const gpuipc__desc *d, int map_ordinal,
   }
   o->base = p;
   o->pimp = pimp;
+  o->local_id = local_buffer_id(p);
   return GPUIPC_OK;
 }
 
@@ -853,14 +861,26 @@ static gpuipc_status open_vmm(const gpuipc__desc *d, int map_ordinal,
     s = gpuipc__fail_cuda(r, "cuMemAddressReserve", "%zu bytes", n);
     goto fail;
   }
-  /* Mapping more than the allocation holds fails: that is the real range
-   * check for a forged size. */
+  /* The importer cannot learn the allocation's size before mapping
+   * (cuMemGetAllocationPropertiesFromHandle has none), so the descriptor's
+   * granularity-rounded size is mapped, and mapping more than the
+   * allocation holds fails: that is the real range check for a forged
+   * size. The real driver (580) says CUDA_ERROR_NOT_SUPPORTED for it,
+   * others CUDA_ERROR_INVALID_VALUE. */
   r = GPUIPC__CU(cuMemMap, va, n, 0, h, 0);
   if (r != CUDA_SUCCESS) {
-    s = gpuipc__fail_cuda(r, "cuMemMap",
-                          "%zu bytes (the size the descriptor claims)", n);
-    if (r == CUDA_ERROR_INVALID_VALUE)
-      s = GPUIPC_E_OUT_OF_RANGE;
+    if (r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_NOT_SUPPORTED) {
+      gpuipc__fail_cuda(r, "cuMemMap", "%zu bytes", n);
+      s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                       "VMM descriptor of pid %d claims an allocation of %zu "
+                       "bytes, but the driver cannot map that many of the "
+                       "allocation its fd names (cuMemMap: %s): forged or "
+                       "corrupted",
+                       (int)d->exporter.pid, n, gpuipc__cuda_error_name(r));
+    } else {
+      s = gpuipc__fail_cuda(r, "cuMemMap",
+                            "%zu bytes (the size the descriptor claims)", n);
+    }
     goto fail;
   }
   mapped = true;
@@ -884,6 +904,7 @@ static gpuipc_status open_vmm(const gpuipc__desc *d, int map_ordinal,
   gpuipc__cache_count_open();
   o->base = va;
   o->mapped_size = n;
+  o->local_id = local_buffer_id(va);
   if (fetched >= 0)
     close(fetched);
   return GPUIPC_OK;
@@ -938,7 +959,7 @@ static gpuipc_status open_desc(const gpuipc__desc *d, int map_ordinal,
   gpuipc_status s;
   switch (d->kind) {
   case GPUIPC_POOL_LEGACY:
-    s = open_legacy(d, o);
+    s = open_legacy(d, map_ordinal, o);
     break;
   case GPUIPC_POOL_MEMPOOL:
     s = open_mempool(d, map_ordinal, fds, nfds, flags, o);
@@ -1034,6 +1055,16 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
                         "buffer",
                         d.type);
   GPUIPC__CHECK(gpuipc__desc_check_origin(&d));
+  /* Did the exporter free it? Its liveness table knows (the driver would
+   * map freed memory, or another allocation at its address, silently). */
+  if (gpuipc__generation_state(&d.exporter, d.generation) == GPUIPC__LIVE_FREED)
+    return gpuipc__fail(GPUIPC_E_STALE,
+                        "the exporter (pid %d) freed the %s buffer this "
+                        "descriptor names (generation %llu): a stale "
+                        "descriptor",
+                        (int)d.exporter.pid,
+                        gpuipc_pool_kind_name((gpuipc_pool_kind)d.kind),
+                        (unsigned long long)d.generation);
   GPUIPC__CHECK(gpuipc__driver());
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);
@@ -1124,10 +1155,13 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
     }
     if (b->fd >= 0)
       close(b->fd);
+    gpuipc__generation_freed(b->generation);
     buffer_delete(b);
     return s;
   }
   gpuipc_pool *pool = b->pool;
+  /* Importers learn it from the liveness table before the memory goes. */
+  gpuipc__generation_freed(b->generation);
   gpuipc_status s = gpuipc__driver();
   gpuipc__ctx_guard g;
   if (s == GPUIPC_OK)

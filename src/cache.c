@@ -13,10 +13,15 @@
  * - The driver returns stale memory for freed pointers, and a legacy handle
  *   of a new allocation at a freed one's address can have the very same
  *   bytes. So a cached entry is only reused when the descriptor's buffer id
- *   (the driver's CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter) and
+ *   (the driver's CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter: identity
+ *   only, the importer's mapping shows its own ids on driver 580) and
  *   generation (gpuipc's per-allocation counter at the exporter) both match;
  *   otherwise the entry is retired (its holders keep it; nobody new gets it)
- *   and the descriptor is opened anew.
+ *   and the descriptor is opened anew. Whether the exporter freed the
+ *   allocation is asked of its liveness table before the cache is consulted
+ *   (gpuipc_buffer_import); a hit also re-reads the mapping's local buffer
+ *   id, recorded when it was opened, so a mapping replaced under the cache
+ *   is never handed out.
  * Concurrency: one mutex guards the tables; driver calls happen outside it.
  * An entry being opened is in state OPENING, and threads that want the same
  * key wait for it, so the same memory is never mapped twice.
@@ -108,6 +113,24 @@ static bool base_shared(const struct gpuipc__mapping *m) {
   return false;
 }
 
+int gpuipc__cache_base_owner(uint8_t kind, int map_ordinal, CUdeviceptr base,
+                             const gpuipc__desc *d) {
+  int owner = 0;
+  pthread_mutex_lock(&cache_lock);
+  for (struct gpuipc__mapping *e = maps; e; e = e->next)
+    if (e->state == ST_LIVE && e->key.kind == kind &&
+        e->key.map_ordinal == map_ordinal && e->o.base == base) {
+      bool same = gpuipc__identity_eq(&e->key.exporter, &d->exporter) &&
+                  e->buffer_id == d->buffer_id &&
+                  e->generation == d->generation;
+      owner = same ? 1 : 2;
+      if (!same)
+        break;
+    }
+  pthread_mutex_unlock(&cache_lock);
+  return owner;
+}
+
 bool gpuipc__cache_base_held(uint8_t kind, int map_ordinal, CUdeviceptr base) {
   bool held = false;
   pthread_mutex_lock(&cache_lock);
@@ -147,12 +170,36 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
     }
     if (e->buffer_id == d->buffer_id && e->generation == d->generation) {
       e->refs++;
-      stats.hits++;
       pthread_mutex_unlock(&cache_lock);
-      *out = e;
-      GPUIPC__TRACE("handle", "import cache hit: base 0x%llx, %ld refs",
-                    (unsigned long long)e->o.base, e->refs);
-      return GPUIPC_OK;
+      /* The mapping must still be the one opened: its local buffer id
+       * (read without the lock: a driver call) is unchanged. */
+      uint64_t now = 0;
+      bool same = e->o.local_id == 0 ||
+                  (gpuipc__pointer_buffer_id(e->o.base, &now) == GPUIPC_OK &&
+                   now == e->o.local_id);
+      pthread_mutex_lock(&cache_lock);
+      if (same) {
+        stats.hits++;
+        pthread_mutex_unlock(&cache_lock);
+        *out = e;
+        GPUIPC__TRACE("handle", "import cache hit: base 0x%llx, %ld refs",
+                      (unsigned long long)e->o.base, e->refs);
+        return GPUIPC_OK;
+      }
+      GPUIPC__DEBUG("handle",
+                    "import cache: retiring mapping 0x%llx: its local buffer "
+                    "id changed from %llu to %llu (replaced under the cache)",
+                    (unsigned long long)e->o.base,
+                    (unsigned long long)e->o.local_id,
+                    (unsigned long long)now);
+      if (e->linked) {
+        e->linked = false;
+        stats.stale++;
+      }
+      pthread_mutex_unlock(&cache_lock);
+      (void)gpuipc__cache_release(e);
+      pthread_mutex_lock(&cache_lock);
+      continue;
     }
     /* Same exporter and handle bytes, another allocation: the exporter
      * freed the buffer we hold and reused its address. Retire the entry:

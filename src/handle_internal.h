@@ -84,8 +84,10 @@ struct gpuipc_buffer {
   size_t size;          /* the buffer's bytes */
   size_t offset;        /* ptr - base */
   size_t alloc_size;    /* the allocation's mapped size */
-  uint64_t buffer_id;   /* CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter */
-  uint64_t generation;  /* exporter-local, per allocation */
+  uint64_t buffer_id;   /* CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter
+                           (identity only: importers never see it on their
+                           mapping) */
+  uint64_t generation;  /* exporter-local, per allocation (liveness table) */
   gpuipc_pool *pool;    /* ALLOCATED: its pool */
   uint64_t pool_id;     /* MEMPOOL: the exporter pool's id */
   int pool_fd;          /* MEMPOOL wrapped: the foreign pool's fd (borrowed) */
@@ -132,6 +134,10 @@ typedef struct gpuipc__opened {
   size_t mapped_size;
   void *host;                          /* PINNED_HOST */
   struct gpuipc__pool_import *pimp;    /* MEMPOOL: holds a reference */
+  /* The driver's buffer id of the mapping HERE (importer-local on driver
+   * 580, unrelated to the descriptor's), 0 if none: a cache hit re-reads
+   * it to catch a mapping replaced under the cache. */
+  uint64_t local_id;
 } gpuipc__opened;
 
 /* Opens the memory a descriptor names (buffer.c); called by the cache
@@ -154,6 +160,12 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
 /* True when a live cached mapping of this kind sits at base on that device
  * (the driver hands back an existing import instead of a new one). */
 bool gpuipc__cache_base_held(uint8_t kind, int map_ordinal, CUdeviceptr base);
+/* Like gpuipc__cache_base_held, telling whose mapping it is: 0 none, 1 a
+ * mapping of the same exporter allocation (same exporter buffer id and
+ * generation), 2 a mapping of another allocation (the driver handed back
+ * an earlier import, of memory the exporter freed, at that address). */
+int gpuipc__cache_base_owner(uint8_t kind, int map_ordinal, CUdeviceptr base,
+                             const gpuipc__desc *d);
 /* Drops one reference; the last one unmaps. */
 gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *map);
 /* The mapping's base address and mapped size; host address for PINNED_HOST. */
@@ -181,9 +193,29 @@ void gpuipc__cache_count_close(void);
 /* ---- pools (pool.c) --------------------------------------------------------------- */
 
 /* A new exporter-local id for a pool, and a new generation for an
- * allocation (both process-wide counters, never 0). */
+ * allocation (both process-wide counters, never 0). A new generation is
+ * marked live in this process's liveness table (pool.c explains it). */
 uint64_t gpuipc__next_pool_id(void);
 uint64_t gpuipc__next_generation(void);
+
+/* The liveness table: slots per process, and the bit a freed slot has. */
+#define GPUIPC__LIVE_SLOTS (1u << 18)
+#define GPUIPC__LIVE_FREED_BIT (1ull << 63)
+
+/* Marks generation g freed in this process's table (0: no-op). Call when
+ * the allocation (or wrapper) that got g is freed. */
+void gpuipc__generation_freed(uint64_t g);
+
+typedef enum gpuipc__live_state {
+  GPUIPC__LIVE_UNKNOWN = 0, /* no table, another uid, slot reused */
+  GPUIPC__LIVE_YES = 1,
+  GPUIPC__LIVE_FREED = 2
+} gpuipc__live_state;
+
+/* What the exporter's table says of generation g (maps the exporter's table
+ * read-only on first use; logs at info once when it cannot). */
+gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *exporter,
+                                            uint64_t g);
 
 /* The pool's shareable fd, made once and owned by the pool (-1 for kinds
  * without one). Borrowed: dup() it to send it. MEMPOOL only. */
