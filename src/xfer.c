@@ -73,8 +73,17 @@ struct gpuipc_xfer {
   uint64_t transfers, chunks, staged_bytes, direct_bytes;
 };
 
-/* Live pinned allocations of all engines: leak checks in tests. */
+/* Live pinned allocations and device scratch of all engines: leak checks in
+ * tests (cuMemGetInfo is device-wide on a real GPU, so other processes'
+ * allocations move it). */
 static atomic_uint_fast64_t pinned_live, pinned_live_bytes;
+static atomic_uint_fast64_t scratch_live, scratch_live_bytes;
+
+uint64_t gpuipc__xfer_scratch_live(uint64_t *bytes) {
+  if (bytes)
+    *bytes = atomic_load(&scratch_live_bytes);
+  return atomic_load(&scratch_live);
+}
 
 uint64_t gpuipc__xfer_pinned_live(uint64_t *bytes) {
   if (bytes)
@@ -127,6 +136,11 @@ static gpuipc_status read_options(const gpuipc_xfer_options *in,
 
 static gpuipc_status engine_release(gpuipc_xfer *x);
 static gpuipc_status staging_free(gpuipc_xfer *x);
+
+/* Device scratch of the pipeline: an input and an output chunk per stream. */
+static size_t scratch_bytes(const gpuipc_xfer *x) {
+  return 2 * (size_t)x->nstreams * x->max_chunk;
+}
 
 gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
                                  gpuipc_xfer **out) {
@@ -277,8 +291,15 @@ static gpuipc_status engine_release(gpuipc_xfer *x) {
   x->staging = NULL;
   gpuipc__hcopy_destroy(x->hcopy);
   x->hcopy = NULL;
-  if (x->scratch)
-    XFER_KEEP(GPUIPC__CU(cuMemFree, x->scratch), "cuMemFree");
+  if (x->scratch) {
+    r = GPUIPC__CU(cuMemFree, x->scratch);
+    if (r == CUDA_SUCCESS) {
+      atomic_fetch_sub(&scratch_live, 1);
+      atomic_fetch_sub(&scratch_live_bytes, (uint64_t)scratch_bytes(x));
+    } else if (s == GPUIPC_OK) {
+      s = gpuipc__fail_cuda(r, "cuMemFree", "destroying a copy engine");
+    }
+  }
   x->scratch = 0;
 #undef XFER_KEEP
   return s;
@@ -385,13 +406,15 @@ static gpuipc_status staging_alloc(gpuipc_xfer *x, size_t need) {
 static gpuipc_status scratch_alloc(gpuipc_xfer *x) {
   if (x->scratch)
     return GPUIPC_OK;
-  size_t total = 2 * (size_t)x->nstreams * x->max_chunk;
+  size_t total = scratch_bytes(x);
   CUresult r = GPUIPC__CU(cuMemAlloc, &x->scratch, total);
   if (r != CUDA_SUCCESS) {
     x->scratch = 0;
     return gpuipc__fail_cuda(r, "cuMemAlloc", "pipeline scratch of %zu bytes",
                              total);
   }
+  atomic_fetch_add(&scratch_live, 1);
+  atomic_fetch_add(&scratch_live_bytes, (uint64_t)total);
   return GPUIPC_OK;
 }
 

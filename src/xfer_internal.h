@@ -11,6 +11,10 @@
  * hold right now, and their bytes: leak checks after failures. */
 uint64_t gpuipc__xfer_pinned_live(uint64_t *bytes /* OUT, may be NULL */);
 
+/* Device scratch allocations (cuMemAlloc) of the pipeline that copy engines
+ * of this process hold right now, and their bytes. */
+uint64_t gpuipc__xfer_scratch_live(uint64_t *bytes /* OUT, may be NULL */);
+
 /* The base of an engine's staging ring (NULL before its first staged copy),
  * so that a test can ask the driver whether it is still pinned. */
 void *gpuipc__xfer_staging_base(const gpuipc_xfer *x);

@@ -241,7 +241,9 @@ static void copier_run(gpuipc_xfer_shared *sh, const uint8_t *desc, size_t dlen,
   CUdeviceptr dst[MSGS];
   for (int m = 0; m < MSGS; m++) {
     ASSERT_CU(gpuipc__cu.cuMemAlloc(&dst[m], SLOT_BYTES));
-    ASSERT_CU(gpuipc__cu.cuMemsetD8(dst[m], 0xCC, SLOT_BYTES));
+    /* On st: a synchronous memset may still be running on the legacy
+     * stream (real GPUs), which the non-blocking st does not wait for. */
+    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(dst[m], 0xCC, SLOT_BYTES, st));
   }
   /* The stream waits on the segment's words, the host does not. */
   for (uint64_t seq = 0; seq < MSGS; seq++)

@@ -73,6 +73,28 @@ static size_t dev_free_bytes(void) {
   return free_b;
 }
 
+/* No device memory leaked since free0 = dev_free_bytes(). The emulator's
+ * cuMemGetInfo counts this process's memory only, so there it must be back
+ * exactly. On a real GPU it is device-wide (other processes, other tests
+ * running in parallel, the driver's own allocations move it): there the
+ * engines' own count of their device scratch must be zero (call this only
+ * once every engine is destroyed). */
+static void check_dev_free(size_t free0, const char *file, int line) {
+  if (harness_on_emulator()) {
+    size_t now = dev_free_bytes();
+    if (now != free0)
+      harness_fail(file, line, "device memory: %zu bytes free, %zu before",
+                   now, free0);
+    return;
+  }
+  uint64_t bytes = 1;
+  uint64_t live = gpuipc__xfer_scratch_live(&bytes);
+  if (live != 0 || bytes != 0)
+    harness_fail(file, line, "%llu scratch allocations (%llu bytes) live",
+                 (unsigned long long)live, (unsigned long long)bytes);
+}
+#define CHECK_DEV_FREE(free0) check_dev_free((free0), __FILE__, __LINE__)
+
 /* Polls a stream until done, for at most timeout_s seconds (a guard against
  * a hang, not a measurement). */
 static CUresult stream_done(CUstream s, int timeout_s) {
@@ -293,7 +315,15 @@ static void roundtrip(gpuipc_xfer *x, CUstream stream, size_t n, int src_kind,
   fill_random(src, hsz, seed);
   memset(dst, 0xDD, dsz);
   CUdeviceptr dev = dev_alloc(devsz);
-  ASSERT_CU(gpuipc__cu.cuMemsetD8(dev, 0xEE, devsz));
+  /* The poison goes on the caller's stream, before the copy, as the
+   * caller's earlier work: the engine must start after it. (A synchronous
+   * cuMemsetD8 would be wrong here: on a real GPU it returns before the
+   * memset has run, on the legacy default stream, which a non-blocking
+   * stream does not wait for; the poison could then land after the copy.
+   * The emulator completes synchronous memsets at once and hid that.) With
+   * GPUIPC_EMU_COPY_DELAY_US the emulated memset is slow, so an engine that
+   * does not wait for the caller's stream reads or overwrites the poison. */
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(dev, 0xEE, devsz, stream));
 
   gpuipc_status s =
       gpuipc_xfer_to_device(x, D(dev + devoff), src + soff, n, stream, flags);
@@ -339,6 +369,9 @@ static void roundtrip(gpuipc_xfer *x, CUstream stream, size_t n, int src_kind,
 }
 
 TEST_IMPL(xfer_sizes) {
+  /* Slow emulated copies and memsets: a copy that does not wait for the
+   * caller's earlier work, or a staging slot reused too early, shows. */
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "100", 1);
   gpuipc__ctx_guard g;
   enter0(&g);
   const size_t chunk = 4096;
@@ -618,6 +651,9 @@ TEST_IMPL(xfer_stream_order) {
   CUdeviceptr dev = dev_alloc(n), dev2 = dev_alloc(n);
   uint8_t *pin = pinned_alloc(n), *back = pinned_alloc(n);
   ASSERT_CU(gpuipc__cu.cuMemsetD8(dev, 0x11, n));
+  /* A synchronous memset may return before it ran (real GPUs), on the
+   * legacy stream, which the non-blocking st does not wait for. */
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(NULL));
   memset(pin, 0x22, n);
   memset(back, 0, n);
 
@@ -761,7 +797,7 @@ TEST_IMPL(xfer_stage_error) {
   }
   ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL), 1);
   ASSERT_OK(destroy_checked(x, 1));
-  ASSERT_UEQ(dev_free_bytes(), free0);
+  CHECK_DEV_FREE(free0);
   free(src);
   free(dst);
   gpuipc__ctx_leave(&g);
@@ -842,7 +878,7 @@ HELPER_IMPL(xfer_fault) {
     ASSERT_NULL(x);
     ASSERT_STR_CONTAINS(gpuipc_last_error(), fname);
     ASSERT_EQ(gpuipc_last_cuda_error(), CUDA_ERROR_UNKNOWN);
-    ASSERT_UEQ(dev_free_bytes(), free0);
+    CHECK_DEV_FREE(free0);
   } else {
     for (int round = 0; round < 2; round++)
       for (int op = 0; op < 3; op++) {
@@ -878,7 +914,7 @@ HELPER_IMPL(xfer_fault) {
       ASSERT_STR_CONTAINS(gpuipc_last_error(), fname);
     }
     if (!frees)
-      ASSERT_UEQ(dev_free_bytes(), free0);
+      CHECK_DEV_FREE(free0);
   }
   /* The helper's own frees may be the ones failing (in the sweep). */
   (void)gpuipc__cu.cuMemFree(dev);
@@ -1013,7 +1049,7 @@ TEST_IMPL(xfer_several_engines) {
     ASSERT_EQ(pthread_join(th[i], NULL), 0);
   for (int i = 0; i < 5; i++)
     ASSERT_OK(destroy_checked(xs[i], i == 4));
-  ASSERT_UEQ(dev_free_bytes(), free0);
+  CHECK_DEV_FREE(free0);
   gpuipc__ctx_leave(&g);
   return 0;
 }
