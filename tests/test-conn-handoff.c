@@ -921,8 +921,10 @@ HELPER_IMPL(ho_forger) {
   const char *what = argv[0];
   gpuipc__w_buf w = {1, 1, 0, 256, 0, 0, GPUIPC__BUF_ORDERED, 0};
   if (strncmp(what, "buf_", 4) == 0 && strcmp(what, "buf_before_ctl") != 0) {
-    gpuipc_arena *a = mkarena((size_t)1 << 20);
-    gpuipc_block *b;
+    /* Kept until exit (the victim hangs up holding the block). */
+    static gpuipc_arena *a;
+    static gpuipc_block *b;
+    a = mkarena((size_t)1 << 20);
     ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
     ASSERT_OK(gpuipc_conn_send(c, b, NULL, NULL, 0));
     ASSERT_OK(gpuipc_conn_progress(c, 0));
