@@ -20,10 +20,30 @@
  *   Descriptors are hostile input: every field is validated, and each kind
  *   of failure has its own status (see gpuipc_buffer_import()).
  * - Imports go through a per-process *import cache*: importing the same
- *   buffer twice returns the same mapping with a reference count; each hit
- *   is validated with the exporter's buffer id and generation, so memory the
- *   exporter freed and reallocated at the same address is never mistaken for
- *   the old buffer (the CUDA driver itself happily maps stale memory).
+ *   buffer twice returns the same mapping with a reference count. Cache
+ *   entries are keyed by the exporter's identity of the allocation (its
+ *   buffer id and gpuipc's per-allocation generation, both read at the
+ *   exporter), so memory the exporter freed and reallocated at the same
+ *   address is never mistaken for the old buffer.
+ * - Stale descriptors. The CUDA driver maps freed memory without complaint,
+ *   and it never shows an importer the exporter's buffer id (driver 580:
+ *   legacy and pool imports get importer-local ids), so gpuipc asks the
+ *   exporter instead: every process that allocates keeps a *liveness table*
+ *   of generation words in shared memory (a file in /dev/shm named after
+ *   its uid, pid and start time, mode 0600), marked when a buffer is freed.
+ *   Every import (cache hits included) reads the exporter's table first and
+ *   refuses a freed buffer with GPUIPC_E_STALE. Limits: the table is
+ *   readable only by the same uid, and within one /dev/shm; an importer
+ *   that cannot read it (another uid, another mount namespace, an exporter
+ *   of an older gpuipc, an exporter that exited) imports without this check
+ *   and logs that once per exporter at level info; then only the driver's
+ *   own refusals remain (a legacy handle of freed memory fails to open; VMM
+ *   and pinned host fds keep the memory alive, so those imports are of real,
+ *   though abandoned, memory). Wrapped legacy and mempool memory (generation
+ *   0) is never checked: it belongs to the caller. Freeing a buffer while an
+ *   importer already uses it is not detected by this (see
+ *   gpuipc_buffer_free()); a cache hit additionally re-checks that its
+ *   mapping is still the one opened (the mapping's own buffer id here).
  *
  * Devices are named by UUID across processes; an importer may map a buffer
  * on a different local device than the exporter's (peer access). gpuipc
@@ -282,7 +302,10 @@ GPUIPC_API int gpuipc_buffer_is_imported(const gpuipc_buffer *buf);
  * on stream), other kinds at once (the caller must have finished its GPU work
  * on it). Wrapped buffers: frees only the wrapper. Imported buffers: the same
  * as gpuipc_buffer_close(). NULL is a no-op. Calling it twice on one buffer
- * is a use after free. Note that the driver does not stop importers from
+ * is a use after free. From the call on, imports of the buffer's
+ * descriptors are refused as GPUIPC_E_STALE where the importer can read this
+ * process's liveness table (see the top of this header). Note that the
+ * driver does not stop importers that already mapped the buffer from
  * reading memory an exporter freed: freeing while peers use a buffer is the
  * caller's (or gpuipc's connection layer's) responsibility.
  */
@@ -316,9 +339,11 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  * on opts->device (NULL opts: the exporter's device). fds/nfds: the file
  * descriptors that travelled with it; they stay owned by the caller (gpuipc
  * dup()s what it keeps), so close them after this returns, whatever it
- * returns. Goes through the import cache: importing a buffer this process
- * already imported returns a new reference to the same mapping, after
- * checking the exporter's buffer id and generation.
+ * returns. First asks the exporter's liveness table whether the buffer was
+ * freed (see the top of this header). Then goes through the import cache:
+ * importing a buffer this process already imported returns a new reference
+ * to the same mapping (same exporter buffer id and generation, and the
+ * mapping still the one opened).
  *
  * Each failure has its own status:
  *   GPUIPC_E_TRUNCATED        fewer bytes than the descriptor declares
@@ -330,7 +355,9 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *                             fields not zero, handle length)
  *   GPUIPC_E_OUT_OF_RANGE     offset + size beyond the allocation, checked
  *                             against the declared size and again against
- *                             the real mapped range after mapping
+ *                             the real mapped range after mapping (VMM:
+ *                             the driver refuses to map a claimed size
+ *                             beyond the allocation)
  *   GPUIPC_E_FOREIGN_MACHINE  exported on another machine (boot id)
  *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace
  *   GPUIPC_E_DEVICE_NOT_VISIBLE the exporter's device (or opts->device) is
@@ -340,11 +367,12 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *                             asked for)
  *   GPUIPC_E_PERMISSION       pidfd_getfd refused (ptrace permission)
  *   GPUIPC_E_PEER_GONE        pidfd route: the exporter exited
- *   GPUIPC_E_STALE            the memory at that address is no longer the
- *                             buffer the descriptor names (the exporter freed
- *                             it and something else lives there), or an
- *                             earlier import of the freed buffer is still
- *                             open here and the driver hands that back
+ *   GPUIPC_E_STALE            the exporter freed the buffer (its liveness
+ *                             table says so), or the driver refused a
+ *                             legacy handle of freed memory, or the driver
+ *                             handed back an import of another (freed)
+ *                             allocation this process still holds at that
+ *                             address (close that import first)
  *   GPUIPC_E_INVALID_ARG      a descriptor exported by this very process
  *                             (use the buffer itself)
  * Owned by the caller: gpuipc_buffer_close(). Thread-safe.
@@ -419,7 +447,9 @@ typedef struct gpuipc_desc_info {
   gpuipc_uuid device;     /* the exporter's device */
   int exporter_pid;       /* in the exporter's pid namespace */
   uint64_t pool_id;       /* exporter-local id of the pool (MEMPOOL) */
-  uint64_t buffer_id;     /* CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter */
+  uint64_t buffer_id;     /* CU_POINTER_ATTRIBUTE_BUFFER_ID at the exporter
+                             (identity only: an importer's mapping shows
+                             the importer's own ids) */
   uint64_t generation;    /* exporter-local, new for every allocation */
   uint64_t offset;        /* of the buffer inside the allocation */
   uint64_t bytes;         /* the buffer's size */
@@ -466,8 +496,10 @@ typedef struct gpuipc_cache_stats {
   size_t size;             /* sizeof(gpuipc_cache_stats): set by the caller */
   uint64_t hits;           /* imports served from a live mapping */
   uint64_t misses;         /* imports that opened a mapping */
-  uint64_t stale;          /* cached mappings found stale (buffer id or
-                              generation differed) and retired */
+  uint64_t stale;          /* cached mappings retired: another allocation
+                              with the same handle bytes (exporter buffer
+                              id or generation differed), or a mapping no
+                              longer the one opened */
   uint64_t driver_opens;   /* driver open/import/map calls that succeeded */
   uint64_t driver_closes;  /* driver close/free/unmap calls made */
   uint64_t live_mappings;  /* mappings open now */
