@@ -278,6 +278,29 @@ TEST_IMPL(xfer_heuristic) {
   ASSERT_UEQ(c, ((size_t)2 << 20) + (64 << 10)); /* rounded up to 64 KiB */
   ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)4 << 30, &c));
   ASSERT_UEQ(c, (size_t)8 << 20);
+  /* Host threads: half the CPUs, 1 to 8. */
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  ASSERT_EQ(in.host_threads, cpus / 2 < 1 ? 1 : cpus / 2 > 8 ? 8 : cpus / 2);
+  /* A pageable side: n/8 rounded up to 64 KiB (2 MiB + 64 KiB here), so 8
+   * chunks, the first copy growing the ring to 4 MiB slots. */
+  {
+    gpuipc__ctx_guard g;
+    enter0(&g);
+    const size_t n = ((size_t)16 << 20) + 1;
+    uint8_t *h = malloc(n);
+    ASSERT_NOT_NULL(h);
+    fill_random(h, n, 5);
+    CUdeviceptr d = dev_alloc(n);
+    ASSERT_OK(gpuipc_xfer_to_device(x, D(d), h, n, NULL, GPUIPC_XFER_SYNC));
+    in = info_of(x);
+    ASSERT_UEQ(in.chunks, 8);
+    ASSERT_UEQ(in.staging_bytes, (size_t)in.staging_slots * (4 << 20));
+    ASSERT_OK(gpuipc_xfer_to_host(x, h, D(d), (size_t)4 << 20, NULL, 0));
+    ASSERT_UEQ(info_of(x).chunks, 8 + 4); /* the 1 MiB floor */
+    ASSERT_CU(gpuipc__cu.cuMemFree(d));
+    free(h);
+    gpuipc__ctx_leave(&g);
+  }
   ASSERT_OK(gpuipc_xfer_destroy(x));
 
   /* Overrides. A ring smaller than two chunks makes smaller slots. */
@@ -1122,7 +1145,7 @@ TEST_IMPL(xfer_staging_grows) {
   gpuipc_xfer_info in = info_of(x);
   const size_t ring_slots = (size_t)in.staging_slots;
   CUstream st = new_stream();
-  const size_t big = (size_t)24 << 20; /* chunks of 1 MiB */
+  const size_t big = (size_t)8 << 20; /* chunks of 1 MiB */
   uint8_t *a = malloc(big), *b = malloc(big), *back = malloc(big);
   fill_random(a, big, 1);
   fill_random(b, big, 2);
@@ -1135,8 +1158,8 @@ TEST_IMPL(xfer_staging_grows) {
   ASSERT_UEQ(gpuipc__xfer_pinned_live(&bytes), 1);
   ASSERT_UEQ(bytes, in.staging_bytes);
 
-  /* 3 MiB: chunks of 1 MiB, the ring grows while the 1000 bytes may still
-   * be in flight from the old one. */
+  /* 3 MiB: chunks of 1 MiB (n/8 is below the 1 MiB floor), the ring grows
+   * while the 1000 bytes may still be in flight from the old one. */
   ASSERT_OK(gpuipc_xfer_to_device(x, D(da), a, (size_t)3 << 20, st, 0));
   in = info_of(x);
   ASSERT_UEQ(in.staging_bytes, ring_slots * ((size_t)1 << 20));
@@ -1144,7 +1167,7 @@ TEST_IMPL(xfer_staging_grows) {
    * emulated copies are slow, so they are). */
   ASSERT_OK(gpuipc_xfer_to_device(x, D(db), b, big, st, 0));
   ASSERT_OK(gpuipc_xfer_to_device(x, D(da), a, big, st, 0)); /* same size */
-  size_t huge = (size_t)80 << 20; /* chunks of 2.5 MiB: slots of 4 MiB */
+  size_t huge = (size_t)28 << 20; /* chunks of 3.5 MiB: slots of 4 MiB */
   uint8_t *c = malloc(huge);
   fill_random(c, huge, 3);
   CUdeviceptr dc = dev_alloc(huge);

@@ -74,6 +74,11 @@
  *     not cut at all: one DMA per direction already saturates the link, and
  *     chunks would only add per-chunk cost. It is issued directly on the
  *     caller's stream. (An explicit chunk_bytes cuts it anyway.)
+ *     A transfer with a pageable side is bound by the host's memcpy rather
+ *     than by the link, so it takes fewer, larger chunks: n/8 rounded up to
+ *     64 KiB, at least 1 MiB, at most the maximum (and a staging slot): the
+ *     memcpy of one chunk still overlaps the DMA of the previous one, and
+ *     the per-chunk costs stay small.
  *   - staging ring: 2 slots per stream, each slot at most one maximum chunk
  *     (64 MiB of pinned memory with the defaults), allocated on the first
  *     copy that needs it and kept until the engine is destroyed. Its slots
@@ -84,7 +89,7 @@
  *     direction of a PCIe 5 link, so the memcpy of a large staged chunk is
  *     split between the calling thread and helper threads of the engine
  *     (started on its first staged copy; they run memcpy only, with all
- *     signals blocked): half the online CPUs, at most 4, at least 1 (no
+ *     signals blocked): half the online CPUs, at most 8, at least 1 (no
  *     helper). Pieces are at least 256 KiB.
  *   - device scratch (gpuipc_xfer_pipeline without caller buffers): one
  *     input and one output chunk per stream, allocated on first use.
@@ -244,9 +249,10 @@ GPUIPC_API gpuipc_status
 gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info /* IN/OUT */);
 
 /* The chunk size the engine uses for a transfer of `bytes` bytes that it
- * cuts (the pipeline, a pageable side, or any transfer when chunk_bytes was
- * given); a transfer through staging uses at most staging_slot_bytes of it
- * (gpuipc_xfer_info). */
+ * cuts without staging (the pipeline between pinned or device memory, or
+ * any transfer when chunk_bytes was given: then it is chunk_bytes). A
+ * transfer with a pageable side uses the larger chunks described in the
+ * heuristic above, and at most staging_slot_bytes (gpuipc_xfer_info). */
 GPUIPC_API gpuipc_status gpuipc_xfer_chunk_size(gpuipc_xfer *x, size_t bytes,
                                                 size_t *chunk /* OUT */);
 
