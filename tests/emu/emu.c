@@ -981,6 +981,25 @@ CUresult cuCtxGetDevice(CUdevice *device) {
   RET(CUDA_SUCCESS);
 }
 
+/* The CUDA 13.0 variant: the context is an argument (NULL: the current). */
+CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) {
+  ENTER_INIT("cuCtxGetDevice");
+  if (!device)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  emu_ctx *c = NULL;
+  if (ctx) {
+    c = ctx_from(ctx);
+    if (!c)
+      RET(CUDA_ERROR_INVALID_CONTEXT);
+  } else {
+    CUresult r = cur_ctx(&c);
+    if (r != CUDA_SUCCESS)
+      RET(r);
+  }
+  *device = c->ordinal;
+  RET(CUDA_SUCCESS);
+}
+
 CUresult cuCtxGetFlags(unsigned int *flags) {
   ENTER_INIT("cuCtxGetFlags");
   if (!flags)
@@ -1834,6 +1853,24 @@ CUresult cuCtxSynchronize(void) {
   RET(CUDA_SUCCESS);
 }
 
+/* The CUDA 13.0 variant: the context is an argument (NULL: the current). */
+CUresult cuCtxSynchronize_v2(CUcontext ctx) {
+  ENTER_INIT("cuCtxSynchronize");
+  emu_ctx *c = NULL;
+  if (ctx) {
+    c = ctx_from(ctx);
+    if (!c)
+      RET(CUDA_ERROR_INVALID_CONTEXT);
+  } else {
+    CUresult r = cur_ctx(&c);
+    if (r != CUDA_SUCCESS)
+      RET(r);
+  }
+  ctx_sync(c);
+  pools_sync_trim();
+  RET(CUDA_SUCCESS);
+}
+
 CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
   ENTER_INIT("cuStreamCreate");
   if (!phStream || (Flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
@@ -1889,6 +1926,20 @@ CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
   if (r != CUDA_SUCCESS)
     RET(r);
   *pctx = (CUcontext)s->ctx;
+  RET(CUDA_SUCCESS);
+}
+
+/* The CUDA 12.5 variant, with green contexts (none here). */
+CUresult cuStreamGetCtx_v2(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx) {
+  ENTER_INIT("cuStreamGetCtx");
+  if (!pCtx || !pGreenCtx)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  emu_stream *s;
+  CUresult r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS)
+    RET(r);
+  *pCtx = (CUcontext)s->ctx;
+  *pGreenCtx = NULL;
   RET(CUDA_SUCCESS);
 }
 
@@ -4296,12 +4347,7 @@ static const char *const cuda_names[] = {
 #undef EMU_NAME
 };
 
-static void *stub_for(const char *name) {
-  bool known = false;
-  for (size_t i = 0; i < sizeof cuda_names / sizeof cuda_names[0] && !known; i++)
-    known = strcmp(cuda_names[i], name) == 0;
-  if (!known)
-    return NULL;
+static void *stub_named(const char *name) {
   pthread_mutex_lock(&stub_mu);
   void *fn = NULL;
   for (int i = 0; i < stub_count; i++)
@@ -4316,6 +4362,56 @@ static void *stub_for(const char *name) {
   }
   pthread_mutex_unlock(&stub_mu);
   return fn;
+}
+
+static bool is_cuda_name(const char *name) {
+  for (size_t i = 0; i < sizeof cuda_names / sizeof cuda_names[0]; i++)
+    if (strcmp(cuda_names[i], name) == 0)
+      return true;
+  return false;
+}
+
+/* ---- variants by CUDA version ------------------------------------------- */
+
+/* Every variant of every entry point, with the CUDA version that introduced
+ * it (cudaTypedefs.h), and which variant each plain name means in cuda.h. */
+static const struct { const char *name; int version; } pfn_versions[] = {
+#define EMU_PFN(n, v) {n, v},
+#include "emu_pfn.h"
+#undef EMU_PFN
+    {NULL, 0}};
+static const struct { const char *name; int k; } cuda_h_variant[] = {
+#define EMU_VARIANT(n, k) {n, k},
+#include "emu_variants.h"
+#undef EMU_VARIANT
+    {NULL, 0}};
+
+/* The sorted, distinct versions of name's variants; returns how many. */
+static int variant_versions(const char *name, int *out, int cap) {
+  int n = 0;
+  for (size_t i = 0; pfn_versions[i].name; i++) {
+    if (strcmp(pfn_versions[i].name, name) != 0)
+      continue;
+    int v = pfn_versions[i].version, j = 0;
+    while (j < n && out[j] < v)
+      j++;
+    if ((j < n && out[j] == v) || n == cap)
+      continue;
+    memmove(&out[j + 1], &out[j], (size_t)(n - j) * sizeof *out);
+    out[j] = v;
+    n++;
+  }
+  return n;
+}
+
+/* The version of the variant that the plain name means in cuda.h: the one
+ * the emulator's function of that name implements. */
+static int header_variant_version(const char *name, const int *vers, int n) {
+  int k = 1;
+  for (size_t i = 0; cuda_h_variant[i].name; i++)
+    if (strcmp(cuda_h_variant[i].name, name) == 0 && cuda_h_variant[i].k > k)
+      k = cuda_h_variant[i].k;
+  return n == 0 ? 0 : vers[(k <= n ? k : n) - 1];
 }
 
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
@@ -4373,23 +4469,65 @@ static const struct { const char *name; void *fn; } emu_fns[] = {
     EMU_FN(cuEventElapsedTime)
 };
 
+/* Variants other than the one cuda.h means by the plain name. */
+static CUresult gpa_v1(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+static const struct { const char *name; int version; void *fn; } emu_other_variants[] = {
+    {"cuCtxSynchronize", 13000, (void *)&cuCtxSynchronize_v2},
+    {"cuCtxGetDevice", 13000, (void *)&cuCtxGetDevice_v2},
+    {"cuStreamGetCtx", 12050, (void *)&cuStreamGetCtx_v2},
+    {"cuEventElapsedTime", 2000, (void *)&cuEventElapsedTime}, /* same contract */
+    {"cuGetProcAddress", 11030, (void *)&gpa_v1},
+};
+
+/* As the real driver does, cuGetProcAddress returns the variant of a name
+ * that was current at the CUDA version asked for: asked at 13000,
+ * "cuCtxSynchronize" is cuCtxSynchronize_v2(CUcontext), not the
+ * cuCtxSynchronize(void) that cuda.h declares. A caller that asks at the
+ * wrong version gets the wrong signature here as on a GPU. */
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                           CUdriverProcAddressQueryResult *symbolStatus) {
   ENTER("cuGetProcAddress");
-  (void)cudaVersion;
-  (void)flags;
+  (void)flags; /* per-thread default stream variants: same functions here */
   if (!symbol || !pfn)
     RET(CUDA_ERROR_INVALID_VALUE);
   *pfn = NULL;
-  for (size_t i = 0; i < sizeof emu_fns / sizeof emu_fns[0]; i++)
-    if (strcmp(emu_fns[i].name, symbol) == 0) {
-      *pfn = emu_fns[i].fn;
-      break;
+  CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  int vers[32];
+  int nv = variant_versions(symbol, vers, 32);
+  int mine = header_variant_version(symbol, vers, nv);
+  int chosen = mine;
+  if (nv > 0) {
+    chosen = -1;
+    for (int i = 0; i < nv; i++)
+      if (vers[i] <= cudaVersion)
+        chosen = vers[i];
+  }
+  if (chosen < 0) {
+    st = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+  } else if (chosen == mine) {
+    for (size_t i = 0; i < sizeof emu_fns / sizeof emu_fns[0]; i++)
+      if (strcmp(emu_fns[i].name, symbol) == 0) {
+        *pfn = emu_fns[i].fn;
+        break;
+      }
+    if (!*pfn && is_cuda_name(symbol))
+      *pfn = stub_named(symbol);
+  } else {
+    for (size_t i = 0; i < sizeof emu_other_variants / sizeof emu_other_variants[0]; i++)
+      if (strcmp(emu_other_variants[i].name, symbol) == 0 &&
+          emu_other_variants[i].version == chosen)
+        *pfn = emu_other_variants[i].fn;
+    if (!*pfn) {
+      char what[128];
+      snprintf(what, sizeof what, "%s (its CUDA %d.%d variant)", symbol, chosen / 1000,
+               chosen % 1000 / 10);
+      *pfn = stub_named(what);
     }
-  if (!*pfn)
-    *pfn = stub_for(symbol);
+  }
+  if (*pfn)
+    st = CU_GET_PROC_ADDRESS_SUCCESS;
   if (symbolStatus)
-    *symbolStatus = *pfn ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    *symbolStatus = st;
   RET(*pfn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND);
 }
 
@@ -4397,5 +4535,9 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuin
 #undef cuGetProcAddress
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+  return gpa_v1(symbol, pfn, cudaVersion, flags);
+}
+
+static CUresult gpa_v1(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
   return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, NULL);
 }

@@ -82,7 +82,7 @@ static void load(void) {
   {                                                                            \
     void *f = NULL;                                                            \
     CUdriverProcAddressQueryResult q;                                          \
-    if (gp(#n, &f, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &q) != 0 || !f) { \
+    if (gp(#n, &f, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &q) != 0 || !f) {        \
       fprintf(stderr, "cannot resolve %s\n", #n);                              \
       exit(1);                                                                 \
     }                                                                          \
@@ -90,6 +90,17 @@ static void load(void) {
   }
   FUNCS(RESOLVE)
 #undef RESOLVE
+  /* Asked at 13.0, cuCtxSynchronize is the variant that takes a context (as
+   * on the real driver), which is why the table above asks at 12.0, where
+   * every name used here has the variant cuda.h declares. */
+  void *f2 = NULL;
+  CUdriverProcAddressQueryResult q2;
+  CHECK(gp("cuCtxSynchronize", &f2, 13000, 0, &q2) == CUDA_SUCCESS && f2 != NULL);
+  CHECK(f2 != (void *)p_cuCtxSynchronize);
+  CHECK(gp("cuMemAlloc", &f2, 3000, 0, &q2) == CUDA_SUCCESS); /* the old variant: a stub */
+  CHECK(f2 != (void *)p_cuMemAlloc);
+  CHECK(gp("cuMemAlloc", &f2, 1000, 0, &q2) == CUDA_ERROR_NOT_FOUND &&
+        q2 == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
   /* A CUDA name the emulator lacks: a stub. A non-CUDA name: not found. */
   void *f = NULL;
   CUdriverProcAddressQueryResult q;
