@@ -30,9 +30,15 @@
  * message (arena id, offset, length, sequence number, user metadata) and no
  * driver export/import call.
  *
+ * Buffers outside arenas (any gpuipc_buffer: pool, VMM, legacy, wrapped)
+ * travel too, by descriptor (gpuipc_conn_send_buffer), at the cost of the
+ * handle layer's export and import cache.
+ *
  * Stream ordering. gpuipc_conn_send(conn, block, stream) enqueues, on the
  * producer's stream, a write of a sequence number into a flag word in device
- * memory both processes map (cuStreamWriteValue64); gpuipc_conn_recv(conn,
+ * memory both processes map (cuStreamWriteValue64; the words live in a small
+ * per-device VMM arena of gpuipc's, because the driver refuses stream memory
+ * operations on pool memory); gpuipc_conn_recv(conn,
  * stream) enqueues on the consumer's stream a wait for that value
  * (cuStreamWaitValue64). So the consumer's later work on its stream runs
  * after the producer's work queued before the send, and neither host blocks.
