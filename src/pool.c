@@ -29,7 +29,9 @@ uint64_t gpuipc__next_pool_id(void) { return atomic_fetch_add(&pool_ids, 1) + 1;
  * driver whether the allocation a descriptor names still exists. The
  * exporter tells it instead: each process that allocates keeps a table of
  * generation words in a named shared-memory object,
- *   /dev/shm/gpuipc-<uid>-<pid>-<start time>   (mode 0600, O_EXCL),
+ *   /dev/shm/gpuipc-<uid>-<pid namespace>-<pid>-<start time>
+ * (mode 0600, O_EXCL; the namespace is in the name because one /dev/shm
+ * may be shared by containers whose pids mean different processes),
  * slot (generation % GPUIPC__LIVE_SLOTS) holding the generation while the
  * allocation lives and generation | GPUIPC__LIVE_FREED_BIT once freed. An
  * importer of the same uid maps it read-only (once per exporter) and
@@ -57,22 +59,23 @@ static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t *live_slots;  /* this process's table (NULL: none) */
 static pid_t live_pid;        /* the process that made live_slots */
 static bool live_tried;
-static char live_path[96];
+static char live_path[128];
 
-static void live_name(char *out, size_t cap, uid_t uid, int pid,
-                      uint64_t start_time) {
-  snprintf(out, cap, "/dev/shm/gpuipc-%u-%d-%llu", (unsigned)uid, pid,
-           (unsigned long long)start_time);
+static void live_name(char *out, size_t cap, uid_t uid, uint64_t pidns,
+                      int pid, uint64_t start_time) {
+  snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu", (unsigned)uid,
+           (unsigned long long)pidns, pid, (unsigned long long)start_time);
 }
 
-/* Removes tables of this uid whose process is gone (pid free, or reused by
- * a process with another start time). */
-static void live_sweep(void) {
+/* Removes tables of this uid and pid namespace whose process is gone (pid
+ * free, or reused by a process with another start time). */
+static void live_sweep(uint64_t pidns) {
   DIR *dir = opendir("/dev/shm");
   if (dir == NULL)
     return;
-  char prefix[32];
-  snprintf(prefix, sizeof prefix, "gpuipc-%u-", (unsigned)geteuid());
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "gpuipc-%u-%llu-", (unsigned)geteuid(),
+           (unsigned long long)pidns);
   size_t pl = strlen(prefix);
   struct dirent *e;
   while ((e = readdir(dir)) != NULL) {
@@ -110,8 +113,9 @@ static uint64_t *live_self(void) {
     return live_slots;
   live_tried = true;
   live_pid = me;
-  live_sweep();
-  live_name(live_path, sizeof live_path, geteuid(), (int)me,
+  uint64_t pidns = gpuipc__pid_namespace();
+  live_sweep(pidns);
+  live_name(live_path, sizeof live_path, geteuid(), pidns, (int)me,
             gpuipc__process_start_time((int)me));
   int fd = open(live_path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                 0600);
@@ -186,8 +190,9 @@ typedef struct peer_table {
 static peer_table *peers;
 
 static const uint64_t *peer_open(const gpuipc__identity *ex) {
-  char path[96];
-  live_name(path, sizeof path, geteuid(), ex->pid, ex->start_time);
+  char path[128];
+  live_name(path, sizeof path, geteuid(), ex->pidns, ex->pid,
+            ex->start_time);
   int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     GPUIPC__INFO("handle",

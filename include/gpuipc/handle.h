@@ -30,7 +30,7 @@
  *   legacy and pool imports get importer-local ids), so gpuipc asks the
  *   exporter instead: every process that allocates keeps a *liveness table*
  *   of generation words in shared memory (a file in /dev/shm named after
- *   its uid, pid and start time, mode 0600), marked when a buffer is freed.
+ *   its uid, pid namespace, pid and start time, mode 0600), marked when a buffer is freed.
  *   Every import (cache hits included) reads the exporter's table first and
  *   refuses a freed buffer with GPUIPC_E_STALE. Limits: the table is
  *   readable only by the same uid, and within one /dev/shm; an importer
