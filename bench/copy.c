@@ -227,10 +227,12 @@ static void size_text(size_t n, char *buf, size_t cap) {
 static void usage(FILE *f) {
   fprintf(f,
           "usage: gpuipc bench copy [--max SIZE] [--min SIZE] [--reps N] "
-          "[--quick] [--device N] [--emulator PATH]\n"
+          "[--quick] [--device N] [--threads N] [--emulator PATH]\n"
           "  sizes go from --min (default 1M) to --max (default 4G on a GPU,\n"
           "  16M on the emulator) by factors of 4; SIZE takes K/M/G.\n"
-          "  --quick: 3 repetitions and at most 64M (4M on the emulator).\n");
+          "  --quick: 3 repetitions and at most 64M (4M on the emulator).\n"
+          "  --threads: host threads of the engine's staged memcpy (default:\n"
+          "  the engine's choice), to compare settings on one machine.\n");
 }
 
 static void row(const char *size, const char *name, double plain, double x,
@@ -255,7 +257,7 @@ int gpuipc_bench_copy(int argc, char **argv) {
   if (emulated < 0)
     return 2;
   size_t max = 0, min = MIB;
-  int reps = 0, quick = 0, device = 0;
+  int reps = 0, quick = 0, device = 0, threads = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0) {
       usage(stdout);
@@ -280,6 +282,12 @@ int gpuipc_bench_copy(int argc, char **argv) {
       }
     } else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) {
       device = atoi(argv[++i]);
+    } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+      threads = atoi(argv[++i]);
+      if (threads < 1 || threads > 16) {
+        usage(stderr);
+        return 2;
+      }
     } else {
       usage(stderr);
       return 2;
@@ -356,7 +364,9 @@ int gpuipc_bench_copy(int argc, char **argv) {
     goto out;
   }
   memset(gpuipc_xfer_shared_slot(b.sh, 0), 7, max);
-  if (gpuipc_xfer_create(device, NULL, &b.x) != GPUIPC_OK) {
+  gpuipc_xfer_options xo = GPUIPC_XFER_OPTIONS_INIT;
+  xo.host_threads = threads;
+  if (gpuipc_xfer_create(device, &xo, &b.x) != GPUIPC_OK) {
     fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
     goto out;
   }
@@ -366,11 +376,12 @@ int gpuipc_bench_copy(int argc, char **argv) {
   gpuipc_xfer_get_info(b.x, &in);
 
   printf("gpuipc bench copy: device %d (%s)%s, %d copy engine(s); engine: %d "
-         "streams, chunks up to %zu MiB, staging %d x %zu MiB; median of %d, "
-         "interleaved\n",
+         "streams, chunks up to %zu MiB, staging %d x %zu MiB, %d host "
+         "thread(s) of %ld CPUs; median of %d, interleaved\n",
          device, name, emulated ? " [CUDA driver emulator]" : "",
          in.copy_engines, in.streams, in.max_chunk_bytes >> 20,
-         in.staging_slots, in.staging_slot_bytes >> 20, reps);
+         in.staging_slots, in.staging_slot_bytes >> 20, in.host_threads,
+         sysconf(_SC_NPROCESSORS_ONLN), reps);
   printf("plain: the raw driver call (pinned one-way: cuMemcpy*Async = the "
          "bound; pageable: cuMemcpy; pipeline: H2D, D2D, D2H in sequence on "
          "one stream)\n"
