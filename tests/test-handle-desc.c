@@ -7,8 +7,10 @@
  */
 #include "test-handle.h"
 
+#include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* Recomputes the checksum after a test changed a field. */
@@ -379,6 +381,121 @@ TEST_IMPL(handle_desc_freed_is_stale_vmm) {
 }
 TEST_IMPL(handle_desc_freed_is_stale_pinned_host) {
   return freed_is_stale(GPUIPC_POOL_PINNED_HOST);
+}
+
+/* ---- the exporter's liveness table ------------------------------------------------------- */
+
+/* The table's file for an exporter identity (docs/descriptor.md). */
+static void table_path(char *out, size_t cap, const gpuipc__identity *ex) {
+  snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu", (unsigned)geteuid(),
+           (unsigned long long)ex->pidns, (int)ex->pid,
+           (unsigned long long)ex->start_time);
+}
+
+/* Writes a table by hand: the format of docs/descriptor.md, one slot set. */
+static void write_table(const char *path, mode_t mode, uint64_t slot,
+                        uint64_t value) {
+  int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(fchmod(fd, mode), 0); /* whatever the umask */
+  ASSERT_EQ(ftruncate(fd, 64 + (off_t)GPUIPC__LIVE_SLOTS * 8), 0);
+  uint8_t h[64];
+  memset(h, 0, sizeof h);
+  put64(h, 0x4556494c43504947ull); /* "GIPCLIVE" */
+  h[8] = 1;                        /* version */
+  uint32_t n = GPUIPC__LIVE_SLOTS;
+  for (int i = 0; i < 4; i++)
+    h[12 + i] = (uint8_t)(n >> (8 * i));
+  ASSERT_EQ(pwrite(fd, h, sizeof h, 0), (ssize_t)sizeof h);
+  uint8_t v[8];
+  put64(v, value);
+  ASSERT_EQ(pwrite(fd, v, 8, 64 + (off_t)(slot % GPUIPC__LIVE_SLOTS) * 8), 8);
+  close(fd);
+}
+
+/* A legacy descriptor of a made-up exporter (start time st) with
+ * generation 4, and its table's path. */
+static size_t fake_exporter_desc(uint8_t *out, uint64_t st, char *path,
+                                 size_t cap) {
+  uint8_t raw[GPUIPC_DESC_MAX];
+  size_t len = fake_desc(raw);
+  gpuipc__desc d;
+  ASSERT_OK(gpuipc__desc_decode(raw, len, &d));
+  d.exporter.start_time = st;
+  ASSERT_OK(gpuipc__desc_encode(&d, out, GPUIPC_DESC_MAX, &len));
+  table_path(path, cap, &d.exporter);
+  unlink(path);
+  return len;
+}
+
+/* What the importer trusts in a table: a freed slot of a table of this uid,
+ * mode 0600 and the right format refuses the import before the driver is
+ * asked; a table others may write, a live slot, or a slot another
+ * generation took never refuses (the import goes on, and fails later on
+ * the made-up descriptor's device or handle bytes). */
+TEST_IMPL(handle_desc_liveness_table_trust) {
+  ASSERT_OK(gpuipc_init());
+  char path[160];
+  uint8_t d[GPUIPC_DESC_MAX];
+  const uint64_t freed = 4 | GPUIPC__LIVE_FREED_BIT;
+  struct {
+    mode_t mode;
+    uint64_t value;
+    bool refused_by_table;
+  } cases[] = {
+      {0600, freed, true},
+      {0644, freed, false},                        /* others may read */
+      {0600, 4, false},                            /* live */
+      {0600, (4 + GPUIPC__LIVE_SLOTS) | GPUIPC__LIVE_FREED_BIT, false},
+      {0600, 4 + GPUIPC__LIVE_SLOTS, false},       /* slot taken over */
+  };
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(cases); i++) {
+    /* A new made-up exporter each time: tables are read once per exporter. */
+    size_t len = fake_exporter_desc(d, 9000000 + (uint64_t)i, path,
+                                    sizeof path);
+    write_table(path, cases[i].mode, 4, cases[i].value);
+    gpuipc_status s = import_raw(d, len);
+    unlink(path);
+    ASSERT_NE(s, GPUIPC_OK);
+    bool by_table =
+        strstr(gpuipc_last_error(), "descriptor names (generation 4)") != NULL;
+    printf("case %zu: %s: %s\n", i, gpuipc_status_name(s),
+           gpuipc_last_error());
+    ASSERT_EQ(by_table, cases[i].refused_by_table);
+    if (by_table)
+      ASSERT_STATUS(s, GPUIPC_E_STALE);
+  }
+  return 0;
+}
+
+/* An importer that cannot read the exporter's table (another uid, another
+ * /dev/shm; simulated by removing it) imports as before: a freed VMM
+ * buffer's fd still holds the allocation, so the import works and shows the
+ * data. That is the documented limit of the check. */
+TEST_IMPL(handle_desc_liveness_table_unreachable) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len;
+  int fds[1] = {-1}, nfds = 1;
+  const size_t n = 65536;
+  uint64_t slot =
+      th_peer_export(sock, GPUIPC_POOL_VMM, n, 12, d, &len, fds, &nfds);
+  gpuipc__desc x;
+  ASSERT_OK(gpuipc__desc_decode(d, len, &x));
+  char path[160];
+  table_path(path, sizeof path, &x.exporter);
+  ASSERT_EQ(access(path, R_OK), 0); /* the peer made one */
+  ASSERT_EQ(unlink(path), 0);
+  th_peer_free(sock, slot);
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b));
+  th_close_fds(fds, nfds);
+  ASSERT(th_check(b, 0, n, 12));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  th_peer_stop(pid, sock);
+  return 0;
 }
 
 /* ---- the pidfd_getfd route --------------------------------------------------------------- */
