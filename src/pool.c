@@ -180,7 +180,11 @@ void gpuipc__generation_freed(uint64_t g) {
   pthread_mutex_unlock(&live_lock);
 }
 
-/* Exporters' tables mapped here, read-only, once per exporter. */
+/* Exporters' tables mapped here, read-only, once per live exporter. An
+ * entry goes (unmapped) once its process is gone, checked whenever a new
+ * exporter is looked up: a long-running importer of many short-lived
+ * exporters must not keep their (unlinked) tables' pages mapped forever,
+ * and made-up identities in hostile descriptors must not grow the list. */
 typedef struct peer_table {
   int32_t pid;
   uint64_t start_time;
@@ -188,6 +192,11 @@ typedef struct peer_table {
   struct peer_table *next;
 } peer_table;
 static peer_table *peers;
+
+static void peer_unmap(const uint64_t *slots) {
+  if (slots != NULL)
+    munmap((void *)((const uint8_t *)slots - sizeof(live_header)), LIVE_BYTES);
+}
 
 static const uint64_t *peer_open(const gpuipc__identity *ex) {
   char path[128];
@@ -197,15 +206,15 @@ static const uint64_t *peer_open(const gpuipc__identity *ex) {
   if (fd < 0) {
     GPUIPC__INFO("handle",
                  "cannot check whether buffers of pid %d are freed: its "
-                 "liveness table %s: %s (another uid, an older library, or "
-                 "the exporter exited); imports proceed unchecked",
+                 "liveness table %s: %s (another uid or /dev/shm, or an "
+                 "older library); imports proceed unchecked",
                  (int)ex->pid, path, strerror(errno));
     return NULL;
   }
   struct stat st;
   const uint64_t *slots = NULL;
-  /* Only a table of this very uid is trusted: anyone could create a file
-   * with that name. */
+  /* Only a table of this very uid, closed to others, is trusted: anyone
+   * could create a file with that name. */
   if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
       (st.st_mode & 0077) == 0 && (size_t)st.st_size == LIVE_BYTES) {
     void *m = mmap(NULL, LIVE_BYTES, PROT_READ, MAP_SHARED, fd, 0);
@@ -231,12 +240,39 @@ gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *ex,
                                             uint64_t g) {
   if (g == 0 || (g & GPUIPC__LIVE_FREED_BIT))
     return GPUIPC__LIVE_UNKNOWN;
+  gpuipc__live_state st = GPUIPC__LIVE_UNKNOWN;
   pthread_mutex_lock(&live_lock);
   peer_table *p;
   for (p = peers; p; p = p->next)
     if (p->pid == ex->pid && p->start_time == ex->start_time)
       break;
   if (p == NULL) {
+    /* Forget exporters that are gone. */
+    for (peer_table **pp = &peers; *pp;) {
+      peer_table *q = *pp;
+      if (gpuipc__process_start_time(q->pid) != q->start_time) {
+        *pp = q->next;
+        peer_unmap(q->slots);
+        free(q);
+      } else {
+        pp = &q->next;
+      }
+    }
+    if (gpuipc__process_start_time(ex->pid) != ex->start_time) {
+      /* The exporter is gone (or never was): nothing to keep. Its table,
+       * if still there, is read once for this import. */
+      const uint64_t *t = peer_open(ex);
+      if (t != NULL) {
+        uint64_t v = __atomic_load_n(&t[g % GPUIPC__LIVE_SLOTS],
+                                     __ATOMIC_ACQUIRE);
+        st = v == g ? GPUIPC__LIVE_YES
+             : v == (g | GPUIPC__LIVE_FREED_BIT) ? GPUIPC__LIVE_FREED
+                                                 : GPUIPC__LIVE_UNKNOWN;
+        peer_unmap(t);
+      }
+      pthread_mutex_unlock(&live_lock);
+      return st;
+    }
     p = calloc(1, sizeof *p);
     if (p == NULL) {
       pthread_mutex_unlock(&live_lock);
@@ -248,16 +284,18 @@ gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *ex,
     p->next = peers;
     peers = p;
   }
-  const uint64_t *t = p->slots;
+  /* Read under the lock: a concurrent lookup may unmap a gone exporter's
+   * table. */
+  if (p->slots != NULL) {
+    uint64_t v = __atomic_load_n(&p->slots[g % GPUIPC__LIVE_SLOTS],
+                                 __ATOMIC_ACQUIRE);
+    if (v == g)
+      st = GPUIPC__LIVE_YES;
+    else if (v == (g | GPUIPC__LIVE_FREED_BIT))
+      st = GPUIPC__LIVE_FREED;
+  }
   pthread_mutex_unlock(&live_lock);
-  if (t == NULL)
-    return GPUIPC__LIVE_UNKNOWN;
-  uint64_t v = __atomic_load_n(&t[g % GPUIPC__LIVE_SLOTS], __ATOMIC_ACQUIRE);
-  if (v == g)
-    return GPUIPC__LIVE_YES;
-  if (v == (g | GPUIPC__LIVE_FREED_BIT))
-    return GPUIPC__LIVE_FREED;
-  return GPUIPC__LIVE_UNKNOWN;
+  return st;
 }
 
 const char *gpuipc_pool_kind_name(gpuipc_pool_kind kind) {
