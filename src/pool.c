@@ -8,6 +8,8 @@
 #include "handle_internal.h"
 
 #include <dirent.h>
+#include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -67,6 +69,16 @@ static void live_name(char *out, size_t cap, uid_t uid, uint64_t pidns,
            (unsigned long long)pidns, pid, (unsigned long long)start_time);
 }
 
+/* True when the process (pid, start time) is certainly gone: its pid is
+ * free, or names a process with another start time. A /proc read that
+ * fails for another reason (out of fds) says nothing. */
+static bool process_gone(int pid, uint64_t start_time) {
+  uint64_t now = gpuipc__process_start_time(pid);
+  if (now != 0)
+    return now != start_time;
+  return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+}
+
 /* Removes tables of this uid and pid namespace whose process is gone (pid
  * free, or reused by a process with another start time). */
 static void live_sweep(uint64_t pidns) {
@@ -85,8 +97,8 @@ static void live_sweep(uint64_t pidns) {
     unsigned long long st = 0;
     if (sscanf(e->d_name + pl, "%d-%llu", &pid, &st) != 2 || pid <= 0)
       continue;
-    if (gpuipc__process_start_time(pid) == st)
-      continue; /* alive */
+    if (!process_gone(pid, st))
+      continue;
     if (unlinkat(dirfd(dir), e->d_name, 0) == 0)
       GPUIPC__DEBUG("handle", "removed the liveness table of gone process %d",
                     pid);
@@ -250,7 +262,7 @@ gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *ex,
     /* Forget exporters that are gone. */
     for (peer_table **pp = &peers; *pp;) {
       peer_table *q = *pp;
-      if (gpuipc__process_start_time(q->pid) != q->start_time) {
+      if (process_gone(q->pid, q->start_time)) {
         *pp = q->next;
         peer_unmap(q->slots);
         free(q);
@@ -258,7 +270,7 @@ gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *ex,
         pp = &q->next;
       }
     }
-    if (gpuipc__process_start_time(ex->pid) != ex->start_time) {
+    if (process_gone(ex->pid, ex->start_time)) {
       /* The exporter is gone (or never was): nothing to keep. Its table,
        * if still there, is read once for this import. */
       const uint64_t *t = peer_open(ex);
