@@ -283,3 +283,42 @@ TEST_IMPL(handle_cache_no_cache_flag) {
   th_peer_stop(pid, sock);
   return 0;
 }
+
+/* A cached mapping closed behind the cache's back (here: the driver call
+ * made directly) is no longer handed out: a hit re-reads the mapping's own
+ * buffer id, recorded when it was opened, and the entry is retired and the
+ * descriptor opened anew. White-box: the emulator only, where closing a
+ * mapping twice is reported rather than undefined. */
+TEST_IMPL(handle_cache_mapping_replaced_under_it) {
+  REQUIRE_EMULATOR("closes a cached mapping behind the cache's back");
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len;
+  int nfds = 0;
+  const size_t n = 65536;
+  uint64_t slot =
+      th_peer_export(sock, GPUIPC_POOL_LEGACY, n, 50, d, &len, NULL, &nfds);
+  gpuipc_buffer *a = NULL, *b = NULL;
+  ASSERT_OK(gpuipc_buffer_import(d, len, NULL, 0, NULL, &a));
+  gpuipc_cache_stats s0 = stats();
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(a->base));
+  gpuipc__ctx_leave(&g);
+  ASSERT_OK(gpuipc_buffer_import(d, len, NULL, 0, NULL, &b));
+  gpuipc_cache_stats s1 = stats();
+  ASSERT_EQ(s1.hits, s0.hits);
+  ASSERT_EQ(s1.stale, s0.stale + 1);
+  ASSERT(th_check(b, 0, n, 50));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  /* a's mapping was closed already: its close may be refused. */
+  gpuipc_status s = gpuipc_buffer_close(a);
+  printf("closing the entry closed behind its back: %s\n",
+         gpuipc_status_name(s));
+  ASSERT_EQ(stats().live_mappings, 0);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}

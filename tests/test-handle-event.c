@@ -48,6 +48,9 @@ HELPER_IMPL(handle_event_producer) {
   CUstream s, s2;
   ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
   ASSERT_CU(gpuipc__cu.cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+  /* The "held producer" flag word is cuMemAlloc memory whatever the
+   * buffer's kind: stream memory operations refuse memory-pool memory on
+   * the real driver (CUDA_ERROR_INVALID_VALUE, driver 580). */
   CUdeviceptr flag;
   ASSERT_CU(gpuipc__cu.cuMemAlloc(&flag, 4));
   ASSERT_CU(gpuipc__cu.cuMemsetD32(flag, 0, 1));
