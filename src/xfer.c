@@ -54,6 +54,8 @@ struct gpuipc_xfer {
   CUstream streams[GPUIPC_XFER_MAX_STREAMS];
   CUevent ev_done[GPUIPC_XFER_MAX_STREAMS];
   CUevent ev_start;
+  CUstream start_stream; /* where ev_start was last recorded */
+  bool start_recorded;
   CUevent ev_sync;
 
   /* staging ring (allocated on first need) */
@@ -552,6 +554,41 @@ static size_t staged_chunk(const gpuipc_xfer *x, size_t bytes) {
   return c;
 }
 
+/* Records the fork event on the caller's stream (the engine's streams then
+ * wait for it). A wait enqueued by an earlier call captured that call's
+ * record; recording the same event again on ANOTHER stream must not release
+ * it early. CUDA keeps each record apart (cuStreamWaitEvent captures the
+ * record current at the call), but an implementation that tracks an event's
+ * completion as one counter (the test emulator does) lets a later record on
+ * an idle stream complete the earlier, still pending one. So when the
+ * caller's stream changes while the last record is still pending, a fresh
+ * event takes over: cuEventDestroy on a pending event returns at once and
+ * frees it once its record completes (cuda.h), so the earlier waits stay
+ * intact. A single caller stream (the usual case) never pays for this. */
+static gpuipc_status record_start(gpuipc_xfer *x, CUstream caller,
+                                  const char *fn) {
+  CUresult r;
+  if (x->start_recorded && x->start_stream != caller &&
+      GPUIPC__CU(cuEventQuery, x->ev_start) != CUDA_SUCCESS) {
+    CUevent fresh = NULL;
+    r = GPUIPC__CU(cuEventCreate, &fresh, CU_EVENT_DISABLE_TIMING);
+    if (r != CUDA_SUCCESS)
+      return gpuipc__fail_cuda(r, "cuEventCreate", "%s: fork event", fn);
+    r = GPUIPC__CU(cuEventDestroy, x->ev_start);
+    if (r != CUDA_SUCCESS) /* only a leak of one event */
+      GPUIPC__DEBUG("xfer", "cuEventDestroy of a pending fork event: %s",
+                    gpuipc__cuda_error_name(r));
+    x->ev_start = fresh;
+  }
+  r = GPUIPC__CU(cuEventRecord, x->ev_start, caller);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuEventRecord", "%s: the caller's stream",
+                             fn);
+  x->start_recorded = true;
+  x->start_stream = caller;
+  return GPUIPC_OK;
+}
+
 /* ---- one transfer -------------------------------------------------------- */
 
 enum op_kind { OP_TO_DEVICE, OP_TO_HOST, OP_PIPELINE };
@@ -682,7 +719,6 @@ static gpuipc_status run_direct(gpuipc_xfer *x, const struct op *op) {
 
 static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
   gpuipc_status s = GPUIPC_OK;
-  CUresult r;
   bool staged = op->src_kind == MEM_PAGEABLE || op->dst_kind == MEM_PAGEABLE;
   bool scratch = op->kind == OP_PIPELINE &&
                  (op->stage.dev_in == NULL || op->stage.dev_out == NULL);
@@ -701,10 +737,7 @@ static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
     GPUIPC__CHECK(scratch_alloc(x));
 
   /* Fork: the engine's streams start after the caller's earlier work. */
-  r = GPUIPC__CU(cuEventRecord, x->ev_start, op->caller);
-  if (r != CUDA_SUCCESS)
-    return gpuipc__fail_cuda(r, "cuEventRecord", "%s: the caller's stream",
-                             op_name(op->kind));
+  GPUIPC__CHECK(record_start(x, op->caller, op_name(op->kind)));
   for (int i = 0; i < nuse; i++)
     GPUIPC__CU_CHECK_GOTO(s, fail, cuStreamWaitEvent, x->streams[i],
                           x->ev_start, 0);

@@ -725,6 +725,60 @@ TEST_IMPL(xfer_stream_order) {
   return 0;
 }
 
+/* One engine, two caller streams. The engine forks from each caller's
+ * stream with an event; a copy for stream A that waits behind A's earlier
+ * work must keep waiting when a later call records the fork again on an idle
+ * stream B (each record is its own: cuStreamWaitEvent captures the record
+ * current at the call). */
+TEST_IMPL(xfer_two_caller_streams) {
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "100", 1);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  const size_t n = 3000;
+  gpuipc_xfer *x = engine(2, 0, 0);
+  CUstream a = new_stream(), b = new_stream();
+  CUdeviceptr da = dev_alloc(n), db = dev_alloc(n);
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(da, 0x11, n));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(NULL));
+  uint8_t *sa = malloc(n), *sb = malloc(n), *back = malloc(n);
+  ASSERT_NOT_NULL(sa);
+  ASSERT_NOT_NULL(sb);
+  ASSERT_NOT_NULL(back);
+  memset(sa, 0x5A, n);
+  memset(sb, 0x6B, n);
+
+  gate *gt = gate_launch(a);
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(da, 0x22, n, a));
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(da), sa, n, a, 0)); /* pageable */
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(db), sb, n, b, 0));
+  usleep(20000);
+  /* A is held: the copy into da has not happened (the legacy stream's
+   * synchronous copy does not wait for the non-blocking a). */
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, da, n));
+  for (size_t i = 0; i < n; i++)
+    ASSERT_EQ(back[i], 0x11);
+  atomic_store(&gt->open, 1);
+  ASSERT_CU(stream_done(a, 60));
+  ASSERT_CU(stream_done(b, 60));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, da, n));
+  for (size_t i = 0; i < n; i++)
+    ASSERT_EQ(back[i], 0x5A); /* after the memset, not overwritten by it */
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, db, n));
+  for (size_t i = 0; i < n; i++)
+    ASSERT_EQ(back[i], 0x6B);
+
+  ASSERT_OK(gpuipc_xfer_destroy(x));
+  ASSERT_CU(gpuipc__cu.cuMemFree(da));
+  ASSERT_CU(gpuipc__cu.cuMemFree(db));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(a));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(b));
+  free(sa);
+  free(sb);
+  free(back);
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
 /* A pageable source is consumed by the time the call returns (documented):
  * overwriting it at once does not change what arrives. GPUIPC_XFER_SYNC:
  * the destination is complete on return without synchronizing. */
