@@ -3025,11 +3025,14 @@ typedef struct emu_pool {
 
 static emu_pool *pools; /* E.mu */
 
+/* What cuMemPoolExportPointer writes: 48 bytes, like the real driver (580),
+ * which fills only the first 48 of CUmemPoolPtrExportData's 64 bytes and
+ * leaves the rest as the caller had them. */
 typedef struct pool_wire {
-  uint32_t magic, kind;
-  uint64_t ino, dev, pool_id, off, size, id, buffer_id;
+  uint32_t magic, dev; /* dev: the memfd's st_dev, truncated */
+  uint64_t ino, pool_id, off, size, id;
 } pool_wire;
-_Static_assert(sizeof(pool_wire) == sizeof(CUmemPoolPtrExportData), "pool export size");
+_Static_assert(sizeof(pool_wire) == 48, "pool export data: 48 bytes");
 
 static void *range_pool(const range *r) {
   return r->kind == RK_POOL || r->kind == RK_POOL_IMPORT ? r->pool : NULL;
@@ -3528,16 +3531,14 @@ CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *shareData_out, CUdevicep
   } else {
     pool_wire w;
     memset(&w, 0, sizeof w);
-    w.magic = EMU_WIRE_MAGIC;
-    w.kind = HK_POOL;
+    w.magic = EMU_WIRE_MAGIC ^ HK_POOL;
+    w.dev = (uint32_t)p->dev;
     w.ino = p->ino;
-    w.dev = p->dev;
     w.pool_id = p->id;
     w.off = b->off;
     w.size = b->req;
     w.id = b->id;
-    w.buffer_id = r.buffer_id;
-    memcpy(shareData_out->reserved, &w, sizeof w);
+    memcpy(shareData_out->reserved, &w, sizeof w); /* bytes 48..63 untouched */
   }
   pthread_mutex_unlock(&E.mu);
   RET(res);
@@ -3553,8 +3554,8 @@ CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool,
   pthread_mutex_lock(&E.mu);
   emu_pool *p = pool_from(pool);
   CUresult r = CUDA_SUCCESS;
-  if (!p || !p->imported || w.magic != EMU_WIRE_MAGIC || w.kind != HK_POOL ||
-      w.ino != p->ino || w.dev != p->dev || w.pool_id != p->id || w.size == 0 ||
+  if (!p || !p->imported || w.magic != (EMU_WIRE_MAGIC ^ HK_POOL) ||
+      w.ino != p->ino || w.dev != (uint32_t)p->dev || w.pool_id != p->id || w.size == 0 ||
       w.off > p->cap || w.size > p->cap - w.off) {
     r = CUDA_ERROR_INVALID_VALUE;
     goto out;
