@@ -10,6 +10,7 @@
  * processes: the test is the exporter, a helper (this binary re-executed) is
  * the importer, and they talk over a socketpair.
  */
+#include "conformance.h"
 #include "harness.h"
 
 #include "driver.h"
@@ -29,41 +30,7 @@ typedef struct legacy_msg {
   int32_t pad;
 } legacy_msg;
 
-/* ---- small utilities (each conformance file keeps its own: tests share no
- * header beyond harness.h) ---------------------------------------------- */
-
-static uint32_t pattern_word(uint32_t seed, size_t i) {
-  return seed * 2654435761u + (uint32_t)i * 40503u + 1u;
-}
-
-/* Writes a recognizable pattern (a function of seed and index) to n bytes,
- * and waits until it is in device memory. */
-static void put_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
-  uint32_t *h = malloc(n);
-  ASSERT_NOT_NULL(h);
-  for (size_t i = 0; i < n / 4; i++)
-    h[i] = pattern_word(seed, i);
-  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(p, h, n));
-  free(h);
-  /* A copy from pageable memory may return before the data reaches the
-   * device (cuda.h, "API synchronization behavior"): finish it before
-   * another process is told to look. */
-  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
-}
-
-/* Reads n bytes back and checks they hold the pattern of seed. */
-static void check_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
-  uint32_t *h = malloc(n);
-  ASSERT_NOT_NULL(h);
-  memset(h, 0, n);
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, p, n));
-  for (size_t i = 0; i < n / 4; i++)
-    if (h[i] != pattern_word(seed, i))
-      harness_fail(__FILE__, __LINE__,
-                   "pattern %u: word %zu of %zu reads 0x%08x, want 0x%08x",
-                   seed, i, n / 4, h[i], pattern_word(seed, i));
-  free(h);
-}
+/* ---- small utilities (patterns: conformance.h) --------------------------- */
 
 static void recv_exact(int sock, void *buf, size_t n) {
   ssize_t got = harness_recv(sock, buf, n, NULL, NULL);
@@ -84,7 +51,7 @@ static uint64_t buffer_id(CUdeviceptr p) {
 static CUdeviceptr export_buffer(legacy_msg *m, uint32_t seed) {
   CUdeviceptr p = 0;
   ASSERT_CU(gpuipc__cu.cuMemAlloc(&p, LEGACY_BYTES));
-  put_pattern(p, LEGACY_BYTES, seed);
+  conf_put_pattern(p, LEGACY_BYTES, seed);
   memset(m, 0, sizeof *m);
   ASSERT_CU(gpuipc__cu.cuIpcGetMemHandle(&m->handle, p));
   m->bytes = LEGACY_BYTES;
@@ -242,7 +209,7 @@ HELPER_IMPL(conf_legacy_open_twice) {
   ASSERT_PTR_EQ((void *)(uintptr_t)a, (void *)(uintptr_t)b);
   ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(a));
   /* Reference counted: one close leaves the second open's mapping valid. */
-  check_pattern(b, (size_t)m.bytes, m.seed);
+  conf_check_pattern(b, (size_t)m.bytes, m.seed);
   ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(b));
   harness_send_u64(sock, 1);
   gpuipc__ctx_leave(&g);
@@ -277,7 +244,7 @@ HELPER_IMPL(conf_legacy_both_directions) {
   CUdeviceptr q = 0;
   ASSERT_CU(gpuipc__cu.cuIpcOpenMemHandle(&q, m.handle,
                                           CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
-  check_pattern(q, (size_t)m.bytes, m.seed);
+  conf_check_pattern(q, (size_t)m.bytes, m.seed);
 
   /* The mapping is device memory, and its range covers what was shared. */
   unsigned int type = 0;
@@ -290,7 +257,7 @@ HELPER_IMPL(conf_legacy_both_directions) {
   ASSERT_PTR_EQ((void *)(uintptr_t)base, (void *)(uintptr_t)q);
   ASSERT_GE(size, m.bytes);
 
-  put_pattern(q, (size_t)m.bytes, m.seed2);
+  conf_put_pattern(q, (size_t)m.bytes, m.seed2);
   harness_send_u64(sock, 1);
   /* Keep the mapping until the exporter has read the data back. */
   ASSERT_UEQ(harness_recv_u64(sock), 2);
@@ -310,7 +277,7 @@ TEST_IMPL(conformance_legacy_data_both_directions) {
   pid_t pid = spawn_helper("conf_legacy_both_directions", NULL, &sock, NULL);
   harness_send(sock, &m, sizeof m, NULL, 0);
   ASSERT_UEQ(harness_recv_u64(sock), 1);
-  check_pattern(p, LEGACY_BYTES, m.seed2);
+  conf_check_pattern(p, LEGACY_BYTES, m.seed2);
   harness_send_u64(sock, 2);
   ASSERT_EQ(wait_helper(pid, 60), 0);
   close(sock);
@@ -330,7 +297,7 @@ HELPER_IMPL(conf_legacy_read_after_free) {
                                           CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
   harness_send_u64(sock, 1);
   ASSERT_UEQ(harness_recv_u64(sock), 2); /* exporter freed it */
-  check_pattern(q, (size_t)m.bytes, m.seed);
+  conf_check_pattern(q, (size_t)m.bytes, m.seed);
   ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(q));
   harness_send_u64(sock, 3);
   gpuipc__ctx_leave(&g);
@@ -369,7 +336,7 @@ static uint64_t import_and_read_id(int sock, legacy_msg *m) {
   CUdeviceptr q = 0;
   ASSERT_CU(gpuipc__cu.cuIpcOpenMemHandle(&q, m->handle,
                                           CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
-  check_pattern(q, (size_t)m->bytes, m->seed);
+  conf_check_pattern(q, (size_t)m->bytes, m->seed);
   uint64_t id = buffer_id(q);
   ASSERT_NE(id, 0);
   ASSERT_UEQ(buffer_id(q + 4096), id); /* stable, and the same inside */
@@ -447,7 +414,7 @@ HELPER_IMPL(conf_legacy_cross_gpu) {
                                           CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
   ASSERT_CU(gpuipc__cu.cuMemAlloc(&local, (size_t)m.bytes));
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoD(local, q, (size_t)m.bytes));
-  check_pattern(local, (size_t)m.bytes, m.seed);
+  conf_check_pattern(local, (size_t)m.bytes, m.seed);
   /* Which device the driver names for a mapping of another device's memory
    * is not recorded for the real driver: report it, assert nothing. */
   int ordinal = -1;

@@ -10,6 +10,7 @@
  * helper (this binary re-executed) receives the pool's file descriptor
  * through SCM_RIGHTS, exactly as gpuipc's connections carry it.
  */
+#include "conformance.h"
 #include "harness.h"
 
 #include "driver.h"
@@ -38,36 +39,6 @@ typedef struct pool_export {
 } pool_export;
 
 /* ---- small utilities ------------------------------------------------------ */
-
-static uint32_t pattern_word(uint32_t seed, size_t i) {
-  return seed * 2654435761u + (uint32_t)i * 40503u + 1u;
-}
-
-static void put_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
-  uint32_t *h = malloc(n);
-  ASSERT_NOT_NULL(h);
-  for (size_t i = 0; i < n / 4; i++)
-    h[i] = pattern_word(seed, i);
-  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(p, h, n));
-  free(h);
-  /* A copy from pageable memory may return before the data reaches the
-   * device (cuda.h, "API synchronization behavior"): finish it before
-   * another process is told to look. */
-  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
-}
-
-static void check_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
-  uint32_t *h = malloc(n);
-  ASSERT_NOT_NULL(h);
-  memset(h, 0, n);
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, p, n));
-  for (size_t i = 0; i < n / 4; i++)
-    if (h[i] != pattern_word(seed, i))
-      harness_fail(__FILE__, __LINE__,
-                   "pattern %u: word %zu of %zu reads 0x%08x, want 0x%08x",
-                   seed, i, n / 4, h[i], pattern_word(seed, i));
-  free(h);
-}
 
 static void enter(gpuipc__ctx_guard *g, int ordinal) {
   ASSERT_OK(gpuipc__driver());
@@ -106,7 +77,7 @@ static void export_buffer(pool_export *x, pool_msg *m, int device,
                                                x->stream));
   /* The allocation must be complete before anyone touches or imports it. */
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(x->stream));
-  put_pattern(x->ptr, POOL_BYTES, seed);
+  conf_put_pattern(x->ptr, POOL_BYTES, seed);
   x->fd = -1;
   ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
       &x->fd, x->pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
@@ -165,8 +136,8 @@ TEST_IMPL(conformance_pool_create_posix_fd) {
   CUdeviceptr p = 0;
   ASSERT_CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p, POOL_BYTES, pool, s));
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
-  put_pattern(p, POOL_BYTES, 21);
-  check_pattern(p, POOL_BYTES, 21);
+  conf_put_pattern(p, POOL_BYTES, 21);
+  conf_check_pattern(p, POOL_BYTES, 21);
   unsigned int type = 0;
   ASSERT_CU(gpuipc__cu.cuPointerGetAttribute(
       &type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p));
@@ -278,9 +249,9 @@ static void check_via_local_copy(CUdeviceptr q, const pool_msg *m) {
   CUdeviceptr local = 0;
   ASSERT_CU(gpuipc__cu.cuMemAlloc(&local, (size_t)m->bytes));
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoD(local, q, (size_t)m->bytes));
-  check_pattern(local, (size_t)m->bytes, m->seed);
+  conf_check_pattern(local, (size_t)m->bytes, m->seed);
   ASSERT_CU(gpuipc__cu.cuMemFree(local));
-  check_pattern(q, (size_t)m->bytes, m->seed);
+  conf_check_pattern(q, (size_t)m->bytes, m->seed);
 }
 
 /* The importer, in one of several modes (argv[0]); replies with u64 1 when
@@ -309,7 +280,7 @@ HELPER_IMPL(conf_pool_importer) {
     ASSERT_PTR_EQ(again, pool);
     set_access(pool, m.device);
     CUdeviceptr q = import_ptr(pool, &m);
-    check_pattern(q, (size_t)m.bytes, m.seed);
+    conf_check_pattern(q, (size_t)m.bytes, m.seed);
     ASSERT_CU(gpuipc__cu.cuMemFreeAsync(q, s));
     ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   } else if (strcmp(mode, "twice_ptr") == 0) {
@@ -317,7 +288,7 @@ HELPER_IMPL(conf_pool_importer) {
     CUdeviceptr a = import_ptr(pool, &m);
     CUdeviceptr b = import_ptr(pool, &m);
     ASSERT_PTR_EQ((void *)(uintptr_t)a, (void *)(uintptr_t)b);
-    check_pattern(a, (size_t)m.bytes, m.seed);
+    conf_check_pattern(a, (size_t)m.bytes, m.seed);
     /* Whether a second import needs a second free is not known for the real
      * driver; one free, and process exit releases the rest. */
     ASSERT_CU(gpuipc__cu.cuMemFreeAsync(a, s));
@@ -329,17 +300,17 @@ HELPER_IMPL(conf_pool_importer) {
     /* The failed call left the pool usable for imports. */
     set_access(pool, m.device);
     q = import_ptr(pool, &m);
-    check_pattern(q, (size_t)m.bytes, m.seed);
+    conf_check_pattern(q, (size_t)m.bytes, m.seed);
     ASSERT_CU(gpuipc__cu.cuMemFree(q));
   } else if (strcmp(mode, "destroy") == 0) {
     set_access(pool, m.device);
     CUdeviceptr q = import_ptr(pool, &m);
-    check_pattern(q, (size_t)m.bytes, m.seed);
+    conf_check_pattern(q, (size_t)m.bytes, m.seed);
     /* The real driver (580) accepts destroying an imported pool. */
     ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool));
     /* A pointer imported before stays readable. */
     ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
-    check_pattern(q, (size_t)m.bytes, m.seed);
+    conf_check_pattern(q, (size_t)m.bytes, m.seed);
     /* Whether the pointer may still be freed after its pool was destroyed
      * is not recorded for the real driver: report it, assert nothing
      * (process exit releases the mapping either way). */
@@ -364,12 +335,12 @@ HELPER_IMPL(conf_pool_importer) {
   } else if (strcmp(mode, "both") == 0) {
     set_access(pool, m.device);
     CUdeviceptr q = import_ptr(pool, &m);
-    check_pattern(q, (size_t)m.bytes, m.seed);
+    conf_check_pattern(q, (size_t)m.bytes, m.seed);
     unsigned int type = 0;
     ASSERT_CU(gpuipc__cu.cuPointerGetAttribute(
         &type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, q));
     ASSERT_EQ(type, CU_MEMORYTYPE_DEVICE);
-    put_pattern(q, (size_t)m.bytes, m.seed2);
+    conf_put_pattern(q, (size_t)m.bytes, m.seed2);
     harness_send_u64(sock, 2); /* written */
     ASSERT_UEQ(harness_recv_u64(sock), 3); /* exporter has read it */
     ASSERT_CU(gpuipc__cu.cuMemFreeAsync(q, s));
@@ -384,10 +355,10 @@ HELPER_IMPL(conf_pool_importer) {
   } else if (strcmp(mode, "read_after_destroy") == 0) {
     set_access(pool, m.device);
     CUdeviceptr q = import_ptr(pool, &m);
-    check_pattern(q, (size_t)m.bytes, m.seed);
+    conf_check_pattern(q, (size_t)m.bytes, m.seed);
     harness_send_u64(sock, 2); /* imported */
     ASSERT_UEQ(harness_recv_u64(sock), 3); /* freed and pool destroyed */
-    check_pattern(q, (size_t)m.bytes, m.seed);
+    conf_check_pattern(q, (size_t)m.bytes, m.seed);
     ASSERT_CU(gpuipc__cu.cuMemFree(q));
   } else {
     harness_fail(__FILE__, __LINE__, "unknown mode %s", mode);
@@ -425,7 +396,7 @@ TEST_IMPL(conformance_pool_data_both_directions) {
   int sock = -1;
   pid_t pid = start_importer("both", &m, x.fd, 1, &sock);
   ASSERT_UEQ(harness_recv_u64(sock), 2);
-  check_pattern(x.ptr, POOL_BYTES, m.seed2);
+  conf_check_pattern(x.ptr, POOL_BYTES, m.seed2);
   harness_send_u64(sock, 3);
   ASSERT_UEQ(harness_recv_u64(sock), 1);
   ASSERT_EQ(wait_helper(pid, 60), 0);

@@ -10,6 +10,7 @@
  * documentation of these calls is the reference). Sharing runs in two real
  * processes; the allocation's descriptor travels through SCM_RIGHTS.
  */
+#include "conformance.h"
 #include "harness.h"
 
 #include "driver.h"
@@ -32,36 +33,6 @@ typedef struct vmm_map {
 } vmm_map;
 
 /* ---- small utilities ------------------------------------------------------ */
-
-static uint32_t pattern_word(uint32_t seed, size_t i) {
-  return seed * 2654435761u + (uint32_t)i * 40503u + 1u;
-}
-
-static void put_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
-  uint32_t *h = malloc(n);
-  ASSERT_NOT_NULL(h);
-  for (size_t i = 0; i < n / 4; i++)
-    h[i] = pattern_word(seed, i);
-  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(p, h, n));
-  free(h);
-  /* A copy from pageable memory may return before the data reaches the
-   * device (cuda.h, "API synchronization behavior"): finish it before
-   * another process is told to look. */
-  ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
-}
-
-static void check_pattern(CUdeviceptr p, size_t n, uint32_t seed) {
-  uint32_t *h = malloc(n);
-  ASSERT_NOT_NULL(h);
-  memset(h, 0, n);
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, p, n));
-  for (size_t i = 0; i < n / 4; i++)
-    if (h[i] != pattern_word(seed, i))
-      harness_fail(__FILE__, __LINE__,
-                   "pattern %u: word %zu of %zu reads 0x%08x, want 0x%08x",
-                   seed, i, n / 4, h[i], pattern_word(seed, i));
-  free(h);
-}
 
 static void enter0(gpuipc__ctx_guard *g) {
   ASSERT_OK(gpuipc__driver());
@@ -158,12 +129,12 @@ TEST_IMPL(conformance_vmm_release_keeps_mapping) {
   enter0(&g);
   vmm_map m;
   create_mapped(&m, granularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  put_pattern(m.va, m.bytes, 41);
+  conf_put_pattern(m.va, m.bytes, 41);
   ASSERT_CU(gpuipc__cu.cuMemRelease(m.handle));
   m.released = true;
-  check_pattern(m.va, m.bytes, 41);
-  put_pattern(m.va, m.bytes, 42);
-  check_pattern(m.va, m.bytes, 42);
+  conf_check_pattern(m.va, m.bytes, 41);
+  conf_put_pattern(m.va, m.bytes, 42);
+  conf_check_pattern(m.va, m.bytes, 42);
   unmap_all(&m);
   gpuipc__ctx_leave(&g);
   return 0;
@@ -217,13 +188,13 @@ HELPER_IMPL(conf_vmm_importer) {
       &m.handle, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
   close(fd);
   map_handle(&m);
-  check_pattern(m.va, m.bytes, msg.seed);
+  conf_check_pattern(m.va, m.bytes, msg.seed);
   if (strcmp(mode, "survive") == 0) {
     harness_send_u64(sock, 2); /* mapped */
     ASSERT_UEQ(harness_recv_u64(sock), 3); /* exporter released everything */
-    check_pattern(m.va, m.bytes, msg.seed);
+    conf_check_pattern(m.va, m.bytes, msg.seed);
   } else {
-    put_pattern(m.va, m.bytes, msg.seed2);
+    conf_put_pattern(m.va, m.bytes, msg.seed2);
     harness_send_u64(sock, 2); /* written */
     ASSERT_UEQ(harness_recv_u64(sock), 3); /* exporter has read it */
   }
@@ -253,11 +224,11 @@ TEST_IMPL(conformance_vmm_export_import_both_directions) {
   enter0(&g);
   vmm_map m;
   create_mapped(&m, granularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  put_pattern(m.va, m.bytes, 43);
+  conf_put_pattern(m.va, m.bytes, 43);
   int sock = -1;
   pid_t pid = start_importer("both", &m, 43, &sock);
   ASSERT_UEQ(harness_recv_u64(sock), 2);
-  check_pattern(m.va, m.bytes, 43 + 1000);
+  conf_check_pattern(m.va, m.bytes, 43 + 1000);
   harness_send_u64(sock, 3);
   ASSERT_UEQ(harness_recv_u64(sock), 1);
   ASSERT_EQ(wait_helper(pid, 60), 0);
@@ -276,7 +247,7 @@ TEST_IMPL(conformance_vmm_import_survives_exporter_release) {
   enter0(&g);
   vmm_map m;
   create_mapped(&m, granularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  put_pattern(m.va, m.bytes, 44);
+  conf_put_pattern(m.va, m.bytes, 44);
   int sock = -1;
   pid_t pid = start_importer("survive", &m, 44, &sock);
   ASSERT_UEQ(harness_recv_u64(sock), 2);
