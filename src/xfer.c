@@ -730,6 +730,14 @@ static gpuipc_status run_chunked(gpuipc_xfer *x, const struct op *op) {
     chunk = op->bytes;
   size_t nchunks = op->bytes / chunk + (op->bytes % chunk != 0);
   int nuse = nchunks < (size_t)x->nstreams ? (int)nchunks : x->nstreams;
+  /* A one-way copy through staging runs its DMAs on one stream. It is bound
+   * by the host's memcpy, so parallel DMAs gain nothing, and DMAs of one
+   * direction on several streams share the link: the first chunk would land
+   * only when several have (device -> host: its memcpy out starts late).
+   * In order, each chunk arrives as early as possible and its memcpy
+   * overlaps the DMAs of the next ones. */
+  if (staged && op->kind != OP_PIPELINE)
+    nuse = 1;
 
   if (staged)
     GPUIPC__CHECK(staging_alloc(x, chunk));

@@ -78,7 +78,10 @@
  *     than by the link, so it takes fewer, larger chunks: n/8 rounded up to
  *     64 KiB, at least 1 MiB, at most the maximum (and a staging slot): the
  *     memcpy of one chunk still overlaps the DMA of the previous one, and
- *     the per-chunk costs stay small.
+ *     the per-chunk costs stay small. A one-way transfer through staging
+ *     issues its DMAs on one engine stream, in order, so that each chunk
+ *     lands as early as possible (parallel DMAs of one direction share the
+ *     link and would delay the first).
  *   - staging ring: 2 slots per stream, each slot at most one maximum chunk
  *     (64 MiB of pinned memory with the defaults), allocated on the first
  *     copy that needs it and kept until the engine is destroyed. Its slots
