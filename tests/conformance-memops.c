@@ -189,7 +189,8 @@ HELPER_IMPL(conf_memops_pool_importer) {
 /* Real driver (580, H200): cuStreamWriteValue32/64 and
  * cuStreamWaitValue32/64 on a pointer from cuMemAllocFromPoolAsync of an
  * IPC pool fail with CUDA_ERROR_INVALID_VALUE, and so they do on that
- * pointer imported into another process. A refused write changes nothing. */
+ * pointer imported into another process (next check). A refused write
+ * changes nothing. */
 TEST_IMPL(conformance_memops_refuse_pool_memory) {
   gpuipc__ctx_guard g;
   enter0(&g);
@@ -205,6 +206,32 @@ TEST_IMPL(conformance_memops_refuse_pool_memory) {
   expect_refused(s, p, word, has64);
   /* ...and an interior pointer of the allocation likewise. */
   expect_refused(s, p + 4096, word, has64);
+
+  ASSERT_CU(gpuipc__cu.cuMemFreeAsync(p, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+/* The same refusal on a pool pointer imported by another process. Unlike
+ * the check above, this one has not been seen on the real driver yet: in
+ * the one GPU run that reached it, cuMemPoolExportPointer refused the
+ * 64 KiB pointer after the refused memops (the pool checks export 1 MiB
+ * pointers), so it now exports a 1 MiB pointer before any memop. */
+TEST_IMPL(conformance_memops_refuse_imported_pool_memory) {
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  bool has64 = has_memops64();
+  CUmemoryPool pool = make_ipc_pool();
+  CUstream s = NULL;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr p = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p, (size_t)1 << 20, pool, s));
+  const uint32_t word = 0x600DF00Du;
+  ASSERT_CU(gpuipc__cu.cuMemsetD32Async(p, word, MEMOPS_BYTES / 4, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
 
   /* The same pointer imported by another process. */
   memops_msg m;

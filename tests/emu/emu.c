@@ -3282,11 +3282,13 @@ CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     RET(CUDA_ERROR_INVALID_VALUE);
   }
   if (p->imported) {
-    /* The real driver (580) accepts destroying an imported pool; pointers
-     * already imported from it stay readable. The emulator keeps the import
-     * itself, so a later import of the same pool finds it again. */
+    /* The real driver (580, H200) refuses to destroy an imported pool with
+     * CUDA_ERROR_INVALID_VALUE while pointers imported from it are live, and
+     * accepts it once none are. The emulator keeps the import itself, so a
+     * later import of the same pool finds it again. */
+    bool live = p->iptrs != NULL;
     pthread_mutex_unlock(&E.mu);
-    RET(CUDA_SUCCESS);
+    RET(live ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS);
   }
   /* As in CUDA, outstanding allocations keep the memory until freed. */
   p->destroyed = true;

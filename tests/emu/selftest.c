@@ -222,11 +222,13 @@ static int child(int sock) {
   CHECK(v[0] == 0x55555555u);
   CUdeviceptr bad;
   CU(p_cuMemAllocFromPoolAsync(&bad, 4096, pool, s), CUDA_ERROR_INVALID_VALUE);
-  /* The real driver accepts destroying an imported pool. */
-  OK(p_cuMemPoolDestroy(pool));
+  /* The real driver refuses to destroy an imported pool while pointers
+   * imported from it are live, and accepts it afterwards. */
+  CU(p_cuMemPoolDestroy(pool), CUDA_ERROR_INVALID_VALUE);
   OK(p_cuMemFreeAsync(q, s));
   OK(p_cuMemFreeAsync(q2, s));
   OK(p_cuStreamSynchronize(s));
+  OK(p_cuMemPoolDestroy(pool));
 
   /* VMM import. */
   CUmemGenericAllocationHandle h;
