@@ -203,21 +203,12 @@ GPUIPC_API gpuipc_status gpuipc_uuid_parse(const char *text, gpuipc_uuid *uuid /
 }
 #endif
 
-/* The layers above the core, each in its own header. */
-#if __has_include("gpuipc/handle.h")
+/* The layers above the core, each in its own header. The optional MPI
+ * helper (gpuipc/mpi.h, library gpuipc_mpi) is included on its own. */
 #include "gpuipc/handle.h"
-#endif
-#if __has_include("gpuipc/conn.h")
 #include "gpuipc/conn.h"
-#endif
-#if __has_include("gpuipc/proc.h")
 #include "gpuipc/proc.h"
-#endif
-#if __has_include("gpuipc/interop.h")
 #include "gpuipc/interop.h"
-#endif
-#if __has_include("gpuipc/xfer.h")
 #include "gpuipc/xfer.h"
-#endif
 
 #endif /* GPUIPC_H */
