@@ -6,6 +6,16 @@
  * the producer's data, never the poison written before. No timing: the
  * consumer checks that its copy has not completed while the producer is
  * held, and the data after.
+ *
+ * Every copy issued while a stream is held has device memory at one end:
+ * a cuMemcpyAsync from host memory to host memory (pinned or not) is
+ * "fully synchronous with respect to the host" (CUDA driver API, "API
+ * synchronization behavior"): the call returns only once the copy is
+ * done, i.e. after the stream's earlier work, so on a held stream it never
+ * returns. With a PINNED_HOST buffer, writing it from pinned memory (or
+ * reading it into pinned memory) is such a copy; the tests stage through
+ * cuMemAlloc memory instead, which makes the copy a DMA (device to pinned
+ * host, pinned host to device, or device to device) for every kind.
  */
 #include "test-handle.h"
 
@@ -54,10 +64,12 @@ HELPER_IMPL(handle_event_producer) {
   CUdeviceptr flag;
   ASSERT_CU(gpuipc__cu.cuMemAlloc(&flag, 4));
   ASSERT_CU(gpuipc__cu.cuMemsetD32(flag, 0, 1));
+  /* The producer's data comes from device memory (see the top of the
+   * file), filled now, before s is held. */
   uint32_t *good = th_pattern(N_BYTES, GOOD);
-  void *pinned;
-  ASSERT_CU(gpuipc__cu.cuMemHostAlloc(&pinned, N_BYTES, 0));
-  memcpy(pinned, good, N_BYTES);
+  CUdeviceptr src;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&src, N_BYTES));
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(src, good, N_BYTES));
   gpuipc__ctx_leave(&g);
   ASSERT_EQ(harness_recv_u64(sock), EV_GO);
 
@@ -65,12 +77,9 @@ HELPER_IMPL(handle_event_producer) {
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
   ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(s, flag, 1,
                                            CU_STREAM_WAIT_VALUE_GEQ));
-  CUdeviceptr dst = (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(buf);
-  if (kind == GPUIPC_POOL_PINNED_HOST)
-    ASSERT_CU(gpuipc__cu.cuMemcpyAsync(dst, (CUdeviceptr)(uintptr_t)pinned,
-                                       N_BYTES, s));
-  else
-    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(dst, pinned, N_BYTES, s));
+  /* Device to device, or device to pinned host: asynchronous. */
+  ASSERT_CU(gpuipc__cu.cuMemcpyAsync(
+      (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(buf), src, N_BYTES, s));
   gpuipc__ctx_leave(&g);
   ASSERT_OK(gpuipc_event_record(ev, s));
   ASSERT_STATUS(gpuipc_event_query(ev), GPUIPC_E_WOULD_BLOCK);
@@ -90,7 +99,7 @@ HELPER_IMPL(handle_event_producer) {
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s2));
   ASSERT_CU(gpuipc__cu.cuMemFree(flag));
-  ASSERT_CU(gpuipc__cu.cuMemFreeHost(pinned));
+  ASSERT_CU(gpuipc__cu.cuMemFree(src));
   gpuipc__ctx_leave(&g);
   free(good);
   ASSERT_OK(gpuipc_event_destroy(ev));
@@ -132,15 +141,16 @@ static int event_orders(gpuipc_pool_kind kind) {
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
   CUstream c;
   ASSERT_CU(gpuipc__cu.cuStreamCreate(&c, CU_STREAM_NON_BLOCKING));
-  void *host;
-  ASSERT_CU(gpuipc__cu.cuMemHostAlloc(&host, N_BYTES, 0));
-  memset(host, 0, N_BYTES);
+  /* The consumer copies into device memory (see the top of the file):
+   * device to device, or pinned host to device: asynchronous. */
+  CUdeviceptr stage;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&stage, N_BYTES));
+  ASSERT_CU(gpuipc__cu.cuMemsetD32(stage, 0, N_BYTES / 4));
   gpuipc__ctx_leave(&g);
   ASSERT_OK(gpuipc_event_wait(ev, c));
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
-  ASSERT_CU(gpuipc__cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)host,
-                                     (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(buf),
-                                     N_BYTES, c));
+  ASSERT_CU(gpuipc__cu.cuMemcpyAsync(
+      stage, (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(buf), N_BYTES, c));
   /* The producer is held: our copy cannot have run. */
   ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(c), CUDA_ERROR_NOT_READY);
   gpuipc__ctx_leave(&g);
@@ -149,14 +159,18 @@ static int event_orders(gpuipc_pool_kind kind) {
   ASSERT_EQ(harness_recv_u64(sock), EV_RELEASED);
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(c));
+  uint32_t *host = malloc(N_BYTES);
+  ASSERT_NOT_NULL(host);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(host, stage, N_BYTES));
   gpuipc__ctx_leave(&g);
   uint32_t *good = th_pattern(N_BYTES, GOOD);
   ASSERT_MEM_EQ(host, good, N_BYTES); /* never the poison */
   free(good);
+  free(host);
   ASSERT_OK(gpuipc_event_synchronize(ev));
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(c));
-  ASSERT_CU(gpuipc__cu.cuMemFreeHost(host));
+  ASSERT_CU(gpuipc__cu.cuMemFree(stage));
   gpuipc__ctx_leave(&g);
   ASSERT_OK(gpuipc_buffer_close(buf));
   ASSERT_OK(gpuipc_event_destroy(ev));

@@ -124,7 +124,12 @@ typedef enum gpuipc_pool_kind {
    * processes and pinned (page-locked, cuMemHostRegister, portable to every
    * context) in every process that maps it, so asynchronous copies to and
    * from it work everywhere. gpuipc_buffer_ptr() returns the host address,
-   * which is also the device address (unified addressing). */
+   * which is also the device address (unified addressing). A copy between
+   * such a buffer and other host memory (pinned or not) is host to host,
+   * which the CUDA driver API ("API synchronization behavior") makes fully
+   * synchronous with respect to the host even as cuMemcpyAsync: the call
+   * returns only once the copy is done, so after the stream's earlier
+   * work. Copies with device memory at the other end are asynchronous. */
   GPUIPC_POOL_PINNED_HOST = 4
 } gpuipc_pool_kind;
 
