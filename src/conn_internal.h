@@ -251,6 +251,8 @@ void gpuipc__block_unhold(gpuipc_block *b);
  * peer will never write), then waits for it to complete. Lock held. */
 gpuipc_status gpuipc__arena_force_words(gpuipc_arena *a, const uint64_t *words,
                                         int n, uint64_t value);
+/* Chunks (device allocations) held by all arenas of this process. */
+size_t gpuipc__arena_chunks_live(void);
 /* Reclaims what peers of closed connections held, for the peers that are
  * gone now (lease.c). Called without any arena lock held. */
 void gpuipc__orphans_poll(void);
