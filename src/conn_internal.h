@@ -401,6 +401,11 @@ struct gpuipc__ho {
   size_t rx_held;
   uint64_t rx_max_seq;
   bool rx_unblocked;
+  /* Event mode: the peer died while our streams waited on records of its
+   * events that will never complete (a real driver does not let a later
+   * record release them): those streams stay blocked, so close must not
+   * synchronize the context, and leaves the imports mapped. */
+  bool rx_stuck;
   struct CUstream_st *unblock; /* receiver: writes that unblock our streams */
   gpuipc__closing *closing;
   size_t nclosing, capclosing;

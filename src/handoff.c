@@ -920,10 +920,28 @@ void gpuipc__ho_peer_gone(gpuipc_conn *c) {
       for (uint32_t s = 0; r == CUDA_SUCCESS && s < h->peer_nslots; s++) {
         if (h->rx[s].last_recv == 0)
           continue;
-        if (h->rx[s].ready_ev)
+        if (h->rx[s].ready_ev) {
+          /* A wait (cuStreamWaitEvent) captured the producer's record that
+           * was current when it was enqueued; if that record is still
+           * pending, the dead producer's work before it will never run,
+           * and on a real driver nothing releases the wait (a later
+           * record, ours included, does not). Remember it: close must not
+           * wait for the device then. */
+          CUresult q = GPUIPC__CU(
+              cuEventQuery, (CUevent)gpuipc_event_handle(h->rx[s].ready_ev));
+          if (q != CUDA_SUCCESS && !h->rx_stuck) {
+            h->rx_stuck = true;
+            GPUIPC__WARN("handoff",
+                         "peer %d died with an interprocess event pending: "
+                         "streams that wait on it may stay blocked "
+                         "(GPUIPC_ORDER_EVENT cannot release them)",
+                         c->peer_pid);
+          }
           /* A record of ours completes, which a wait for the dead
-           * producer's earlier record accepts too. */
+           * producer's earlier record accepts too on drivers that track
+           * an event as one completion state. */
           (void)gpuipc_event_record(h->rx[s].ready_ev, h->unblock);
+        }
         r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)h->unblock,
                        (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, s),
                        (cuuint64_t)h->rx_max_seq, 0);
@@ -990,6 +1008,28 @@ void gpuipc__ho_close(gpuipc_conn *c) {
   if (c->state == GPUIPC__CONN_OPEN)
     (void)gpuipc__conn_send_frame(c, GPUIPC__F_BYE, NULL, 0, NULL, 0, NULL, 0,
                                   0);
+  if (h->rx_stuck && (h->nimp > 0 || h->nclosing > 0)) {
+    /* Streams of ours wait on a dead producer's event record that never
+     * completes: synchronizing would hang, and unmapping memory that their
+     * queued work may still touch is not safe. The mappings stay (leaked
+     * for the life of the process). */
+    GPUIPC__WARN("handoff",
+                 "closing the connection to dead peer %d without waiting for "
+                 "the device: %d imported chunk(s) and %zu buffer(s) stay "
+                 "mapped (streams wait on its interprocess events)",
+                 c->peer_pid, h->nimp, h->nclosing);
+    gpuipc__ctx_guard g;
+    if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
+      if (h->unblock)
+        GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
+      for (size_t i = 0; i < h->nclosing; i++)
+        GPUIPC__CU(cuEventDestroy, (CUevent)h->closing[i].ev);
+      gpuipc__ctx_leave(&g);
+    }
+    h->unblock = NULL;
+    h->nimp = 0;
+    h->nclosing = 0;
+  }
   if (h->nimp > 0 || h->nclosing > 0) {
     /* The imported memory is unmapped below; GPU work of ours that may
      * still use it (including the release writes just queued) must be

@@ -789,12 +789,18 @@ TEST_IMPL(handoff_exporter_killed) {
   ASSERT_STATUS(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r4),
                 GPUIPC_E_PEER_GONE);
   ASSERT_STATUS(gpuipc_conn_progress(c, 0), GPUIPC_E_PEER_GONE);
-  /* Nothing hangs: the stream that waited gets through. */
+  /* In event mode on a real driver, a stream waiting on a dead producer's
+   * event record stays blocked (documented in conn.h: nothing releases
+   * such a wait); gpuipc itself must still not hang. The emulator, which
+   * lets a later record release the wait, checks the stream too. */
+  bool stream_released = test_order() != GPUIPC_ORDER_EVENT ||
+                         harness_on_emulator();
   signal(SIGALRM, on_alarm);
   alarm(30);
-  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
-  alarm(0);
-  /* What was received stays readable until released. */
+  if (stream_released)
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  /* What was received stays readable until released (s is non-blocking:
+   * this synchronous copy does not wait for it). */
   d2h(host, r[0].ptr, sizeof host);
   check_pattern(host, sizeof host, 5);
   for (int i = 0; i < 3; i++)
@@ -803,7 +809,10 @@ TEST_IMPL(handoff_exporter_killed) {
   ASSERT_OK(gpuipc_conn_outstanding(c, NULL, &here));
   ASSERT_EQ(here, 0);
   gpuipc_conn_close(c);
-  ASSERT_CU(gpuipc__cu.cuMemFree(priv));
+  alarm(0);
+  /* cuMemFree may wait for the device: only when s got through. */
+  if (stream_released)
+    ASSERT_CU(gpuipc__cu.cuMemFree(priv));
   return 0;
 }
 

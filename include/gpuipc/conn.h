@@ -62,6 +62,8 @@
  * write are unblocked (gpuipc writes the awaited values into its own mapping
  * of the flag words), so nothing hangs: the data such a stream then reads is
  * undefined, which the GPUIPC_E_PEER_GONE status tells the application.
+ * (In GPUIPC_ORDER_EVENT mode this unblocking is not possible on a real
+ * driver: see the limit documented there.)
  *
  * Progress. There is no background thread. Incoming frames (buffers,
  * releases, arena exports, user messages) are read inside every call on the
@@ -142,8 +144,17 @@ typedef enum gpuipc_order_mode {
    * buffer a cuEventRecord on the sending side and a cuStreamWaitEvent on
    * the receiving side. For interop with code that speaks only events;
    * slower than MEMOP (an interprocess event wait costs more on the GPU).
-   * If a peer dies between recording an event and running the work before
-   * it, gpuipc records the event itself so that nothing waits forever. */
+   * Limit: if the producer dies before the GPU work ahead of its record
+   * ran, a consumer stream that already waits on that record (every
+   * stream passed to gpuipc_conn_recv for such a buffer) stays blocked for
+   * the life of the process: a stream wait captures the record current
+   * when it was enqueued, and no later record (gpuipc records the event
+   * itself, which helps only on drivers that track an event as one
+   * completion state) releases it. gpuipc still never hangs: calls on
+   * the connection return GPUIPC_E_PEER_GONE, release works, and
+   * gpuipc_conn_close then neither synchronizes the device nor unmaps the
+   * peer's memory (it stays mapped, leaked). Do not synchronize such
+   * streams (or the context); use MEMOP where producers may die. */
   GPUIPC_ORDER_EVENT = 2
 } gpuipc_order_mode;
 
@@ -249,7 +260,9 @@ GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
  * (cuCtxSynchronize: queued work may still read that memory); this one wait
  * is not bounded by the connection's timeout (streams waiting on a dead
  * exporter's flag words were unblocked earlier, so it cannot hang on
- * gpuipc's account). Buffers the peer holds from us stay leased; they are
+ * gpuipc's account; in GPUIPC_ORDER_EVENT mode, when the exporter died
+ * with an event record pending, close skips the wait and leaves the
+ * imported memory mapped instead). Buffers the peer holds from us stay leased; they are
  * reclaimed when the peer process is gone (we can no longer hear its
  * releases). NULL is a no-op. */
 GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
