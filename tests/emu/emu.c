@@ -2264,6 +2264,15 @@ CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd) 
 /* copies and sets                                                           */
 /* ======================================================================== */
 
+/* True for pageable memory and for pinned (allocated or registered) host
+ * memory. */
+static bool host_memory(uintptr_t p, bool pageable) {
+  range r;
+  if (pageable || !reg_find(p, &r))
+    return true;
+  return r.kind == RK_HOST_ALLOC || r.kind == RK_HOST_REG;
+}
+
 static CUresult copy_common(CUstream h, uintptr_t dst, uintptr_t src, size_t n,
                             int dst_rule, int src_rule, bool sync) {
   /* rule 0: any pointer (unified addressing), 1: must be device-accessible. */
@@ -2281,6 +2290,19 @@ static CUresult copy_common(CUstream h, uintptr_t dst, uintptr_t src, size_t n,
   r = get_stream(sync ? NULL : h, &s);
   if (r != CUDA_SUCCESS)
     return r;
+  /* cuda.h, "API synchronization behavior": an async copy between two host
+   * buffers (pageable or pinned) is fully synchronous with respect to the
+   * host: it returns after the stream's earlier work and the copy are done.
+   * A test that holds a stream and then copies host to host deadlocks on a
+   * real GPU; so it does here. */
+  if (!sync && n && host_memory(dst, dpage) && host_memory(src, spage)) {
+    op *m = op_new(OP_MARKER);
+    if (!m)
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    stream_wait_seq(s, enqueue(s, m));
+    memmove((void *)dst, (const void *)src, n);
+    return CUDA_SUCCESS;
+  }
   return do_copy(s, (void *)dst, (const void *)src, n, spage, dpage, sync);
 }
 
