@@ -451,8 +451,11 @@ TEST_IMPL(handle_desc_liveness_table_trust) {
   };
   for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(cases); i++) {
     /* A new made-up exporter each time: tables are read once per exporter. */
-    size_t len = fake_exporter_desc(d, 9000000 + (uint64_t)i, path,
-                                    sizeof path);
+    /* The start time carries our pid, so that suites running at once on
+     * one machine do not share the made-up tables in /dev/shm. */
+    size_t len = fake_exporter_desc(
+        d, ((uint64_t)getpid() << 16) + 9000000 + (uint64_t)i, path,
+        sizeof path);
     write_table(path, cases[i].mode, 4, cases[i].value);
     gpuipc_status s = import_raw(d, len);
     unlink(path);
