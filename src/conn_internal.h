@@ -407,6 +407,12 @@ struct gpuipc__ho {
    * synchronize the context, and leaves the imports mapped. */
   bool rx_stuck;
   struct CUstream_st *unblock; /* receiver: writes that unblock our streams */
+  /* Stream memory operations for a caller that passes the legacy default
+   * stream go on these private non-blocking streams instead, joined to the
+   * legacy stream by an event ([0] sender side, device `ordinal`; [1]
+   * receiver side, device `peer_ordinal`). */
+  struct CUstream_st *lq[2];
+  struct CUevent_st *lev[2];
   gpuipc__closing *closing;
   size_t nclosing, capclosing;
 };
@@ -436,6 +442,12 @@ bool gpuipc__peer_alive(int pid, uint64_t start_time);
 /* Our side closes while the peer still holds blocks: keep the state until
  * the peer process is gone, then reclaim. Takes ownership of h. */
 void gpuipc__orphan_add(struct gpuipc__ho *h);
+/* True for the legacy default stream (NULL or CU_STREAM_LEGACY). */
+static inline bool gpuipc__is_legacy_stream(const struct CUstream_st *s) {
+  return s == NULL || (uintptr_t)s == 0x1;
+}
+/* Destroys h->lq[i] / h->lev[i] (context of device `ordinal`). */
+void gpuipc__ho_free_lq(struct gpuipc__ho *h, int i, int ordinal);
 /* Frees the sender-side state (flag words back to the arena). */
 void gpuipc__ho_free_tx(struct gpuipc__ho *h);
 /* True when every "released" word already holds the newest release the

@@ -43,6 +43,90 @@ static gpuipc_status ho_get(gpuipc_conn *c, struct gpuipc__ho **out) {
   return GPUIPC_OK;
 }
 
+/* ---- the legacy default stream ----------------------------------------------------- */
+
+/* Stream memory operations are never enqueued on the legacy default
+ * stream. That stream synchronizes with every blocking stream of the
+ * context, so a cuStreamWaitValue64 on it (which may wait for the peer for
+ * as long as the peer likes) would stall all of them, and the synchronous
+ * driver calls that run on it (cuMemcpy, cuMemset, frees that wait for the
+ * device) would wait for the peer too. For a caller that passes it, the
+ * operation runs on a private non-blocking stream (one per connection and
+ * side), joined to the legacy stream by an event: before a write, the
+ * private stream waits for the legacy stream's work so far; after a wait,
+ * the legacy stream waits for the private stream. Context current. */
+static gpuipc_status lq_get(struct gpuipc__ho *h, int i, CUstream *out) {
+  if (h->lq[i] == NULL) {
+    CUstream st;
+    CUevent ev;
+    CUresult r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS)
+      return gpuipc__fail_cuda(r, "cuStreamCreate", "legacy-stream relay");
+    r = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+    if (r != CUDA_SUCCESS) {
+      GPUIPC__CU(cuStreamDestroy, st);
+      return gpuipc__fail_cuda(r, "cuEventCreate", "legacy-stream relay");
+    }
+    h->lq[i] = (struct CUstream_st *)st;
+    h->lev[i] = (struct CUevent_st *)ev;
+  }
+  *out = (CUstream)h->lq[i];
+  return GPUIPC_OK;
+}
+
+/* The stream for a write ordered after the work queued on `user`. */
+static gpuipc_status write_stream(struct gpuipc__ho *h, int i,
+                                  struct CUstream_st *user, CUstream *out) {
+  if (!gpuipc__is_legacy_stream(user)) {
+    *out = (CUstream)user;
+    return GPUIPC_OK;
+  }
+  CUstream q;
+  GPUIPC__CHECK(lq_get(h, i, &q));
+  CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)h->lev[i], (CUstream)user);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamWaitEvent, q, (CUevent)h->lev[i], 0);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuEventRecord/cuStreamWaitEvent",
+                             "ordering after the legacy stream");
+  *out = q;
+  return GPUIPC_OK;
+}
+
+/* The stream for a wait that `user` must be ordered after (call
+ * wait_done once the wait is enqueued on it). */
+static gpuipc_status wait_stream(struct gpuipc__ho *h, int i,
+                                 struct CUstream_st *user, CUstream *out) {
+  if (!gpuipc__is_legacy_stream(user)) {
+    *out = (CUstream)user;
+    return GPUIPC_OK;
+  }
+  return lq_get(h, i, out);
+}
+
+static CUresult wait_done(struct gpuipc__ho *h, int i,
+                          struct CUstream_st *user) {
+  if (!gpuipc__is_legacy_stream(user))
+    return CUDA_SUCCESS;
+  CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)h->lev[i], (CUstream)h->lq[i]);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)user, (CUevent)h->lev[i], 0);
+  return r;
+}
+
+void gpuipc__ho_free_lq(struct gpuipc__ho *h, int i, int ordinal) {
+  if (h->lq[i] == NULL)
+    return;
+  gpuipc__ctx_guard g;
+  bool in = ordinal >= 0 && gpuipc__ctx_enter(&g, ordinal) == GPUIPC_OK;
+  GPUIPC__CU(cuStreamDestroy, (CUstream)h->lq[i]);
+  GPUIPC__CU(cuEventDestroy, (CUevent)h->lev[i]);
+  if (in)
+    gpuipc__ctx_leave(&g);
+  h->lq[i] = NULL;
+  h->lev[i] = NULL;
+}
+
 /* ---- sender: setup ---------------------------------------------------------------- */
 
 static int exp_find(struct gpuipc__ho *h, uint64_t arena_id) {
@@ -201,14 +285,20 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   if (ordered) {
     gpuipc__ctx_guard g;
     GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
+    CUstream ws = NULL;
+    gpuipc_status ss = write_stream(h, 0, stream, &ws);
+    if (ss != GPUIPC_OK) {
+      gpuipc__ctx_leave(&g);
+      return ss;
+    }
     CUresult r = CUDA_SUCCESS;
-    if (t->last_seq != 0 && t->last_stream != stream)
-      r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)stream,
+    if (t->last_seq != 0 && t->last_stream != (struct CUstream_st *)ws)
+      r = GPUIPC__CU(cuStreamWaitValue64, ws,
                      (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
                                                         slot),
                      (cuuint64_t)t->last_seq, CU_STREAM_WAIT_VALUE_GEQ);
     if (r == CUDA_SUCCESS)
-      r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)stream,
+      r = GPUIPC__CU(cuStreamWriteValue64, ws,
                      (CUdeviceptr)gpuipc__ready_word(h->ctl->ptr, slot),
                      (cuuint64_t)seq, 0);
     gpuipc__ctx_leave(&g);
@@ -216,6 +306,7 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
       return gpuipc__fail_cuda(r, "cuStreamWriteValue64",
                                "ready flag of buffer %llu",
                                (unsigned long long)seq);
+    stream = (struct CUstream_st *)ws; /* the stream that wrote the word */
   }
   w->seq = seq;
   w->slot = slot;
@@ -365,11 +456,17 @@ gpuipc_status gpuipc_conn_buffer_wait(gpuipc_conn *conn,
                               "ordering reuse of a released buffer");
       continue;
     }
+    CUstream wst = NULL;
+    s = wait_stream(h, 0, stream, &wst);
+    if (s != GPUIPC_OK)
+      continue;
     CUresult r = GPUIPC__CU(
-        cuStreamWaitValue64, (CUstream)stream,
+        cuStreamWaitValue64, wst,
         (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
                                            h->rel[i].slot),
         (cuuint64_t)h->rel[i].seq, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r == CUDA_SUCCESS)
+      r = wait_done(h, 0, stream);
     if (r != CUDA_SUCCESS)
       s = gpuipc__fail_cuda(r, "cuStreamWaitValue64",
                             "ordering reuse of a released buffer");
@@ -739,10 +836,18 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
     gpuipc__ctx_guard g;
     GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
     /* The consumer's stream waits, on the GPU, for the producer's work. */
+    CUstream wst = NULL;
+    gpuipc_status ss = wait_stream(h, 1, stream, &wst);
+    if (ss != GPUIPC_OK) {
+      gpuipc__ctx_leave(&g);
+      return ss;
+    }
     CUresult cr = GPUIPC__CU(
-        cuStreamWaitValue64, (CUstream)stream,
+        cuStreamWaitValue64, wst,
         (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, q->w.slot),
         (cuuint64_t)q->w.seq, CU_STREAM_WAIT_VALUE_GEQ);
+    if (cr == CUDA_SUCCESS)
+      cr = wait_done(h, 1, stream);
     gpuipc__ctx_leave(&g);
     if (cr != CUDA_SUCCESS)
       return gpuipc__fail_cuda(cr, "cuStreamWaitValue64",
@@ -779,19 +884,25 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
     GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
     CUdeviceptr word = (CUdeviceptr)gpuipc__released_word(
         h->peer_ctl, h->peer_nslots, slot);
+    CUstream ws = NULL;
+    gpuipc_status ss = write_stream(h, 1, stream, &ws);
+    if (ss != GPUIPC_OK) {
+      gpuipc__ctx_leave(&g);
+      return ss;
+    }
     CUresult cr = CUDA_SUCCESS;
-    if (r->last_rel != 0 && r->last_rel_stream != stream)
-      cr = GPUIPC__CU(cuStreamWaitValue64, (CUstream)stream, word,
+    if (r->last_rel != 0 && r->last_rel_stream != (struct CUstream_st *)ws)
+      cr = GPUIPC__CU(cuStreamWaitValue64, ws, word,
                       (cuuint64_t)r->last_rel, CU_STREAM_WAIT_VALUE_GEQ);
     if (cr == CUDA_SUCCESS)
-      cr = GPUIPC__CU(cuStreamWriteValue64, (CUstream)stream, word,
+      cr = GPUIPC__CU(cuStreamWriteValue64, ws, word,
                       (cuuint64_t)r->held, 0);
     gpuipc__ctx_leave(&g);
     if (cr != CUDA_SUCCESS)
       return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
                                "release flag of buffer %llu",
                                (unsigned long long)r->held);
-    r->last_rel_stream = stream;
+    r->last_rel_stream = (struct CUstream_st *)ws;
   }
   if (r->imp) {
     /* The import is closed once the work queued before this release is
@@ -1043,12 +1154,18 @@ void gpuipc__ho_close(gpuipc_conn *c) {
       GPUIPC__CU(cuCtxSynchronize);
       if (h->unblock)
         GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
+      h->unblock = NULL;
       poll_closing(h, true);
       gpuipc__ctx_leave(&g);
     }
     for (int i = 0; i < h->nimp; i++)
       gpuipc_buffer_close(h->imp[i].buf);
   }
+  /* The receiver's relay stream: its queued work finishes on its own
+   * (cuStreamDestroy lets it), and its writes target memory of ours or
+   * mappings of the peer that stay until the work is done (the device was
+   * synchronized above whenever something is unmapped). */
+  gpuipc__ho_free_lq(h, 1, h->peer_ordinal);
   free(h->closing);
   h->closing = NULL;
   if (h->rx)

@@ -308,6 +308,7 @@ void gpuipc__ho_free_tx(struct gpuipc__ho *h) {
   if (h->evq)
     GPUIPC__CU(cuStreamDestroy, (CUstream)h->evq);
   h->evq = NULL;
+  gpuipc__ho_free_lq(h, 0, h->ordinal);
   free(h->tx);
   free(h->tx_free);
   free(h->rel);

@@ -28,8 +28,17 @@ static void ctx_current(void) {
   ASSERT_CU(gpuipc__cu.cuCtxSetCurrent(c));
 }
 
+/* GPUIPC_TEST_STREAM=legacy runs a test (and its helpers) on the legacy
+ * default stream (NULL) instead of a stream of its own. */
+static bool test_legacy(void) {
+  const char *e = getenv("GPUIPC_TEST_STREAM");
+  return e && strcmp(e, "legacy") == 0;
+}
+
 static CUstream mkstream(void) {
   ctx_current();
+  if (test_legacy())
+    return NULL;
   CUstream s;
   ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
   return s;
@@ -1049,4 +1058,21 @@ TEST_IMPL(handoff_event_send_buffer) {
 TEST_IMPL(handoff_event_exporter_killed) {
   setenv("GPUIPC_TEST_ORDER", "event", 1);
   return test_handoff_exporter_killed();
+}
+
+/* ---- the same on the legacy default stream ------------------------------------------- */
+
+TEST_IMPL(handoff_legacy_basic_and_swap) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_basic_and_swap();
+}
+
+TEST_IMPL(handoff_legacy_order_slow_producer) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_order_slow_producer();
+}
+
+TEST_IMPL(handoff_legacy_order_reuse_after_release) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_order_reuse_after_release();
 }
