@@ -652,6 +652,13 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
     }
     c->rx_len += (size_t)r;
     GPUIPC__CHECK(parse_rx(c));
+    /* A short read without descriptors drained the socket: skip the read
+     * that would only say EAGAIN (a syscall per buffer on the fast path).
+     * A read that brought descriptors may have stopped at a message
+     * boundary the kernel keeps; read on then. Anything that arrives later
+     * makes the socket readable again for the caller's poll. */
+    if ((size_t)r < iov.iov_len && mh.msg_controllen == 0)
+      return GPUIPC_OK;
   }
   return GPUIPC_OK;
 }
