@@ -46,6 +46,11 @@
  * word: the memory of a block the producer freed is handed out again (by
  * gpuipc_arena_alloc) only after every consumer released it AND the GPU work
  * each consumer queued before its release has completed.
+ * Passing the legacy default stream (NULL) works the same; gpuipc then puts
+ * its flag-word operations on a private non-blocking stream joined to the
+ * legacy stream by events, because a flag-word wait on the legacy stream
+ * itself would also stall every blocking stream of the context (and the
+ * synchronous driver calls that run on it) until the peer acts.
  *
  * Leases. The exporter tracks, per connection, which blocks the peer holds
  * (gpuipc_conn_outstanding, gpuipc_arena_stats). gpuipc_block_free of a
