@@ -283,14 +283,35 @@ TEST_IMPL(handoff_api_checks) {
 
 /* Receives buffers and holds them until told (a message), then releases
  * them all and reports. argv[0]: how many. */
+/* Where ho_holder is, for a report if it stalls (a real-GPU run once saw
+ * it stay 30 s inside its receives). */
+static volatile sig_atomic_t holder_stage;
+
+static void holder_alarm(int sig) {
+  (void)sig;
+  static const char *what[] = {"ho_holder: stalled before receiving\n",
+                               "ho_holder: stalled in recv of buffer 1\n",
+                               "ho_holder: stalled in recv of buffer 2+\n",
+                               "ho_holder: stalled after receiving\n"};
+  int k = holder_stage < 0 || holder_stage > 3 ? 3 : (int)holder_stage;
+  ssize_t w = write(2, what[k], strlen(what[k]));
+  (void)w;
+}
+
 HELPER_IMPL(ho_holder) {
   int n = atoi(argv[0]);
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   gpuipc_received r[64];
+  /* The producer waits 30 s for "held": say where we are at 20 s. */
+  signal(SIGALRM, holder_alarm);
+  alarm(20);
   for (int i = 0; i < n; i++) {
+    holder_stage = i == 0 ? 1 : 2;
     r[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
     ASSERT_OK(gpuipc_conn_recv(c, NULL, &r[i]));
   }
+  holder_stage = 3;
+  alarm(0);
   ASSERT_OK(gpuipc_conn_send_msg(c, "held", 4, NULL, 0));
   char buf[8];
   size_t len;
