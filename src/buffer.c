@@ -315,21 +315,39 @@ fail:
 
 gpuipc_status gpuipc__arena_alloc(gpuipc_pool *pool, size_t size,
                                   gpuipc_buffer **buf) {
-  GPUIPC__CHECK(gpuipc_buffer_alloc(pool, size, NULL, buf));
+  if (pool == NULL || buf == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc__arena_alloc: NULL");
   if (pool->kind != GPUIPC_POOL_MEMPOOL)
-    return GPUIPC_OK;
+    return gpuipc_buffer_alloc(pool, size, NULL, buf);
+  /* A mempool allocation is stream-ordered, and an arena chunk must be
+   * usable by any stream at once, so the allocation is finished here. It is
+   * made and awaited on a private non-blocking stream: synchronizing the
+   * legacy default stream instead would wait for every blocking stream of
+   * the context, including a caller's stream that waits (on the GPU) for a
+   * consumer that is waiting for this very process. */
   gpuipc__ctx_guard g;
-  gpuipc_status s = gpuipc__ctx_enter(&g, pool->ordinal);
-  if (s == GPUIPC_OK) {
-    CUresult r = GPUIPC__CU(cuStreamSynchronize, (CUstream)NULL);
-    if (r != CUDA_SUCCESS)
-      s = gpuipc__fail_cuda(r, "cuStreamSynchronize", "arena allocation");
-    gpuipc__ctx_leave(&g);
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, pool->ordinal));
+  CUstream st = NULL;
+  gpuipc_status s = GPUIPC_OK;
+  CUresult r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuStreamCreate", "arena allocation");
+    goto out;
   }
-  if (s != GPUIPC_OK) {
-    gpuipc_buffer_free(*buf, NULL);
+  s = gpuipc_buffer_alloc(pool, size, (struct CUstream_st *)st, buf);
+  if (s != GPUIPC_OK)
+    goto out;
+  r = GPUIPC__CU(cuStreamSynchronize, st);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuStreamSynchronize", "arena allocation");
+    gpuipc_buffer_free(*buf, (struct CUstream_st *)st);
+    (void)GPUIPC__CU(cuStreamSynchronize, st);
     *buf = NULL;
   }
+out:
+  if (st != NULL)
+    (void)GPUIPC__CU(cuStreamDestroy, st);
+  gpuipc__ctx_leave(&g);
   return s;
 }
 
