@@ -29,6 +29,10 @@ int gpuipc_cmd_bench(int argc, char **argv) {
     fprintf(argc < 2 ? stderr : stdout, "  %-8s every one of them\n", "all");
     return argc < 2 ? 2 : 0;
   }
+  /* Choose the driver once, here: "bench all" hands the same argv to each
+   * benchmark, and each would otherwise remove --emulator from it again. */
+  if (gpuipc_cli_pick_driver(&argc, argv, "bench") < 0)
+    return 2;
   int rc = 0;
   bool all = strcmp(argv[1], "all") == 0;
   bool found = false;

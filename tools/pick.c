@@ -19,6 +19,7 @@ int gpuipc_cli_pick_driver(int *argc, char **argv, const char *what) {
       for (int j = i; j + 2 <= *argc; j++)
         argv[j] = argv[j + 2];
       *argc -= 2;
+      argv[*argc] = NULL;
       break;
     }
   }
