@@ -193,15 +193,9 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_arena_create: out NULL");
   *out = NULL;
   gpuipc_arena_options o = GPUIPC_ARENA_OPTIONS_INIT;
-  if (opts) {
-    if (opts->size < offsetof(gpuipc_arena_options, device) + sizeof(int) ||
-        opts->size > 4096)
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                          "gpuipc_arena_options.size %zu: use "
-                          "GPUIPC_ARENA_OPTIONS_INIT",
-                          opts->size);
-    memcpy(&o, opts, opts->size < sizeof o ? opts->size : sizeof o);
-  }
+  GPUIPC__CHECK(gpuipc__options_copy(
+      &o, sizeof o, opts, offsetof(gpuipc_arena_options, device) + sizeof(int),
+      "gpuipc_arena_options", "GPUIPC_ARENA_OPTIONS_INIT"));
   if (o.chunk_bytes == 0)
     o.chunk_bytes = (size_t)64 << 20;
   o.chunk_bytes = (o.chunk_bytes + GPUIPC__ARENA_ALIGN - 1) &

@@ -1057,14 +1057,9 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
       return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                           "gpuipc_buffer_import: fd %d", fds[i]);
   gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
-  if (opts_in) {
-    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                          "gpuipc_buffer_import: options size %zu",
-                          opts_in->size);
-    memcpy(&opts, opts_in,
-           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
-  }
+  GPUIPC__CHECK(gpuipc__options_copy(&opts, sizeof opts, opts_in, 0,
+                                     "gpuipc_import_options",
+                                     "GPUIPC_IMPORT_OPTIONS_INIT"));
   gpuipc__desc d;
   GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
   if (d.type != GPUIPC_DESC_BUFFER)

@@ -45,15 +45,10 @@ static gpuipc_status read_opts(const gpuipc_conn_options *in, copts *out) {
   out->o = def;
   if (in == NULL)
     return GPUIPC_OK;
-  if (in->size < offsetof(gpuipc_conn_options, timeout_ms) + sizeof(int) ||
-      in->size > 4096)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_conn_options.size %zu: use "
-                        "GPUIPC_CONN_OPTIONS_INIT",
-                        in->size);
-  size_t n = in->size < sizeof def ? in->size : sizeof def;
-  memcpy(&out->o, in, n);
-  out->o.size = sizeof def;
+  GPUIPC__CHECK(gpuipc__options_copy(
+      &out->o, sizeof out->o, in,
+      offsetof(gpuipc_conn_options, timeout_ms) + sizeof(int),
+      "gpuipc_conn_options", "GPUIPC_CONN_OPTIONS_INIT"));
   if (out->o.timeout_ms < -1)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "timeout_ms %d < -1",
                         out->o.timeout_ms);

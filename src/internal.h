@@ -91,6 +91,19 @@ void gpuipc__log_write(int level, const char *module, const char *fmt, ...)
     (ret) = (call);                                                            \
   } while ((ret) == -1 && errno == EINTR)
 
+/* ---- extensible option structs (util.c) -------------------------------- */
+
+/* Every public option struct starts with `size_t size` (set by its
+ * GPUIPC_X_OPTIONS_INIT). Copies a caller's struct over the defaults already
+ * in dst (dst_size bytes): only min(caller's size, ours) bytes are read, so
+ * a caller built against an older (smaller) or newer header works. NULL src
+ * keeps the defaults. A size below min_size (the fields every version has)
+ * or beyond 64 KiB is refused with a message naming `what` and its
+ * initializer. dst's size field is set to dst_size. */
+gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
+                                   size_t min_size, const char *what,
+                                   const char *init_name);
+
 /* ---- environment (env.c) ------------------------------------------------- */
 
 /* One cached getter per variable lives beside its user; these read once. */

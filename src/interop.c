@@ -39,13 +39,9 @@ static gpuipc_status resolve_devices(const gpuipc_uuid *device,
                                      gpuipc_uuid *home_uuid, int *home,
                                      int *map) {
   gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
-  if (opts_in) {
-    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG, "import options size %zu",
-                          opts_in->size);
-    memcpy(&opts, opts_in,
-           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
-  }
+  GPUIPC__CHECK(gpuipc__options_copy(&opts, sizeof opts, opts_in, 0,
+                                     "gpuipc_import_options",
+                                     "GPUIPC_IMPORT_OPTIONS_INIT"));
   if (device) {
     *home_uuid = *device;
     GPUIPC__CHECK(gpuipc_device_from_uuid(device, home));

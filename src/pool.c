@@ -586,15 +586,9 @@ gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts_in,
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_create: pool NULL");
   *out = NULL;
   gpuipc_pool_options opts = GPUIPC_POOL_OPTIONS_INIT;
-  if (opts_in) {
-    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                          "gpuipc_pool_create: options size %zu (use "
-                          "GPUIPC_POOL_OPTIONS_INIT)",
-                          opts_in->size);
-    memcpy(&opts, opts_in,
-           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
-  }
+  GPUIPC__CHECK(gpuipc__options_copy(&opts, sizeof opts, opts_in, 0,
+                                     "gpuipc_pool_options",
+                                     "GPUIPC_POOL_OPTIONS_INIT"));
   if ((unsigned)opts.kind > GPUIPC_POOL_PINNED_HOST)
     return gpuipc__fail(GPUIPC_E_BAD_KIND, "gpuipc_pool_create: kind %d",
                         (int)opts.kind);
@@ -798,14 +792,9 @@ gpuipc_status gpuipc_pool_import(const uint8_t *desc, size_t len, int fd,
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_import: NULL");
   *out = NULL;
   gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
-  if (opts_in) {
-    if (opts_in->size < sizeof(size_t) || opts_in->size > (1u << 16))
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                          "gpuipc_pool_import: options size %zu",
-                          opts_in->size);
-    memcpy(&opts, opts_in,
-           opts_in->size < sizeof opts ? opts_in->size : sizeof opts);
-  }
+  GPUIPC__CHECK(gpuipc__options_copy(&opts, sizeof opts, opts_in, 0,
+                                     "gpuipc_import_options",
+                                     "GPUIPC_IMPORT_OPTIONS_INIT"));
   gpuipc__desc d;
   GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
   if (d.type != GPUIPC_DESC_POOL)

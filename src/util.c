@@ -114,3 +114,18 @@ uint64_t gpuipc__process_start_time(int pid) {
     return 0;
   return strtoull(p, NULL, 10);
 }
+
+gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
+                                   size_t min_size, const char *what,
+                                   const char *init_name) {
+  if (src != NULL) {
+    size_t n;
+    memcpy(&n, src, sizeof n);
+    if (n < min_size || n < sizeof(size_t) || n > ((size_t)1 << 16))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "%s.size %zu: set it with %s", what, n, init_name);
+    memcpy(dst, src, n < dst_size ? n : dst_size);
+  }
+  memcpy(dst, &dst_size, sizeof dst_size);
+  return GPUIPC_OK;
+}

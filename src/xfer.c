@@ -112,14 +112,9 @@ static gpuipc_status read_options(const gpuipc_xfer_options *in,
   *o = def;
   if (in == NULL)
     return GPUIPC_OK;
-  if (in->size < sizeof(size_t))
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_xfer_options.size is %zu: set it with "
-                        "GPUIPC_XFER_OPTIONS_INIT",
-                        in->size);
-  /* Read only what the caller's (maybe older, smaller) struct holds. */
-  memcpy(o, in, in->size < sizeof *o ? in->size : sizeof *o);
-  o->size = sizeof *o;
+  GPUIPC__CHECK(gpuipc__options_copy(o, sizeof *o, in, 0,
+                                     "gpuipc_xfer_options",
+                                     "GPUIPC_XFER_OPTIONS_INIT"));
   if (o->streams < 0 || o->streams > GPUIPC_XFER_MAX_STREAMS)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_xfer_options.streams = %d: want 0 (automatic) "
