@@ -678,20 +678,20 @@ gpuipc_status gpuipc_buffer_export(gpuipc_buffer *b, uint8_t *desc, size_t cap,
 
 /* ---- import: opening each kind (called by the cache, without its lock) ------- */
 
-static gpuipc_status check_range(const gpuipc__desc *d, CUdeviceptr base,
-                                 size_t *mapped) {
+gpuipc_status gpuipc__import_check_range(const gpuipc__desc *d,
+                                        CUdeviceptr base, size_t *mapped) {
   CUdeviceptr rb = 0;
   size_t rn = 0;
   CUresult r = GPUIPC__CU(cuMemGetAddressRange, &rb, &rn, base);
   if (r != CUDA_SUCCESS)
     return gpuipc__fail_cuda(r, "cuMemGetAddressRange", "imported mapping");
-  /* The descriptor's size and offset are claims; the driver's range of the
-   * mapping is the truth. */
+  /* The offset and size are claims; the driver's range of the mapping is
+   * the truth. */
   size_t avail = (size_t)(rn - (size_t)(base - rb));
   if (d->offset > avail || d->size > avail - d->offset)
     return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                        "descriptor claims offset %llu + size %llu, but the "
-                        "mapping is %zu bytes: forged or corrupted",
+                        "offset %llu + size %llu go beyond the %zu-byte "
+                        "mapping: forged or corrupted",
                         (unsigned long long)d->offset,
                         (unsigned long long)d->size, avail);
   *mapped = avail;
@@ -778,7 +778,7 @@ static gpuipc_status open_legacy(const gpuipc__desc *d, int map_ordinal,
   bool existing = false;
   gpuipc_status s = check_not_shadowed(d, map_ordinal, p, &existing);
   if (s == GPUIPC_OK)
-    s = check_range(d, p, &o->mapped_size);
+    s = gpuipc__import_check_range(d, p, &o->mapped_size);
   if (s != GPUIPC_OK) {
     /* One close per open: the driver counts them. */
     (void)GPUIPC__CU(cuIpcCloseMemHandle, p);
@@ -818,7 +818,7 @@ static gpuipc_status open_mempool(const gpuipc__desc *d, int map_ordinal,
   if (!existing)
     gpuipc__cache_count_open();
   if (s == GPUIPC_OK)
-    s = check_range(d, p, &o->mapped_size);
+    s = gpuipc__import_check_range(d, p, &o->mapped_size);
   if (s != GPUIPC_OK) {
     if (!existing) {
       (void)GPUIPC__CU(cuMemFree, p);

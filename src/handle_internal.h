@@ -148,6 +148,11 @@ typedef gpuipc_status (*gpuipc__open_fn)(const gpuipc__desc *d,
                                          gpuipc__opened *out);
 /* Undoes an open (buffer.c); reports the driver's failure. */
 gpuipc_status gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o);
+/* Checks a descriptor's offset + size against the real range of the mapping
+ * at base (cuMemGetAddressRange): E_OUT_OF_RANGE when they go beyond it.
+ * On success *mapped is the mapping's size from base. */
+gpuipc_status gpuipc__import_check_range(const gpuipc__desc *d,
+                                        CUdeviceptr base, size_t *mapped);
 
 /* Looks the descriptor up in the cache; on a valid hit takes a reference,
  * else (miss, or a stale entry which is retired) opens it with `open`,

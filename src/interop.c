@@ -57,24 +57,6 @@ static gpuipc_status resolve_devices(const gpuipc_uuid *device,
 
 /* ---- opening raw handles (called by the cache without its lock) ------------ */
 
-static gpuipc_status raw_check_range(const gpuipc__desc *d, CUdeviceptr base,
-                                     size_t *mapped) {
-  CUdeviceptr rb = 0;
-  size_t rn = 0;
-  CUresult r = GPUIPC__CU(cuMemGetAddressRange, &rb, &rn, base);
-  if (r != CUDA_SUCCESS)
-    return gpuipc__fail_cuda(r, "cuMemGetAddressRange", "raw import");
-  size_t avail = (size_t)(rn - (size_t)(base - rb));
-  if (d->offset > avail || d->size > avail - d->offset)
-    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                        "raw import: offset %llu + size %llu leaves the "
-                        "%zu-byte allocation the handle names",
-                        (unsigned long long)d->offset,
-                        (unsigned long long)d->size, avail);
-  *mapped = avail;
-  return GPUIPC_OK;
-}
-
 static gpuipc_status open_raw(const gpuipc__desc *d, int map_ordinal,
                               const int *fds, int nfds, unsigned flags,
                               gpuipc__opened *o) {
@@ -108,7 +90,7 @@ static gpuipc_status open_raw(const gpuipc__desc *d, int map_ordinal,
       goto out;
     }
     gpuipc__cache_count_open();
-    s = raw_check_range(d, p, &o->mapped_size);
+    s = gpuipc__import_check_range(d, p, &o->mapped_size);
     if (s != GPUIPC_OK) {
       (void)GPUIPC__CU(cuIpcCloseMemHandle, p);
       gpuipc__cache_count_close();
@@ -132,7 +114,7 @@ static gpuipc_status open_raw(const gpuipc__desc *d, int map_ordinal,
       goto out;
     }
     gpuipc__cache_count_open();
-    s = raw_check_range(d, p, &o->mapped_size);
+    s = gpuipc__import_check_range(d, p, &o->mapped_size);
     if (s != GPUIPC_OK) {
       /* The driver hands back an existing import of the same pointer: free
        * only what nobody else here holds. */
