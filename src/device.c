@@ -5,6 +5,7 @@
  */
 #include "device.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -32,19 +33,45 @@ gpuipc_status gpuipc_device_uuid(int ordinal, gpuipc_uuid *uuid) {
   return GPUIPC_OK;
 }
 
+/* The visible devices' UUIDs, read once: the set a process sees never
+ * changes after cuInit, and every import resolves a UUID, so this saves two
+ * driver calls per device per lookup. */
+#define GPUIPC__UUID_TABLE_MAX 64
+static pthread_mutex_t uuid_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool uuids_read;
+static int n_uuids;
+static gpuipc_uuid uuids[GPUIPC__UUID_TABLE_MAX];
+
+static gpuipc_status read_uuid_table(void) { /* uuid_lock held */
+  if (uuids_read)
+    return GPUIPC_OK;
+  int n = 0;
+  GPUIPC__CHECK(gpuipc_device_count(&n));
+  if (n > GPUIPC__UUID_TABLE_MAX)
+    n = GPUIPC__UUID_TABLE_MAX;
+  for (int i = 0; i < n; i++)
+    GPUIPC__CHECK(gpuipc_device_uuid(i, &uuids[i]));
+  n_uuids = n;
+  uuids_read = true;
+  return GPUIPC_OK;
+}
+
 gpuipc_status gpuipc_device_from_uuid(const gpuipc_uuid *uuid, int *ordinal) {
   if (uuid == NULL || ordinal == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_device_from_uuid: NULL");
-  int n = 0;
-  GPUIPC__CHECK(gpuipc_device_count(&n));
-  for (int i = 0; i < n; i++) {
-    gpuipc_uuid u;
-    GPUIPC__CHECK(gpuipc_device_uuid(i, &u));
-    if (memcmp(u.bytes, uuid->bytes, 16) == 0) {
+  GPUIPC__CHECK(gpuipc__driver());
+  pthread_mutex_lock(&uuid_lock);
+  gpuipc_status s = read_uuid_table();
+  int n = n_uuids;
+  for (int i = 0; s == GPUIPC_OK && i < n; i++)
+    if (memcmp(uuids[i].bytes, uuid->bytes, 16) == 0) {
+      pthread_mutex_unlock(&uuid_lock);
       *ordinal = i;
       return GPUIPC_OK;
     }
-  }
+  pthread_mutex_unlock(&uuid_lock);
+  if (s != GPUIPC_OK)
+    return s;
   char text[GPUIPC_UUID_STRLEN];
   gpuipc_uuid_format(uuid, text);
   return gpuipc__fail(GPUIPC_E_DEVICE_NOT_VISIBLE,

@@ -339,36 +339,8 @@ gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
   return GPUIPC_OK;
 }
 
-/* The visible devices' UUIDs, read once: the set a process sees never
- * changes after cuInit, and every import resolves a UUID, so this saves two
- * driver calls per device per import. */
-static pthread_mutex_t uuid_lock = PTHREAD_MUTEX_INITIALIZER;
-static bool uuids_read;
-static int n_uuids;
-static gpuipc_uuid uuids[64];
-
+/* Kept for the handle layer's callers; the device layer caches the table. */
 gpuipc_status gpuipc__device_ordinal(const gpuipc_uuid *uuid, int *ordinal) {
-  pthread_mutex_lock(&uuid_lock);
-  if (!uuids_read) {
-    int n = 0;
-    gpuipc_status s = gpuipc_device_count(&n);
-    for (int i = 0; s == GPUIPC_OK && i < n && i < 64; i++)
-      s = gpuipc_device_uuid(i, &uuids[i]);
-    if (s != GPUIPC_OK) {
-      pthread_mutex_unlock(&uuid_lock);
-      return s;
-    }
-    n_uuids = n < 64 ? n : 64;
-    uuids_read = true;
-  }
-  for (int i = 0; i < n_uuids; i++)
-    if (memcmp(uuids[i].bytes, uuid->bytes, 16) == 0) {
-      pthread_mutex_unlock(&uuid_lock);
-      *ordinal = i;
-      return GPUIPC_OK;
-    }
-  pthread_mutex_unlock(&uuid_lock);
-  /* Not visible: the device layer words the error. */
   return gpuipc_device_from_uuid(uuid, ordinal);
 }
 
