@@ -125,6 +125,42 @@ static gpuipc_status ensure_private_dir(const char *dir) {
   return GPUIPC_OK;
 }
 
+void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
+                                 size_t why_cap, bool *from_xdg) {
+  const char *xdg = gpuipc__getenv("XDG_RUNTIME_DIR");
+  char scratch[256];
+  if (why == NULL) {
+    why = scratch;
+    why_cap = sizeof scratch;
+  }
+  why[0] = '\0';
+  struct stat st;
+  bool ok = false;
+  if (xdg == NULL || xdg[0] == '\0')
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR is not set");
+  else if (xdg[0] != '/')
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not an absolute path", xdg);
+  else if (strlen(xdg) + sizeof "/gpuipc" > cap)
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR is too long");
+  else if (stat(xdg, &st) != 0)
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s: %s", xdg, strerror(errno));
+  else if (!S_ISDIR(st.st_mode))
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not a directory", xdg);
+  else if (st.st_uid != geteuid())
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is owned by uid %u, not by us",
+             xdg, (unsigned)st.st_uid);
+  else if (access(xdg, W_OK | X_OK) != 0)
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not writable", xdg);
+  else
+    ok = true;
+  if (ok)
+    snprintf(dir, cap, "%s/gpuipc", xdg);
+  else
+    snprintf(dir, cap, "/tmp/gpuipc-%u", (unsigned)geteuid());
+  if (from_xdg)
+    *from_xdg = ok;
+}
+
 static gpuipc_status make_addr(const char *name, const copts *o, bool create,
                                struct sockaddr_un *sa, socklen_t *salen,
                                char *shown, size_t shown_cap) {
@@ -146,13 +182,7 @@ static gpuipc_status make_addr(const char *name, const copts *o, bool create,
     if (snprintf(dir, sizeof dir, "%s", o->o.runtime_dir) >= (int)sizeof dir)
       return gpuipc__fail(GPUIPC_E_INVALID_ARG, "runtime_dir too long");
   } else {
-    const char *xdg = gpuipc__getenv("XDG_RUNTIME_DIR");
-    int n = (xdg && *xdg) ? snprintf(dir, sizeof dir, "%s/gpuipc", xdg)
-                          : snprintf(dir, sizeof dir, "/tmp/gpuipc-%u",
-                                     (unsigned)geteuid());
-    if (n < 0 || (size_t)n >= sizeof dir)
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                          "XDG_RUNTIME_DIR too long for a socket path");
+    gpuipc__default_runtime_dir(dir, sizeof dir, NULL, 0, NULL);
   }
   if (create)
     GPUIPC__CHECK(ensure_private_dir(dir));

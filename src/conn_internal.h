@@ -473,4 +473,12 @@ void gpuipc__ho_poll(gpuipc_conn *c);
 /* On close: release what we hold, tell the peer, free the state. */
 void gpuipc__ho_close(gpuipc_conn *c);
 
+/* The directory sockets live in when the caller names none:
+ * $XDG_RUNTIME_DIR/gpuipc when XDG_RUNTIME_DIR is an absolute path to a
+ * directory of ours we can write to, else /tmp/gpuipc-<uid>. why (may be
+ * NULL) receives the reason XDG_RUNTIME_DIR was not used; *from_xdg (may be
+ * NULL) says which was chosen. Shared with `gpuipc doctor`. */
+void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
+                                 size_t why_cap, bool *from_xdg);
+
 #endif /* GPUIPC_CONN_INTERNAL_H */

@@ -14,6 +14,7 @@
  * 2 when there is no usable CUDA driver; 64 for a usage error.
  */
 #include "cli.h"
+#include "conn_internal.h"
 #include "driver.h"
 
 #include <dlfcn.h>
@@ -479,47 +480,17 @@ static const char *ptrace_meaning(const doc_report *r) {
   }
 }
 
-/* The directory gpuipc's sockets live in: $XDG_RUNTIME_DIR/gpuipc when
- * XDG_RUNTIME_DIR names a directory of ours we can write to, else
- * /tmp/gpuipc-<uid>. Inspected with lstat, never created: a symbolic link,
+/* The directory gpuipc's sockets live in, chosen by the connection layer's
+ * own rule (gpuipc__default_runtime_dir). Inspected with lstat, never
+ * created: a symbolic link,
  * another owner or a mode other than 0700 would let someone else see or
  * replace the sockets. */
 static void gather_runtime_dir(doc_report *r) {
-  const char *xdg = getenv("XDG_RUNTIME_DIR");
   struct stat st;
-  bool xdg_ok = false;
-  if (xdg == NULL || xdg[0] == '\0')
-    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
-             "XDG_RUNTIME_DIR is not set");
-  else if (xdg[0] != '/')
-    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
-             "XDG_RUNTIME_DIR=%s is not an absolute path", xdg);
-  else if (strlen(xdg) + sizeof "/gpuipc" > sizeof r->rt_path)
-    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
-             "XDG_RUNTIME_DIR is too long");
-  else if (stat(xdg, &st) != 0)
-    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
-             "XDG_RUNTIME_DIR=%s: %s", xdg, strerror(errno));
-  else if (!S_ISDIR(st.st_mode))
-    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
-             "XDG_RUNTIME_DIR=%s is not a directory", xdg);
-  else if (st.st_uid != r->euid)
-    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
-             "XDG_RUNTIME_DIR=%s is owned by uid %u, not by us", xdg,
-             (unsigned)st.st_uid);
-  else if (access(xdg, W_OK | X_OK) != 0)
-    snprintf(r->rt_xdg_problem, sizeof r->rt_xdg_problem,
-             "XDG_RUNTIME_DIR=%s is not writable", xdg);
-  else
-    xdg_ok = true;
-
-  if (xdg_ok) {
-    snprintf(r->rt_path, sizeof r->rt_path, "%s/gpuipc", xdg);
-    r->rt_source = "XDG_RUNTIME_DIR";
-  } else {
-    snprintf(r->rt_path, sizeof r->rt_path, "/tmp/gpuipc-%u", (unsigned)r->euid);
-    r->rt_source = "fallback";
-  }
+  bool from_xdg = false;
+  gpuipc__default_runtime_dir(r->rt_path, sizeof r->rt_path, r->rt_xdg_problem,
+                              sizeof r->rt_xdg_problem, &from_xdg);
+  r->rt_source = from_xdg ? "XDG_RUNTIME_DIR" : "fallback";
 
   if (lstat(r->rt_path, &st) != 0) {
     int e = errno;
