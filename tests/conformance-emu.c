@@ -407,10 +407,10 @@ TEST_IMPL(emu_pool_import_address_differs) {
     CUmemPoolPtrExportData pool_ptr;
   } m;
   memset(&m, 0, sizeof m);
-  ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&m.pool_ptr, p));
   int fd = -1;
   ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
       &fd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&m.pool_ptr, p));
   int sock = -1;
   pid_t pid = spawn_helper("conf_emu_import_address", NULL, &sock, NULL);
   harness_send(sock, &m, sizeof m, &fd, 1);

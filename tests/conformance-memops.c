@@ -215,11 +215,10 @@ TEST_IMPL(conformance_memops_refuse_pool_memory) {
   return 0;
 }
 
-/* The same refusal on a pool pointer imported by another process. Unlike
- * the check above, this one has not been seen on the real driver yet: in
- * the one GPU run that reached it, cuMemPoolExportPointer refused the
- * 64 KiB pointer after the refused memops (the pool checks export 1 MiB
- * pointers), so it now exports a 1 MiB pointer before any memop. */
+/* The same refusal on a pool pointer imported by another process. (The
+ * pool is exported before the pointer: the real driver refuses to export a
+ * pointer of a pool never exported; see
+ * conformance_pool_export_pointer_needs_pool_export.) */
 TEST_IMPL(conformance_memops_refuse_imported_pool_memory) {
   gpuipc__ctx_guard g;
   enter0(&g);
@@ -238,11 +237,11 @@ TEST_IMPL(conformance_memops_refuse_imported_pool_memory) {
   memset(&m, 0, sizeof m); /* the driver writes only part of export data */
   m.word = word;
   m.has64 = has64;
-  ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&m.export_data, p));
   int fd = -1;
   ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
       &fd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
   ASSERT_GE(fd, 0);
+  ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&m.export_data, p));
   int sock = -1;
   pid_t pid = spawn_helper("conf_memops_pool_importer", NULL, &sock, NULL);
   harness_send(sock, &m, sizeof m, &fd, 1);

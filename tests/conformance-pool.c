@@ -185,6 +185,42 @@ TEST_IMPL(conformance_pool_export_interior_pointer_fails) {
   return 0;
 }
 
+/* Real driver (580, H200): cuMemPoolExportPointer fails with
+ * CUDA_ERROR_INVALID_VALUE on a pointer of an IPC-capable pool that was
+ * never exported with cuMemPoolExportToShareableHandle, and succeeds on the
+ * same pointer once the pool has been. (Two GPU runs saw the failure in
+ * checks that exported the pointer first.) gpuipc exports its pools when it
+ * creates them, and a wrapped pool before its first pointer. */
+TEST_IMPL(conformance_pool_export_pointer_needs_pool_export) {
+  gpuipc__ctx_guard g;
+  enter(&g, 0);
+  CUmemoryPool pool = NULL;
+  make_pool(&pool, 0, false);
+  CUstream s = NULL;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr p = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p, POOL_BYTES, pool, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  CUmemPoolPtrExportData ed;
+  memset(&ed, 0, sizeof ed);
+  ASSERT_CU_EQ(gpuipc__cu.cuMemPoolExportPointer(&ed, p),
+               CUDA_ERROR_INVALID_VALUE);
+  int fd = -1;
+  ASSERT_CU(gpuipc__cu.cuMemPoolExportToShareableHandle(
+      &fd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  ASSERT_GE(fd, 0);
+  ASSERT_CU(gpuipc__cu.cuMemPoolExportPointer(&ed, p));
+  static const unsigned char zero[48];
+  ASSERT_NE(memcmp(&ed, zero, sizeof zero), 0);
+  close(fd);
+  ASSERT_CU(gpuipc__cu.cuMemFreeAsync(p, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemPoolDestroy(pool));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
 /* DESIGN: exporting the same pointer twice gives identical bytes -- when
  * the caller zeroes the struct first. The real driver (580, H200) fills
  * only the first 48 bytes of the 64-byte CUmemPoolPtrExportData and leaves

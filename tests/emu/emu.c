@@ -3029,6 +3029,7 @@ typedef struct pool_block {
 typedef struct emu_pool {
   uint32_t magic;
   bool imported, destroyed, is_default;
+  bool exported; /* cuMemPoolExportToShareableHandle succeeded once */
   int ordinal, phys;
   int fd;
   uint64_t ino, dev, id;
@@ -3463,10 +3464,12 @@ CUresult cuMemPoolExportToShareableHandle(void *handle_out, CUmemoryPool pool,
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
     int fd = fcntl(p->fd, F_DUPFD_CLOEXEC, 3);
-    if (fd < 0)
+    if (fd < 0) {
       r = CUDA_ERROR_OUT_OF_MEMORY;
-    else
+    } else {
       *(int *)handle_out = fd;
+      p->exported = true;
+    }
   }
   pthread_mutex_unlock(&E.mu);
   RET(r);
@@ -3550,7 +3553,10 @@ CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *shareData_out, CUdevicep
   emu_pool *p = r.pool;
   pool_block *b = r.obj;
   CUresult res = CUDA_SUCCESS;
-  if (!(p->props.handleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+  /* The real driver (580) refuses to export a pointer of a pool that was
+   * never exported itself (cuMemPoolExportToShareableHandle first). */
+  if (!(p->props.handleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ||
+      !p->exported) {
     res = CUDA_ERROR_INVALID_VALUE;
   } else {
     pool_wire w;

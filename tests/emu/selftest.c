@@ -338,18 +338,20 @@ int main(int argc, char **argv) {
   OK(p_cuMemAllocFromPoolAsync(&pa, 8192, pool, s));
   OK(p_cuMemsetD8Async(pa, 0x55, 8192, s));
   OK(p_cuStreamSynchronize(s));
-  /* Like the real driver, export fills the first 48 bytes only. */
+  /* Like the real driver, a pointer exports only once its pool has been
+   * exported, and export fills the first 48 bytes only. */
   CUmemPoolPtrExportData ed, ed2;
   memset(&ed, 0, sizeof ed);
   memset(&ed2, 0xa5, sizeof ed2);
+  CU(p_cuMemPoolExportPointer(&ed, pa), CUDA_ERROR_INVALID_VALUE);
+  int pool_fd = -1;
+  OK(p_cuMemPoolExportToShareableHandle(&pool_fd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
   OK(p_cuMemPoolExportPointer(&ed, pa));
   OK(p_cuMemPoolExportPointer(&ed2, pa));
   CHECK(memcmp(&ed, &ed2, 48) == 0);
   CHECK(ed2.reserved[48] == 0xa5 && ed2.reserved[63] == 0xa5);
   CU(p_cuMemPoolExportPointer(&ed2, pa + 512), CUDA_ERROR_INVALID_VALUE);
   CU(p_cuIpcGetMemHandle(&mh2, pa), CUDA_ERROR_INVALID_VALUE);
-  int pool_fd = -1;
-  OK(p_cuMemPoolExportToShareableHandle(&pool_fd, pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
 
   /* VMM. */
   CUmemAllocationProp vp;
