@@ -10,6 +10,7 @@
  */
 #include "harness.h"
 
+#include <execinfo.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -296,6 +297,10 @@ static void holder_alarm(int sig) {
   int k = holder_stage < 0 || holder_stage > 3 ? 3 : (int)holder_stage;
   ssize_t w = write(2, what[k], strlen(what[k]));
   (void)w;
+  /* And where exactly (backtrace was called once before, so it does not
+   * load anything here). */
+  void *frames[48];
+  backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
 }
 
 HELPER_IMPL(ho_holder) {
@@ -303,6 +308,8 @@ HELPER_IMPL(ho_holder) {
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   gpuipc_received r[64];
   /* The producer waits 30 s for "held": say where we are at 20 s. */
+  void *warm[1];
+  (void)backtrace(warm, 1);
   signal(SIGALRM, holder_alarm);
   alarm(20);
   for (int i = 0; i < n; i++) {
