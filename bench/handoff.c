@@ -40,7 +40,7 @@ extern char **environ;
 
 #define MAXC 8
 
-enum { OP_LAT = 1, OP_TPUT, OP_LEGACY, OP_POOL, OP_MEMOP, OP_QUIT };
+enum { OP_LAT = 1, OP_TPUT, OP_LEGACY, OP_POOL, OP_MEMOP, OP_ECHO, OP_QUIT };
 
 typedef struct cmd {
   uint32_t op;
@@ -176,6 +176,23 @@ static int consumer(int fd) {
       r.b = pct(v, n, 0.9);
       r.c = now_us() - t0;
       r.d = pct(x, n, 0.5);
+    } else if (m.op == OP_ECHO) {
+      /* Echoes n small messages, polling for each like a consumer that
+       * polls for buffers. */
+      OK(gpuipc_conn_set_nonblocking(c, 1));
+      for (int i = 0; i < n; i++) {
+        char e[16];
+        for (;;) {
+          gpuipc_status es =
+              gpuipc_conn_recv_msg(c, e, sizeof e, &len, NULL, NULL);
+          if (es == GPUIPC_OK)
+            break;
+          if (es != GPUIPC_E_WOULD_BLOCK)
+            DIE("echo: %s", gpuipc_strerror(es));
+        }
+        OK(gpuipc_conn_send_msg(c, e, len, NULL, 0));
+      }
+      OK(gpuipc_conn_set_nonblocking(c, 0));
     } else if (m.op == OP_LEGACY) {
       for (int i = 0; i < n; i++) {
         CUipcMemHandle h;
@@ -443,6 +460,55 @@ static double raw_memop(bctx *b) {
   return (double)ms * 1000.0 / n;
 }
 
+/* What one handoff cannot go below with this design: one small message
+ * between the processes, the producer's enqueue of the ready write and the
+ * consumer's enqueue of the wait. out: message one way (half a polled
+ * ping-pong), cuStreamWriteValue64 and cuStreamWaitValue64 (satisfied)
+ * enqueue times, medians in us. */
+static void raw_floor(bctx *b, double out[3]) {
+  gpuipc_conn *c = b->c[0];
+  int n = b->iters;
+  double *v = calloc((size_t)n, sizeof *v);
+  if (v == NULL)
+    DIE("out of memory");
+  send_cmd(c, OP_ECHO, (uint32_t)n);
+  OK(gpuipc_conn_set_nonblocking(c, 1));
+  for (int i = 0; i < n; i++) {
+    char e[16] = "ping", r[16];
+    size_t len = 0;
+    double t0 = now_us();
+    OK(gpuipc_conn_send_msg(c, e, sizeof e, NULL, 0));
+    for (;;) {
+      gpuipc_status st = gpuipc_conn_recv_msg(c, r, sizeof r, &len, NULL, NULL);
+      if (st == GPUIPC_OK)
+        break;
+      if (st != GPUIPC_E_WOULD_BLOCK)
+        DIE("echo: %s", gpuipc_strerror(st));
+    }
+    v[i] = (now_us() - t0) / 2;
+  }
+  OK(gpuipc_conn_set_nonblocking(c, 0));
+  out[0] = pct(v, n, 0.5);
+  CUdeviceptr w;
+  CU(gpuipc__cu.cuMemAlloc(&w, 4096));
+  CU(gpuipc__cu.cuMemsetD8(w, 0, 4096));
+  for (int i = 0; i < n; i++) {
+    double t0 = now_us();
+    CU(gpuipc__cu.cuStreamWriteValue64(b->s, w, (cuuint64_t)i + 1, 0));
+    v[i] = now_us() - t0;
+  }
+  out[1] = pct(v, n, 0.5);
+  for (int i = 0; i < n; i++) {
+    double t0 = now_us();
+    CU(gpuipc__cu.cuStreamWaitValue64(b->s, w, 1, CU_STREAM_WAIT_VALUE_GEQ));
+    v[i] = now_us() - t0;
+  }
+  out[2] = pct(v, n, 0.5);
+  CU(gpuipc__cu.cuStreamSynchronize(b->s));
+  CU(gpuipc__cu.cuMemFree(w));
+  free(v);
+}
+
 static const char *size_name(size_t s, char *buf) {
   if (s >= ((size_t)1 << 20))
     sprintf(buf, "%zu MiB", s >> 20);
@@ -523,6 +589,8 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     raw_legacy(&b, leg);
     raw_pool(&b, pool);
     double rt = raw_memop(&b);
+    double fl[3];
+    raw_floor(&b, fl);
     printf("\nraw driver paths, same run (medians, us; 1 MiB allocations):\n");
     printf("  legacy   cuIpcGetMemHandle %.2f | cuIpcOpenMemHandle %.2f | "
            "cuIpcCloseMemHandle %.2f | per buffer %.2f\n",
@@ -534,6 +602,10 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     printf("  ordering GPU round trip, stream write+wait value across two "
            "processes: %.2f us\n",
            rt);
+    printf("  floor    one small message between the processes %.2f | "
+           "cuStreamWriteValue64 enqueue %.2f | cuStreamWaitValue64 enqueue "
+           "%.2f | sum %.2f (what one handoff cannot go below)\n",
+           fl[0], fl[1], fl[2], fl[0] + fl[1] + fl[2]);
     fflush(stdout);
   }
 
