@@ -424,7 +424,11 @@ static void raw_pool(bctx *b, double out[4]) {
  * stream after a gate the host opens once everything is queued. */
 static double raw_memop(bctx *b) {
   gpuipc_conn *c = b->c[0];
-  int n = b->iters;
+  /* Both sides enqueue the whole ping-pong before anything runs: a stream
+   * holds only so many pending operations (2000 pairs behind a blocked
+   * wait filled it on an H200, and the enqueue then waited for room that
+   * never came), so at most 200 rounds. */
+  int n = b->iters < 200 ? b->iters : 200;
   CUdeviceptr A;
   CU(gpuipc__cu.cuMemAlloc(&A, 4096));
   CUdeviceptr B = A + 256, G = A + 512;

@@ -40,7 +40,10 @@ void gpuipc__hcopy_destroy(gpuipc__hcopy *p);
 int gpuipc__hcopy_threads(const gpuipc__hcopy *p);
 /* memcpy(dst, src, n), split between the helpers and the caller when n is
  * large enough; returns when all of it is done. One caller at a time.
- * p may be NULL (plain memcpy). */
-void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n);
+ * p may be NULL (plain memcpy). nt: dst is a large destination nobody reads
+ * soon (pageable memory being drained into), written with streaming stores
+ * where the machine has them. */
+void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n,
+                       bool nt);
 
 #endif /* GPUIPC_XFER_INTERNAL_H */

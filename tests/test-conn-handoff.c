@@ -296,28 +296,43 @@ static void wait_up(gpuipc_conn *c, int timeout_ms) {
 
 /* Receives buffers and holds them until told (a message), then releases
  * them all and reports. argv[0]: how many. */
-/* Where ho_holder is, for a report if it stalls. (Two real-GPU runs saw it
- * stay 20 s inside its first receive while the whole suite ran at -j24:
- * that receive was the helper's first CUDA call, and under that load even a
- * test that only probes the driver took 19 s. So the helper now starts
- * CUDA first and says "up"; the producer waits for that with a generous
- * timeout, and only the protocol itself runs under the 30 s one.) */
-static volatile sig_atomic_t holder_stage;
+/* A stall report for the lease tests below. Two real-GPU runs saw these
+ * tests stop for 30 s while the whole suite ran at -j24: once inside the
+ * helper's first receive, which was also its first CUDA call (under that
+ * load even a test that only probes the driver took 19 s), and once inside
+ * the producer's first send, which makes the connection's flag words and
+ * exports the arena (driver calls the kernel driver serializes between
+ * processes). So the helper starts CUDA before it says "up", the protocol
+ * runs under a 120 s timeout, and either side that is still in one step
+ * after 20 s says which, with a backtrace, without failing for it. */
+static const char *volatile stall_who;
+static const char *volatile stall_step;
 
-static void holder_alarm(int sig) {
+static void stall_alarm(int sig) {
   (void)sig;
-  static const char *what[] = {"ho_holder: stalled before receiving\n",
-                               "ho_holder: stalled in recv of buffer 1\n",
-                               "ho_holder: stalled in recv of buffer 2+\n",
-                               "ho_holder: stalled after receiving\n"};
-  int k = holder_stage < 0 || holder_stage > 3 ? 3 : (int)holder_stage;
-  ssize_t w = write(2, what[k], strlen(what[k]));
-  (void)w;
-  /* And where exactly (backtrace was called once before, so it does not
-   * load anything here). */
+  const char *parts[] = {stall_who, ": still in ", stall_step,
+                         " after 20 s (a loaded machine, or a hang):\n"};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(parts); i++) {
+    ssize_t w = write(2, parts[i], strlen(parts[i]));
+    (void)w;
+  }
   void *frames[48];
   backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
 }
+
+/* Names the step now running and gives it 20 s before the report. */
+static void stall_watch(const char *who, const char *step) {
+  if (stall_who == NULL) {
+    void *warm[1];
+    (void)backtrace(warm, 1); /* loads what backtrace needs, outside the handler */
+    signal(SIGALRM, stall_alarm);
+  }
+  stall_who = who;
+  stall_step = step;
+  alarm(20);
+}
+
+static void stall_done(void) { alarm(0); }
 
 HELPER_IMPL(ho_holder) {
   int n = atoi(argv[0]);
@@ -330,18 +345,14 @@ HELPER_IMPL(ho_holder) {
     gpuipc__ctx_leave(&g);
   }
   ASSERT_OK(gpuipc_conn_send_msg(c, "up", 2, NULL, 0));
-  /* The producer waits 30 s for "held": say where we are at 20 s. */
-  void *warm[1];
-  (void)backtrace(warm, 1);
-  signal(SIGALRM, holder_alarm);
-  alarm(20);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
   for (int i = 0; i < n; i++) {
-    holder_stage = i == 0 ? 1 : 2;
+    stall_watch("ho_holder", i == 0 ? "recv of the first buffer"
+                                    : "recv of a later buffer");
     r[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
     ASSERT_OK(gpuipc_conn_recv(c, NULL, &r[i]));
   }
-  holder_stage = 3;
-  alarm(0);
+  stall_done();
   ASSERT_OK(gpuipc_conn_send_msg(c, "held", 4, NULL, 0));
   char buf[8];
   size_t len;
@@ -364,26 +375,31 @@ TEST_IMPL(handoff_deferred_free_and_slots) {
   int fd;
   pid_t pid = spawn_helper("ho_holder", NULL, &fd, "2", NULL);
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
-  o.timeout_ms = 30000;
+  o.timeout_ms = 120000;
   o.max_outstanding = 2;
   gpuipc_conn *c = NULL;
   ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
-  wait_up(c, 30000);
+  wait_up(c, 120000);
+  stall_watch("producer", "arena creation");
   gpuipc_arena *a = mkarena((size_t)1 << 20);
   gpuipc_block *b1, *b2, *b3;
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b1));
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b2));
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b3));
+  stall_watch("producer", "the first send");
   ASSERT_OK(gpuipc_conn_send(c, b1, NULL, NULL, 0));
+  stall_watch("producer", "the second send");
   ASSERT_OK(gpuipc_conn_send(c, b2, NULL, NULL, 0));
   char buf[8];
   size_t len;
+  stall_watch("producer", "the wait for \"held\"");
   ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  stall_done();
   ASSERT_EQ(gpuipc_block_holders(b1), 1);
   /* Both slots are out: a third send waits, then times out. */
   ASSERT_OK(gpuipc_conn_set_timeout(c, 100));
   ASSERT_STATUS(gpuipc_conn_send(c, b3, NULL, NULL, 0), GPUIPC_E_TIMEOUT);
-  ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
   /* Freeing held blocks defers the free. */
   ASSERT_OK(gpuipc_block_free(b1, NULL));
   gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
@@ -744,16 +760,21 @@ TEST_IMPL(handoff_consumer_closes_holding) {
   int fd;
   pid_t pid = spawn_helper("ho_holder", NULL, &fd, "2", "linger", NULL);
   gpuipc_conn *c = pair_conn(fd);
-  wait_up(c, 30000);
+  wait_up(c, 120000);
+  stall_watch("producer", "arena creation");
   gpuipc_arena *a = mkarena((size_t)1 << 20);
   gpuipc_block *b1, *b2;
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b1));
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b2));
+  stall_watch("producer", "the first send");
   ASSERT_OK(gpuipc_conn_send(c, b1, NULL, NULL, 0));
+  stall_watch("producer", "the second send");
   ASSERT_OK(gpuipc_conn_send(c, b2, NULL, NULL, 0));
   char buf[8];
   size_t len;
+  stall_watch("producer", "the wait for \"held\"");
   ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  stall_done();
   /* We close our end while the helper holds both: they stay leased. */
   ASSERT_OK(gpuipc_block_free(b1, NULL));
   ASSERT_OK(gpuipc_block_free(b2, NULL));

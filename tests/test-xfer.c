@@ -280,7 +280,7 @@ TEST_IMPL(xfer_heuristic) {
   ASSERT_UEQ(c, (size_t)8 << 20);
   /* Host threads: half the CPUs, 1 to 8. */
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  ASSERT_EQ(in.host_threads, cpus / 2 < 1 ? 1 : cpus / 2 > 8 ? 8 : cpus / 2);
+  ASSERT_EQ(in.host_threads, cpus / 2 < 1 ? 1 : cpus / 2 > 16 ? 16 : cpus / 2);
   /* A pageable side: n/8 rounded up to 64 KiB (2 MiB + 64 KiB here), so 8
    * chunks, the first copy growing the ring to 4 MiB slots. */
   {

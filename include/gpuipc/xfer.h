@@ -92,7 +92,7 @@
  *     direction of a PCIe 5 link, so the memcpy of a large staged chunk is
  *     split between the calling thread and helper threads of the engine
  *     (started on its first staged copy; they run memcpy only, with all
- *     signals blocked): half the online CPUs, at most 8, at least 1 (no
+ *     signals blocked): half the online CPUs, at most 16, at least 1 (no
  *     helper). Pieces are at least 256 KiB.
  *   - device scratch (gpuipc_xfer_pipeline without caller buffers): one
  *     input and one output chunk per stream, allocated on first use.
