@@ -25,6 +25,7 @@
  */
 #include "conn_internal.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -255,8 +256,41 @@ static gpuipc_status make_event(gpuipc_conn *conn, int ordinal, uint32_t slot,
   return GPUIPC_OK;
 }
 
-/* The common part of both sends: a free slot, the stream-ordered ready
- * write, the frame. `desc` (with fds) is set for a descriptor buffer, else
+/* The stream-ordered ready write of buffer `seq` in `slot` (memop mode),
+ * after the work queued on *stream; *stream becomes the stream that wrote
+ * the word. */
+static gpuipc_status ready_write(struct gpuipc__ho *h, gpuipc__txs *t,
+                                 uint32_t slot, uint64_t seq,
+                                 struct CUstream_st **stream) {
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
+  CUstream ws = NULL;
+  gpuipc_status ss = write_stream(h, 0, *stream, &ws);
+  if (ss != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    return ss;
+  }
+  CUresult r = CUDA_SUCCESS;
+  if (t->last_seq != 0 && t->last_stream != (struct CUstream_st *)ws)
+    r = GPUIPC__CU(cuStreamWaitValue64, ws,
+                   (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
+                                                      slot),
+                   (cuuint64_t)t->last_seq, CU_STREAM_WAIT_VALUE_GEQ);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamWriteValue64, ws,
+                   (CUdeviceptr)gpuipc__ready_word(h->ctl->ptr, slot),
+                   (cuuint64_t)seq, 0);
+  gpuipc__ctx_leave(&g);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuStreamWriteValue64",
+                             "ready flag of buffer %llu",
+                             (unsigned long long)seq);
+  *stream = (struct CUstream_st *)ws; /* the stream that wrote the word */
+  return GPUIPC_OK;
+}
+
+/* The common part of both sends: a free slot, the frame, then the
+ * stream-ordered ready write. `desc` (with fds) is set for a descriptor buffer, else
  * the frame names the arena block in w. On success the slot's lease is
  * recorded by the caller through *slot_out / *seq_out. */
 static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
@@ -282,32 +316,6 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
      * is recorded again only after the consumer released this lease. */
     GPUIPC__CHECK(gpuipc_event_record(t->ready_ev, stream));
   }
-  if (ordered) {
-    gpuipc__ctx_guard g;
-    GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
-    CUstream ws = NULL;
-    gpuipc_status ss = write_stream(h, 0, stream, &ws);
-    if (ss != GPUIPC_OK) {
-      gpuipc__ctx_leave(&g);
-      return ss;
-    }
-    CUresult r = CUDA_SUCCESS;
-    if (t->last_seq != 0 && t->last_stream != (struct CUstream_st *)ws)
-      r = GPUIPC__CU(cuStreamWaitValue64, ws,
-                     (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
-                                                        slot),
-                     (cuuint64_t)t->last_seq, CU_STREAM_WAIT_VALUE_GEQ);
-    if (r == CUDA_SUCCESS)
-      r = GPUIPC__CU(cuStreamWriteValue64, ws,
-                     (CUdeviceptr)gpuipc__ready_word(h->ctl->ptr, slot),
-                     (cuuint64_t)seq, 0);
-    gpuipc__ctx_leave(&g);
-    if (r != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(r, "cuStreamWriteValue64",
-                               "ready flag of buffer %llu",
-                               (unsigned long long)seq);
-    stream = (struct CUstream_st *)ws; /* the stream that wrote the word */
-  }
   w->seq = seq;
   w->slot = slot;
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
@@ -330,16 +338,31 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
                                 fds, nfds, deadline);
   }
   h->tx_seq = seq;
+  if (s != GPUIPC_OK)
+    return s; /* nothing was enqueued: the slot stays free */
+  h->tx_nfree--;
   if (ordered) {
+    /* The ready write is enqueued after the frame left: the consumer's
+     * stream waits for it on the GPU anyway, and the consumer holds the
+     * buffer sooner by the time of this enqueue (about a microsecond). It
+     * still follows exactly the work queued on `stream` before this call. */
+    gpuipc_status ws_status = ready_write(h, t, slot, seq, &stream);
+    if (ws_status != GPUIPC_OK) {
+      /* The peer was told of a buffer whose ready word will never be
+       * written: end the connection, so that it treats the buffer as from
+       * a dead producer (its streams are unblocked, its next call says
+       * the peer is gone), and never reuse the slot. */
+      t->retired = true;
+      gpuipc_status cause = ws_status;
+      char why[256];
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      (void)gpuipc__conn_break(conn, "the ready flag of buffer %llu could "
+                                     "not be enqueued",
+                               (unsigned long long)seq);
+      return gpuipc__fail(cause, "%s", why);
+    }
     t->last_seq = seq;
     t->last_stream = stream;
-  }
-  h->tx_nfree--;
-  if (s != GPUIPC_OK) {
-    /* The ready write is queued but the peer will never hear of it: the
-     * slot cannot be reused safely on this connection. */
-    t->retired = true;
-    return s;
   }
   t->ordered = ordered;
   t->by_event = by_event;

@@ -801,6 +801,58 @@ TEST_IMPL(handoff_consumer_closes_holding) {
   return 0;
 }
 
+/* ---- a ready write that cannot be enqueued ------------------------------------------ */
+
+/* A producer whose every cuStreamWriteValue64 fails (GPUIPC_EMU_FAIL): the
+ * frame of its first buffer has left when the ready write fails, so send
+ * must report the failure and end the connection (the consumer would
+ * otherwise wait on the GPU for a word nobody writes). */
+HELPER_IMPL(ho_write_fails) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  gpuipc_status st = gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0);
+  ASSERT_STATUS(st, GPUIPC_E_DRIVER);
+  ASSERT_NOT_NULL(strstr(gpuipc_last_error(), "cuStreamWriteValue64"));
+  /* The connection is over; the block is still ours to free. */
+  ASSERT(gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0) != GPUIPC_OK);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+TEST_IMPL(handoff_ready_write_fails) {
+  REQUIRE_EMULATOR("fault injection (GPUIPC_EMU_FAIL)");
+  char *env[] = {"GPUIPC_EMU_FAIL=cuStreamWriteValue64:*", NULL};
+  int fd;
+  pid_t pid = spawn_helper("ho_write_fails", env, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  gpuipc_status st = gpuipc_conn_recv(c, (struct CUstream_st *)s, &r);
+  /* Either the buffer came (and then the end), or the end came first. */
+  if (st == GPUIPC_OK) {
+    gpuipc_received r2 = GPUIPC_RECEIVED_INIT;
+    st = gpuipc_conn_recv(c, (struct CUstream_st *)s, &r2);
+  }
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  /* Whatever our stream waits for was unblocked: it drains. */
+  CUresult q = CUDA_ERROR_NOT_READY;
+  for (int i = 0; i < 10000 && q == CUDA_ERROR_NOT_READY; i++) {
+    q = gpuipc__cu.cuStreamQuery(s);
+    if (q == CUDA_ERROR_NOT_READY)
+      usleep(1000);
+  }
+  ASSERT_CU(q);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  gpuipc_conn_close(c);
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
+}
+
 /* ---- exporter killed ---------------------------------------------------------------------- */
 
 /* A producer that sends three buffers: the first ready at once, the next
