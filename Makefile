@@ -13,6 +13,9 @@ BUILD   ?= build
 PREFIX  ?= /usr/local
 CC      ?= cc
 JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
+# GPU tests at once: each starts CUDA in several processes, which the
+# kernel driver serializes; more than 16 at a time only makes each slower.
+GPU_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 16 ] && n=16; echo $$n)
 CMAKE_FLAGS ?=
 CTEST_FLAGS ?=
 
@@ -40,7 +43,7 @@ gpu-test:
 	@build-gpu/gpuipc doctor --quiet; rc=$$?; if [ $$rc -ne 0 ]; then \
 	  echo "make gpu-test: no usable GPU here (gpuipc doctor exit $$rc); run 'build-gpu/gpuipc doctor' to see why, or use 'make test' for the emulator"; \
 	  exit 1; fi
-	@cd build-gpu && ctest -j $(JOBS) --output-on-failure $(CTEST_FLAGS)
+	@cd build-gpu && ctest -j $(GPU_JOBS) --output-on-failure $(CTEST_FLAGS)
 
 bench: build
 	@$(BUILD)/gpuipc bench all --emulator $(abspath $(EMU))
