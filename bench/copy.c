@@ -227,12 +227,15 @@ static void size_text(size_t n, char *buf, size_t cap) {
 static void usage(FILE *f) {
   fprintf(f,
           "usage: gpuipc bench copy [--max SIZE] [--min SIZE] [--reps N] "
-          "[--quick] [--device N] [--threads N] [--emulator PATH]\n"
+          "[--quick] [--device N] [--threads N] [--chunk SIZE] [--streams N]\n"
+          "       [--emulator PATH]\n"
           "  sizes go from --min (default 1M) to --max (default 4G on a GPU,\n"
           "  16M on the emulator) by factors of 4; SIZE takes K/M/G.\n"
           "  --quick: 3 repetitions and at most 64M (4M on the emulator).\n"
           "  --threads: host threads of the engine's staged memcpy (default:\n"
-          "  the engine's choice), to compare settings on one machine.\n");
+          "  the engine's choice), to compare settings on one machine.\n"
+          "  --chunk, --streams: the engine's chunk size and stream count\n"
+          "  (default: its heuristic), likewise.\n");
 }
 
 static void row(const char *size, const char *name, double plain, double x,
@@ -257,7 +260,8 @@ int gpuipc_bench_copy(int argc, char **argv) {
   if (emulated < 0)
     return 2;
   size_t max = 0, min = MIB;
-  int reps = 0, quick = 0, device = 0, threads = 0;
+  int reps = 0, quick = 0, device = 0, threads = 0, streams = 0;
+  size_t chunk = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0) {
       usage(stdout);
@@ -282,6 +286,17 @@ int gpuipc_bench_copy(int argc, char **argv) {
       }
     } else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) {
       device = atoi(argv[++i]);
+    } else if (strcmp(argv[i], "--chunk") == 0 && i + 1 < argc) {
+      if (parse_size(argv[++i], &chunk) != 0 || chunk == 0) {
+        usage(stderr);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--streams") == 0 && i + 1 < argc) {
+      streams = atoi(argv[++i]);
+      if (streams < 1 || streams > GPUIPC_XFER_MAX_STREAMS) {
+        usage(stderr);
+        return 2;
+      }
     } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
       threads = atoi(argv[++i]);
       if (threads < 1 || threads > 16) {
@@ -366,6 +381,8 @@ int gpuipc_bench_copy(int argc, char **argv) {
   memset(gpuipc_xfer_shared_slot(b.sh, 0), 7, max);
   gpuipc_xfer_options xo = GPUIPC_XFER_OPTIONS_INIT;
   xo.host_threads = threads;
+  xo.chunk_bytes = chunk;
+  xo.streams = streams;
   if (gpuipc_xfer_create(device, &xo, &b.x) != GPUIPC_OK) {
     fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
     goto out;
