@@ -22,7 +22,7 @@
 #define XFER_DEFAULT_MAX_CHUNK ((size_t)8 << 20)
 #define XFER_MIN_AUTO_CHUNK ((size_t)1 << 20)
 #define XFER_CHUNK_ALIGN ((size_t)64 << 10)
-#define XFER_TARGET_CHUNKS 32
+#define XFER_TARGET_CHUNKS 16
 #define XFER_STAGED_TARGET_CHUNKS 8
 #define XFER_AUTO_HOST_THREADS 16
 #define XFER_MAX_SLOTS 64

@@ -271,14 +271,14 @@ TEST_IMPL(xfer_heuristic) {
   ASSERT_OK(gpuipc_xfer_chunk_size(x, 1000, &c));
   ASSERT_UEQ(c, 1000);
   ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)4 << 20, &c));
-  ASSERT_UEQ(c, (size_t)1 << 20); /* n/32 is below the 1 MiB floor */
+  ASSERT_UEQ(c, (size_t)1 << 20); /* n/16 is below the 1 MiB floor */
   ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)64 << 20, &c));
-  ASSERT_UEQ(c, (size_t)2 << 20);
+  ASSERT_UEQ(c, (size_t)4 << 20);
   ASSERT_OK(gpuipc_xfer_chunk_size(x, ((size_t)64 << 20) + 1, &c));
-  ASSERT_UEQ(c, ((size_t)2 << 20) + (64 << 10)); /* rounded up to 64 KiB */
+  ASSERT_UEQ(c, ((size_t)4 << 20) + (64 << 10)); /* rounded up to 64 KiB */
   ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)4 << 30, &c));
   ASSERT_UEQ(c, (size_t)8 << 20);
-  /* Host threads: half the CPUs, 1 to 8. */
+  /* Host threads: half the CPUs, 1 to 16. */
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   ASSERT_EQ(in.host_threads, cpus / 2 < 1 ? 1 : cpus / 2 > 16 ? 16 : cpus / 2);
   /* A pageable side: n/8 rounded up to 64 KiB (2 MiB + 64 KiB here), so 8
