@@ -25,10 +25,14 @@
 #define XFER_TARGET_CHUNKS 16
 #define XFER_STAGED_TARGET_CHUNKS 8
 #define XFER_AUTO_HOST_THREADS 16
+
+size_t gpuipc__xfer_driver_pageable_max = GPUIPC__XFER_DRIVER_PAGEABLE_MAX;
 #define XFER_MAX_SLOTS 64
 #define XFER_MIN_SLOT ((size_t)64 << 10)
 
-enum mem_kind { MEM_PAGEABLE, MEM_PINNED, MEM_DEVICE };
+/* MEM_PAGEABLE_DRIVER: a pageable source the driver's own pageable copy
+ * takes (see run()). */
+enum mem_kind { MEM_PAGEABLE, MEM_PINNED, MEM_DEVICE, MEM_PAGEABLE_DRIVER };
 enum slot_state {
   SLOT_FREE,
   SLOT_READ, /* a DMA reads the slot (host -> device): wait its event */
@@ -627,10 +631,11 @@ static gpuipc_status copy_in(gpuipc_xfer *x, CUstream st, CUdeviceptr d,
     x->staged_bytes += len;
     return GPUIPC_OK;
   }
-  if (k == MEM_PINNED) {
+  if (k == MEM_PINNED || k == MEM_PAGEABLE_DRIVER) {
     r = GPUIPC__CU(cuMemcpyHtoDAsync, d, src, len, st);
     if (r != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(r, "cuMemcpyHtoDAsync", "%zu bytes", len);
+      return gpuipc__fail_cuda(r, "cuMemcpyHtoDAsync", "%zu bytes%s", len,
+                               k == MEM_PINNED ? "" : " (pageable)");
   } else {
     r = GPUIPC__CU(cuMemcpyDtoDAsync, d, dptr(src), len, st);
     if (r != CUDA_SUCCESS)
@@ -831,6 +836,18 @@ static gpuipc_status run(gpuipc_xfer *x, struct op *op) {
   if (op->kind == OP_TO_HOST)
     op->src_kind = MEM_DEVICE;
 
+  /* A small pageable source into the device: the driver's own pageable
+   * copy is quicker than staging it (it pipelines small pieces inside;
+   * measured on an H200, staging reached 0.55x of it at 1 MiB, 0.78x at
+   * 4 MiB and 1.08x at 16 MiB). Only when the caller's stream is idle: the
+   * driver's pageable copy first waits, on the host, for the stream's
+   * earlier work, which the engine's promise (a pageable source is
+   * consumed without waiting for that work) rules out otherwise. The same
+   * holds when the source is consumed: on return. */
+  if (op->kind == OP_TO_DEVICE && op->src_kind == MEM_PAGEABLE &&
+      x->user_chunk == 0 && op->bytes < gpuipc__xfer_driver_pageable_max &&
+      GPUIPC__CU(cuStreamQuery, op->caller) == CUDA_SUCCESS)
+    op->src_kind = MEM_PAGEABLE_DRIVER;
   bool direct = op->kind != OP_PIPELINE && op->src_kind != MEM_PAGEABLE &&
                 op->dst_kind != MEM_PAGEABLE &&
                 (x->user_chunk == 0 || op->bytes <= x->user_chunk);

@@ -46,4 +46,10 @@ int gpuipc__hcopy_threads(const gpuipc__hcopy *p);
 void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n,
                        bool nt);
 
+/* A pageable source into the device below this many bytes goes to the
+ * driver's own pageable copy when the caller's stream is idle (xfer.c).
+ * Tests set it to 0 to exercise staging at every size. */
+#define GPUIPC__XFER_DRIVER_PAGEABLE_MAX ((size_t)16 << 20)
+extern size_t gpuipc__xfer_driver_pageable_max;
+
 #endif /* GPUIPC_XFER_INTERNAL_H */

@@ -135,6 +135,10 @@ static gate *gate_launch(CUstream s) {
 }
 
 static gpuipc_xfer *engine(int streams, size_t chunk, size_t staging) {
+  /* Staging at every size (small pageable sources into an idle stream
+   * would go to the driver's pageable copy: see
+   * xfer_small_pageable_to_device). */
+  gpuipc__xfer_driver_pageable_max = 0;
   gpuipc_xfer_options o = GPUIPC_XFER_OPTIONS_INIT;
   o.streams = streams;
   o.chunk_bytes = chunk;
@@ -1189,6 +1193,70 @@ TEST_IMPL(xfer_host_threads) {
   return 0;
 }
 
+/* A small pageable source into the device goes to the driver's own
+ * pageable copy when the caller's stream is idle (it is quicker than
+ * staging below 16 MiB), and is staged when the stream still has work (the
+ * driver's copy would wait on the host for that work). Either way the data
+ * arrives and the source may be reused on return. */
+TEST_IMPL(xfer_small_pageable_to_device) {
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "2000", 1);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_xfer *x = engine(0, 0, 0);
+  gpuipc__xfer_driver_pageable_max = GPUIPC__XFER_DRIVER_PAGEABLE_MAX;
+  CUstream st = new_stream();
+  const size_t n = (size_t)1 << 20;
+  uint8_t *a = malloc(n), *back = malloc(n);
+  ASSERT_NOT_NULL(a);
+  ASSERT_NOT_NULL(back);
+  CUdeviceptr d = dev_alloc(n), busy = dev_alloc(16);
+  fill_random(a, n, 41);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  gpuipc_xfer_info i0 = info_of(x);
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, st, 0));
+  memset(a, 0xee, n); /* consumed on return */
+  gpuipc_xfer_info i1 = info_of(x);
+  ASSERT_UEQ(i1.direct_bytes - i0.direct_bytes, n);
+  ASSERT_UEQ(i1.staged_bytes - i0.staged_bytes, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, d, n));
+  fill_random(a, n, 41);
+  ASSERT_MEM_EQ(back, a, n);
+
+  /* A busy stream: staged. */
+  fill_random(a, n, 42);
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(busy, 0, 16, st));
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, st, 0));
+  memset(a, 0xee, n);
+  gpuipc_xfer_info i2 = info_of(x);
+  ASSERT_UEQ(i2.staged_bytes - i1.staged_bytes, n);
+  ASSERT_UEQ(i2.direct_bytes - i1.direct_bytes, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, d, n));
+  fill_random(a, n, 42);
+  ASSERT_MEM_EQ(back, a, n);
+
+  /* 16 MiB and up: staged even into an idle stream. */
+  const size_t big = (size_t)16 << 20;
+  uint8_t *b = malloc(big);
+  ASSERT_NOT_NULL(b);
+  fill_random(b, big, 43);
+  CUdeviceptr db = dev_alloc(big);
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(db), b, big, st, GPUIPC_XFER_SYNC));
+  gpuipc_xfer_info i3 = info_of(x);
+  ASSERT_UEQ(i3.staged_bytes - i2.staged_bytes, big);
+  ASSERT_OK(destroy_checked(x, 1));
+  free(a);
+  free(b);
+  free(back);
+  ASSERT_CU(gpuipc__cu.cuMemFree(d));
+  ASSERT_CU(gpuipc__cu.cuMemFree(db));
+  ASSERT_CU(gpuipc__cu.cuMemFree(busy));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
 /* The staging ring starts small and grows with the chunks it must hold,
  * waiting for the DMAs that still read the old ring before freeing it. */
 TEST_IMPL(xfer_staging_grows) {
@@ -1205,6 +1273,10 @@ TEST_IMPL(xfer_staging_grows) {
   fill_random(b, big, 2);
   CUdeviceptr da = dev_alloc(big), db = dev_alloc(big);
 
+  /* The stream is busy (a slow emulated memset) so that the small copies
+   * are staged: into an idle stream they would go to the driver. */
+  CUdeviceptr busy = dev_alloc(16);
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(busy, 0, 16, st));
   ASSERT_OK(gpuipc_xfer_to_device(x, D(da), a, 1000, st, 0));
   in = info_of(x);
   ASSERT_UEQ(in.staging_bytes, ring_slots * (64 << 10));
@@ -1231,6 +1303,7 @@ TEST_IMPL(xfer_staging_grows) {
   ASSERT_UEQ(gpuipc__xfer_pinned_live(&bytes), 1);
   ASSERT_UEQ(bytes, in.staging_bytes);
   /* A small copy afterwards keeps the large ring. */
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(busy, 0, 16, st));
   ASSERT_OK(gpuipc_xfer_to_device(x, D(db), b, 10, st, 0));
   ASSERT_UEQ(info_of(x).staging_bytes, in.staging_bytes);
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
@@ -1251,6 +1324,7 @@ TEST_IMPL(xfer_staging_grows) {
   ASSERT_CU(gpuipc__cu.cuMemFree(da));
   ASSERT_CU(gpuipc__cu.cuMemFree(db));
   ASSERT_CU(gpuipc__cu.cuMemFree(dc));
+  ASSERT_CU(gpuipc__cu.cuMemFree(busy));
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
   gpuipc__ctx_leave(&g);
   return 0;
@@ -1267,14 +1341,18 @@ HELPER_IMPL(xfer_grow_fault) {
   uint8_t *a = malloc(n), *back = malloc(n);
   fill_random(a, n, 9);
   CUdeviceptr d = dev_alloc(n);
-  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, 100, NULL, 0)); /* alloc 1 */
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(d, a, n));
+  /* Copies to pageable memory are always staged (small ones into the
+   * device may go to the driver's own pageable copy). */
+  ASSERT_OK(gpuipc_xfer_to_host(x, back, D(d), 100, NULL, 0)); /* alloc 1 */
   ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL), 1);
-  ASSERT_STATUS(gpuipc_xfer_to_device(x, D(d), a, n, NULL, 0), /* alloc 2 */
+  ASSERT_STATUS(gpuipc_xfer_to_host(x, back, D(d), n, NULL, 0), /* alloc 2 */
                 GPUIPC_E_DRIVER);
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuMemHostAlloc");
   ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL), 0);
-  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, NULL, GPUIPC_XFER_SYNC));
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, d, n));
+  memset(back, 0, n);
+  ASSERT_OK(gpuipc_xfer_to_host(x, back, D(d), n, NULL, GPUIPC_XFER_SYNC));
+  ASSERT_UEQ(gpuipc__xfer_pinned_live(NULL), 1);
   ASSERT_MEM_EQ(back, a, n);
   ASSERT_OK(destroy_checked(x, 1));
   ASSERT_CU(gpuipc__cu.cuMemFree(d));
