@@ -37,18 +37,18 @@ struct gpuipc__hcopy {
   int nthreads; /* helpers started (the caller is one more) */
   pthread_t th[GPUIPC__HCOPY_MAX_THREADS];
   _Atomic uint64_t gen; /* job number, bumped (under mu) for each job */
+  /* The job's parts are claimed, by the caller and the helpers alike, from
+   * `claim`: the job number in the high 32 bits, the next part in the low
+   * 32. A helper that comes late (the job over, another begun) sees another
+   * number and claims nothing with its stale view of the job. */
+  _Atomic uint64_t claim;
   char *dst;
   const char *src;
-  size_t n, part;     /* part: bytes per worker (the last takes the rest) */
-  bool nt;            /* streaming stores (see copy_part) */
-  int parts;          /* workers in this job, the caller included */
-  atomic_int pending; /* helper parts not finished (changed under mu) */
+  size_t n, part; /* part: bytes per part (the last takes the rest) */
+  bool nt;        /* streaming stores (see copy_part) */
+  int parts;
+  atomic_int pending; /* parts not finished */
   int stop;
-};
-
-struct helper_arg {
-  gpuipc__hcopy *p;
-  int index; /* 1..nthreads: part index */
 };
 
 /* Watches *w (without the lock) until it differs from `from` or the spin
@@ -113,10 +113,44 @@ static void copy_part(char *dst, const char *src, size_t n, bool nt) {
   memcpy(dst, src, n);
 }
 
+/* The job a thread copies parts of, as read under the lock. */
+struct job {
+  uint32_t gen;
+  char *dst;
+  const char *src;
+  size_t n, part;
+  int parts;
+  bool nt;
+};
+
+/* Claims and copies parts of job j until none is left; returns whether
+ * this thread finished the job's last part. */
+static bool copy_parts(gpuipc__hcopy *p, const struct job *j) {
+  bool last = false;
+  uint64_t v = atomic_load(&p->claim);
+  for (;;) {
+    if ((uint32_t)(v >> 32) != j->gen || (int)(uint32_t)v >= j->parts)
+      return last;
+    if (!atomic_compare_exchange_weak(&p->claim, &v, v + 1))
+      continue;
+    int i = (int)(uint32_t)v;
+    size_t off = (size_t)i * j->part;
+    size_t len = i == j->parts - 1 ? j->n - off : j->part;
+    copy_part(j->dst + off, j->src + off, len, j->nt);
+    if (atomic_fetch_sub(&p->pending, 1) == 1)
+      last = true;
+    v = atomic_load(&p->claim);
+  }
+}
+
+static struct job job_of(const gpuipc__hcopy *p) { /* mu held */
+  struct job j = {(uint32_t)atomic_load(&p->gen), p->dst, p->src, p->n,
+                  p->part, p->parts, p->nt};
+  return j;
+}
+
 static void *helper_main(void *arg) {
-  struct helper_arg a = *(struct helper_arg *)arg;
-  free(arg);
-  gpuipc__hcopy *p = a.p;
+  gpuipc__hcopy *p = arg;
   uint64_t seen = 0;
   pthread_mutex_lock(&p->mu);
   for (;;) {
@@ -130,16 +164,11 @@ static void *helper_main(void *arg) {
     if (p->stop)
       break;
     seen = atomic_load(&p->gen);
-    if (a.index >= p->parts)
-      continue;
-    size_t off = (size_t)a.index * p->part;
-    size_t len = a.index == p->parts - 1 ? p->n - off : p->part;
-    char *d = p->dst + off;
-    const char *s = p->src + off;
+    struct job j = job_of(p);
     pthread_mutex_unlock(&p->mu);
-    copy_part(d, s, len, p->nt);
+    bool last = copy_parts(p, &j);
     pthread_mutex_lock(&p->mu);
-    if (atomic_fetch_sub(&p->pending, 1) == 1)
+    if (last)
       pthread_cond_signal(&p->done);
   }
   pthread_mutex_unlock(&p->mu);
@@ -161,15 +190,9 @@ gpuipc_status gpuipc__hcopy_create(int threads, gpuipc__hcopy **out) {
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   for (int i = 0; i < threads - 1; i++) {
-    struct helper_arg *a = malloc(sizeof *a);
-    if (a == NULL)
-      break;
-    a->p = p;
-    a->index = i + 1;
-    if (pthread_create(&p->th[i], NULL, helper_main, a) != 0) {
+    if (pthread_create(&p->th[i], NULL, helper_main, p) != 0) {
       /* Fewer helpers only means slower copies. */
       GPUIPC__DEBUG("xfer", "host copy helper %d not started", i + 1);
-      free(a);
       break;
     }
     p->nthreads++;
@@ -216,11 +239,18 @@ void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n,
   p->part = part;
   p->parts = parts;
   p->nt = nt;
-  atomic_store(&p->pending, parts - 1);
-  atomic_fetch_add(&p->gen, 1);
-  pthread_cond_broadcast(&p->work);
+  atomic_store(&p->pending, parts);
+  uint64_t gen = atomic_load(&p->gen) + 1;
+  atomic_store(&p->claim, (gen & 0xffffffffu) << 32);
+  atomic_store(&p->gen, gen);
+  struct job j = job_of(p);
+  /* Wake only as many helpers as there are parts besides ours (a helper
+   * still watching for work takes one without being woken; whoever comes
+   * first copies). */
+  for (int i = 0; i < parts - 1; i++)
+    pthread_cond_signal(&p->work);
   pthread_mutex_unlock(&p->mu);
-  copy_part(dst, src, part, nt); /* part 0 is the caller's */
+  (void)copy_parts(p, &j);
   spin_while_nonzero(&p->pending);
   /* The lock, taken after the helpers' last unlock, is also what makes
    * their copies visible here (and so to the DMA that follows). */

@@ -1193,6 +1193,40 @@ TEST_IMPL(xfer_host_threads) {
   return 0;
 }
 
+/* The host copy threads alone: many jobs back to back, of sizes that give
+ * from one part to all threads a part, at odd offsets, with cached and
+ * streaming stores; every byte lands, and no part of one job is copied with
+ * another job's pointers (helpers that wake late claim nothing). */
+TEST_IMPL(xfer_hcopy_many_jobs) {
+  gpuipc__hcopy *h = NULL;
+  ASSERT_OK(gpuipc__hcopy_create(8, &h));
+  ASSERT_EQ(gpuipc__hcopy_threads(h), 8);
+  const size_t cap = (size_t)5 << 20;
+  uint8_t *src = malloc(cap + 64), *dst = malloc(cap + 64);
+  ASSERT_NOT_NULL(src);
+  ASSERT_NOT_NULL(dst);
+  uint64_t r = 12345;
+  for (int k = 0; k < 300; k++) {
+    r = r * 6364136223846793005u + 1442695040888963407u;
+    size_t n = (size_t)(r >> 33) % cap + 1;
+    size_t so = (size_t)(r >> 20) % 61, dof = (size_t)(r >> 10) % 37;
+    if (n + so > cap + 64 || n + dof > cap + 64)
+      n = cap - 64;
+    fill_random(src + so, n, (uint64_t)k);
+    memset(dst, 0, cap + 64);
+    gpuipc__hcopy_run(h, dst + dof, src + so, n, (k & 1) != 0);
+    ASSERT_MEM_EQ(dst + dof, src + so, n);
+    for (size_t i = 0; i < dof; i++)
+      ASSERT_EQ(dst[i], 0);
+    for (size_t i = dof + n; i < cap + 64 && i < dof + n + 64; i++)
+      ASSERT_EQ(dst[i], 0);
+  }
+  gpuipc__hcopy_destroy(h);
+  free(src);
+  free(dst);
+  return 0;
+}
+
 /* A small pageable source into the device goes to the driver's own
  * pageable copy when the caller's stream is idle (it is quicker than
  * staging below 16 MiB), and is staged when the stream still has work (the
