@@ -1232,6 +1232,29 @@ TEST_IMPL(xfer_hcopy_many_jobs) {
  * staging below 16 MiB), and is staged when the stream still has work (the
  * driver's copy would wait on the host for that work). Either way the data
  * arrives and the source may be reused on return. */
+/* Copies n pageable bytes (pattern `seed`) to d on st, overwrites the
+ * source at once (it is consumed on return), and checks which way the
+ * engine took (direct, or staged) and that the data arrived. busy: a
+ * device word to set first, slowly (the emulator's copy delay), so that the
+ * stream has work pending at the copy; 0: none. */
+static void small_copy(gpuipc_xfer *x, CUstream st, CUdeviceptr d, uint8_t *a,
+                       uint8_t *back, size_t n, uint64_t seed,
+                       CUdeviceptr busy, bool direct) {
+  fill_random(a, n, seed);
+  if (busy)
+    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(busy, 0, 16, st));
+  gpuipc_xfer_info before = info_of(x);
+  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, st, 0));
+  memset(a, 0xee, n);
+  gpuipc_xfer_info after = info_of(x);
+  ASSERT_UEQ(after.direct_bytes - before.direct_bytes, direct ? n : 0);
+  ASSERT_UEQ(after.staged_bytes - before.staged_bytes, direct ? 0 : n);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, d, n));
+  fill_random(a, n, seed);
+  ASSERT_MEM_EQ(back, a, n);
+}
+
 TEST_IMPL(xfer_small_pageable_to_device) {
   setenv("GPUIPC_EMU_COPY_DELAY_US", "2000", 1);
   gpuipc__ctx_guard g;
@@ -1244,45 +1267,23 @@ TEST_IMPL(xfer_small_pageable_to_device) {
   ASSERT_NOT_NULL(a);
   ASSERT_NOT_NULL(back);
   CUdeviceptr d = dev_alloc(n), busy = dev_alloc(16);
-  fill_random(a, n, 41);
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
-  gpuipc_xfer_info i0 = info_of(x);
-  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, st, 0));
-  memset(a, 0xee, n); /* consumed on return */
-  gpuipc_xfer_info i1 = info_of(x);
-  ASSERT_UEQ(i1.direct_bytes - i0.direct_bytes, n);
-  ASSERT_UEQ(i1.staged_bytes - i0.staged_bytes, 0);
-  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, d, n));
-  fill_random(a, n, 41);
-  ASSERT_MEM_EQ(back, a, n);
-
-  /* A busy stream: staged. */
-  fill_random(a, n, 42);
-  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(busy, 0, 16, st));
-  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, st, 0));
-  memset(a, 0xee, n);
-  gpuipc_xfer_info i2 = info_of(x);
-  ASSERT_UEQ(i2.staged_bytes - i1.staged_bytes, n);
-  ASSERT_UEQ(i2.direct_bytes - i1.direct_bytes, 0);
-  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, d, n));
-  fill_random(a, n, 42);
-  ASSERT_MEM_EQ(back, a, n);
+  small_copy(x, st, d, a, back, n, 41, 0, true);     /* idle stream: direct */
+  small_copy(x, st, d, a, back, n, 42, busy, false); /* busy stream: staged */
 
   /* 16 MiB and up: staged even into an idle stream. */
   const size_t big = (size_t)16 << 20;
-  uint8_t *b = malloc(big);
+  uint8_t *b = malloc(big), *bback = malloc(big);
   ASSERT_NOT_NULL(b);
-  fill_random(b, big, 43);
+  ASSERT_NOT_NULL(bback);
   CUdeviceptr db = dev_alloc(big);
-  ASSERT_OK(gpuipc_xfer_to_device(x, D(db), b, big, st, GPUIPC_XFER_SYNC));
-  gpuipc_xfer_info i3 = info_of(x);
-  ASSERT_UEQ(i3.staged_bytes - i2.staged_bytes, big);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  small_copy(x, st, db, b, bback, big, 43, 0, false);
   ASSERT_OK(destroy_checked(x, 1));
   free(a);
   free(b);
   free(back);
+  free(bback);
   ASSERT_CU(gpuipc__cu.cuMemFree(d));
   ASSERT_CU(gpuipc__cu.cuMemFree(db));
   ASSERT_CU(gpuipc__cu.cuMemFree(busy));
