@@ -1056,18 +1056,10 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
     if (fds[i] < 0)
       return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                           "gpuipc_buffer_import: fd %d", fds[i]);
-  gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
-  GPUIPC__CHECK(gpuipc__options_copy(&opts, sizeof opts, opts_in, 0,
-                                     "gpuipc_import_options",
-                                     "GPUIPC_IMPORT_OPTIONS_INIT"));
+  gpuipc_import_options opts;
   gpuipc__desc d;
-  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
-  if (d.type != GPUIPC_DESC_BUFFER)
-    return gpuipc__fail(GPUIPC_E_BAD_KIND,
-                        "gpuipc_buffer_import: descriptor of type %u is not a "
-                        "buffer",
-                        d.type);
-  GPUIPC__CHECK(gpuipc__desc_check_origin(&d));
+  GPUIPC__CHECK(gpuipc__desc_open("gpuipc_buffer_import", desc, len, opts_in,
+                                  GPUIPC_DESC_BUFFER, "a buffer", &opts, &d));
   /* Did the exporter free it? Its liveness table knows (the driver would
    * map freed memory, or another allocation at its address, silently). */
   if (gpuipc__generation_state(&d.exporter, d.generation) == GPUIPC__LIVE_FREED)

@@ -663,3 +663,20 @@ fail:
     *nfds = 0;
   return s;
 }
+
+gpuipc_status gpuipc__desc_open(const char *fn, const uint8_t *desc,
+                                size_t len,
+                                const gpuipc_import_options *opts_in,
+                                unsigned type, const char *what,
+                                gpuipc_import_options *opts, gpuipc__desc *d) {
+  *opts = (gpuipc_import_options)GPUIPC_IMPORT_OPTIONS_INIT;
+  GPUIPC__CHECK(gpuipc__options_copy(opts, sizeof *opts, opts_in, 0,
+                                     "gpuipc_import_options",
+                                     "GPUIPC_IMPORT_OPTIONS_INIT"));
+  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, d));
+  if (d->type != type)
+    return gpuipc__fail(GPUIPC_E_BAD_KIND,
+                        "%s: descriptor of type %u is not %s", fn,
+                        (unsigned)d->type, what);
+  return gpuipc__desc_check_origin(d);
+}

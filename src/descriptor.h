@@ -69,6 +69,17 @@ gpuipc_status gpuipc__desc_encode(const gpuipc__desc *d, uint8_t *out,
 gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
                                   gpuipc__desc *d);
 
+/* The common start of gpuipc_buffer_import, gpuipc_pool_import and
+ * gpuipc_event_import (`fn`): reads the caller's options into *opts
+ * (opts_in may be NULL), decodes the descriptor into *d, and checks that it
+ * is of `type` (E_BAD_KIND naming `what`: "a buffer", ...) and comes from
+ * another process of this machine and pid namespace. */
+gpuipc_status gpuipc__desc_open(const char *fn, const uint8_t *desc,
+                                size_t len,
+                                const gpuipc_import_options *opts_in,
+                                unsigned type, const char *what,
+                                gpuipc_import_options *opts, gpuipc__desc *d);
+
 /* This process's identity (computed once per process; recomputed after a
  * fork). */
 gpuipc_status gpuipc__self_identity(gpuipc__identity *id);

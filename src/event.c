@@ -80,18 +80,10 @@ gpuipc_status gpuipc_event_import(const uint8_t *desc, size_t len,
   if (desc == NULL || out == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_event_import: NULL");
   *out = NULL;
-  gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
-  GPUIPC__CHECK(gpuipc__options_copy(&opts, sizeof opts, opts_in, 0,
-                                     "gpuipc_import_options",
-                                     "GPUIPC_IMPORT_OPTIONS_INIT"));
+  gpuipc_import_options opts;
   gpuipc__desc d;
-  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
-  if (d.type != GPUIPC_DESC_EVENT)
-    return gpuipc__fail(GPUIPC_E_BAD_KIND,
-                        "gpuipc_event_import: descriptor of type %u is not "
-                        "an event",
-                        d.type);
-  GPUIPC__CHECK(gpuipc__desc_check_origin(&d));
+  GPUIPC__CHECK(gpuipc__desc_open("gpuipc_event_import", desc, len, opts_in,
+                                  GPUIPC_DESC_EVENT, "an event", &opts, &d));
   GPUIPC__CHECK(gpuipc__driver());
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);

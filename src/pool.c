@@ -763,18 +763,10 @@ gpuipc_status gpuipc_pool_import(const uint8_t *desc, size_t len, int fd,
   if (desc == NULL || out == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_import: NULL");
   *out = NULL;
-  gpuipc_import_options opts = GPUIPC_IMPORT_OPTIONS_INIT;
-  GPUIPC__CHECK(gpuipc__options_copy(&opts, sizeof opts, opts_in, 0,
-                                     "gpuipc_import_options",
-                                     "GPUIPC_IMPORT_OPTIONS_INIT"));
+  gpuipc_import_options opts;
   gpuipc__desc d;
-  GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
-  if (d.type != GPUIPC_DESC_POOL)
-    return gpuipc__fail(GPUIPC_E_BAD_KIND,
-                        "gpuipc_pool_import: descriptor of type %u is not a "
-                        "pool",
-                        d.type);
-  GPUIPC__CHECK(gpuipc__desc_check_origin(&d));
+  GPUIPC__CHECK(gpuipc__desc_open("gpuipc_pool_import", desc, len, opts_in,
+                                  GPUIPC_DESC_POOL, "a pool", &opts, &d));
   GPUIPC__CHECK(gpuipc__driver());
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);
