@@ -10,7 +10,7 @@
  * (gpuipc launches no kernels).
  */
 #include "cli.h"
-#include "driver.h"
+#include "tree.h"
 
 #include <stdio.h>
 #include <stdlib.h>

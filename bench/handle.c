@@ -17,7 +17,7 @@
  * import path).
  */
 #include "cli.h"
-#include "handle_internal.h"
+#include "tree.h"
 
 #include <fcntl.h>
 #include <stdio.h>
@@ -112,7 +112,7 @@ static int importer(int sock, int iters) {
     int o0;
     gpuipc__identity me;
     G(gpuipc_device_uuid(0, &u0));
-    G(gpuipc__device_ordinal(&u0, &o0));
+    G(gpuipc_device_from_uuid(&u0, &o0));
     G(gpuipc__self_identity(&me));
     (void)gpuipc__crc32c(0, &u0, sizeof u0);
   }
@@ -416,13 +416,15 @@ int gpuipc_bench_handle(int argc, char **argv) {
 
       uint8_t raw[64 + 16];
       memset(raw, 0, sizeof raw);
-      uint64_t alloc_size = rb->alloc_size;
+      gpuipc__buffer_info ri;
+      G(gpuipc__buffer_info_get(rb, &ri));
+      uint64_t alloc_size = ri.alloc_size;
       memcpy(raw + 64, &alloc_size, 8);
       int rfd = -1;
       if (kind == GPUIPC_POOL_LEGACY) {
         CUipcMemHandle h;
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuIpcGetMemHandle(&h, rb->base));
+        CU(gpuipc__cu.cuIpcGetMemHandle(&h, ri.base));
         tr[i] = us_since(t0);
         memcpy(raw, &h, 64);
         rows[k].raw_export = "cuIpcGetMemHandle";
@@ -432,7 +434,7 @@ int gpuipc_bench_handle(int argc, char **argv) {
         CUmemPoolPtrExportData e;
         memset(&e, 0, sizeof e);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemPoolExportPointer(&e, rb->base));
+        CU(gpuipc__cu.cuMemPoolExportPointer(&e, ri.base));
         tr[i] = us_since(t0);
         memcpy(raw, &e, 64);
         rows[k].raw_export = "cuMemPoolExportPointer";
@@ -440,14 +442,14 @@ int gpuipc_bench_handle(int argc, char **argv) {
       } else if (kind == GPUIPC_POOL_VMM) {
         t0 = gpuipc__now_ns();
         CU(gpuipc__cu.cuMemExportToShareableHandle(
-            &rfd, rb->vmm, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+            &rfd, (CUmemGenericAllocationHandle)ri.vmm, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
         tr[i] = us_since(t0);
         rows[k].raw_export = "cuMemExportToShareableHandle";
         rows[k].raw_import = "cuMemImportFromShareableHandle+Reserve+Map+"
                              "SetAccess / Unmap+AddressFree";
       } else {
         t0 = gpuipc__now_ns();
-        rfd = fcntl(rb->fd, F_DUPFD_CLOEXEC, 0);
+        rfd = fcntl(ri.fd, F_DUPFD_CLOEXEC, 0);
         tr[i] = us_since(t0);
         rows[k].raw_export = "dup of the memfd (no driver call)";
         rows[k].raw_import = "mmap+cuMemHostRegister / Unregister+munmap";

@@ -27,7 +27,7 @@
  * CLOCK_MONOTONIC, which all processes of the machine share.
  */
 #include "cli.h"
-#include "driver.h"
+#include "tree.h"
 
 #include <spawn.h>
 #include <stdio.h>

@@ -9,7 +9,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <pthread.h>
 #include <sys/wait.h>

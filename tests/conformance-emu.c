@@ -13,7 +13,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <unistd.h>
 

@@ -14,7 +14,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

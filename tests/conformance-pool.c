@@ -13,7 +13,7 @@
 #include "conformance.h"
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -16,7 +16,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <stdatomic.h>
 #include <time.h>

@@ -5,7 +5,7 @@
 #ifndef GPUIPC_TEST_CONFORMANCE_H
 #define GPUIPC_TEST_CONFORMANCE_H
 
-#include "driver.h"
+#include "tree.h"
 
 #include <stddef.h>
 #include <stdint.h>

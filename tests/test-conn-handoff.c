@@ -18,8 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "conn_internal.h"
-#include "driver.h"
+#include "tree.h"
 
 /* ---- small tools ------------------------------------------------------------------- */
 

@@ -17,7 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "conn_internal.h"
+#include "tree.h"
 
 static const char *rt_dir(void) {
   static char dir[300];

@@ -6,7 +6,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <dlfcn.h>
 #include <signal.h>

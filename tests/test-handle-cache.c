@@ -305,7 +305,7 @@ TEST_IMPL(handle_cache_mapping_replaced_under_it) {
   gpuipc_cache_stats s0 = stats();
   gpuipc__ctx_guard g;
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
-  ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(a->base));
+  ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(th_info(a).base));
   gpuipc__ctx_leave(&g);
   ASSERT_OK(gpuipc_buffer_import(d, len, NULL, 0, NULL, &b));
   gpuipc_cache_stats s1 = stats();

@@ -7,7 +7,7 @@
  */
 #include "harness.h"
 
-#include "descriptor.h"
+#include "tree.h"
 
 #include <dirent.h>
 

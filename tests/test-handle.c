@@ -76,7 +76,7 @@ void th_fill(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
     return;
   }
   th_fill_ptr((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b) + off, n, seed,
-              b->map_ordinal);
+              th_info(b).map_ordinal);
 }
 
 bool th_check(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
@@ -88,7 +88,7 @@ bool th_check(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
     return ok;
   }
   return th_check_ptr((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b) + off, n,
-                      seed, b->map_ordinal);
+                      seed, th_info(b).map_ordinal);
 }
 
 void th_close_fds(int *fds, int nfds) {
@@ -259,7 +259,7 @@ HELPER_IMPL(handle_peer) {
       gpuipc_buffer *old = P.exp[slot];
       void *addr = gpuipc_buffer_ptr(old);
       size_t size = gpuipc_buffer_size(old);
-      gpuipc_pool *pool = old->pool;
+      gpuipc_pool *pool = th_info(old).pool;
       ASSERT_OK(gpuipc_buffer_free(old, NULL));
       th_sync(0);
       P.exp[slot] = NULL;
@@ -715,7 +715,7 @@ static int wrap_offset(gpuipc_pool_kind kind) {
   ASSERT_EQ(gpuipc_buffer_size(b), size);
   ASSERT(th_check(b, 0, size, 77));
   /* The base of the mapping holds the exporter's data around the window. */
-  ASSERT(th_check_ptr(b->base, off, 77 ^ 0x5555u, b->map_ordinal));
+  ASSERT(th_check_ptr(th_info(b).base, off, 77 ^ 0x5555u, th_info(b).map_ordinal));
   th_fill(b, 0, size, 78);
   ASSERT(th_peer_check(sock, slot, 0, size, 78));
   ASSERT_OK(gpuipc_buffer_close(b));

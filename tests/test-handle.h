@@ -8,7 +8,23 @@
 
 #include "harness.h"
 
-#include "handle_internal.h"
+#include "tree.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* What the handle layer says of a buffer (gpuipc__buffer_info_get); a
+ * failure fails the test. */
+static inline gpuipc__buffer_info th_info(const gpuipc_buffer *b) {
+  gpuipc__buffer_info i;
+  memset(&i, 0, sizeof i);
+  if (gpuipc__buffer_info_get(b, &i) != GPUIPC_OK) {
+    fprintf(stderr, "gpuipc__buffer_info_get: %s\n", gpuipc_last_error());
+    abort();
+  }
+  return i;
+}
 
 /* A malloc'ed host copy of the pattern (n bytes, a multiple of 4). */
 uint32_t *th_pattern(size_t n, uint32_t seed);

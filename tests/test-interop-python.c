@@ -40,7 +40,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <errno.h>
 #include <limits.h>

@@ -7,7 +7,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <unistd.h>
 

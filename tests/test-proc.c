@@ -5,7 +5,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
+#include "tree.h"
 
 #include <errno.h>
 #include <signal.h>

@@ -11,8 +11,7 @@
  */
 #include "harness.h"
 
-#include "driver.h"
-#include "xfer_internal.h"
+#include "tree.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

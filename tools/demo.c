@@ -14,7 +14,7 @@
  * the CUDA driver emulator and says so.
  */
 #include "cli.h"
-#include "driver.h"
+#include "tree.h"
 
 #include <spawn.h>
 #include <stdio.h>

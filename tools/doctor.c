@@ -14,8 +14,7 @@
  * 2 when there is no usable CUDA driver; 64 for a usage error.
  */
 #include "cli.h"
-#include "conn_internal.h"
-#include "driver.h"
+#include "tree.h"
 
 #include <dlfcn.h>
 #include <errno.h>

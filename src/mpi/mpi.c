@@ -11,7 +11,7 @@
  * wait only on ranks below it that are already accepting, so no cycle can
  * form. The connecting side says who it is in its first user message.
  */
-#include "internal.h"
+#include "core/core.h"
 
 #include "gpuipc/mpi.h"
 

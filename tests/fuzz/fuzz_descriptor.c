@@ -4,7 +4,7 @@
  * decodes must re-encode to the very same bytes (the format has one
  * encoding per meaning: unused bytes and reserved fields must be zero).
  */
-#include "descriptor.h"
+#include "tree.h"
 
 #include <stdlib.h>
 #include <string.h>

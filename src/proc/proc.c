@@ -9,7 +9,7 @@
  * posix_spawn uses clone(CLONE_VM|CLONE_VFORK) and execs at once, so no
  * CUDA state is ever touched in between.
  */
-#include "internal.h"
+#include "proc_int.h"
 
 #include <fcntl.h>
 #include <signal.h>

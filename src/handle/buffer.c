@@ -12,7 +12,7 @@
  * keys). It is never compared with the id the importer's driver reports:
  * on driver 580 every import (legacy or pool) gets importer-local ids.
  */
-#include "handle_internal.h"
+#include "handle_int.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
@@ -542,6 +542,11 @@ gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *b,
   i->buffer_id = b->buffer_id;
   i->generation = b->generation;
   i->pool_id = b->pool_id;
+  i->pool = b->origin == GPUIPC__ALLOCATED ? b->pool : NULL;
+  i->base = b->base;
+  i->alloc_size = b->alloc_size;
+  i->vmm = (uint64_t)b->vmm;
+  i->fd = b->fd;
   if (b->origin == GPUIPC__IMPORTED) {
     i->exporter = b->exporter;
     return GPUIPC_OK;

@@ -7,7 +7,7 @@
  * cuda.core); gpuipc's own fast path orders work with stream memory
  * operations instead.
  */
-#include "handle_internal.h"
+#include "handle_int.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -1,11 +1,12 @@
 /*
- * xfer_internal.h: what the copy engine shows to tests and tools inside the
- * tree (not part of the public API).
+ * xfer.h: the transfer layer, as the in-tree tools and tests see it (not
+ * part of the public API): leak counters, the shared segment's header
+ * check (a decoder of another process's input), and the host copy helpers.
  */
-#ifndef GPUIPC_XFER_INTERNAL_H
-#define GPUIPC_XFER_INTERNAL_H
+#ifndef GPUIPC_XFER_LAYER_H
+#define GPUIPC_XFER_LAYER_H
 
-#include "internal.h"
+#include "core/core.h"
 
 /* Pinned host allocations (cuMemHostAlloc) that copy engines of this process
  * hold right now, and their bytes: leak checks after failures. */
@@ -52,4 +53,4 @@ void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n,
 #define GPUIPC__XFER_DRIVER_PAGEABLE_MAX ((size_t)16 << 20)
 extern size_t gpuipc__xfer_driver_pageable_max;
 
-#endif /* GPUIPC_XFER_INTERNAL_H */
+#endif /* GPUIPC_XFER_LAYER_H */

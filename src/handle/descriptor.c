@@ -6,7 +6,7 @@
  * descriptor plus its fds over a Unix socket. The format is documented in
  * docs/descriptor.md; keep the two in step.
  */
-#include "descriptor.h"
+#include "handle_int.h"
 
 #include <fcntl.h>
 #include <pthread.h>

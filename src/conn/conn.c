@@ -11,7 +11,7 @@
  * a peer that stopped reading or writing, and EINTR only shortens one
  * poll() round.
  */
-#include "conn_internal.h"
+#include "conn_int.h"
 
 #include <fcntl.h>
 #include <poll.h>

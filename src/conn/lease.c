@@ -20,7 +20,7 @@
  * reclaim stream may already wait on some of them; gpuipc writes the words
  * itself (side stream) so that those waits pass.
  */
-#include "conn_internal.h"
+#include "conn_int.h"
 
 #include <fcntl.h>
 #include <stdio.h>

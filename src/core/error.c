@@ -2,7 +2,7 @@
  * error.c: owns status codes and their strings (generated from
  * GPUIPC_STATUS_MAP), and the per-thread record of the last failure.
  */
-#include "internal.h"
+#include "core_int.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -5,7 +5,7 @@
  * of exportable driver pools (ours, and foreign IPC-capable ones whose
  * memory was wrapped).
  */
-#include "handle_internal.h"
+#include "handle_int.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -797,3 +797,5 @@ gpuipc_status gpuipc_pool_import(const uint8_t *desc, size_t len, int fd,
   *out = p;
   return GPUIPC_OK;
 }
+
+int gpuipc__pool_ordinal(const gpuipc_pool *pool) { return pool->ordinal; }

@@ -3,7 +3,7 @@
  * never ordinals, because CUDA_VISIBLE_DEVICES may differ between processes
  * (DESIGN rule 4); this file maps between the two.
  */
-#include "device.h"
+#include "core_int.h"
 
 #include <pthread.h>
 #include <stdio.h>

@@ -23,7 +23,7 @@
  * its previous release. With one stream per side (the common case) this
  * costs nothing.
  */
-#include "conn_internal.h"
+#include "conn_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>

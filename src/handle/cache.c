@@ -26,7 +26,7 @@
  * An entry being opened is in state OPENING, and threads that want the same
  * key wait for it, so the same memory is never mapped twice.
  */
-#include "handle_internal.h"
+#include "handle_int.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -11,7 +11,7 @@
  * library, not the application), and only ever run memcpy: they make no
  * driver call.
  */
-#include "xfer_internal.h"
+#include "xfer_int.h"
 
 #include <pthread.h>
 #include <signal.h>

@@ -10,8 +10,7 @@
  * (cuEventSynchronize on the host, since the host is what writes it), and
  * device scratch is reused only in stream order.
  */
-#include "driver.h"
-#include "xfer_internal.h"
+#include "xfer_int.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -4,7 +4,7 @@
  * translation of CUresult into gpuipc statuses, and the cache of retained
  * primary contexts.
  */
-#include "driver.h"
+#include "core_int.h"
 
 #include <dlfcn.h>
 #include <pthread.h>

@@ -3,7 +3,7 @@
  * need: the environment getters, the monotonic clock, the boot id, the pid
  * namespace and process start times, the version functions.
  */
-#include "internal.h"
+#include "core_int.h"
 
 #include <fcntl.h>
 #include <stdio.h>

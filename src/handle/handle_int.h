@@ -1,48 +1,17 @@
 /*
- * handle_internal.h: the handle layer's objects and the internal functions
- * other layers build on (the connection layer's arenas and per-buffer fast
- * path, the transfer layer's shared pinned host memory).
- *
- * Building an arena (connection layer), the intended sequence:
- *   exporter                                  importer
- *   gpuipc_pool_create(MEMPOOL)               .
- *   gpuipc__arena_alloc(pool, bytes, &buf)    .
- *   gpuipc_pool_export(pool, d1, .., &fd)  -> gpuipc_pool_import(d1, fd, ..)
- *     (once per connection; the fd by SCM_RIGHTS)   (cached per exporter pool)
- *   gpuipc_buffer_export(buf, d2, .., 0 fds) -> gpuipc_buffer_import(d2, ..)
- *     (once)                                   gpuipc__buffer_info_get(buf,
- *                                              &i): i.ptr, i.buffer_id,
- *                                              i.generation
- *   then sub-allocate [off, off+len) of the arena and send only (arena id,
- *   off, len, sequence numbers): no driver call per buffer.
- * gpuipc__buffer_info_get() on the exporter side gives the same buffer id
- * and generation, so both ends can tag their messages with them and refuse
- * a message naming an arena generation they do not hold. VMM and
- * PINNED_HOST arenas work the same without the pool step: the buffer's own
- * fd travels with its descriptor (gpuipc_buffer_export with room for 1 fd).
- * Descriptors can be inspected without the driver (gpuipc_desc_info_get,
- * or gpuipc__desc_decode for every field).
- *
- * Every function here follows the public conventions: returns a status,
- * reports failures through gpuipc__fail*, restores the caller's context.
+ * handle_int.h: the handle layer's own internals, for the files of
+ * src/handle/ only: the buffer, pool and event objects, the import cache,
+ * the pools' identity and liveness tables.
  */
-#ifndef GPUIPC_HANDLE_INTERNAL_H
-#define GPUIPC_HANDLE_INTERNAL_H
+#ifndef GPUIPC_HANDLE_INT_H
+#define GPUIPC_HANDLE_INT_H
 
-#include "descriptor.h"
-#include "driver.h"
+#include "handle.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 
 /* ---- objects --------------------------------------------------------------- */
-
-/* Where a buffer came from. */
-typedef enum gpuipc__origin {
-  GPUIPC__ALLOCATED = 1,
-  GPUIPC__WRAPPED = 2,
-  GPUIPC__IMPORTED = 3
-} gpuipc__origin;
 
 struct gpuipc__pool_import; /* cache.c: one imported exporter pool */
 struct gpuipc__mapping;     /* cache.c: one imported mapping */
@@ -203,9 +172,6 @@ void gpuipc__cache_count_close(void);
 uint64_t gpuipc__next_pool_id(void);
 uint64_t gpuipc__next_generation(void);
 
-/* The liveness table: slots per process, and the bit a freed slot has. */
-#define GPUIPC__LIVE_SLOTS (1u << 18)
-#define GPUIPC__LIVE_FREED_BIT (1ull << 63)
 
 /* Marks generation g freed in this process's table (0: no-op). Call when
  * the allocation (or wrapper) that got g is freed. */
@@ -240,42 +206,4 @@ gpuipc_status gpuipc__device_ordinal(const gpuipc_uuid *uuid, int *ordinal);
 gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
                                      int *out);
 
-/* ---- for the connection and transfer layers ---------------------------------------- */
-
-/* Allocates one buffer meant to be carved up (an arena): the same as
- * gpuipc_buffer_alloc() on the default stream, followed by a stream
- * synchronize for MEMPOOL so the memory is usable from any stream and any
- * process at once. */
-gpuipc_status gpuipc__arena_alloc(gpuipc_pool *pool, size_t size,
-                                  gpuipc_buffer **buf);
-
-/* Everything the fast path needs to know about a buffer, either side. */
-typedef struct gpuipc__buffer_info {
-  gpuipc_pool_kind kind;
-  gpuipc__origin origin;
-  CUdeviceptr ptr;      /* first byte here */
-  void *host;           /* PINNED_HOST: host address, else NULL */
-  size_t size;
-  int ordinal;          /* the memory's device here */
-  int map_ordinal;      /* where it is mapped here */
-  uint64_t buffer_id;   /* the exporter's buffer id */
-  uint64_t generation;  /* the exporter's generation */
-  uint64_t pool_id;     /* MEMPOOL: exporter pool id */
-  gpuipc__identity exporter; /* who allocated it (this process unless
-                                imported) */
-} gpuipc__buffer_info;
-
-gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *buf,
-                                      gpuipc__buffer_info *info);
-
-/* The driver's buffer id of the allocation holding ptr (0 when the driver
- * has none for it). Makes no context current: the pointer's own context is
- * implied by unified addressing. */
-gpuipc_status gpuipc__pointer_buffer_id(CUdeviceptr ptr, uint64_t *id);
-
-/* Identity of a pool: the exporter plus its pool id. */
-gpuipc_status gpuipc__pool_identity(const gpuipc_pool *pool,
-                                    gpuipc__identity *exporter,
-                                    uint64_t *pool_id);
-
-#endif /* GPUIPC_HANDLE_INTERNAL_H */
+#endif /* GPUIPC_HANDLE_INT_H */

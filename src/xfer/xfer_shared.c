@@ -11,8 +11,7 @@
  * once sealed against shrinking its size can be trusted by the importer, so
  * a hostile or buggy peer cannot make our mapping raise SIGBUS.
  */
-#include "driver.h"
-#include "xfer_internal.h"
+#include "xfer_int.h"
 
 #include <fcntl.h>
 #include <stdlib.h>

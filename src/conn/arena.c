@@ -15,7 +15,7 @@
  * host. Markers of one arena complete in order (one stream), so of two
  * tags the newer covers the older, which keeps merging free ranges simple.
  */
-#include "conn_internal.h"
+#include "conn_int.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -219,7 +219,7 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   po.kind = kind;
   po.device = o.device;
   GPUIPC__CHECK_GOTO(gpuipc_pool_create(&po, &a->pool), s, fail);
-  a->ordinal = a->pool->ordinal;
+  a->ordinal = gpuipc__pool_ordinal(a->pool);
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
   entered = true;
   CUstream st;

@@ -11,7 +11,7 @@
  * bytes do not carry (a raw peer sends none), so that check is the one
  * thing skipped here; the range check against the real mapping stays.
  */
-#include "handle_internal.h"
+#include "handle_int.h"
 
 #include <pthread.h>
 #include <stdlib.h>

@@ -5,7 +5,7 @@
  * with one write(2), so lines from several threads or processes sharing a
  * file do not interleave.
  */
-#include "internal.h"
+#include "core_int.h"
 
 #include <fcntl.h>
 #include <pthread.h>

@@ -1,0 +1,134 @@
+/*
+ * conn.h: the connection layer, as the layers above (proc, mpi) and the
+ * in-tree tools and tests see it. The connection frame format is documented
+ * in docs/protocol.md; its header is below:
+ *
+ *   u32 magic    GPUIPC__FRAME_MAGIC
+ *   u8  version  GPUIPC__FRAME_VERSION
+ *   u8  type     GPUIPC__F_*
+ *   u16 nfds     file descriptors that came with the frame's first byte
+ *   u32 len      payload bytes that follow (<= GPUIPC__FRAME_MAX)
+ *   u32 check    header check: magic ^ len ^ (type << 8 | nfds) ^ 0x5a5a5a5a
+ *
+ * The header check catches a stream that lost sync (a peer that writes
+ * garbage, or bytes from the middle of a payload taken for a header).
+ * All integers are little-endian; x86-64 and aarch64 Linux are
+ * little-endian, so the structs are the wire format on every platform
+ * gpuipc builds on, and a static assertion says so.
+ */
+#ifndef GPUIPC_CONN_LAYER_H
+#define GPUIPC_CONN_LAYER_H
+
+#include "handle/handle.h"
+
+#define GPUIPC__FRAME_MAGIC 0x43504947u /* "GIPC" */
+#define GPUIPC__FRAME_VERSION 1
+#define GPUIPC__FRAME_MAX (GPUIPC_CONN_MSG_MAX + 1024)
+#define GPUIPC__FRAME_FDS_MAX 16
+#define GPUIPC__PROTO_VERSION 1
+
+enum {
+  GPUIPC__F_HELLO = 1,  /* handshake: who I am */
+  GPUIPC__F_ACCEPT = 2, /* handshake: I accept you */
+  GPUIPC__F_REFUSE = 3, /* handshake: I refuse you (text reason) */
+  GPUIPC__F_MSG = 4,    /* user message (+ fds) */
+  GPUIPC__F_CHUNK = 5,  /* an arena chunk: descriptor (+ fd) */
+  GPUIPC__F_CTL = 6,    /* where the sender's flag words live */
+  GPUIPC__F_BUF = 7,    /* one buffer (the fast path) */
+  GPUIPC__F_REL = 8,    /* releases of buffers */
+  GPUIPC__F_BYE = 9,    /* orderly close: everything I held is released */
+  GPUIPC__F_BUFD = 10,  /* one buffer by descriptor (+ fds) */
+  GPUIPC__F_EVD = 11,   /* event mode: a slot's interprocess event */
+  GPUIPC__F_TYPE_MAX = 11
+};
+
+typedef struct gpuipc__frame_hdr {
+  uint32_t magic;
+  uint8_t version;
+  uint8_t type;
+  uint16_t nfds;
+  uint32_t len;
+  uint32_t check;
+} gpuipc__frame_hdr;
+
+_Static_assert(sizeof(gpuipc__frame_hdr) == 16, "frame header is 16 bytes");
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "gpuipc's wire format assumes a little-endian host"
+#endif
+
+static inline uint32_t gpuipc__frame_check(const gpuipc__frame_hdr *h) {
+  return h->magic ^ h->len ^ ((uint32_t)h->type << 8 | h->nfds) ^ 0x5a5a5a5au;
+}
+
+/* HELLO payload. */
+typedef struct gpuipc__hello {
+  uint32_t proto;
+  uint32_t flags;
+  int32_t pid;
+  uint32_t uid;
+  uint32_t gid;
+  uint32_t max_outstanding;
+  uint64_t start_time;
+  uint8_t boot_id[16];
+} gpuipc__hello;
+
+/* Wire formats of the fast-path frames (little-endian, packed by layout). */
+typedef struct gpuipc__w_chunk { /* CHUNK: + desc bytes, + fds */
+  uint64_t arena_id;
+  uint64_t size;
+  uint32_t chunk;
+  uint32_t desc_len;
+} gpuipc__w_chunk;
+
+typedef struct gpuipc__w_ctl { /* CTL */
+  uint64_t arena_id;
+  uint64_t off;
+  uint32_t chunk;
+  uint32_t nslots;
+} gpuipc__w_ctl;
+
+#define GPUIPC__BUF_ORDERED 0x1u
+#define GPUIPC__BUF_DESC 0x2u  /* BUFD: not an arena block */
+#define GPUIPC__BUF_EVENT 0x4u /* ordered by the slot's interprocess event */
+
+typedef struct gpuipc__w_evd { /* EVD: + event descriptor */
+  uint32_t slot;
+  uint32_t which; /* 0: the sender's ready event; 1: the receiver's release */
+  uint32_t len;
+  uint32_t pad;
+} gpuipc__w_evd;
+_Static_assert(sizeof(gpuipc__w_evd) == 16, "wire layout");
+typedef struct gpuipc__w_buf { /* BUF: + meta bytes */
+  uint64_t seq;
+  uint64_t arena_id;
+  uint64_t off;
+  uint64_t len;
+  uint32_t slot;
+  uint32_t chunk;
+  uint32_t flags;
+  uint32_t meta_len;
+} gpuipc__w_buf;
+
+typedef struct gpuipc__w_rel { /* REL: n of these */
+  uint64_t seq;
+  uint32_t slot;
+  uint32_t flags;
+} gpuipc__w_rel;
+
+_Static_assert(sizeof(gpuipc__w_chunk) == 24, "wire layout");
+_Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");
+_Static_assert(sizeof(gpuipc__w_buf) == 48, "wire layout");
+_Static_assert(sizeof(gpuipc__w_rel) == 16, "wire layout");
+
+/* Chunks (device allocations) held by all arenas of this process. */
+size_t gpuipc__arena_chunks_live(void);
+
+/* The directory sockets live in when the caller names none:
+ * $XDG_RUNTIME_DIR/gpuipc when XDG_RUNTIME_DIR is an absolute path to a
+ * directory of ours we can write to, else /tmp/gpuipc-<uid>. why (may be
+ * NULL) receives the reason XDG_RUNTIME_DIR was not used; *from_xdg (may be
+ * NULL) says which was chosen. Shared with `gpuipc doctor`. */
+void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
+                                 size_t why_cap, bool *from_xdg);
+
+#endif /* GPUIPC_CONN_LAYER_H */

@@ -1,0 +1,25 @@
+/*
+ * tree.h: the one internal header the in-tree programs include (the gpuipc
+ * CLI in tools/, the benchmarks in bench/, the tests in tests/), as curl's
+ * tool includes only the curlx functions it is allowed. It brings each
+ * layer's header for the layers above, never a layer's private *_int.h:
+ *
+ *   core/core.h      the driver table (gpuipc__cu), contexts, errors, clock
+ *   handle/handle.h  descriptors (decode, encode, identity), buffer info,
+ *                    liveness-table constants
+ *   conn/conn.h      the connection frame format (docs/protocol.md), the
+ *                    default runtime directory, arena chunk counters
+ *   xfer/xfer.h      copy-engine leak counters, host copy helpers, the
+ *                    shared segment's header check
+ *
+ * Programs outside the tree use the public headers in include/ only.
+ */
+#ifndef GPUIPC_TREE_H
+#define GPUIPC_TREE_H
+
+#include "core/core.h"
+#include "handle/handle.h"
+#include "conn/conn.h"
+#include "xfer/xfer.h"
+
+#endif /* GPUIPC_TREE_H */
