@@ -378,7 +378,7 @@ int gpuipc_bench_copy(int argc, char **argv) {
     fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
     goto out;
   }
-  memset(gpuipc_xfer_shared_slot(b.sh, 0), 7, max);
+  memset(gpuipc_xfer_shared_get_slot(b.sh, 0), 7, max);
   gpuipc_xfer_options xo = GPUIPC_XFER_OPTIONS_INIT;
   xo.host_threads = threads;
   xo.chunk_bytes = chunk;

@@ -278,7 +278,7 @@ typedef struct ctx {
 } bctx;
 
 static void wait_free(bctx *b, gpuipc_block *blk) {
-  while (gpuipc_block_holders(blk) > 0)
+  while (gpuipc_block_get_holders(blk) > 0)
     for (int k = 0; k < b->nc; k++)
       OK(gpuipc_conn_progress(b->c[k], 0));
 }
@@ -335,7 +335,7 @@ static double run_tput(bctx *b, gpuipc_arena *a, size_t size, int nc,
   for (int i = 0; i < n; i++) {
     gpuipc_block *x = blk[i % ring];
     gpuipc_conn *c = b->c[i % nc];
-    while (gpuipc_block_holders(x) > 0)
+    while (gpuipc_block_get_holders(x) > 0)
       OK(gpuipc_conn_progress(b->c[(i - ring) % nc >= 0 ? (i - ring) % nc : 0], 0));
     send_t(c, x, b->s);
   }

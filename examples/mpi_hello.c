@@ -61,7 +61,7 @@ static int producer(int peer, int device) {
   CHECK("gpuipc_buffer_alloc", gpuipc_buffer_alloc(pool, sizeof msg, NULL, &buf));
   CHECK("gpuipc_xfer_create", gpuipc_xfer_create(device, NULL, &x));
   CHECK("gpuipc_xfer_to_device",
-        gpuipc_xfer_to_device(x, gpuipc_buffer_ptr(buf), msg, sizeof msg, NULL,
+        gpuipc_xfer_to_device(x, gpuipc_buffer_get_ptr(buf), msg, sizeof msg, NULL,
                               GPUIPC_XFER_SYNC));
   uint8_t desc[GPUIPC_DESC_MAX];
   size_t len = 0;
@@ -104,15 +104,15 @@ static int consumer(int peer) {
   CHECK("gpuipc_buffer_import", s);
   gpuipc_uuid dev;
   int ordinal = 0;
-  CHECK("gpuipc_buffer_mapped_device", gpuipc_buffer_mapped_device(buf, &dev));
+  CHECK("gpuipc_buffer_get_mapped_device", gpuipc_buffer_get_mapped_device(buf, &dev));
   CHECK("gpuipc_device_from_uuid", gpuipc_device_from_uuid(&dev, &ordinal));
   CHECK("gpuipc_xfer_create", gpuipc_xfer_create(ordinal, NULL, &x));
   char text[64];
   memset(text, 0, sizeof text);
-  size_t n = gpuipc_buffer_size(buf) < sizeof text - 1 ? gpuipc_buffer_size(buf)
+  size_t n = gpuipc_buffer_get_size(buf) < sizeof text - 1 ? gpuipc_buffer_get_size(buf)
                                                        : sizeof text - 1;
   CHECK("gpuipc_xfer_to_host",
-        gpuipc_xfer_to_host(x, text, gpuipc_buffer_ptr(buf), n, NULL,
+        gpuipc_xfer_to_host(x, text, gpuipc_buffer_get_ptr(buf), n, NULL,
                             GPUIPC_XFER_SYNC));
   printf("rank %d got from rank %d: %s\n", rank, peer, text);
   fflush(stdout);

@@ -57,12 +57,12 @@ int main(int argc, char **argv) {
     rc = fail("gpuipc_mpi_init", s);
     goto out; /* every rank of the machine failed alike */
   }
-  int size = gpuipc_mpi_size(g);
-  int lsize = gpuipc_mpi_local_size(g);
-  int lrank = gpuipc_mpi_local_rank(g);
+  int size = gpuipc_mpi_get_size(g);
+  int lsize = gpuipc_mpi_get_local_size(g);
+  int lrank = gpuipc_mpi_get_local_rank(g);
   if (rank_ == 0)
     printf("mpi_node: %d ranks on %d machine(s)\n", size,
-           gpuipc_mpi_machines(g));
+           gpuipc_mpi_get_machines(g));
   int foreign = 0;
   for (int r = 0; r < size; r++)
     if (r != rank_ && gpuipc_mpi_peer_check(g, r) == GPUIPC_E_FOREIGN_MACHINE) {
@@ -92,14 +92,14 @@ int main(int argc, char **argv) {
   CHECK("gpuipc_xfer_create", gpuipc_xfer_create(device, NULL, &x));
   memset(host, 0x40 + rank_ % 64, BYTES);
   CHECK("gpuipc_xfer_to_device",
-        gpuipc_xfer_to_device(x, gpuipc_buffer_ptr(mine), host, BYTES, NULL,
+        gpuipc_xfer_to_device(x, gpuipc_buffer_get_ptr(mine), host, BYTES, NULL,
                               GPUIPC_XFER_SYNC));
   for (int r = 0; r < size; r++)
-    if (gpuipc_mpi_conn(g, r))
+    if (gpuipc_mpi_get_conn(g, r))
       CHECK("gpuipc_send_buffer_desc",
-            gpuipc_send_buffer_desc(gpuipc_mpi_conn(g, r), mine));
+            gpuipc_send_buffer_desc(gpuipc_mpi_get_conn(g, r), mine));
   for (int r = 0; r < size; r++) {
-    gpuipc_conn *c = gpuipc_mpi_conn(g, r);
+    gpuipc_conn *c = gpuipc_mpi_get_conn(g, r);
     if (c == NULL)
       continue;
     gpuipc_buffer *theirs = NULL;
@@ -109,15 +109,15 @@ int main(int argc, char **argv) {
      * engine of that device. */
     gpuipc_uuid where;
     int ord = device;
-    s = gpuipc_buffer_mapped_device(theirs, &where);
+    s = gpuipc_buffer_get_mapped_device(theirs, &where);
     if (s == GPUIPC_OK)
       s = gpuipc_device_from_uuid(&where, &ord);
     gpuipc_xfer *y = NULL;
     if (s == GPUIPC_OK && ord != device)
       s = gpuipc_xfer_create(ord, NULL, &y);
     if (s == GPUIPC_OK)
-      s = gpuipc_buffer_size(theirs) == BYTES
-              ? gpuipc_xfer_to_host(y ? y : x, host, gpuipc_buffer_ptr(theirs),
+      s = gpuipc_buffer_get_size(theirs) == BYTES
+              ? gpuipc_xfer_to_host(y ? y : x, host, gpuipc_buffer_get_ptr(theirs),
                                     BYTES, NULL, GPUIPC_XFER_SYNC)
               : GPUIPC_E_OUT_OF_RANGE;
     gpuipc_xfer_destroy(y);

@@ -128,16 +128,16 @@ int main(int argc, char **argv) {
     CHECK("gpuipc_arena_alloc", gpuipc_arena_alloc(arena, BYTES, NULL, &blocks[j]));
     memset(host, j & 0xff, BYTES);
     CHECK("gpuipc_xfer_to_device",
-          gpuipc_xfer_to_device(x, gpuipc_block_ptr(blocks[j]), host, BYTES,
+          gpuipc_xfer_to_device(x, gpuipc_block_get_ptr(blocks[j]), host, BYTES,
                                 NULL, GPUIPC_XFER_SYNC));
     owner[j] = j % n;
     uint32_t job = (uint32_t)j;
-    CHECK("gpuipc_conn_send", gpuipc_conn_send(gpuipc_group_conn(g, owner[j]),
+    CHECK("gpuipc_conn_send", gpuipc_conn_send(gpuipc_group_get_conn(g, owner[j]),
                                                blocks[j], NULL, &job, sizeof job));
   }
   if (kill_one) {
     /* Worker 1 dies at once (it may have finished some jobs already). */
-    gpuipc_child_kill(gpuipc_group_child(g, 1), SIGKILL);
+    gpuipc_child_kill(gpuipc_group_get_child(g, 1), SIGKILL);
   }
 
   /* Gather, watching for deaths. */
@@ -147,7 +147,7 @@ int main(int argc, char **argv) {
     for (int w = 0; w < n; w++) {
       if (!alive[w])
         continue;
-      gpuipc_conn *c = gpuipc_group_conn(g, w);
+      gpuipc_conn *c = gpuipc_group_get_conn(g, w);
       result res;
       size_t len = 0;
       gpuipc_conn_set_timeout(c, 0);
@@ -183,7 +183,7 @@ int main(int argc, char **argv) {
           owner[j] = to;
           uint32_t job = (uint32_t)j;
           CHECK("gpuipc_conn_send",
-                gpuipc_conn_send(gpuipc_group_conn(g, to), blocks[j], NULL,
+                gpuipc_conn_send(gpuipc_group_get_conn(g, to), blocks[j], NULL,
                                  &job, sizeof job));
           moved++;
         }
@@ -200,7 +200,7 @@ int main(int argc, char **argv) {
   int bad = 0;
   for (int j = 0; j < jobs; j++) {
     CHECK("gpuipc_xfer_to_host",
-          gpuipc_xfer_to_host(x, host, gpuipc_block_ptr(blocks[j]), BYTES, NULL,
+          gpuipc_xfer_to_host(x, host, gpuipc_block_get_ptr(blocks[j]), BYTES, NULL,
                               GPUIPC_XFER_SYNC));
     unsigned char want = (unsigned char)((j & 0xff) + owner[j] + 1);
     if (!kill_one && host[0] != want)
@@ -218,7 +218,7 @@ int main(int argc, char **argv) {
   for (int j = 0; j < jobs; j++)
     CHECK("gpuipc_block_free", gpuipc_block_free(blocks[j], NULL));
   gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
-  CHECK("gpuipc_arena_stats_get", gpuipc_arena_stats_get(arena, &as));
+  CHECK("gpuipc_arena_get_stats", gpuipc_arena_get_stats(arena, &as));
   printf("arena: %zu lease(s) out after shutdown\n", as.leases);
   CHECK("gpuipc_arena_destroy", gpuipc_arena_destroy(arena));
   gpuipc_xfer_destroy(x);

@@ -103,7 +103,7 @@ TEST_IMPL(conn_pair_messages) {
   gpuipc_conn *c = NULL;
   ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
   gpuipc_peer_info pi;
-  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
   ASSERT_EQ(pi.pid, pid);
   ASSERT_EQ(pi.uid, geteuid());
   roundtrip(c, 0, 1);
@@ -143,7 +143,7 @@ TEST_IMPL(conn_listen_connect) {
   gpuipc_conn_options o = opts_ms(20000);
   gpuipc_listener *l = NULL;
   ASSERT_OK(gpuipc_listen("echo-1", &o, &l));
-  ASSERT_STR_CONTAINS(gpuipc_listener_path(l), "/rt/echo-1.sock");
+  ASSERT_STR_CONTAINS(gpuipc_listener_get_path(l), "/rt/echo-1.sock");
   struct stat st;
   ASSERT_EQ(stat(rt_dir(), &st), 0);
   ASSERT_EQ(st.st_mode & 07777, 0700);
@@ -155,7 +155,7 @@ TEST_IMPL(conn_listen_connect) {
   gpuipc_conn *c = NULL;
   ASSERT_OK(gpuipc_accept(l, &c));
   gpuipc_peer_info pi;
-  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
   ASSERT_EQ(pi.pid, pid);
   roundtrip(c, 123, 9);
   gpuipc_conn_close(c);
@@ -168,7 +168,7 @@ TEST_IMPL(conn_listen_connect) {
   gpuipc_conn *c2 = NULL;
   ASSERT_STATUS(gpuipc_connect("nobody-here", &o, &c2), GPUIPC_E_NOT_FOUND);
   char path[300];
-  snprintf(path, sizeof path, "%s", gpuipc_listener_path(l));
+  snprintf(path, sizeof path, "%s", gpuipc_listener_get_path(l));
   gpuipc_listener_close(l);
   ASSERT_NE(access(path, F_OK), 0);
   /* The file is gone and the name can be listened on again; a stale socket
@@ -195,7 +195,7 @@ TEST_IMPL(conn_abstract_name) {
   snprintf(name, sizeof name, "abs-%d", (int)getpid());
   gpuipc_listener *l = NULL;
   ASSERT_OK(gpuipc_listen(name, &o, &l));
-  ASSERT_EQ(gpuipc_listener_path(l)[0], '@');
+  ASSERT_EQ(gpuipc_listener_get_path(l)[0], '@');
   pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
   gpuipc_conn *c = NULL;
   ASSERT_OK(gpuipc_accept(l, &c));
@@ -262,7 +262,7 @@ TEST_IMPL(conn_runtime_dir_checks) {
   setenv("XDG_RUNTIME_DIR", xdg, 1);
   o.runtime_dir = NULL;
   ASSERT_OK(gpuipc_listen("y", &o, &l));
-  ASSERT_STR_CONTAINS(gpuipc_listener_path(l), "/xdg/gpuipc/y.sock");
+  ASSERT_STR_CONTAINS(gpuipc_listener_get_path(l), "/xdg/gpuipc/y.sock");
   gpuipc_listener_close(l);
   /* Without XDG_RUNTIME_DIR: /tmp/gpuipc-UID, with the same checks. */
   unsetenv("XDG_RUNTIME_DIR");
@@ -275,7 +275,7 @@ TEST_IMPL(conn_runtime_dir_checks) {
     SKIP("/tmp/gpuipc-%u exists and is not ours/0700: %s", (unsigned)geteuid(),
          gpuipc_last_error());
   ASSERT_OK(s);
-  ASSERT_STR_EQ(gpuipc_listener_path(l), want);
+  ASSERT_STR_EQ(gpuipc_listener_get_path(l), want);
   struct stat st2;
   char dir2[64];
   snprintf(dir2, sizeof dir2, "/tmp/gpuipc-%u", (unsigned)geteuid());
@@ -310,7 +310,7 @@ HELPER_IMPL(conn_other_uid) {
   }
   ASSERT_OK(s);
   gpuipc_peer_info pi;
-  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
   ASSERT_EQ(pi.uid, 0);
   ASSERT_OK(gpuipc_conn_send_msg(c, "hi", 2, NULL, 0));
   gpuipc_conn_close(c);
@@ -344,7 +344,7 @@ TEST_IMPL(conn_refuses_other_uid) {
   pid = spawn_helper("conn_other_uid", NULL, NULL, name, "accepted", NULL);
   ASSERT_OK(gpuipc_accept(l, &c));
   gpuipc_peer_info pi;
-  ASSERT_OK(gpuipc_conn_peer(c, &pi));
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
   ASSERT_EQ(pi.uid, 65534);
   char buf[8];
   size_t len;
@@ -382,7 +382,7 @@ HELPER_IMPL(conn_raw) {
   gpuipc_conn *c = NULL;
   ASSERT(argc >= 1);
   ASSERT_OK(gpuipc_connect(argv[0], &o, &c));
-  int fd = gpuipc_conn_fd(c);
+  int fd = gpuipc_conn_get_fd(c);
   static unsigned char buf[1 << 17];
   for (;;) {
     ssize_t n = harness_recv(ctl, buf, sizeof buf, NULL, NULL);
@@ -551,7 +551,7 @@ TEST_IMPL(conn_rejects_garbage) {
                    gpuipc_status_name(cases[i].want));
     ASSERT_STR_CONTAINS(gpuipc_last_error(), cases[i].text);
     if (s == GPUIPC_E_PROTOCOL) {
-      ASSERT_EQ(gpuipc_conn_fd(c), -1);
+      ASSERT_EQ(gpuipc_conn_get_fd(c), -1);
       ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
                     GPUIPC_E_CLOSED);
       ASSERT_STATUS(gpuipc_conn_send_msg(c, buf, 1, NULL, 0), GPUIPC_E_CLOSED);
@@ -592,7 +592,7 @@ TEST_IMPL(conn_rejects_garbage) {
     gpuipc_conn *c = NULL;
     ASSERT_OK(gpuipc_accept(l, &c));
     gpuipc_peer_info pi;
-    ASSERT_OK(gpuipc_conn_peer(c, &pi));
+    ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
     ASSERT_EQ(pi.pid, pid2);
     roundtrip(c, 5, 1);
     gpuipc_conn_close(c);
@@ -672,7 +672,7 @@ TEST_IMPL(conn_timeouts) {
    * socket is full; frames without are queued up to a bound, then time out
    * too. Nothing blocks for longer than the timeout. */
   int one = 4096;
-  ASSERT_EQ(setsockopt(gpuipc_conn_fd(c), SOL_SOCKET, SO_SNDBUF, &one,
+  ASSERT_EQ(setsockopt(gpuipc_conn_get_fd(c), SOL_SOCKET, SO_SNDBUF, &one,
                        sizeof one),
             0);
   static char chunk[GPUIPC_CONN_MSG_MAX];
@@ -723,7 +723,7 @@ static void on_alarm(int sig) {
 HELPER_IMPL(conn_slow_sender) {
   gpuipc_conn *c = helper_conn(argc, argv);
   int one = 2048;
-  setsockopt(gpuipc_conn_fd(c), SOL_SOCKET, SO_SNDBUF, &one, sizeof one);
+  setsockopt(gpuipc_conn_get_fd(c), SOL_SOCKET, SO_SNDBUF, &one, sizeof one);
   static unsigned char buf[GPUIPC_CONN_MSG_MAX];
   for (int i = 0; i < 20; i++) {
     for (size_t k = 0; k < sizeof buf; k++)
@@ -761,7 +761,7 @@ TEST_IMPL(conn_eintr_partial_io) {
   gpuipc_conn *c = NULL;
   ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
   int one = 2048;
-  setsockopt(gpuipc_conn_fd(c), SOL_SOCKET, SO_RCVBUF, &one, sizeof one);
+  setsockopt(gpuipc_conn_get_fd(c), SOL_SOCKET, SO_RCVBUF, &one, sizeof one);
   static unsigned char buf[GPUIPC_CONN_MSG_MAX];
   for (int i = 0; i < 20; i++) {
     size_t len = 0;
@@ -800,7 +800,7 @@ TEST_IMPL(conn_poll_fd) {
   int rounds = 0;
   while ((s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL)) ==
          GPUIPC_E_WOULD_BLOCK) {
-    struct pollfd p = {gpuipc_conn_fd(c), POLLIN, 0};
+    struct pollfd p = {gpuipc_conn_get_fd(c), POLLIN, 0};
     ASSERT_EQ(poll(&p, 1, 20000), 1);
     rounds++;
   }
@@ -844,7 +844,7 @@ TEST_IMPL(conn_64_peers) {
   /* Each peer is who the kernel says. */
   for (int i = 0; i < N; i++) {
     gpuipc_peer_info pi;
-    ASSERT_OK(gpuipc_conn_peer(cs[i], &pi));
+    ASSERT_OK(gpuipc_conn_get_peer(cs[i], &pi));
     bool found = false;
     for (int k = 0; k < N; k++)
       found |= pi.pid == pids[k];

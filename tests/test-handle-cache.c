@@ -10,7 +10,7 @@
 
 static gpuipc_cache_stats stats(void) {
   gpuipc_cache_stats s = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&s));
+  ASSERT_OK(gpuipc_cache_get_stats(&s));
   return s;
 }
 
@@ -49,7 +49,7 @@ static int hit_miss_close(gpuipc_pool_kind kind) {
   ASSERT_EQ(h.misses, m.misses);
   ASSERT_EQ(h.driver_opens, m.driver_opens);
   ASSERT_EQ(h.live_mappings, m.live_mappings);
-  ASSERT_PTR_EQ(gpuipc_buffer_ptr(b1), gpuipc_buffer_ptr(b2));
+  ASSERT_PTR_EQ(gpuipc_buffer_get_ptr(b1), gpuipc_buffer_get_ptr(b2));
   ASSERT_PTR_NE(b1, b2);
   ASSERT(th_check(b2, 0, 65536, 1));
   ASSERT_OK(gpuipc_buffer_close(b1));
@@ -101,7 +101,7 @@ static int realloc_same_address(gpuipc_pool_kind kind) {
   const size_t n = 1u << 20;
   uint64_t slot = th_peer_export(sock, kind, n, 10, d, &len, fds, &nfds);
   gpuipc_desc_info ia = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &ia));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &ia));
   gpuipc_buffer *a = NULL;
   ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, NULL, &a));
   th_close_fds(fds, nfds);
@@ -116,7 +116,7 @@ static int realloc_same_address(gpuipc_pool_kind kind) {
   uint64_t same = harness_recv_u64(sock);
   printf("exporter reallocated at the same address: %s\n", same ? "yes" : "no");
   gpuipc_desc_info ib = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, (size_t)l2, &ib));
+  ASSERT_OK(gpuipc_desc_get_info(d, (size_t)l2, &ib));
   ASSERT_NE(ib.generation, ia.generation);
   ASSERT_NE(ib.buffer_id, ia.buffer_id);
 
@@ -181,7 +181,7 @@ static int forged_buffer_id(gpuipc_pool_kind kind) {
   gpuipc_cache_stats s0 = stats();
   memcpy(f, d, len);
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &info));
   put64(f + 88, info.buffer_id + 1000);
   reseal(f, len);
   ASSERT_STATUS(gpuipc_buffer_import(f, len, fds, nfds, NULL, &b),
@@ -196,7 +196,7 @@ static int forged_buffer_id(gpuipc_pool_kind kind) {
    * opens anew; the driver gives the same mapping. */
   ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, NULL, &c));
   th_close_fds(fds, nfds);
-  ASSERT_PTR_EQ(gpuipc_buffer_ptr(c), gpuipc_buffer_ptr(a));
+  ASSERT_PTR_EQ(gpuipc_buffer_get_ptr(c), gpuipc_buffer_get_ptr(a));
   ASSERT(th_check(c, 0, n, 40));
   ASSERT_OK(gpuipc_buffer_close(c));
   ASSERT(th_check(a, 0, n, 40)); /* closing c did not unmap a */
@@ -271,7 +271,7 @@ TEST_IMPL(handle_cache_no_cache_flag) {
   ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, &o, &a));
   ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, &o, &b));
   th_close_fds(fds, nfds);
-  ASSERT_PTR_NE(gpuipc_buffer_ptr(a), gpuipc_buffer_ptr(b));
+  ASSERT_PTR_NE(gpuipc_buffer_get_ptr(a), gpuipc_buffer_get_ptr(b));
   ASSERT(th_check(a, 0, 65536, 5));
   th_fill(a, 0, 65536, 6);
   ASSERT(th_check(b, 0, 65536, 6)); /* the same memory, mapped twice */

@@ -85,7 +85,7 @@ TEST_IMPL(handle_desc_info_roundtrip) {
   uint8_t d[GPUIPC_DESC_MAX];
   size_t len = fake_desc(d);
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &info));
   ASSERT_EQ(info.type, GPUIPC_DESC_BUFFER);
   ASSERT_EQ(info.kind, GPUIPC_POOL_LEGACY);
   ASSERT_EQ(info.version, 1);
@@ -104,11 +104,11 @@ TEST_IMPL(handle_desc_info_roundtrip) {
   } small;
   memset(&small, 0xAB, sizeof small);
   small.i.size = offsetof(gpuipc_desc_info, nfds);
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &small.i));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &small.i));
   ASSERT_EQ(small.i.type, GPUIPC_DESC_BUFFER);
   ASSERT_EQ(((uint8_t *)&small.i)[offsetof(gpuipc_desc_info, nfds)], 0xAB);
   info.size = 0;
-  ASSERT_STATUS(gpuipc_desc_info_get(d, len, &info), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_desc_get_info(d, len, &info), GPUIPC_E_INVALID_ARG);
   return 0;
 }
 
@@ -157,7 +157,7 @@ TEST_IMPL(handle_desc_corrupted) {
   ASSERT_STATUS(import_raw(d, len), GPUIPC_E_PROTOCOL);
   d[9] = 0;
   reseal(d, len);
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &(gpuipc_desc_info)GPUIPC_DESC_INFO_INIT));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &(gpuipc_desc_info)GPUIPC_DESC_INFO_INIT));
   return 0;
 }
 
@@ -201,7 +201,7 @@ TEST_IMPL(handle_desc_foreign_machine_and_namespace) {
   ASSERT_STATUS(import_raw(d, len), GPUIPC_E_FOREIGN_MACHINE);
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "another machine");
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &info));
   ASSERT_EQ(info.same_machine, 0);
   len = fake_desc(d);
   d[56] ^= 0x01; /* pid namespace inode */
@@ -226,7 +226,7 @@ static int forged_against_driver(gpuipc_pool_kind kind) {
   const size_t size = 4u << 20;
   uint64_t slot = th_peer_export(sock, kind, size, 1, d, &len, fds, &nfds);
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &info));
 
   /* Claims 16x the allocation. */
   memcpy(f, d, len);
@@ -250,7 +250,7 @@ static int forged_against_driver(gpuipc_pool_kind kind) {
   put64(f + 112, 8192);
   reseal(f, len);
   ASSERT_OK(gpuipc_buffer_import(f, len, fds, nfds, NULL, &b));
-  ASSERT_EQ((char *)gpuipc_buffer_ptr(b) - (char *)gpuipc_buffer_ptr(g), 4096);
+  ASSERT_EQ((char *)gpuipc_buffer_get_ptr(b) - (char *)gpuipc_buffer_get_ptr(g), 4096);
   ASSERT_OK(gpuipc_buffer_close(b));
   ASSERT_OK(gpuipc_buffer_close(g));
 

@@ -42,7 +42,7 @@ HELPER_IMPL(handle_event_producer) {
   th_fill(buf, 0, N_BYTES, POISON);
   gpuipc_event *ev;
   ASSERT_OK(gpuipc_event_create(NULL, &ev));
-  ASSERT_NOT_NULL(gpuipc_event_handle(ev));
+  ASSERT_NOT_NULL(gpuipc_event_get_handle(ev));
 
   uint8_t d[GPUIPC_DESC_MAX];
   size_t len;
@@ -79,7 +79,7 @@ HELPER_IMPL(handle_event_producer) {
                                            CU_STREAM_WAIT_VALUE_GEQ));
   /* Device to device, or device to pinned host: asynchronous. */
   ASSERT_CU(gpuipc__cu.cuMemcpyAsync(
-      (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(buf), src, N_BYTES, s));
+      (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(buf), src, N_BYTES, s));
   gpuipc__ctx_leave(&g);
   ASSERT_OK(gpuipc_event_record(ev, s));
   ASSERT_STATUS(gpuipc_event_query(ev), GPUIPC_E_WOULD_BLOCK);
@@ -118,7 +118,7 @@ static int event_orders(gpuipc_pool_kind kind) {
   uint8_t d[GPUIPC_DESC_MAX];
   ssize_t len = harness_recv(sock, d, sizeof d, NULL, NULL);
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, (size_t)len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, (size_t)len, &info));
   ASSERT_EQ(info.type, GPUIPC_DESC_EVENT);
   ASSERT_EQ(info.nfds, 0);
   gpuipc_event *ev;
@@ -150,7 +150,7 @@ static int event_orders(gpuipc_pool_kind kind) {
   ASSERT_OK(gpuipc_event_wait(ev, c));
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
   ASSERT_CU(gpuipc__cu.cuMemcpyAsync(
-      stage, (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(buf), N_BYTES, c));
+      stage, (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(buf), N_BYTES, c));
   /* The producer is held: our copy cannot have run. */
   ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(c), CUDA_ERROR_NOT_READY);
   gpuipc__ctx_leave(&g);

@@ -36,12 +36,12 @@ static size_t raw_mem_free(void) {
 
 static void raw_fill(gpuipc_buffer *b, uint32_t seed) {
   uint32_t *h = th_pattern(NBYTES, seed);
-  if (gpuipc_buffer_kind(b) == GPUIPC_POOL_PINNED_HOST) {
-    memcpy(gpuipc_buffer_ptr(b), h, NBYTES);
+  if (gpuipc_buffer_get_kind(b) == GPUIPC_POOL_PINNED_HOST) {
+    memcpy(gpuipc_buffer_get_ptr(b), h, NBYTES);
   } else {
     raw_enter();
     ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
-    ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b),
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
                                       h, NBYTES));
     raw_leave();
   }
@@ -52,12 +52,12 @@ static bool raw_check(gpuipc_buffer *b, uint32_t seed) {
   uint32_t *h = th_pattern(NBYTES, seed);
   uint32_t *g = malloc(NBYTES);
   ASSERT_NOT_NULL(g);
-  if (gpuipc_buffer_kind(b) == GPUIPC_POOL_PINNED_HOST) {
-    memcpy(g, gpuipc_buffer_ptr(b), NBYTES);
+  if (gpuipc_buffer_get_kind(b) == GPUIPC_POOL_PINNED_HOST) {
+    memcpy(g, gpuipc_buffer_get_ptr(b), NBYTES);
   } else {
     raw_enter();
     ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
-    ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(g, (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b),
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(g, (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
                                       NBYTES));
     raw_leave();
   }

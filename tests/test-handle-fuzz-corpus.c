@@ -68,7 +68,7 @@ TEST_IMPL(handle_fuzz_corpus_replay) {
       ASSERT_MEM_EQ(again, copy, n);
     }
     gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-    ASSERT_EQ(gpuipc_desc_info_get(copy, n, &info), s);
+    ASSERT_EQ(gpuipc_desc_get_info(copy, n, &info), s);
     int want = expected_status(e->d_name);
     if (want >= 0) {
       if ((int)s != want)

@@ -45,9 +45,9 @@ static void *work(void *arg) {
       atomic_fetch_add(&sh->failures, 1);
       continue;
     }
-    if (sh->anchor[i] && gpuipc_buffer_ptr(b) != sh->anchor[i]) {
+    if (sh->anchor[i] && gpuipc_buffer_get_ptr(b) != sh->anchor[i]) {
       fprintf(stderr, "thread %d: buffer %d mapped twice (%p, %p)\n", w->id,
-              i, gpuipc_buffer_ptr(b), sh->anchor[i]);
+              i, gpuipc_buffer_get_ptr(b), sh->anchor[i]);
       atomic_fetch_add(&sh->failures, 1);
     }
     if (it % 37 == 0) {
@@ -55,7 +55,7 @@ static void *work(void *arg) {
       uint32_t got[4], *want = th_pattern(16, sh->seed[i]);
       gpuipc__ctx_guard g;
       if (gpuipc__ctx_enter(&g, 0) == GPUIPC_OK) {
-        if (gpuipc__cu.cuMemcpyDtoH(got, (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b),
+        if (gpuipc__cu.cuMemcpyDtoH(got, (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
                                     16) != CUDA_SUCCESS ||
             memcmp(got, want, 16) != 0)
           atomic_fetch_add(&sh->failures, 1);
@@ -107,7 +107,7 @@ TEST_IMPL(handle_threads_concurrent_imports) {
       sh.fd[i] = -1;
   }
   gpuipc_cache_stats a = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&a));
+  ASSERT_OK(gpuipc_cache_get_stats(&a));
 
   /* Round 1: an anchor reference on each buffer. */
   gpuipc_buffer *anchor[NBUF];
@@ -115,14 +115,14 @@ TEST_IMPL(handle_threads_concurrent_imports) {
     int nfds = sh.fd[i] >= 0 ? 1 : 0;
     ASSERT_OK(gpuipc_buffer_import(sh.desc[i], sh.len[i], &sh.fd[i], nfds,
                                    NULL, &anchor[i]));
-    sh.anchor[i] = gpuipc_buffer_ptr(anchor[i]);
+    sh.anchor[i] = gpuipc_buffer_get_ptr(anchor[i]);
   }
   gpuipc_cache_stats b = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&b));
+  ASSERT_OK(gpuipc_cache_get_stats(&b));
   run_threads(&sh);
   ASSERT_EQ(atomic_load(&sh.failures), 0);
   gpuipc_cache_stats c = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&c));
+  ASSERT_OK(gpuipc_cache_get_stats(&c));
   ASSERT_EQ(c.driver_opens, b.driver_opens); /* all hits */
   ASSERT_EQ(c.driver_closes, b.driver_closes);
   ASSERT_EQ(c.hits, b.hits + (uint64_t)NTHREADS * ITERS);
@@ -136,7 +136,7 @@ TEST_IMPL(handle_threads_concurrent_imports) {
   run_threads(&sh);
   ASSERT_EQ(atomic_load(&sh.failures), 0);
   gpuipc_cache_stats d = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&d));
+  ASSERT_OK(gpuipc_cache_get_stats(&d));
   ASSERT_EQ(d.live_mappings, a.live_mappings);
   ASSERT_EQ(d.driver_opens - d.pool_imports - (a.driver_opens - a.pool_imports),
             d.driver_closes - a.driver_closes);

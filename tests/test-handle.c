@@ -68,26 +68,26 @@ bool th_check_ptr(CUdeviceptr p, size_t n, uint32_t seed, int ordinal) {
 }
 
 void th_fill(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
-  ASSERT_LE(off + n, gpuipc_buffer_size(b));
-  if (gpuipc_buffer_kind(b) == GPUIPC_POOL_PINNED_HOST) {
+  ASSERT_LE(off + n, gpuipc_buffer_get_size(b));
+  if (gpuipc_buffer_get_kind(b) == GPUIPC_POOL_PINNED_HOST) {
     uint32_t *h = th_pattern(n, seed);
-    memcpy((char *)gpuipc_buffer_ptr(b) + off, h, n);
+    memcpy((char *)gpuipc_buffer_get_ptr(b) + off, h, n);
     free(h);
     return;
   }
-  th_fill_ptr((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b) + off, n, seed,
+  th_fill_ptr((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b) + off, n, seed,
               th_info(b).map_ordinal);
 }
 
 bool th_check(const gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
-  ASSERT_LE(off + n, gpuipc_buffer_size(b));
-  if (gpuipc_buffer_kind(b) == GPUIPC_POOL_PINNED_HOST) {
+  ASSERT_LE(off + n, gpuipc_buffer_get_size(b));
+  if (gpuipc_buffer_get_kind(b) == GPUIPC_POOL_PINNED_HOST) {
     uint32_t *h = th_pattern(n, seed);
-    bool ok = memcmp((char *)gpuipc_buffer_ptr(b) + off, h, n) == 0;
+    bool ok = memcmp((char *)gpuipc_buffer_get_ptr(b) + off, h, n) == 0;
     free(h);
     return ok;
   }
-  return th_check_ptr((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b) + off, n,
+  return th_check_ptr((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b) + off, n,
                       seed, th_info(b).map_ordinal);
 }
 
@@ -226,8 +226,8 @@ HELPER_IMPL(handle_peer) {
       th_fill_ptr(raw, alloc, seed ^ 0x5555u, 0); /* around the window */
       gpuipc_buffer *b = NULL;
       ASSERT_OK(gpuipc_buffer_wrap((void *)(uintptr_t)(raw + off), size, &b));
-      ASSERT_EQ(gpuipc_buffer_kind(b), kind);
-      ASSERT_PTR_EQ(gpuipc_buffer_ptr(b), (void *)(uintptr_t)(raw + off));
+      ASSERT_EQ(gpuipc_buffer_get_kind(b), kind);
+      ASSERT_PTR_EQ(gpuipc_buffer_get_ptr(b), (void *)(uintptr_t)(raw + off));
       th_fill(b, 0, size, seed);
       send_export(&P, b);
       harness_send_u64(P.sock, peer_slot(&P, b));
@@ -257,8 +257,8 @@ HELPER_IMPL(handle_peer) {
       uint64_t slot = harness_recv_u64(P.sock);
       uint32_t seed = (uint32_t)harness_recv_u64(P.sock);
       gpuipc_buffer *old = P.exp[slot];
-      void *addr = gpuipc_buffer_ptr(old);
-      size_t size = gpuipc_buffer_size(old);
+      void *addr = gpuipc_buffer_get_ptr(old);
+      size_t size = gpuipc_buffer_get_size(old);
       gpuipc_pool *pool = th_info(old).pool;
       ASSERT_OK(gpuipc_buffer_free(old, NULL));
       th_sync(0);
@@ -268,7 +268,7 @@ HELPER_IMPL(handle_peer) {
       gpuipc_buffer *b = NULL;
       for (;;) {
         ASSERT_OK(gpuipc_buffer_alloc(pool, size, NULL, &b));
-        if (gpuipc_buffer_ptr(b) == addr || nheld == 32)
+        if (gpuipc_buffer_get_ptr(b) == addr || nheld == 32)
           break;
         held[nheld++] = b;
       }
@@ -278,7 +278,7 @@ HELPER_IMPL(handle_peer) {
       th_fill(b, 0, size, seed);
       P.exp[slot] = b;
       send_export(&P, b);
-      harness_send_u64(P.sock, gpuipc_buffer_ptr(b) == addr);
+      harness_send_u64(P.sock, gpuipc_buffer_get_ptr(b) == addr);
       break;
     }
     case TH_OP_IMPORT: {
@@ -303,9 +303,9 @@ HELPER_IMPL(handle_peer) {
       if (s != GPUIPC_OK) {
         snprintf(err, sizeof err, "%s", gpuipc_last_error());
       } else {
-        size_t n = gpuipc_buffer_size(b);
+        size_t n = gpuipc_buffer_get_size(b);
         gpuipc_uuid mu;
-        ASSERT_OK(gpuipc_buffer_mapped_device(b, &mu));
+        ASSERT_OK(gpuipc_buffer_get_mapped_device(b, &mu));
         if (dev >= 0)
           ASSERT_MEM_EQ(mu.bytes, u.bytes, 16);
         if (!th_check(b, 0, n, seed_in)) {
@@ -444,12 +444,12 @@ static int share_round(gpuipc_pool_kind kind, int sock) {
   const size_t size = (1u << 20) + 4096;
   gpuipc_buffer *b = NULL;
   ASSERT_OK(gpuipc_buffer_alloc(pool, size, NULL, &b));
-  ASSERT_EQ(gpuipc_buffer_size(b), size);
-  ASSERT_EQ(gpuipc_buffer_kind(b), gpuipc_pool_get_kind(pool));
+  ASSERT_EQ(gpuipc_buffer_get_size(b), size);
+  ASSERT_EQ(gpuipc_buffer_get_kind(b), gpuipc_pool_get_kind(pool));
   ASSERT_EQ(gpuipc_buffer_is_imported(b), 0);
   gpuipc_uuid u0, ub;
   ASSERT_OK(gpuipc_device_uuid(0, &u0));
-  ASSERT_OK(gpuipc_buffer_device(b, &ub));
+  ASSERT_OK(gpuipc_buffer_get_device(b, &ub));
   ASSERT_MEM_EQ(u0.bytes, ub.bytes, 16);
   th_sync(0);
   th_fill(b, 0, size, 11);
@@ -460,7 +460,7 @@ static int share_round(gpuipc_pool_kind kind, int sock) {
   gpuipc_pool_kind k = gpuipc_pool_get_kind(pool);
   ASSERT_EQ(nfds, k == GPUIPC_POOL_LEGACY ? 0 : 1);
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, len, &info));
   ASSERT_EQ(info.type, GPUIPC_DESC_BUFFER);
   ASSERT_EQ(info.kind, k);
   ASSERT_EQ(info.bytes, size);
@@ -485,13 +485,13 @@ static int share_round(gpuipc_pool_kind kind, int sock) {
   uint64_t slot = th_peer_export(sock, k, size, 33, d, &len, fds, &nfds);
   gpuipc_buffer *ib = NULL;
   gpuipc_cache_stats st0 = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&st0));
+  ASSERT_OK(gpuipc_cache_get_stats(&st0));
   ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, NULL, &ib));
   th_close_fds(fds, nfds);
   ASSERT_EQ(gpuipc_buffer_is_imported(ib), 1);
-  ASSERT_EQ(gpuipc_buffer_kind(ib), k);
-  ASSERT_EQ(gpuipc_buffer_size(ib), size);
-  ASSERT_OK(gpuipc_buffer_device(ib, &ub));
+  ASSERT_EQ(gpuipc_buffer_get_kind(ib), k);
+  ASSERT_EQ(gpuipc_buffer_get_size(ib), size);
+  ASSERT_OK(gpuipc_buffer_get_device(ib, &ub));
   ASSERT_MEM_EQ(u0.bytes, ub.bytes, 16);
   ASSERT(th_check(ib, 0, size, 33));
   th_fill(ib, 0, size, 44);
@@ -502,7 +502,7 @@ static int share_round(gpuipc_pool_kind kind, int sock) {
                 GPUIPC_E_NOT_SUPPORTED);
   ASSERT_OK(gpuipc_buffer_close(ib));
   gpuipc_cache_stats st1 = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&st1));
+  ASSERT_OK(gpuipc_cache_get_stats(&st1));
   ASSERT_EQ(st1.live_mappings, st0.live_mappings);
   ASSERT_EQ(st1.misses, st0.misses + 1);
   th_peer_free(sock, slot);
@@ -564,7 +564,7 @@ TEST_IMPL(handle_pool_import_then_buffers_without_fd) {
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "gpuipc_pool_import");
   /* The first import with the fd imports the pool; later ones need none. */
   gpuipc_cache_stats a = GPUIPC_CACHE_STATS_INIT, c = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&a));
+  ASSERT_OK(gpuipc_cache_get_stats(&a));
   ASSERT_OK(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b));
   th_close_fds(fds, nfds);
   ASSERT(th_check(b, 0, 65536, 5));
@@ -575,7 +575,7 @@ TEST_IMPL(handle_pool_import_then_buffers_without_fd) {
   gpuipc_buffer *b2 = NULL;
   ASSERT_OK(gpuipc_buffer_import(d, len, NULL, 0, NULL, &b2));
   ASSERT(th_check(b2, 0, 8192, 6));
-  ASSERT_OK(gpuipc_cache_stats_get(&c));
+  ASSERT_OK(gpuipc_cache_get_stats(&c));
   ASSERT_EQ(c.pool_imports, a.pool_imports + 1);
   ASSERT_GE(c.pool_hits, a.pool_hits + 1);
   ASSERT_OK(gpuipc_buffer_close(b));
@@ -599,7 +599,7 @@ TEST_IMPL(handle_pool_export_import) {
   ssize_t len = harness_recv(sock, d, sizeof d, fds, &nfds);
   ASSERT_EQ(nfds, 1);
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, (size_t)len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, (size_t)len, &info));
   ASSERT_EQ(info.type, GPUIPC_DESC_POOL);
   ASSERT_EQ(info.kind, GPUIPC_POOL_MEMPOOL);
   gpuipc_pool *ip = NULL;
@@ -612,7 +612,7 @@ TEST_IMPL(handle_pool_export_import) {
   ASSERT_EQ(gpuipc_pool_get_kind(ip), GPUIPC_POOL_MEMPOOL);
   gpuipc_uuid u0, pu;
   ASSERT_OK(gpuipc_device_uuid(0, &u0));
-  ASSERT_OK(gpuipc_pool_device(ip, &pu));
+  ASSERT_OK(gpuipc_pool_get_device(ip, &pu));
   ASSERT_MEM_EQ(u0.bytes, pu.bytes, 16);
   gpuipc_buffer *b = NULL;
   ASSERT_STATUS(gpuipc_buffer_alloc(ip, 4096, NULL, &b), GPUIPC_E_NOT_SUPPORTED);
@@ -704,7 +704,7 @@ static int wrap_offset(gpuipc_pool_kind kind) {
   ASSERT_GT(len, 0);
   uint64_t slot = harness_recv_u64(sock);
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  ASSERT_OK(gpuipc_desc_info_get(d, (size_t)len, &info));
+  ASSERT_OK(gpuipc_desc_get_info(d, (size_t)len, &info));
   ASSERT_EQ(info.offset, off);
   ASSERT_EQ(info.bytes, size);
   ASSERT_GE(info.alloc_bytes, alloc);
@@ -712,7 +712,7 @@ static int wrap_offset(gpuipc_pool_kind kind) {
   gpuipc_buffer *b = NULL;
   ASSERT_OK(gpuipc_buffer_import(d, (size_t)len, fds, nfds, NULL, &b));
   th_close_fds(fds, nfds);
-  ASSERT_EQ(gpuipc_buffer_size(b), size);
+  ASSERT_EQ(gpuipc_buffer_get_size(b), size);
   ASSERT(th_check(b, 0, size, 77));
   /* The base of the mapping holds the exporter's data around the window. */
   ASSERT(th_check_ptr(th_info(b).base, off, 77 ^ 0x5555u, th_info(b).map_ordinal));
@@ -742,7 +742,7 @@ TEST_IMPL(handle_wrap_out_of_range) {
                 GPUIPC_E_OUT_OF_RANGE);
   ASSERT_NULL(b);
   ASSERT_OK(gpuipc_buffer_wrap((void *)(uintptr_t)(p + 4096), 65536 - 4096, &b));
-  ASSERT_EQ(gpuipc_buffer_kind(b), GPUIPC_POOL_LEGACY);
+  ASSERT_EQ(gpuipc_buffer_get_kind(b), GPUIPC_POOL_LEGACY);
   ASSERT_OK(gpuipc_buffer_free(b, NULL)); /* the wrapper only */
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
   ASSERT_CU(gpuipc__cu.cuMemFree(p)); /* still ours to free */
@@ -777,7 +777,7 @@ TEST_IMPL(handle_visible_devices_opposite_orders) {
         th_peer_export(sa, kinds[i], 65536, 100 + (uint32_t)i, d, &len, fds,
                        &nfds);
     gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-    ASSERT_OK(gpuipc_desc_info_get(d, len, &info));
+    ASSERT_OK(gpuipc_desc_get_info(d, len, &info));
     gpuipc_status s = th_peer_import(sb, d, len, fds, nfds, 100 + (uint32_t)i,
                                      200 + (uint32_t)i, -1, err, sizeof err);
     th_close_fds(fds, nfds);
@@ -898,7 +898,7 @@ HELPER_IMPL(handle_access_devices_run) {
     gpuipc_buffer *b;
     ASSERT_OK(gpuipc_buffer_alloc(p, 65536, NULL, &b));
     th_sync(0);
-    CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b);
+    CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b);
     th_fill_ptr(ptr, 65536, 70, 1); /* through device 1's context */
     ASSERT(th_check_ptr(ptr, 65536, 70, 0));
     ASSERT_OK(gpuipc_buffer_free(b, NULL));

@@ -140,9 +140,9 @@ static void fill_host(uint8_t *h, size_t n, unsigned seed) {
 static long check_device(gpuipc_buffer *b, unsigned seed, gpuipc_event *ev) {
   gpuipc_uuid u;
   int ord = 0;
-  ASSERT_OK(gpuipc_buffer_mapped_device(b, &u));
+  ASSERT_OK(gpuipc_buffer_get_mapped_device(b, &u));
   ASSERT_OK(gpuipc_device_from_uuid(&u, &ord));
-  size_t n = gpuipc_buffer_size(b);
+  size_t n = gpuipc_buffer_get_size(b);
   uint8_t *h = malloc(n);
   ASSERT_NOT_NULL(h);
   gpuipc__ctx_guard g;
@@ -152,7 +152,7 @@ static long check_device(gpuipc_buffer *b, unsigned seed, gpuipc_event *ev) {
   if (ev)
     ASSERT_OK(gpuipc_event_wait(ev, s));
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(
-      h, (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b), n, s));
+      h, (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b), n, s));
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
   gpuipc__ctx_leave(&g);
@@ -165,13 +165,13 @@ static long check_device(gpuipc_buffer *b, unsigned seed, gpuipc_event *ev) {
 }
 
 static void fill_device(gpuipc_buffer *b, unsigned seed, gpuipc_event *ev) {
-  size_t n = gpuipc_buffer_size(b);
+  size_t n = gpuipc_buffer_get_size(b);
   uint8_t *h = malloc(n);
   ASSERT_NOT_NULL(h);
   fill_host(h, n, seed);
   gpuipc__ctx_guard g;
   ASSERT_OK(gpuipc__ctx_enter(&g, 0));
-  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b),
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
                                     h, n));
   if (ev)
     ASSERT_OK(gpuipc_event_record(ev, NULL));
@@ -300,7 +300,7 @@ HELPER_IMPL(interop_py_peer) {
       if (s == GPUIPC_OK)
         s = gpuipc_buffer_alloc(*pp, (size_t)size + lead, NULL, &whole);
       if (s == GPUIPC_OK && is_legacy)
-        s = gpuipc_buffer_wrap((char *)gpuipc_buffer_ptr(whole) + lead,
+        s = gpuipc_buffer_wrap((char *)gpuipc_buffer_get_ptr(whole) + lead,
                                (size_t)size, &b);
       else if (s == GPUIPC_OK)
         b = whole;

@@ -217,7 +217,7 @@ HELPER_IMPL(interop_raw_peer) {
 static void expect_buf(gpuipc_buffer *b, uint32_t seed) {
   gpuipc__ctx_guard g;
   enter0(&g);
-  expect((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b), gpuipc_buffer_size(b),
+  expect((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b), gpuipc_buffer_get_size(b),
          seed);
   gpuipc__ctx_leave(&g);
 }
@@ -225,7 +225,7 @@ static void expect_buf(gpuipc_buffer *b, uint32_t seed) {
 static void put_buf(gpuipc_buffer *b, size_t off, size_t n, uint32_t seed) {
   gpuipc__ctx_guard g;
   enter0(&g);
-  put((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b) + off, n, seed);
+  put((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b) + off, n, seed);
   gpuipc__ctx_leave(&g);
 }
 
@@ -238,24 +238,24 @@ TEST_IMPL(interop_legacy_import_raw) {
   ASSERT_EQ(m.offset, 256 * 1024);
 
   gpuipc_cache_stats before = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&before));
+  ASSERT_OK(gpuipc_cache_get_stats(&before));
   gpuipc_buffer *a = NULL, *b = NULL, *bad = NULL;
   ASSERT_OK(gpuipc_buffer_import_legacy_raw(m.handle, (size_t)m.offset,
                                             (size_t)m.size, &m.device, NULL, &a));
   ASSERT_EQ(gpuipc_buffer_is_imported(a), 1);
-  ASSERT_EQ(gpuipc_buffer_kind(a), GPUIPC_POOL_LEGACY);
-  ASSERT_EQ(gpuipc_buffer_size(a), m.size);
+  ASSERT_EQ(gpuipc_buffer_get_kind(a), GPUIPC_POOL_LEGACY);
+  ASSERT_EQ(gpuipc_buffer_get_size(a), m.size);
   gpuipc_uuid u;
-  ASSERT_OK(gpuipc_buffer_device(a, &u));
+  ASSERT_OK(gpuipc_buffer_get_device(a, &u));
   ASSERT_MEM_EQ(u.bytes, m.device.bytes, 16);
   expect_buf(a, m.seed);
   /* The same handle again: the same mapping, one driver open. A view at
    * another offset shares it too. */
   ASSERT_OK(gpuipc_buffer_import_legacy_raw(m.handle, 0, ALLOC_BYTES, NULL,
                                             NULL, &b));
-  ASSERT_PTR_EQ((char *)gpuipc_buffer_ptr(b) + m.offset, gpuipc_buffer_ptr(a));
+  ASSERT_PTR_EQ((char *)gpuipc_buffer_get_ptr(b) + m.offset, gpuipc_buffer_get_ptr(a));
   gpuipc_cache_stats after = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&after));
+  ASSERT_OK(gpuipc_cache_get_stats(&after));
   ASSERT_EQ(after.driver_opens - before.driver_opens, 1);
   ASSERT_EQ(after.hits - before.hits, 1);
   /* Offset + size beyond the allocation: refused, nothing leaks. */
@@ -273,7 +273,7 @@ TEST_IMPL(interop_legacy_import_raw) {
   put_buf(a, 0, (size_t)m.size, 8);
   ASSERT_OK(gpuipc_buffer_close(a));
   ASSERT_OK(gpuipc_buffer_close(b));
-  ASSERT_OK(gpuipc_cache_stats_get(&after));
+  ASSERT_OK(gpuipc_cache_get_stats(&after));
   ASSERT_EQ(after.live_mappings, before.live_mappings);
   ASSERT_EQ(after.driver_closes - before.driver_closes, 1);
   harness_send_u64(sock, 1);
@@ -318,7 +318,7 @@ TEST_IMPL(interop_mempool_import_raw) {
   int sock = -1;
   pid_t pid = spawn_helper("interop_raw_peer", NULL, &sock, "mempool-export", NULL);
   gpuipc_cache_stats before = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&before));
+  ASSERT_OK(gpuipc_cache_get_stats(&before));
   gpuipc_buffer *b[3] = {NULL, NULL, NULL};
   for (int i = 0; i < 3; i++) {
     raw_msg m;
@@ -328,13 +328,13 @@ TEST_IMPL(interop_mempool_import_raw) {
                                                (size_t)m.size, &m.device, NULL,
                                                &b[i]));
     close(fd); /* stays owned by the caller */
-    ASSERT_EQ(gpuipc_buffer_kind(b[i]), GPUIPC_POOL_MEMPOOL);
-    ASSERT_EQ(gpuipc_buffer_size(b[i]), m.size);
+    ASSERT_EQ(gpuipc_buffer_get_kind(b[i]), GPUIPC_POOL_MEMPOOL);
+    ASSERT_EQ(gpuipc_buffer_get_size(b[i]), m.size);
     expect_buf(b[i], m.seed);
     put_buf(b[i], 0, (size_t)m.size, 40 + (uint32_t)i);
   }
   gpuipc_cache_stats after = GPUIPC_CACHE_STATS_INIT;
-  ASSERT_OK(gpuipc_cache_stats_get(&after));
+  ASSERT_OK(gpuipc_cache_get_stats(&after));
   /* Two pools: the two buffers of pool A came through one pool import
    * (its fd arrived twice, as two SCM_RIGHTS copies), pool B through its
    * own; no buffer was opened in the wrong pool (the data checks). */
@@ -474,7 +474,7 @@ TEST_IMPL(interop_events_raw) {
   recv_msg(sock, &m, NULL);
   gpuipc_event *ev = NULL;
   ASSERT_OK(gpuipc_event_import_raw(m.handle, &m.device, &ev));
-  ASSERT_NOT_NULL(gpuipc_event_handle(ev));
+  ASSERT_NOT_NULL(gpuipc_event_get_handle(ev));
   ASSERT_OK(gpuipc_event_wait(ev, NULL));
   ASSERT_OK(gpuipc_event_synchronize(ev));
   ASSERT_OK(gpuipc_event_query(ev));

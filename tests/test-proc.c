@@ -69,12 +69,12 @@ TEST_IMPL(proc_spawn_echo) {
   int fds_before = harness_count_fds();
   gpuipc_child *ch = NULL;
   ASSERT_OK(gpuipc_spawn("/proc/self/exe", argv, NULL, &ch));
-  ASSERT_GT(gpuipc_child_pid(ch), 0);
-  gpuipc_conn *c = gpuipc_child_conn(ch);
+  ASSERT_GT(gpuipc_child_get_pid(ch), 0);
+  gpuipc_conn *c = gpuipc_child_get_conn(ch);
   ASSERT_NOT_NULL(c);
   gpuipc_peer_info pi;
-  ASSERT_OK(gpuipc_conn_peer(c, &pi));
-  ASSERT_EQ(pi.pid, gpuipc_child_pid(ch));
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+  ASSERT_EQ(pi.pid, gpuipc_child_get_pid(ch));
   ASSERT_OK(gpuipc_conn_send_msg(c, "ping", 4, NULL, 0));
   char buf[16];
   size_t len = 0;
@@ -118,7 +118,7 @@ TEST_IMPL(proc_spawn_exit_code_and_signal) {
   /* The parent learns on the connection too. */
   char buf[8];
   size_t len = 0;
-  ASSERT_STATUS(gpuipc_conn_recv_msg(gpuipc_child_conn(ch), buf, sizeof buf,
+  ASSERT_STATUS(gpuipc_conn_recv_msg(gpuipc_child_get_conn(ch), buf, sizeof buf,
                                      &len, NULL, NULL),
                 GPUIPC_E_PEER_GONE);
   ASSERT_OK(gpuipc_child_destroy(ch, 0, NULL));
@@ -205,7 +205,7 @@ TEST_IMPL(proc_spawn_environment) {
   ASSERT_OK(gpuipc_spawn("/proc/self/exe", argv, &o, &ch));
   char buf[128];
   size_t len = 0;
-  ASSERT_OK(gpuipc_conn_recv_msg(gpuipc_child_conn(ch), buf, sizeof buf - 1,
+  ASSERT_OK(gpuipc_conn_recv_msg(gpuipc_child_get_conn(ch), buf, sizeof buf - 1,
                                  &len, NULL, NULL));
   buf[len] = '\0';
   ASSERT_STR_EQ(buf, "base|added");
@@ -220,12 +220,12 @@ TEST_IMPL(proc_spawn_environment) {
 static void fill(gpuipc_buffer *b, unsigned char v) {
   gpuipc_uuid u;
   int ord = 0;
-  ASSERT_OK(gpuipc_buffer_mapped_device(b, &u));
+  ASSERT_OK(gpuipc_buffer_get_mapped_device(b, &u));
   ASSERT_OK(gpuipc_device_from_uuid(&u, &ord));
   gpuipc__ctx_guard g;
   ASSERT_OK(gpuipc__ctx_enter(&g, ord));
-  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b),
-                                  v, gpuipc_buffer_size(b)));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
+                                  v, gpuipc_buffer_get_size(b)));
   ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
   gpuipc__ctx_leave(&g);
 }
@@ -233,14 +233,14 @@ static void fill(gpuipc_buffer *b, unsigned char v) {
 static void check(gpuipc_buffer *b, unsigned char v) {
   gpuipc_uuid u;
   int ord = 0;
-  ASSERT_OK(gpuipc_buffer_mapped_device(b, &u));
+  ASSERT_OK(gpuipc_buffer_get_mapped_device(b, &u));
   ASSERT_OK(gpuipc_device_from_uuid(&u, &ord));
-  size_t n = gpuipc_buffer_size(b);
+  size_t n = gpuipc_buffer_get_size(b);
   unsigned char *h = malloc(n);
   ASSERT_NOT_NULL(h);
   gpuipc__ctx_guard g;
   ASSERT_OK(gpuipc__ctx_enter(&g, ord));
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, (CUdeviceptr)(uintptr_t)gpuipc_buffer_ptr(b),
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
                                     n));
   gpuipc__ctx_leave(&g);
   for (size_t i = 0; i < n; i++)
@@ -303,10 +303,10 @@ TEST_IMPL(proc_spawn_hands_buffers_over) {
   ASSERT_OK(gpuipc_spawn("/proc/self/exe", argv, &o, &ch));
   char buf[8];
   size_t len = 0;
-  ASSERT_OK(gpuipc_conn_recv_msg(gpuipc_child_conn(ch), buf, sizeof buf, &len,
+  ASSERT_OK(gpuipc_conn_recv_msg(gpuipc_child_get_conn(ch), buf, sizeof buf, &len,
                                  NULL, NULL));
   ASSERT_EQ(len, 4);
-  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_child_conn(ch), "nope", 4, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_child_get_conn(ch), "nope", 4, NULL, 0));
   gpuipc_child_status st;
   ASSERT_OK(gpuipc_child_wait(ch, 20000, &st));
   ASSERT_EQ(st.state, GPUIPC_CHILD_EXITED);
@@ -359,11 +359,11 @@ static gpuipc_group *start_group(int n) {
   self_argv("proc_worker", "x", argv);
   gpuipc_group *g = NULL;
   ASSERT_OK(gpuipc_group_start("/proc/self/exe", argv, n, NULL, &g));
-  ASSERT_EQ(gpuipc_group_size(g), n);
+  ASSERT_EQ(gpuipc_group_get_size(g), n);
   for (int i = 0; i < n; i++) {
     int32_t who = -1;
     size_t len = 0;
-    ASSERT_OK(gpuipc_conn_recv_msg(gpuipc_group_conn(g, i), &who, sizeof who,
+    ASSERT_OK(gpuipc_conn_recv_msg(gpuipc_group_get_conn(g, i), &who, sizeof who,
                                    &len, NULL, NULL));
     ASSERT_EQ(who, i);
   }
@@ -372,12 +372,12 @@ static gpuipc_group *start_group(int n) {
 
 TEST_IMPL(proc_group_reports_dead_worker) {
   gpuipc_group *g = start_group(3);
-  ASSERT_NULL(gpuipc_group_conn(g, 3));
+  ASSERT_NULL(gpuipc_group_get_conn(g, 3));
   int w = 7;
   gpuipc_child_status st;
   ASSERT_OK(gpuipc_group_check(g, 0, &w, &st));
   ASSERT_EQ(w, -1);
-  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_group_conn(g, 1), "die", 3, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_group_get_conn(g, 1), "die", 3, NULL, 0));
   ASSERT_STATUS(gpuipc_group_check(g, 20000, &w, &st), GPUIPC_E_PEER_GONE);
   ASSERT_EQ(w, 1);
   ASSERT_EQ(st.state, GPUIPC_CHILD_SIGNALED);
@@ -387,7 +387,7 @@ TEST_IMPL(proc_group_reports_dead_worker) {
   /* Reported once. */
   ASSERT_OK(gpuipc_group_check(g, 0, &w, &st));
   ASSERT_EQ(w, -1);
-  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_group_conn(g, 2), "exit", 4, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_group_get_conn(g, 2), "exit", 4, NULL, 0));
   ASSERT_STATUS(gpuipc_group_check(g, 20000, &w, &st), GPUIPC_E_PEER_GONE);
   ASSERT_EQ(w, 2);
   ASSERT_EQ(st.state, GPUIPC_CHILD_EXITED);
@@ -411,7 +411,7 @@ TEST_IMPL(proc_group_dead_worker_blocks_come_back) {
   gpuipc_group *g = start_group(2);
   gpuipc_block *blk[2] = {NULL, NULL};
   for (int i = 0; i < 2; i++) {
-    gpuipc_conn *c = gpuipc_group_conn(g, i);
+    gpuipc_conn *c = gpuipc_group_get_conn(g, i);
     ASSERT_OK(gpuipc_arena_alloc(arena, 4096, NULL, &blk[i]));
     ASSERT_OK(gpuipc_conn_send_msg(c, "hold", 4, NULL, 0));
     ASSERT_OK(gpuipc_conn_send(c, blk[i], NULL, NULL, 0));
@@ -419,11 +419,11 @@ TEST_IMPL(proc_group_dead_worker_blocks_come_back) {
     size_t len = 0;
     ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
     size_t held = 0;
-    ASSERT_OK(gpuipc_conn_outstanding(c, &held, NULL));
+    ASSERT_OK(gpuipc_conn_get_outstanding(c, &held, NULL));
     ASSERT_EQ(held, 1);
   }
   /* Worker 0 dies holding its block. */
-  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_group_conn(g, 0), "die", 3, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_group_get_conn(g, 0), "die", 3, NULL, 0));
   int w = -1;
   gpuipc_child_status st;
   ASSERT_STATUS(gpuipc_group_check(g, 20000, &w, &st), GPUIPC_E_PEER_GONE);
@@ -431,18 +431,18 @@ TEST_IMPL(proc_group_dead_worker_blocks_come_back) {
   ASSERT_EQ(st.signal, SIGKILL);
   /* Its lease is gone; worker 1's is still out. */
   size_t held = 99;
-  gpuipc_status s = gpuipc_conn_outstanding(gpuipc_group_conn(g, 0), &held, NULL);
+  gpuipc_status s = gpuipc_conn_get_outstanding(gpuipc_group_get_conn(g, 0), &held, NULL);
   ASSERT(s == GPUIPC_OK || s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED);
   if (s == GPUIPC_OK)
     ASSERT_EQ(held, 0);
-  ASSERT_EQ(gpuipc_block_holders(blk[0]), 0);
-  ASSERT_EQ(gpuipc_block_holders(blk[1]), 1);
+  ASSERT_EQ(gpuipc_block_get_holders(blk[0]), 0);
+  ASSERT_EQ(gpuipc_block_get_holders(blk[1]), 1);
   ASSERT_OK(gpuipc_block_free(blk[0], NULL));
   ASSERT_OK(gpuipc_group_stop(g, 20000, NULL));
   ASSERT_OK(gpuipc_block_free(blk[1], NULL));
   /* Worker 1's connection closed: everything came back. */
   gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
-  ASSERT_OK(gpuipc_arena_stats_get(arena, &as));
+  ASSERT_OK(gpuipc_arena_get_stats(arena, &as));
   ASSERT_EQ(as.leases, 0);
   ASSERT_OK(gpuipc_arena_destroy(arena));
   return 0;

@@ -54,16 +54,16 @@ TEST_IMPL(xfer_shared_host_protocol) {
       GPUIPC_E_INVALID_ARG);
   ASSERT_OK(gpuipc_xfer_shared_close(NULL));
   ASSERT_OK(gpuipc_xfer_shared_create(100, 1, &sh));
-  ASSERT_EQ(gpuipc_xfer_shared_slots(sh), 1);
-  size_t cap = gpuipc_xfer_shared_slot_bytes(sh);
+  ASSERT_EQ(gpuipc_xfer_shared_get_slots(sh), 1);
+  size_t cap = gpuipc_xfer_shared_get_slot_bytes(sh);
   ASSERT_GE(cap, 100);
   ASSERT_EQ(cap % (size_t)sysconf(_SC_PAGESIZE), 0);
 
   /* A second view of the same segment, as another process would have. */
   gpuipc_xfer_shared *peer = NULL;
-  ASSERT_OK(gpuipc_xfer_shared_open(gpuipc_xfer_shared_fd(sh), &peer));
-  ASSERT_EQ(gpuipc_xfer_shared_slots(peer), 1);
-  ASSERT_UEQ(gpuipc_xfer_shared_slot_bytes(peer), cap);
+  ASSERT_OK(gpuipc_xfer_shared_open(gpuipc_xfer_shared_get_fd(sh), &peer));
+  ASSERT_EQ(gpuipc_xfer_shared_get_slots(peer), 1);
+  ASSERT_UEQ(gpuipc_xfer_shared_get_slot_bytes(peer), cap);
 
   void *p = NULL;
   size_t c = 0;
@@ -78,7 +78,7 @@ TEST_IMPL(xfer_shared_host_protocol) {
   ASSERT_OK(gpuipc_xfer_shared_publish(sh, 0, 50));
   ASSERT_OK(gpuipc_xfer_shared_wait_filled(peer, 0, 0, &len));
   ASSERT_UEQ(len, 50);
-  ASSERT_EQ(((uint8_t *)gpuipc_xfer_shared_slot(peer, 0))[49], 0x5A);
+  ASSERT_EQ(((uint8_t *)gpuipc_xfer_shared_get_slot(peer, 0))[49], 0x5A);
   /* One slot: message 1 needs message 0 consumed. */
   ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 0, &p, &c), GPUIPC_E_TIMEOUT);
   ASSERT_STATUS(gpuipc_xfer_shared_acquire(sh, 1, 30, &p, &c),
@@ -143,7 +143,7 @@ TEST_IMPL(xfer_shared_open_rejects) {
   /* A copy of a real header with one field changed at a time. */
   gpuipc_xfer_shared *good = NULL;
   ASSERT_OK(gpuipc_xfer_shared_create(8192, 3, &good));
-  int gfd = gpuipc_xfer_shared_fd(good);
+  int gfd = gpuipc_xfer_shared_get_fd(good);
   struct stat st;
   ASSERT_EQ(fstat(gfd, &st), 0);
   uint8_t hdr[64];
@@ -205,7 +205,7 @@ HELPER_IMPL(xfer_shared_filler) {
     /* A pinned-host buffer of the handle layer: import, then attach. */
     ASSERT_OK(gpuipc_buffer_import(msg, (size_t)mlen, &fd, 1, NULL, &buf));
     ASSERT_OK(gpuipc_xfer_shared_attach(buf, &sh));
-    ASSERT_EQ(gpuipc_xfer_shared_fd(sh), -1);
+    ASSERT_EQ(gpuipc_xfer_shared_get_fd(sh), -1);
   } else {
     ASSERT_OK(gpuipc_xfer_shared_open(fd, &sh));
   }
@@ -234,7 +234,7 @@ HELPER_IMPL(xfer_shared_filler) {
 static void copier_run(gpuipc_xfer_shared *sh, const uint8_t *desc, size_t dlen,
                        int fd, const char *mode) {
   for (uint64_t s = 0; s < SLOTS; s++)
-    memset(gpuipc_xfer_shared_slot(sh, s), 0xEE, SLOT_BYTES);
+    memset(gpuipc_xfer_shared_get_slot(sh, s), 0xEE, SLOT_BYTES);
   CUstream st = NULL;
   ASSERT_CU(gpuipc__cu.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
   CUdeviceptr dst[MSGS];
@@ -299,7 +299,7 @@ TEST_IMPL(xfer_shared_over_pinned_host_pool) {
                 GPUIPC_E_OUT_OF_RANGE);
   ASSERT_STATUS(gpuipc_xfer_shared_attach(buf, &sh), GPUIPC_E_BAD_MAGIC);
   ASSERT_OK(gpuipc_xfer_shared_format(buf, SLOT_BYTES, SLOTS, &sh));
-  ASSERT_UEQ(gpuipc_xfer_shared_slot_bytes(sh), SLOT_BYTES);
+  ASSERT_UEQ(gpuipc_xfer_shared_get_slot_bytes(sh), SLOT_BYTES);
   ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0)); /* pinned already: nothing */
   uint8_t desc[GPUIPC_DESC_MAX];
   size_t dlen = 0;
@@ -332,7 +332,7 @@ TEST_IMPL(xfer_shared_filler_to_gpu) {
   ASSERT_OK(gpuipc_xfer_shared_create(SLOT_BYTES, SLOTS, &sh));
   ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
   ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0)); /* idempotent */
-  copier_run(sh, (const uint8_t *)"go", 2, gpuipc_xfer_shared_fd(sh), "fd");
+  copier_run(sh, (const uint8_t *)"go", 2, gpuipc_xfer_shared_get_fd(sh), "fd");
   ASSERT_OK(gpuipc_xfer_shared_close(sh));
   gpuipc__ctx_leave(&g);
   return 0;
@@ -353,7 +353,7 @@ HELPER_IMPL(xfer_shared_reader) {
     size_t len = 0;
     ASSERT_OK(gpuipc_xfer_shared_wait_filled(sh, seq, 60000, &len));
     ASSERT_UEQ(len, msg_len(seq));
-    const uint8_t *b = gpuipc_xfer_shared_slot(sh, seq);
+    const uint8_t *b = gpuipc_xfer_shared_get_slot(sh, seq);
     for (size_t i = 0; i < len; i++)
       if (b[i] != msg_byte(seq, i))
         harness_fail(__FILE__, __LINE__,
@@ -394,7 +394,7 @@ TEST_IMPL(xfer_shared_gpu_to_reader) {
 
   int sock = -1;
   pid_t pid = spawn_helper("xfer_shared_reader", NULL, &sock, NULL);
-  int fd = gpuipc_xfer_shared_fd(sh);
+  int fd = gpuipc_xfer_shared_get_fd(sh);
   harness_send(sock, "go", 2, &fd, 1);
   ASSERT_UEQ(harness_recv_u64(sock), 1);
   ASSERT_EQ(wait_helper(pid, 120), 0);
@@ -490,7 +490,7 @@ TEST_IMPL(xfer_shared_faults) {
 TEST_IMPL(xfer_shared_open_corrupt) {
   gpuipc_xfer_shared *good = NULL;
   ASSERT_OK(gpuipc_xfer_shared_create(8192, 3, &good));
-  int gfd = gpuipc_xfer_shared_fd(good);
+  int gfd = gpuipc_xfer_shared_get_fd(good);
   struct stat st;
   ASSERT_EQ(fstat(gfd, &st), 0);
   uint8_t hdr[64];
@@ -522,10 +522,10 @@ TEST_IMPL(xfer_shared_open_corrupt) {
     if (s == GPUIPC_OK) {
       opened++;
       size_t end =
-          (size_t)((char *)gpuipc_xfer_shared_slot(
-                       sh, (uint64_t)gpuipc_xfer_shared_slots(sh) - 1) -
-                   (char *)gpuipc_xfer_shared_slot(sh, 0)) +
-          gpuipc_xfer_shared_slot_bytes(sh);
+          (size_t)((char *)gpuipc_xfer_shared_get_slot(
+                       sh, (uint64_t)gpuipc_xfer_shared_get_slots(sh) - 1) -
+                   (char *)gpuipc_xfer_shared_get_slot(sh, 0)) +
+          gpuipc_xfer_shared_get_slot_bytes(sh);
       ASSERT_LE(end, (size_t)st.st_size);
       ASSERT_OK(gpuipc_xfer_shared_close(sh));
     } else {

@@ -250,9 +250,9 @@ TEST_IMPL(xfer_args) {
   ASSERT_STATUS(gpuipc_xfer_pipeline(x, h2, h, 8, &st, NULL, 0),
                 GPUIPC_E_INVALID_ARG);
   size_t c = 0;
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, 100, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, 100, &c));
   ASSERT_EQ(c, 100);
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)1 << 30, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, (size_t)1 << 30, &c));
   ASSERT_LE(c, in.max_chunk_bytes);
   ASSERT_GE(c, (size_t)1 << 20);
   ASSERT_OK(gpuipc_xfer_destroy(x));
@@ -271,15 +271,15 @@ TEST_IMPL(xfer_heuristic) {
   ASSERT_UEQ(in.staging_slot_bytes, (size_t)8 << 20);
   ASSERT_EQ(in.staging_slots, 2 * in.streams);
   size_t c;
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, 1000, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, 1000, &c));
   ASSERT_UEQ(c, 1000);
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)4 << 20, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, (size_t)4 << 20, &c));
   ASSERT_UEQ(c, (size_t)1 << 20); /* n/16 is below the 1 MiB floor */
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)64 << 20, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, (size_t)64 << 20, &c));
   ASSERT_UEQ(c, (size_t)4 << 20);
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, ((size_t)64 << 20) + 1, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, ((size_t)64 << 20) + 1, &c));
   ASSERT_UEQ(c, ((size_t)4 << 20) + (64 << 10)); /* rounded up to 64 KiB */
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)4 << 30, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, (size_t)4 << 30, &c));
   ASSERT_UEQ(c, (size_t)8 << 20);
   /* Host threads: half the CPUs, 1 to 16. */
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
@@ -313,7 +313,7 @@ TEST_IMPL(xfer_heuristic) {
   ASSERT_UEQ(in.max_chunk_bytes, 10000);
   ASSERT_UEQ(in.staging_slot_bytes, 6000);
   ASSERT_EQ(in.staging_slots, 2);
-  ASSERT_OK(gpuipc_xfer_chunk_size(x, (size_t)1 << 30, &c));
+  ASSERT_OK(gpuipc_xfer_get_chunk_size(x, (size_t)1 << 30, &c));
   ASSERT_UEQ(c, 10000);
   ASSERT_OK(gpuipc_xfer_destroy(x));
   return 0;

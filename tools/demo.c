@@ -87,7 +87,7 @@ static int produce(gpuipc_conn *c, const char *who, size_t pattern_bytes,
   memcpy(host, HELLO, sizeof HELLO);
   fill(host + HELLO_AREA, pattern_bytes, seed);
   /* Asynchronous: the consumer's stream waits for this copy on the GPU. */
-  r = GPUIPC__CU(cuMemcpyHtoDAsync, (CUdeviceptr)(uintptr_t)gpuipc_block_ptr(b),
+  r = GPUIPC__CU(cuMemcpyHtoDAsync, (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
                  host, n, st);
   if (r != CUDA_SUCCESS) {
     rc = fail(who, "cuMemcpyHtoDAsync",
@@ -97,7 +97,7 @@ static int produce(gpuipc_conn *c, const char *who, size_t pattern_bytes,
   demo_meta m = {HELLO, pattern_bytes, seed};
   printf("[%s pid %d] wrote \"%s\" and a %zu KiB pattern into GPU memory at "
          "%p; handing it over\n",
-         who, (int)getpid(), HELLO, pattern_bytes >> 10, gpuipc_block_ptr(b));
+         who, (int)getpid(), HELLO, pattern_bytes >> 10, gpuipc_block_get_ptr(b));
   fflush(stdout);
   if ((s = gpuipc_conn_send(c, b, (struct CUstream_st *)st, &m, sizeof m)) !=
       GPUIPC_OK) {
@@ -106,7 +106,7 @@ static int produce(gpuipc_conn *c, const char *who, size_t pattern_bytes,
   }
   /* The buffer is ours again once the consumer released it (and, on the
    * GPU, once its work on it is done: the arena orders reuse after it). */
-  while (gpuipc_block_holders(b) > 0) {
+  while (gpuipc_block_get_holders(b) > 0) {
     if ((s = gpuipc_conn_progress(c, 1000)) != GPUIPC_OK) {
       rc = fail(who, "waiting for the release", s);
       goto out;

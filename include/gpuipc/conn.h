@@ -53,7 +53,7 @@
  * synchronous driver calls that run on it) until the peer acts.
  *
  * Leases. The exporter tracks, per connection, which blocks the peer holds
- * (gpuipc_conn_outstanding, gpuipc_arena_stats). gpuipc_block_free of a
+ * (gpuipc_conn_get_outstanding, gpuipc_arena_stats). gpuipc_block_free of a
  * block that peers hold defers the real free until their releases.
  *
  * Peer death. If a consumer dies (crash, kill -9), the exporter sees its
@@ -73,7 +73,7 @@
  * Progress. There is no background thread. Incoming frames (buffers,
  * releases, arena exports, user messages) are read inside every call on the
  * connection and in gpuipc_conn_progress. An event loop polls
- * gpuipc_conn_fd() for POLLIN and calls gpuipc_conn_progress (or recv) when
+ * gpuipc_conn_get_fd() for POLLIN and calls gpuipc_conn_progress (or recv) when
  * it is readable. An exporter that only sends must still make progress now
  * and then (send does, too), or releases pile up in the socket.
  *
@@ -225,9 +225,9 @@ GPUIPC_API gpuipc_status gpuipc_accept(gpuipc_listener *l,
                                        gpuipc_conn **out /* OUT */);
 
 /* The listening socket, for poll/epoll (POLLIN: a peer waits in accept). */
-GPUIPC_API int gpuipc_listener_fd(const gpuipc_listener *l);
+GPUIPC_API int gpuipc_listener_get_fd(const gpuipc_listener *l);
 /* The socket's path ("@name" for an abstract name). Owned by l. */
-GPUIPC_API const char *gpuipc_listener_path(const gpuipc_listener *l);
+GPUIPC_API const char *gpuipc_listener_get_path(const gpuipc_listener *l);
 /* Stops listening, removes the socket file. Connections already accepted
  * stay open. NULL is a no-op. */
 GPUIPC_API void gpuipc_listener_close(gpuipc_listener *l);
@@ -275,7 +275,7 @@ GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
  * recv will find something (or learn the peer is gone). Do not read or write
  * it yourself. Valid until gpuipc_conn_close (-1 after a disconnect). */
-GPUIPC_API int gpuipc_conn_fd(const gpuipc_conn *conn);
+GPUIPC_API int gpuipc_conn_get_fd(const gpuipc_conn *conn);
 
 /* Sets the timeout of later calls (ms; -1 forever, 0 never wait). */
 GPUIPC_API gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn,
@@ -290,7 +290,7 @@ typedef struct gpuipc_peer_info {
   uint32_t uid;
   uint32_t gid;
 } gpuipc_peer_info;
-GPUIPC_API gpuipc_status gpuipc_conn_peer(const gpuipc_conn *conn,
+GPUIPC_API gpuipc_status gpuipc_conn_get_peer(const gpuipc_conn *conn,
                                           gpuipc_peer_info *info /* OUT */);
 
 /* Makes progress without waiting longer than timeout_ms (-1: until
@@ -373,14 +373,14 @@ GPUIPC_API gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
                                             gpuipc_block **out /* OUT */);
 
 /* The block's device pointer (a CUdeviceptr cast to void*) and size. */
-GPUIPC_API void *gpuipc_block_ptr(const gpuipc_block *block);
-GPUIPC_API size_t gpuipc_block_size(const gpuipc_block *block);
+GPUIPC_API void *gpuipc_block_get_ptr(const gpuipc_block *block);
+GPUIPC_API size_t gpuipc_block_get_size(const gpuipc_block *block);
 /* Number of peers that hold the block now. */
-GPUIPC_API unsigned gpuipc_block_holders(const gpuipc_block *block);
+GPUIPC_API unsigned gpuipc_block_get_holders(const gpuipc_block *block);
 
 /* Orders `stream` after the GPU work that peers queued before they released
  * this block: call it before writing a block again that you keep (rather
- * than free and allocate anew) once gpuipc_block_holders says no peer holds
+ * than free and allocate anew) once gpuipc_block_get_holders says no peer holds
  * it. Does not wait on the host. Releases that arrive later are not
  * covered. */
 GPUIPC_API gpuipc_status gpuipc_block_wait(gpuipc_block *block,
@@ -406,7 +406,7 @@ typedef struct gpuipc_arena_stats {
   size_t leases;          /* (block, connection) pairs outstanding */
 } gpuipc_arena_stats;
 #define GPUIPC_ARENA_STATS_INIT {sizeof(gpuipc_arena_stats), 0, 0, 0, 0, 0, 0}
-GPUIPC_API gpuipc_status gpuipc_arena_stats_get(gpuipc_arena *arena,
+GPUIPC_API gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
                                                 gpuipc_arena_stats *st /* IN/OUT: size */);
 
 /* ------------------------------------------------------------------------ */
@@ -437,7 +437,7 @@ GPUIPC_API gpuipc_status gpuipc_conn_send(gpuipc_conn *conn,
  * memory, a file descriptor). Ordering as gpuipc_conn_send; the peer
  * receives it with gpuipc_conn_recv like any other. The caller keeps
  * ownership: it must not free the buffer while the peer holds it
- * (gpuipc_conn_buffer_holders), and must call gpuipc_conn_buffer_wait
+ * (gpuipc_conn_get_buffer_holders), and must call gpuipc_conn_buffer_wait
  * before writing it again. */
 GPUIPC_API gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn,
                                                  gpuipc_buffer *buf,
@@ -446,7 +446,7 @@ GPUIPC_API gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn,
                                                  size_t meta_len);
 /* How many leases the peer holds on buf (sent with gpuipc_conn_send_buffer
  * and not released). Makes progress (no waiting) first. */
-GPUIPC_API unsigned gpuipc_conn_buffer_holders(gpuipc_conn *conn,
+GPUIPC_API unsigned gpuipc_conn_get_buffer_holders(gpuipc_conn *conn,
                                                const gpuipc_buffer *buf);
 /* Orders `stream` after the GPU work the peer queued before releasing buf
  * (every release of it that arrived since the last call). Does not wait
@@ -491,7 +491,7 @@ GPUIPC_API gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
  * peer holds now (sent, not released); *held_here: the peer's buffers we
  * hold (received, not released). Either pointer may be NULL. Makes progress
  * (no waiting) first, so releases already sent are counted. */
-GPUIPC_API gpuipc_status gpuipc_conn_outstanding(gpuipc_conn *conn,
+GPUIPC_API gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn,
                                                  size_t *held_by_peer /* OUT */,
                                                  size_t *held_here /* OUT */);
 

@@ -123,7 +123,7 @@ typedef enum gpuipc_pool_kind {
   /* Host memory (a sealed-size memfd, one per buffer) shared between
    * processes and pinned (page-locked, cuMemHostRegister, portable to every
    * context) in every process that maps it, so asynchronous copies to and
-   * from it work everywhere. gpuipc_buffer_ptr() returns the host address,
+   * from it work everywhere. gpuipc_buffer_get_ptr() returns the host address,
    * which is also the device address (unified addressing). A copy between
    * such a buffer and other host memory (pinned or not) is host to host,
    * which the CUDA driver API ("API synchronization behavior") makes fully
@@ -186,7 +186,7 @@ GPUIPC_API gpuipc_status gpuipc_pool_destroy(gpuipc_pool *pool);
 /* The pool's kind (never AUTO: the kind AUTO chose). */
 GPUIPC_API gpuipc_pool_kind gpuipc_pool_get_kind(const gpuipc_pool *pool);
 /* The pool's device. */
-GPUIPC_API gpuipc_status gpuipc_pool_device(const gpuipc_pool *pool,
+GPUIPC_API gpuipc_status gpuipc_pool_get_device(const gpuipc_pool *pool,
                                             gpuipc_uuid *uuid /* OUT */);
 
 /*
@@ -286,18 +286,18 @@ GPUIPC_API gpuipc_status gpuipc_buffer_wrap(void *ptr, size_t size,
  * GPUIPC_POOL_AUTO. */
 /* The address of the buffer's first byte in this process (device address;
  * for PINNED_HOST also the host address). */
-GPUIPC_API void *gpuipc_buffer_ptr(const gpuipc_buffer *buf);
-GPUIPC_API size_t gpuipc_buffer_size(const gpuipc_buffer *buf);
+GPUIPC_API void *gpuipc_buffer_get_ptr(const gpuipc_buffer *buf);
+GPUIPC_API size_t gpuipc_buffer_get_size(const gpuipc_buffer *buf);
 /* The device the memory lives on (for PINNED_HOST: the device whose context
  * registered it). For an imported buffer mapped on another device this is
- * still the exporter's device; see gpuipc_buffer_mapped_device(). */
-GPUIPC_API gpuipc_status gpuipc_buffer_device(const gpuipc_buffer *buf,
+ * still the exporter's device; see gpuipc_buffer_get_mapped_device(). */
+GPUIPC_API gpuipc_status gpuipc_buffer_get_device(const gpuipc_buffer *buf,
                                               gpuipc_uuid *uuid /* OUT */);
 /* The local device an imported buffer was mapped on (the device itself for
  * allocated and wrapped buffers). */
-GPUIPC_API gpuipc_status gpuipc_buffer_mapped_device(const gpuipc_buffer *buf,
+GPUIPC_API gpuipc_status gpuipc_buffer_get_mapped_device(const gpuipc_buffer *buf,
                                                      gpuipc_uuid *uuid /* OUT */);
-GPUIPC_API gpuipc_pool_kind gpuipc_buffer_kind(const gpuipc_buffer *buf);
+GPUIPC_API gpuipc_pool_kind gpuipc_buffer_get_kind(const gpuipc_buffer *buf);
 /* 1 when the buffer came from gpuipc_buffer_import(), else 0. */
 GPUIPC_API int gpuipc_buffer_is_imported(const gpuipc_buffer *buf);
 
@@ -435,7 +435,7 @@ GPUIPC_API gpuipc_status gpuipc_event_synchronize(gpuipc_event *ev);
 GPUIPC_API gpuipc_status gpuipc_event_query(gpuipc_event *ev);
 /* The CUevent itself, for the caller's own driver or runtime calls. Owned
  * by the gpuipc_event. */
-GPUIPC_API struct CUevent_st *gpuipc_event_handle(const gpuipc_event *ev);
+GPUIPC_API struct CUevent_st *gpuipc_event_get_handle(const gpuipc_event *ev);
 
 /* ------------------------------------------------------------------------ */
 /* Descriptors without opening them; carrying them over sockets             */
@@ -470,7 +470,7 @@ typedef struct gpuipc_desc_info {
  * PROTOCOL, OUT_OF_RANGE, as for gpuipc_buffer_import(). Does not check
  * boot id or namespace (see same_machine / same_namespace). Needs no
  * driver; thread-safe. */
-GPUIPC_API gpuipc_status gpuipc_desc_info_get(const uint8_t *desc, size_t len,
+GPUIPC_API gpuipc_status gpuipc_desc_get_info(const uint8_t *desc, size_t len,
                                               gpuipc_desc_info *info /* IN/OUT */);
 
 /*
@@ -515,7 +515,7 @@ typedef struct gpuipc_cache_stats {
 #define GPUIPC_CACHE_STATS_INIT { .size = sizeof(gpuipc_cache_stats) }
 
 /* Reads the counters (up to stats->size bytes). Thread-safe. */
-GPUIPC_API gpuipc_status gpuipc_cache_stats_get(gpuipc_cache_stats *stats /* IN/OUT */);
+GPUIPC_API gpuipc_status gpuipc_cache_get_stats(gpuipc_cache_stats *stats /* IN/OUT */);
 
 #ifdef __cplusplus
 }

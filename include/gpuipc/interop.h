@@ -70,7 +70,7 @@ extern "C" {
  * by this very process (the driver refuses that: use the pointer itself),
  * GPUIPC_E_OUT_OF_RANGE when offset + size leaves the mapped allocation,
  * GPUIPC_E_DEVICE_NOT_VISIBLE for a device not visible here.
- * *buf is an imported buffer owned by the caller: gpuipc_buffer_ptr() is the
+ * *buf is an imported buffer owned by the caller: gpuipc_buffer_get_ptr() is the
  * buffer's first byte here; release it with gpuipc_buffer_close(). It
  * cannot be re-exported (pass the raw bytes on instead).
  */

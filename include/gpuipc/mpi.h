@@ -11,7 +11,7 @@
  *   MPI_Init(&argc, &argv);
  *   gpuipc_mpi *g;
  *   gpuipc_mpi_init(MPI_COMM_WORLD, NULL, &g);       (collective)
- *   gpuipc_conn *c = gpuipc_mpi_conn(g, peer_rank);   (a rank on this node)
+ *   gpuipc_conn *c = gpuipc_mpi_get_conn(g, peer_rank);   (a rank on this node)
  *   gpuipc_send_buffer_desc(c, buf) / gpuipc_recv_buffer_desc(c, NULL, &b)
  *   ... or arenas: gpuipc_conn_send / gpuipc_conn_recv (conn.h) ...
  *   gpuipc_mpi_finalize(g);                           (collective)
@@ -20,7 +20,7 @@
  * and gpuipc checks what MPI says against the kernel's boot id: ranks with
  * different boot ids are on different machines, whatever MPI's grouping,
  * and GPU memory cannot be shared with them through CUDA IPC. The helper
- * never fakes that: gpuipc_mpi_conn() returns NULL for such a rank and
+ * never fakes that: gpuipc_mpi_get_conn() returns NULL for such a rank and
  * gpuipc_mpi_peer_check() says GPUIPC_E_FOREIGN_MACHINE. Across machines use
  * CUDA-aware MPI, UCX or NCCL.
  *
@@ -71,18 +71,18 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
 void gpuipc_mpi_finalize(gpuipc_mpi *g);
 
 /* This rank's rank and the size of the communicator given to init. */
-int gpuipc_mpi_rank(const gpuipc_mpi *g);
-int gpuipc_mpi_size(const gpuipc_mpi *g);
+int gpuipc_mpi_get_rank(const gpuipc_mpi *g);
+int gpuipc_mpi_get_size(const gpuipc_mpi *g);
 /* This rank's index among the ranks of its machine, and their number. */
-int gpuipc_mpi_local_rank(const gpuipc_mpi *g);
-int gpuipc_mpi_local_size(const gpuipc_mpi *g);
+int gpuipc_mpi_get_local_rank(const gpuipc_mpi *g);
+int gpuipc_mpi_get_local_size(const gpuipc_mpi *g);
 /* The communicator of this machine's ranks (owned by g). */
-MPI_Comm gpuipc_mpi_local_comm(const gpuipc_mpi *g);
+MPI_Comm gpuipc_mpi_get_local_comm(const gpuipc_mpi *g);
 /* Number of distinct machines (boot ids) among all ranks, and the index
  * (0..) of the machine of rank r (-1 when out of range). Ranks on one
  * machine have the same index. */
-int gpuipc_mpi_machines(const gpuipc_mpi *g);
-int gpuipc_mpi_machine_of(const gpuipc_mpi *g, int rank);
+int gpuipc_mpi_get_machines(const gpuipc_mpi *g);
+int gpuipc_mpi_get_machine_of(const gpuipc_mpi *g, int rank);
 
 /*
  * Can this rank share GPU memory with rank `rank` (of the communicator
@@ -95,7 +95,7 @@ gpuipc_status gpuipc_mpi_peer_check(const gpuipc_mpi *g, int rank);
 
 /* The connection to rank `rank` (of the communicator given to init), owned
  * by g; NULL when gpuipc_mpi_peer_check() is not GPUIPC_OK for it. */
-gpuipc_conn *gpuipc_mpi_conn(const gpuipc_mpi *g, int rank);
+gpuipc_conn *gpuipc_mpi_get_conn(const gpuipc_mpi *g, int rank);
 
 #ifdef __cplusplus
 }

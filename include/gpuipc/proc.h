@@ -16,7 +16,7 @@
  *   gpuipc_spawn(path, argv, &opts, &ch)  ---> gpuipc_spawn_connection(NULL,
  *     (opts.pools, opts.buffers: sent         &conn, &np, &nb)
  *      right after start)                     np x gpuipc_recv_pool_desc
- *   conn = gpuipc_child_conn(ch)                nb x gpuipc_recv_buffer_desc
+ *   conn = gpuipc_child_get_conn(ch)                nb x gpuipc_recv_buffer_desc
  *   ... gpuipc_conn_send / send_msg ...         ... gpuipc_conn_recv ...
  *   gpuipc_child_wait(ch, -1, &status)          exit(0)
  *   gpuipc_child_destroy(ch, 0, NULL)
@@ -167,9 +167,9 @@ GPUIPC_API gpuipc_status gpuipc_spawn(const char *path, char *const argv[],
 
 /* The parent's connection to the child. Owned by the child object (closed
  * by gpuipc_child_destroy); NULL child gives NULL. */
-GPUIPC_API gpuipc_conn *gpuipc_child_conn(const gpuipc_child *child);
+GPUIPC_API gpuipc_conn *gpuipc_child_get_conn(const gpuipc_child *child);
 /* The child's process id (-1 for NULL). */
-GPUIPC_API int gpuipc_child_pid(const gpuipc_child *child);
+GPUIPC_API int gpuipc_child_get_pid(const gpuipc_child *child);
 
 /*
  * Waits up to timeout_ms (-1: forever, 0: just look) for the child to end
@@ -234,7 +234,7 @@ GPUIPC_API gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts
  * connection; gather results with gpuipc_conn_recv_msg / gpuipc_conn_recv.
  * A worker that dies is reported by gpuipc_group_check (which worker, and
  * its exit code or signal); the connection layer then reclaims the blocks
- * it held (they "come back": gpuipc_conn_outstanding drops to 0 on its
+ * it held (they "come back": gpuipc_conn_get_outstanding drops to 0 on its
  * connection once gpuipc_conn_progress has seen it go).
  * Not thread-safe: one thread drives a group.
  */
@@ -247,11 +247,11 @@ GPUIPC_API gpuipc_status gpuipc_group_start(const char *path, char *const argv[]
                                             int n,
                                             const gpuipc_spawn_options *opts,
                                             gpuipc_group **group /* OUT */);
-GPUIPC_API int gpuipc_group_size(const gpuipc_group *group);
+GPUIPC_API int gpuipc_group_get_size(const gpuipc_group *group);
 /* Worker i's child object (owned by the group), NULL when out of range. */
-GPUIPC_API gpuipc_child *gpuipc_group_child(const gpuipc_group *group, int i);
+GPUIPC_API gpuipc_child *gpuipc_group_get_child(const gpuipc_group *group, int i);
 /* Worker i's connection (owned by the group), NULL when out of range. */
-GPUIPC_API gpuipc_conn *gpuipc_group_conn(const gpuipc_group *group, int i);
+GPUIPC_API gpuipc_conn *gpuipc_group_get_conn(const gpuipc_group *group, int i);
 
 /*
  * Looks for a worker that ended, waiting up to timeout_ms (-1: until one

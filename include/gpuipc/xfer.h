@@ -266,7 +266,7 @@ gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info /* IN/OUT */);
  * any transfer when chunk_bytes was given: then it is chunk_bytes). A
  * transfer with a pageable side uses the larger chunks described in the
  * heuristic above, and at most staging_slot_bytes (gpuipc_xfer_info). */
-GPUIPC_API gpuipc_status gpuipc_xfer_chunk_size(gpuipc_xfer *x, size_t bytes,
+GPUIPC_API gpuipc_status gpuipc_xfer_get_chunk_size(gpuipc_xfer *x, size_t bytes,
                                                 size_t *chunk /* OUT */);
 
 /* ------------------------------------------------------------------------ */
@@ -332,7 +332,7 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_create(
 GPUIPC_API gpuipc_status
 gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out /* OUT */);
 
-/* Lays a segment over a pinned-host buffer (gpuipc_buffer_kind ==
+/* Lays a segment over a pinned-host buffer (gpuipc_buffer_get_kind ==
  * GPUIPC_POOL_PINNED_HOST, allocated here or imported): writes the header
  * and clears the control words, so do it once, before the buffer is shared
  * (or while no other side uses it). slot_bytes 0: as large as fits; it is
@@ -360,11 +360,11 @@ GPUIPC_API gpuipc_status gpuipc_xfer_shared_close(gpuipc_xfer_shared *sh);
 /* The segment's file descriptor, to send to another process (owned by sh:
  * do not close it; valid until gpuipc_xfer_shared_close). -1 for a segment
  * over a buffer (the buffer's descriptor is what travels). */
-GPUIPC_API int gpuipc_xfer_shared_fd(const gpuipc_xfer_shared *sh);
-GPUIPC_API int gpuipc_xfer_shared_slots(const gpuipc_xfer_shared *sh);
-GPUIPC_API size_t gpuipc_xfer_shared_slot_bytes(const gpuipc_xfer_shared *sh);
+GPUIPC_API int gpuipc_xfer_shared_get_fd(const gpuipc_xfer_shared *sh);
+GPUIPC_API int gpuipc_xfer_shared_get_slots(const gpuipc_xfer_shared *sh);
+GPUIPC_API size_t gpuipc_xfer_shared_get_slot_bytes(const gpuipc_xfer_shared *sh);
 /* Address of the slot that holds message seq, in this process. */
-GPUIPC_API void *gpuipc_xfer_shared_slot(const gpuipc_xfer_shared *sh,
+GPUIPC_API void *gpuipc_xfer_shared_get_slot(const gpuipc_xfer_shared *sh,
                                          uint64_t seq);
 
 /* Pins the segment for DMA in this process (cuMemHostRegister with

@@ -162,7 +162,7 @@ static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
   GPUIPC__CHECK(gpuipc__arena_alloc(a->pool, bytes, &buf));
   uint32_t i = a->nchunks;
   a->chunks[i].buf = buf;
-  a->chunks[i].base = (uint64_t)(uintptr_t)gpuipc_buffer_ptr(buf);
+  a->chunks[i].base = (uint64_t)(uintptr_t)gpuipc_buffer_get_ptr(buf);
   a->chunks[i].size = bytes;
   gpuipc_status s = range_put(a, i, 0, bytes, NULL);
   if (s != GPUIPC_OK) {
@@ -400,11 +400,11 @@ gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
   return gpuipc__arena_take(arena, bytes, stream, false, out);
 }
 
-void *gpuipc_block_ptr(const gpuipc_block *b) {
+void *gpuipc_block_get_ptr(const gpuipc_block *b) {
   return b ? (void *)(uintptr_t)b->ptr : NULL;
 }
-size_t gpuipc_block_size(const gpuipc_block *b) { return b ? b->bytes : 0; }
-unsigned gpuipc_block_holders(const gpuipc_block *b) {
+size_t gpuipc_block_get_size(const gpuipc_block *b) { return b ? b->bytes : 0; }
+unsigned gpuipc_block_get_holders(const gpuipc_block *b) {
   if (b == NULL)
     return 0;
   pthread_mutex_lock(&b->arena->lock);
@@ -584,11 +584,11 @@ gpuipc_status gpuipc__arena_force_words(gpuipc_arena *a, const uint64_t *words,
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_arena_stats_get(gpuipc_arena *a, gpuipc_arena_stats *st) {
+gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *a, gpuipc_arena_stats *st) {
   if (a == NULL || st == NULL ||
       st->size < offsetof(gpuipc_arena_stats, leases) + sizeof(size_t))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_arena_stats_get: NULL or size too small (use "
+                        "gpuipc_arena_get_stats: NULL or size too small (use "
                         "GPUIPC_ARENA_STATS_INIT)");
   gpuipc__ctx_guard g;
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, a->ordinal));

@@ -1131,8 +1131,8 @@ fail:
   return s;
 }
 
-int gpuipc_listener_fd(const gpuipc_listener *l) { return l ? l->fd : -1; }
-const char *gpuipc_listener_path(const gpuipc_listener *l) {
+int gpuipc_listener_get_fd(const gpuipc_listener *l) { return l ? l->fd : -1; }
+const char *gpuipc_listener_get_path(const gpuipc_listener *l) {
   return l ? l->path : "";
 }
 
@@ -1338,7 +1338,7 @@ void gpuipc_conn_close(gpuipc_conn *conn) {
   conn_free(conn);
 }
 
-int gpuipc_conn_fd(const gpuipc_conn *conn) { return conn ? conn->fd : -1; }
+int gpuipc_conn_get_fd(const gpuipc_conn *conn) { return conn ? conn->fd : -1; }
 
 gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn, int timeout_ms) {
   if (conn == NULL || timeout_ms < -1)
@@ -1356,9 +1356,9 @@ gpuipc_status gpuipc_conn_set_nonblocking(gpuipc_conn *conn, int nonblocking) {
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_conn_peer(const gpuipc_conn *conn, gpuipc_peer_info *info) {
+gpuipc_status gpuipc_conn_get_peer(const gpuipc_conn *conn, gpuipc_peer_info *info) {
   if (conn == NULL || info == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_peer: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_get_peer: NULL");
   info->pid = conn->peer_pid;
   info->uid = conn->peer_uid;
   info->gid = conn->peer_gid;

@@ -499,7 +499,7 @@ gpuipc_status gpuipc_conn_buffer_wait(gpuipc_conn *conn,
   return s;
 }
 
-unsigned gpuipc_conn_buffer_holders(gpuipc_conn *conn,
+unsigned gpuipc_conn_get_buffer_holders(gpuipc_conn *conn,
                                     const gpuipc_buffer *buf) {
   if (conn == NULL || buf == NULL || conn->ho == NULL || conn->ho->tx == NULL)
     return 0;
@@ -704,10 +704,10 @@ static gpuipc_status on_bufd(struct gpuipc__ho *h, const unsigned char *p,
                            &imp);
   if (s != GPUIPC_OK)
     goto out;
-  if (gpuipc_buffer_size(imp) < w.len || w.len == 0) {
+  if (gpuipc_buffer_get_size(imp) < w.len || w.len == 0) {
     s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
                      "BUFD frame: %llu bytes of a buffer of %zu",
-                     (unsigned long long)w.len, gpuipc_buffer_size(imp));
+                     (unsigned long long)w.len, gpuipc_buffer_get_size(imp));
     gpuipc_buffer_close(imp);
     goto out;
   }
@@ -1001,10 +1001,10 @@ gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
   return s;
 }
 
-gpuipc_status gpuipc_conn_outstanding(gpuipc_conn *conn, size_t *held_by_peer,
+gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn, size_t *held_by_peer,
                                       size_t *held_here) {
   if (conn == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_outstanding: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_get_outstanding: NULL");
   if (conn->state == GPUIPC__CONN_OPEN)
     (void)gpuipc__conn_pump(conn, 0, NULL, NULL);
   else if (conn->ho)
@@ -1062,7 +1062,7 @@ void gpuipc__ho_peer_gone(gpuipc_conn *c) {
            * record, ours included, does not). Remember it: close must not
            * wait for the device then. */
           CUresult q = GPUIPC__CU(
-              cuEventQuery, (CUevent)gpuipc_event_handle(h->rx[s].ready_ev));
+              cuEventQuery, (CUevent)gpuipc_event_get_handle(h->rx[s].ready_ev));
           if (q != CUDA_SUCCESS && !h->rx_stuck) {
             h->rx_stuck = true;
             GPUIPC__WARN("handoff",

@@ -123,7 +123,7 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
         CUevent ev = NULL;
         if (r == CUDA_SUCCESS)
           r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)h->evq,
-                         (CUevent)gpuipc_event_handle(t0->rel_ev), 0);
+                         (CUevent)gpuipc_event_get_handle(t0->rel_ev), 0);
         if (r == CUDA_SUCCESS)
           r = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
         if (r == CUDA_SUCCESS)
@@ -178,7 +178,7 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
         /* The same with the consumer's release event; the wait captures
          * its record now, before the slot can be used again. */
         CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->reclaim,
-                                (CUevent)gpuipc_event_handle(t->rel_ev), 0);
+                                (CUevent)gpuipc_event_get_handle(t->rel_ev), 0);
         if (r != CUDA_SUCCESS && s == GPUIPC_OK)
           s = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
         any_ordered = true;

@@ -498,27 +498,27 @@ fail_noctx:
 
 /* ---- accessors -------------------------------------------------------------------- */
 
-void *gpuipc_buffer_ptr(const gpuipc_buffer *b) {
+void *gpuipc_buffer_get_ptr(const gpuipc_buffer *b) {
   return b ? (void *)(uintptr_t)b->ptr : NULL;
 }
-size_t gpuipc_buffer_size(const gpuipc_buffer *b) { return b ? b->size : 0; }
-gpuipc_pool_kind gpuipc_buffer_kind(const gpuipc_buffer *b) {
+size_t gpuipc_buffer_get_size(const gpuipc_buffer *b) { return b ? b->size : 0; }
+gpuipc_pool_kind gpuipc_buffer_get_kind(const gpuipc_buffer *b) {
   return b ? b->kind : GPUIPC_POOL_AUTO;
 }
 int gpuipc_buffer_is_imported(const gpuipc_buffer *b) {
   return b && b->origin == GPUIPC__IMPORTED;
 }
-gpuipc_status gpuipc_buffer_device(const gpuipc_buffer *b, gpuipc_uuid *uuid) {
+gpuipc_status gpuipc_buffer_get_device(const gpuipc_buffer *b, gpuipc_uuid *uuid) {
   if (b == NULL || uuid == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_buffer_device: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_buffer_get_device: NULL");
   *uuid = b->uuid;
   return GPUIPC_OK;
 }
-gpuipc_status gpuipc_buffer_mapped_device(const gpuipc_buffer *b,
+gpuipc_status gpuipc_buffer_get_mapped_device(const gpuipc_buffer *b,
                                           gpuipc_uuid *uuid) {
   if (b == NULL || uuid == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_buffer_mapped_device: NULL");
+                        "gpuipc_buffer_get_mapped_device: NULL");
   if (b->map_ordinal == b->ordinal) {
     *uuid = b->uuid;
     return GPUIPC_OK;

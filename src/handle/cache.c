@@ -438,10 +438,10 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_cache_stats_get(gpuipc_cache_stats *st) {
+gpuipc_status gpuipc_cache_get_stats(gpuipc_cache_stats *st) {
   if (st == NULL || st->size < sizeof(size_t))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_cache_stats_get: NULL or size unset");
+                        "gpuipc_cache_get_stats: NULL or size unset");
   pthread_mutex_lock(&cache_lock);
   gpuipc_cache_stats x = stats;
   pthread_mutex_unlock(&cache_lock);

@@ -478,13 +478,13 @@ out:
 
 /* ---- public: decode without opening ------------------------------------------- */
 
-gpuipc_status gpuipc_desc_info_get(const uint8_t *desc, size_t len,
+gpuipc_status gpuipc_desc_get_info(const uint8_t *desc, size_t len,
                                    gpuipc_desc_info *info) {
   if (info == NULL || info->size < sizeof(size_t))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_desc_info_get: info NULL or its size unset");
+                        "gpuipc_desc_get_info: info NULL or its size unset");
   if (desc == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_desc_info_get: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_desc_get_info: NULL");
   gpuipc__desc d;
   GPUIPC__CHECK(gpuipc__desc_decode(desc, len, &d));
   gpuipc_desc_info x;

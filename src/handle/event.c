@@ -182,6 +182,6 @@ gpuipc_status gpuipc_event_query(gpuipc_event *e) {
   return GPUIPC_OK;
 }
 
-struct CUevent_st *gpuipc_event_handle(const gpuipc_event *e) {
+struct CUevent_st *gpuipc_event_get_handle(const gpuipc_event *e) {
   return e ? e->ev : NULL;
 }

@@ -23,7 +23,7 @@
  * a message naming an arena generation they do not hold. VMM and
  * PINNED_HOST arenas work the same without the pool step: the buffer's own
  * fd travels with its descriptor (gpuipc_buffer_export with room for 1 fd).
- * Descriptors can be inspected without the driver (gpuipc_desc_info_get,
+ * Descriptors can be inspected without the driver (gpuipc_desc_get_info,
  * or gpuipc__desc_decode for every field).
  *
  * Every function here follows the public conventions: returns a status,

@@ -336,7 +336,7 @@ static gpuipc_status export_fields(gpuipc_buffer *buf, gpuipc_pool_kind want,
                                    int *fd, gpuipc__desc *d) {
   if (buf == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "raw export: NULL buffer");
-  gpuipc_pool_kind k = gpuipc_buffer_kind(buf);
+  gpuipc_pool_kind k = gpuipc_buffer_get_kind(buf);
   if (k != want)
     return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
                         "raw %s export of a %s buffer: only %s buffers have "

@@ -687,9 +687,9 @@ gpuipc_pool_kind gpuipc_pool_get_kind(const gpuipc_pool *p) {
   return p ? p->kind : GPUIPC_POOL_AUTO;
 }
 
-gpuipc_status gpuipc_pool_device(const gpuipc_pool *p, gpuipc_uuid *uuid) {
+gpuipc_status gpuipc_pool_get_device(const gpuipc_pool *p, gpuipc_uuid *uuid) {
   if (p == NULL || uuid == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_device: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_pool_get_device: NULL");
   *uuid = p->uuid;
   return GPUIPC_OK;
 }

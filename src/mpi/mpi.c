@@ -246,19 +246,19 @@ void gpuipc_mpi_finalize(gpuipc_mpi *g) {
   free_g(g);
 }
 
-int gpuipc_mpi_rank(const gpuipc_mpi *g) { return g ? g->rank : -1; }
-int gpuipc_mpi_size(const gpuipc_mpi *g) { return g ? g->size : 0; }
-int gpuipc_mpi_local_rank(const gpuipc_mpi *g) {
+int gpuipc_mpi_get_rank(const gpuipc_mpi *g) { return g ? g->rank : -1; }
+int gpuipc_mpi_get_size(const gpuipc_mpi *g) { return g ? g->size : 0; }
+int gpuipc_mpi_get_local_rank(const gpuipc_mpi *g) {
   return g ? g->local_rank : -1;
 }
-int gpuipc_mpi_local_size(const gpuipc_mpi *g) {
+int gpuipc_mpi_get_local_size(const gpuipc_mpi *g) {
   return g ? g->local_size : 0;
 }
-MPI_Comm gpuipc_mpi_local_comm(const gpuipc_mpi *g) {
+MPI_Comm gpuipc_mpi_get_local_comm(const gpuipc_mpi *g) {
   return g ? g->local : MPI_COMM_NULL;
 }
-int gpuipc_mpi_machines(const gpuipc_mpi *g) { return g ? g->machines : 0; }
-int gpuipc_mpi_machine_of(const gpuipc_mpi *g, int rank) {
+int gpuipc_mpi_get_machines(const gpuipc_mpi *g) { return g ? g->machines : 0; }
+int gpuipc_mpi_get_machine_of(const gpuipc_mpi *g, int rank) {
   return g && rank >= 0 && rank < g->size ? g->machine_of[rank] : -1;
 }
 
@@ -282,7 +282,7 @@ gpuipc_status gpuipc_mpi_peer_check(const gpuipc_mpi *g, int rank) {
   return GPUIPC_OK;
 }
 
-gpuipc_conn *gpuipc_mpi_conn(const gpuipc_mpi *g, int rank) {
+gpuipc_conn *gpuipc_mpi_get_conn(const gpuipc_mpi *g, int rank) {
   if (g == NULL || rank < 0 || rank >= g->size || rank == g->rank)
     return NULL;
   if (g->machine_of[rank] != g->machine_of[g->rank])

@@ -483,11 +483,11 @@ gpuipc_status gpuipc_spawn(const char *path, char *const argv[],
   return spawn_impl(path, argv, opts, NULL, 0, child);
 }
 
-gpuipc_conn *gpuipc_child_conn(const gpuipc_child *child) {
+gpuipc_conn *gpuipc_child_get_conn(const gpuipc_child *child) {
   return child ? child->conn : NULL;
 }
 
-int gpuipc_child_pid(const gpuipc_child *child) {
+int gpuipc_child_get_pid(const gpuipc_child *child) {
   return child ? (int)child->pid : -1;
 }
 
@@ -644,14 +644,14 @@ gpuipc_status gpuipc_group_start(const char *path, char *const argv[], int n,
   return GPUIPC_OK;
 }
 
-int gpuipc_group_size(const gpuipc_group *g) { return g ? g->n : 0; }
+int gpuipc_group_get_size(const gpuipc_group *g) { return g ? g->n : 0; }
 
-gpuipc_child *gpuipc_group_child(const gpuipc_group *g, int i) {
+gpuipc_child *gpuipc_group_get_child(const gpuipc_group *g, int i) {
   return g && i >= 0 && i < g->n ? g->kids[i] : NULL;
 }
 
-gpuipc_conn *gpuipc_group_conn(const gpuipc_group *g, int i) {
-  return gpuipc_child_conn(gpuipc_group_child(g, i));
+gpuipc_conn *gpuipc_group_get_conn(const gpuipc_group *g, int i) {
+  return gpuipc_child_get_conn(gpuipc_group_get_child(g, i));
 }
 
 gpuipc_status gpuipc_group_check(gpuipc_group *g, int timeout_ms, int *worker,

@@ -972,10 +972,10 @@ gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info) {
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_xfer_chunk_size(gpuipc_xfer *x, size_t bytes,
+gpuipc_status gpuipc_xfer_get_chunk_size(gpuipc_xfer *x, size_t bytes,
                                      size_t *chunk) {
   if (x == NULL || chunk == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_chunk_size: NULL");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_get_chunk_size: NULL");
   size_t c = auto_chunk(x, bytes);
   if (c > bytes)
     c = bytes;

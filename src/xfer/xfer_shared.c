@@ -290,16 +290,16 @@ gpuipc_status gpuipc_xfer_shared_close(gpuipc_xfer_shared *sh) {
   return s;
 }
 
-int gpuipc_xfer_shared_fd(const gpuipc_xfer_shared *sh) {
+int gpuipc_xfer_shared_get_fd(const gpuipc_xfer_shared *sh) {
   return sh ? sh->fd : -1;
 }
-int gpuipc_xfer_shared_slots(const gpuipc_xfer_shared *sh) {
+int gpuipc_xfer_shared_get_slots(const gpuipc_xfer_shared *sh) {
   return sh ? (int)sh->nslots : 0;
 }
-size_t gpuipc_xfer_shared_slot_bytes(const gpuipc_xfer_shared *sh) {
+size_t gpuipc_xfer_shared_get_slot_bytes(const gpuipc_xfer_shared *sh) {
   return sh ? sh->slot_bytes : 0;
 }
-void *gpuipc_xfer_shared_slot(const gpuipc_xfer_shared *sh, uint64_t seq) {
+void *gpuipc_xfer_shared_get_slot(const gpuipc_xfer_shared *sh, uint64_t seq) {
   if (sh == NULL)
     return NULL;
   return sh->base + sh->data_offset + (size_t)slot_of(sh, seq) * sh->slot_bytes;
@@ -359,12 +359,12 @@ static gpuipc_status over_buffer(gpuipc_buffer *buf, const char *fn,
                                  gpuipc_xfer_shared **out) {
   gpuipc_uuid u;
   int ordinal = -1;
-  GPUIPC__CHECK(gpuipc_buffer_mapped_device(buf, &u));
+  GPUIPC__CHECK(gpuipc_buffer_get_mapped_device(buf, &u));
   GPUIPC__CHECK(gpuipc_device_from_uuid(&u, &ordinal));
   GPUIPC__CHECK(gpuipc__driver());
-  char *base = gpuipc_buffer_ptr(buf);
+  char *base = gpuipc_buffer_get_ptr(buf);
   gpuipc_xfer_shared *sh = NULL;
-  GPUIPC__CHECK(shared_new(-1, base, gpuipc_buffer_size(buf), &sh));
+  GPUIPC__CHECK(shared_new(-1, base, gpuipc_buffer_get_size(buf), &sh));
   sh->borrowed = 1;
   gpuipc__ctx_guard g;
   gpuipc_status s = gpuipc__ctx_enter(&g, ordinal);
@@ -399,11 +399,11 @@ static gpuipc_status check_buffer(gpuipc_buffer *buf, const char *fn,
   if (buf == NULL || out == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "%s: NULL", fn);
   *out = NULL;
-  if (gpuipc_buffer_kind(buf) != GPUIPC_POOL_PINNED_HOST)
+  if (gpuipc_buffer_get_kind(buf) != GPUIPC_POOL_PINNED_HOST)
     return gpuipc__fail(GPUIPC_E_BAD_KIND,
                         "%s: the buffer is of kind %s, not pinned-host", fn,
-                        gpuipc_pool_kind_name(gpuipc_buffer_kind(buf)));
-  if (((uintptr_t)gpuipc_buffer_ptr(buf)) % page_size() != 0)
+                        gpuipc_pool_kind_name(gpuipc_buffer_get_kind(buf)));
+  if (((uintptr_t)gpuipc_buffer_get_ptr(buf)) % page_size() != 0)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "%s: the buffer does not start on a page", fn);
   return GPUIPC_OK;
@@ -416,7 +416,7 @@ gpuipc_status gpuipc_xfer_shared_format(gpuipc_buffer *buf, size_t slot_bytes,
   if (slots < 1 || slots > GPUIPC_XFER_SHARED_MAX_SLOTS)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "%s: %d slots (want 1..%d)", fn,
                         slots, GPUIPC_XFER_SHARED_MAX_SLOTS);
-  size_t page = page_size(), size = gpuipc_buffer_size(buf);
+  size_t page = page_size(), size = gpuipc_buffer_get_size(buf);
   size_t data_off = layout_data_offset((uint32_t)slots, page);
   if (size < data_off + page * (size_t)slots)
     return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
@@ -432,7 +432,7 @@ gpuipc_status gpuipc_xfer_shared_format(gpuipc_buffer *buf, size_t slot_bytes,
                         "has %zu",
                         fn, slots, slot_bytes,
                         data_off + slot_bytes * (size_t)slots, size);
-  char *base = gpuipc_buffer_ptr(buf);
+  char *base = gpuipc_buffer_get_ptr(buf);
   memset(base, 0, data_off);
   struct shared_header *h = (struct shared_header *)base;
   h->version = SHARED_VERSION;
@@ -450,11 +450,11 @@ gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
                                         gpuipc_xfer_shared **out) {
   static const char fn[] = "gpuipc_xfer_shared_attach";
   GPUIPC__CHECK(check_buffer(buf, fn, out));
-  if (gpuipc_buffer_size(buf) < sizeof(struct shared_header))
+  if (gpuipc_buffer_get_size(buf) < sizeof(struct shared_header))
     return gpuipc__fail(GPUIPC_E_TRUNCATED, "%s: %zu bytes", fn,
-                        gpuipc_buffer_size(buf));
+                        gpuipc_buffer_get_size(buf));
   GPUIPC__CHECK(gpuipc__xfer_shared_check_header(
-      gpuipc_buffer_ptr(buf), gpuipc_buffer_size(buf), 0, fn));
+      gpuipc_buffer_get_ptr(buf), gpuipc_buffer_get_size(buf), 0, fn));
   return over_buffer(buf, fn, out);
 }
 
@@ -499,7 +499,7 @@ gpuipc_status gpuipc_xfer_shared_acquire(gpuipc_xfer_shared *sh, uint64_t seq,
   struct shared_ctrl *c = ctrl(sh, slot_of(sh, seq));
   GPUIPC__CHECK(wait_word(&c->consumed, gen_of(sh, seq) - 1, timeout_ms,
                           "gpuipc_xfer_shared_acquire", seq));
-  *ptr = gpuipc_xfer_shared_slot(sh, seq);
+  *ptr = gpuipc_xfer_shared_get_slot(sh, seq);
   if (cap)
     *cap = sh->slot_bytes;
   return GPUIPC_OK;
@@ -612,7 +612,7 @@ gpuipc_status gpuipc_xfer_shared_to_device(gpuipc_xfer_shared *sh, uint64_t seq,
   if (len > 0) {
     /* Straight from the shared pages: they are pinned in this process. */
     r = GPUIPC__CU(cuMemcpyHtoDAsync, (CUdeviceptr)(uintptr_t)dst,
-                   gpuipc_xfer_shared_slot(sh, seq), len, stream);
+                   gpuipc_xfer_shared_get_slot(sh, seq), len, stream);
     if (r != CUDA_SUCCESS) {
       s = gpuipc__fail_cuda(r, "cuMemcpyHtoDAsync", "message %llu, %zu bytes",
                             (unsigned long long)seq, len);
@@ -654,7 +654,7 @@ gpuipc_status gpuipc_xfer_shared_from_device(gpuipc_xfer_shared *sh,
     goto driver_fail;
   if (len > 0) {
     call = "cuMemcpyDtoHAsync";
-    r = GPUIPC__CU(cuMemcpyDtoHAsync, gpuipc_xfer_shared_slot(sh, seq),
+    r = GPUIPC__CU(cuMemcpyDtoHAsync, gpuipc_xfer_shared_get_slot(sh, seq),
                    (CUdeviceptr)(uintptr_t)src, len, stream);
     if (r != CUDA_SUCCESS)
       goto driver_fail;

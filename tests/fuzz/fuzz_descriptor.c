@@ -28,7 +28,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       abort();
   }
   gpuipc_desc_info info = GPUIPC_DESC_INFO_INIT;
-  gpuipc_status s2 = gpuipc_desc_info_get(copy, size, &info);
+  gpuipc_status s2 = gpuipc_desc_get_info(copy, size, &info);
   if (s2 != s)
     abort();
   /* The checksum stops almost every mutation early; so also decode the
