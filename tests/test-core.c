@@ -5,8 +5,12 @@
  */
 #include "harness.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -281,5 +285,81 @@ TEST_IMPL(core_fork_before_init_works) {
   }
   ASSERT_EQ(wait_child(pid), 0);
   ASSERT_OK(gpuipc_init());
+  return 0;
+}
+
+/* gpuipc_desc_recv in a process that has no descriptor left: the kernel
+ * drops the descriptors that came with the message (MSG_CTRUNC), and the
+ * call must say so, naming this process's limit, rather than return a
+ * descriptor without its fd. */
+TEST_IMPL(core_desc_recv_out_of_fds_says_so) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  int fd = memfd_create("gpuipc-test", MFD_CLOEXEC);
+  ASSERT(fd >= 0);
+  uint8_t d[32];
+  memset(d, 0x5a, sizeof d);
+  ASSERT_OK(gpuipc_desc_send(sv[0], d, sizeof d, &fd, 1));
+
+  struct rlimit old, low;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  low = old;
+  low.rlim_cur = 256;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  int fill[256], nfill = 0;
+  while (nfill < 256) {
+    int f = fcntl(sv[1], F_DUPFD_CLOEXEC, 0);
+    if (f < 0)
+      break;
+    fill[nfill++] = f;
+  }
+  ASSERT_EQ(errno, EMFILE);
+
+  uint8_t got[64];
+  size_t len = 0;
+  int fds[1] = {-1}, nfds = 1;
+  gpuipc_status s = gpuipc_desc_recv(sv[1], got, sizeof got, &len, fds, &nfds);
+  for (int i = 0; i < nfill; i++)
+    close(fill[i]);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  ASSERT_STATUS(s, GPUIPC_E_LIMIT);
+  ASSERT(strstr(gpuipc_last_error(), "no file descriptor left") != NULL);
+
+  /* With room again, the next message comes whole. */
+  ASSERT_OK(gpuipc_desc_send(sv[0], d, sizeof d, &fd, 1));
+  nfds = 1;
+  ASSERT_OK(gpuipc_desc_recv(sv[1], got, sizeof got, &len, fds, &nfds));
+  ASSERT_EQ(nfds, 1);
+  ASSERT_EQ(len, sizeof d);
+  close(fds[0]);
+  close(fd);
+  close(sv[0]);
+  close(sv[1]);
+  return 0;
+}
+
+/* More descriptors than the caller has room for: none is kept, none
+ * leaks, and the status says so. */
+TEST_IMPL(core_desc_recv_too_many_fds) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  int fd = memfd_create("gpuipc-test", MFD_CLOEXEC);
+  ASSERT(fd >= 0);
+  uint8_t d[32];
+  memset(d, 0x5a, sizeof d);
+  ASSERT_OK(gpuipc_desc_send(sv[0], d, sizeof d, &fd, 1));
+  uint8_t got[64];
+  size_t len = 0;
+  int nfds = 0;
+  int before = fcntl(sv[1], F_DUPFD_CLOEXEC, 0);
+  close(before);
+  ASSERT_STATUS(gpuipc_desc_recv(sv[1], got, sizeof got, &len, NULL, &nfds),
+                GPUIPC_E_LIMIT);
+  int after = fcntl(sv[1], F_DUPFD_CLOEXEC, 0);
+  ASSERT_EQ(after, before); /* the received fd was closed */
+  close(after);
+  close(fd);
+  close(sv[0]);
+  close(sv[1]);
   return 0;
 }

@@ -104,13 +104,44 @@ gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
                                    size_t min_size, const char *what,
                                    const char *init_name);
 
-/* ---- environment (env.c) ------------------------------------------------- */
+/* ---- environment (util.c) ------------------------------------------------ */
 
-/* One cached getter per variable lives beside its user; these read once. */
+/* getenv() behind one name, so that every variable gpuipc reads is found by
+ * searching for it. It does not cache: each variable's user reads it once
+ * and keeps the value (one cached getter per variable, beside its user,
+ * e.g. the log level in log.c); the README lists them all. */
 const char *gpuipc__getenv(const char *name);
-/* Parses a non-negative integer variable; returns def when unset or bad
- * (and logs a warning when bad). */
-long long gpuipc__getenv_int(const char *name, long long def);
+
+/* ---- sockets (sock.c) ------------------------------------------------------ */
+
+struct iovec;
+struct ucred;
+
+/* The most descriptors one message carries (frames, descriptors). */
+#define GPUIPC__SOCK_FDS_MAX 16
+
+/* One sendmsg(2): the iovecs, fds (SCM_RIGHTS, 0..GPUIPC__SOCK_FDS_MAX) and,
+ * when with_cred, this process's credentials (SCM_CREDENTIALS), with
+ * MSG_NOSIGNAL | flags; EINTR retried. GPUIPC_OK with *sent bytes (the fds
+ * went with the first byte), GPUIPC_E_WOULD_BLOCK (nothing sent, nothing
+ * recorded), GPUIPC_E_PEER_GONE, or the errno's status. */
+gpuipc_status gpuipc__sock_send(int fd, const struct iovec *iov, int niov,
+                                const int *fds, int nfds, bool with_cred,
+                                int flags, size_t *sent /* OUT */);
+
+/* One recvmsg(2) into buf[0..cap) with MSG_CMSG_CLOEXEC | flags; EINTR
+ * retried. Up to fds_cap received descriptors go to fds (*nfds; fds may be
+ * NULL with fds_cap 0), credentials to *cred when have_cred is not NULL.
+ * GPUIPC_OK with *got bytes (0: end of stream); GPUIPC_E_WOULD_BLOCK
+ * (nothing recorded); GPUIPC_E_PEER_GONE (reset). With *got bytes
+ * consumed all the same: GPUIPC_E_PROTOCOL when descriptors came beyond
+ * fds_cap (closed) or beyond what a message may carry, GPUIPC_E_LIMIT when
+ * the kernel dropped them because this process has no descriptor left; in
+ * both cases no descriptor of the message is kept. */
+gpuipc_status gpuipc__sock_recv(int fd, void *buf, size_t cap, int flags,
+                                int *fds, int fds_cap, int *nfds /* OUT */,
+                                struct ucred *cred, bool *have_cred,
+                                size_t *got /* OUT */);
 
 /* ---- small utilities (util.c) ------------------------------------------- */
 
@@ -123,6 +154,13 @@ uint64_t gpuipc__pid_namespace(void);
  * /proc/pid/stat); 0 when unavailable. Together with pid it names a process
  * even after pid reuse. */
 uint64_t gpuipc__process_start_time(int pid);
+/* The one parser of /proc/<pid>/stat: the state letter (field 3) and the
+ * start time (field 22) of process pid (either may be NULL).
+ * GPUIPC_E_NOT_FOUND (nothing recorded) when there is no such process. A
+ * state letter says nothing of whether the whole process exited (a main
+ * thread that called pthread_exit shows 'Z' while other threads run): do
+ * not take it for death (a pidfd says that). */
+gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time);
 
 
 /* ---- the CUDA driver, loaded at run time (driver.c) ---------------------
@@ -267,10 +305,6 @@ gpuipc_status gpuipc__driver(void);
 /* Loads the library and resolves the table without calling cuInit. Used by
  * tests that check loading. */
 gpuipc_status gpuipc__driver_load(void);
-
-/* True once cuInit has succeeded in this process (or its parent, before a
- * fork). */
-bool gpuipc__driver_initialized(void);
 
 /* Call a table entry, turning a missing entry point into
  * CUDA_ERROR_NOT_FOUND: CUresult r = GPUIPC__CU(cuMemAlloc, &p, n); */

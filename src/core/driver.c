@@ -147,7 +147,6 @@ gpuipc_status gpuipc__driver_load(void) {
   return GPUIPC_OK;
 }
 
-bool gpuipc__driver_initialized(void) { return atomic_load(&initialized) != 0; }
 
 static gpuipc_status forked_error(void) {
   return gpuipc__fail(

@@ -1,7 +1,8 @@
 /*
  * util.c: owns small process-level facts and helpers that several layers
- * need: the environment getters, the monotonic clock, the boot id, the pid
- * namespace and process start times, the version functions.
+ * need: the environment getter, the monotonic clock, the boot id, the pid
+ * namespace, the one parser of /proc/<pid>/stat (state, start time),
+ * option-struct copying, the version functions.
  */
 #include "core_int.h"
 
@@ -17,20 +18,6 @@ unsigned gpuipc_version(void) { return GPUIPC_VERSION_HEX; }
 const char *gpuipc_version_string(void) { return GPUIPC_VERSION_STRING; }
 
 const char *gpuipc__getenv(const char *name) { return getenv(name); }
-
-long long gpuipc__getenv_int(const char *name, long long def) {
-  const char *s = getenv(name);
-  if (s == NULL || *s == '\0')
-    return def;
-  char *end = NULL;
-  errno = 0;
-  long long v = strtoll(s, &end, 0);
-  if (errno != 0 || end == s || *end != '\0' || v < 0) {
-    GPUIPC__WARN("env", "ignoring %s=%s: not a non-negative integer", name, s);
-    return def;
-  }
-  return v;
-}
 
 uint64_t gpuipc__now_ns(void) {
   struct timespec ts;
@@ -82,23 +69,29 @@ uint64_t gpuipc__pid_namespace(void) {
   return (uint64_t)st.st_ino;
 }
 
-uint64_t gpuipc__process_start_time(int pid) {
+gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time) {
   char path[64], buf[1024];
   snprintf(path, sizeof path, "/proc/%d/stat", pid);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
-    return 0;
+    return errno == ENOENT || errno == ESRCH
+               ? GPUIPC_E_NOT_FOUND
+               : gpuipc__fail_errno(errno, "open", "%s", path);
   ssize_t n;
   GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
+  int err = errno;
   close(fd);
-  if (n <= 0)
-    return 0;
+  if (n < 0)
+    return err == ESRCH ? GPUIPC_E_NOT_FOUND
+                        : gpuipc__fail_errno(err, "read", "%s", path);
   buf[n] = '\0';
   /* The command name (field 2) may hold spaces and parentheses: count
-   * fields from the last ')'. */
+   * fields from the last ')'. Field 3 is the state, 22 the start time. */
   char *p = strrchr(buf, ')');
-  if (p == NULL)
-    return 0;
+  if (p == NULL || p[1] != ' ' || p[2] == '\0')
+    return gpuipc__fail(GPUIPC_E_SYSTEM, "%s: unexpected format", path);
+  if (state)
+    *state = p[2];
   p++;
   int field = 2;
   while (*p && field < 22) {
@@ -111,8 +104,15 @@ uint64_t gpuipc__process_start_time(int pid) {
     p++;
   }
   if (field != 22)
-    return 0;
-  return strtoull(p, NULL, 10);
+    return gpuipc__fail(GPUIPC_E_SYSTEM, "%s: unexpected format", path);
+  if (start_time)
+    *start_time = strtoull(p, NULL, 10);
+  return GPUIPC_OK;
+}
+
+uint64_t gpuipc__process_start_time(int pid) {
+  uint64_t t = 0;
+  return gpuipc__proc_stat(pid, NULL, &t) == GPUIPC_OK ? t : 0;
 }
 
 gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,

@@ -520,34 +520,20 @@ static gpuipc_status send_all(int sock, const uint8_t *p, size_t n,
   bool first = true;
   while (n > 0) {
     struct iovec iov = {(void *)p, n};
-    struct msghdr mh;
-    memset(&mh, 0, sizeof mh);
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    union {
-      char buf[CMSG_SPACE(sizeof(int) * GPUIPC_DESC_MAX_FDS)];
-      struct cmsghdr align;
-    } cb;
-    if (first && nfds > 0) {
-      memset(&cb, 0, sizeof cb);
-      mh.msg_control = cb.buf;
-      mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-      struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-      memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
-    }
-    ssize_t w;
-    GPUIPC__EINTR_RETRY(w, sendmsg(sock, &mh, MSG_NOSIGNAL));
-    if (w < 0) {
-      if (errno == EPIPE || errno == ECONNRESET)
-        return gpuipc__fail(GPUIPC_E_CLOSED, "gpuipc_desc_send: peer closed");
-      return gpuipc__fail_errno(errno, "sendmsg", "gpuipc_desc_send");
-    }
+    size_t w;
+    gpuipc_status s = gpuipc__sock_send(sock, &iov, 1, first ? fds : NULL,
+                                        first ? nfds : 0, false, 0, &w);
+    if (s == GPUIPC_E_PEER_GONE)
+      return gpuipc__fail(GPUIPC_E_CLOSED, "gpuipc_desc_send: peer closed");
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
+                          "gpuipc_desc_send: the socket is non-blocking and "
+                          "full");
+    if (s != GPUIPC_OK)
+      return gpuipc__fail(s, "gpuipc_desc_send: %s", gpuipc_last_error());
     first = false;
     p += w;
-    n -= (size_t)w;
+    n -= w;
   }
   return GPUIPC_OK;
 }
@@ -571,44 +557,42 @@ static void close_fds(int *fds, int n) {
       close(fds[i]);
 }
 
-/* Reads exactly n bytes, collecting fds that arrive with any of them. */
+/* Reads exactly n bytes, collecting fds that arrive with any of them (at
+ * most cap). Descriptors the kernel dropped, or more than cap, do not stop
+ * the read (the stream stays in step, the next message comes whole): the
+ * first such failure is kept in *fd_err (none of the message's fds is
+ * kept then) and reported by the caller once the message is read. */
 static gpuipc_status recv_all(int sock, uint8_t *p, size_t n, int *fds,
-                              int *got, int cap) {
+                              int *got, int cap, gpuipc_status *fd_err) {
   while (n > 0) {
-    struct iovec iov = {p, n};
-    struct msghdr mh;
-    memset(&mh, 0, sizeof mh);
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    union {
-      char buf[CMSG_SPACE(sizeof(int) * 8)];
-      struct cmsghdr align;
-    } cb;
-    mh.msg_control = cb.buf;
-    mh.msg_controllen = sizeof cb.buf;
-    ssize_t r;
-    GPUIPC__EINTR_RETRY(r, recvmsg(sock, &mh, MSG_CMSG_CLOEXEC));
-    if (r < 0)
-      return gpuipc__fail_errno(errno, "recvmsg", "gpuipc_desc_recv");
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-        continue;
-      int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      for (int i = 0; i < k; i++) {
-        int fd;
-        memcpy(&fd, CMSG_DATA(c) + sizeof(int) * (size_t)i, sizeof fd);
-        if (*got < cap)
-          fds[(*got)++] = fd;
-        else
-          close(fd); /* more than the caller can take: never leak them */
-      }
+    size_t r;
+    int k = 0;
+    gpuipc_status s = gpuipc__sock_recv(sock, p, n, 0, fds + *got, cap - *got,
+                                        &k, NULL, NULL, &r);
+    *got += k;
+    if (s == GPUIPC_E_PROTOCOL || s == GPUIPC_E_LIMIT) {
+      if (*fd_err == GPUIPC_OK)
+        *fd_err = s == GPUIPC_E_LIMIT
+                      ? gpuipc__fail(GPUIPC_E_LIMIT, "gpuipc_desc_recv: %s",
+                                     gpuipc_last_error())
+                      : gpuipc__fail(GPUIPC_E_LIMIT,
+                                     "gpuipc_desc_recv: more file descriptors "
+                                     "arrived than the caller has room for "
+                                     "(closed)");
+      s = GPUIPC_OK;
     }
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
+                          "gpuipc_desc_recv: the socket is non-blocking and "
+                          "empty");
+    if (s == GPUIPC_E_PEER_GONE)
+      return gpuipc__fail(GPUIPC_E_CLOSED, "gpuipc_desc_recv: peer reset");
+    if (s != GPUIPC_OK)
+      return gpuipc__fail(s, "gpuipc_desc_recv: %s", gpuipc_last_error());
     if (r == 0)
       return gpuipc__fail(GPUIPC_E_CLOSED, "gpuipc_desc_recv: end of stream");
-    if (mh.msg_flags & MSG_CTRUNC)
-      GPUIPC__WARN("handle", "gpuipc_desc_recv: control data truncated");
     p += r;
-    n -= (size_t)r;
+    n -= r;
   }
   return GPUIPC_OK;
 }
@@ -624,7 +608,8 @@ gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
   int tmp[8];
   int got = 0;
   uint8_t hdr[4];
-  gpuipc_status s = recv_all(sock, hdr, 4, tmp, &got, 8);
+  gpuipc_status fd_err = GPUIPC_OK;
+  gpuipc_status s = recv_all(sock, hdr, 4, tmp, &got, 8, &fd_err);
   if (s != GPUIPC_OK)
     goto fail;
   uint32_t n = get32(hdr);
@@ -635,9 +620,13 @@ gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
     goto fail;
   }
   uint8_t body[GPUIPC_DESC_MAX];
-  s = recv_all(sock, body, n, tmp, &got, 8);
+  s = recv_all(sock, body, n, tmp, &got, 8, &fd_err);
   if (s != GPUIPC_OK)
     goto fail;
+  if (fd_err != GPUIPC_OK) {
+    s = fd_err; /* recorded when it happened */
+    goto fail;
+  }
   if (n > cap) {
     s = gpuipc__fail(GPUIPC_E_LIMIT,
                      "gpuipc_desc_recv: descriptor of %u bytes, buffer %zu", n,
