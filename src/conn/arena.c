@@ -159,7 +159,7 @@ static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
                         "arena %llu: %zu more bytes would exceed max_bytes %zu",
                         (unsigned long long)a->id, bytes, a->max_bytes);
   gpuipc_buffer *buf = NULL;
-  GPUIPC__CHECK(gpuipc__arena_alloc(a->pool, bytes, &buf));
+  GPUIPC__CHECK(gpuipc__pool_chunk_alloc(a->pool, bytes, &buf));
   uint32_t i = a->nchunks;
   a->chunks[i].buf = buf;
   a->chunks[i].base = (uint64_t)(uintptr_t)gpuipc_buffer_get_ptr(buf);

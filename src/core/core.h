@@ -335,6 +335,15 @@ const char *gpuipc__cuda_error_name(int curesult);
 /* Maps a CUresult to the closest gpuipc status. */
 gpuipc_status gpuipc__status_from_cuda(int curesult);
 
+/* ---- devices (device.c) -------------------------------------------------- */
+
+/* Resolves a device named by uuid (when not NULL) or else by ordinal to a
+ * local ordinal: GPUIPC_E_DEVICE_NOT_VISIBLE for a uuid not visible here,
+ * GPUIPC_E_NO_DEVICE for an ordinal out of range. By uuid it is
+ * gpuipc_device_from_uuid (the table of UUIDs is read once per process). */
+gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
+                                     int *out /* OUT */);
+
 /* ---- contexts ------------------------------------------------------------ */
 
 /* gpuipc works in each device's primary context and restores whatever

@@ -80,6 +80,19 @@ gpuipc_status gpuipc_device_from_uuid(const gpuipc_uuid *uuid, int *ordinal) {
                       text, n);
 }
 
+gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
+                                     int *out) {
+  if (uuid)
+    return gpuipc_device_from_uuid(uuid, out);
+  int n = 0;
+  GPUIPC__CHECK(gpuipc_device_count(&n));
+  if (ordinal < 0 || ordinal >= n)
+    return gpuipc__fail(GPUIPC_E_NO_DEVICE,
+                        "device ordinal %d: %d device(s) visible", ordinal, n);
+  *out = ordinal;
+  return GPUIPC_OK;
+}
+
 void gpuipc_uuid_format(const gpuipc_uuid *uuid, char *buf) {
   static const char hex[] = "0123456789abcdef";
   char *p = buf;

@@ -34,8 +34,22 @@
 
 enum { ST_OPENING = 1, ST_LIVE = 2 };
 
+/* What identifies one mapping: the exporter, the handle kind, the local
+ * device it is mapped on, and the allocation (handle bytes for the kinds
+ * named by their handle, which the driver maps once however often it is
+ * opened; the generation for the kinds named by their fd, whose fds are
+ * per allocation). */
+typedef struct map_key {
+  gpuipc__identity exporter;
+  uint8_t kind;
+  int map_ordinal;
+  uint64_t pool_id;
+  uint8_t bytes[64];
+} map_key;
+
 struct gpuipc__mapping {
-  gpuipc__map_key key;
+  map_key key;
+  const gpuipc__kind_ops *ops; /* opened and closed with these */
   uint64_t buffer_id;
   uint64_t generation;
   int state;
@@ -74,14 +88,14 @@ void gpuipc__cache_count_close(void) {
   pthread_mutex_unlock(&cache_lock);
 }
 
-void gpuipc__map_key_of(const gpuipc__desc *d, int map_ordinal,
-                        gpuipc__map_key *k) {
+static void map_key_of(const gpuipc__desc *d, const gpuipc__kind_ops *ops,
+                       int map_ordinal, map_key *k) {
   memset(k, 0, sizeof *k);
   k->exporter = d->exporter;
   k->kind = d->kind;
   k->map_ordinal = map_ordinal;
-  if (d->kind == GPUIPC_POOL_LEGACY || d->kind == GPUIPC_POOL_MEMPOOL) {
-    k->pool_id = d->kind == GPUIPC_POOL_MEMPOOL ? d->pool_id : 0;
+  if (ops->named_by_handle) {
+    k->pool_id = d->pool_id;
     memcpy(k->bytes, d->handle, 64);
   } else {
     /* One fd per allocation: the generation names it. */
@@ -89,7 +103,7 @@ void gpuipc__map_key_of(const gpuipc__desc *d, int map_ordinal,
   }
 }
 
-static bool key_eq(const gpuipc__map_key *a, const gpuipc__map_key *b) {
+static bool key_eq(const map_key *a, const map_key *b) {
   return gpuipc__identity_eq(&a->exporter, &b->exporter) &&
          a->kind == b->kind && a->map_ordinal == b->map_ordinal &&
          a->pool_id == b->pool_id && memcmp(a->bytes, b->bytes, 64) == 0;
@@ -131,28 +145,41 @@ int gpuipc__cache_base_owner(uint8_t kind, int map_ordinal, CUdeviceptr base,
   return owner;
 }
 
-bool gpuipc__cache_base_held(uint8_t kind, int map_ordinal, CUdeviceptr base) {
-  bool held = false;
-  pthread_mutex_lock(&cache_lock);
-  for (struct gpuipc__mapping *e = maps; e; e = e->next)
-    if (e->state == ST_LIVE && e->key.kind == kind &&
-        e->key.map_ordinal == map_ordinal && e->o.base == base) {
-      held = true;
-      break;
-    }
-  pthread_mutex_unlock(&cache_lock);
-  return held;
+/* Opens with the kind's opener in the context of map_ordinal. */
+static gpuipc_status open_mapping(const gpuipc__kind_ops *ops,
+                                  const gpuipc__desc *d, int map_ordinal,
+                                  const int *fds, int nfds, unsigned flags,
+                                  gpuipc__opened *o) {
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, map_ordinal));
+  gpuipc_status s = ops->open(d, map_ordinal, fds, nfds, flags, o);
+  gpuipc__ctx_leave(&g);
+  return s;
+}
+
+/* Undoes an open with the kind's closer; reports the driver's failure. */
+static gpuipc_status close_mapping(struct gpuipc__mapping *m) {
+  gpuipc__ctx_guard g;
+  gpuipc_status s = gpuipc__ctx_enter(&g, m->key.map_ordinal);
+  if (s != GPUIPC_OK) {
+    /* Without a context nothing can be closed; the mapping stays. */
+    if (m->ops->forget)
+      m->ops->forget(&m->o);
+    return s;
+  }
+  s = m->ops->close(m->key.map_ordinal, &m->o);
+  gpuipc__ctx_leave(&g);
+  gpuipc__cache_count_close();
+  return s;
 }
 
 gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
                                     const int *fds, int nfds, unsigned flags,
-                                    gpuipc__open_fn open,
+                                    const gpuipc__kind_ops *ops,
                                     struct gpuipc__mapping **out) {
-  gpuipc__map_key key;
-  gpuipc__map_key_of(d, map_ordinal, &key);
-  bool cacheable = !(flags & GPUIPC_IMPORT_NO_CACHE) ||
-                   d->kind == GPUIPC_POOL_LEGACY ||
-                   d->kind == GPUIPC_POOL_MEMPOOL;
+  map_key key;
+  map_key_of(d, ops, map_ordinal, &key);
+  bool cacheable = !(flags & GPUIPC_IMPORT_NO_CACHE) || ops->named_by_handle;
 
   struct gpuipc__mapping *n = NULL;
   pthread_mutex_lock(&cache_lock);
@@ -221,6 +248,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "import cache entry");
   }
   n->key = key;
+  n->ops = ops;
   n->buffer_id = d->buffer_id;
   n->generation = d->generation;
   n->state = ST_OPENING;
@@ -231,7 +259,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
   stats.misses++;
   pthread_mutex_unlock(&cache_lock);
 
-  gpuipc_status s = open(d, map_ordinal, fds, nfds, flags, &n->o);
+  gpuipc_status s = open_mapping(ops, d, map_ordinal, fds, nfds, flags, &n->o);
 
   pthread_mutex_lock(&cache_lock);
   if (s == GPUIPC_OK) {
@@ -262,17 +290,16 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
   stats.live_mappings--;
   /* A pool pointer imported twice is one mapping in the driver (it can
    * happen only when an exporter reallocated at the address of a buffer
-   * still held here): free it once, with the last holder. Legacy opens are
-   * counted by the driver, so each entry closes its own. */
-  bool skip = m->key.kind == GPUIPC_POOL_MEMPOOL && base_shared(m);
+   * still held here): free it once, with the last holder. The kinds whose
+   * mappings can be shared so have a forget; legacy opens are counted by
+   * the driver, so each entry closes its own. */
+  bool skip = m->ops->forget != NULL && base_shared(m);
   pthread_mutex_unlock(&cache_lock);
   gpuipc_status s = GPUIPC_OK;
-  if (skip) {
-    gpuipc__pool_import_release(m->o.pimp);
-    m->o.pimp = NULL;
-  } else {
-    s = gpuipc__close_opened(m->key.kind, m->key.map_ordinal, &m->o);
-  }
+  if (skip)
+    m->ops->forget(&m->o);
+  else
+    s = close_mapping(m);
   free(m);
   return s;
 }
@@ -340,7 +367,7 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
   int home = -1;
   gpuipc_uuid dev;
   memcpy(dev.bytes, d->device, 16);
-  GPUIPC__CHECK(gpuipc__device_ordinal(&dev, &home));
+  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &home));
 
   struct gpuipc__pool_import *p = NULL;
   pthread_mutex_lock(&cache_lock);

@@ -378,7 +378,10 @@ bool gpuipc__identity_eq(const gpuipc__identity *a, const gpuipc__identity *b) {
          a->pid == b->pid && a->start_time == b->start_time;
 }
 
-gpuipc_status gpuipc__desc_check_origin(const gpuipc__desc *d) {
+/* Refuses descriptors of another machine (E_FOREIGN_MACHINE), another pid
+ * namespace (E_FOREIGN_NAMESPACE), and of this very process
+ * (E_INVALID_ARG). */
+static gpuipc_status check_origin(const gpuipc__desc *d) {
   gpuipc__identity me;
   GPUIPC__CHECK(gpuipc__self_identity(&me));
   if (memcmp(me.boot_id, d->exporter.boot_id, 16) != 0)
@@ -667,5 +670,5 @@ gpuipc_status gpuipc__desc_open(const char *fn, const uint8_t *desc,
     return gpuipc__fail(GPUIPC_E_BAD_KIND,
                         "%s: descriptor of type %u is not %s", fn,
                         (unsigned)d->type, what);
-  return gpuipc__desc_check_origin(d);
+  return check_origin(d);
 }

@@ -88,9 +88,9 @@ gpuipc_status gpuipc_event_import(const uint8_t *desc, size_t len,
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);
   int ordinal = -1;
-  GPUIPC__CHECK(gpuipc__device_ordinal(&dev, &ordinal));
+  GPUIPC__CHECK(gpuipc_device_from_uuid(&dev, &ordinal));
   if (opts.device)
-    GPUIPC__CHECK(gpuipc__device_ordinal(opts.device, &ordinal));
+    GPUIPC__CHECK(gpuipc_device_from_uuid(opts.device, &ordinal));
   gpuipc_event *e = calloc(1, sizeof *e);
   if (e == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "event");

@@ -9,7 +9,7 @@
  * Building an arena (connection layer), the intended sequence:
  *   exporter                                  importer
  *   gpuipc_pool_create(MEMPOOL)               .
- *   gpuipc__arena_alloc(pool, bytes, &buf)    .
+ *   gpuipc__pool_chunk_alloc(pool, bytes, &buf) .
  *   gpuipc_pool_export(pool, d1, .., &fd)  -> gpuipc_pool_import(d1, fd, ..)
  *     (once per connection; the fd by SCM_RIGHTS)   (cached per exporter pool)
  *   gpuipc_buffer_export(buf, d2, .., 0 fds) -> gpuipc_buffer_import(d2, ..)
@@ -97,7 +97,7 @@ gpuipc_status gpuipc__desc_encode(const gpuipc__desc *d, uint8_t *out,
 
 /* Decodes and validates the structure: length, magic, version, checksum,
  * type and kind, reserved fields, offset + size <= alloc_size. Does not
- * check origin (see gpuipc__desc_check_origin). Never reads beyond len. */
+ * check origin (gpuipc__desc_open does). Never reads beyond len. */
 gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
                                   gpuipc__desc *d);
 
@@ -117,11 +117,6 @@ gpuipc_status gpuipc__desc_open(const char *fn, const uint8_t *desc,
 gpuipc_status gpuipc__self_identity(gpuipc__identity *id);
 /* Fills d->exporter with this process's identity. */
 gpuipc_status gpuipc__desc_set_exporter(gpuipc__desc *d);
-
-/* Refuses descriptors of another machine (E_FOREIGN_MACHINE), another pid
- * namespace (E_FOREIGN_NAMESPACE), and of this very process
- * (E_INVALID_ARG). */
-gpuipc_status gpuipc__desc_check_origin(const gpuipc__desc *d);
 
 /* True when both name the same process. */
 bool gpuipc__identity_eq(const gpuipc__identity *a, const gpuipc__identity *b);
@@ -148,8 +143,8 @@ typedef enum gpuipc__origin {
  * gpuipc_buffer_alloc() on the default stream, followed by a stream
  * synchronize for MEMPOOL so the memory is usable from any stream and any
  * process at once. */
-gpuipc_status gpuipc__arena_alloc(gpuipc_pool *pool, size_t size,
-                                  gpuipc_buffer **buf);
+gpuipc_status gpuipc__pool_chunk_alloc(gpuipc_pool *pool, size_t size,
+                                       gpuipc_buffer **buf);
 
 /* The liveness table (its layout is read by the tests that forge one): slots per process, and the bit a freed slot has. */
 #define GPUIPC__LIVE_SLOTS (1u << 18)
@@ -188,10 +183,5 @@ gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *buf,
  * has none for it). Makes no context current: the pointer's own context is
  * implied by unified addressing. */
 gpuipc_status gpuipc__pointer_buffer_id(CUdeviceptr ptr, uint64_t *id);
-
-/* Identity of a pool: the exporter plus its pool id. */
-gpuipc_status gpuipc__pool_identity(const gpuipc_pool *pool,
-                                    gpuipc__identity *exporter,
-                                    uint64_t *pool_id);
 
 #endif /* GPUIPC_HANDLE_LAYER_H */

@@ -1,7 +1,8 @@
 /*
  * handle_int.h: the handle layer's own internals, for the files of
- * src/handle/ only: the buffer, pool and event objects, the import cache,
- * the pools' identity and liveness tables.
+ * src/handle/ only: the buffer, pool and event objects, the table of
+ * operations each buffer kind implements (one file per kind), the import
+ * cache, and the liveness tables.
  */
 #ifndef GPUIPC_HANDLE_INT_H
 #define GPUIPC_HANDLE_INT_H
@@ -15,12 +16,14 @@
 
 struct gpuipc__pool_import; /* cache.c: one imported exporter pool */
 struct gpuipc__mapping;     /* cache.c: one imported mapping */
+struct gpuipc__kind_ops;    /* below: what differs between the kinds */
 
 /* The most devices a pool can be made accessible to. */
 #define GPUIPC__MAX_ACCESS 16
 
 struct gpuipc_pool {
   gpuipc_pool_kind kind;
+  const struct gpuipc__kind_ops *ops; /* the kind's operations */
   int ordinal;      /* local device */
   CUdevice cudev;
   gpuipc_uuid uuid;
@@ -45,6 +48,7 @@ struct gpuipc_pool {
 struct gpuipc_buffer {
   gpuipc__origin origin;
   gpuipc_pool_kind kind;
+  const struct gpuipc__kind_ops *ops; /* the kind's operations */
   int ordinal;          /* the memory's device, local ordinal */
   int map_ordinal;      /* the device it is mapped on here */
   gpuipc_uuid uuid;     /* the memory's device */
@@ -79,25 +83,17 @@ struct gpuipc_event {
   uint8_t handle[64];
 };
 
-/* ---- the import cache (cache.c) ------------------------------------------------ */
+/* ---- buffer kinds (legacy.c, mempool.c, vmm.c, pinned.c) --------------------
+ *
+ * What differs between the pool kinds sits behind one table of operations
+ * per kind, as curl's connection filters and NCCL's transports do: buffer.c,
+ * pool.c and the import cache call through the table and never ask which
+ * kind they hold. Unless an entry says otherwise, it is called with the
+ * context of the device it acts on current (the pool's or buffer's device;
+ * for open and close the device of the mapping) and reports its failures
+ * through gpuipc__fail*. */
 
-/* What identifies one mapping: the exporter, the handle kind, the local
- * device it is mapped on, and the allocation (handle bytes for LEGACY and
- * MEMPOOL, which the driver maps once however often it is opened; the
- * generation for VMM and PINNED_HOST, whose fds are per allocation). */
-typedef struct gpuipc__map_key {
-  gpuipc__identity exporter;
-  uint8_t kind;
-  int map_ordinal;
-  uint64_t pool_id;
-  uint8_t bytes[64];
-} gpuipc__map_key;
-
-/* Builds the key of a decoded buffer descriptor mapped on map_ordinal. */
-void gpuipc__map_key_of(const gpuipc__desc *d, int map_ordinal,
-                        gpuipc__map_key *k);
-
-/* The result of opening: filled by the opener (buffer.c). */
+/* The result of opening a descriptor: filled by the kind's open. */
 typedef struct gpuipc__opened {
   CUdeviceptr base;
   size_t mapped_size;
@@ -109,35 +105,127 @@ typedef struct gpuipc__opened {
   uint64_t local_id;
 } gpuipc__opened;
 
-/* Opens the memory a descriptor names (buffer.c); called by the cache
- * without its lock held. */
-typedef gpuipc_status (*gpuipc__open_fn)(const gpuipc__desc *d,
-                                         int map_ordinal, const int *fds,
-                                         int nfds, unsigned flags,
-                                         gpuipc__opened *out);
-/* Undoes an open (buffer.c); reports the driver's failure. */
-gpuipc_status gpuipc__close_opened(uint8_t kind, int map_ordinal, gpuipc__opened *o);
+/* Internal import flag beside the public GPUIPC_IMPORT_*: the descriptor
+ * was made from raw handle bytes (interop.c), which name no exporter
+ * allocation, so an existing mapping at the address the driver hands back
+ * cannot be told apart from the one asked for and is taken as it is. */
+#define GPUIPC__IMPORT_RAW 0x80000000u
+
+typedef struct gpuipc__kind_ops {
+  gpuipc_pool_kind kind;
+  const char *name; /* gpuipc_pool_kind_name */
+  /* How the kind's allocations are named. True (LEGACY, MEMPOOL): by the
+   * handle bytes and the driver's buffer id; the driver maps one handle
+   * once per process however often it is opened, so the import cache keys
+   * these mappings by handle bytes and shares them even under
+   * GPUIPC_IMPORT_NO_CACHE, and a wrapped allocation keeps generation 0
+   * (every view of it is one mapping). False (VMM, PINNED_HOST): by the
+   * allocation's own fd and gpuipc's generation. */
+  bool named_by_handle;
+  /* The driver enforces a pool's capacity itself (MEMPOOL: maxSize); for
+   * the other kinds gpuipc counts the bytes in use. */
+  bool driver_capacity;
+  /* Allocation and free are ordered on a stream (MEMPOOL). */
+  bool stream_ordered;
+  /* Host memory (PINNED_HOST): registered with the driver in the context of
+   * any device, not bound to the exporter's device. */
+  bool host_memory;
+
+  /* Pools. Called without a context current. create sets up what the
+   * kind needs before the first allocation; destroy (NULL: nothing to
+   * undo) releases it; export (NULL: the kind has no pool-level export)
+   * fills the pool descriptor's kind-specific fields and gives the fd that
+   * travels with it (borrowed). */
+  gpuipc_status (*pool_create)(gpuipc_pool *p,
+                               const gpuipc_pool_options *opts);
+  gpuipc_status (*pool_destroy)(gpuipc_pool *p);
+  gpuipc_status (*pool_export)(gpuipc_pool *p, gpuipc__desc *d,
+                               int *fd /* OUT, borrowed */);
+
+  /* Buffers. alloc makes b's memory (ptr, base, offset, alloc_size and the
+   * kind's own fields) of size bytes from p, ordered on stream where the
+   * kind is stream-ordered; free releases it. wrap fills b (kind, base,
+   * alloc_size, buffer id and the kind's own fields) for foreign memory at
+   * ptr, and unwrap (NULL: nothing held) drops what wrap took. */
+  gpuipc_status (*alloc)(gpuipc_pool *p, gpuipc_buffer *b, size_t size,
+                         CUstream stream);
+  gpuipc_status (*free)(gpuipc_buffer *b, CUstream stream);
+  gpuipc_status (*wrap)(gpuipc_buffer *b, CUdeviceptr ptr, int ordinal);
+  gpuipc_status (*unwrap)(gpuipc_buffer *b);
+
+  /* Export. make_handle (NULL: none needed) makes the buffer's shareable
+   * handle, once, with b->lock held; describe fills the descriptor's
+   * kind-specific fields (handle bytes, pool id, exporter fd) and names the
+   * fd that travels with it (borrowed; -1: none). describe needs no
+   * context. */
+  gpuipc_status (*make_handle)(gpuipc_buffer *b);
+  void (*describe)(const gpuipc_buffer *b, gpuipc__desc *d,
+                   int *fd /* OUT, borrowed */);
+
+  /* Import (called by the cache, without its lock). open maps what a
+   * decoded descriptor names on map_ordinal (fds: what travelled with it;
+   * flags: GPUIPC_IMPORT_* and GPUIPC__IMPORT_RAW); close undoes an open;
+   * forget (NULL: nothing held) drops what an opened mapping holds without
+   * unmapping it (the driver's one mapping is shared, or no context can be
+   * made current). */
+  gpuipc_status (*open)(const gpuipc__desc *d, int map_ordinal,
+                        const int *fds, int nfds, unsigned flags,
+                        gpuipc__opened *o);
+  gpuipc_status (*close)(int map_ordinal, gpuipc__opened *o);
+  void (*forget)(gpuipc__opened *o);
+} gpuipc__kind_ops;
+
+extern const gpuipc__kind_ops gpuipc__legacy_ops;  /* legacy.c */
+extern const gpuipc__kind_ops gpuipc__mempool_ops; /* mempool.c */
+extern const gpuipc__kind_ops gpuipc__vmm_ops;     /* vmm.c */
+extern const gpuipc__kind_ops gpuipc__pinned_ops;  /* pinned.c */
+
+/* The table of a kind (1..4); NULL for any other value. */
+const gpuipc__kind_ops *gpuipc__kind_ops_get(unsigned kind);
+
+static inline size_t gpuipc__round_up(size_t n, size_t g) {
+  return (n + g - 1) / g * g;
+}
+
+/* ---- helpers the kinds share (buffer.c) ------------------------------------ */
+
 /* Checks a descriptor's offset + size against the real range of the mapping
  * at base (cuMemGetAddressRange): E_OUT_OF_RANGE when they go beyond it.
  * On success *mapped is the mapping's size from base. */
 gpuipc_status gpuipc__import_check_range(const gpuipc__desc *d,
                                         CUdeviceptr base, size_t *mapped);
+/* The driver hands back an existing import when this process still holds
+ * a mapping at the address it opens (a legacy handle, or a pool pointer, of
+ * a new allocation at a freed one's address): refuses it (E_STALE) unless
+ * that mapping is of the very allocation the descriptor names, or flags has
+ * GPUIPC__IMPORT_RAW. *existing tells whether the address was held. */
+gpuipc_status gpuipc__import_check_shadow(const gpuipc__desc *d,
+                                          int map_ordinal, CUdeviceptr base,
+                                          unsigned flags, bool *existing);
+/* The fd for an fd-carrying kind: the caller's, or one fetched by pidfd
+ * (then *fetched is that fd, for the caller to close; else -1). */
+gpuipc_status gpuipc__import_fd(const gpuipc__desc *d, const int *fds,
+                                int nfds, unsigned flags, int *fd,
+                                int *fetched);
+/* The mapping's own buffer id here (0 when the driver has none). */
+uint64_t gpuipc__local_buffer_id(CUdeviceptr base);
+
+/* ---- the import cache (cache.c) ------------------------------------------------ */
 
 /* Looks the descriptor up in the cache; on a valid hit takes a reference,
- * else (miss, or a stale entry which is retired) opens it with `open`,
- * exactly once even when many threads ask at once. *map receives the entry
- * (one reference). */
+ * else (miss, or a stale entry which is retired) opens it with ops->open
+ * (in the context of map_ordinal), exactly once even when many threads ask
+ * at once. The entry keeps ops and closes with ops->close. *map receives
+ * the entry (one reference). */
 gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
                                     const int *fds, int nfds, unsigned flags,
-                                    gpuipc__open_fn open,
+                                    const gpuipc__kind_ops *ops,
                                     struct gpuipc__mapping **map);
-/* True when a live cached mapping of this kind sits at base on that device
- * (the driver hands back an existing import instead of a new one). */
-bool gpuipc__cache_base_held(uint8_t kind, int map_ordinal, CUdeviceptr base);
-/* Like gpuipc__cache_base_held, telling whose mapping it is: 0 none, 1 a
- * mapping of the same exporter allocation (same exporter buffer id and
- * generation), 2 a mapping of another allocation (the driver handed back
- * an earlier import, of memory the exporter freed, at that address). */
+/* Tells whose mapping sits at base on that device, among the live cached
+ * mappings of this kind: 0 none, 1 a mapping of the same exporter
+ * allocation (same exporter buffer id and generation), 2 a mapping of
+ * another allocation (the driver handed back an earlier import, of memory
+ * the exporter freed, at that address). */
 int gpuipc__cache_base_owner(uint8_t kind, int map_ordinal, CUdeviceptr base,
                              const gpuipc__desc *d);
 /* Drops one reference; the last one unmaps. */
@@ -160,18 +248,20 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
 void gpuipc__pool_import_release(struct gpuipc__pool_import *p);
 CUmemoryPool gpuipc__pool_import_handle(const struct gpuipc__pool_import *p);
 
-/* Counters (cache.c). */
+/* Counters of driver opens and closes (cache.c). */
 void gpuipc__cache_count_open(void);
 void gpuipc__cache_count_close(void);
 
-/* ---- pools (pool.c) --------------------------------------------------------------- */
+/* ---- pools (pool.c) --------------------------------------------------- */
 
-/* A new exporter-local id for a pool, and a new generation for an
- * allocation (both process-wide counters, never 0). A new generation is
- * marked live in this process's liveness table (pool.c explains it). */
+/* A new exporter-local id for a pool (a process-wide counter, never 0). */
 uint64_t gpuipc__next_pool_id(void);
-uint64_t gpuipc__next_generation(void);
 
+/* ---- the liveness table (live.c) ---------------------------------------------- */
+
+/* A new generation for an allocation (a process-wide counter, never 0),
+ * marked live in this process's liveness table (live.c explains it). */
+uint64_t gpuipc__next_generation(void);
 
 /* Marks generation g freed in this process's table (0: no-op). Call when
  * the allocation (or wrapper) that got g is freed. */
@@ -187,23 +277,5 @@ typedef enum gpuipc__live_state {
  * read-only on first use; logs at info once when it cannot). */
 gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *exporter,
                                             uint64_t g);
-
-/* The pool's shareable fd, made once and owned by the pool (-1 for kinds
- * without one). Borrowed: dup() it to send it. MEMPOOL only. */
-gpuipc_status gpuipc__pool_fd(gpuipc_pool *pool, int *fd /* OUT, borrowed */);
-
-/* Finds (or, for a foreign IPC-capable pool, registers for good) the
- * exporter-side identity of a driver pool, so wrapped pool memory can be
- * exported: its pool id and fd (borrowed). */
-gpuipc_status gpuipc__pool_lookup_foreign(CUmemoryPool mp, int ordinal,
-                                          uint64_t *id, int *fd);
-
-/* The local ordinal of a visible device (UUIDs read once per process);
- * GPUIPC_E_DEVICE_NOT_VISIBLE otherwise. */
-gpuipc_status gpuipc__device_ordinal(const gpuipc_uuid *uuid, int *ordinal);
-
-/* Resolves pool options' device to a local ordinal. */
-gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
-                                     int *out);
 
 #endif /* GPUIPC_HANDLE_INT_H */

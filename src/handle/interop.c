@@ -6,10 +6,11 @@
  * Exports are gpuipc_buffer_export / gpuipc_event_export decoded back into
  * their fields. Imports build the decoded descriptor a gpuipc exporter
  * would have sent, naming a synthetic exporter (see raw_identity), and open
- * it through the handle layer's import cache with an opener of their own:
- * the handle layer's opener checks the exporter's buffer id, which raw
- * bytes do not carry (a raw peer sends none), so that check is the one
- * thing skipped here; the range check against the real mapping stays.
+ * it through the handle layer's import cache with the kind's own opener,
+ * flagged GPUIPC__IMPORT_RAW: the opener's check of the exporter's buffer
+ * id against a mapping the driver hands back needs an id, which raw bytes
+ * do not carry (a raw peer sends none), so that check is the one thing
+ * skipped; the range check against the real mapping stays.
  */
 #include "handle_int.h"
 
@@ -55,84 +56,6 @@ static gpuipc_status resolve_devices(const gpuipc_uuid *device,
   return GPUIPC_OK;
 }
 
-/* ---- opening raw handles (called by the cache without its lock) ------------ */
-
-static gpuipc_status open_raw(const gpuipc__desc *d, int map_ordinal,
-                              const int *fds, int nfds, unsigned flags,
-                              gpuipc__opened *o) {
-  gpuipc__ctx_guard g;
-  GPUIPC__CHECK(gpuipc__ctx_enter(&g, map_ordinal));
-  gpuipc_status s = GPUIPC_OK;
-  CUdeviceptr p = 0;
-  if (d->kind == GPUIPC_POOL_LEGACY) {
-    CUipcMemHandle h;
-    memcpy(&h, d->handle, 64);
-    /* Lazy peer access: the mapping may be on another device than the
-     * memory's. */
-    CUresult r = GPUIPC__CU(cuIpcOpenMemHandle, &p, h,
-                            CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-    if (r != CUDA_SUCCESS) {
-      /* The driver says INVALID_CONTEXT for a handle of this very process
-       * and INVALID_VALUE for memory that is gone (or bytes that were
-       * never a handle). */
-      if (r == CUDA_ERROR_INVALID_CONTEXT)
-        s = gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                         "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_CONTEXT: the "
-                         "handle was exported by this process (use the "
-                         "pointer itself)");
-      else if (r == CUDA_ERROR_INVALID_VALUE)
-        s = gpuipc__fail(GPUIPC_E_STALE,
-                         "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE: the "
-                         "exporter freed this memory or exited, or the bytes "
-                         "are not a legacy IPC handle");
-      else
-        s = gpuipc__fail_cuda(r, "cuIpcOpenMemHandle", "raw legacy handle");
-      goto out;
-    }
-    gpuipc__cache_count_open();
-    s = gpuipc__import_check_range(d, p, &o->mapped_size);
-    if (s != GPUIPC_OK) {
-      (void)GPUIPC__CU(cuIpcCloseMemHandle, p);
-      gpuipc__cache_count_close();
-      goto out;
-    }
-    o->base = p;
-  } else {
-    struct gpuipc__pool_import *pimp = NULL;
-    s = gpuipc__pool_import_acquire(d, map_ordinal, nfds > 0 ? fds[0] : -1,
-                                    flags, &pimp);
-    if (s != GPUIPC_OK)
-      goto out;
-    CUmemPoolPtrExportData e;
-    memcpy(&e, d->handle, 64);
-    CUresult r = GPUIPC__CU(cuMemPoolImportPointer, &p,
-                            gpuipc__pool_import_handle(pimp), &e);
-    if (r != CUDA_SUCCESS) {
-      gpuipc__pool_import_release(pimp);
-      s = gpuipc__fail_cuda(r, "cuMemPoolImportPointer",
-                            "raw pointer export data");
-      goto out;
-    }
-    gpuipc__cache_count_open();
-    s = gpuipc__import_check_range(d, p, &o->mapped_size);
-    if (s != GPUIPC_OK) {
-      /* The driver hands back an existing import of the same pointer: free
-       * only what nobody else here holds. */
-      if (!gpuipc__cache_base_held(GPUIPC_POOL_MEMPOOL, map_ordinal, p)) {
-        (void)GPUIPC__CU(cuMemFree, p);
-        gpuipc__cache_count_close();
-      }
-      gpuipc__pool_import_release(pimp);
-      goto out;
-    }
-    o->base = p;
-    o->pimp = pimp;
-  }
-out:
-  gpuipc__ctx_leave(&g);
-  return s;
-}
-
 /* Makes an imported gpuipc_buffer of a raw descriptor: the same object
  * gpuipc_buffer_import makes (closed by gpuipc_buffer_close). */
 static gpuipc_status import_raw(gpuipc__desc *d, int home, int map,
@@ -144,8 +67,10 @@ static gpuipc_status import_raw(gpuipc__desc *d, int home, int map,
   b->fd = -1;
   b->pool_fd = -1;
   pthread_mutex_init(&b->lock, NULL);
+  b->ops = gpuipc__kind_ops_get(d->kind);
   struct gpuipc__mapping *m = NULL;
-  gpuipc_status s = gpuipc__cache_acquire(d, map, fds, nfds, 0, open_raw, &m);
+  gpuipc_status s = gpuipc__cache_acquire(d, map, fds, nfds,
+                                          GPUIPC__IMPORT_RAW, b->ops, &m);
   if (s == GPUIPC_OK) {
     /* A cache hit may come with another offset and size. */
     size_t mapped = gpuipc__mapping_size(m);
