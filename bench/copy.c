@@ -320,8 +320,11 @@ int gpuipc_bench_copy(int argc, char **argv) {
     fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
     return 1;
   }
+  /* --device names a local ordinal; the library names devices by UUID. */
+  gpuipc_uuid uuid;
   gpuipc__ctx_guard g;
-  if (gpuipc__ctx_enter(&g, device) != GPUIPC_OK) {
+  if (gpuipc_device_uuid(device, &uuid) != GPUIPC_OK ||
+      gpuipc__ctx_enter(&g, device) != GPUIPC_OK) {
     fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
     return 1;
   }
@@ -374,7 +377,7 @@ int gpuipc_bench_copy(int argc, char **argv) {
   gpuipc__cu.cuMemsetD8(b.dev_a, 5, max);
   gpuipc__cu.cuMemsetD8(b.dev_b, 6, max);
   if (gpuipc_xfer_shared_create(max, 1, &b.sh) != GPUIPC_OK ||
-      gpuipc_xfer_shared_pin(b.sh, device) != GPUIPC_OK) {
+      gpuipc_xfer_shared_pin(b.sh, &uuid) != GPUIPC_OK) {
     fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
     goto out;
   }
@@ -383,7 +386,7 @@ int gpuipc_bench_copy(int argc, char **argv) {
   xo.host_threads = threads;
   xo.chunk_bytes = chunk;
   xo.streams = streams;
-  if (gpuipc_xfer_create(device, &xo, &b.x) != GPUIPC_OK) {
+  if (gpuipc_xfer_create(&uuid, &xo, &b.x) != GPUIPC_OK) {
     fprintf(stderr, "gpuipc bench copy: %s\n", gpuipc_last_error());
     goto out;
   }

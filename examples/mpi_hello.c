@@ -54,12 +54,15 @@ static int producer(int peer, int device) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   snprintf(msg, sizeof msg, "Hello, World! (from rank %d)", rank);
 
+  /* gpuipc names devices by UUID (ordinals differ between processes). */
+  gpuipc_uuid dev;
+  CHECK("gpuipc_device_uuid", gpuipc_device_uuid(device, &dev));
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
   po.kind = GPUIPC_POOL_LEGACY;
-  po.device = device;
+  po.device_uuid = &dev;
   CHECK("gpuipc_pool_create", gpuipc_pool_create(&po, &pool));
   CHECK("gpuipc_buffer_alloc", gpuipc_buffer_alloc(pool, sizeof msg, NULL, &buf));
-  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(device, NULL, &x));
+  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(&dev, NULL, &x));
   CHECK("gpuipc_xfer_to_device",
         gpuipc_xfer_to_device(x, gpuipc_buffer_get_ptr(buf), msg, sizeof msg, NULL,
                               GPUIPC_XFER_SYNC));
@@ -103,10 +106,8 @@ static int consumer(int peer) {
   }
   CHECK("gpuipc_buffer_import", s);
   gpuipc_uuid dev;
-  int ordinal = 0;
   CHECK("gpuipc_buffer_get_mapped_device", gpuipc_buffer_get_mapped_device(buf, &dev));
-  CHECK("gpuipc_device_from_uuid", gpuipc_device_from_uuid(&dev, &ordinal));
-  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(ordinal, NULL, &x));
+  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(&dev, NULL, &x));
   char text[64];
   memset(text, 0, sizeof text);
   size_t n = gpuipc_buffer_get_size(buf) < sizeof text - 1 ? gpuipc_buffer_get_size(buf)

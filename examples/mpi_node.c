@@ -6,10 +6,10 @@
  * Each rank allocates a buffer (the best pool kind the device supports:
  * memory pools travel with their file descriptor, which the connection
  * carries), writes its rank into it, and sends it to every other local rank
- * with gpuipc_send_buffer_desc; then it receives one buffer from each,
- * checks its contents and closes it. A barrier keeps every buffer alive
- * until all ranks are done with it. Ranks on other machines are listed as
- * such, never faked.
+ * with gpuipc_conn_send_buffer; then it receives one buffer from each
+ * (gpuipc_conn_recv), checks its contents and releases it. Each rank frees
+ * its buffer only once no peer holds it any more. Ranks on other machines
+ * are listed as such, never faked.
  *
  *   mpirun -n 4 ./mpi_node
  */
@@ -84,45 +84,46 @@ int main(int argc, char **argv) {
     rc = 1;
     goto out;
   }
+  /* One device per local rank, round robin; gpuipc names it by UUID. */
   int device = lrank % count;
+  gpuipc_uuid dev;
+  CHECK("gpuipc_device_uuid", gpuipc_device_uuid(device, &dev));
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
-  po.device = device;
+  po.device_uuid = &dev;
   CHECK("gpuipc_pool_create", gpuipc_pool_create(&po, &pool));
   CHECK("gpuipc_buffer_alloc", gpuipc_buffer_alloc(pool, BYTES, NULL, &mine));
-  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(device, NULL, &x));
+  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(&dev, NULL, &x));
   memset(host, 0x40 + rank_ % 64, BYTES);
   CHECK("gpuipc_xfer_to_device",
         gpuipc_xfer_to_device(x, gpuipc_buffer_get_ptr(mine), host, BYTES, NULL,
                               GPUIPC_XFER_SYNC));
   for (int r = 0; r < size; r++)
     if (gpuipc_mpi_get_conn(g, r))
-      CHECK("gpuipc_send_buffer_desc",
-            gpuipc_send_buffer_desc(gpuipc_mpi_get_conn(g, r), mine));
+      CHECK("gpuipc_conn_send_buffer",
+            gpuipc_conn_send_buffer(gpuipc_mpi_get_conn(g, r), mine, NULL, NULL, 0));
   for (int r = 0; r < size; r++) {
     gpuipc_conn *c = gpuipc_mpi_get_conn(g, r);
     if (c == NULL)
       continue;
-    gpuipc_buffer *theirs = NULL;
-    CHECK("gpuipc_recv_buffer_desc", gpuipc_recv_buffer_desc(c, NULL, &theirs));
+    gpuipc_received theirs = GPUIPC_RECEIVED_INIT;
+    CHECK("gpuipc_conn_recv", gpuipc_conn_recv(c, NULL, &theirs));
     memset(host, 0, BYTES);
-    /* The buffer is mapped on its owner's device (by UUID): copy with an
-     * engine of that device. */
+    /* The buffer is mapped on its owner's device: copy with an engine of
+     * that device. */
     gpuipc_uuid where;
-    int ord = device;
-    s = gpuipc_buffer_get_mapped_device(theirs, &where);
-    if (s == GPUIPC_OK)
-      s = gpuipc_device_from_uuid(&where, &ord);
     gpuipc_xfer *y = NULL;
-    if (s == GPUIPC_OK && ord != device)
-      s = gpuipc_xfer_create(ord, NULL, &y);
+    s = gpuipc_device_uuid(theirs.device, &where);
+    if (s == GPUIPC_OK && theirs.device != device)
+      s = gpuipc_xfer_create(&where, NULL, &y);
     if (s == GPUIPC_OK)
-      s = gpuipc_buffer_get_size(theirs) == BYTES
-              ? gpuipc_xfer_to_host(y ? y : x, host, gpuipc_buffer_get_ptr(theirs),
-                                    BYTES, NULL, GPUIPC_XFER_SYNC)
+      s = theirs.length == BYTES
+              ? gpuipc_xfer_to_host(y ? y : x, host, theirs.ptr, BYTES, NULL,
+                                    GPUIPC_XFER_SYNC)
               : GPUIPC_E_OUT_OF_RANGE;
     gpuipc_xfer_destroy(y);
-    gpuipc_buffer_close(theirs);
+    gpuipc_status rs = gpuipc_conn_release(c, theirs.id, NULL);
     CHECK("reading a peer's buffer", s);
+    CHECK("gpuipc_conn_release", rs);
     for (int i = 0; i < BYTES; i++)
       if (host[i] != (unsigned char)(0x40 + r % 64)) {
         fprintf(stderr, "rank %d: byte %d of rank %d's buffer is 0x%02x\n",
@@ -136,7 +137,20 @@ int main(int argc, char **argv) {
          lrank, lsize, shared);
   fflush(stdout);
 out:;
-  /* Everyone keeps its buffer until every peer has read it. */
+  /* Everyone keeps its buffer until no peer holds it: asking makes
+   * progress, which also sends our own releases. */
+  for (int r = 0; mine && g && r < gpuipc_mpi_get_size(g); r++) {
+    gpuipc_conn *c = gpuipc_mpi_get_conn(g, r);
+    for (int waited = 0; c && gpuipc_conn_get_buffer_holders(c, mine) > 0;
+         waited++) {
+      if (waited == 30000) {
+        fprintf(stderr, "rank %d: rank %d still holds our buffer\n", rank_, r);
+        rc = 1;
+        break;
+      }
+      gpuipc_conn_progress(c, 1);
+    }
+  }
   int worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   rc = worst;

@@ -45,7 +45,7 @@ typedef struct result {
 
 static int worker_main(void) {
   gpuipc_conn *conn = NULL;
-  CHECK("gpuipc_spawn_connection", gpuipc_spawn_connection(NULL, &conn, NULL, NULL));
+  CHECK("gpuipc_spawn_connection", gpuipc_spawn_connection(NULL, &conn));
   int me = 0, n = 0;
   CHECK("gpuipc_worker_index", gpuipc_worker_index(&me, &n));
   gpuipc_conn_set_timeout(conn, -1);
@@ -57,8 +57,13 @@ static int worker_main(void) {
     if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
       break; /* the parent shut us down */
     CHECK("gpuipc_conn_recv", s);
-    if (x == NULL)
-      CHECK("gpuipc_xfer_create", gpuipc_xfer_create(r.device, NULL, &x));
+    if (x == NULL) {
+      /* A copy engine on the device that holds the memory (r.device is
+       * its local ordinal; gpuipc names devices by UUID). */
+      gpuipc_uuid dev;
+      CHECK("gpuipc_device_uuid", gpuipc_device_uuid(r.device, &dev));
+      CHECK("gpuipc_xfer_create", gpuipc_xfer_create(&dev, NULL, &x));
+    }
     uint32_t job = 0;
     memcpy(&job, r.meta, sizeof job);
     size_t len = r.length < BYTES ? r.length : BYTES;
@@ -106,7 +111,7 @@ int main(int argc, char **argv) {
   ao.chunk_bytes = (size_t)8 << 20;
   CHECK("gpuipc_arena_create", gpuipc_arena_create(&ao, &arena));
   gpuipc_xfer *x = NULL;
-  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(0, NULL, &x));
+  CHECK("gpuipc_xfer_create", gpuipc_xfer_create(NULL, NULL, &x));
 
   char *wargv[] = {argv[0], "--worker", NULL};
   gpuipc_group *g = NULL;

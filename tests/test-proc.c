@@ -1,7 +1,8 @@
 /*
- * test-proc.c: the spawn helper, reaping, buffers handed over at start,
- * descriptor messages, and worker groups (a worker that dies is reported
- * with its signal, and the blocks it held come back).
+ * test-proc.c: the spawn helper, reaping, buffers handed to a spawned child
+ * by the two stories (a connection's gpuipc_conn_send_buffer, and a
+ * descriptor in a user message), and worker groups (a worker that dies is
+ * reported with its signal, and the blocks it held come back).
  */
 #include "harness.h"
 
@@ -14,17 +15,16 @@
 
 /* ---- helpers (the children) ------------------------------------------------ */
 
-static gpuipc_conn *child_connect2(int *npool, int *nbuf) {
+static gpuipc_conn *child_connect(void) {
   gpuipc_conn *c = NULL;
-  ASSERT_OK(gpuipc_spawn_connection(NULL, &c, npool, nbuf));
-  /* Picked up once: the variables are gone. */
+  ASSERT_OK(gpuipc_spawn_connection(NULL, &c));
+  /* Picked up once: the variable is gone, and a second call says so. */
   ASSERT_NULL(getenv(GPUIPC_ENV_CONN_FD));
-  ASSERT_NULL(getenv(GPUIPC_ENV_SPAWN_BUFFERS));
-  ASSERT_NULL(getenv(GPUIPC_ENV_SPAWN_POOLS));
+  gpuipc_conn *again = NULL;
+  ASSERT_STATUS(gpuipc_spawn_connection(NULL, &again), GPUIPC_E_NOT_FOUND);
+  ASSERT_NULL(again);
   return c;
 }
-
-static gpuipc_conn *child_connect(int *nbuf) { return child_connect2(NULL, nbuf); }
 
 /* Modes: "echo" echoes one message; "exit:N" exits with N after
  * connecting; "raw-exit:N" exits with N without connecting; "sleep" never
@@ -38,7 +38,7 @@ HELPER_IMPL(proc_child) {
     sleep(60);
     return 0;
   }
-  gpuipc_conn *c = child_connect(NULL);
+  gpuipc_conn *c = child_connect();
   int rc = 0;
   if (strcmp(mode, "echo") == 0) {
     char buf[256];
@@ -134,14 +134,11 @@ TEST_IMPL(proc_spawn_failures) {
   ASSERT_NULL(ch);
   ASSERT_STATUS(gpuipc_spawn(NULL, argv, NULL, &ch), GPUIPC_E_INVALID_ARG);
   gpuipc_spawn_options o = GPUIPC_SPAWN_OPTIONS_INIT;
-  o.n_buffers = 1;
+  o.size = 1; /* not an initialized struct */
   ASSERT_STATUS(gpuipc_spawn("/proc/self/exe", argv, &o, &ch),
                 GPUIPC_E_INVALID_ARG);
-  o.n_buffers = 0;
-  o.n_pools = 1;
-  ASSERT_STATUS(gpuipc_spawn("/proc/self/exe", argv, &o, &ch),
-                GPUIPC_E_INVALID_ARG);
-  o.n_pools = 0;
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "options size");
+  o = (gpuipc_spawn_options)GPUIPC_SPAWN_OPTIONS_INIT;
 
   /* A child that exits before connecting: the status says how. */
   self_argv("proc_child", "raw-exit:5", argv);
@@ -152,7 +149,6 @@ TEST_IMPL(proc_spawn_failures) {
   /* A child that never connects: timed out, killed, reaped. */
   gpuipc_conn_options co = GPUIPC_CONN_OPTIONS_INIT;
   co.timeout_ms = 300;
-  o.n_buffers = 0;
   o.conn = &co;
   self_argv("proc_child", "sleep", argv);
   gpuipc_status s = gpuipc_spawn("/proc/self/exe", argv, &o, &ch);
@@ -165,9 +161,9 @@ TEST_IMPL(proc_spawn_failures) {
   /* This process was not started by gpuipc_spawn. */
   gpuipc_conn *c = NULL;
   unsetenv(GPUIPC_ENV_CONN_FD);
-  ASSERT_STATUS(gpuipc_spawn_connection(NULL, &c, NULL, NULL), GPUIPC_E_NOT_FOUND);
+  ASSERT_STATUS(gpuipc_spawn_connection(NULL, &c), GPUIPC_E_NOT_FOUND);
   setenv(GPUIPC_ENV_CONN_FD, "0", 1); /* stdin: not a socket here */
-  s = gpuipc_spawn_connection(NULL, &c, NULL, NULL);
+  s = gpuipc_spawn_connection(NULL, &c);
   ASSERT(s == GPUIPC_E_INVALID_ARG || s == GPUIPC_E_PROTOCOL ||
          s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_TIMEOUT);
   ASSERT_NULL(getenv(GPUIPC_ENV_CONN_FD));
@@ -177,7 +173,7 @@ TEST_IMPL(proc_spawn_failures) {
 
 /* Environment handling: env_add overrides, our variables always win. */
 HELPER_IMPL(proc_env_child) {
-  gpuipc_conn *c = child_connect(NULL);
+  gpuipc_conn *c = child_connect();
   const char *a = getenv("PROC_TEST_A");
   const char *b = getenv("PROC_TEST_B");
   char reply[128];
@@ -215,33 +211,22 @@ TEST_IMPL(proc_spawn_environment) {
   return 0;
 }
 
-/* ---- buffers handed over at start (needs CUDA) ------------------------------ */
+/* ---- buffers handed to a spawned child (needs CUDA) ------------------------ */
 
-static void fill(gpuipc_buffer *b, unsigned char v) {
-  gpuipc_uuid u;
-  int ord = 0;
-  ASSERT_OK(gpuipc_buffer_get_mapped_device(b, &u));
-  ASSERT_OK(gpuipc_device_from_uuid(&u, &ord));
+static void fill_at(void *p, size_t n, int ord, unsigned char v) {
   gpuipc__ctx_guard g;
   ASSERT_OK(gpuipc__ctx_enter(&g, ord));
-  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
-                                  v, gpuipc_buffer_get_size(b)));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)p, v, n));
   ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
   gpuipc__ctx_leave(&g);
 }
 
-static void check(gpuipc_buffer *b, unsigned char v) {
-  gpuipc_uuid u;
-  int ord = 0;
-  ASSERT_OK(gpuipc_buffer_get_mapped_device(b, &u));
-  ASSERT_OK(gpuipc_device_from_uuid(&u, &ord));
-  size_t n = gpuipc_buffer_get_size(b);
+static void check_at(const void *p, size_t n, int ord, unsigned char v) {
   unsigned char *h = malloc(n);
   ASSERT_NOT_NULL(h);
   gpuipc__ctx_guard g;
   ASSERT_OK(gpuipc__ctx_enter(&g, ord));
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b),
-                                    n));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(h, (CUdeviceptr)(uintptr_t)p, n));
   gpuipc__ctx_leave(&g);
   for (size_t i = 0; i < n; i++)
     if (h[i] != v)
@@ -250,31 +235,52 @@ static void check(gpuipc_buffer *b, unsigned char v) {
   free(h);
 }
 
+static int mapped_ordinal(gpuipc_buffer *b) {
+  gpuipc_uuid u;
+  int ord = 0;
+  ASSERT_OK(gpuipc_buffer_get_mapped_device(b, &u));
+  ASSERT_OK(gpuipc_device_from_uuid(&u, &ord));
+  return ord;
+}
+
+static void fill(gpuipc_buffer *b, unsigned char v) {
+  fill_at(gpuipc_buffer_get_ptr(b), gpuipc_buffer_get_size(b), mapped_ordinal(b),
+          v);
+}
+
+static void check(gpuipc_buffer *b, unsigned char v) {
+  check_at(gpuipc_buffer_get_ptr(b), gpuipc_buffer_get_size(b),
+           mapped_ordinal(b), v);
+}
+
+/* Receives buffer 0 by the connection story (gpuipc_conn_recv, a lease)
+ * and buffer 1 by the descriptor story (a user message with the
+ * descriptor and its fds, gpuipc_buffer_import); checks each and writes
+ * 0xB0 + i back. */
 HELPER_IMPL(proc_buffers_child) {
-  int n = -1, np = -1;
-  gpuipc_conn *c = child_connect2(&np, &n);
-  ASSERT_EQ(n, 2);
-  ASSERT_EQ(np, atoi(argv[0]));
-  gpuipc_pool *pool = NULL;
-  if (np == 1) {
-    ASSERT_OK(gpuipc_recv_pool_desc(c, NULL, &pool));
-    ASSERT_EQ(gpuipc_pool_get_kind(pool), GPUIPC_POOL_MEMPOOL);
-  }
-  for (int i = 0; i < n; i++) {
-    gpuipc_buffer *b = NULL;
-    ASSERT_OK(gpuipc_recv_buffer_desc(c, NULL, &b));
-    ASSERT_EQ(gpuipc_buffer_is_imported(b), 1);
-    check(b, (unsigned char)(0xA0 + i));
-    /* Write back: the parent sees it in its own buffer. */
-    fill(b, (unsigned char)(0xB0 + i));
-    ASSERT_OK(gpuipc_buffer_close(b));
-  }
-  ASSERT_OK(gpuipc_conn_send_msg(c, "done", 4, NULL, 0));
-  /* A message that is not a descriptor is refused clearly. */
+  gpuipc_conn *c = child_connect();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, NULL, &r));
+  ASSERT_EQ(r.length, 65536);
+  check_at(r.ptr, r.length, r.device, 0xA0);
+  fill_at(r.ptr, r.length, r.device, 0xB0);
+  ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+
+  uint8_t desc[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  int fds[GPUIPC_DESC_MAX_FDS];
+  int nfds = GPUIPC_DESC_MAX_FDS;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, desc, sizeof desc, &len, fds, &nfds));
   gpuipc_buffer *b = NULL;
-  ASSERT_STATUS(gpuipc_recv_buffer_desc(c, NULL, &b), GPUIPC_E_PROTOCOL);
-  ASSERT_NULL(b);
-  ASSERT_OK(gpuipc_pool_destroy(pool));
+  ASSERT_OK(gpuipc_buffer_import(desc, len, fds, nfds, NULL, &b));
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  ASSERT_EQ(gpuipc_buffer_is_imported(b), 1);
+  ASSERT_EQ(gpuipc_buffer_get_size(b), 2 * 65536);
+  check(b, 0xA1);
+  fill(b, 0xB1);
+  ASSERT_OK(gpuipc_buffer_close(b));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "done", 4, NULL, 0));
   gpuipc_conn_close(c);
   return 0;
 }
@@ -290,23 +296,29 @@ TEST_IMPL(proc_spawn_hands_buffers_over) {
     ASSERT_OK(gpuipc_buffer_alloc(pool, 65536 * (size_t)(i + 1), NULL, &bufs[i]));
     fill(bufs[i], (unsigned char)(0xA0 + i));
   }
-  /* A MEMPOOL pool travels first, so the buffers import into it. */
-  int with_pool = gpuipc_pool_get_kind(pool) == GPUIPC_POOL_MEMPOOL;
   char *argv[5];
-  self_argv("proc_buffers_child", with_pool ? "1" : "0", argv);
-  gpuipc_spawn_options o = GPUIPC_SPAWN_OPTIONS_INIT;
-  o.buffers = bufs;
-  o.n_buffers = 2;
-  o.pools = &pool;
-  o.n_pools = with_pool;
+  self_argv("proc_buffers_child", "x", argv);
   gpuipc_child *ch = NULL;
-  ASSERT_OK(gpuipc_spawn("/proc/self/exe", argv, &o, &ch));
-  char buf[8];
+  ASSERT_OK(gpuipc_spawn("/proc/self/exe", argv, NULL, &ch));
+  gpuipc_conn *c = gpuipc_child_get_conn(ch);
+  /* The connection story. */
+  ASSERT_OK(gpuipc_conn_send_buffer(c, bufs[0], NULL, NULL, 0));
+  /* The descriptor story, carried in a user message. */
+  uint8_t desc[GPUIPC_DESC_MAX];
   size_t len = 0;
-  ASSERT_OK(gpuipc_conn_recv_msg(gpuipc_child_get_conn(ch), buf, sizeof buf, &len,
-                                 NULL, NULL));
-  ASSERT_EQ(len, 4);
-  ASSERT_OK(gpuipc_conn_send_msg(gpuipc_child_get_conn(ch), "nope", 4, NULL, 0));
+  int fds[GPUIPC_DESC_MAX_FDS];
+  int nfds = GPUIPC_DESC_MAX_FDS;
+  ASSERT_OK(gpuipc_buffer_export(bufs[1], desc, sizeof desc, &len, fds, &nfds));
+  ASSERT_OK(gpuipc_conn_send_msg(c, desc, len, fds, nfds));
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  char buf[8];
+  size_t n = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &n, NULL, NULL));
+  ASSERT_EQ(n, 4);
+  ASSERT_MEM_EQ(buf, "done", 4);
+  /* The child released its lease before it said done. */
+  ASSERT_EQ(gpuipc_conn_get_buffer_holders(c, bufs[0]), 0);
   gpuipc_child_status st;
   ASSERT_OK(gpuipc_child_wait(ch, 20000, &st));
   ASSERT_EQ(st.state, GPUIPC_CHILD_EXITED);
@@ -326,7 +338,7 @@ TEST_IMPL(proc_spawn_hands_buffers_over) {
  * "exit" exits 0; a closed connection makes it exit 0. "hold" receives one
  * block and keeps it (never releases). */
 HELPER_IMPL(proc_worker) {
-  gpuipc_conn *c = child_connect(NULL);
+  gpuipc_conn *c = child_connect();
   int idx = -1, n = 0;
   ASSERT_OK(gpuipc_worker_index(&idx, &n));
   int32_t me = idx;

@@ -300,7 +300,7 @@ TEST_IMPL(xfer_shared_over_pinned_host_pool) {
   ASSERT_STATUS(gpuipc_xfer_shared_attach(buf, &sh), GPUIPC_E_BAD_MAGIC);
   ASSERT_OK(gpuipc_xfer_shared_format(buf, SLOT_BYTES, SLOTS, &sh));
   ASSERT_UEQ(gpuipc_xfer_shared_get_slot_bytes(sh), SLOT_BYTES);
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0)); /* pinned already: nothing */
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, NULL)); /* pinned already: nothing */
   uint8_t desc[GPUIPC_DESC_MAX];
   size_t dlen = 0;
   int fds[GPUIPC_DESC_MAX_FDS];
@@ -330,8 +330,13 @@ TEST_IMPL(xfer_shared_filler_to_gpu) {
   enter0(&g);
   gpuipc_xfer_shared *sh = NULL;
   ASSERT_OK(gpuipc_xfer_shared_create(SLOT_BYTES, SLOTS, &sh));
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0)); /* idempotent */
+  gpuipc_uuid nowhere, u0;
+  memset(&nowhere, 0xEE, sizeof nowhere);
+  ASSERT_STATUS(gpuipc_xfer_shared_pin(sh, &nowhere),
+                GPUIPC_E_DEVICE_NOT_VISIBLE);
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, NULL));
+  ASSERT_OK(gpuipc_device_uuid(0, &u0));
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, &u0)); /* idempotent: device 0 */
   copier_run(sh, (const uint8_t *)"go", 2, gpuipc_xfer_shared_get_fd(sh), "fd");
   ASSERT_OK(gpuipc_xfer_shared_close(sh));
   gpuipc__ctx_leave(&g);
@@ -376,7 +381,7 @@ TEST_IMPL(xfer_shared_gpu_to_reader) {
   enter0(&g);
   gpuipc_xfer_shared *sh = NULL;
   ASSERT_OK(gpuipc_xfer_shared_create(SLOT_BYTES, SLOTS, &sh));
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, NULL));
   CUstream st = NULL;
   ASSERT_CU(gpuipc__cu.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
   CUdeviceptr src[MSGS];
@@ -415,7 +420,7 @@ TEST_IMPL(xfer_shared_sync) {
   enter0(&g);
   gpuipc_xfer_shared *sh = NULL;
   ASSERT_OK(gpuipc_xfer_shared_create(4096, 1, &sh));
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, NULL));
   void *p;
   size_t c;
   ASSERT_OK(gpuipc_xfer_shared_acquire(sh, 0, 0, &p, &c));
@@ -447,9 +452,9 @@ HELPER_IMPL(xfer_shared_fault) {
   enter0(&g);
   gpuipc_xfer_shared *sh = NULL;
   ASSERT_OK(gpuipc_xfer_shared_create(4096, 1, &sh));
-  ASSERT_STATUS(gpuipc_xfer_shared_pin(sh, 0), GPUIPC_E_DRIVER);
+  ASSERT_STATUS(gpuipc_xfer_shared_pin(sh, NULL), GPUIPC_E_DRIVER);
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuMemHostRegister");
-  ASSERT_OK(gpuipc_xfer_shared_pin(sh, 0));
+  ASSERT_OK(gpuipc_xfer_shared_pin(sh, NULL));
   void *p;
   size_t c;
   ASSERT_OK(gpuipc_xfer_shared_acquire(sh, 0, 0, &p, &c));

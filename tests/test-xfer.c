@@ -143,7 +143,7 @@ static gpuipc_xfer *engine(int streams, size_t chunk, size_t staging) {
   o.chunk_bytes = chunk;
   o.staging_bytes = staging;
   gpuipc_xfer *x = NULL;
-  ASSERT_OK(gpuipc_xfer_create(0, &o, &x));
+  ASSERT_OK(gpuipc_xfer_create(NULL, &o, &x));
   ASSERT_NOT_NULL(x);
   return x;
 }
@@ -189,20 +189,24 @@ TEST_IMPL(xfer_args) {
   enter0(&g);
   ASSERT_OK(gpuipc_xfer_destroy(NULL));
   gpuipc_xfer *x = NULL;
-  ASSERT_STATUS(gpuipc_xfer_create(0, NULL, NULL), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_xfer_create(NULL, NULL, NULL), GPUIPC_E_INVALID_ARG);
   gpuipc_xfer_options o = GPUIPC_XFER_OPTIONS_INIT;
   o.streams = GPUIPC_XFER_MAX_STREAMS + 1;
-  ASSERT_STATUS(gpuipc_xfer_create(0, &o, &x), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_xfer_create(NULL, &o, &x), GPUIPC_E_INVALID_ARG);
   ASSERT_NULL(x);
   o.streams = -1;
-  ASSERT_STATUS(gpuipc_xfer_create(0, &o, &x), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_xfer_create(NULL, &o, &x), GPUIPC_E_INVALID_ARG);
   o.streams = 0;
   o.size = 0;
-  ASSERT_STATUS(gpuipc_xfer_create(0, &o, &x), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_xfer_create(NULL, &o, &x), GPUIPC_E_INVALID_ARG);
   o = (gpuipc_xfer_options)GPUIPC_XFER_OPTIONS_INIT;
   o.staging_bytes = 1;
-  ASSERT_STATUS(gpuipc_xfer_create(0, &o, &x), GPUIPC_E_INVALID_ARG);
-  ASSERT_STATUS(gpuipc_xfer_create(1000, NULL, &x), GPUIPC_E_NO_DEVICE);
+  ASSERT_STATUS(gpuipc_xfer_create(NULL, &o, &x), GPUIPC_E_INVALID_ARG);
+  /* A device not visible here, by UUID. */
+  gpuipc_uuid nowhere;
+  memset(&nowhere, 0xEE, sizeof nowhere);
+  ASSERT_STATUS(gpuipc_xfer_create(&nowhere, NULL, &x),
+                GPUIPC_E_DEVICE_NOT_VISIBLE);
   ASSERT_NULL(x);
 
   /* An older caller's smaller struct: only `size` bytes are read. */
@@ -211,16 +215,21 @@ TEST_IMPL(xfer_args) {
     int streams;
   } old = {sizeof old, 3};
   ASSERT_OK(
-      gpuipc_xfer_create(0, (const gpuipc_xfer_options *)(void *)&old, &x));
+      gpuipc_xfer_create(NULL, (const gpuipc_xfer_options *)(void *)&old, &x));
   ASSERT_EQ(info_of(x).streams, 3);
   ASSERT_OK(gpuipc_xfer_destroy(x));
 
-  /* -1: the device of the current context. */
-  ASSERT_OK(gpuipc_xfer_create(-1, NULL, &x));
-  ASSERT_EQ(info_of(x).device, 0);
+  /* By UUID, and NULL: device 0; the info names the device by UUID. */
+  gpuipc_uuid u0;
+  ASSERT_OK(gpuipc_device_uuid(0, &u0));
+  ASSERT_OK(gpuipc_xfer_create(&u0, NULL, &x));
+  ASSERT_MEM_EQ(info_of(x).device.bytes, u0.bytes, 16);
+  ASSERT_OK(gpuipc_xfer_destroy(x));
+  ASSERT_OK(gpuipc_xfer_create(NULL, NULL, &x));
+  ASSERT_MEM_EQ(info_of(x).device.bytes, u0.bytes, 16);
   ASSERT_OK(gpuipc_xfer_destroy(x));
 
-  ASSERT_OK(gpuipc_xfer_create(0, NULL, &x));
+  ASSERT_OK(gpuipc_xfer_create(NULL, NULL, &x));
   gpuipc_xfer_info in = info_of(x);
   ASSERT_GE(in.streams, 2);
   ASSERT_GE(in.staging_slots, 2);
@@ -264,7 +273,7 @@ TEST_IMPL(xfer_args) {
 /* The heuristic as documented in xfer.h. */
 TEST_IMPL(xfer_heuristic) {
   gpuipc_xfer *x = NULL;
-  ASSERT_OK(gpuipc_xfer_create(0, NULL, &x));
+  ASSERT_OK(gpuipc_xfer_create(NULL, NULL, &x));
   gpuipc_xfer_info in = info_of(x);
   ASSERT_EQ(in.streams, in.copy_engines >= 2 ? 4 : 2);
   ASSERT_UEQ(in.max_chunk_bytes, (size_t)8 << 20);
@@ -946,7 +955,7 @@ HELPER_IMPL(xfer_fault) {
 
   gpuipc_xfer *x = NULL;
   gpuipc_status s = gpuipc_xfer_create(
-      0,
+      NULL,
       &(gpuipc_xfer_options){.size = sizeof(gpuipc_xfer_options),
                              .streams = 3,
                              .chunk_bytes = 4096,
@@ -1172,9 +1181,9 @@ TEST_IMPL(xfer_host_threads) {
   o.host_threads = 4;
   gpuipc_xfer *x = NULL;
   o.host_threads = GPUIPC__HCOPY_MAX_THREADS + 1;
-  ASSERT_STATUS(gpuipc_xfer_create(0, &o, &x), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_xfer_create(NULL, &o, &x), GPUIPC_E_INVALID_ARG);
   o.host_threads = 4;
-  ASSERT_OK(gpuipc_xfer_create(0, &o, &x));
+  ASSERT_OK(gpuipc_xfer_create(NULL, &o, &x));
   ASSERT_EQ(info_of(x).host_threads, 4);
   CUstream st = new_stream();
   const size_t sizes[] = {1, 300000, ((size_t)1 << 20) - 5,

@@ -12,8 +12,8 @@
  *   gpuipc_mpi *g;
  *   gpuipc_mpi_init(MPI_COMM_WORLD, NULL, &g);       (collective)
  *   gpuipc_conn *c = gpuipc_mpi_get_conn(g, peer_rank);   (a rank on this node)
- *   gpuipc_send_buffer_desc(c, buf) / gpuipc_recv_buffer_desc(c, NULL, &b)
- *   ... or arenas: gpuipc_conn_send / gpuipc_conn_recv (conn.h) ...
+ *   gpuipc_conn_send_buffer(c, buf, ...) / gpuipc_conn_recv(c, ...)  (conn.h)
+ *   ... or arena blocks: gpuipc_conn_send / gpuipc_conn_recv ...
  *   gpuipc_mpi_finalize(g);                           (collective)
  *
  * Ranks are grouped by machine with MPI_Comm_split_type(MPI_COMM_TYPE_SHARED),

@@ -1,7 +1,7 @@
 /*
  * gpuipc/proc.h: starting processes that share GPU memory with their
- * parent: the spawn helper (the C counterpart of Python's multiprocessing),
- * handing buffers over at start, and a worker group.
+ * parent: the spawn helper (the C counterpart of Python's multiprocessing)
+ * and worker groups.
  *
  * Included from gpuipc.h; do not include it on its own.
  *
@@ -14,18 +14,24 @@
  *
  *   parent                                     child (a new program)
  *   gpuipc_spawn(path, argv, &opts, &ch)  ---> gpuipc_spawn_connection(NULL,
- *     (opts.pools, opts.buffers: sent         &conn, &np, &nb)
- *      right after start)                     np x gpuipc_recv_pool_desc
- *   conn = gpuipc_child_get_conn(ch)                nb x gpuipc_recv_buffer_desc
- *   ... gpuipc_conn_send / send_msg ...         ... gpuipc_conn_recv ...
+ *   conn = gpuipc_child_get_conn(ch)                &conn)
+ *   gpuipc_conn_send_buffer(conn, buf, ...)     gpuipc_conn_recv(conn, ...)
+ *   ... gpuipc_conn_send / send_msg ...         ... gpuipc_conn_release ...
  *   gpuipc_child_wait(ch, -1, &status)          exit(0)
  *   gpuipc_child_destroy(ch, 0, NULL)
  *
+ * The connection is an ordinary gpuipc_conn: buffers travel on it as on
+ * any connection (conn.h: arena blocks with gpuipc_conn_send, any other
+ * buffer with gpuipc_conn_send_buffer), and descriptors (handle.h:
+ * gpuipc_buffer_export / gpuipc_buffer_import, gpuipc_pool_export /
+ * gpuipc_pool_import) may ride in its user messages with their file
+ * descriptors (gpuipc_conn_send_msg / gpuipc_conn_recv_msg). This header
+ * adds no third way.
+ *
  * The child learns its end of the pair from the environment variable
- * GPUIPC_CONN_FD (a file descriptor number) and the numbers of pools and
- * buffers sent at start from GPUIPC_SPAWN_POOLS and GPUIPC_SPAWN_BUFFERS;
- * gpuipc_spawn_connection() removes them from its environment so that the child's own children do not
- * inherit them. A worker of a group also finds GPUIPC_WORKER_INDEX and
+ * GPUIPC_CONN_FD (a file descriptor number); gpuipc_spawn_connection()
+ * removes it from its environment so that the child's own children do not
+ * inherit it. A worker of a group also finds GPUIPC_WORKER_INDEX and
  * GPUIPC_WORKER_COUNT there (gpuipc_worker_index()).
  */
 #ifndef GPUIPC_PROC_H
@@ -40,59 +46,8 @@ extern "C" {
 
 /* The environment variables the spawn helper sets in a child. */
 #define GPUIPC_ENV_CONN_FD "GPUIPC_CONN_FD"
-#define GPUIPC_ENV_SPAWN_BUFFERS "GPUIPC_SPAWN_BUFFERS"
-#define GPUIPC_ENV_SPAWN_POOLS "GPUIPC_SPAWN_POOLS"
 #define GPUIPC_ENV_WORKER_INDEX "GPUIPC_WORKER_INDEX"
 #define GPUIPC_ENV_WORKER_COUNT "GPUIPC_WORKER_COUNT"
-
-/* ------------------------------------------------------------------------ */
-/* Buffers as descriptor messages                                           */
-/* ------------------------------------------------------------------------ */
-
-/*
- * Sends a buffer (allocated or wrapped by this process) as one user message
- * on conn: its descriptor (gpuipc_buffer_export) with the file descriptor
- * it needs (SCM_RIGHTS). This is the general, slow path: the first export of
- * a MEMPOOL buffer costs a driver export (~50 us) and the receiver pays a
- * driver import. The receiver gets a gpuipc_buffer of its own (imported,
- * closed when it wants), and nothing orders its GPU work after ours: the
- * sender finishes its work on the buffer first. For stream-ordered
- * handoff with leases use gpuipc_conn_send_buffer (any buffer) or
- * gpuipc_conn_send (arena blocks, the fast path) from conn.h. The buffer
- * stays owned by the caller, who must keep it allocated while the peer
- * uses it (the peer says when it is done in the application's own
- * protocol). Errors: those of gpuipc_buffer_export and
- * gpuipc_conn_send_msg.
- */
-GPUIPC_API gpuipc_status gpuipc_send_buffer_desc(gpuipc_conn *conn,
-                                                 gpuipc_buffer *buf);
-
-/*
- * Receives one message sent by gpuipc_send_buffer_desc and imports the
- * buffer (gpuipc_buffer_import with opts, NULL for defaults). *buf is owned
- * by the caller: gpuipc_buffer_close(). GPUIPC_E_PROTOCOL when the next
- * user message is not a buffer descriptor (it is consumed), the statuses of
- * gpuipc_conn_recv_msg (E_TIMEOUT, E_PEER_GONE, ...) and of
- * gpuipc_buffer_import otherwise.
- */
-GPUIPC_API gpuipc_status gpuipc_recv_buffer_desc(gpuipc_conn *conn,
-                                                 const gpuipc_import_options *opts,
-                                                 gpuipc_buffer **buf /* OUT */);
-
-/*
- * The same for a MEMPOOL pool (gpuipc_pool_export with its fd): the
- * receiver imports the pool once (~170 us, ~13 ms across GPUs), after which
- * buffers of that pool import without their fd. Other kinds have no pool
- * export (GPUIPC_E_NOT_SUPPORTED). The pool stays owned by the caller.
- */
-GPUIPC_API gpuipc_status gpuipc_send_pool_desc(gpuipc_conn *conn,
-                                               gpuipc_pool *pool);
-/* Receives a pool sent by gpuipc_send_pool_desc and imports it
- * (gpuipc_pool_import); *pool: gpuipc_pool_destroy(). Errors as
- * gpuipc_recv_buffer_desc. */
-GPUIPC_API gpuipc_status gpuipc_recv_pool_desc(gpuipc_conn *conn,
-                                               const gpuipc_import_options *opts,
-                                               gpuipc_pool **pool /* OUT */);
 
 /* ------------------------------------------------------------------------ */
 /* The spawn helper                                                         */
@@ -114,20 +69,10 @@ typedef struct gpuipc_spawn_options {
   /* Options of the parent's end of the connection (and its timeout, which
    * also bounds the handshake with the child); NULL: defaults. */
   const gpuipc_conn_options *conn;
-  /* Buffers sent to the child right after it connects, in order (as by
-   * gpuipc_send_buffer_desc); the child receives them with
-   * gpuipc_recv_buffer_desc. They stay owned by the caller. */
-  gpuipc_buffer *const *buffers;
-  int n_buffers;
-  /* MEMPOOL pools sent to the child right after it connects, before the
-   * buffers (as by gpuipc_send_pool_desc); the child receives them with
-   * gpuipc_recv_pool_desc. They stay owned by the caller. */
-  gpuipc_pool *const *pools;
-  int n_pools;
 } gpuipc_spawn_options;
 
 #define GPUIPC_SPAWN_OPTIONS_INIT                                              \
-  {sizeof(gpuipc_spawn_options), NULL, NULL, 0, NULL, NULL, 0, NULL, 0}
+  {sizeof(gpuipc_spawn_options), NULL, NULL, 0, NULL}
 
 /* How a child ended. */
 typedef enum gpuipc_child_state {
@@ -151,7 +96,7 @@ typedef struct gpuipc_child_status {
  * stdin/stdout/stderr, and one end of a socket pair (numbered in
  * GPUIPC_CONN_FD). Then completes the connection handshake with the child
  * (waiting up to the connection timeout for it to call
- * gpuipc_spawn_connection) and sends opts->pools, then opts->buffers.
+ * gpuipc_spawn_connection).
  *
  * Returns GPUIPC_E_NOT_FOUND / GPUIPC_E_PERMISSION / GPUIPC_E_SYSTEM when
  * the program cannot be started; GPUIPC_E_PEER_GONE when it started but
@@ -204,22 +149,21 @@ GPUIPC_API gpuipc_status gpuipc_child_destroy(gpuipc_child *child,
                                               gpuipc_child_status *status /* OUT */);
 
 /*
- * In a child started by gpuipc_spawn: makes its connection to the parent
- * (performing the handshake, with opts or defaults) and tells how many
- * pools and buffers the parent sends at once (*n_pools, *n_buffers; either
- * may be NULL): receive the pools first with gpuipc_recv_pool_desc, then
- * the buffers with gpuipc_recv_buffer_desc. Removes GPUIPC_CONN_FD,
- * GPUIPC_SPAWN_POOLS and GPUIPC_SPAWN_BUFFERS from the environment (so
- * call it before starting threads that read the environment). Returns
- * GPUIPC_E_NOT_FOUND when this process was not started by gpuipc_spawn (or
- * the connection was picked up already), GPUIPC_E_INVALID_ARG when the
- * variable names no Unix socket. *conn is owned by the caller:
+ * The child's end of gpuipc_spawn: in a child started by it, finds the
+ * inherited socket (GPUIPC_CONN_FD), makes it close-on-exec and makes the
+ * connection to the parent of it (gpuipc_conn_from_fd: the handshake, with
+ * opts or defaults). This is what gpuipc_conn_from_fd cannot do alone:
+ * the rendezvous through the environment, checked (the variable must name
+ * an open socket) and consumed once. Removes GPUIPC_CONN_FD from the
+ * environment (so call it before starting threads that read the
+ * environment). Returns GPUIPC_E_NOT_FOUND when this process was not
+ * started by gpuipc_spawn (or the connection was picked up already),
+ * GPUIPC_E_INVALID_ARG when the variable names no socket, the statuses of
+ * gpuipc_conn_from_fd otherwise. *conn is owned by the caller:
  * gpuipc_conn_close().
  */
 GPUIPC_API gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts,
-                                                 gpuipc_conn **conn /* OUT */,
-                                                 int *n_pools /* OUT */,
-                                                 int *n_buffers /* OUT */);
+                                                 gpuipc_conn **conn /* OUT */);
 
 /* ------------------------------------------------------------------------ */
 /* Worker groups                                                            */
@@ -230,7 +174,7 @@ GPUIPC_API gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts
  * connection (a star: the parent is the hub). Each worker finds its index
  * (0..n-1) and n in GPUIPC_WORKER_INDEX / GPUIPC_WORKER_COUNT (see
  * gpuipc_worker_index()). Scatter buffers with gpuipc_conn_send (arena
- * blocks: the fast path) or gpuipc_send_buffer_desc to each worker's
+ * blocks: the fast path) or gpuipc_conn_send_buffer to each worker's
  * connection; gather results with gpuipc_conn_recv_msg / gpuipc_conn_recv.
  * A worker that dies is reported by gpuipc_group_check (which worker, and
  * its exit code or signal); the connection layer then reclaims the blocks
@@ -240,8 +184,7 @@ GPUIPC_API gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts
  */
 typedef struct gpuipc_group gpuipc_group;
 
-/* Starts n (1..1024) workers with gpuipc_spawn(path, argv, opts): opts'
- * buffers go to every worker. On failure the workers already started are
+/* Starts n (1..1024) workers with gpuipc_spawn(path, argv, opts). On failure the workers already started are
  * killed and reaped, and the message says which worker failed. */
 GPUIPC_API gpuipc_status gpuipc_group_start(const char *path, char *const argv[],
                                             int n,

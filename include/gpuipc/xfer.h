@@ -150,14 +150,15 @@ typedef struct gpuipc_xfer_options {
 #define GPUIPC_XFER_SYNC 0x1u
 
 /*
- * Creates a copy engine for device `device` (a local ordinal; -1: the device
- * of the calling thread's current context). Creates its streams and events
- * in the device's primary context; staging and scratch memory come later,
- * on first need. opts may be NULL (all automatic).
- * Returns GPUIPC_E_INVALID_ARG for bad options, GPUIPC_E_NO_DEVICE for a bad
- * ordinal, driver errors as usual. *out is set only on success.
+ * Creates a copy engine for the local device with this UUID (NULL: local
+ * device 0), as every gpuipc function names a device. Creates its streams
+ * and events in the device's primary context; staging and scratch memory
+ * come later, on first need. opts may be NULL (all automatic).
+ * Returns GPUIPC_E_INVALID_ARG for bad options, GPUIPC_E_DEVICE_NOT_VISIBLE
+ * for a UUID not visible in this process, GPUIPC_E_NO_DEVICE when there is
+ * no device at all, driver errors as usual. *out is set only on success.
  */
-GPUIPC_API gpuipc_status gpuipc_xfer_create(int device,
+GPUIPC_API gpuipc_status gpuipc_xfer_create(const gpuipc_uuid *device,
                                             const gpuipc_xfer_options *opts,
                                             gpuipc_xfer **out /* OUT */);
 
@@ -240,7 +241,7 @@ GPUIPC_API gpuipc_status gpuipc_xfer_pipeline(gpuipc_xfer *x, void *dst,
 /* What an engine chose, and what it has done (for tests and benchmarks). */
 typedef struct gpuipc_xfer_info {
   size_t size;               /* sizeof(gpuipc_xfer_info): set by the caller */
-  int device;                /* ordinal */
+  gpuipc_uuid device;        /* the engine's device */
   int streams;               /* engine streams */
   int copy_engines;          /* CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT */
   size_t max_chunk_bytes;    /* largest chunk */
@@ -368,12 +369,14 @@ GPUIPC_API void *gpuipc_xfer_shared_get_slot(const gpuipc_xfer_shared *sh,
                                          uint64_t seq);
 
 /* Pins the segment for DMA in this process (cuMemHostRegister with
- * PORTABLE | DEVICEMAP, done in device `device`'s primary context) and maps
- * its control words for the GPU. Needed before the _device functions;
- * idempotent. Pinning costs time proportional to the size: do it once.
- * A segment over a buffer is pinned already (nothing to do). */
+ * PORTABLE | DEVICEMAP, done in the primary context of the device with this
+ * UUID; NULL: local device 0) and maps its control words for the GPU.
+ * Needed before the _device functions; idempotent (GPUIPC_E_EXISTS when
+ * pinned for another device already). Pinning costs time proportional to
+ * the size: do it once. A segment over a buffer is pinned already (nothing
+ * to do, whatever device is named). */
 GPUIPC_API gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh,
-                                                int device);
+                                                const gpuipc_uuid *device);
 
 /* Filler: waits until the slot of message seq is free (the message that
  * used it before, seq - slots, has been consumed), then returns the slot's

@@ -1,5 +1,5 @@
 /*
- * mpi.c: the MPI helper (library gpuipc_mpi, built only where MPI is
+ * mpi.c: owns the MPI helper (library gpuipc_mpi, built only where MPI is
  * found): groups the ranks of a communicator by machine, checks MPI's
  * grouping against the kernel's boot ids, and connects every pair of ranks
  * of one machine with gpuipc connections.

@@ -1,7 +1,9 @@
 /*
- * proc.c: the process layer: buffers as descriptor messages on a
- * connection, the spawn helper (posix_spawn + an inherited socket pair),
- * reaping children, and worker groups built on it.
+ * proc.c: owns the process layer: the spawn helper (posix_spawn and a
+ * connection over an inherited socket pair), the child's side of it
+ * (gpuipc_spawn_connection), reaping children, and worker groups built on
+ * it. Buffers travel on the connections it makes like on any other
+ * (conn.h); this file never handles one.
  *
  * posix_spawn rather than fork: a CUDA context does not survive fork (the
  * driver's threads and mappings are gone in the child), and a forked child
@@ -17,123 +19,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 extern char **environ;
-
-/* ---- buffers as descriptor messages ------------------------------------------- */
-
-/* Tags of descriptor messages: tell them apart from the application's own
- * user messages on the same connection. */
-static const char buf_tag[8] = {'G', 'I', 'P', 'C', 'B', 'U', 'F', '1'};
-static const char pool_tag[8] = {'G', 'I', 'P', 'C', 'P', 'O', 'L', '1'};
-#define TAG_BYTES 8
-
-gpuipc_status gpuipc_send_buffer_desc(gpuipc_conn *conn, gpuipc_buffer *buf) {
-  if (conn == NULL || buf == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_send_buffer_desc: NULL conn or buffer");
-  uint8_t msg[TAG_BYTES + GPUIPC_DESC_MAX];
-  memcpy(msg, buf_tag, TAG_BYTES);
-  size_t len = 0;
-  int fds[GPUIPC_DESC_MAX_FDS];
-  int nfds = GPUIPC_DESC_MAX_FDS;
-  GPUIPC__CHECK(gpuipc_buffer_export(buf, msg + TAG_BYTES, GPUIPC_DESC_MAX,
-                                     &len, fds, &nfds));
-  gpuipc_status s = gpuipc_conn_send_msg(conn, msg, TAG_BYTES + len, fds, nfds);
-  for (int i = 0; i < nfds; i++)
-    close(fds[i]);
-  return s;
-}
-
-gpuipc_status gpuipc_send_pool_desc(gpuipc_conn *conn, gpuipc_pool *pool) {
-  if (conn == NULL || pool == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_send_pool_desc: NULL conn or pool");
-  uint8_t msg[TAG_BYTES + GPUIPC_DESC_MAX];
-  memcpy(msg, pool_tag, TAG_BYTES);
-  size_t len = 0;
-  int fd = -1;
-  GPUIPC__CHECK(gpuipc_pool_export(pool, msg + TAG_BYTES, GPUIPC_DESC_MAX,
-                                   &len, &fd));
-  gpuipc_status s =
-      gpuipc_conn_send_msg(conn, msg, TAG_BYTES + len, &fd, fd >= 0 ? 1 : 0);
-  if (fd >= 0)
-    close(fd);
-  return s;
-}
-
-/* Receives the next user message, which must carry `tag`: the descriptor
- * goes to desc (*len bytes), its fds to fds (*nfds, owned by the caller
- * also on failure). */
-static gpuipc_status recv_tagged(gpuipc_conn *conn, const char *tag,
-                                 const char *what, uint8_t *desc, size_t *len,
-                                 int *fds, int *nfds) {
-  uint8_t msg[TAG_BYTES + GPUIPC_DESC_MAX];
-  size_t n = 0;
-  *nfds = GPUIPC_DESC_MAX_FDS;
-  gpuipc_status s = gpuipc_conn_recv_msg(conn, msg, sizeof msg, &n, fds, nfds);
-  if (s == GPUIPC_E_TRUNCATED)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "receiving a %s descriptor: a %zu-byte message is not "
-                        "one",
-                        what, n);
-  if (s != GPUIPC_OK) {
-    *nfds = 0;
-    return s;
-  }
-  if (n < TAG_BYTES || memcmp(msg, tag, TAG_BYTES) != 0)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "receiving a %s descriptor: the next message (%zu "
-                        "bytes) is not one",
-                        what, n);
-  *len = n - TAG_BYTES;
-  memcpy(desc, msg + TAG_BYTES, *len);
-  return GPUIPC_OK;
-}
-
-gpuipc_status gpuipc_recv_buffer_desc(gpuipc_conn *conn,
-                                      const gpuipc_import_options *opts,
-                                      gpuipc_buffer **buf) {
-  if (conn == NULL || buf == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_recv_buffer_desc: NULL conn or out");
-  *buf = NULL;
-  uint8_t desc[GPUIPC_DESC_MAX];
-  size_t len = 0;
-  int fds[GPUIPC_DESC_MAX_FDS];
-  int nfds = 0;
-  gpuipc_status s =
-      recv_tagged(conn, buf_tag, "buffer", desc, &len, fds, &nfds);
-  if (s == GPUIPC_OK)
-    s = gpuipc_buffer_import(desc, len, fds, nfds, opts, buf);
-  for (int i = 0; i < nfds; i++)
-    close(fds[i]);
-  return s;
-}
-
-gpuipc_status gpuipc_recv_pool_desc(gpuipc_conn *conn,
-                                    const gpuipc_import_options *opts,
-                                    gpuipc_pool **pool) {
-  if (conn == NULL || pool == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_recv_pool_desc: NULL conn or out");
-  *pool = NULL;
-  uint8_t desc[GPUIPC_DESC_MAX];
-  size_t len = 0;
-  int fds[GPUIPC_DESC_MAX_FDS];
-  int nfds = 0;
-  gpuipc_status s = recv_tagged(conn, pool_tag, "pool", desc, &len, fds, &nfds);
-  if (s == GPUIPC_OK)
-    s = gpuipc_pool_import(desc, len, nfds > 0 ? fds[0] : -1, opts, pool);
-  for (int i = 0; i < nfds; i++)
-    close(fds[i]);
-  return s;
-}
 
 /* ---- children ------------------------------------------------------------------ */
 
@@ -304,21 +195,6 @@ static gpuipc_status read_spawn_opts(const gpuipc_spawn_options *in,
                         "gpuipc_spawn: options size %zu", in->size);
   memcpy(o, in, in->size < sizeof *o ? in->size : sizeof *o);
   o->size = sizeof *o;
-  if (o->n_buffers < 0 || (o->n_buffers > 0 && o->buffers == NULL))
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_spawn: %d buffers with a NULL array",
-                        o->n_buffers);
-  for (int i = 0; i < o->n_buffers; i++)
-    if (o->buffers[i] == NULL)
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                          "gpuipc_spawn: buffers[%d] is NULL", i);
-  if (o->n_pools < 0 || (o->n_pools > 0 && o->pools == NULL))
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_spawn: %d pools with a NULL array", o->n_pools);
-  for (int i = 0; i < o->n_pools; i++)
-    if (o->pools[i] == NULL)
-      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                          "gpuipc_spawn: pools[%d] is NULL", i);
   return GPUIPC_OK;
 }
 
@@ -358,17 +234,11 @@ static gpuipc_status spawn_impl(const char *path, char *const argv[],
     s = gpuipc__fail_errno(errno, "fcntl", "F_DUPFD_CLOEXEC");
     goto out;
   }
-  char fd_var[64], nbuf_var[64], npool_var[64];
+  char fd_var[64];
   snprintf(fd_var, sizeof fd_var, GPUIPC_ENV_CONN_FD "=%d", sv[1]);
-  snprintf(nbuf_var, sizeof nbuf_var, GPUIPC_ENV_SPAWN_BUFFERS "=%d",
-           o.n_buffers);
-  snprintf(npool_var, sizeof npool_var, GPUIPC_ENV_SPAWN_POOLS "=%d",
-           o.n_pools);
   char *ours[8];
   int n_ours = 0;
   ours[n_ours++] = fd_var;
-  ours[n_ours++] = nbuf_var;
-  ours[n_ours++] = npool_var;
   for (int i = 0; i < n_extra && n_ours < 8; i++)
     ours[n_ours++] = extra[i];
   env = build_env(o.envp, o.env_add, ours, n_ours);
@@ -442,17 +312,6 @@ static gpuipc_status spawn_impl(const char *path, char *const argv[],
                        path, (int)pid, why);
     }
     goto out;
-  }
-  /* Pools first: buffers of those pools then import without their fd. */
-  for (int i = 0; i < o.n_pools; i++) {
-    s = gpuipc_send_pool_desc(c->conn, o.pools[i]);
-    if (s != GPUIPC_OK)
-      goto out;
-  }
-  for (int i = 0; i < o.n_buffers; i++) {
-    s = gpuipc_send_buffer_desc(c->conn, o.buffers[i]);
-    if (s != GPUIPC_OK)
-      goto out;
   }
 out:
   if (fa_init)
@@ -549,16 +408,11 @@ static int parse_nonneg(const char *v) {
 }
 
 gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts,
-                                      gpuipc_conn **conn, int *n_pools,
-                                      int *n_buffers) {
+                                      gpuipc_conn **conn) {
   if (conn == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_spawn_connection: NULL conn");
   *conn = NULL;
-  if (n_pools)
-    *n_pools = 0;
-  if (n_buffers)
-    *n_buffers = 0;
   const char *v = getenv(GPUIPC_ENV_CONN_FD);
   if (v == NULL)
     return gpuipc__fail(GPUIPC_E_NOT_FOUND,
@@ -568,11 +422,7 @@ gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts,
   char shown[32];
   snprintf(shown, sizeof shown, "%s", v);
   int fd = parse_nonneg(v);
-  int nb = parse_nonneg(getenv(GPUIPC_ENV_SPAWN_BUFFERS));
-  int np = parse_nonneg(getenv(GPUIPC_ENV_SPAWN_POOLS));
   unsetenv(GPUIPC_ENV_CONN_FD);
-  unsetenv(GPUIPC_ENV_SPAWN_BUFFERS);
-  unsetenv(GPUIPC_ENV_SPAWN_POOLS);
   struct stat st;
   if (fd < 0 || fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -581,12 +431,7 @@ gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts,
                         shown);
   /* From here on the descriptor is ours: keep it from our own children. */
   (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
-  GPUIPC__CHECK(gpuipc_conn_from_fd(fd, opts, conn));
-  if (n_pools)
-    *n_pools = np < 0 ? 0 : np;
-  if (n_buffers)
-    *n_buffers = nb < 0 ? 0 : nb;
-  return GPUIPC_OK;
+  return gpuipc_conn_from_fd(fd, opts, conn);
 }
 
 /* ---- worker groups ------------------------------------------------------------- */

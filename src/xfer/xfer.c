@@ -49,7 +49,8 @@ struct slot {
 struct gpuipc_xfer {
   /* error-checking: a stage that re-enters gets EDEADLK */
   pthread_mutex_t lock;
-  int device;
+  int device;       /* local ordinal, for the context */
+  gpuipc_uuid uuid; /* the same device, as the API names it */
   int nstreams;
   int copy_engines;
   size_t user_chunk; /* 0: automatic */
@@ -144,7 +145,8 @@ static size_t scratch_bytes(const gpuipc_xfer *x) {
   return 2 * (size_t)x->nstreams * x->max_chunk;
 }
 
-gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
+gpuipc_status gpuipc_xfer_create(const gpuipc_uuid *uuid,
+                                 const gpuipc_xfer_options *opts,
                                  gpuipc_xfer **out) {
   if (out == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -153,22 +155,18 @@ gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
   GPUIPC__CHECK(read_options(opts, &o));
   GPUIPC__CHECK(gpuipc__driver());
 
-  if (device < 0) {
-    CUdevice d;
-    CUresult r = GPUIPC__CU(cuCtxGetDevice, &d);
-    if (r != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(
-          r, "cuCtxGetDevice",
-          "gpuipc_xfer_create(-1) needs a current context");
-    device = (int)d;
+  int device = 0;
+  if (uuid != NULL) {
+    GPUIPC__CHECK(gpuipc_device_from_uuid(uuid, &device));
   } else {
     int count = 0;
     GPUIPC__CU_CHECK(cuDeviceGetCount, &count);
-    if (device >= count)
+    if (count < 1)
       return gpuipc__fail(GPUIPC_E_NO_DEVICE,
-                          "gpuipc_xfer_create: device %d, but %d visible",
-                          device, count);
+                          "gpuipc_xfer_create: no device visible");
   }
+  gpuipc_uuid named;
+  GPUIPC__CHECK(gpuipc_device_uuid(device, &named));
 
   gpuipc_xfer *x = calloc(1, sizeof *x);
   if (x == NULL)
@@ -179,6 +177,7 @@ gpuipc_status gpuipc_xfer_create(int device, const gpuipc_xfer_options *opts,
   pthread_mutex_init(&x->lock, &ma);
   pthread_mutexattr_destroy(&ma);
   x->device = device;
+  x->uuid = named;
 
   gpuipc_status s = GPUIPC_OK;
   gpuipc__ctx_guard g;
@@ -954,7 +953,7 @@ gpuipc_status gpuipc_xfer_get_info(gpuipc_xfer *x, gpuipc_xfer_info *info) {
   if (e != 0)
     return gpuipc__fail_errno(e, "pthread_mutex_lock", "copy engine");
   v.size = info->size < sizeof v ? info->size : sizeof v;
-  v.device = x->device;
+  v.device = x->uuid;
   v.streams = x->nstreams;
   v.copy_engines = x->copy_engines;
   v.max_chunk_bytes = x->max_chunk;

@@ -305,18 +305,24 @@ void *gpuipc_xfer_shared_get_slot(const gpuipc_xfer_shared *sh, uint64_t seq) {
   return sh->base + sh->data_offset + (size_t)slot_of(sh, seq) * sh->slot_bytes;
 }
 
-gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh, int device) {
-  if (sh == NULL || device < 0)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_xfer_shared_pin: %s",
-                        sh == NULL ? "NULL segment" : "bad device");
+gpuipc_status gpuipc_xfer_shared_pin(gpuipc_xfer_shared *sh,
+                                     const gpuipc_uuid *uuid) {
+  if (sh == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_xfer_shared_pin: NULL segment");
+  if (sh->borrowed)
+    return GPUIPC_OK; /* a pinned-host buffer: pinned with it */
+  GPUIPC__CHECK(gpuipc__driver());
+  int device = 0;
+  if (uuid != NULL)
+    GPUIPC__CHECK(gpuipc_device_from_uuid(uuid, &device));
   if (sh->pinned_device >= 0) {
-    if (sh->pinned_device == device || sh->borrowed)
+    if (sh->pinned_device == device)
       return GPUIPC_OK;
     return gpuipc__fail(GPUIPC_E_EXISTS,
                         "gpuipc_xfer_shared_pin: already pinned for device %d",
                         sh->pinned_device);
   }
-  GPUIPC__CHECK(gpuipc__driver());
   gpuipc__ctx_guard g;
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, device));
   gpuipc_status s = GPUIPC_OK;
