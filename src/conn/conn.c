@@ -359,21 +359,19 @@ gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
  * status when the peer is gone. */
 static gpuipc_status flush_tx(gpuipc_conn *c) {
   while (c->tx_off < c->tx_len) {
-    ssize_t w = send(c->fd, c->tx + c->tx_off, c->tx_len - c->tx_off,
-                     MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR)
-        continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return GPUIPC_OK;
-      if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
-        peer_gone(c);
-        return gpuipc__conn_ended(c);
-      }
-      return gpuipc__fail_errno(errno, "send", "connection to pid %d",
-                                c->peer_pid);
+    struct iovec iov = {c->tx + c->tx_off, c->tx_len - c->tx_off};
+    size_t w = 0;
+    gpuipc_status s =
+        gpuipc__sock_send(c->fd, &iov, 1, NULL, 0, false, MSG_DONTWAIT, &w);
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return GPUIPC_OK;
+    if (s == GPUIPC_E_PEER_GONE) {
+      peer_gone(c);
+      return gpuipc__conn_ended(c);
     }
-    c->tx_off += (size_t)w;
+    if (s != GPUIPC_OK)
+      return s;
+    c->tx_off += w;
   }
   c->tx_off = c->tx_len = 0;
   return GPUIPC_OK;
@@ -444,41 +442,23 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
     if (c->tx_len > c->tx_off)
       GPUIPC__CHECK(flush_tx(c));
     if (c->tx_len == c->tx_off) {
-      struct msghdr mh = {0};
-      mh.msg_iov = iov;
-      mh.msg_iovlen = (size_t)niov;
-      union {
-        char buf[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-        struct cmsghdr align;
-      } cb;
-      if (nfds > 0) {
-        memset(&cb, 0, sizeof cb);
-        mh.msg_control = cb.buf;
-        mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-        memcpy(CMSG_DATA(cm), fds, sizeof(int) * (size_t)nfds);
-      }
-      ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w >= 0) {
+      size_t w = 0;
+      gpuipc_status s = gpuipc__sock_send(c->fd, iov, niov, fds, nfds, false,
+                                          MSG_DONTWAIT, &w);
+      if (s == GPUIPC_OK) {
         size_t total = sizeof h + len;
-        if ((size_t)w < total)
+        if (w < total)
           /* The descriptors went with the first byte; the rest is plain
            * bytes, flushed by later calls. */
-          GPUIPC__CHECK(tx_append(c, iov, niov, (size_t)w));
+          GPUIPC__CHECK(tx_append(c, iov, niov, w));
         return GPUIPC_OK;
       }
-      if (errno == EINTR)
-        continue;
-      if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
+      if (s == GPUIPC_E_PEER_GONE) {
         peer_gone(c);
         return gpuipc__conn_ended(c);
       }
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        return gpuipc__fail_errno(errno, "sendmsg", "connection to pid %d",
-                                  c->peer_pid);
+      if (s != GPUIPC_E_WOULD_BLOCK)
+        return s;
     }
     /* The socket is full. Frames without descriptors are queued (the
      * caller need not wait); frames with descriptors wait, since queueing
@@ -617,57 +597,40 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
         c->rx_cap = need;
       }
     }
-    struct iovec iov = {c->rx + c->rx_len, c->rx_cap - c->rx_len};
-    union {
-      char buf[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-      struct cmsghdr align;
-    } cb;
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cb.buf;
-    mh.msg_controllen = sizeof cb.buf;
-    ssize_t r = recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0) {
-      if (errno == EINTR)
-        continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return GPUIPC_OK;
-      if (errno == ECONNRESET || errno == ENOTCONN) {
-        peer_gone(c);
-        return gpuipc__conn_ended(c);
-      }
-      return gpuipc__fail_errno(errno, "recvmsg", "connection to pid %d",
-                                c->peer_pid);
+    size_t room = c->rx_cap - c->rx_len, r = 0;
+    int tmp[GPUIPC__FRAME_FDS_MAX], k = 0;
+    gpuipc_status s =
+        gpuipc__sock_recv(c->fd, c->rx + c->rx_len, room, MSG_DONTWAIT, tmp,
+                          GPUIPC__FRAME_FDS_MAX, &k, NULL, NULL, &r);
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return GPUIPC_OK;
+    if (s == GPUIPC_E_PEER_GONE) {
+      peer_gone(c);
+      return gpuipc__conn_ended(c);
     }
+    if (s == GPUIPC_E_PROTOCOL || s == GPUIPC_E_LIMIT)
+      return gpuipc__conn_break(c, "peer sent more file descriptors than any "
+                                   "frame carries");
+    if (s != GPUIPC_OK)
+      return s;
     bool bad_fds = false;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm;
-         cm = CMSG_NXTHDR(&mh, cm)) {
-      if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
-        continue;
-      int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      int tmp[GPUIPC__FRAME_FDS_MAX];
-      memcpy(tmp, CMSG_DATA(cm), sizeof(int) * (size_t)k);
-      for (int i = 0; i < k; i++) {
-        if (c->rx_nfds < (int)GPUIPC__ARRAY_SIZE(c->rx_fds))
-          c->rx_fds[c->rx_nfds++] = tmp[i];
-        else {
-          close(tmp[i]);
-          bad_fds = true;
-        }
+    for (int i = 0; i < k; i++) {
+      if (c->rx_nfds < (int)GPUIPC__ARRAY_SIZE(c->rx_fds))
+        c->rx_fds[c->rx_nfds++] = tmp[i];
+      else {
+        close(tmp[i]);
+        bad_fds = true;
       }
     }
-    if (mh.msg_flags & MSG_CTRUNC)
-      bad_fds = true;
     if (bad_fds)
       return gpuipc__conn_break(c, "peer sent more file descriptors than any "
                                    "frame carries");
     if (r == 0) {
       /* Orderly end of stream. Whatever came before it is still
        * dispatched; a partial frame at the end is the peer's problem. */
-      gpuipc_status s = parse_rx(c);
-      if (s != GPUIPC_OK && c->state != GPUIPC__CONN_OPEN)
-        return s;
+      gpuipc_status ps = parse_rx(c);
+      if (ps != GPUIPC_OK && c->state != GPUIPC__CONN_OPEN)
+        return ps;
       if (c->rx_len > 0)
         GPUIPC__DEBUG("conn", "peer pid %d left in the middle of a frame "
                               "(%zu bytes)",
@@ -675,14 +638,14 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
       peer_gone(c);
       return gpuipc__conn_ended(c);
     }
-    c->rx_len += (size_t)r;
+    c->rx_len += r;
     GPUIPC__CHECK(parse_rx(c));
     /* A short read without descriptors drained the socket: skip the read
      * that would only say EAGAIN (a syscall per buffer on the fast path).
      * A read that brought descriptors may have stopped at a message
      * boundary the kernel keeps; read on then. Anything that arrives later
      * makes the socket readable again for the caller's poll. */
-    if ((size_t)r < iov.iov_len && mh.msg_controllen == 0)
+    if (r < room && k == 0)
       return GPUIPC_OK;
   }
   return GPUIPC_OK;
@@ -756,21 +719,12 @@ static gpuipc_status hs_read(int fd, uint64_t deadline, gpuipc__frame_hdr *h,
   size_t got = 0, want = sizeof *h;
   *have_cred = false;
   while (got < want) {
-    union {
-      char b[CMSG_SPACE(sizeof(struct ucred)) +
-             CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-      struct cmsghdr align;
-    } cb;
-    struct iovec iov = {buf + got, want - got};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cb.b;
-    mh.msg_controllen = sizeof cb.b;
-    ssize_t r = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    struct ucred uc;
+    bool have_uc = false;
+    size_t r = 0;
+    gpuipc_status s = gpuipc__sock_recv(fd, buf + got, want - got, MSG_DONTWAIT,
+                                        NULL, 0, NULL, &uc, &have_uc, &r);
+    if (s == GPUIPC_E_WOULD_BLOCK) {
       int ev = wait_fd(fd, POLLIN, deadline);
       if (ev < 0)
         return gpuipc__fail_errno(errno, "poll", "handshake");
@@ -779,35 +733,22 @@ static gpuipc_status hs_read(int fd, uint64_t deadline, gpuipc__frame_hdr *h,
                             "handshake: the peer did not answer in time");
       continue;
     }
-    if (r < 0) {
-      if (errno == ECONNRESET)
-        return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                            "handshake: the peer reset the connection");
-      return gpuipc__fail_errno(errno, "recvmsg", "handshake");
-    }
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm;
-         cm = CMSG_NXTHDR(&mh, cm)) {
-      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_CREDENTIALS &&
-          got == 0) {
-        memcpy(cred, CMSG_DATA(cm), sizeof *cred);
-        *have_cred = true;
-      } else if (cm->cmsg_level == SOL_SOCKET &&
-                 cm->cmsg_type == SCM_RIGHTS) {
-        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-        int tmp[GPUIPC__FRAME_FDS_MAX];
-        if (k > GPUIPC__FRAME_FDS_MAX)
-          k = GPUIPC__FRAME_FDS_MAX;
-        memcpy(tmp, CMSG_DATA(cm), sizeof(int) * (size_t)k);
-        for (int i = 0; i < k; i++)
-          close(tmp[i]);
-        return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                            "handshake: unexpected file descriptors");
-      }
+    if (s == GPUIPC_E_PEER_GONE)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer reset the connection");
+    if (s == GPUIPC_E_PROTOCOL)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "handshake: unexpected file descriptors");
+    if (s != GPUIPC_OK)
+      return s;
+    if (have_uc && got == 0) {
+      *cred = uc;
+      *have_cred = true;
     }
     if (r == 0)
       return gpuipc__fail(GPUIPC_E_PEER_GONE,
                           "handshake: the peer closed the connection");
-    got += (size_t)r;
+    got += r;
     if (got == sizeof *h) {
       memcpy(h, buf, sizeof *h);
       if (h->magic != GPUIPC__FRAME_MAGIC ||
@@ -848,28 +789,10 @@ static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
   size_t total = sizeof h + n, off = 0;
   while (off < total) {
     struct iovec iov = {buf + off, total - off};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    union {
-      char b[CMSG_SPACE(sizeof(struct ucred))];
-      struct cmsghdr align;
-    } cb;
-    if (off == 0) {
-      memset(&cb, 0, sizeof cb);
-      mh.msg_control = cb.b;
-      mh.msg_controllen = sizeof cb.b;
-      struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_CREDENTIALS;
-      cm->cmsg_len = CMSG_LEN(sizeof(struct ucred));
-      struct ucred uc = {getpid(), geteuid(), getegid()};
-      memcpy(CMSG_DATA(cm), &uc, sizeof uc);
-    }
-    ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0 && errno == EINTR)
-      continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    size_t w = 0;
+    gpuipc_status s =
+        gpuipc__sock_send(fd, &iov, 1, NULL, 0, off == 0, MSG_DONTWAIT, &w);
+    if (s == GPUIPC_E_WOULD_BLOCK) {
       int ev = wait_fd(fd, POLLOUT, deadline);
       if (ev < 0)
         return gpuipc__fail_errno(errno, "poll", "handshake");
@@ -877,13 +800,12 @@ static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
         return gpuipc__fail(GPUIPC_E_TIMEOUT, "handshake: send timed out");
       continue;
     }
-    if (w < 0) {
-      if (errno == EPIPE || errno == ECONNRESET)
-        return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                            "handshake: the peer closed the connection");
-      return gpuipc__fail_errno(errno, "sendmsg", "handshake");
-    }
-    off += (size_t)w;
+    if (s == GPUIPC_E_PEER_GONE)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer closed the connection");
+    if (s != GPUIPC_OK)
+      return s;
+    off += w;
   }
   return GPUIPC_OK;
 }
