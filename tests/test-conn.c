@@ -5,11 +5,13 @@
  */
 #include "harness.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -856,5 +858,65 @@ TEST_IMPL(conn_64_peers) {
     ASSERT_EQ(wait_helper(pids[i], 60), 0);
   ASSERT_EQ(harness_count_fds(), base_fds);
   gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- this process's limits ------------------------------------------------------------ */
+
+/* A receiver that has no descriptor left when a message with descriptors
+ * arrives: the kernel drops them (MSG_CTRUNC). That is this process's
+ * limit, not a peer that sent too many, and the status says so. */
+TEST_IMPL(conn_recv_out_of_fds_says_so) {
+  int fd;
+  pid_t pid = spawn_helper("conn_echo", NULL, &fd, "pair", NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  /* The echo comes back with two descriptors. */
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "fds", 3, p, 2));
+  close(p[0]);
+  close(p[1]);
+  /* Wait until the echo is there, then fill the descriptor table. */
+  struct pollfd pf = {gpuipc_conn_get_fd(c), POLLIN, 0};
+  ASSERT_EQ(poll(&pf, 1, 20000), 1);
+  struct rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  struct rlimit low = old;
+  low.rlim_cur = 256;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  static int dups[256];
+  int ndups = 0;
+  for (;;) {
+    int d = fcntl(0, F_DUPFD_CLOEXEC, 0);
+    if (d < 0) {
+      ASSERT_EQ(errno, EMFILE);
+      break;
+    }
+    ASSERT_LT(ndups, 256);
+    dups[ndups++] = d;
+  }
+  char buf[16];
+  size_t len = 0;
+  int got[4], ngot = 4;
+  gpuipc_status s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, got, &ngot);
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", gpuipc_last_error());
+  for (int i = 0; i < ndups; i++)
+    close(dups[i]);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  if (s != GPUIPC_E_LIMIT)
+    harness_fail(__FILE__, __LINE__, "receive without fds left: got %s (%s), "
+                 "want GPUIPC_E_LIMIT",
+                 gpuipc_status_name(s), msg);
+  ASSERT_STR_CONTAINS(msg, "this process has no file descriptor left");
+  ASSERT_STR_CONTAINS(msg, "RLIMIT_NOFILE is 256");
+  /* The connection ended on our side; later calls say so and why. */
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
+                GPUIPC_E_CLOSED);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "no file descriptor left");
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }

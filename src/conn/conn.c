@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -334,23 +335,44 @@ static void peer_gone(gpuipc_conn *c) {
     gpuipc__ho_peer_gone(c);
 }
 
-gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
+/* Ends the connection on our side for a reason that is not the peer
+ * leaving: logs, closes the socket, runs the peer-gone cleanup, and
+ * returns `status` with the reason (later calls: GPUIPC_E_CLOSED). */
+static gpuipc_status conn_vfail(gpuipc_conn *c, gpuipc_status status,
+                                const char *fmt, va_list ap) {
   char why[sizeof c->broken_why];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(why, sizeof why, fmt, ap);
-  va_end(ap);
   if (c->state == GPUIPC__CONN_OPEN) {
     GPUIPC__WARN("conn",
                  "disconnecting peer pid %d: %s", c->peer_pid, why);
     memcpy(c->broken_why, why, sizeof why);
+    c->broken_status = status;
     c->state = GPUIPC__CONN_BROKEN;
     disconnect(c);
     if (c->ho)
       gpuipc__ho_peer_gone(c);
   }
-  return gpuipc__fail(GPUIPC_E_PROTOCOL, "peer pid %d disconnected: %s",
-                      c->peer_pid, why);
+  return gpuipc__fail(status, "peer pid %d disconnected: %s", c->peer_pid,
+                      why);
+}
+
+static gpuipc_status conn_fail(gpuipc_conn *c, gpuipc_status status,
+                               const char *fmt, ...) GPUIPC__PRINTF(3, 4);
+static gpuipc_status conn_fail(gpuipc_conn *c, gpuipc_status status,
+                               const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  gpuipc_status s = conn_vfail(c, status, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  gpuipc_status s = conn_vfail(c, GPUIPC_E_PROTOCOL, fmt, ap);
+  va_end(ap);
+  return s;
 }
 
 /* ---- sending --------------------------------------------------------------------- */
@@ -608,9 +630,21 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
       peer_gone(c);
       return gpuipc__conn_ended(c);
     }
-    if (s == GPUIPC_E_PROTOCOL || s == GPUIPC_E_LIMIT)
+    if (s == GPUIPC_E_PROTOCOL)
       return gpuipc__conn_break(c, "peer sent more file descriptors than any "
                                    "frame carries");
+    if (s == GPUIPC_E_LIMIT) {
+      /* Our limit, not the peer's fault: the kernel could not install the
+       * descriptors that came with a frame, so the stream cannot go on. */
+      struct rlimit rl = {0, 0};
+      (void)getrlimit(RLIMIT_NOFILE, &rl);
+      return conn_fail(c, GPUIPC_E_LIMIT,
+                       "this process has no file descriptor left (its "
+                       "RLIMIT_NOFILE is %llu): the kernel dropped the "
+                       "descriptors that came with a frame, so the "
+                       "connection cannot go on",
+                       (unsigned long long)rl.rlim_cur);
+    }
     if (s != GPUIPC_OK)
       return s;
     bool bad_fds = false;
