@@ -920,3 +920,137 @@ TEST_IMPL(conn_recv_out_of_fds_says_so) {
   ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }
+
+/* ---- bounded queues and backpressure ---------------------------------------------------- */
+
+/* Floods the test with messages as fast as the connection takes them:
+ * argv[1] "fds": 400 messages of 4 bytes with 16 descriptors each;
+ * "bytes": 2,000 messages of 64 KiB. Each starts with its index. Then
+ * waits for one message and leaves. */
+HELPER_IMPL(conn_flood) {
+  ASSERT(argc >= 2);
+  gpuipc_conn *c = helper_conn(argc, argv);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 60000));
+  static unsigned char buf[GPUIPC_CONN_MSG_MAX];
+  bool fds_mode = strcmp(argv[1], "fds") == 0;
+  int fds[GPUIPC_CONN_FDS_MAX];
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  for (int i = 0; i < GPUIPC_CONN_FDS_MAX; i++)
+    fds[i] = i % 2 ? p[1] : p[0];
+  int n = fds_mode ? 400 : 2000;
+  for (int i = 0; i < n; i++) {
+    memcpy(buf, &i, sizeof i);
+    if (fds_mode)
+      ASSERT_OK(gpuipc_conn_send_msg(c, buf, sizeof i, fds,
+                                     GPUIPC_CONN_FDS_MAX));
+    else {
+      memset(buf + sizeof i, (unsigned char)i, sizeof buf - sizeof i);
+      ASSERT_OK(gpuipc_conn_send_msg(c, buf, sizeof buf, NULL, 0));
+    }
+  }
+  close(p[0]);
+  close(p[1]);
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static void flood_case(const char *mode) {
+  bool fds_mode = strcmp(mode, "fds") == 0;
+  int n = fds_mode ? 400 : 2000;
+  int fd;
+  pid_t pid = spawn_helper("conn_flood", NULL, &fd, "pair", (char *)mode, NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  int base_fds = harness_count_fds();
+  /* The application only makes progress for a while: what the connection
+   * holds must stay within its bounds, and reach them (the flood is held
+   * back, not lost). */
+  int max_fds = 0;
+  size_t max_msgs = 0, max_bytes = 0, max_qfds = 0;
+  bool paused = false;
+  uint64_t t0 = (uint64_t)time(NULL);
+  for (int i = 0; i < 100; i++) {
+    ASSERT_OK(gpuipc_conn_progress(c, 10));
+    size_t m, b, f;
+    gpuipc__conn_queued(c, &m, &b, &f, &paused);
+    int open_fds = harness_count_fds() - base_fds;
+    if (open_fds > max_fds)
+      max_fds = open_fds;
+    if (m > max_msgs)
+      max_msgs = m;
+    if (b > max_bytes)
+      max_bytes = b;
+    if (f > max_qfds)
+      max_qfds = f;
+  }
+  ASSERT_LT((uint64_t)time(NULL) - t0, 20); /* progress never waited long */
+  ASSERT(paused);
+  ASSERT_LE(max_msgs, GPUIPC_CONN_QUEUE_MSGS);
+  ASSERT_LE(max_bytes, GPUIPC_CONN_QUEUE_BYTES);
+  ASSERT_LE(max_qfds, GPUIPC_CONN_QUEUE_FDS);
+  /* Open descriptors: the queue's, plus at most what one read brings for
+   * frames not yet parsed (64). */
+  ASSERT_LE(max_fds, GPUIPC_CONN_QUEUE_FDS + 64);
+  if (fds_mode)
+    ASSERT_GE(max_qfds, GPUIPC_CONN_QUEUE_FDS - GPUIPC_CONN_FDS_MAX);
+  else
+    ASSERT_GE(max_bytes, GPUIPC_CONN_QUEUE_BYTES - GPUIPC_CONN_MSG_MAX);
+  /* A call that waits for something behind the held messages says why it
+   * cannot get it instead of waiting out its timeout. */
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  uint64_t t1 = (uint64_t)time(NULL);
+  ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_BUSY);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "wait to be taken");
+  ASSERT_LT((uint64_t)time(NULL) - t1, 5);
+  char one[4];
+  size_t len = 0;
+  /* The honest reader then gets every message, whole and in order. */
+  static unsigned char buf[GPUIPC_CONN_MSG_MAX];
+  for (int i = 0; i < n; i++) {
+    int got[GPUIPC_CONN_FDS_MAX], ngot = GPUIPC_CONN_FDS_MAX;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, got, &ngot));
+    int idx = -1;
+    memcpy(&idx, buf, sizeof idx);
+    if (idx != i)
+      harness_fail(__FILE__, __LINE__, "message %d came as %d", i, idx);
+    if (fds_mode) {
+      ASSERT_EQ(len, sizeof idx);
+      ASSERT_EQ(ngot, GPUIPC_CONN_FDS_MAX);
+    } else {
+      ASSERT_EQ(len, sizeof buf);
+      ASSERT_EQ(ngot, 0);
+      ASSERT_EQ(buf[len - 1], (unsigned char)i);
+    }
+    for (int k = 0; k < ngot; k++)
+      close(got[k]);
+    int open_fds = harness_count_fds() - base_fds;
+    if (open_fds > GPUIPC_CONN_QUEUE_FDS + 64)
+      harness_fail(__FILE__, __LINE__, "%d descriptors open at message %d",
+                   open_fds, i);
+  }
+  size_t m, b, f;
+  gpuipc__conn_queued(c, &m, &b, &f, &paused);
+  ASSERT_EQ(m, 0);
+  ASSERT_EQ(b, 0);
+  ASSERT_EQ(f, 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, one, sizeof one, &len, NULL, NULL),
+                GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(harness_count_fds(), base_fds - 1);
+}
+
+TEST_IMPL(conn_msg_flood_fds_bounded) {
+  flood_case("fds");
+  return 0;
+}
+
+TEST_IMPL(conn_msg_flood_bytes_bounded) {
+  flood_case("bytes");
+  return 0;
+}

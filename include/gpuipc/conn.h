@@ -77,6 +77,19 @@
  * it is readable. An exporter that only sends must still make progress now
  * and then (send does, too), or releases pile up in the socket.
  *
+ * Backpressure. A connection holds at most GPUIPC_CONN_QUEUE_MSGS /
+ * _BYTES / _FDS of user messages received and not yet taken (settable in
+ * gpuipc_conn_options). When the next message does not fit, the connection
+ * stops reading its socket until the application takes messages with
+ * gpuipc_conn_recv_msg: everything behind that message (buffers, releases,
+ * the peer's departure) waits in the kernel's socket buffer, and the
+ * peer's sends wait, time out or return GPUIPC_E_WOULD_BLOCK. Meanwhile a
+ * call that needs something from behind the held messages
+ * (gpuipc_conn_recv, a send waiting for a free slot) returns GPUIPC_E_BUSY
+ * at once rather than wait out its timeout, gpuipc_conn_progress returns
+ * GPUIPC_OK having read nothing, and the socket stays readable for poll:
+ * an application that accepts user messages must take them.
+ *
  * Timeouts. Every call that can wait takes its limit from the connection's
  * timeout (gpuipc_conn_options.timeout_ms, gpuipc_conn_set_timeout): -1
  * waits forever, 0 never waits. A connection in non-blocking mode never
@@ -133,6 +146,21 @@ typedef struct gpuipc_block gpuipc_block;
 #define GPUIPC_META_MAX 256
 /* Longest connection name (without the runtime directory). */
 #define GPUIPC_CONN_NAME_MAX 80
+
+/* What one connection holds of user messages received and not yet taken
+ * (gpuipc_conn_recv_msg), by default: messages, payload bytes, and file
+ * descriptors that came with them. When the next message would pass a
+ * bound, the connection stops reading its socket (backpressure): frames
+ * stay in the kernel's socket buffer, and the sender's calls wait, time
+ * out or return GPUIPC_E_WOULD_BLOCK as for any peer that does not read.
+ * A message is always taken into an empty queue. Settable per connection
+ * (gpuipc_conn_options.queue_*, up to the _CAP values). */
+#define GPUIPC_CONN_QUEUE_MSGS 1024
+#define GPUIPC_CONN_QUEUE_BYTES ((size_t)4 << 20)
+#define GPUIPC_CONN_QUEUE_FDS 128
+#define GPUIPC_CONN_QUEUE_MSGS_CAP (1u << 20)
+#define GPUIPC_CONN_QUEUE_BYTES_CAP ((size_t)1 << 30)
+#define GPUIPC_CONN_QUEUE_FDS_CAP 65536u
 
 /* How the consumer's GPU work is ordered after the producer's. */
 typedef enum gpuipc_order_mode {
@@ -195,11 +223,18 @@ typedef struct gpuipc_conn_options {
   uint32_t max_outstanding;
   /* GPU ordering of handed-over buffers. Default GPUIPC_ORDER_MEMOP. */
   gpuipc_order_mode order;
+  /* Bounds of the queue of received user messages not yet taken (see
+   * GPUIPC_CONN_QUEUE_MSGS): messages, file descriptors, payload bytes.
+   * 0: the default; at most the _CAP values. */
+  uint32_t queue_msgs;
+  uint32_t queue_fds;
+  size_t queue_bytes;
 } gpuipc_conn_options;
 
 #define GPUIPC_CONN_OPTIONS_INIT                                               \
   {sizeof(gpuipc_conn_options), 10000, 0, 0, NULL, NULL, 0, NULL, 0, 256,      \
-   GPUIPC_ORDER_MEMOP}
+   GPUIPC_ORDER_MEMOP, GPUIPC_CONN_QUEUE_MSGS, GPUIPC_CONN_QUEUE_FDS,          \
+   GPUIPC_CONN_QUEUE_BYTES}
 
 /* ------------------------------------------------------------------------ */
 /* Making connections                                                        */
@@ -322,7 +357,8 @@ GPUIPC_API gpuipc_status gpuipc_conn_send_msg(gpuipc_conn *conn,
  * expected: surplus descriptors are closed. A message longer than cap is
  * consumed and GPUIPC_E_TRUNCATED returned with *len the full size.
  * Buffers that arrive meanwhile are queued for gpuipc_conn_recv. Waits up
- * to the timeout: GPUIPC_E_TIMEOUT, GPUIPC_E_WOULD_BLOCK, GPUIPC_E_PEER_GONE. */
+ * to the timeout: GPUIPC_E_TIMEOUT, GPUIPC_E_WOULD_BLOCK, GPUIPC_E_PEER_GONE.
+ * Taking a message makes room in the bounded queue (see Backpressure). */
 GPUIPC_API gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf,
                                               size_t cap, size_t *len /* OUT */,
                                               int *fds /* OUT */,
@@ -474,7 +510,9 @@ typedef struct gpuipc_received {
  * that arrive meanwhile are queued for gpuipc_conn_recv_msg.
  * GPUIPC_E_TIMEOUT / GPUIPC_E_WOULD_BLOCK when nothing came;
  * GPUIPC_E_PEER_GONE when the exporter is gone (buffers already received
- * stay readable until released). Needs CUDA. */
+ * stay readable until released); GPUIPC_E_BUSY when the queue of user
+ * messages not yet taken is full, so that nothing behind them is read
+ * (see Backpressure). Needs CUDA. */
 GPUIPC_API gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn,
                                           struct CUstream_st *stream,
                                           gpuipc_received *out /* OUT */);

@@ -62,6 +62,21 @@ static gpuipc_status read_opts(const gpuipc_conn_options *in, copts *out) {
       (out->o.n_allow_gids && !out->o.allow_gids) ||
       out->o.n_allow_uids > 4096 || out->o.n_allow_gids > 4096)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "bad uid/gid allow-list");
+  if (out->o.queue_msgs == 0)
+    out->o.queue_msgs = GPUIPC_CONN_QUEUE_MSGS;
+  if (out->o.queue_fds == 0)
+    out->o.queue_fds = GPUIPC_CONN_QUEUE_FDS;
+  if (out->o.queue_bytes == 0)
+    out->o.queue_bytes = GPUIPC_CONN_QUEUE_BYTES;
+  if (out->o.queue_msgs > GPUIPC_CONN_QUEUE_MSGS_CAP ||
+      out->o.queue_fds > GPUIPC_CONN_QUEUE_FDS_CAP ||
+      out->o.queue_bytes > GPUIPC_CONN_QUEUE_BYTES_CAP)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "message queue bounds %u messages, %u descriptors, "
+                        "%zu bytes: at most %u, %u, %zu",
+                        out->o.queue_msgs, out->o.queue_fds,
+                        out->o.queue_bytes, GPUIPC_CONN_QUEUE_MSGS_CAP,
+                        GPUIPC_CONN_QUEUE_FDS_CAP, GPUIPC_CONN_QUEUE_BYTES_CAP);
   if (out->o.order != GPUIPC_ORDER_MEMOP && out->o.order != GPUIPC_ORDER_NONE &&
       out->o.order != GPUIPC_ORDER_EVENT)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "unknown order mode %d",
@@ -219,6 +234,9 @@ static gpuipc_conn *conn_new(int fd, const copts *o) {
   c->nonblocking = o->o.nonblocking != 0;
   c->max_outstanding = o->o.max_outstanding;
   c->order = o->o.order;
+  c->q_max_msgs = o->o.queue_msgs;
+  c->q_max_bytes = o->o.queue_bytes;
+  c->q_max_fds = o->o.queue_fds;
   return c;
 }
 
@@ -238,7 +256,19 @@ static void free_msgs(gpuipc_conn *c) {
     m = n;
   }
   c->msg_head = c->msg_tail = NULL;
-  c->msg_count = 0;
+  c->msg_count = c->msg_bytes = c->msg_fds = 0;
+}
+
+void gpuipc__conn_queued(const gpuipc_conn *c, size_t *msgs, size_t *bytes,
+                         size_t *fds, bool *paused) {
+  if (msgs)
+    *msgs = c->msg_count;
+  if (bytes)
+    *bytes = c->msg_bytes;
+  if (fds)
+    *fds = c->msg_fds;
+  if (paused)
+    *paused = c->rx_paused;
 }
 
 static void conn_free(gpuipc_conn *c) {
@@ -322,6 +352,7 @@ static void disconnect(gpuipc_conn *c) {
   }
   close_rx_fds(c);
   c->rx_len = 0;
+  c->rx_paused = false;
   c->tx_len = c->tx_off = 0;
 }
 
@@ -489,13 +520,16 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
       return tx_append(c, iov, niov, 0);
     if (deadline == 0)
       return timed_out(c, deadline, "send");
-    int ev = wait_fd(c->fd, POLLOUT | POLLIN, deadline);
+    /* While reading is paused (the application holds too many of the
+     * peer's messages), wait for room only. */
+    int ev = wait_fd(c->fd, c->rx_paused ? POLLOUT : POLLOUT | POLLIN,
+                     deadline);
     if (ev < 0)
       return gpuipc__fail_errno(errno, "poll", "connection to pid %d",
                                 c->peer_pid);
     if (ev == 0)
       return timed_out(c, deadline, "send");
-    if (ev & (POLLIN | POLLHUP | POLLERR)) {
+    if (!c->rx_paused && (ev & (POLLIN | POLLHUP | POLLERR))) {
       /* Keep reading while we wait, so that two peers that both send
        * cannot deadlock on full sockets. */
       gpuipc_status s = pump_once(c);
@@ -527,13 +561,26 @@ static gpuipc_status queue_msg(gpuipc_conn *c, const unsigned char *p,
     c->msg_head = m;
   c->msg_tail = m;
   c->msg_count++;
+  c->msg_bytes += len;
+  c->msg_fds += (size_t)nfds;
   return GPUIPC_OK;
+}
+
+/* True when a message of len bytes and nfds descriptors fits in the queue
+ * of received messages (an empty queue takes any message). */
+static bool queue_has_room(const gpuipc_conn *c, size_t len, int nfds) {
+  if (c->msg_count == 0)
+    return true;
+  return c->msg_count < c->q_max_msgs &&
+         c->msg_bytes + len <= c->q_max_bytes &&
+         c->msg_fds + (size_t)nfds <= c->q_max_fds;
 }
 
 /* Parses and dispatches every complete frame in rx. */
 static gpuipc_status parse_rx(gpuipc_conn *c) {
   size_t off = 0;
   gpuipc_status s = GPUIPC_OK;
+  c->rx_paused = false;
   while (c->state == GPUIPC__CONN_OPEN && c->rx_len - off >= sizeof(gpuipc__frame_hdr)) {
     gpuipc__frame_hdr h;
     memcpy(&h, c->rx + off, sizeof h);
@@ -559,6 +606,13 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
                                 h.nfds, c->rx_nfds);
     if (c->rx_len - off < sizeof h + h.len)
       break; /* the rest has not arrived yet */
+    if (h.type == GPUIPC__F_MSG && !queue_has_room(c, h.len, h.nfds)) {
+      /* The application has not taken enough of the messages it holds:
+       * this one waits here, with its descriptors, and the socket is not
+       * read until there is room (the peer feels the backpressure). */
+      c->rx_paused = true;
+      break;
+    }
     int fds[GPUIPC__FRAME_FDS_MAX];
     int nfds = h.nfds;
     memcpy(fds, c->rx_fds, sizeof(int) * (size_t)nfds);
@@ -606,6 +660,13 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
 static gpuipc_status pump_once(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
+  if (c->rx_paused) {
+    /* A message waits in rx for room in the queue: take what fits now,
+     * and read nothing more while it still does not. */
+    GPUIPC__CHECK(parse_rx(c));
+    if (c->rx_paused)
+      return GPUIPC_OK;
+  }
   for (int rounds = 0; rounds < 64; rounds++) {
     if (c->rx_cap - c->rx_len < RX_CHUNK / 2) {
       size_t need = c->rx_len + RX_CHUNK;
@@ -674,6 +735,8 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
     }
     c->rx_len += r;
     GPUIPC__CHECK(parse_rx(c));
+    if (c->rx_paused)
+      return GPUIPC_OK;
     /* A short read without descriptors drained the socket: skip the read
      * that would only say EAGAIN (a syscall per buffer on the fast path).
      * A read that brought descriptors may have stopped at a message
@@ -701,6 +764,19 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
       return GPUIPC_OK;
     if (s != GPUIPC_OK)
       return s;
+    if (c->rx_paused) {
+      /* Nothing more is read until the application takes messages, and
+       * only it can (one thread per connection): waiting would only run
+       * into the timeout. */
+      if (wait_for == NULL)
+        return GPUIPC_OK;
+      return gpuipc__fail(GPUIPC_E_BUSY,
+                          "%zu user messages (%zu bytes, %zu file "
+                          "descriptors) from pid %d wait to be taken with "
+                          "gpuipc_conn_recv_msg: the connection reads "
+                          "nothing further until then",
+                          c->msg_count, c->msg_bytes, c->msg_fds, c->peer_pid);
+    }
     if (wait_for == NULL && deadline == 0)
       return GPUIPC_OK;
     if (deadline == 0 || (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline))
@@ -1376,6 +1452,8 @@ gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf, size_t cap,
   if (conn->msg_head == NULL)
     conn->msg_tail = NULL;
   conn->msg_count--;
+  conn->msg_bytes -= m->len;
+  conn->msg_fds -= (size_t)m->nfds;
   *len = m->len;
   if (m->len && cap)
     memcpy(buf, m->data, m->len < cap ? m->len : cap);
