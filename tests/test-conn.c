@@ -1054,3 +1054,198 @@ TEST_IMPL(conn_msg_flood_bytes_bounded) {
   flood_case("bytes");
   return 0;
 }
+
+/* ---- concurrent handshakes ---------------------------------------------------------------- */
+
+/* A client that connects to the abstract name and says nothing. */
+static int silent_client(const char *name) {
+  int raw = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(raw, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  int n = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "gpuipc/%s", name);
+  ASSERT_EQ(connect(raw, (struct sockaddr *)&sa,
+                    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 +
+                                (size_t)n)),
+            0);
+  return raw;
+}
+
+/* True when the listener dropped this silent client: what it sent (its
+ * HELLO) is followed by the end of the stream. */
+static bool silent_client_dropped(int raw) {
+  char buf[4096];
+  for (;;) {
+    ssize_t r = recv(raw, buf, sizeof buf, MSG_DONTWAIT);
+    if (r == 0)
+      return true;
+    if (r < 0)
+      return false;
+  }
+}
+
+typedef struct accept_job {
+  gpuipc_listener *l;
+  gpuipc_conn *c;
+  gpuipc_status s;
+  char err[512];
+} accept_job;
+
+static void *accept_thread(void *arg) {
+  accept_job *j = arg;
+  j->s = gpuipc_accept(j->l, &j->c);
+  snprintf(j->err, sizeof j->err, "%s", gpuipc_last_error());
+  return NULL;
+}
+
+/* Accepts in a thread, bounded by limit_s seconds of waiting here: the
+ * honest peer that connected after `silent` mute ones must come out. */
+static gpuipc_conn *accept_within(gpuipc_listener *l, int limit_s,
+                                  double *elapsed_s) {
+  accept_job j = {l, NULL, GPUIPC_OK, ""};
+  pthread_t t;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  ASSERT_EQ(pthread_create(&t, NULL, accept_thread, &j), 0);
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += limit_s;
+  int r = pthread_timedjoin_np(t, NULL, &until);
+  if (r != 0)
+    harness_fail(__FILE__, __LINE__,
+                 "gpuipc_accept did not return within %d s: handshakes of "
+                 "silent peers hold up the honest one",
+                 limit_s);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  *elapsed_s = (double)(t1.tv_sec - t0.tv_sec) +
+               (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  if (j.s != GPUIPC_OK)
+    harness_fail(__FILE__, __LINE__, "gpuipc_accept: %s (%s)",
+                 gpuipc_status_name(j.s), j.err);
+  return j.c;
+}
+
+TEST_IMPL(conn_accept_handshakes_concurrent) {
+  char name[64];
+  snprintf(name, sizeof name, "hs-%d", (int)getpid());
+  int base_fds = harness_count_fds();
+  for (int round = 0; round < 2; round++) {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    /* Round 0: accept may wait 30 s; round 1: forever. Each handshake has
+     * 20 s. Serial handshakes would hold the honest peer for 3 x 20 s (or
+     * forever); concurrent ones hand it out at once. */
+    o.timeout_ms = round == 0 ? 30000 : -1;
+    o.handshake_timeout_ms = 20000;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    int mute[3];
+    for (int i = 0; i < 3; i++)
+      mute[i] = silent_client(name);
+    pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    double el = 0;
+    gpuipc_conn *c = accept_within(l, 10, &el);
+    gpuipc_peer_info pi;
+    ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+    ASSERT_EQ(pi.pid, pid);
+    if (el > 8.0)
+      harness_fail(__FILE__, __LINE__, "round %d: accept took %.1f s", round,
+                   el);
+    roundtrip(c, 40, round);
+    gpuipc_conn_close(c);
+    ASSERT_EQ(wait_helper(pid, 30), 0);
+    /* The silent ones are still pending, not dropped. */
+    for (int i = 0; i < 3; i++)
+      ASSERT(!silent_client_dropped(mute[i]));
+    gpuipc_listener_close(l);
+    /* Closing the listener drops them. */
+    for (int i = 0; i < 3; i++) {
+      ASSERT(silent_client_dropped(mute[i]));
+      close(mute[i]);
+    }
+  }
+  /* Each handshake has its own deadline: a silent peer is dropped when it
+   * passes, while accept goes on waiting for its own. */
+  {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    o.timeout_ms = 1500;
+    o.handshake_timeout_ms = 200;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    int mute = silent_client(name);
+    gpuipc_conn *c = NULL;
+    ASSERT_STATUS(gpuipc_accept(l, &c), GPUIPC_E_TIMEOUT);
+    ASSERT(silent_client_dropped(mute));
+    close(mute);
+    gpuipc_listener_close(l);
+  }
+  /* A non-blocking listener: handshakes move on in later calls, and the
+   * listener's descriptor becomes readable when one can. */
+  {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    o.nonblocking = 1;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    int mute = silent_client(name);
+    pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    gpuipc_conn *c = NULL;
+    gpuipc_status s;
+    int rounds = 0;
+    while ((s = gpuipc_accept(l, &c)) == GPUIPC_E_WOULD_BLOCK) {
+      struct pollfd p = {gpuipc_listener_get_fd(l), POLLIN, 0};
+      ASSERT_EQ(poll(&p, 1, 20000), 1);
+      ASSERT_LT(++rounds, 20);
+    }
+    ASSERT_OK(s);
+    gpuipc_peer_info pi;
+    ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+    ASSERT_EQ(pi.pid, pid);
+    ASSERT_OK(gpuipc_conn_set_nonblocking(c, 0));
+    roundtrip(c, 3, 3);
+    gpuipc_conn_close(c);
+    ASSERT_EQ(wait_helper(pid, 30), 0);
+    gpuipc_listener_close(l);
+    close(mute);
+  }
+  ASSERT_EQ(harness_count_fds(), base_fds);
+  return 0;
+}
+
+TEST_IMPL(conn_accept_pending_bounded) {
+  enum { MUTE = 200 };
+  char name[64];
+  snprintf(name, sizeof name, "hsb-%d", (int)getpid());
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.abstract_name = 1;
+  o.timeout_ms = 30000;
+  o.handshake_timeout_ms = 20000;
+  int base_fds = harness_count_fds();
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen(name, &o, &l));
+  static int mute[MUTE];
+  for (int i = 0; i < MUTE; i++)
+    mute[i] = silent_client(name);
+  pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+  double el = 0;
+  gpuipc_conn *c = accept_within(l, 10, &el);
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+  ASSERT_EQ(pi.pid, pid);
+  /* This process holds the mute clients' own ends, the honest connection,
+   * and at most GPUIPC_CONN_HANDSHAKES_MAX pending handshakes. */
+  ASSERT_LE(harness_count_fds() - base_fds,
+            2 + MUTE + 1 + GPUIPC_CONN_HANDSHAKES_MAX);
+  int dropped = 0;
+  for (int i = 0; i < MUTE; i++)
+    dropped += silent_client_dropped(mute[i]);
+  ASSERT_GE(dropped, MUTE - GPUIPC_CONN_HANDSHAKES_MAX);
+  roundtrip(c, 10, 1);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_listener_close(l);
+  for (int i = 0; i < MUTE; i++)
+    close(mute[i]);
+  ASSERT_EQ(harness_count_fds(), base_fds);
+  return 0;
+}

@@ -162,6 +162,18 @@ typedef struct gpuipc_block gpuipc_block;
 #define GPUIPC_CONN_QUEUE_BYTES_CAP ((size_t)1 << 30)
 #define GPUIPC_CONN_QUEUE_FDS_CAP 65536u
 
+/* A listener runs the handshakes of the peers it accepted concurrently,
+ * each bounded by its own deadline (gpuipc_conn_options.
+ * handshake_timeout_ms, default below, counted from when the peer was
+ * taken off the listening socket), whatever the timeout of gpuipc_accept
+ * itself. At most GPUIPC_CONN_HANDSHAKES_MAX handshakes are pending at once;
+ * a new peer beyond that makes the oldest pending one be dropped, so that
+ * peers that connect and stay silent can neither hold descriptors without
+ * bound nor keep an honest peer out. */
+#define GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS 5000
+#define GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP 600000
+#define GPUIPC_CONN_HANDSHAKES_MAX 64
+
 /* How the consumer's GPU work is ordered after the producer's. */
 typedef enum gpuipc_order_mode {
   /* Stream memory operations on flag words in shared device memory
@@ -229,12 +241,16 @@ typedef struct gpuipc_conn_options {
   uint32_t queue_msgs;
   uint32_t queue_fds;
   size_t queue_bytes;
+  /* Listener: how long each accepted peer has to complete its handshake
+   * (ms, 1 to GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP). 0: the default,
+   * GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS. */
+  int handshake_timeout_ms;
 } gpuipc_conn_options;
 
 #define GPUIPC_CONN_OPTIONS_INIT                                               \
   {sizeof(gpuipc_conn_options), 10000, 0, 0, NULL, NULL, 0, NULL, 0, 256,      \
    GPUIPC_ORDER_MEMOP, GPUIPC_CONN_QUEUE_MSGS, GPUIPC_CONN_QUEUE_FDS,          \
-   GPUIPC_CONN_QUEUE_BYTES}
+   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS}
 
 /* ------------------------------------------------------------------------ */
 /* Making connections                                                        */
@@ -250,16 +266,23 @@ GPUIPC_API gpuipc_status gpuipc_listen(const char *name,
                                        gpuipc_listener **out /* OUT */);
 
 /* Accepts one connection: waits (up to the listener's timeout; never in
- * non-blocking mode: GPUIPC_E_WOULD_BLOCK) for a peer, checks its
- * credentials and completes the handshake (which waits up to the timeout
- * even in non-blocking mode). A refused peer is logged, told why and
+ * non-blocking mode: GPUIPC_E_WOULD_BLOCK) until a peer has completed its
+ * handshake, and returns it. The handshakes of all peers that connected
+ * proceed concurrently, each bounded by handshake_timeout_ms (see
+ * GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS): a peer that stays silent is dropped
+ * when its own deadline passes and delays no other, and one that has
+ * completed is returned whatever the others do (pending handshakes carry
+ * over to the next call). A refused peer is logged, told why and
  * disconnected, and this returns GPUIPC_E_PEER_REFUSED (the listener stays
- * usable). Other failures of one peer (garbage, a peer that vanished) return
- * GPUIPC_E_PROTOCOL / GPUIPC_E_PEER_GONE and leave the listener usable. */
+ * usable). Other failures of one peer (garbage) return GPUIPC_E_PROTOCOL
+ * and leave the listener usable; a peer that left during its handshake is
+ * skipped. Connections accepted in non-blocking mode are non-blocking. */
 GPUIPC_API gpuipc_status gpuipc_accept(gpuipc_listener *l,
                                        gpuipc_conn **out /* OUT */);
 
-/* The listening socket, for poll/epoll (POLLIN: a peer waits in accept). */
+/* A descriptor for poll/epoll (an epoll set of the listening socket and of
+ * the pending handshakes): POLLIN means gpuipc_accept has something to do
+ * (a new peer, or a handshake that can move on). Do not read it yourself. */
 GPUIPC_API int gpuipc_listener_get_fd(const gpuipc_listener *l);
 /* The socket's path ("@name" for an abstract name). Owned by l. */
 GPUIPC_API const char *gpuipc_listener_get_path(const gpuipc_listener *l);

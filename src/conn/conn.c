@@ -15,6 +15,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/epoll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,12 +28,21 @@
 #define RX_CHUNK 65536
 #define TX_QUEUE_MAX ((size_t)8 << 20)
 
+struct hs;
+
+/* A listener: its socket, and the handshakes of accepted peers that have
+ * not completed yet (oldest first), all watched by one epoll set so that
+ * every handshake proceeds at once and the caller's poll sees them all. */
 struct gpuipc_listener {
   int fd;
+  int ep; /* epoll: fd and every pending handshake's socket */
   int abstract_name;
   char path[sizeof(((struct sockaddr_un *)0)->sun_path) + 2];
   gpuipc_conn_options opts;
   uint32_t *allow_uids, *allow_gids;
+  struct hs *pending[GPUIPC_CONN_HANDSHAKES_MAX];
+  int npending;
+  uint64_t dropped; /* pending handshakes dropped for newer peers */
 };
 
 /* ---- options ------------------------------------------------------------------ */
@@ -77,6 +87,14 @@ static gpuipc_status read_opts(const gpuipc_conn_options *in, copts *out) {
                         out->o.queue_msgs, out->o.queue_fds,
                         out->o.queue_bytes, GPUIPC_CONN_QUEUE_MSGS_CAP,
                         GPUIPC_CONN_QUEUE_FDS_CAP, GPUIPC_CONN_QUEUE_BYTES_CAP);
+  if (out->o.handshake_timeout_ms == 0)
+    out->o.handshake_timeout_ms = GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS;
+  if (out->o.handshake_timeout_ms < 0 ||
+      out->o.handshake_timeout_ms > GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "handshake_timeout_ms %d: 1 to %d (0: the default)",
+                        out->o.handshake_timeout_ms,
+                        GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP);
   if (out->o.order != GPUIPC_ORDER_MEMOP && out->o.order != GPUIPC_ORDER_NONE &&
       out->o.order != GPUIPC_ORDER_EVENT)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "unknown order mode %d",
@@ -819,68 +837,32 @@ static bool peer_allowed(const copts *o, uint32_t uid, uint32_t gid) {
   return false;
 }
 
-/* Reads exactly one handshake frame (no fds) without the frame machinery:
- * the handshake precedes everything else on the stream. Captures the
- * kernel-vouched credentials of its sender. */
-static gpuipc_status hs_read(int fd, uint64_t deadline, gpuipc__frame_hdr *h,
-                             unsigned char *payload, size_t cap,
-                             struct ucred *cred, bool *have_cred) {
-  unsigned char buf[sizeof *h + 512];
-  size_t got = 0, want = sizeof *h;
-  *have_cred = false;
-  while (got < want) {
-    struct ucred uc;
-    bool have_uc = false;
-    size_t r = 0;
-    gpuipc_status s = gpuipc__sock_recv(fd, buf + got, want - got, MSG_DONTWAIT,
-                                        NULL, 0, NULL, &uc, &have_uc, &r);
-    if (s == GPUIPC_E_WOULD_BLOCK) {
-      int ev = wait_fd(fd, POLLIN, deadline);
-      if (ev < 0)
-        return gpuipc__fail_errno(errno, "poll", "handshake");
-      if (ev == 0)
-        return gpuipc__fail(GPUIPC_E_TIMEOUT,
-                            "handshake: the peer did not answer in time");
-      continue;
-    }
-    if (s == GPUIPC_E_PEER_GONE)
-      return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                          "handshake: the peer reset the connection");
-    if (s == GPUIPC_E_PROTOCOL)
-      return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                          "handshake: unexpected file descriptors");
-    if (s != GPUIPC_OK)
-      return s;
-    if (have_uc && got == 0) {
-      *cred = uc;
-      *have_cred = true;
-    }
-    if (r == 0)
-      return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                          "handshake: the peer closed the connection");
-    got += r;
-    if (got == sizeof *h) {
-      memcpy(h, buf, sizeof *h);
-      if (h->magic != GPUIPC__FRAME_MAGIC ||
-          h->check != gpuipc__frame_check(h))
-        return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                            "handshake: the peer does not speak gpuipc (bad "
-                            "frame header)");
-      if (h->version != GPUIPC__FRAME_VERSION)
-        return gpuipc__fail(GPUIPC_E_BAD_VERSION,
-                            "handshake: frame version %u, this library "
-                            "speaks %u",
-                            h->version, GPUIPC__FRAME_VERSION);
-      if (h->len > cap || h->len > 512 || h->nfds != 0)
-        return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                            "handshake frame of %u bytes, %u fds", h->len,
-                            h->nfds);
-      want = sizeof *h + h->len;
-    }
-  }
-  memcpy(payload, buf + sizeof *h, h->len);
-  return GPUIPC_OK;
-}
+/* One handshake, run by both sides alike as a small state machine, so that
+ * a listener can run many at once (gpuipc_accept) and a connecting side
+ * simply waits on one (hs_run): send HELLO (with credentials); read the
+ * peer's HELLO and check its credentials; send ACCEPT or REFUSE; read the
+ * peer's verdict. Frames are read exactly (header, then payload) without
+ * the frame machinery, so nothing after the handshake is consumed here.
+ * `pre` carries SO_PEERCRED for sockets made by connect/accept (the
+ * kernel's record of the peer at connect time). */
+enum { HS_HELLO = 0, HS_VERDICT = 1 };
+
+#define HS_PAYLOAD_MAX 512
+
+typedef struct hs {
+  gpuipc_conn *c;
+  copts o;
+  struct ucred pre;
+  bool have_pre;
+  int stage;
+  bool hello_failed; /* our HELLO did not leave: the peer closed */
+  unsigned char buf[sizeof(gpuipc__frame_hdr) + HS_PAYLOAD_MAX];
+  size_t got, want;
+  struct ucred cred; /* with the frame's first byte */
+  bool have_cred;
+  uint64_t deadline; /* listener side: when this peer is dropped */
+  bool ready;        /* listener side: epoll said its socket is readable */
+} hs;
 
 /* Writes one handshake frame whole (the socket is empty at this point, so
  * it fits; the loop covers EINTR and a peer that is slow to drain), with
@@ -890,8 +872,8 @@ static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
   gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
                          (uint8_t)type, 0, (uint32_t)n, 0};
   h.check = gpuipc__frame_check(&h);
-  unsigned char buf[sizeof h + 512];
-  if (n > 512)
+  unsigned char buf[sizeof h + HS_PAYLOAD_MAX];
+  if (n > HS_PAYLOAD_MAX)
     return gpuipc__fail(GPUIPC_E_INTERNAL, "handshake frame too long");
   memcpy(buf, &h, sizeof h);
   if (n)
@@ -920,22 +902,71 @@ static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
   return GPUIPC_OK;
 }
 
+/* Tells the peer why we refuse it; keeps the caller's message. */
 static void refuse(int fd, const char *why, uint64_t deadline) {
-  gpuipc_status keep = GPUIPC_OK;
-  (void)keep;
   char save[1024];
   snprintf(save, sizeof save, "%s", gpuipc_last_error());
   (void)hs_write(fd, GPUIPC__F_REFUSE, why, strlen(why), deadline);
-  /* Keep the caller's message: it says why we refused. */
   gpuipc__fail(GPUIPC_E_PEER_REFUSED, "%s", save);
 }
 
-/* The handshake, run by both sides alike: send HELLO (with credentials),
- * read the peer's HELLO and check its credentials, send ACCEPT or REFUSE,
- * read the peer's verdict. `pre` carries SO_PEERCRED for sockets made by
- * connect/accept (the kernel's record of the peer at connect time). */
-static gpuipc_status handshake(gpuipc_conn *c, const copts *o,
-                               const struct ucred *pre, uint64_t deadline) {
+/* Reads what is there of the current frame, without waiting. GPUIPC_OK
+ * when the frame is complete (header in *h, payload after it in buf),
+ * GPUIPC_E_WOULD_BLOCK when more must come, or why the peer failed. */
+static gpuipc_status hs_read_some(hs *x, gpuipc__frame_hdr *h) {
+  int fd = x->c->fd;
+  while (x->got < x->want) {
+    struct ucred uc;
+    bool have_uc = false;
+    size_t r = 0;
+    gpuipc_status s =
+        gpuipc__sock_recv(fd, x->buf + x->got, x->want - x->got, MSG_DONTWAIT,
+                          NULL, 0, NULL, &uc, &have_uc, &r);
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return s;
+    if (s == GPUIPC_E_PEER_GONE)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer reset the connection");
+    if (s == GPUIPC_E_PROTOCOL)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "handshake: unexpected file descriptors");
+    if (s != GPUIPC_OK)
+      return s;
+    if (have_uc && x->got == 0) {
+      x->cred = uc;
+      x->have_cred = true;
+    }
+    if (r == 0)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer closed the connection");
+    x->got += r;
+    if (x->got == sizeof *h) {
+      memcpy(h, x->buf, sizeof *h);
+      if (h->magic != GPUIPC__FRAME_MAGIC ||
+          h->check != gpuipc__frame_check(h))
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake: the peer does not speak gpuipc (bad "
+                            "frame header)");
+      if (h->version != GPUIPC__FRAME_VERSION)
+        return gpuipc__fail(GPUIPC_E_BAD_VERSION,
+                            "handshake: frame version %u, this library "
+                            "speaks %u",
+                            h->version, GPUIPC__FRAME_VERSION);
+      if (h->len > HS_PAYLOAD_MAX || h->nfds != 0)
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake frame of %u bytes, %u fds", h->len,
+                            h->nfds);
+      x->want = sizeof *h + h->len;
+    }
+  }
+  memcpy(h, x->buf, sizeof *h);
+  return GPUIPC_OK;
+}
+
+/* Starts the handshake on x->c: sends our HELLO. `wdeadline` bounds the
+ * writes of this handshake. */
+static gpuipc_status hs_start(hs *x, uint64_t wdeadline) {
+  gpuipc_conn *c = x->c;
   int one = 1;
   if (setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &one, sizeof one) != 0)
     return gpuipc__fail_errno(errno, "setsockopt", "SO_PASSCRED");
@@ -948,102 +979,121 @@ static gpuipc_status handshake(gpuipc_conn *c, const copts *o,
   me.start_time = gpuipc__process_start_time(getpid());
   if (gpuipc__boot_id(me.boot_id) != GPUIPC_OK)
     memset(me.boot_id, 0, sizeof me.boot_id);
-  gpuipc__frame_hdr h;
-  unsigned char p[512];
-  struct ucred cred;
-  bool have_cred;
-  gpuipc_status ws = hs_write(c->fd, GPUIPC__F_HELLO, &me, sizeof me, deadline);
+  x->stage = HS_HELLO;
+  x->got = 0;
+  x->want = sizeof(gpuipc__frame_hdr);
+  x->have_cred = false;
+  gpuipc_status ws =
+      hs_write(c->fd, GPUIPC__F_HELLO, &me, sizeof me, wdeadline);
   if (ws == GPUIPC_E_PEER_GONE) {
     /* A peer that refused us at once has closed already; its REFUSE frame
-     * may still wait in our receive queue and says why. */
-    if (hs_read(c->fd, deadline_ms(50), &h, p, sizeof p, &cred, &have_cred) ==
-            GPUIPC_OK &&
-        h.type == GPUIPC__F_REFUSE)
-      return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
-                          (int)h.len, (const char *)p);
-    return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                        "handshake: the peer closed the connection");
+     * may still wait in our receive queue and says why: read on. */
+    x->hello_failed = true;
+    return GPUIPC_OK;
   }
-  if (ws != GPUIPC_OK)
-    return ws;
-  GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));
-  if (h.type == GPUIPC__F_REFUSE) {
-    return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
-                        (int)h.len, (const char *)p);
-  }
-  if (h.type != GPUIPC__F_HELLO || h.len < sizeof(gpuipc__hello)) {
-    refuse(c->fd, "expected a HELLO frame", deadline);
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "handshake: expected HELLO, got frame type %u of %u "
-                        "bytes",
-                        h.type, h.len);
-  }
-  gpuipc__hello peer;
-  memcpy(&peer, p, sizeof peer);
-  if (!have_cred) {
-    refuse(c->fd, "no credentials", deadline);
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "handshake: the peer's HELLO came without "
-                        "credentials");
-  }
-  if (peer.proto != GPUIPC__PROTO_VERSION) {
-    char why[96];
-    snprintf(why, sizeof why, "protocol version %u, this side speaks %u",
-             peer.proto, GPUIPC__PROTO_VERSION);
-    refuse(c->fd, why, deadline);
-    return gpuipc__fail(GPUIPC_E_BAD_VERSION, "handshake: peer speaks %s",
-                        why);
-  }
-  /* The kernel vouches for cred (SCM_CREDENTIALS are checked at send
-   * time); the HELLO's own fields must agree with it. */
-  if ((uint32_t)cred.uid != peer.uid || (uint32_t)cred.gid != peer.gid ||
-      cred.pid != peer.pid || (pre && (pre->uid != cred.uid))) {
-    refuse(c->fd, "credentials do not match", deadline);
-    return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
-                        "handshake: the peer's claimed identity (pid %d uid "
-                        "%u) differs from the kernel's (pid %d uid %u)",
-                        peer.pid, peer.uid, (int)cred.pid,
-                        (unsigned)cred.uid);
-  }
-  if (!peer_allowed(o, cred.uid, cred.gid)) {
-    char why[160];
-    snprintf(why, sizeof why,
-             "uid %u gid %u is not allowed (same uid %u required, or an "
-             "allow-list entry)",
-             (unsigned)cred.uid, (unsigned)cred.gid, (unsigned)geteuid());
-    GPUIPC__WARN("conn", "refusing peer pid %d: %s", (int)cred.pid, why);
-    gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
-                 (int)cred.pid, why);
-    refuse(c->fd, why, deadline);
-    return GPUIPC_E_PEER_REFUSED;
-  }
-  c->peer_pid = cred.pid;
-  c->peer_uid = cred.uid;
-  c->peer_gid = cred.gid;
-  /* The start time, read here for the pid the kernel vouched for, pairs
-   * with it to name the process even after the pid is reused. */
-  c->peer_start_time = gpuipc__process_start_time(cred.pid);
-  if (c->peer_start_time == 0)
-    c->peer_start_time = peer.start_time;
-  c->peer_max_outstanding = peer.max_outstanding;
-  GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, deadline));
-  GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));
-  if (h.type == GPUIPC__F_REFUSE)
-    return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
-                        (int)h.len, (const char *)p);
-  if (h.type != GPUIPC__F_ACCEPT)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "handshake: expected ACCEPT, got frame type %u",
-                        h.type);
-  /* Credentials are checked; stop asking the kernel for them on every
-   * read (they would also split reads at every sender change). */
-  int zero = 0;
-  (void)setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &zero, sizeof zero);
-  GPUIPC__DEBUG("conn", "connected to pid %d uid %u", c->peer_pid,
-                c->peer_uid);
-  return GPUIPC_OK;
+  return ws;
 }
 
+/* Moves the handshake on with what has arrived (never waits for the
+ * peer; our own small frames go out at once). GPUIPC_OK when it is
+ * complete, GPUIPC_E_WOULD_BLOCK while it waits for the peer, else the
+ * reason it failed. */
+static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
+  gpuipc_conn *c = x->c;
+  for (;;) {
+    gpuipc__frame_hdr h;
+    gpuipc_status s = hs_read_some(x, &h);
+    if (s != GPUIPC_OK) {
+      if (s == GPUIPC_E_PEER_GONE && x->hello_failed)
+        return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                            "handshake: the peer closed the connection");
+      return s;
+    }
+    const unsigned char *p = x->buf + sizeof h;
+    x->got = 0;
+    x->want = sizeof h;
+    if (h.type == GPUIPC__F_REFUSE)
+      return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
+                          (int)h.len, (const char *)p);
+    if (x->hello_failed)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer closed the connection");
+    if (x->stage == HS_VERDICT) {
+      if (h.type != GPUIPC__F_ACCEPT)
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake: expected ACCEPT, got frame type %u",
+                            h.type);
+      /* Credentials are checked; stop asking the kernel for them on every
+       * read (they would also split reads at every sender change). */
+      int zero = 0;
+      (void)setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &zero, sizeof zero);
+      GPUIPC__DEBUG("conn", "connected to pid %d uid %u", c->peer_pid,
+                    c->peer_uid);
+      return GPUIPC_OK;
+    }
+    if (h.type != GPUIPC__F_HELLO || h.len < sizeof(gpuipc__hello)) {
+      refuse(c->fd, "expected a HELLO frame", wdeadline);
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "handshake: expected HELLO, got frame type %u of %u "
+                          "bytes",
+                          h.type, h.len);
+    }
+    gpuipc__hello peer;
+    memcpy(&peer, p, sizeof peer);
+    if (!x->have_cred) {
+      refuse(c->fd, "no credentials", wdeadline);
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "handshake: the peer's HELLO came without "
+                          "credentials");
+    }
+    struct ucred cred = x->cred;
+    if (peer.proto != GPUIPC__PROTO_VERSION) {
+      char why[96];
+      snprintf(why, sizeof why, "protocol version %u, this side speaks %u",
+               peer.proto, GPUIPC__PROTO_VERSION);
+      refuse(c->fd, why, wdeadline);
+      return gpuipc__fail(GPUIPC_E_BAD_VERSION, "handshake: peer speaks %s",
+                          why);
+    }
+    /* The kernel vouches for cred (SCM_CREDENTIALS are checked at send
+     * time); the HELLO's own fields must agree with it. */
+    if ((uint32_t)cred.uid != peer.uid || (uint32_t)cred.gid != peer.gid ||
+        cred.pid != peer.pid || (x->have_pre && (x->pre.uid != cred.uid))) {
+      refuse(c->fd, "credentials do not match", wdeadline);
+      return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
+                          "handshake: the peer's claimed identity (pid %d uid "
+                          "%u) differs from the kernel's (pid %d uid %u)",
+                          peer.pid, peer.uid, (int)cred.pid,
+                          (unsigned)cred.uid);
+    }
+    if (!peer_allowed(&x->o, cred.uid, cred.gid)) {
+      char why[160];
+      snprintf(why, sizeof why,
+               "uid %u gid %u is not allowed (same uid %u required, or an "
+               "allow-list entry)",
+               (unsigned)cred.uid, (unsigned)cred.gid, (unsigned)geteuid());
+      GPUIPC__WARN("conn", "refusing peer pid %d: %s", (int)cred.pid, why);
+      gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
+                   (int)cred.pid, why);
+      refuse(c->fd, why, wdeadline);
+      return GPUIPC_E_PEER_REFUSED;
+    }
+    c->peer_pid = cred.pid;
+    c->peer_uid = cred.uid;
+    c->peer_gid = cred.gid;
+    /* The start time, read here for the pid the kernel vouched for, pairs
+     * with it to name the process even after the pid is reused. */
+    c->peer_start_time = gpuipc__process_start_time(cred.pid);
+    if (c->peer_start_time == 0)
+      c->peer_start_time = peer.start_time;
+    c->peer_max_outstanding = peer.max_outstanding;
+    GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
+    x->stage = HS_VERDICT;
+  }
+}
+
+/* The connecting side's handshake (connect, from_fd): one peer, waited
+ * for up to the deadline. Takes ownership of fd. */
 static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
                             gpuipc_conn **out) {
   gpuipc_conn *c = conn_new(fd, o);
@@ -1055,7 +1105,28 @@ static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
    * making the connection, and bounded by the timeout. */
   int t = o->o.timeout_ms;
   uint64_t deadline = deadline_ms(t == 0 ? 10000 : t);
-  gpuipc_status s = handshake(c, o, pre, deadline);
+  hs x;
+  memset(&x, 0, sizeof x);
+  x.c = c;
+  x.o = *o;
+  if (pre) {
+    x.pre = *pre;
+    x.have_pre = true;
+  }
+  gpuipc_status s = hs_start(&x, deadline);
+  while (s == GPUIPC_OK) {
+    s = hs_step(&x, deadline);
+    if (s != GPUIPC_E_WOULD_BLOCK)
+      break;
+    int ev = wait_fd(c->fd, POLLIN, deadline);
+    if (ev < 0)
+      s = gpuipc__fail_errno(errno, "poll", "handshake");
+    else if (ev == 0)
+      s = gpuipc__fail(GPUIPC_E_TIMEOUT,
+                       "handshake: the peer did not answer in time");
+    else
+      s = GPUIPC_OK;
+  }
   if (s != GPUIPC_OK) {
     conn_free(c);
     return s;
@@ -1077,6 +1148,7 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
   if (l == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "listener");
   l->fd = -1;
+  l->ep = -1;
   gpuipc_status s;
   struct sockaddr_un sa;
   socklen_t salen;
@@ -1131,6 +1203,14 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
       unlink(sa.sun_path);
     goto fail;
   }
+  l->ep = epoll_create1(EPOLL_CLOEXEC);
+  struct epoll_event lev = {.events = EPOLLIN, .data.ptr = NULL};
+  if (l->ep < 0 || epoll_ctl(l->ep, EPOLL_CTL_ADD, l->fd, &lev) != 0) {
+    s = gpuipc__fail_errno(errno, "epoll", "%s", l->path);
+    if (!l->abstract_name)
+      unlink(sa.sun_path);
+    goto fail;
+  }
   l->opts = o.o;
   if (o.o.n_allow_uids) {
     l->allow_uids = malloc(sizeof(uint32_t) * o.o.n_allow_uids);
@@ -1157,56 +1237,57 @@ nomem:
 fail:
   if (l->fd >= 0)
     close(l->fd);
+  if (l->ep >= 0)
+    close(l->ep);
   free(l->allow_uids);
   free(l->allow_gids);
   free(l);
   return s;
 }
 
-int gpuipc_listener_get_fd(const gpuipc_listener *l) { return l ? l->fd : -1; }
+int gpuipc_listener_get_fd(const gpuipc_listener *l) { return l ? l->ep : -1; }
 const char *gpuipc_listener_get_path(const gpuipc_listener *l) {
   return l ? l->path : "";
+}
+
+/* Removes pending handshake i (oldest first) from the table; returns its
+ * connection (the caller frees it or hands it out). */
+static gpuipc_conn *pending_take(gpuipc_listener *l, int i) {
+  hs *x = l->pending[i];
+  gpuipc_conn *c = x->c;
+  (void)epoll_ctl(l->ep, EPOLL_CTL_DEL, c->fd, NULL);
+  free(x);
+  memmove(&l->pending[i], &l->pending[i + 1],
+          sizeof l->pending[0] * (size_t)(l->npending - i - 1));
+  l->npending--;
+  return c;
+}
+
+static void pending_drop(gpuipc_listener *l, int i) {
+  conn_free(pending_take(l, i));
 }
 
 void gpuipc_listener_close(gpuipc_listener *l) {
   if (l == NULL)
     return;
+  while (l->npending > 0)
+    pending_drop(l, l->npending - 1);
   if (!l->abstract_name)
     unlink(l->path);
   close(l->fd);
+  if (l->ep >= 0)
+    close(l->ep);
   free(l->allow_uids);
   free(l->allow_gids);
   free(l);
 }
 
-gpuipc_status gpuipc_accept(gpuipc_listener *l, gpuipc_conn **out) {
-  if (l == NULL || out == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_accept: NULL argument");
-  *out = NULL;
+/* A peer taken off the listening socket: checks its uid at once (the
+ * kernel's record of it), then starts its handshake and adds it to the
+ * pending table, dropping the oldest pending peer when the table is full.
+ * Takes ownership of fd. */
+static gpuipc_status pending_add(gpuipc_listener *l, int fd) {
   copts o = {l->opts};
-  uint64_t deadline =
-      o.o.nonblocking ? 0 : deadline_ms(o.o.timeout_ms);
-  int fd;
-again:
-  for (;;) {
-    fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd >= 0)
-      break;
-    if (errno == EINTR || errno == ECONNABORTED)
-      continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK)
-      return gpuipc__fail_errno(errno, "accept4", "%s", l->path);
-    if (deadline == 0)
-      return gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
-                          "gpuipc_accept: no peer is waiting on %s", l->path);
-    int ev = wait_fd(l->fd, POLLIN, deadline);
-    if (ev < 0)
-      return gpuipc__fail_errno(errno, "poll", "%s", l->path);
-    if (ev == 0)
-      return gpuipc__fail(GPUIPC_E_TIMEOUT,
-                          "gpuipc_accept: no peer within %d ms on %s",
-                          o.o.timeout_ms, l->path);
-  }
   struct ucred pre;
   socklen_t pl = sizeof pre;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &pre, &pl) != 0) {
@@ -1227,24 +1308,131 @@ again:
     return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
                         (int)pre.pid, why);
   }
-  gpuipc_status s = finish(fd, &o, &pre, out);
-  if (s == GPUIPC_E_PEER_GONE) {
-    /* The peer left before the handshake ended (e.g. a probe that only
-     * checks someone listens): nothing to tell the caller about; wait for
-     * the next one. */
-    GPUIPC__DEBUG("conn", "peer pid %d left during the handshake",
-                  (int)pre.pid);
-    if (deadline == 0 || (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline))
-      return deadline == 0 ? gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
-                                          "gpuipc_accept: the waiting peer "
-                                          "left")
-                           : gpuipc__fail(GPUIPC_E_TIMEOUT,
-                                          "gpuipc_accept: no peer within %d "
-                                          "ms on %s",
-                                          o.o.timeout_ms, l->path);
-    goto again;
+  gpuipc_conn *c = conn_new(fd, &o);
+  hs *x = c ? calloc(1, sizeof *x) : NULL;
+  if (x == NULL) {
+    if (c)
+      conn_free(c);
+    else
+      close(fd);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "connection object");
   }
-  return s;
+  x->c = c;
+  x->o = o;
+  x->pre = pre;
+  x->have_pre = true;
+  x->deadline = deadline_ms(o.o.handshake_timeout_ms);
+  /* Our frames are small and the socket fresh: they never wait. */
+  gpuipc_status s = hs_start(x, deadline_ms(100));
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = x};
+  if (s == GPUIPC_OK && epoll_ctl(l->ep, EPOLL_CTL_ADD, fd, &ev) != 0)
+    s = gpuipc__fail_errno(errno, "epoll_ctl", "%s", l->path);
+  if (s != GPUIPC_OK) {
+    free(x);
+    conn_free(c);
+    return s;
+  }
+  if (l->npending == GPUIPC_CONN_HANDSHAKES_MAX) {
+    /* Said once per thousand, not for each peer of a flood. */
+    if (l->dropped++ % 1000 == 0)
+      GPUIPC__WARN("conn",
+                   "%d handshakes pending on %s: dropping the oldest (pid "
+                   "%d; %llu dropped so far)",
+                   l->npending, l->path, (int)l->pending[0]->pre.pid,
+                   (unsigned long long)l->dropped);
+    pending_drop(l, 0);
+  }
+  x->ready = true; /* its HELLO is usually there already */
+  l->pending[l->npending++] = x;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_accept(gpuipc_listener *l, gpuipc_conn **out) {
+  if (l == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_accept: NULL argument");
+  *out = NULL;
+  uint64_t deadline =
+      l->opts.nonblocking ? 0 : deadline_ms(l->opts.timeout_ms);
+  bool step_all = true; /* data may have come since the last call */
+  for (;;) {
+    /* New peers. */
+    for (int n = 0; n < GPUIPC_CONN_HANDSHAKES_MAX; n++) {
+      int fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED)
+          continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+          break;
+        return gpuipc__fail_errno(errno, "accept4", "%s", l->path);
+      }
+      gpuipc_status s = pending_add(l, fd);
+      if (s == GPUIPC_E_PEER_GONE)
+        continue;
+      if (s != GPUIPC_OK)
+        return s;
+    }
+    /* Handshakes that can move, oldest first. */
+    for (int i = 0; i < l->npending;) {
+      hs *x = l->pending[i];
+      if (!step_all && !x->ready) {
+        i++;
+        continue;
+      }
+      x->ready = false;
+      gpuipc_status s = hs_step(x, deadline_ms(100));
+      if (s == GPUIPC_E_WOULD_BLOCK) {
+        i++;
+        continue;
+      }
+      int pid = (int)x->pre.pid;
+      gpuipc_conn *c = pending_take(l, i);
+      if (s == GPUIPC_OK) {
+        *out = c;
+        return GPUIPC_OK;
+      }
+      conn_free(c);
+      if (s != GPUIPC_E_PEER_GONE)
+        return s; /* this peer's failure; the listener stays usable */
+      /* The peer left before the handshake ended (e.g. a probe that only
+       * checks someone listens): nothing to tell the caller about. */
+      GPUIPC__DEBUG("conn", "peer pid %d left during the handshake", pid);
+    }
+    /* Handshakes past their own deadline. */
+    uint64_t now = gpuipc__now_ns();
+    uint64_t wake = deadline;
+    for (int i = 0; i < l->npending;) {
+      hs *x = l->pending[i];
+      if (x->deadline <= now) {
+        GPUIPC__WARN("conn",
+                     "dropping peer pid %d on %s: no handshake within %d ms",
+                     (int)x->pre.pid, l->path, l->opts.handshake_timeout_ms);
+        pending_drop(l, i);
+        continue;
+      }
+      if (x->deadline < wake)
+        wake = x->deadline;
+      i++;
+    }
+    if (deadline == 0)
+      return gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
+                          "gpuipc_accept: no peer has completed its "
+                          "handshake on %s (%d pending)",
+                          l->path, l->npending);
+    if (deadline != UINT64_MAX && now >= deadline)
+      return gpuipc__fail(GPUIPC_E_TIMEOUT,
+                          "gpuipc_accept: no peer within %d ms on %s (%d "
+                          "handshakes pending)",
+                          l->opts.timeout_ms, l->path, l->npending);
+    struct epoll_event evs[16];
+    int n = epoll_wait(l->ep, evs, (int)GPUIPC__ARRAY_SIZE(evs),
+                       poll_ms(wake));
+    if (n < 0 && errno != EINTR)
+      return gpuipc__fail_errno(errno, "epoll_wait", "%s", l->path);
+    for (int i = 0; i < n; i++)
+      if (evs[i].data.ptr)
+        ((hs *)evs[i].data.ptr)->ready = true;
+    step_all = false;
+  }
 }
 
 gpuipc_status gpuipc_connect(const char *name, const gpuipc_conn_options *opts,
