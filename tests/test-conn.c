@@ -1249,3 +1249,87 @@ TEST_IMPL(conn_accept_pending_bounded) {
   ASSERT_EQ(harness_count_fds(), base_fds);
   return 0;
 }
+
+/* ---- listening over a stale socket file ---------------------------------------------------- */
+
+/* Two processes listen on one name over a stale socket file at the same
+ * moment, round after round: exactly one wins, the other is told the name
+ * is in use, and the winner is the one reachable at the path. */
+TEST_IMPL(conn_listen_stale_race) {
+  enum { ROUNDS = 200 };
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_listener *l0 = NULL;
+  ASSERT_OK(gpuipc_listen("race-setup", &o, &l0)); /* makes the directory */
+  gpuipc_listener_close(l0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  int n = snprintf(sa.sun_path, sizeof sa.sun_path, "%s/race.sock", rt_dir());
+  ASSERT_LT(n, (int)sizeof sa.sun_path);
+  int both_won = 0, none_won = 0, unreachable = 0;
+  for (int round = 0; round < ROUNDS; round++) {
+    /* A dead listener's leftover: bound, never listening, file kept. */
+    int stale = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(stale, 0);
+    ASSERT_EQ(bind(stale, (struct sockaddr *)&sa, sizeof sa), 0);
+    close(stale);
+    int go[2], res[2], quit[2];
+    ASSERT_EQ(pipe2(go, O_CLOEXEC), 0);
+    ASSERT_EQ(pipe2(res, O_CLOEXEC), 0);
+    ASSERT_EQ(pipe2(quit, O_CLOEXEC), 0);
+    pid_t kids[2];
+    for (int k = 0; k < 2; k++) {
+      kids[k] = fork();
+      ASSERT_GE(kids[k], 0);
+      if (kids[k] == 0) {
+        close(go[1]);
+        close(res[0]);
+        close(quit[1]);
+        char ch;
+        if (read(go[0], &ch, 1) != 1)
+          _exit(2);
+        gpuipc_listener *l = NULL;
+        gpuipc_status s = gpuipc_listen("race", &o, &l);
+        unsigned char r = (unsigned char)s;
+        if (write(res[1], &r, 1) != 1)
+          _exit(3);
+        if (s == GPUIPC_OK) {
+          if (read(quit[0], &ch, 1) < 0)
+            _exit(4);
+          gpuipc_listener_close(l);
+        }
+        _exit(0);
+      }
+    }
+    close(go[0]);
+    close(res[1]);
+    close(quit[0]);
+    ASSERT_EQ(write(go[1], "gg", 2), 2);
+    unsigned char r[2];
+    for (int k = 0; k < 2; k++)
+      ASSERT_EQ(read(res[0], &r[k], 1), 1);
+    int ok = (r[0] == GPUIPC_OK) + (r[1] == GPUIPC_OK);
+    if (ok == 2)
+      both_won++;
+    if (ok == 0)
+      none_won++;
+    for (int k = 0; k < 2; k++)
+      if (r[k] != GPUIPC_OK && r[k] != GPUIPC_E_EXISTS)
+        harness_fail(__FILE__, __LINE__, "round %d: listen returned %s",
+                     round, gpuipc_status_name((gpuipc_status)r[k]));
+    /* The winner is the one at the path. */
+    int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (ok >= 1 && connect(probe, (struct sockaddr *)&sa, sizeof sa) != 0)
+      unreachable++;
+    close(probe);
+    close(quit[1]);
+    close(go[1]);
+    close(res[0]);
+    for (int k = 0; k < 2; k++)
+      ASSERT_EQ(wait_helper(kids[k], 30), 0);
+  }
+  if (both_won || none_won || unreachable)
+    harness_fail(__FILE__, __LINE__,
+                 "of %d rounds: %d with two winners, %d with none, %d with "
+                 "the winner unreachable",
+                 ROUNDS, both_won, none_won, unreachable);
+  return 0;
+}

@@ -259,7 +259,11 @@ typedef struct gpuipc_conn_options {
 /* Listens on `name` (letters, digits, '.', '_', '-'; at most
  * GPUIPC_CONN_NAME_MAX bytes). Creates the runtime directory when needed. A
  * stale socket file of a dead listener is replaced; a live one makes this
- * fail with GPUIPC_E_EXISTS. opts may be NULL. On success *out owns the
+ * fail with GPUIPC_E_EXISTS. For a socket file, the listener holds a lock
+ * (flock on "<name>.lock" beside it) for its life, and only the lock's
+ * holder replaces a stale socket file: of processes listening on one name
+ * at once, exactly one succeeds, the others get GPUIPC_E_EXISTS. opts may
+ * be NULL. On success *out owns the
  * socket; close it with gpuipc_listener_close. Needs no CUDA. */
 GPUIPC_API gpuipc_status gpuipc_listen(const char *name,
                                        const gpuipc_conn_options *opts,

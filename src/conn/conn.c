@@ -15,10 +15,11 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/epoll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -38,6 +39,10 @@ struct gpuipc_listener {
   int ep; /* epoll: fd and every pending handshake's socket */
   int abstract_name;
   char path[sizeof(((struct sockaddr_un *)0)->sun_path) + 2];
+  /* Socket files: "<name>.lock" beside the socket, locked (flock) for the
+   * listener's life; only its holder may replace a stale socket file. */
+  int lock_fd;
+  char lock_path[sizeof(((struct sockaddr_un *)0)->sun_path) + 8];
   gpuipc_conn_options opts;
   uint32_t *allow_uids, *allow_gids;
   struct hs *pending[GPUIPC_CONN_HANDSHAKES_MAX];
@@ -1137,6 +1142,47 @@ static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
 
 /* ---- public: listen / accept / connect / pair ---------------------------------- */
 
+/* Takes the lock of a socket file's name: an exclusive flock on
+ * "<name>.lock" beside it, held while the listener lives, so that of two
+ * processes listening on one name over a stale socket file exactly one may
+ * replace it (the check "does a listener answer?" and the unlink + bind
+ * that follow are not atomic, and two processes doing them at once could
+ * both bind, one of them to a file the other then unlinks). The lock file
+ * is removed by its holder on close; a process that locked a file that was
+ * removed meanwhile sees that the path names another file, and tries
+ * again. */
+static gpuipc_status take_name_lock(const char *lock_path, const char *name,
+                                    int *out) {
+  *out = -1;
+  for (int tries = 0; tries < 100; tries++) {
+    int fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+      return gpuipc__fail_errno(errno, "open", "lock file %s", lock_path);
+    int r;
+    GPUIPC__EINTR_RETRY(r, flock(fd, LOCK_EX | LOCK_NB));
+    if (r != 0) {
+      int err = errno;
+      close(fd);
+      if (err == EWOULDBLOCK)
+        return gpuipc__fail(GPUIPC_E_EXISTS,
+                            "gpuipc_listen: '%s' is in use by a live "
+                            "listener (%s is locked)",
+                            name, lock_path);
+      return gpuipc__fail_errno(err, "flock", "%s", lock_path);
+    }
+    struct stat held, named;
+    if (fstat(fd, &held) == 0 && stat(lock_path, &named) == 0 &&
+        held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+      *out = fd;
+      return GPUIPC_OK;
+    }
+    close(fd); /* its holder removed it while we opened it: again */
+  }
+  return gpuipc__fail(GPUIPC_E_BUSY,
+                      "gpuipc_listen: the lock file %s keeps being replaced",
+                      lock_path);
+}
+
 gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
                             gpuipc_listener **out) {
   if (out == NULL)
@@ -1149,6 +1195,7 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "listener");
   l->fd = -1;
   l->ep = -1;
+  l->lock_fd = -1;
   gpuipc_status s;
   struct sockaddr_un sa;
   socklen_t salen;
@@ -1156,6 +1203,14 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
                                sizeof l->path),
                      s, fail);
   l->abstract_name = o.o.abstract_name;
+  if (!l->abstract_name) {
+    /* An abstract name is bound atomically and vanishes with its socket;
+     * a file needs the lock. */
+    snprintf(l->lock_path, sizeof l->lock_path, "%.*s.lock",
+             (int)(strlen(sa.sun_path) - strlen(".sock")), sa.sun_path);
+    GPUIPC__CHECK_GOTO(take_name_lock(l->lock_path, name, &l->lock_fd), s,
+                       fail);
+  }
   l->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (l->fd < 0) {
     s = gpuipc__fail_errno(errno, "socket", "AF_UNIX");
@@ -1168,8 +1223,10 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
         s = gpuipc__fail(GPUIPC_E_EXISTS, "bind: %s is in use", l->path);
       goto fail;
     }
-    /* A socket file is there. If a listener answers, the name is taken;
-     * if nobody does, it is the leftover of a dead listener. */
+    /* A socket file is there, and we hold the name's lock. If a listener
+     * answers (one that takes no lock: another program, or an older
+     * gpuipc), the name is taken; if nobody does, it is the leftover of a
+     * dead listener, and only we may replace it. */
     int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     int r = probe >= 0 ? connect(probe, (struct sockaddr *)&sa, salen) : -1;
     int err = errno;
@@ -1239,6 +1296,10 @@ fail:
     close(l->fd);
   if (l->ep >= 0)
     close(l->ep);
+  if (l->lock_fd >= 0) {
+    unlink(l->lock_path); /* ours while we hold it */
+    close(l->lock_fd);
+  }
   free(l->allow_uids);
   free(l->allow_gids);
   free(l);
@@ -1277,6 +1338,12 @@ void gpuipc_listener_close(gpuipc_listener *l) {
   close(l->fd);
   if (l->ep >= 0)
     close(l->ep);
+  if (l->lock_fd >= 0) {
+    /* Removed while still held: a process that opened it meanwhile finds
+     * the path gone or naming a new file once it gets the lock. */
+    unlink(l->lock_path);
+    close(l->lock_fd);
+  }
   free(l->allow_uids);
   free(l->allow_gids);
   free(l);
