@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -1331,5 +1332,80 @@ TEST_IMPL(conn_listen_stale_race) {
                  "of %d rounds: %d with two winners, %d with none, %d with "
                  "the winner unreachable",
                  ROUNDS, both_won, none_won, unreachable);
+  return 0;
+}
+
+/* ---- host allocation failures ---------------------------------------------------------------- */
+
+/* A frame that cannot be queued whole is never started: the stream stays
+ * intact (before, its first bytes left and the rest was dropped, and the
+ * peer then read garbage), the call says E_NO_MEMORY, and the connection
+ * goes on. A message whose queue entry cannot be allocated stays in the
+ * receive buffer for a later call (before, it was lost and the frames
+ * ahead of it were dispatched again). */
+TEST_IMPL(conn_alloc_failure_keeps_stream_whole) {
+  int fd;
+  pid_t pid = spawn_helper("conn_echo", NULL, &fd, "pair", NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  /* A small send buffer: a large message leaves in parts. */
+  int small = 4096;
+  ASSERT_EQ(setsockopt(gpuipc_conn_get_fd(c), SOL_SOCKET, SO_SNDBUF, &small,
+                       sizeof small),
+            0);
+  static unsigned char big[GPUIPC_CONN_MSG_MAX];
+  memset(big, 0xab, sizeof big);
+  harness_fail_allocs(4096, (size_t)1 << 20, 1000);
+  gpuipc_status s = gpuipc_conn_send_msg(c, big, sizeof big, NULL, 0);
+  int failed = harness_fail_allocs(0, 0, 0);
+  ASSERT_GT(failed, 0);
+  ASSERT_STATUS(s, GPUIPC_E_NO_MEMORY);
+  /* The stream is whole: the next messages arrive as sent. */
+  roundtrip(c, 100, 7);
+  ASSERT_OK(gpuipc_conn_send_msg(c, big, sizeof big, NULL, 0));
+  static unsigned char in[GPUIPC_CONN_MSG_MAX];
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, in, sizeof in, &len, NULL, NULL));
+  ASSERT_EQ(len, sizeof big);
+  ASSERT_MEM_EQ(in, big, sizeof big);
+
+  /* Receiving: three messages (5000, 6000, 7000 bytes) are echoed; the
+   * queue entries of the first, then of the second, cannot be allocated at
+   * first. */
+  static unsigned char m[3][7000];
+  size_t mlen[3] = {5000, 6000, 7000};
+  int roomy = 1 << 20;
+  ASSERT_EQ(setsockopt(gpuipc_conn_get_fd(c), SOL_SOCKET, SO_SNDBUF, &roomy,
+                       sizeof roomy),
+            0);
+  for (int i = 0; i < 3; i++) {
+    memset(m[i], 'a' + i, mlen[i]);
+    ASSERT_OK(gpuipc_conn_send_msg(c, m[i], mlen[i], NULL, 0));
+  }
+  /* Wait until the three echoes are all in the socket. */
+  for (int tries = 0;; tries++) {
+    int q = 0;
+    ASSERT_EQ(ioctl(gpuipc_conn_get_fd(c), FIONREAD, &q), 0);
+    if (q >= (int)(mlen[0] + mlen[1] + mlen[2] + 3 * 16))
+      break;
+    ASSERT_LT(tries, 2000);
+    usleep(10000);
+  }
+  harness_fail_allocs(5000, 5200, 1);
+  s = gpuipc_conn_recv_msg(c, in, sizeof in, &len, NULL, NULL);
+  ASSERT_EQ(harness_fail_allocs(6000, 6200, 1), 1);
+  ASSERT_STATUS(s, GPUIPC_E_NO_MEMORY);
+  for (int i = 0; i < 3; i++) {
+    ASSERT_OK(gpuipc_conn_recv_msg(c, in, sizeof in, &len, NULL, NULL));
+    if (i == 0)
+      ASSERT_EQ(harness_fail_allocs(0, 0, 0), 1);
+    ASSERT_EQ(len, mlen[i]);
+    if (memcmp(in, m[i], len) != 0)
+      harness_fail(__FILE__, __LINE__, "message %d came as '%c...' (%zu "
+                   "bytes)", i, in[0], len);
+  }
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }

@@ -453,32 +453,36 @@ static gpuipc_status flush_tx(gpuipc_conn *c) {
   return GPUIPC_OK;
 }
 
-static gpuipc_status tx_append(gpuipc_conn *c, const struct iovec *iov,
-                               int niov, size_t skip) {
-  size_t total = 0;
-  for (int i = 0; i < niov; i++)
-    total += iov[i].iov_len;
-  total -= skip;
+/* Makes room for `total` more bytes in the transmit queue (compacting it,
+ * else growing it). Nothing changes when that fails. */
+static gpuipc_status tx_reserve(gpuipc_conn *c, size_t total) {
   if (c->tx_off > 0 && c->tx_off == c->tx_len)
     c->tx_off = c->tx_len = 0;
-  if (c->tx_len + total > c->tx_cap) {
-    if (c->tx_off > 0) {
-      memmove(c->tx, c->tx + c->tx_off, c->tx_len - c->tx_off);
-      c->tx_len -= c->tx_off;
-      c->tx_off = 0;
-    }
-    if (c->tx_len + total > c->tx_cap) {
-      size_t cap = c->tx_cap ? c->tx_cap : 4096;
-      while (cap < c->tx_len + total)
-        cap *= 2;
-      unsigned char *n = realloc(c->tx, cap);
-      if (n == NULL)
-        return gpuipc__fail(GPUIPC_E_NO_MEMORY, "transmit queue of %zu bytes",
-                            cap);
-      c->tx = n;
-      c->tx_cap = cap;
-    }
+  if (c->tx_len + total <= c->tx_cap)
+    return GPUIPC_OK;
+  if (c->tx_off > 0) {
+    memmove(c->tx, c->tx + c->tx_off, c->tx_len - c->tx_off);
+    c->tx_len -= c->tx_off;
+    c->tx_off = 0;
   }
+  if (c->tx_len + total <= c->tx_cap)
+    return GPUIPC_OK;
+  size_t cap = c->tx_cap ? c->tx_cap : 4096;
+  while (cap < c->tx_len + total)
+    cap *= 2;
+  unsigned char *n = realloc(c->tx, cap);
+  if (n == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "transmit queue of %zu bytes",
+                        cap);
+  c->tx = n;
+  c->tx_cap = cap;
+  return GPUIPC_OK;
+}
+
+/* Queues the bytes of the iovecs after the first `skip`; the room must
+ * have been reserved (tx_reserve), so this cannot fail. */
+static void tx_append(gpuipc_conn *c, const struct iovec *iov, int niov,
+                      size_t skip) {
   for (int i = 0; i < niov; i++) {
     size_t l = iov[i].iov_len;
     const unsigned char *b = iov[i].iov_base;
@@ -490,7 +494,6 @@ static gpuipc_status tx_append(gpuipc_conn *c, const struct iovec *iov,
     c->tx_len += l - skip;
     skip = 0;
   }
-  return GPUIPC_OK;
 }
 
 static gpuipc_status pump_once(gpuipc_conn *c);
@@ -518,15 +521,17 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
     if (c->tx_len > c->tx_off)
       GPUIPC__CHECK(flush_tx(c));
     if (c->tx_len == c->tx_off) {
+      /* Room for the whole frame first: once its first byte is out, the
+       * rest must be queued, or the stream would be torn. */
+      GPUIPC__CHECK(tx_reserve(c, sizeof h + len));
       size_t w = 0;
       gpuipc_status s = gpuipc__sock_send(c->fd, iov, niov, fds, nfds, false,
                                           MSG_DONTWAIT, &w);
       if (s == GPUIPC_OK) {
-        size_t total = sizeof h + len;
-        if (w < total)
+        if (w < sizeof h + len)
           /* The descriptors went with the first byte; the rest is plain
            * bytes, flushed by later calls. */
-          GPUIPC__CHECK(tx_append(c, iov, niov, w));
+          tx_append(c, iov, niov, w);
         return GPUIPC_OK;
       }
       if (s == GPUIPC_E_PEER_GONE) {
@@ -539,8 +544,11 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
     /* The socket is full. Frames without descriptors are queued (the
      * caller need not wait); frames with descriptors wait, since queueing
      * them would mean duplicating the caller's descriptors. */
-    if (nfds == 0 && c->tx_len - c->tx_off + sizeof h + len <= TX_QUEUE_MAX)
-      return tx_append(c, iov, niov, 0);
+    if (nfds == 0 && c->tx_len - c->tx_off + sizeof h + len <= TX_QUEUE_MAX) {
+      GPUIPC__CHECK(tx_reserve(c, sizeof h + len));
+      tx_append(c, iov, niov, 0);
+      return GPUIPC_OK;
+    }
     if (deadline == 0)
       return timed_out(c, deadline, "send");
     /* While reading is paused (the application holds too many of the
@@ -564,14 +572,9 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
 
 /* ---- receiving -------------------------------------------------------------------- */
 
-static gpuipc_status queue_msg(gpuipc_conn *c, const unsigned char *p,
-                               size_t len, int *fds, int nfds) {
-  gpuipc__msg *m = malloc(sizeof *m + len);
-  if (m == NULL) {
-    for (int i = 0; i < nfds; i++)
-      close(fds[i]);
-    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "message of %zu bytes", len);
-  }
+/* Fills m (allocated for len bytes) and appends it to the queue. */
+static void queue_msg(gpuipc_conn *c, gpuipc__msg *m, const unsigned char *p,
+                      size_t len, const int *fds, int nfds) {
   m->next = NULL;
   m->len = len;
   m->nfds = nfds;
@@ -586,7 +589,6 @@ static gpuipc_status queue_msg(gpuipc_conn *c, const unsigned char *p,
   c->msg_count++;
   c->msg_bytes += len;
   c->msg_fds += (size_t)nfds;
-  return GPUIPC_OK;
 }
 
 /* True when a message of len bytes and nfds descriptors fits in the queue
@@ -636,6 +638,16 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
       c->rx_paused = true;
       break;
     }
+    gpuipc__msg *m = NULL;
+    if (h.type == GPUIPC__F_MSG && h.len <= GPUIPC_CONN_MSG_MAX) {
+      /* Allocated before the frame is consumed: without memory the frame
+       * stays where it is, whole, for a later call. */
+      m = malloc(sizeof *m + h.len);
+      if (m == NULL) {
+        s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "message of %u bytes", h.len);
+        break;
+      }
+    }
     int fds[GPUIPC__FRAME_FDS_MAX];
     int nfds = h.nfds;
     memcpy(fds, c->rx_fds, sizeof(int) * (size_t)nfds);
@@ -651,7 +663,7 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
         return gpuipc__conn_break(c, "message of %u bytes exceeds %d", h.len,
                                   GPUIPC_CONN_MSG_MAX);
       }
-      s = queue_msg(c, p, h.len, fds, nfds);
+      queue_msg(c, m, p, h.len, fds, nfds);
     } else {
       s = gpuipc__ho_frame(c, h.type, p, h.len, fds, nfds);
       if (s != GPUIPC_OK && c->state == GPUIPC__CONN_OPEN) {
@@ -668,10 +680,13 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
   }
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
+  /* What was dispatched leaves rx, also when the loop stopped early. */
   if (off > 0) {
     memmove(c->rx, c->rx + off, c->rx_len - off);
     c->rx_len -= off;
   }
+  if (s != GPUIPC_OK)
+    return s;
   if (c->rx_len == 0 && c->rx_nfds > 0)
     return gpuipc__conn_break(c, "%d file descriptors arrived without a frame",
                               c->rx_nfds);
@@ -683,9 +698,10 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
 static gpuipc_status pump_once(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
-  if (c->rx_paused) {
-    /* A message waits in rx for room in the queue: take what fits now,
-     * and read nothing more while it still does not. */
+  if (c->rx_paused || c->rx_len >= sizeof(gpuipc__frame_hdr)) {
+    /* Complete frames may wait in rx: a message for room in the queue
+     * (then nothing more is read while it still does not fit), or a frame
+     * that an earlier pass had no memory for. */
     GPUIPC__CHECK(parse_rx(c));
     if (c->rx_paused)
       return GPUIPC_OK;
