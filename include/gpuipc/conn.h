@@ -20,6 +20,37 @@
  *  - GPU buffers, the reason the library exists (gpuipc_conn_send /
  *    gpuipc_conn_recv / gpuipc_conn_release).
  *
+ * The rule: a peer, however hostile, can neither crash this process, make
+ * it read or map memory that was not exported to it, stall work that does
+ * not involve that peer, exhaust its memory or file descriptors, nor make
+ * any call wait past its timeout. What makes it so on the transport:
+ *  - Everything a peer sends is validated before use (frame header with
+ *    check, length <= GPUIPC_CONN_MSG_MAX + 1024, known type, descriptors
+ *    that match the header); anything else disconnects that peer only
+ *    (GPUIPC_E_PROTOCOL), and nothing of it is kept.
+ *  - What one connection holds for its peer is bounded: the receive
+ *    buffer (one frame plus one read, about 130 KiB), descriptors that
+ *    came ahead of their frame (64), user messages not yet taken
+ *    (GPUIPC_CONN_QUEUE_MSGS / _BYTES / _FDS, then backpressure: the
+ *    socket is not read further), frames queued for a peer that does not
+ *    read (8 MiB, then sends time out; frames with descriptors are never
+ *    queued), and buffers outstanding (max_outstanding).
+ *  - A listener holds at most GPUIPC_CONN_HANDSHAKES_MAX peers in their
+ *    handshake, each for at most handshake_timeout_ms, run concurrently:
+ *    silent or slow peers delay no other.
+ *  - Every call that waits on a peer is bounded by the connection's
+ *    timeout (or, in gpuipc_accept, the handshake's own deadline); none
+ *    waits on another connection.
+ *  - Running out of a resource of our own (file descriptors, memory) ends
+ *    only the connection that needed it, with a status that says so
+ *    (GPUIPC_E_LIMIT, GPUIPC_E_NO_MEMORY), never a torn stream.
+ *  - Received file descriptors are close-on-exec and never leak: those
+ *    beyond what a frame declares are closed; buffers that arrive by
+ *    descriptor are opened by the handle layer, which treats every
+ *    descriptor as hostile input (docs/descriptor.md).
+ * The number of connections is the application's to bound (it decides
+ * whom it accepts); each costs at most the bounds above.
+ *
  * The fast path. Importing GPU memory into another process costs tens to
  * hundreds of microseconds per driver call (pool import ~170 us, pointer
  * export ~50 us, legacy open ~47 us). gpuipc pays those once: an exporter

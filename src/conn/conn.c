@@ -1,15 +1,19 @@
 /*
  * conn.c: owns the connection transport: the per-user runtime directory,
- * listening / accepting / connecting by name (file or abstract), connected
- * pairs, the handshake with credential checks, framing (length, type,
- * version, header check), file descriptors (SCM_RIGHTS), partial reads and
- * writes, timeouts, non-blocking mode, and user messages. It needs no CUDA;
- * the fast-path frames are handed to handoff.c.
+ * listening / accepting / connecting by name (file or abstract; a lock file
+ * beside a socket file makes replacing a stale one race-free), connected
+ * pairs, the handshake with credential checks (a state machine, so that a
+ * listener runs the handshakes of all its pending peers at once), framing
+ * (length, type, version, header check), file descriptors (SCM_RIGHTS,
+ * through the core socket helper), partial reads and writes, timeouts,
+ * non-blocking mode, and user messages (a bounded queue with backpressure).
+ * It needs no CUDA; the fast-path frames are handed to handoff.c.
  *
  * Sockets are always O_NONBLOCK underneath: a "blocking" call is a poll()
  * loop bounded by the connection's timeout, so no call can wait forever on
  * a peer that stopped reading or writing, and EINTR only shortens one
- * poll() round.
+ * poll() round. What a peer can make this side hold is bounded (see the
+ * rule at the top of gpuipc/conn.h).
  */
 #include "conn_int.h"
 
