@@ -1186,6 +1186,34 @@ TEST_IMPL(conn_accept_handshakes_concurrent) {
     close(mute);
     gpuipc_listener_close(l);
   }
+  /* The deadline bounds how long a peer keeps us waiting, not how long the
+   * application takes to call accept again: two honest peers, a short
+   * handshake deadline, a pause between the accepts; both come out. */
+  {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    o.timeout_ms = 30000;
+    o.handshake_timeout_ms = 300;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    pid_t p1 = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    pid_t p2 = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    gpuipc_conn *c1 = NULL, *c2 = NULL;
+    ASSERT_OK(gpuipc_accept(l, &c1));
+    usleep(1000000);
+    ASSERT_OK(gpuipc_accept(l, &c2));
+    gpuipc_peer_info a, b;
+    ASSERT_OK(gpuipc_conn_get_peer(c1, &a));
+    ASSERT_OK(gpuipc_conn_get_peer(c2, &b));
+    ASSERT((a.pid == p1 && b.pid == p2) || (a.pid == p2 && b.pid == p1));
+    roundtrip(c1, 5, 1);
+    roundtrip(c2, 5, 2);
+    gpuipc_conn_close(c1);
+    gpuipc_conn_close(c2);
+    ASSERT_EQ(wait_helper(p1, 30), 0);
+    ASSERT_EQ(wait_helper(p2, 30), 0);
+    gpuipc_listener_close(l);
+  }
   /* A non-blocking listener: handshakes move on in later calls, and the
    * listener's descriptor becomes readable when one can. */
   {

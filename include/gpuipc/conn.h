@@ -195,9 +195,9 @@ typedef struct gpuipc_block gpuipc_block;
 
 /* A listener runs the handshakes of the peers it accepted concurrently,
  * each bounded by its own deadline (gpuipc_conn_options.
- * handshake_timeout_ms, default below, counted from when the peer was
- * taken off the listening socket), whatever the timeout of gpuipc_accept
- * itself. At most GPUIPC_CONN_HANDSHAKES_MAX handshakes are pending at once;
+ * handshake_timeout_ms, default below: how long a peer may take to send
+ * its HELLO once taken off the listening socket, and its ACCEPT once sent
+ * ours), whatever the timeout of gpuipc_accept itself. At most GPUIPC_CONN_HANDSHAKES_MAX handshakes are pending at once;
  * a new peer beyond that makes the oldest pending one be dropped, so that
  * peers that connect and stay silent can neither hold descriptors without
  * bound nor keep an honest peer out. */

@@ -1466,8 +1466,14 @@ gpuipc_status gpuipc_accept(gpuipc_listener *l, gpuipc_conn **out) {
         continue;
       }
       x->ready = false;
+      int stage = x->stage;
       gpuipc_status s = hs_step(x, deadline_ms(100));
       if (s == GPUIPC_E_WOULD_BLOCK) {
+        /* A peer that answered has its time again for the next answer:
+         * the deadline bounds how long a peer keeps us waiting, not how
+         * long the application took to call accept again. */
+        if (x->stage != stage)
+          x->deadline = deadline_ms(l->opts.handshake_timeout_ms);
         i++;
         continue;
       }
