@@ -4,6 +4,8 @@ file(GLOB GPUIPC_TEST_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/*.c)
 add_executable(gpuipc-tests ${GPUIPC_TEST_SOURCES})
 target_link_libraries(gpuipc-tests PRIVATE gpuipc_internal)
 target_include_directories(gpuipc-tests PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+# Host allocation failures are injected through these (harness_fail_allocs).
+target_link_options(gpuipc-tests PRIVATE "LINKER:--wrap=malloc,--wrap=realloc")
 if(TARGET cuda-emu)
   target_compile_definitions(gpuipc-tests PRIVATE
     GPUIPC_EMU_PATH="$<TARGET_FILE:cuda-emu>")

@@ -219,6 +219,13 @@ uint64_t harness_recv_u64(int sock);
 /* Number of open file descriptors of this process (for leak checks). */
 int harness_count_fds(void);
 
+/* Host allocation failures (SQLite's faultsim in small): the next `count`
+ * malloc/realloc calls made by this thread for between min and max bytes
+ * (the library's and the tests' own: the test binary is linked with
+ * --wrap=malloc,--wrap=realloc) fail with ENOMEM. Returns how many failed
+ * since the previous call. count 0 disarms. */
+int harness_fail_allocs(size_t min, size_t max, int count);
+
 /* A path in a fresh private temporary directory (removed at exit). */
 const char *harness_tmpdir(void);
 

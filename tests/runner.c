@@ -290,6 +290,37 @@ int harness_count_fds(void) {
   return n - 1; /* the directory's own fd */
 }
 
+static __thread size_t fail_min, fail_max;
+static __thread int fail_count, fail_done;
+
+int harness_fail_allocs(size_t min, size_t max, int count) {
+  int done = fail_done;
+  fail_min = min;
+  fail_max = max;
+  fail_count = count;
+  fail_done = 0;
+  return done;
+}
+
+static bool alloc_fails(size_t n) {
+  if (fail_count > 0 && n >= fail_min && n <= fail_max) {
+    fail_count--;
+    fail_done++;
+    errno = ENOMEM;
+    return true;
+  }
+  return false;
+}
+
+void *__real_malloc(size_t n);
+void *__real_realloc(void *p, size_t n);
+void *__wrap_malloc(size_t n);
+void *__wrap_realloc(void *p, size_t n);
+void *__wrap_malloc(size_t n) { return alloc_fails(n) ? NULL : __real_malloc(n); }
+void *__wrap_realloc(void *p, size_t n) {
+  return alloc_fails(n) ? NULL : __real_realloc(p, n);
+}
+
 static int rm_cb(const char *p, const struct stat *s, int f, struct FTW *w) {
   (void)s;
   (void)f;

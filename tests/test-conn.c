@@ -5,11 +5,14 @@
  */
 #include "harness.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -856,5 +859,587 @@ TEST_IMPL(conn_64_peers) {
     ASSERT_EQ(wait_helper(pids[i], 60), 0);
   ASSERT_EQ(harness_count_fds(), base_fds);
   gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- this process's limits ------------------------------------------------------------ */
+
+/* A receiver that has no descriptor left when a message with descriptors
+ * arrives: the kernel drops them (MSG_CTRUNC). That is this process's
+ * limit, not a peer that sent too many, and the status says so. */
+TEST_IMPL(conn_recv_out_of_fds_says_so) {
+  int fd;
+  pid_t pid = spawn_helper("conn_echo", NULL, &fd, "pair", NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  /* The echo comes back with two descriptors. */
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "fds", 3, p, 2));
+  close(p[0]);
+  close(p[1]);
+  /* Wait until the echo is there, then fill the descriptor table. */
+  struct pollfd pf = {gpuipc_conn_get_fd(c), POLLIN, 0};
+  ASSERT_EQ(poll(&pf, 1, 20000), 1);
+  struct rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  struct rlimit low = old;
+  low.rlim_cur = 256;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  static int dups[256];
+  int ndups = 0;
+  for (;;) {
+    int d = fcntl(0, F_DUPFD_CLOEXEC, 0);
+    if (d < 0) {
+      ASSERT_EQ(errno, EMFILE);
+      break;
+    }
+    ASSERT_LT(ndups, 256);
+    dups[ndups++] = d;
+  }
+  char buf[16];
+  size_t len = 0;
+  int got[4], ngot = 4;
+  gpuipc_status s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, got, &ngot);
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", gpuipc_last_error());
+  for (int i = 0; i < ndups; i++)
+    close(dups[i]);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  if (s != GPUIPC_E_LIMIT)
+    harness_fail(__FILE__, __LINE__, "receive without fds left: got %s (%s), "
+                 "want GPUIPC_E_LIMIT",
+                 gpuipc_status_name(s), msg);
+  ASSERT_STR_CONTAINS(msg, "this process has no file descriptor left");
+  ASSERT_STR_CONTAINS(msg, "RLIMIT_NOFILE is 256");
+  /* The connection ended on our side; later calls say so and why. */
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
+                GPUIPC_E_CLOSED);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "no file descriptor left");
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}
+
+/* ---- bounded queues and backpressure ---------------------------------------------------- */
+
+/* Floods the test with messages as fast as the connection takes them:
+ * argv[1] "fds": 400 messages of 4 bytes with 16 descriptors each;
+ * "bytes": 2,000 messages of 64 KiB. Each starts with its index. Then
+ * waits for one message and leaves. */
+HELPER_IMPL(conn_flood) {
+  ASSERT(argc >= 2);
+  gpuipc_conn *c = helper_conn(argc, argv);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 60000));
+  static unsigned char buf[GPUIPC_CONN_MSG_MAX];
+  bool fds_mode = strcmp(argv[1], "fds") == 0;
+  int fds[GPUIPC_CONN_FDS_MAX];
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  for (int i = 0; i < GPUIPC_CONN_FDS_MAX; i++)
+    fds[i] = i % 2 ? p[1] : p[0];
+  int n = fds_mode ? 400 : 2000;
+  for (int i = 0; i < n; i++) {
+    memcpy(buf, &i, sizeof i);
+    if (fds_mode)
+      ASSERT_OK(gpuipc_conn_send_msg(c, buf, sizeof i, fds,
+                                     GPUIPC_CONN_FDS_MAX));
+    else {
+      memset(buf + sizeof i, (unsigned char)i, sizeof buf - sizeof i);
+      ASSERT_OK(gpuipc_conn_send_msg(c, buf, sizeof buf, NULL, 0));
+    }
+  }
+  close(p[0]);
+  close(p[1]);
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static void flood_case(const char *mode) {
+  bool fds_mode = strcmp(mode, "fds") == 0;
+  int n = fds_mode ? 400 : 2000;
+  int fd;
+  pid_t pid = spawn_helper("conn_flood", NULL, &fd, "pair", (char *)mode, NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  int base_fds = harness_count_fds();
+  /* The application only makes progress for a while: what the connection
+   * holds must stay within its bounds, and reach them (the flood is held
+   * back, not lost). */
+  int max_fds = 0;
+  size_t max_msgs = 0, max_bytes = 0, max_qfds = 0;
+  bool paused = false;
+  uint64_t t0 = (uint64_t)time(NULL);
+  /* Until the connection has held back the flood for a while (the helper
+   * may be slow to start). */
+  for (int i = 0, held = 0; held < 50; i++) {
+    ASSERT_LT(i, 5000);
+    ASSERT_OK(gpuipc_conn_progress(c, 10));
+    size_t m, b, f;
+    gpuipc__conn_queued(c, &m, &b, &f, &paused);
+    int open_fds = harness_count_fds() - base_fds;
+    if (open_fds > max_fds)
+      max_fds = open_fds;
+    if (m > max_msgs)
+      max_msgs = m;
+    if (b > max_bytes)
+      max_bytes = b;
+    if (f > max_qfds)
+      max_qfds = f;
+    held = paused ? held + 1 : 0;
+    if (paused)
+      usleep(1000); /* the helper keeps trying meanwhile */
+  }
+  ASSERT_LT((uint64_t)time(NULL) - t0, 60); /* progress never waited long */
+  ASSERT(paused);
+  ASSERT_LE(max_msgs, GPUIPC_CONN_QUEUE_MSGS);
+  ASSERT_LE(max_bytes, GPUIPC_CONN_QUEUE_BYTES);
+  ASSERT_LE(max_qfds, GPUIPC_CONN_QUEUE_FDS);
+  /* Open descriptors: the queue's, plus at most what one read brings for
+   * frames not yet parsed (64). */
+  ASSERT_LE(max_fds, GPUIPC_CONN_QUEUE_FDS + 64);
+  if (fds_mode)
+    ASSERT_GE(max_qfds, GPUIPC_CONN_QUEUE_FDS - GPUIPC_CONN_FDS_MAX);
+  else
+    ASSERT_GE(max_bytes, GPUIPC_CONN_QUEUE_BYTES - GPUIPC_CONN_MSG_MAX);
+  /* A call that waits for something behind the held messages says why it
+   * cannot get it instead of waiting out its timeout. */
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  uint64_t t1 = (uint64_t)time(NULL);
+  ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_BUSY);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "wait to be taken");
+  ASSERT_LT((uint64_t)time(NULL) - t1, 5);
+  char one[4];
+  size_t len = 0;
+  /* The honest reader then gets every message, whole and in order. */
+  static unsigned char buf[GPUIPC_CONN_MSG_MAX];
+  for (int i = 0; i < n; i++) {
+    int got[GPUIPC_CONN_FDS_MAX], ngot = GPUIPC_CONN_FDS_MAX;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, got, &ngot));
+    int idx = -1;
+    memcpy(&idx, buf, sizeof idx);
+    if (idx != i)
+      harness_fail(__FILE__, __LINE__, "message %d came as %d", i, idx);
+    if (fds_mode) {
+      ASSERT_EQ(len, sizeof idx);
+      ASSERT_EQ(ngot, GPUIPC_CONN_FDS_MAX);
+    } else {
+      ASSERT_EQ(len, sizeof buf);
+      ASSERT_EQ(ngot, 0);
+      ASSERT_EQ(buf[len - 1], (unsigned char)i);
+    }
+    for (int k = 0; k < ngot; k++)
+      close(got[k]);
+    int open_fds = harness_count_fds() - base_fds;
+    if (open_fds > GPUIPC_CONN_QUEUE_FDS + 64)
+      harness_fail(__FILE__, __LINE__, "%d descriptors open at message %d",
+                   open_fds, i);
+  }
+  size_t m, b, f;
+  gpuipc__conn_queued(c, &m, &b, &f, &paused);
+  ASSERT_EQ(m, 0);
+  ASSERT_EQ(b, 0);
+  ASSERT_EQ(f, 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_STATUS(gpuipc_conn_recv_msg(c, one, sizeof one, &len, NULL, NULL),
+                GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(harness_count_fds(), base_fds - 1);
+}
+
+TEST_IMPL(conn_msg_flood_fds_bounded) {
+  flood_case("fds");
+  return 0;
+}
+
+TEST_IMPL(conn_msg_flood_bytes_bounded) {
+  flood_case("bytes");
+  return 0;
+}
+
+/* ---- concurrent handshakes ---------------------------------------------------------------- */
+
+/* A client that connects to the abstract name and says nothing. */
+static int silent_client(const char *name) {
+  int raw = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(raw, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  int n = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "gpuipc/%s", name);
+  ASSERT_EQ(connect(raw, (struct sockaddr *)&sa,
+                    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 +
+                                (size_t)n)),
+            0);
+  return raw;
+}
+
+/* True when the listener dropped this silent client: what it sent (its
+ * HELLO) is followed by the end of the stream. */
+static bool silent_client_dropped(int raw) {
+  char buf[4096];
+  for (;;) {
+    ssize_t r = recv(raw, buf, sizeof buf, MSG_DONTWAIT);
+    if (r == 0)
+      return true;
+    if (r < 0)
+      return false;
+  }
+}
+
+typedef struct accept_job {
+  gpuipc_listener *l;
+  gpuipc_conn *c;
+  gpuipc_status s;
+  char err[512];
+} accept_job;
+
+static void *accept_thread(void *arg) {
+  accept_job *j = arg;
+  j->s = gpuipc_accept(j->l, &j->c);
+  snprintf(j->err, sizeof j->err, "%s", gpuipc_last_error());
+  return NULL;
+}
+
+/* Accepts in a thread, bounded by limit_s seconds of waiting here: the
+ * honest peer that connected after `silent` mute ones must come out. */
+static gpuipc_conn *accept_within(gpuipc_listener *l, int limit_s,
+                                  double *elapsed_s) {
+  accept_job j = {l, NULL, GPUIPC_OK, ""};
+  pthread_t t;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  ASSERT_EQ(pthread_create(&t, NULL, accept_thread, &j), 0);
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += limit_s;
+  int r = pthread_timedjoin_np(t, NULL, &until);
+  if (r != 0)
+    harness_fail(__FILE__, __LINE__,
+                 "gpuipc_accept did not return within %d s: handshakes of "
+                 "silent peers hold up the honest one",
+                 limit_s);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  *elapsed_s = (double)(t1.tv_sec - t0.tv_sec) +
+               (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  if (j.s != GPUIPC_OK)
+    harness_fail(__FILE__, __LINE__, "gpuipc_accept: %s (%s)",
+                 gpuipc_status_name(j.s), j.err);
+  return j.c;
+}
+
+TEST_IMPL(conn_accept_handshakes_concurrent) {
+  char name[64];
+  snprintf(name, sizeof name, "hs-%d", (int)getpid());
+  int base_fds = harness_count_fds();
+  for (int round = 0; round < 2; round++) {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    /* Round 0: accept may wait 120 s; round 1: forever. Each handshake
+     * has 60 s. Serial handshakes would hold the honest peer for 3 x 60 s
+     * (or forever); concurrent ones hand it out at once. */
+    o.timeout_ms = round == 0 ? 120000 : -1;
+    o.handshake_timeout_ms = 60000;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    int mute[3];
+    for (int i = 0; i < 3; i++)
+      mute[i] = silent_client(name);
+    pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    double el = 0;
+    gpuipc_conn *c = accept_within(l, 30, &el);
+    gpuipc_peer_info pi;
+    ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+    ASSERT_EQ(pi.pid, pid);
+    if (el > 30.0)
+      harness_fail(__FILE__, __LINE__, "round %d: accept took %.1f s", round,
+                   el);
+    roundtrip(c, 40, round);
+    gpuipc_conn_close(c);
+    ASSERT_EQ(wait_helper(pid, 30), 0);
+    /* The silent ones are still pending, not dropped. */
+    for (int i = 0; i < 3; i++)
+      ASSERT(!silent_client_dropped(mute[i]));
+    gpuipc_listener_close(l);
+    /* Closing the listener drops them. */
+    for (int i = 0; i < 3; i++) {
+      ASSERT(silent_client_dropped(mute[i]));
+      close(mute[i]);
+    }
+  }
+  /* Each handshake has its own deadline: a silent peer is dropped when it
+   * passes, while accept goes on waiting for its own. */
+  {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    o.timeout_ms = 1500;
+    o.handshake_timeout_ms = 200;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    int mute = silent_client(name);
+    gpuipc_conn *c = NULL;
+    ASSERT_STATUS(gpuipc_accept(l, &c), GPUIPC_E_TIMEOUT);
+    ASSERT(silent_client_dropped(mute));
+    close(mute);
+    gpuipc_listener_close(l);
+  }
+  /* The deadline bounds how long a peer keeps us waiting, not how long the
+   * application takes to call accept again: two honest peers, a short
+   * handshake deadline, a pause between the accepts; both come out. */
+  {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    o.timeout_ms = 30000;
+    o.handshake_timeout_ms = 300;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    pid_t p1 = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    pid_t p2 = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    gpuipc_conn *c1 = NULL, *c2 = NULL;
+    ASSERT_OK(gpuipc_accept(l, &c1));
+    usleep(1000000);
+    ASSERT_OK(gpuipc_accept(l, &c2));
+    gpuipc_peer_info a, b;
+    ASSERT_OK(gpuipc_conn_get_peer(c1, &a));
+    ASSERT_OK(gpuipc_conn_get_peer(c2, &b));
+    ASSERT((a.pid == p1 && b.pid == p2) || (a.pid == p2 && b.pid == p1));
+    roundtrip(c1, 5, 1);
+    roundtrip(c2, 5, 2);
+    gpuipc_conn_close(c1);
+    gpuipc_conn_close(c2);
+    ASSERT_EQ(wait_helper(p1, 30), 0);
+    ASSERT_EQ(wait_helper(p2, 30), 0);
+    gpuipc_listener_close(l);
+  }
+  /* A non-blocking listener: handshakes move on in later calls, and the
+   * listener's descriptor becomes readable when one can. */
+  {
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.abstract_name = 1;
+    o.nonblocking = 1;
+    gpuipc_listener *l = NULL;
+    ASSERT_OK(gpuipc_listen(name, &o, &l));
+    int mute = silent_client(name);
+    pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+    gpuipc_conn *c = NULL;
+    gpuipc_status s;
+    int rounds = 0;
+    while ((s = gpuipc_accept(l, &c)) == GPUIPC_E_WOULD_BLOCK) {
+      struct pollfd p = {gpuipc_listener_get_fd(l), POLLIN, 0};
+      ASSERT_EQ(poll(&p, 1, 20000), 1);
+      ASSERT_LT(++rounds, 20);
+    }
+    ASSERT_OK(s);
+    gpuipc_peer_info pi;
+    ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+    ASSERT_EQ(pi.pid, pid);
+    ASSERT_OK(gpuipc_conn_set_nonblocking(c, 0));
+    roundtrip(c, 3, 3);
+    gpuipc_conn_close(c);
+    ASSERT_EQ(wait_helper(pid, 30), 0);
+    gpuipc_listener_close(l);
+    close(mute);
+  }
+  ASSERT_EQ(harness_count_fds(), base_fds);
+  return 0;
+}
+
+TEST_IMPL(conn_accept_pending_bounded) {
+  enum { MUTE = 200 };
+  char name[64];
+  snprintf(name, sizeof name, "hsb-%d", (int)getpid());
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.abstract_name = 1;
+  o.timeout_ms = 120000;
+  o.handshake_timeout_ms = 60000;
+  int base_fds = harness_count_fds();
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen(name, &o, &l));
+  static int mute[MUTE];
+  for (int i = 0; i < MUTE; i++)
+    mute[i] = silent_client(name);
+  pid_t pid = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+  double el = 0;
+  gpuipc_conn *c = accept_within(l, 30, &el);
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+  ASSERT_EQ(pi.pid, pid);
+  /* This process holds the mute clients' own ends, the honest connection,
+   * and at most GPUIPC_CONN_HANDSHAKES_MAX pending handshakes. */
+  ASSERT_LE(harness_count_fds() - base_fds,
+            2 + MUTE + 1 + GPUIPC_CONN_HANDSHAKES_MAX);
+  int dropped = 0;
+  for (int i = 0; i < MUTE; i++)
+    dropped += silent_client_dropped(mute[i]);
+  ASSERT_GE(dropped, MUTE - GPUIPC_CONN_HANDSHAKES_MAX);
+  roundtrip(c, 10, 1);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_listener_close(l);
+  for (int i = 0; i < MUTE; i++)
+    close(mute[i]);
+  ASSERT_EQ(harness_count_fds(), base_fds);
+  return 0;
+}
+
+/* ---- listening over a stale socket file ---------------------------------------------------- */
+
+/* Two processes listen on one name over a stale socket file at the same
+ * moment, round after round: exactly one wins, the other is told the name
+ * is in use, and the winner is the one reachable at the path. */
+TEST_IMPL(conn_listen_stale_race) {
+  enum { ROUNDS = 200 };
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_listener *l0 = NULL;
+  ASSERT_OK(gpuipc_listen("race-setup", &o, &l0)); /* makes the directory */
+  gpuipc_listener_close(l0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  int n = snprintf(sa.sun_path, sizeof sa.sun_path, "%s/race.sock", rt_dir());
+  ASSERT_LT(n, (int)sizeof sa.sun_path);
+  int both_won = 0, none_won = 0, unreachable = 0;
+  for (int round = 0; round < ROUNDS; round++) {
+    /* A dead listener's leftover: bound, never listening, file kept. */
+    int stale = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(stale, 0);
+    ASSERT_EQ(bind(stale, (struct sockaddr *)&sa, sizeof sa), 0);
+    close(stale);
+    int go[2], res[2], quit[2];
+    ASSERT_EQ(pipe2(go, O_CLOEXEC), 0);
+    ASSERT_EQ(pipe2(res, O_CLOEXEC), 0);
+    ASSERT_EQ(pipe2(quit, O_CLOEXEC), 0);
+    pid_t kids[2];
+    for (int k = 0; k < 2; k++) {
+      kids[k] = fork();
+      ASSERT_GE(kids[k], 0);
+      if (kids[k] == 0) {
+        close(go[1]);
+        close(res[0]);
+        close(quit[1]);
+        char ch;
+        if (read(go[0], &ch, 1) != 1)
+          _exit(2);
+        gpuipc_listener *l = NULL;
+        gpuipc_status s = gpuipc_listen("race", &o, &l);
+        unsigned char r = (unsigned char)s;
+        if (write(res[1], &r, 1) != 1)
+          _exit(3);
+        if (s == GPUIPC_OK) {
+          if (read(quit[0], &ch, 1) < 0)
+            _exit(4);
+          gpuipc_listener_close(l);
+        }
+        _exit(0);
+      }
+    }
+    close(go[0]);
+    close(res[1]);
+    close(quit[0]);
+    ASSERT_EQ(write(go[1], "gg", 2), 2);
+    unsigned char r[2];
+    for (int k = 0; k < 2; k++)
+      ASSERT_EQ(read(res[0], &r[k], 1), 1);
+    int ok = (r[0] == GPUIPC_OK) + (r[1] == GPUIPC_OK);
+    if (ok == 2)
+      both_won++;
+    if (ok == 0)
+      none_won++;
+    for (int k = 0; k < 2; k++)
+      if (r[k] != GPUIPC_OK && r[k] != GPUIPC_E_EXISTS)
+        harness_fail(__FILE__, __LINE__, "round %d: listen returned %s",
+                     round, gpuipc_status_name((gpuipc_status)r[k]));
+    /* The winner is the one at the path. */
+    int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (ok >= 1 && connect(probe, (struct sockaddr *)&sa, sizeof sa) != 0)
+      unreachable++;
+    close(probe);
+    close(quit[1]);
+    close(go[1]);
+    close(res[0]);
+    for (int k = 0; k < 2; k++)
+      ASSERT_EQ(wait_helper(kids[k], 30), 0);
+  }
+  if (both_won || none_won || unreachable)
+    harness_fail(__FILE__, __LINE__,
+                 "of %d rounds: %d with two winners, %d with none, %d with "
+                 "the winner unreachable",
+                 ROUNDS, both_won, none_won, unreachable);
+  return 0;
+}
+
+/* ---- host allocation failures ---------------------------------------------------------------- */
+
+/* A frame that cannot be queued whole is never started: the stream stays
+ * intact (before, its first bytes left and the rest was dropped, and the
+ * peer then read garbage), the call says E_NO_MEMORY, and the connection
+ * goes on. A message whose queue entry cannot be allocated stays in the
+ * receive buffer for a later call (before, it was lost and the frames
+ * ahead of it were dispatched again). */
+TEST_IMPL(conn_alloc_failure_keeps_stream_whole) {
+  int fd;
+  pid_t pid = spawn_helper("conn_echo", NULL, &fd, "pair", NULL);
+  gpuipc_conn_options o = opts_ms(20000);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  /* A small send buffer: a large message leaves in parts. */
+  int small = 4096;
+  ASSERT_EQ(setsockopt(gpuipc_conn_get_fd(c), SOL_SOCKET, SO_SNDBUF, &small,
+                       sizeof small),
+            0);
+  static unsigned char big[GPUIPC_CONN_MSG_MAX];
+  memset(big, 0xab, sizeof big);
+  harness_fail_allocs(4096, (size_t)1 << 20, 1000);
+  gpuipc_status s = gpuipc_conn_send_msg(c, big, sizeof big, NULL, 0);
+  int failed = harness_fail_allocs(0, 0, 0);
+  ASSERT_GT(failed, 0);
+  ASSERT_STATUS(s, GPUIPC_E_NO_MEMORY);
+  /* The stream is whole: the next messages arrive as sent. */
+  roundtrip(c, 100, 7);
+  ASSERT_OK(gpuipc_conn_send_msg(c, big, sizeof big, NULL, 0));
+  static unsigned char in[GPUIPC_CONN_MSG_MAX];
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, in, sizeof in, &len, NULL, NULL));
+  ASSERT_EQ(len, sizeof big);
+  ASSERT_MEM_EQ(in, big, sizeof big);
+
+  /* Receiving: three messages (5000, 6000, 7000 bytes) are echoed; the
+   * queue entries of the first, then of the second, cannot be allocated at
+   * first. */
+  static unsigned char m[3][7000];
+  size_t mlen[3] = {5000, 6000, 7000};
+  int roomy = 1 << 20;
+  ASSERT_EQ(setsockopt(gpuipc_conn_get_fd(c), SOL_SOCKET, SO_SNDBUF, &roomy,
+                       sizeof roomy),
+            0);
+  for (int i = 0; i < 3; i++) {
+    memset(m[i], 'a' + i, mlen[i]);
+    ASSERT_OK(gpuipc_conn_send_msg(c, m[i], mlen[i], NULL, 0));
+  }
+  /* Wait until the three echoes are all in the socket. */
+  for (int tries = 0;; tries++) {
+    int q = 0;
+    ASSERT_EQ(ioctl(gpuipc_conn_get_fd(c), FIONREAD, &q), 0);
+    if (q >= (int)(mlen[0] + mlen[1] + mlen[2] + 3 * 16))
+      break;
+    ASSERT_LT(tries, 2000);
+    usleep(10000);
+  }
+  harness_fail_allocs(5000, 5200, 1);
+  s = gpuipc_conn_recv_msg(c, in, sizeof in, &len, NULL, NULL);
+  ASSERT_EQ(harness_fail_allocs(6000, 6200, 1), 1);
+  ASSERT_STATUS(s, GPUIPC_E_NO_MEMORY);
+  for (int i = 0; i < 3; i++) {
+    ASSERT_OK(gpuipc_conn_recv_msg(c, in, sizeof in, &len, NULL, NULL));
+    if (i == 0)
+      ASSERT_EQ(harness_fail_allocs(0, 0, 0), 1);
+    ASSERT_EQ(len, mlen[i]);
+    if (memcmp(in, m[i], len) != 0)
+      harness_fail(__FILE__, __LINE__, "message %d came as '%c...' (%zu "
+                   "bytes)", i, in[0], len);
+  }
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }

@@ -20,6 +20,37 @@
  *  - GPU buffers, the reason the library exists (gpuipc_conn_send /
  *    gpuipc_conn_recv / gpuipc_conn_release).
  *
+ * The rule: a peer, however hostile, can neither crash this process, make
+ * it read or map memory that was not exported to it, stall work that does
+ * not involve that peer, exhaust its memory or file descriptors, nor make
+ * any call wait past its timeout. What makes it so on the transport:
+ *  - Everything a peer sends is validated before use (frame header with
+ *    check, length <= GPUIPC_CONN_MSG_MAX + 1024, known type, descriptors
+ *    that match the header); anything else disconnects that peer only
+ *    (GPUIPC_E_PROTOCOL), and nothing of it is kept.
+ *  - What one connection holds for its peer is bounded: the receive
+ *    buffer (one frame plus one read, about 130 KiB), descriptors that
+ *    came ahead of their frame (64), user messages not yet taken
+ *    (GPUIPC_CONN_QUEUE_MSGS / _BYTES / _FDS, then backpressure: the
+ *    socket is not read further), frames queued for a peer that does not
+ *    read (8 MiB, then sends time out; frames with descriptors are never
+ *    queued), and buffers outstanding (max_outstanding).
+ *  - A listener holds at most GPUIPC_CONN_HANDSHAKES_MAX peers in their
+ *    handshake, each for at most handshake_timeout_ms, run concurrently:
+ *    silent or slow peers delay no other.
+ *  - Every call that waits on a peer is bounded by the connection's
+ *    timeout (or, in gpuipc_accept, the handshake's own deadline); none
+ *    waits on another connection.
+ *  - Running out of a resource of our own (file descriptors, memory) ends
+ *    only the connection that needed it, with a status that says so
+ *    (GPUIPC_E_LIMIT, GPUIPC_E_NO_MEMORY), never a torn stream.
+ *  - Received file descriptors are close-on-exec and never leak: those
+ *    beyond what a frame declares are closed; buffers that arrive by
+ *    descriptor are opened by the handle layer, which treats every
+ *    descriptor as hostile input (docs/descriptor.md).
+ * The number of connections is the application's to bound (it decides
+ * whom it accepts); each costs at most the bounds above.
+ *
  * The fast path. Importing GPU memory into another process costs tens to
  * hundreds of microseconds per driver call (pool import ~170 us, pointer
  * export ~50 us, legacy open ~47 us). gpuipc pays those once: an exporter
@@ -77,6 +108,19 @@
  * it is readable. An exporter that only sends must still make progress now
  * and then (send does, too), or releases pile up in the socket.
  *
+ * Backpressure. A connection holds at most GPUIPC_CONN_QUEUE_MSGS /
+ * _BYTES / _FDS of user messages received and not yet taken (settable in
+ * gpuipc_conn_options). When the next message does not fit, the connection
+ * stops reading its socket until the application takes messages with
+ * gpuipc_conn_recv_msg: everything behind that message (buffers, releases,
+ * the peer's departure) waits in the kernel's socket buffer, and the
+ * peer's sends wait, time out or return GPUIPC_E_WOULD_BLOCK. Meanwhile a
+ * call that needs something from behind the held messages
+ * (gpuipc_conn_recv, a send waiting for a free slot) returns GPUIPC_E_BUSY
+ * at once rather than wait out its timeout, gpuipc_conn_progress returns
+ * GPUIPC_OK having read nothing, and the socket stays readable for poll:
+ * an application that accepts user messages must take them.
+ *
  * Timeouts. Every call that can wait takes its limit from the connection's
  * timeout (gpuipc_conn_options.timeout_ms, gpuipc_conn_set_timeout): -1
  * waits forever, 0 never waits. A connection in non-blocking mode never
@@ -133,6 +177,33 @@ typedef struct gpuipc_block gpuipc_block;
 #define GPUIPC_META_MAX 256
 /* Longest connection name (without the runtime directory). */
 #define GPUIPC_CONN_NAME_MAX 80
+
+/* What one connection holds of user messages received and not yet taken
+ * (gpuipc_conn_recv_msg), by default: messages, payload bytes, and file
+ * descriptors that came with them. When the next message would pass a
+ * bound, the connection stops reading its socket (backpressure): frames
+ * stay in the kernel's socket buffer, and the sender's calls wait, time
+ * out or return GPUIPC_E_WOULD_BLOCK as for any peer that does not read.
+ * A message is always taken into an empty queue. Settable per connection
+ * (gpuipc_conn_options.queue_*, up to the _CAP values). */
+#define GPUIPC_CONN_QUEUE_MSGS 1024
+#define GPUIPC_CONN_QUEUE_BYTES ((size_t)4 << 20)
+#define GPUIPC_CONN_QUEUE_FDS 128
+#define GPUIPC_CONN_QUEUE_MSGS_CAP (1u << 20)
+#define GPUIPC_CONN_QUEUE_BYTES_CAP ((size_t)1 << 30)
+#define GPUIPC_CONN_QUEUE_FDS_CAP 65536u
+
+/* A listener runs the handshakes of the peers it accepted concurrently,
+ * each bounded by its own deadline (gpuipc_conn_options.
+ * handshake_timeout_ms, default below: how long a peer may take to send
+ * its HELLO once taken off the listening socket, and its ACCEPT once sent
+ * ours), whatever the timeout of gpuipc_accept itself. At most GPUIPC_CONN_HANDSHAKES_MAX handshakes are pending at once;
+ * a new peer beyond that makes the oldest pending one be dropped, so that
+ * peers that connect and stay silent can neither hold descriptors without
+ * bound nor keep an honest peer out. */
+#define GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS 5000
+#define GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP 600000
+#define GPUIPC_CONN_HANDSHAKES_MAX 64
 
 /* How the consumer's GPU work is ordered after the producer's. */
 typedef enum gpuipc_order_mode {
@@ -195,11 +266,22 @@ typedef struct gpuipc_conn_options {
   uint32_t max_outstanding;
   /* GPU ordering of handed-over buffers. Default GPUIPC_ORDER_MEMOP. */
   gpuipc_order_mode order;
+  /* Bounds of the queue of received user messages not yet taken (see
+   * GPUIPC_CONN_QUEUE_MSGS): messages, file descriptors, payload bytes.
+   * 0: the default; at most the _CAP values. */
+  uint32_t queue_msgs;
+  uint32_t queue_fds;
+  size_t queue_bytes;
+  /* Listener: how long each accepted peer has to complete its handshake
+   * (ms, 1 to GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP). 0: the default,
+   * GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS. */
+  int handshake_timeout_ms;
 } gpuipc_conn_options;
 
 #define GPUIPC_CONN_OPTIONS_INIT                                               \
   {sizeof(gpuipc_conn_options), 10000, 0, 0, NULL, NULL, 0, NULL, 0, 256,      \
-   GPUIPC_ORDER_MEMOP}
+   GPUIPC_ORDER_MEMOP, GPUIPC_CONN_QUEUE_MSGS, GPUIPC_CONN_QUEUE_FDS,          \
+   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS}
 
 /* ------------------------------------------------------------------------ */
 /* Making connections                                                        */
@@ -208,23 +290,34 @@ typedef struct gpuipc_conn_options {
 /* Listens on `name` (letters, digits, '.', '_', '-'; at most
  * GPUIPC_CONN_NAME_MAX bytes). Creates the runtime directory when needed. A
  * stale socket file of a dead listener is replaced; a live one makes this
- * fail with GPUIPC_E_EXISTS. opts may be NULL. On success *out owns the
+ * fail with GPUIPC_E_EXISTS. For a socket file, the listener holds a lock
+ * (flock on "<name>.lock" beside it) for its life, and only the lock's
+ * holder replaces a stale socket file: of processes listening on one name
+ * at once, exactly one succeeds, the others get GPUIPC_E_EXISTS. opts may
+ * be NULL. On success *out owns the
  * socket; close it with gpuipc_listener_close. Needs no CUDA. */
 GPUIPC_API gpuipc_status gpuipc_listen(const char *name,
                                        const gpuipc_conn_options *opts,
                                        gpuipc_listener **out /* OUT */);
 
 /* Accepts one connection: waits (up to the listener's timeout; never in
- * non-blocking mode: GPUIPC_E_WOULD_BLOCK) for a peer, checks its
- * credentials and completes the handshake (which waits up to the timeout
- * even in non-blocking mode). A refused peer is logged, told why and
+ * non-blocking mode: GPUIPC_E_WOULD_BLOCK) until a peer has completed its
+ * handshake, and returns it. The handshakes of all peers that connected
+ * proceed concurrently, each bounded by handshake_timeout_ms (see
+ * GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS): a peer that stays silent is dropped
+ * when its own deadline passes and delays no other, and one that has
+ * completed is returned whatever the others do (pending handshakes carry
+ * over to the next call). A refused peer is logged, told why and
  * disconnected, and this returns GPUIPC_E_PEER_REFUSED (the listener stays
- * usable). Other failures of one peer (garbage, a peer that vanished) return
- * GPUIPC_E_PROTOCOL / GPUIPC_E_PEER_GONE and leave the listener usable. */
+ * usable). Other failures of one peer (garbage) return GPUIPC_E_PROTOCOL
+ * and leave the listener usable; a peer that left during its handshake is
+ * skipped. Connections accepted in non-blocking mode are non-blocking. */
 GPUIPC_API gpuipc_status gpuipc_accept(gpuipc_listener *l,
                                        gpuipc_conn **out /* OUT */);
 
-/* The listening socket, for poll/epoll (POLLIN: a peer waits in accept). */
+/* A descriptor for poll/epoll (an epoll set of the listening socket and of
+ * the pending handshakes): POLLIN means gpuipc_accept has something to do
+ * (a new peer, or a handshake that can move on). Do not read it yourself. */
 GPUIPC_API int gpuipc_listener_get_fd(const gpuipc_listener *l);
 /* The socket's path ("@name" for an abstract name). Owned by l. */
 GPUIPC_API const char *gpuipc_listener_get_path(const gpuipc_listener *l);
@@ -322,7 +415,8 @@ GPUIPC_API gpuipc_status gpuipc_conn_send_msg(gpuipc_conn *conn,
  * expected: surplus descriptors are closed. A message longer than cap is
  * consumed and GPUIPC_E_TRUNCATED returned with *len the full size.
  * Buffers that arrive meanwhile are queued for gpuipc_conn_recv. Waits up
- * to the timeout: GPUIPC_E_TIMEOUT, GPUIPC_E_WOULD_BLOCK, GPUIPC_E_PEER_GONE. */
+ * to the timeout: GPUIPC_E_TIMEOUT, GPUIPC_E_WOULD_BLOCK, GPUIPC_E_PEER_GONE.
+ * Taking a message makes room in the bounded queue (see Backpressure). */
 GPUIPC_API gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf,
                                               size_t cap, size_t *len /* OUT */,
                                               int *fds /* OUT */,
@@ -474,7 +568,9 @@ typedef struct gpuipc_received {
  * that arrive meanwhile are queued for gpuipc_conn_recv_msg.
  * GPUIPC_E_TIMEOUT / GPUIPC_E_WOULD_BLOCK when nothing came;
  * GPUIPC_E_PEER_GONE when the exporter is gone (buffers already received
- * stay readable until released). Needs CUDA. */
+ * stay readable until released); GPUIPC_E_BUSY when the queue of user
+ * messages not yet taken is full, so that nothing behind them is read
+ * (see Backpressure). Needs CUDA. */
 GPUIPC_API gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn,
                                           struct CUstream_st *stream,
                                           gpuipc_received *out /* OUT */);

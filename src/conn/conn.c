@@ -1,15 +1,19 @@
 /*
  * conn.c: owns the connection transport: the per-user runtime directory,
- * listening / accepting / connecting by name (file or abstract), connected
- * pairs, the handshake with credential checks, framing (length, type,
- * version, header check), file descriptors (SCM_RIGHTS), partial reads and
- * writes, timeouts, non-blocking mode, and user messages. It needs no CUDA;
- * the fast-path frames are handed to handoff.c.
+ * listening / accepting / connecting by name (file or abstract; a lock file
+ * beside a socket file makes replacing a stale one race-free), connected
+ * pairs, the handshake with credential checks (a state machine, so that a
+ * listener runs the handshakes of all its pending peers at once), framing
+ * (length, type, version, header check), file descriptors (SCM_RIGHTS,
+ * through the core socket helper), partial reads and writes, timeouts,
+ * non-blocking mode, and user messages (a bounded queue with backpressure).
+ * It needs no CUDA; the fast-path frames are handed to handoff.c.
  *
  * Sockets are always O_NONBLOCK underneath: a "blocking" call is a poll()
  * loop bounded by the connection's timeout, so no call can wait forever on
  * a peer that stopped reading or writing, and EINTR only shortens one
- * poll() round.
+ * poll() round. What a peer can make this side hold is bounded (see the
+ * rule at the top of gpuipc/conn.h).
  */
 #include "conn_int.h"
 
@@ -18,6 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -26,12 +33,25 @@
 #define RX_CHUNK 65536
 #define TX_QUEUE_MAX ((size_t)8 << 20)
 
+struct hs;
+
+/* A listener: its socket, and the handshakes of accepted peers that have
+ * not completed yet (oldest first), all watched by one epoll set so that
+ * every handshake proceeds at once and the caller's poll sees them all. */
 struct gpuipc_listener {
   int fd;
+  int ep; /* epoll: fd and every pending handshake's socket */
   int abstract_name;
   char path[sizeof(((struct sockaddr_un *)0)->sun_path) + 2];
+  /* Socket files: "<name>.lock" beside the socket, locked (flock) for the
+   * listener's life; only its holder may replace a stale socket file. */
+  int lock_fd;
+  char lock_path[sizeof(((struct sockaddr_un *)0)->sun_path) + 8];
   gpuipc_conn_options opts;
   uint32_t *allow_uids, *allow_gids;
+  struct hs *pending[GPUIPC_CONN_HANDSHAKES_MAX];
+  int npending;
+  uint64_t dropped; /* pending handshakes dropped for newer peers */
 };
 
 /* ---- options ------------------------------------------------------------------ */
@@ -61,6 +81,29 @@ static gpuipc_status read_opts(const gpuipc_conn_options *in, copts *out) {
       (out->o.n_allow_gids && !out->o.allow_gids) ||
       out->o.n_allow_uids > 4096 || out->o.n_allow_gids > 4096)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "bad uid/gid allow-list");
+  if (out->o.queue_msgs == 0)
+    out->o.queue_msgs = GPUIPC_CONN_QUEUE_MSGS;
+  if (out->o.queue_fds == 0)
+    out->o.queue_fds = GPUIPC_CONN_QUEUE_FDS;
+  if (out->o.queue_bytes == 0)
+    out->o.queue_bytes = GPUIPC_CONN_QUEUE_BYTES;
+  if (out->o.queue_msgs > GPUIPC_CONN_QUEUE_MSGS_CAP ||
+      out->o.queue_fds > GPUIPC_CONN_QUEUE_FDS_CAP ||
+      out->o.queue_bytes > GPUIPC_CONN_QUEUE_BYTES_CAP)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "message queue bounds %u messages, %u descriptors, "
+                        "%zu bytes: at most %u, %u, %zu",
+                        out->o.queue_msgs, out->o.queue_fds,
+                        out->o.queue_bytes, GPUIPC_CONN_QUEUE_MSGS_CAP,
+                        GPUIPC_CONN_QUEUE_FDS_CAP, GPUIPC_CONN_QUEUE_BYTES_CAP);
+  if (out->o.handshake_timeout_ms == 0)
+    out->o.handshake_timeout_ms = GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS;
+  if (out->o.handshake_timeout_ms < 0 ||
+      out->o.handshake_timeout_ms > GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "handshake_timeout_ms %d: 1 to %d (0: the default)",
+                        out->o.handshake_timeout_ms,
+                        GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP);
   if (out->o.order != GPUIPC_ORDER_MEMOP && out->o.order != GPUIPC_ORDER_NONE &&
       out->o.order != GPUIPC_ORDER_EVENT)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "unknown order mode %d",
@@ -218,6 +261,9 @@ static gpuipc_conn *conn_new(int fd, const copts *o) {
   c->nonblocking = o->o.nonblocking != 0;
   c->max_outstanding = o->o.max_outstanding;
   c->order = o->o.order;
+  c->q_max_msgs = o->o.queue_msgs;
+  c->q_max_bytes = o->o.queue_bytes;
+  c->q_max_fds = o->o.queue_fds;
   return c;
 }
 
@@ -237,7 +283,19 @@ static void free_msgs(gpuipc_conn *c) {
     m = n;
   }
   c->msg_head = c->msg_tail = NULL;
-  c->msg_count = 0;
+  c->msg_count = c->msg_bytes = c->msg_fds = 0;
+}
+
+void gpuipc__conn_queued(const gpuipc_conn *c, size_t *msgs, size_t *bytes,
+                         size_t *fds, bool *paused) {
+  if (msgs)
+    *msgs = c->msg_count;
+  if (bytes)
+    *bytes = c->msg_bytes;
+  if (fds)
+    *fds = c->msg_fds;
+  if (paused)
+    *paused = c->rx_paused;
 }
 
 static void conn_free(gpuipc_conn *c) {
@@ -321,6 +379,7 @@ static void disconnect(gpuipc_conn *c) {
   }
   close_rx_fds(c);
   c->rx_len = 0;
+  c->rx_paused = false;
   c->tx_len = c->tx_off = 0;
 }
 
@@ -334,23 +393,44 @@ static void peer_gone(gpuipc_conn *c) {
     gpuipc__ho_peer_gone(c);
 }
 
-gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
+/* Ends the connection on our side for a reason that is not the peer
+ * leaving: logs, closes the socket, runs the peer-gone cleanup, and
+ * returns `status` with the reason (later calls: GPUIPC_E_CLOSED). */
+static gpuipc_status conn_vfail(gpuipc_conn *c, gpuipc_status status,
+                                const char *fmt, va_list ap) {
   char why[sizeof c->broken_why];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(why, sizeof why, fmt, ap);
-  va_end(ap);
   if (c->state == GPUIPC__CONN_OPEN) {
     GPUIPC__WARN("conn",
                  "disconnecting peer pid %d: %s", c->peer_pid, why);
     memcpy(c->broken_why, why, sizeof why);
+    c->broken_status = status;
     c->state = GPUIPC__CONN_BROKEN;
     disconnect(c);
     if (c->ho)
       gpuipc__ho_peer_gone(c);
   }
-  return gpuipc__fail(GPUIPC_E_PROTOCOL, "peer pid %d disconnected: %s",
-                      c->peer_pid, why);
+  return gpuipc__fail(status, "peer pid %d disconnected: %s", c->peer_pid,
+                      why);
+}
+
+static gpuipc_status conn_fail(gpuipc_conn *c, gpuipc_status status,
+                               const char *fmt, ...) GPUIPC__PRINTF(3, 4);
+static gpuipc_status conn_fail(gpuipc_conn *c, gpuipc_status status,
+                               const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  gpuipc_status s = conn_vfail(c, status, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  gpuipc_status s = conn_vfail(c, GPUIPC_E_PROTOCOL, fmt, ap);
+  va_end(ap);
+  return s;
 }
 
 /* ---- sending --------------------------------------------------------------------- */
@@ -359,52 +439,54 @@ gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
  * status when the peer is gone. */
 static gpuipc_status flush_tx(gpuipc_conn *c) {
   while (c->tx_off < c->tx_len) {
-    ssize_t w = send(c->fd, c->tx + c->tx_off, c->tx_len - c->tx_off,
-                     MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR)
-        continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return GPUIPC_OK;
-      if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
-        peer_gone(c);
-        return gpuipc__conn_ended(c);
-      }
-      return gpuipc__fail_errno(errno, "send", "connection to pid %d",
-                                c->peer_pid);
+    struct iovec iov = {c->tx + c->tx_off, c->tx_len - c->tx_off};
+    size_t w = 0;
+    gpuipc_status s =
+        gpuipc__sock_send(c->fd, &iov, 1, NULL, 0, false, MSG_DONTWAIT, &w);
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return GPUIPC_OK;
+    if (s == GPUIPC_E_PEER_GONE) {
+      peer_gone(c);
+      return gpuipc__conn_ended(c);
     }
-    c->tx_off += (size_t)w;
+    if (s != GPUIPC_OK)
+      return s;
+    c->tx_off += w;
   }
   c->tx_off = c->tx_len = 0;
   return GPUIPC_OK;
 }
 
-static gpuipc_status tx_append(gpuipc_conn *c, const struct iovec *iov,
-                               int niov, size_t skip) {
-  size_t total = 0;
-  for (int i = 0; i < niov; i++)
-    total += iov[i].iov_len;
-  total -= skip;
+/* Makes room for `total` more bytes in the transmit queue (compacting it,
+ * else growing it). Nothing changes when that fails. */
+static gpuipc_status tx_reserve(gpuipc_conn *c, size_t total) {
   if (c->tx_off > 0 && c->tx_off == c->tx_len)
     c->tx_off = c->tx_len = 0;
-  if (c->tx_len + total > c->tx_cap) {
-    if (c->tx_off > 0) {
-      memmove(c->tx, c->tx + c->tx_off, c->tx_len - c->tx_off);
-      c->tx_len -= c->tx_off;
-      c->tx_off = 0;
-    }
-    if (c->tx_len + total > c->tx_cap) {
-      size_t cap = c->tx_cap ? c->tx_cap : 4096;
-      while (cap < c->tx_len + total)
-        cap *= 2;
-      unsigned char *n = realloc(c->tx, cap);
-      if (n == NULL)
-        return gpuipc__fail(GPUIPC_E_NO_MEMORY, "transmit queue of %zu bytes",
-                            cap);
-      c->tx = n;
-      c->tx_cap = cap;
-    }
+  if (c->tx_len + total <= c->tx_cap)
+    return GPUIPC_OK;
+  if (c->tx_off > 0) {
+    memmove(c->tx, c->tx + c->tx_off, c->tx_len - c->tx_off);
+    c->tx_len -= c->tx_off;
+    c->tx_off = 0;
   }
+  if (c->tx_len + total <= c->tx_cap)
+    return GPUIPC_OK;
+  size_t cap = c->tx_cap ? c->tx_cap : 4096;
+  while (cap < c->tx_len + total)
+    cap *= 2;
+  unsigned char *n = realloc(c->tx, cap);
+  if (n == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "transmit queue of %zu bytes",
+                        cap);
+  c->tx = n;
+  c->tx_cap = cap;
+  return GPUIPC_OK;
+}
+
+/* Queues the bytes of the iovecs after the first `skip`; the room must
+ * have been reserved (tx_reserve), so this cannot fail. */
+static void tx_append(gpuipc_conn *c, const struct iovec *iov, int niov,
+                      size_t skip) {
   for (int i = 0; i < niov; i++) {
     size_t l = iov[i].iov_len;
     const unsigned char *b = iov[i].iov_base;
@@ -416,7 +498,6 @@ static gpuipc_status tx_append(gpuipc_conn *c, const struct iovec *iov,
     c->tx_len += l - skip;
     skip = 0;
   }
-  return GPUIPC_OK;
 }
 
 static gpuipc_status pump_once(gpuipc_conn *c);
@@ -444,56 +525,46 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
     if (c->tx_len > c->tx_off)
       GPUIPC__CHECK(flush_tx(c));
     if (c->tx_len == c->tx_off) {
-      struct msghdr mh = {0};
-      mh.msg_iov = iov;
-      mh.msg_iovlen = (size_t)niov;
-      union {
-        char buf[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-        struct cmsghdr align;
-      } cb;
-      if (nfds > 0) {
-        memset(&cb, 0, sizeof cb);
-        mh.msg_control = cb.buf;
-        mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-        memcpy(CMSG_DATA(cm), fds, sizeof(int) * (size_t)nfds);
-      }
-      ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w >= 0) {
-        size_t total = sizeof h + len;
-        if ((size_t)w < total)
+      /* Room for the whole frame first: once its first byte is out, the
+       * rest must be queued, or the stream would be torn. */
+      GPUIPC__CHECK(tx_reserve(c, sizeof h + len));
+      size_t w = 0;
+      gpuipc_status s = gpuipc__sock_send(c->fd, iov, niov, fds, nfds, false,
+                                          MSG_DONTWAIT, &w);
+      if (s == GPUIPC_OK) {
+        if (w < sizeof h + len)
           /* The descriptors went with the first byte; the rest is plain
            * bytes, flushed by later calls. */
-          GPUIPC__CHECK(tx_append(c, iov, niov, (size_t)w));
+          tx_append(c, iov, niov, w);
         return GPUIPC_OK;
       }
-      if (errno == EINTR)
-        continue;
-      if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN) {
+      if (s == GPUIPC_E_PEER_GONE) {
         peer_gone(c);
         return gpuipc__conn_ended(c);
       }
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        return gpuipc__fail_errno(errno, "sendmsg", "connection to pid %d",
-                                  c->peer_pid);
+      if (s != GPUIPC_E_WOULD_BLOCK)
+        return s;
     }
     /* The socket is full. Frames without descriptors are queued (the
      * caller need not wait); frames with descriptors wait, since queueing
      * them would mean duplicating the caller's descriptors. */
-    if (nfds == 0 && c->tx_len - c->tx_off + sizeof h + len <= TX_QUEUE_MAX)
-      return tx_append(c, iov, niov, 0);
+    if (nfds == 0 && c->tx_len - c->tx_off + sizeof h + len <= TX_QUEUE_MAX) {
+      GPUIPC__CHECK(tx_reserve(c, sizeof h + len));
+      tx_append(c, iov, niov, 0);
+      return GPUIPC_OK;
+    }
     if (deadline == 0)
       return timed_out(c, deadline, "send");
-    int ev = wait_fd(c->fd, POLLOUT | POLLIN, deadline);
+    /* While reading is paused (the application holds too many of the
+     * peer's messages), wait for room only. */
+    int ev = wait_fd(c->fd, c->rx_paused ? POLLOUT : POLLOUT | POLLIN,
+                     deadline);
     if (ev < 0)
       return gpuipc__fail_errno(errno, "poll", "connection to pid %d",
                                 c->peer_pid);
     if (ev == 0)
       return timed_out(c, deadline, "send");
-    if (ev & (POLLIN | POLLHUP | POLLERR)) {
+    if (!c->rx_paused && (ev & (POLLIN | POLLHUP | POLLERR))) {
       /* Keep reading while we wait, so that two peers that both send
        * cannot deadlock on full sockets. */
       gpuipc_status s = pump_once(c);
@@ -505,14 +576,9 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
 
 /* ---- receiving -------------------------------------------------------------------- */
 
-static gpuipc_status queue_msg(gpuipc_conn *c, const unsigned char *p,
-                               size_t len, int *fds, int nfds) {
-  gpuipc__msg *m = malloc(sizeof *m + len);
-  if (m == NULL) {
-    for (int i = 0; i < nfds; i++)
-      close(fds[i]);
-    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "message of %zu bytes", len);
-  }
+/* Fills m (allocated for len bytes) and appends it to the queue. */
+static void queue_msg(gpuipc_conn *c, gpuipc__msg *m, const unsigned char *p,
+                      size_t len, const int *fds, int nfds) {
   m->next = NULL;
   m->len = len;
   m->nfds = nfds;
@@ -525,13 +591,25 @@ static gpuipc_status queue_msg(gpuipc_conn *c, const unsigned char *p,
     c->msg_head = m;
   c->msg_tail = m;
   c->msg_count++;
-  return GPUIPC_OK;
+  c->msg_bytes += len;
+  c->msg_fds += (size_t)nfds;
+}
+
+/* True when a message of len bytes and nfds descriptors fits in the queue
+ * of received messages (an empty queue takes any message). */
+static bool queue_has_room(const gpuipc_conn *c, size_t len, int nfds) {
+  if (c->msg_count == 0)
+    return true;
+  return c->msg_count < c->q_max_msgs &&
+         c->msg_bytes + len <= c->q_max_bytes &&
+         c->msg_fds + (size_t)nfds <= c->q_max_fds;
 }
 
 /* Parses and dispatches every complete frame in rx. */
 static gpuipc_status parse_rx(gpuipc_conn *c) {
   size_t off = 0;
   gpuipc_status s = GPUIPC_OK;
+  c->rx_paused = false;
   while (c->state == GPUIPC__CONN_OPEN && c->rx_len - off >= sizeof(gpuipc__frame_hdr)) {
     gpuipc__frame_hdr h;
     memcpy(&h, c->rx + off, sizeof h);
@@ -557,6 +635,23 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
                                 h.nfds, c->rx_nfds);
     if (c->rx_len - off < sizeof h + h.len)
       break; /* the rest has not arrived yet */
+    if (h.type == GPUIPC__F_MSG && !queue_has_room(c, h.len, h.nfds)) {
+      /* The application has not taken enough of the messages it holds:
+       * this one waits here, with its descriptors, and the socket is not
+       * read until there is room (the peer feels the backpressure). */
+      c->rx_paused = true;
+      break;
+    }
+    gpuipc__msg *m = NULL;
+    if (h.type == GPUIPC__F_MSG && h.len <= GPUIPC_CONN_MSG_MAX) {
+      /* Allocated before the frame is consumed: without memory the frame
+       * stays where it is, whole, for a later call. */
+      m = malloc(sizeof *m + h.len);
+      if (m == NULL) {
+        s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "message of %u bytes", h.len);
+        break;
+      }
+    }
     int fds[GPUIPC__FRAME_FDS_MAX];
     int nfds = h.nfds;
     memcpy(fds, c->rx_fds, sizeof(int) * (size_t)nfds);
@@ -572,7 +667,7 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
         return gpuipc__conn_break(c, "message of %u bytes exceeds %d", h.len,
                                   GPUIPC_CONN_MSG_MAX);
       }
-      s = queue_msg(c, p, h.len, fds, nfds);
+      queue_msg(c, m, p, h.len, fds, nfds);
     } else {
       s = gpuipc__ho_frame(c, h.type, p, h.len, fds, nfds);
       if (s != GPUIPC_OK && c->state == GPUIPC__CONN_OPEN) {
@@ -589,10 +684,13 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
   }
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
+  /* What was dispatched leaves rx, also when the loop stopped early. */
   if (off > 0) {
     memmove(c->rx, c->rx + off, c->rx_len - off);
     c->rx_len -= off;
   }
+  if (s != GPUIPC_OK)
+    return s;
   if (c->rx_len == 0 && c->rx_nfds > 0)
     return gpuipc__conn_break(c, "%d file descriptors arrived without a frame",
                               c->rx_nfds);
@@ -604,6 +702,14 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
 static gpuipc_status pump_once(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
+  if (c->rx_paused || c->rx_len >= sizeof(gpuipc__frame_hdr)) {
+    /* Complete frames may wait in rx: a message for room in the queue
+     * (then nothing more is read while it still does not fit), or a frame
+     * that an earlier pass had no memory for. */
+    GPUIPC__CHECK(parse_rx(c));
+    if (c->rx_paused)
+      return GPUIPC_OK;
+  }
   for (int rounds = 0; rounds < 64; rounds++) {
     if (c->rx_cap - c->rx_len < RX_CHUNK / 2) {
       size_t need = c->rx_len + RX_CHUNK;
@@ -617,57 +723,52 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
         c->rx_cap = need;
       }
     }
-    struct iovec iov = {c->rx + c->rx_len, c->rx_cap - c->rx_len};
-    union {
-      char buf[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-      struct cmsghdr align;
-    } cb;
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cb.buf;
-    mh.msg_controllen = sizeof cb.buf;
-    ssize_t r = recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0) {
-      if (errno == EINTR)
-        continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return GPUIPC_OK;
-      if (errno == ECONNRESET || errno == ENOTCONN) {
-        peer_gone(c);
-        return gpuipc__conn_ended(c);
-      }
-      return gpuipc__fail_errno(errno, "recvmsg", "connection to pid %d",
-                                c->peer_pid);
+    size_t room = c->rx_cap - c->rx_len, r = 0;
+    int tmp[GPUIPC__FRAME_FDS_MAX], k = 0;
+    gpuipc_status s =
+        gpuipc__sock_recv(c->fd, c->rx + c->rx_len, room, MSG_DONTWAIT, tmp,
+                          GPUIPC__FRAME_FDS_MAX, &k, NULL, NULL, &r);
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return GPUIPC_OK;
+    if (s == GPUIPC_E_PEER_GONE) {
+      peer_gone(c);
+      return gpuipc__conn_ended(c);
     }
+    if (s == GPUIPC_E_PROTOCOL)
+      return gpuipc__conn_break(c, "peer sent more file descriptors than any "
+                                   "frame carries");
+    if (s == GPUIPC_E_LIMIT) {
+      /* Our limit, not the peer's fault: the kernel could not install the
+       * descriptors that came with a frame, so the stream cannot go on. */
+      struct rlimit rl = {0, 0};
+      (void)getrlimit(RLIMIT_NOFILE, &rl);
+      return conn_fail(c, GPUIPC_E_LIMIT,
+                       "this process has no file descriptor left (its "
+                       "RLIMIT_NOFILE is %llu): the kernel dropped the "
+                       "descriptors that came with a frame, so the "
+                       "connection cannot go on",
+                       (unsigned long long)rl.rlim_cur);
+    }
+    if (s != GPUIPC_OK)
+      return s;
     bool bad_fds = false;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm;
-         cm = CMSG_NXTHDR(&mh, cm)) {
-      if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
-        continue;
-      int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      int tmp[GPUIPC__FRAME_FDS_MAX];
-      memcpy(tmp, CMSG_DATA(cm), sizeof(int) * (size_t)k);
-      for (int i = 0; i < k; i++) {
-        if (c->rx_nfds < (int)GPUIPC__ARRAY_SIZE(c->rx_fds))
-          c->rx_fds[c->rx_nfds++] = tmp[i];
-        else {
-          close(tmp[i]);
-          bad_fds = true;
-        }
+    for (int i = 0; i < k; i++) {
+      if (c->rx_nfds < (int)GPUIPC__ARRAY_SIZE(c->rx_fds))
+        c->rx_fds[c->rx_nfds++] = tmp[i];
+      else {
+        close(tmp[i]);
+        bad_fds = true;
       }
     }
-    if (mh.msg_flags & MSG_CTRUNC)
-      bad_fds = true;
     if (bad_fds)
       return gpuipc__conn_break(c, "peer sent more file descriptors than any "
                                    "frame carries");
     if (r == 0) {
       /* Orderly end of stream. Whatever came before it is still
        * dispatched; a partial frame at the end is the peer's problem. */
-      gpuipc_status s = parse_rx(c);
-      if (s != GPUIPC_OK && c->state != GPUIPC__CONN_OPEN)
-        return s;
+      gpuipc_status ps = parse_rx(c);
+      if (ps != GPUIPC_OK && c->state != GPUIPC__CONN_OPEN)
+        return ps;
       if (c->rx_len > 0)
         GPUIPC__DEBUG("conn", "peer pid %d left in the middle of a frame "
                               "(%zu bytes)",
@@ -675,14 +776,16 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
       peer_gone(c);
       return gpuipc__conn_ended(c);
     }
-    c->rx_len += (size_t)r;
+    c->rx_len += r;
     GPUIPC__CHECK(parse_rx(c));
+    if (c->rx_paused)
+      return GPUIPC_OK;
     /* A short read without descriptors drained the socket: skip the read
      * that would only say EAGAIN (a syscall per buffer on the fast path).
      * A read that brought descriptors may have stopped at a message
      * boundary the kernel keeps; read on then. Anything that arrives later
      * makes the socket readable again for the caller's poll. */
-    if ((size_t)r < iov.iov_len && mh.msg_controllen == 0)
+    if (r < room && k == 0)
       return GPUIPC_OK;
   }
   return GPUIPC_OK;
@@ -704,6 +807,19 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
       return GPUIPC_OK;
     if (s != GPUIPC_OK)
       return s;
+    if (c->rx_paused) {
+      /* Nothing more is read until the application takes messages, and
+       * only it can (one thread per connection): waiting would only run
+       * into the timeout. */
+      if (wait_for == NULL)
+        return GPUIPC_OK;
+      return gpuipc__fail(GPUIPC_E_BUSY,
+                          "%zu user messages (%zu bytes, %zu file "
+                          "descriptors) from pid %d wait to be taken with "
+                          "gpuipc_conn_recv_msg: the connection reads "
+                          "nothing further until then",
+                          c->msg_count, c->msg_bytes, c->msg_fds, c->peer_pid);
+    }
     if (wait_for == NULL && deadline == 0)
       return GPUIPC_OK;
     if (deadline == 0 || (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline))
@@ -746,70 +862,111 @@ static bool peer_allowed(const copts *o, uint32_t uid, uint32_t gid) {
   return false;
 }
 
-/* Reads exactly one handshake frame (no fds) without the frame machinery:
- * the handshake precedes everything else on the stream. Captures the
- * kernel-vouched credentials of its sender. */
-static gpuipc_status hs_read(int fd, uint64_t deadline, gpuipc__frame_hdr *h,
-                             unsigned char *payload, size_t cap,
-                             struct ucred *cred, bool *have_cred) {
-  unsigned char buf[sizeof *h + 512];
-  size_t got = 0, want = sizeof *h;
-  *have_cred = false;
-  while (got < want) {
-    union {
-      char b[CMSG_SPACE(sizeof(struct ucred)) +
-             CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-      struct cmsghdr align;
-    } cb;
-    struct iovec iov = {buf + got, want - got};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cb.b;
-    mh.msg_controllen = sizeof cb.b;
-    ssize_t r = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      int ev = wait_fd(fd, POLLIN, deadline);
+/* One handshake, run by both sides alike as a small state machine, so that
+ * a listener can run many at once (gpuipc_accept) and a connecting side
+ * simply waits on one (hs_run): send HELLO (with credentials); read the
+ * peer's HELLO and check its credentials; send ACCEPT or REFUSE; read the
+ * peer's verdict. Frames are read exactly (header, then payload) without
+ * the frame machinery, so nothing after the handshake is consumed here.
+ * `pre` carries SO_PEERCRED for sockets made by connect/accept (the
+ * kernel's record of the peer at connect time). */
+enum { HS_HELLO = 0, HS_VERDICT = 1 };
+
+#define HS_PAYLOAD_MAX 512
+
+typedef struct hs {
+  gpuipc_conn *c;
+  copts o;
+  struct ucred pre;
+  bool have_pre;
+  int stage;
+  bool hello_failed; /* our HELLO did not leave: the peer closed */
+  unsigned char buf[sizeof(gpuipc__frame_hdr) + HS_PAYLOAD_MAX];
+  size_t got, want;
+  struct ucred cred; /* with the frame's first byte */
+  bool have_cred;
+  uint64_t deadline; /* listener side: when this peer is dropped */
+  bool ready;        /* listener side: epoll said its socket is readable */
+} hs;
+
+/* Writes one handshake frame whole (the socket is empty at this point, so
+ * it fits; the loop covers EINTR and a peer that is slow to drain), with
+ * our credentials attached for the kernel to vouch for. */
+static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
+                              uint64_t deadline) {
+  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                         (uint8_t)type, 0, (uint32_t)n, 0};
+  h.check = gpuipc__frame_check(&h);
+  unsigned char buf[sizeof h + HS_PAYLOAD_MAX];
+  if (n > HS_PAYLOAD_MAX)
+    return gpuipc__fail(GPUIPC_E_INTERNAL, "handshake frame too long");
+  memcpy(buf, &h, sizeof h);
+  if (n)
+    memcpy(buf + sizeof h, p, n);
+  size_t total = sizeof h + n, off = 0;
+  while (off < total) {
+    struct iovec iov = {buf + off, total - off};
+    size_t w = 0;
+    gpuipc_status s =
+        gpuipc__sock_send(fd, &iov, 1, NULL, 0, off == 0, MSG_DONTWAIT, &w);
+    if (s == GPUIPC_E_WOULD_BLOCK) {
+      int ev = wait_fd(fd, POLLOUT, deadline);
       if (ev < 0)
         return gpuipc__fail_errno(errno, "poll", "handshake");
       if (ev == 0)
-        return gpuipc__fail(GPUIPC_E_TIMEOUT,
-                            "handshake: the peer did not answer in time");
+        return gpuipc__fail(GPUIPC_E_TIMEOUT, "handshake: send timed out");
       continue;
     }
-    if (r < 0) {
-      if (errno == ECONNRESET)
-        return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                            "handshake: the peer reset the connection");
-      return gpuipc__fail_errno(errno, "recvmsg", "handshake");
-    }
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm;
-         cm = CMSG_NXTHDR(&mh, cm)) {
-      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_CREDENTIALS &&
-          got == 0) {
-        memcpy(cred, CMSG_DATA(cm), sizeof *cred);
-        *have_cred = true;
-      } else if (cm->cmsg_level == SOL_SOCKET &&
-                 cm->cmsg_type == SCM_RIGHTS) {
-        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-        int tmp[GPUIPC__FRAME_FDS_MAX];
-        if (k > GPUIPC__FRAME_FDS_MAX)
-          k = GPUIPC__FRAME_FDS_MAX;
-        memcpy(tmp, CMSG_DATA(cm), sizeof(int) * (size_t)k);
-        for (int i = 0; i < k; i++)
-          close(tmp[i]);
-        return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                            "handshake: unexpected file descriptors");
-      }
+    if (s == GPUIPC_E_PEER_GONE)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer closed the connection");
+    if (s != GPUIPC_OK)
+      return s;
+    off += w;
+  }
+  return GPUIPC_OK;
+}
+
+/* Tells the peer why we refuse it; keeps the caller's message. */
+static void refuse(int fd, const char *why, uint64_t deadline) {
+  char save[1024];
+  snprintf(save, sizeof save, "%s", gpuipc_last_error());
+  (void)hs_write(fd, GPUIPC__F_REFUSE, why, strlen(why), deadline);
+  gpuipc__fail(GPUIPC_E_PEER_REFUSED, "%s", save);
+}
+
+/* Reads what is there of the current frame, without waiting. GPUIPC_OK
+ * when the frame is complete (header in *h, payload after it in buf),
+ * GPUIPC_E_WOULD_BLOCK when more must come, or why the peer failed. */
+static gpuipc_status hs_read_some(hs *x, gpuipc__frame_hdr *h) {
+  int fd = x->c->fd;
+  while (x->got < x->want) {
+    struct ucred uc;
+    bool have_uc = false;
+    size_t r = 0;
+    gpuipc_status s =
+        gpuipc__sock_recv(fd, x->buf + x->got, x->want - x->got, MSG_DONTWAIT,
+                          NULL, 0, NULL, &uc, &have_uc, &r);
+    if (s == GPUIPC_E_WOULD_BLOCK)
+      return s;
+    if (s == GPUIPC_E_PEER_GONE)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer reset the connection");
+    if (s == GPUIPC_E_PROTOCOL)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "handshake: unexpected file descriptors");
+    if (s != GPUIPC_OK)
+      return s;
+    if (have_uc && x->got == 0) {
+      x->cred = uc;
+      x->have_cred = true;
     }
     if (r == 0)
       return gpuipc__fail(GPUIPC_E_PEER_GONE,
                           "handshake: the peer closed the connection");
-    got += (size_t)r;
-    if (got == sizeof *h) {
-      memcpy(h, buf, sizeof *h);
+    x->got += r;
+    if (x->got == sizeof *h) {
+      memcpy(h, x->buf, sizeof *h);
       if (h->magic != GPUIPC__FRAME_MAGIC ||
           h->check != gpuipc__frame_check(h))
         return gpuipc__fail(GPUIPC_E_PROTOCOL,
@@ -820,90 +977,21 @@ static gpuipc_status hs_read(int fd, uint64_t deadline, gpuipc__frame_hdr *h,
                             "handshake: frame version %u, this library "
                             "speaks %u",
                             h->version, GPUIPC__FRAME_VERSION);
-      if (h->len > cap || h->len > 512 || h->nfds != 0)
+      if (h->len > HS_PAYLOAD_MAX || h->nfds != 0)
         return gpuipc__fail(GPUIPC_E_PROTOCOL,
                             "handshake frame of %u bytes, %u fds", h->len,
                             h->nfds);
-      want = sizeof *h + h->len;
+      x->want = sizeof *h + h->len;
     }
   }
-  memcpy(payload, buf + sizeof *h, h->len);
+  memcpy(h, x->buf, sizeof *h);
   return GPUIPC_OK;
 }
 
-/* Writes one handshake frame whole (the socket is empty at this point, so
- * it fits; the loop covers EINTR and a peer that is slow to drain), with
- * our credentials attached for the kernel to vouch for. */
-static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
-                              uint64_t deadline) {
-  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
-                         (uint8_t)type, 0, (uint32_t)n, 0};
-  h.check = gpuipc__frame_check(&h);
-  unsigned char buf[sizeof h + 512];
-  if (n > 512)
-    return gpuipc__fail(GPUIPC_E_INTERNAL, "handshake frame too long");
-  memcpy(buf, &h, sizeof h);
-  if (n)
-    memcpy(buf + sizeof h, p, n);
-  size_t total = sizeof h + n, off = 0;
-  while (off < total) {
-    struct iovec iov = {buf + off, total - off};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    union {
-      char b[CMSG_SPACE(sizeof(struct ucred))];
-      struct cmsghdr align;
-    } cb;
-    if (off == 0) {
-      memset(&cb, 0, sizeof cb);
-      mh.msg_control = cb.b;
-      mh.msg_controllen = sizeof cb.b;
-      struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_CREDENTIALS;
-      cm->cmsg_len = CMSG_LEN(sizeof(struct ucred));
-      struct ucred uc = {getpid(), geteuid(), getegid()};
-      memcpy(CMSG_DATA(cm), &uc, sizeof uc);
-    }
-    ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0 && errno == EINTR)
-      continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      int ev = wait_fd(fd, POLLOUT, deadline);
-      if (ev < 0)
-        return gpuipc__fail_errno(errno, "poll", "handshake");
-      if (ev == 0)
-        return gpuipc__fail(GPUIPC_E_TIMEOUT, "handshake: send timed out");
-      continue;
-    }
-    if (w < 0) {
-      if (errno == EPIPE || errno == ECONNRESET)
-        return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                            "handshake: the peer closed the connection");
-      return gpuipc__fail_errno(errno, "sendmsg", "handshake");
-    }
-    off += (size_t)w;
-  }
-  return GPUIPC_OK;
-}
-
-static void refuse(int fd, const char *why, uint64_t deadline) {
-  gpuipc_status keep = GPUIPC_OK;
-  (void)keep;
-  char save[1024];
-  snprintf(save, sizeof save, "%s", gpuipc_last_error());
-  (void)hs_write(fd, GPUIPC__F_REFUSE, why, strlen(why), deadline);
-  /* Keep the caller's message: it says why we refused. */
-  gpuipc__fail(GPUIPC_E_PEER_REFUSED, "%s", save);
-}
-
-/* The handshake, run by both sides alike: send HELLO (with credentials),
- * read the peer's HELLO and check its credentials, send ACCEPT or REFUSE,
- * read the peer's verdict. `pre` carries SO_PEERCRED for sockets made by
- * connect/accept (the kernel's record of the peer at connect time). */
-static gpuipc_status handshake(gpuipc_conn *c, const copts *o,
-                               const struct ucred *pre, uint64_t deadline) {
+/* Starts the handshake on x->c: sends our HELLO. `wdeadline` bounds the
+ * writes of this handshake. */
+static gpuipc_status hs_start(hs *x, uint64_t wdeadline) {
+  gpuipc_conn *c = x->c;
   int one = 1;
   if (setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &one, sizeof one) != 0)
     return gpuipc__fail_errno(errno, "setsockopt", "SO_PASSCRED");
@@ -916,102 +1004,121 @@ static gpuipc_status handshake(gpuipc_conn *c, const copts *o,
   me.start_time = gpuipc__process_start_time(getpid());
   if (gpuipc__boot_id(me.boot_id) != GPUIPC_OK)
     memset(me.boot_id, 0, sizeof me.boot_id);
-  gpuipc__frame_hdr h;
-  unsigned char p[512];
-  struct ucred cred;
-  bool have_cred;
-  gpuipc_status ws = hs_write(c->fd, GPUIPC__F_HELLO, &me, sizeof me, deadline);
+  x->stage = HS_HELLO;
+  x->got = 0;
+  x->want = sizeof(gpuipc__frame_hdr);
+  x->have_cred = false;
+  gpuipc_status ws =
+      hs_write(c->fd, GPUIPC__F_HELLO, &me, sizeof me, wdeadline);
   if (ws == GPUIPC_E_PEER_GONE) {
     /* A peer that refused us at once has closed already; its REFUSE frame
-     * may still wait in our receive queue and says why. */
-    if (hs_read(c->fd, deadline_ms(50), &h, p, sizeof p, &cred, &have_cred) ==
-            GPUIPC_OK &&
-        h.type == GPUIPC__F_REFUSE)
-      return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
-                          (int)h.len, (const char *)p);
-    return gpuipc__fail(GPUIPC_E_PEER_GONE,
-                        "handshake: the peer closed the connection");
+     * may still wait in our receive queue and says why: read on. */
+    x->hello_failed = true;
+    return GPUIPC_OK;
   }
-  if (ws != GPUIPC_OK)
-    return ws;
-  GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));
-  if (h.type == GPUIPC__F_REFUSE) {
-    return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
-                        (int)h.len, (const char *)p);
-  }
-  if (h.type != GPUIPC__F_HELLO || h.len < sizeof(gpuipc__hello)) {
-    refuse(c->fd, "expected a HELLO frame", deadline);
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "handshake: expected HELLO, got frame type %u of %u "
-                        "bytes",
-                        h.type, h.len);
-  }
-  gpuipc__hello peer;
-  memcpy(&peer, p, sizeof peer);
-  if (!have_cred) {
-    refuse(c->fd, "no credentials", deadline);
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "handshake: the peer's HELLO came without "
-                        "credentials");
-  }
-  if (peer.proto != GPUIPC__PROTO_VERSION) {
-    char why[96];
-    snprintf(why, sizeof why, "protocol version %u, this side speaks %u",
-             peer.proto, GPUIPC__PROTO_VERSION);
-    refuse(c->fd, why, deadline);
-    return gpuipc__fail(GPUIPC_E_BAD_VERSION, "handshake: peer speaks %s",
-                        why);
-  }
-  /* The kernel vouches for cred (SCM_CREDENTIALS are checked at send
-   * time); the HELLO's own fields must agree with it. */
-  if ((uint32_t)cred.uid != peer.uid || (uint32_t)cred.gid != peer.gid ||
-      cred.pid != peer.pid || (pre && (pre->uid != cred.uid))) {
-    refuse(c->fd, "credentials do not match", deadline);
-    return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
-                        "handshake: the peer's claimed identity (pid %d uid "
-                        "%u) differs from the kernel's (pid %d uid %u)",
-                        peer.pid, peer.uid, (int)cred.pid,
-                        (unsigned)cred.uid);
-  }
-  if (!peer_allowed(o, cred.uid, cred.gid)) {
-    char why[160];
-    snprintf(why, sizeof why,
-             "uid %u gid %u is not allowed (same uid %u required, or an "
-             "allow-list entry)",
-             (unsigned)cred.uid, (unsigned)cred.gid, (unsigned)geteuid());
-    GPUIPC__WARN("conn", "refusing peer pid %d: %s", (int)cred.pid, why);
-    gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
-                 (int)cred.pid, why);
-    refuse(c->fd, why, deadline);
-    return GPUIPC_E_PEER_REFUSED;
-  }
-  c->peer_pid = cred.pid;
-  c->peer_uid = cred.uid;
-  c->peer_gid = cred.gid;
-  /* The start time, read here for the pid the kernel vouched for, pairs
-   * with it to name the process even after the pid is reused. */
-  c->peer_start_time = gpuipc__process_start_time(cred.pid);
-  if (c->peer_start_time == 0)
-    c->peer_start_time = peer.start_time;
-  c->peer_max_outstanding = peer.max_outstanding;
-  GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, deadline));
-  GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));
-  if (h.type == GPUIPC__F_REFUSE)
-    return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
-                        (int)h.len, (const char *)p);
-  if (h.type != GPUIPC__F_ACCEPT)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "handshake: expected ACCEPT, got frame type %u",
-                        h.type);
-  /* Credentials are checked; stop asking the kernel for them on every
-   * read (they would also split reads at every sender change). */
-  int zero = 0;
-  (void)setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &zero, sizeof zero);
-  GPUIPC__DEBUG("conn", "connected to pid %d uid %u", c->peer_pid,
-                c->peer_uid);
-  return GPUIPC_OK;
+  return ws;
 }
 
+/* Moves the handshake on with what has arrived (never waits for the
+ * peer; our own small frames go out at once). GPUIPC_OK when it is
+ * complete, GPUIPC_E_WOULD_BLOCK while it waits for the peer, else the
+ * reason it failed. */
+static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
+  gpuipc_conn *c = x->c;
+  for (;;) {
+    gpuipc__frame_hdr h;
+    gpuipc_status s = hs_read_some(x, &h);
+    if (s != GPUIPC_OK) {
+      if (s == GPUIPC_E_PEER_GONE && x->hello_failed)
+        return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                            "handshake: the peer closed the connection");
+      return s;
+    }
+    const unsigned char *p = x->buf + sizeof h;
+    x->got = 0;
+    x->want = sizeof h;
+    if (h.type == GPUIPC__F_REFUSE)
+      return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "the peer refused us: %.*s",
+                          (int)h.len, (const char *)p);
+    if (x->hello_failed)
+      return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                          "handshake: the peer closed the connection");
+    if (x->stage == HS_VERDICT) {
+      if (h.type != GPUIPC__F_ACCEPT)
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake: expected ACCEPT, got frame type %u",
+                            h.type);
+      /* Credentials are checked; stop asking the kernel for them on every
+       * read (they would also split reads at every sender change). */
+      int zero = 0;
+      (void)setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &zero, sizeof zero);
+      GPUIPC__DEBUG("conn", "connected to pid %d uid %u", c->peer_pid,
+                    c->peer_uid);
+      return GPUIPC_OK;
+    }
+    if (h.type != GPUIPC__F_HELLO || h.len < sizeof(gpuipc__hello)) {
+      refuse(c->fd, "expected a HELLO frame", wdeadline);
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "handshake: expected HELLO, got frame type %u of %u "
+                          "bytes",
+                          h.type, h.len);
+    }
+    gpuipc__hello peer;
+    memcpy(&peer, p, sizeof peer);
+    if (!x->have_cred) {
+      refuse(c->fd, "no credentials", wdeadline);
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "handshake: the peer's HELLO came without "
+                          "credentials");
+    }
+    struct ucred cred = x->cred;
+    if (peer.proto != GPUIPC__PROTO_VERSION) {
+      char why[96];
+      snprintf(why, sizeof why, "protocol version %u, this side speaks %u",
+               peer.proto, GPUIPC__PROTO_VERSION);
+      refuse(c->fd, why, wdeadline);
+      return gpuipc__fail(GPUIPC_E_BAD_VERSION, "handshake: peer speaks %s",
+                          why);
+    }
+    /* The kernel vouches for cred (SCM_CREDENTIALS are checked at send
+     * time); the HELLO's own fields must agree with it. */
+    if ((uint32_t)cred.uid != peer.uid || (uint32_t)cred.gid != peer.gid ||
+        cred.pid != peer.pid || (x->have_pre && (x->pre.uid != cred.uid))) {
+      refuse(c->fd, "credentials do not match", wdeadline);
+      return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
+                          "handshake: the peer's claimed identity (pid %d uid "
+                          "%u) differs from the kernel's (pid %d uid %u)",
+                          peer.pid, peer.uid, (int)cred.pid,
+                          (unsigned)cred.uid);
+    }
+    if (!peer_allowed(&x->o, cred.uid, cred.gid)) {
+      char why[160];
+      snprintf(why, sizeof why,
+               "uid %u gid %u is not allowed (same uid %u required, or an "
+               "allow-list entry)",
+               (unsigned)cred.uid, (unsigned)cred.gid, (unsigned)geteuid());
+      GPUIPC__WARN("conn", "refusing peer pid %d: %s", (int)cred.pid, why);
+      gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
+                   (int)cred.pid, why);
+      refuse(c->fd, why, wdeadline);
+      return GPUIPC_E_PEER_REFUSED;
+    }
+    c->peer_pid = cred.pid;
+    c->peer_uid = cred.uid;
+    c->peer_gid = cred.gid;
+    /* The start time, read here for the pid the kernel vouched for, pairs
+     * with it to name the process even after the pid is reused. */
+    c->peer_start_time = gpuipc__process_start_time(cred.pid);
+    if (c->peer_start_time == 0)
+      c->peer_start_time = peer.start_time;
+    c->peer_max_outstanding = peer.max_outstanding;
+    GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
+    x->stage = HS_VERDICT;
+  }
+}
+
+/* The connecting side's handshake (connect, from_fd): one peer, waited
+ * for up to the deadline. Takes ownership of fd. */
 static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
                             gpuipc_conn **out) {
   gpuipc_conn *c = conn_new(fd, o);
@@ -1023,7 +1130,28 @@ static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
    * making the connection, and bounded by the timeout. */
   int t = o->o.timeout_ms;
   uint64_t deadline = deadline_ms(t == 0 ? 10000 : t);
-  gpuipc_status s = handshake(c, o, pre, deadline);
+  hs x;
+  memset(&x, 0, sizeof x);
+  x.c = c;
+  x.o = *o;
+  if (pre) {
+    x.pre = *pre;
+    x.have_pre = true;
+  }
+  gpuipc_status s = hs_start(&x, deadline);
+  while (s == GPUIPC_OK) {
+    s = hs_step(&x, deadline);
+    if (s != GPUIPC_E_WOULD_BLOCK)
+      break;
+    int ev = wait_fd(c->fd, POLLIN, deadline);
+    if (ev < 0)
+      s = gpuipc__fail_errno(errno, "poll", "handshake");
+    else if (ev == 0)
+      s = gpuipc__fail(GPUIPC_E_TIMEOUT,
+                       "handshake: the peer did not answer in time");
+    else
+      s = GPUIPC_OK;
+  }
   if (s != GPUIPC_OK) {
     conn_free(c);
     return s;
@@ -1033,6 +1161,47 @@ static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
 }
 
 /* ---- public: listen / accept / connect / pair ---------------------------------- */
+
+/* Takes the lock of a socket file's name: an exclusive flock on
+ * "<name>.lock" beside it, held while the listener lives, so that of two
+ * processes listening on one name over a stale socket file exactly one may
+ * replace it (the check "does a listener answer?" and the unlink + bind
+ * that follow are not atomic, and two processes doing them at once could
+ * both bind, one of them to a file the other then unlinks). The lock file
+ * is removed by its holder on close; a process that locked a file that was
+ * removed meanwhile sees that the path names another file, and tries
+ * again. */
+static gpuipc_status take_name_lock(const char *lock_path, const char *name,
+                                    int *out) {
+  *out = -1;
+  for (int tries = 0; tries < 100; tries++) {
+    int fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+      return gpuipc__fail_errno(errno, "open", "lock file %s", lock_path);
+    int r;
+    GPUIPC__EINTR_RETRY(r, flock(fd, LOCK_EX | LOCK_NB));
+    if (r != 0) {
+      int err = errno;
+      close(fd);
+      if (err == EWOULDBLOCK)
+        return gpuipc__fail(GPUIPC_E_EXISTS,
+                            "gpuipc_listen: '%s' is in use by a live "
+                            "listener (%s is locked)",
+                            name, lock_path);
+      return gpuipc__fail_errno(err, "flock", "%s", lock_path);
+    }
+    struct stat held, named;
+    if (fstat(fd, &held) == 0 && stat(lock_path, &named) == 0 &&
+        held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
+      *out = fd;
+      return GPUIPC_OK;
+    }
+    close(fd); /* its holder removed it while we opened it: again */
+  }
+  return gpuipc__fail(GPUIPC_E_BUSY,
+                      "gpuipc_listen: the lock file %s keeps being replaced",
+                      lock_path);
+}
 
 gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
                             gpuipc_listener **out) {
@@ -1045,6 +1214,8 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
   if (l == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "listener");
   l->fd = -1;
+  l->ep = -1;
+  l->lock_fd = -1;
   gpuipc_status s;
   struct sockaddr_un sa;
   socklen_t salen;
@@ -1052,6 +1223,14 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
                                sizeof l->path),
                      s, fail);
   l->abstract_name = o.o.abstract_name;
+  if (!l->abstract_name) {
+    /* An abstract name is bound atomically and vanishes with its socket;
+     * a file needs the lock. */
+    snprintf(l->lock_path, sizeof l->lock_path, "%.*s.lock",
+             (int)(strlen(sa.sun_path) - strlen(".sock")), sa.sun_path);
+    GPUIPC__CHECK_GOTO(take_name_lock(l->lock_path, name, &l->lock_fd), s,
+                       fail);
+  }
   l->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (l->fd < 0) {
     s = gpuipc__fail_errno(errno, "socket", "AF_UNIX");
@@ -1064,8 +1243,10 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
         s = gpuipc__fail(GPUIPC_E_EXISTS, "bind: %s is in use", l->path);
       goto fail;
     }
-    /* A socket file is there. If a listener answers, the name is taken;
-     * if nobody does, it is the leftover of a dead listener. */
+    /* A socket file is there, and we hold the name's lock. If a listener
+     * answers (one that takes no lock: another program, or an older
+     * gpuipc), the name is taken; if nobody does, it is the leftover of a
+     * dead listener, and only we may replace it. */
     int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     int r = probe >= 0 ? connect(probe, (struct sockaddr *)&sa, salen) : -1;
     int err = errno;
@@ -1099,6 +1280,14 @@ gpuipc_status gpuipc_listen(const char *name, const gpuipc_conn_options *opts,
       unlink(sa.sun_path);
     goto fail;
   }
+  l->ep = epoll_create1(EPOLL_CLOEXEC);
+  struct epoll_event lev = {.events = EPOLLIN, .data.ptr = NULL};
+  if (l->ep < 0 || epoll_ctl(l->ep, EPOLL_CTL_ADD, l->fd, &lev) != 0) {
+    s = gpuipc__fail_errno(errno, "epoll", "%s", l->path);
+    if (!l->abstract_name)
+      unlink(sa.sun_path);
+    goto fail;
+  }
   l->opts = o.o;
   if (o.o.n_allow_uids) {
     l->allow_uids = malloc(sizeof(uint32_t) * o.o.n_allow_uids);
@@ -1125,56 +1314,67 @@ nomem:
 fail:
   if (l->fd >= 0)
     close(l->fd);
+  if (l->ep >= 0)
+    close(l->ep);
+  if (l->lock_fd >= 0) {
+    unlink(l->lock_path); /* ours while we hold it */
+    close(l->lock_fd);
+  }
   free(l->allow_uids);
   free(l->allow_gids);
   free(l);
   return s;
 }
 
-int gpuipc_listener_get_fd(const gpuipc_listener *l) { return l ? l->fd : -1; }
+int gpuipc_listener_get_fd(const gpuipc_listener *l) { return l ? l->ep : -1; }
 const char *gpuipc_listener_get_path(const gpuipc_listener *l) {
   return l ? l->path : "";
+}
+
+/* Removes pending handshake i (oldest first) from the table; returns its
+ * connection (the caller frees it or hands it out). */
+static gpuipc_conn *pending_take(gpuipc_listener *l, int i) {
+  hs *x = l->pending[i];
+  gpuipc_conn *c = x->c;
+  (void)epoll_ctl(l->ep, EPOLL_CTL_DEL, c->fd, NULL);
+  free(x);
+  memmove(&l->pending[i], &l->pending[i + 1],
+          sizeof l->pending[0] * (size_t)(l->npending - i - 1));
+  l->npending--;
+  return c;
+}
+
+static void pending_drop(gpuipc_listener *l, int i) {
+  conn_free(pending_take(l, i));
 }
 
 void gpuipc_listener_close(gpuipc_listener *l) {
   if (l == NULL)
     return;
+  while (l->npending > 0)
+    pending_drop(l, l->npending - 1);
   if (!l->abstract_name)
     unlink(l->path);
   close(l->fd);
+  if (l->ep >= 0)
+    close(l->ep);
+  if (l->lock_fd >= 0) {
+    /* Removed while still held: a process that opened it meanwhile finds
+     * the path gone or naming a new file once it gets the lock. */
+    unlink(l->lock_path);
+    close(l->lock_fd);
+  }
   free(l->allow_uids);
   free(l->allow_gids);
   free(l);
 }
 
-gpuipc_status gpuipc_accept(gpuipc_listener *l, gpuipc_conn **out) {
-  if (l == NULL || out == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_accept: NULL argument");
-  *out = NULL;
+/* A peer taken off the listening socket: checks its uid at once (the
+ * kernel's record of it), then starts its handshake and adds it to the
+ * pending table, dropping the oldest pending peer when the table is full.
+ * Takes ownership of fd. */
+static gpuipc_status pending_add(gpuipc_listener *l, int fd) {
   copts o = {l->opts};
-  uint64_t deadline =
-      o.o.nonblocking ? 0 : deadline_ms(o.o.timeout_ms);
-  int fd;
-again:
-  for (;;) {
-    fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd >= 0)
-      break;
-    if (errno == EINTR || errno == ECONNABORTED)
-      continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK)
-      return gpuipc__fail_errno(errno, "accept4", "%s", l->path);
-    if (deadline == 0)
-      return gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
-                          "gpuipc_accept: no peer is waiting on %s", l->path);
-    int ev = wait_fd(l->fd, POLLIN, deadline);
-    if (ev < 0)
-      return gpuipc__fail_errno(errno, "poll", "%s", l->path);
-    if (ev == 0)
-      return gpuipc__fail(GPUIPC_E_TIMEOUT,
-                          "gpuipc_accept: no peer within %d ms on %s",
-                          o.o.timeout_ms, l->path);
-  }
   struct ucred pre;
   socklen_t pl = sizeof pre;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &pre, &pl) != 0) {
@@ -1195,24 +1395,137 @@ again:
     return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
                         (int)pre.pid, why);
   }
-  gpuipc_status s = finish(fd, &o, &pre, out);
-  if (s == GPUIPC_E_PEER_GONE) {
-    /* The peer left before the handshake ended (e.g. a probe that only
-     * checks someone listens): nothing to tell the caller about; wait for
-     * the next one. */
-    GPUIPC__DEBUG("conn", "peer pid %d left during the handshake",
-                  (int)pre.pid);
-    if (deadline == 0 || (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline))
-      return deadline == 0 ? gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
-                                          "gpuipc_accept: the waiting peer "
-                                          "left")
-                           : gpuipc__fail(GPUIPC_E_TIMEOUT,
-                                          "gpuipc_accept: no peer within %d "
-                                          "ms on %s",
-                                          o.o.timeout_ms, l->path);
-    goto again;
+  gpuipc_conn *c = conn_new(fd, &o);
+  hs *x = c ? calloc(1, sizeof *x) : NULL;
+  if (x == NULL) {
+    if (c)
+      conn_free(c);
+    else
+      close(fd);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "connection object");
   }
-  return s;
+  x->c = c;
+  x->o = o;
+  x->pre = pre;
+  x->have_pre = true;
+  x->deadline = deadline_ms(o.o.handshake_timeout_ms);
+  /* Our frames are small and the socket fresh: they never wait. */
+  gpuipc_status s = hs_start(x, deadline_ms(100));
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = x};
+  if (s == GPUIPC_OK && epoll_ctl(l->ep, EPOLL_CTL_ADD, fd, &ev) != 0)
+    s = gpuipc__fail_errno(errno, "epoll_ctl", "%s", l->path);
+  if (s != GPUIPC_OK) {
+    free(x);
+    conn_free(c);
+    return s;
+  }
+  if (l->npending == GPUIPC_CONN_HANDSHAKES_MAX) {
+    /* Said once per thousand, not for each peer of a flood. */
+    if (l->dropped++ % 1000 == 0)
+      GPUIPC__WARN("conn",
+                   "%d handshakes pending on %s: dropping the oldest (pid "
+                   "%d; %llu dropped so far)",
+                   l->npending, l->path, (int)l->pending[0]->pre.pid,
+                   (unsigned long long)l->dropped);
+    pending_drop(l, 0);
+  }
+  x->ready = true; /* its HELLO is usually there already */
+  l->pending[l->npending++] = x;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_accept(gpuipc_listener *l, gpuipc_conn **out) {
+  if (l == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_accept: NULL argument");
+  *out = NULL;
+  uint64_t deadline =
+      l->opts.nonblocking ? 0 : deadline_ms(l->opts.timeout_ms);
+  bool step_all = true; /* data may have come since the last call */
+  for (;;) {
+    /* New peers. */
+    for (int n = 0; n < GPUIPC_CONN_HANDSHAKES_MAX; n++) {
+      int fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED)
+          continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+          break;
+        return gpuipc__fail_errno(errno, "accept4", "%s", l->path);
+      }
+      gpuipc_status s = pending_add(l, fd);
+      if (s == GPUIPC_E_PEER_GONE)
+        continue;
+      if (s != GPUIPC_OK)
+        return s;
+    }
+    /* Handshakes that can move, oldest first. */
+    for (int i = 0; i < l->npending;) {
+      hs *x = l->pending[i];
+      if (!step_all && !x->ready) {
+        i++;
+        continue;
+      }
+      x->ready = false;
+      int stage = x->stage;
+      gpuipc_status s = hs_step(x, deadline_ms(100));
+      if (s == GPUIPC_E_WOULD_BLOCK) {
+        /* A peer that answered has its time again for the next answer:
+         * the deadline bounds how long a peer keeps us waiting, not how
+         * long the application took to call accept again. */
+        if (x->stage != stage)
+          x->deadline = deadline_ms(l->opts.handshake_timeout_ms);
+        i++;
+        continue;
+      }
+      int pid = (int)x->pre.pid;
+      gpuipc_conn *c = pending_take(l, i);
+      if (s == GPUIPC_OK) {
+        *out = c;
+        return GPUIPC_OK;
+      }
+      conn_free(c);
+      if (s != GPUIPC_E_PEER_GONE)
+        return s; /* this peer's failure; the listener stays usable */
+      /* The peer left before the handshake ended (e.g. a probe that only
+       * checks someone listens): nothing to tell the caller about. */
+      GPUIPC__DEBUG("conn", "peer pid %d left during the handshake", pid);
+    }
+    /* Handshakes past their own deadline. */
+    uint64_t now = gpuipc__now_ns();
+    uint64_t wake = deadline;
+    for (int i = 0; i < l->npending;) {
+      hs *x = l->pending[i];
+      if (x->deadline <= now) {
+        GPUIPC__WARN("conn",
+                     "dropping peer pid %d on %s: no handshake within %d ms",
+                     (int)x->pre.pid, l->path, l->opts.handshake_timeout_ms);
+        pending_drop(l, i);
+        continue;
+      }
+      if (x->deadline < wake)
+        wake = x->deadline;
+      i++;
+    }
+    if (deadline == 0)
+      return gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
+                          "gpuipc_accept: no peer has completed its "
+                          "handshake on %s (%d pending)",
+                          l->path, l->npending);
+    if (deadline != UINT64_MAX && now >= deadline)
+      return gpuipc__fail(GPUIPC_E_TIMEOUT,
+                          "gpuipc_accept: no peer within %d ms on %s (%d "
+                          "handshakes pending)",
+                          l->opts.timeout_ms, l->path, l->npending);
+    struct epoll_event evs[16];
+    int n = epoll_wait(l->ep, evs, (int)GPUIPC__ARRAY_SIZE(evs),
+                       poll_ms(wake));
+    if (n < 0 && errno != EINTR)
+      return gpuipc__fail_errno(errno, "epoll_wait", "%s", l->path);
+    for (int i = 0; i < n; i++)
+      if (evs[i].data.ptr)
+        ((hs *)evs[i].data.ptr)->ready = true;
+    step_all = false;
+  }
 }
 
 gpuipc_status gpuipc_connect(const char *name, const gpuipc_conn_options *opts,
@@ -1420,6 +1733,8 @@ gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf, size_t cap,
   if (conn->msg_head == NULL)
     conn->msg_tail = NULL;
   conn->msg_count--;
+  conn->msg_bytes -= m->len;
+  conn->msg_fds -= (size_t)m->nfds;
   *len = m->len;
   if (m->len && cap)
     memcpy(buf, m->data, m->len < cap ? m->len : cap);

@@ -120,6 +120,12 @@ _Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_buf) == 48, "wire layout");
 _Static_assert(sizeof(gpuipc__w_rel) == 16, "wire layout");
 
+/* What a connection holds of received user messages not yet taken
+ * (messages, payload bytes, file descriptors), and whether it stopped
+ * reading because a bound was reached. Any pointer may be NULL. */
+void gpuipc__conn_queued(const struct gpuipc_conn *c, size_t *msgs,
+                         size_t *bytes, size_t *fds, bool *paused);
+
 /* Chunks (device allocations) held by all arenas of this process. */
 size_t gpuipc__arena_chunks_live(void);
 

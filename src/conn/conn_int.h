@@ -55,9 +55,16 @@ struct gpuipc_conn {
    * oldest frame already went out, with its descriptors). */
   unsigned char *tx;
   size_t tx_off, tx_len, tx_cap;
-  /* User messages received, oldest first. */
+  /* User messages received, oldest first, and what they hold together
+   * (bounded by q_max_*: a message that does not fit waits in rx, and
+   * rx_paused stops reading the socket until the application takes
+   * messages). */
   gpuipc__msg *msg_head, *msg_tail;
   size_t msg_count;
+  size_t msg_bytes;
+  size_t msg_fds;
+  size_t q_max_msgs, q_max_bytes, q_max_fds;
+  bool rx_paused;
   /* The fast path (NULL until first used). */
   struct gpuipc__ho *ho;
 };
