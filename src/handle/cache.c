@@ -32,7 +32,13 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { ST_OPENING = 1, ST_LIVE = 2 };
+/* OPENING: the kind's open runs (without the lock); LIVE: usable;
+ * CLOSING: its last reference went and the kind's close runs (without the
+ * lock). An entry stays in the list, findable by its key, until its close
+ * has finished, so that a new import of the same memory waits for it
+ * instead of being handed, by the driver, the very mapping that close is
+ * about to free. */
+enum { ST_OPENING = 1, ST_LIVE = 2, ST_CLOSING = 3 };
 
 /* What identifies one mapping: the exporter, the handle kind, the local
  * device it is mapped on, and the allocation (handle bytes for the kinds
@@ -117,6 +123,16 @@ static void unlink_entry(struct gpuipc__mapping *m) {
     }
 }
 
+/* True when an entry of that kind on that device is in `state`. Caller
+ * holds cache_lock. */
+static bool any_in_state(uint8_t kind, int map_ordinal, int state) {
+  for (struct gpuipc__mapping *e = maps; e; e = e->next)
+    if (e->state == state && e->key.kind == kind &&
+        e->key.map_ordinal == map_ordinal)
+      return true;
+  return false;
+}
+
 /* True when another entry (live or retired) holds a mapping at the same
  * base on the same device. Caller holds cache_lock. */
 static bool base_shared(const struct gpuipc__mapping *m) {
@@ -189,9 +205,18 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       for (e = maps; e; e = e->next)
         if (e->linked && key_eq(&e->key, &key))
           break;
+    /* The kinds whose driver hands back an existing import of the same
+     * pointer (they have a forget) open only while no mapping of theirs on
+     * this device is being closed: the driver could hand this open the
+     * very mapping that close frees. */
+    if (e == NULL && ops->forget != NULL &&
+        any_in_state(key.kind, map_ordinal, ST_CLOSING)) {
+      pthread_cond_wait(&cache_cond, &cache_lock);
+      continue;
+    }
     if (e == NULL)
       break;
-    if (e->state == ST_OPENING) {
+    if (e->state == ST_OPENING || e->state == ST_CLOSING) {
       pthread_cond_wait(&cache_cond, &cache_lock);
       continue;
     }
@@ -286,13 +311,20 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
     pthread_mutex_unlock(&cache_lock);
     return GPUIPC_OK;
   }
-  unlink_entry(m);
+  m->state = ST_CLOSING;
   stats.live_mappings--;
   /* A pool pointer imported twice is one mapping in the driver (it can
-   * happen only when an exporter reallocated at the address of a buffer
-   * still held here): free it once, with the last holder. The kinds whose
+   * happen when an exporter reallocated at the address of a buffer still
+   * held here, or when an open ran while this close): free it once, with
+   * the last holder. So no open of such a kind runs on this device while
+   * the decision is made and the close runs: the opens in flight finish
+   * first (their mapping is then LIVE and shares this base), and new ones
+   * wait for the close (see gpuipc__cache_acquire). The kinds whose
    * mappings can be shared so have a forget; legacy opens are counted by
    * the driver, so each entry closes its own. */
+  while (m->ops->forget != NULL &&
+         any_in_state(m->key.kind, m->key.map_ordinal, ST_OPENING))
+    pthread_cond_wait(&cache_cond, &cache_lock);
   bool skip = m->ops->forget != NULL && base_shared(m);
   pthread_mutex_unlock(&cache_lock);
   gpuipc_status s = GPUIPC_OK;
@@ -300,6 +332,10 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
     m->ops->forget(&m->o);
   else
     s = close_mapping(m);
+  pthread_mutex_lock(&cache_lock);
+  unlink_entry(m);
+  pthread_cond_broadcast(&cache_cond);
+  pthread_mutex_unlock(&cache_lock);
   free(m);
   return s;
 }
