@@ -355,7 +355,13 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_BAD_MAGIC        not a gpuipc descriptor
  *   GPUIPC_E_BAD_VERSION      a format version this library does not read
  *   GPUIPC_E_BAD_CHECKSUM     corrupted in transit
- *   GPUIPC_E_BAD_KIND         unknown type or handle kind, or not a buffer
+ *   GPUIPC_E_BAD_KIND         unknown type or handle kind, or not a buffer;
+ *                             or its fd is not what the kind needs, checked
+ *                             before anything is mapped (pinned host: a
+ *                             memfd sealed against shrinking, as gpuipc's
+ *                             own are; VMM and pool fds: not a file of a
+ *                             file system, pipe, socket or sealed host
+ *                             memfd)
  *   GPUIPC_E_PROTOCOL         inconsistent fields (trailing bytes, reserved
  *                             fields not zero, handle length)
  *   GPUIPC_E_OUT_OF_RANGE     offset + size beyond the allocation, checked

@@ -450,6 +450,8 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
                        "GPUIPC_IMPORT_PIDFD_GETFD",
                        (unsigned long long)d->pool_id, (int)d->exporter.pid);
     }
+    if (s == GPUIPC_OK)
+      s = gpuipc__import_check_driver_fd(fd, "memory pool");
     if (s == GPUIPC_OK) {
       gpuipc__ctx_guard g;
       s = gpuipc__ctx_enter(&g, home);

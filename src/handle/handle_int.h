@@ -209,6 +209,18 @@ gpuipc_status gpuipc__import_fd(const gpuipc__desc *d, const int *fds,
                                 int *fetched);
 /* The mapping's own buffer id here (0 when the driver has none). */
 uint64_t gpuipc__local_buffer_id(CUdeviceptr base);
+/* Checks, before it is mapped, that an fd is what a descriptor says it is.
+ * Host memory (PINNED_HOST): a memfd sealed against shrinking (gpuipc's
+ * own carry F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), so that nobody can
+ * cut the mapping short (SIGBUS), holding at least size bytes. A driver's
+ * shareable handle (VMM allocation, memory pool; `what` names it): as far
+ * as the kernel can tell, not a directory, pipe, socket or block device,
+ * not a file of a file system, and not host memory sealed against
+ * resizing; a device file, an anonymous inode or an unsealed memfd (the
+ * emulator's) passes, and the driver's import judges the rest. E_BAD_KIND
+ * otherwise (E_OUT_OF_RANGE for a short memfd). */
+gpuipc_status gpuipc__import_check_host_fd(int fd, size_t size);
+gpuipc_status gpuipc__import_check_driver_fd(int fd, const char *what);
 
 /* ---- the import cache (cache.c) ------------------------------------------------ */
 

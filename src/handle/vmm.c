@@ -187,12 +187,15 @@ static gpuipc_status vmm_open(const gpuipc__desc *d, int map_ordinal,
                               gpuipc__opened *o) {
   int fd = -1, fetched = -1;
   GPUIPC__CHECK(gpuipc__import_fd(d, fds, nfds, flags, &fd, &fetched));
-  gpuipc_status s = GPUIPC_OK;
   CUmemGenericAllocationHandle h = 0;
   CUdeviceptr va = 0;
   size_t n = (size_t)d->alloc_size;
   bool mapped = false;
-  CUresult r = GPUIPC__CU(cuMemImportFromShareableHandle, &h,
+  CUresult r = CUDA_SUCCESS;
+  gpuipc_status s = gpuipc__import_check_driver_fd(fd, "VMM");
+  if (s != GPUIPC_OK)
+    goto fail;
+  r = GPUIPC__CU(cuMemImportFromShareableHandle, &h,
                           (void *)(uintptr_t)fd,
                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if (r != CUDA_SUCCESS) {
