@@ -168,3 +168,85 @@ TEST_IMPL(handle_hostile_driver_wrong_fds) {
   th_peer_stop(pid, sock);
   return 0;
 }
+
+/* A descriptor re-encoded with one field changed (a forger's, who can
+ * compute the checksum as well as anyone). */
+static size_t forge(const gpuipc__desc *dd, uint8_t *out) {
+  size_t len = 0;
+  ASSERT_OK(gpuipc__desc_encode(dd, out, GPUIPC_DESC_MAX, &len));
+  return len;
+}
+
+/* A VMM descriptor claiming a far larger allocation than its fd holds:
+ * GPUIPC_E_OUT_OF_RANGE, as handle.h documents, whatever the driver says
+ * of reserving or mapping that much. */
+TEST_IMPL(handle_hostile_vmm_forged_size) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], f[GPUIPC_DESC_MAX];
+  size_t len;
+  int fd;
+  gpuipc__desc dd;
+  uint64_t slot = export_one(sock, GPUIPC_POOL_VMM, 65536, d, &len, &fd, &dd);
+  uint64_t sizes[] = {dd.alloc_size * 2, 1ull << 40, 1ull << 50,
+                      (1ull << 62) - dd.alloc_size};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(sizes); i++) {
+    gpuipc__desc x = dd;
+    x.alloc_size = sizes[i] / dd.alloc_size * dd.alloc_size;
+    size_t fl = forge(&x, f);
+    gpuipc_buffer *b = NULL;
+    gpuipc_status s = gpuipc_buffer_import(f, fl, &fd, 1, NULL, &b);
+    if (s != GPUIPC_E_OUT_OF_RANGE)
+      fprintf(stderr, "claimed %llu bytes: %s: %s\n",
+              (unsigned long long)x.alloc_size, gpuipc_status_name(s),
+              gpuipc_last_error());
+    ASSERT_EQ(s, GPUIPC_E_OUT_OF_RANGE);
+    ASSERT_NULL(b);
+  }
+  close(fd);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* A mempool buffer descriptor whose export data was forged: a descriptor
+ * error (GPUIPC_E_STALE: the driver cannot tell forged bytes from those of
+ * a freed allocation), never GPUIPC_E_DRIVER. */
+TEST_IMPL(handle_hostile_mempool_forged_export) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], f[GPUIPC_DESC_MAX];
+  size_t len;
+  int fd;
+  gpuipc__desc dd;
+  uint64_t slot =
+      export_one(sock, GPUIPC_POOL_MEMPOOL, 65536, d, &len, &fd, &dd);
+  for (int i = 0; i < 48; i += 7) {
+    gpuipc__desc x = dd;
+    x.handle[i] ^= 0x5a;
+    size_t fl = forge(&x, f);
+    gpuipc_buffer *b = NULL;
+    gpuipc_status s = gpuipc_buffer_import(f, fl, &fd, 1, NULL, &b);
+    if (s == GPUIPC_OK) {
+      /* Some bytes the driver does not read; the import is then genuine. */
+      ASSERT_OK(gpuipc_buffer_close(b));
+      continue;
+    }
+    if (s != GPUIPC_E_STALE)
+      fprintf(stderr, "export data byte %d forged: %s: %s\n", i,
+              gpuipc_status_name(s), gpuipc_last_error());
+    ASSERT_EQ(s, GPUIPC_E_STALE);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuMemPoolImportPointer");
+  }
+  /* The genuine one still imports (the pool import was not spoiled). */
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_import(d, len, &fd, 1, NULL, &b));
+  ASSERT(th_check(b, 0, 65536, 5));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  close(fd);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}

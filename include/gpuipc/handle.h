@@ -367,8 +367,8 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_OUT_OF_RANGE     offset + size beyond the allocation, checked
  *                             against the declared size and again against
  *                             the real mapped range after mapping (VMM:
- *                             the driver refuses to map a claimed size
- *                             beyond the allocation)
+ *                             a claimed size beyond the device's memory,
+ *                             or one the driver refuses to map)
  *   GPUIPC_E_FOREIGN_MACHINE  exported on another machine (boot id)
  *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace
  *   GPUIPC_E_DEVICE_NOT_VISIBLE the exporter's device (or opts->device) is
@@ -380,7 +380,8 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_PEER_GONE        pidfd route: the exporter exited
  *   GPUIPC_E_STALE            the exporter freed the buffer (its liveness
  *                             table says so), or the driver refused a
- *                             legacy handle of freed memory, or the driver
+ *                             legacy handle or mempool export data (of
+ *                             freed memory, or forged), or the driver
  *                             handed back an import of another (freed)
  *                             allocation this process still holds at that
  *                             address (close that import first)
