@@ -10,7 +10,9 @@
 #include "test-handle.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 /* A peer's buffer of kind (one fd), its descriptor decoded into *dd. */
@@ -248,5 +250,47 @@ TEST_IMPL(handle_hostile_mempool_forged_export) {
   close(fd);
   th_peer_free(sock, slot);
   th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* Exporters killed one after another, each after this process imported a
+ * buffer of its memory pool: no imported pool of a dead exporter stays
+ * once its buffers are closed (closed before the kill: released at the
+ * next pool import or count; closed after it: released by that close). */
+TEST_IMPL(handle_hostile_dead_exporter_pools_released) {
+  ASSERT_OK(gpuipc_init());
+  size_t before = gpuipc__cache_pools_held();
+  for (int round = 0; round < 8; round++) {
+    int sock;
+    pid_t pid = th_peer_start(NULL, &sock);
+    uint8_t d[GPUIPC_DESC_MAX];
+    size_t len;
+    int fd;
+    gpuipc__desc dd;
+    (void)export_one(sock, GPUIPC_POOL_MEMPOOL, 65536, d, &len, &fd, &dd);
+    gpuipc_buffer *b = NULL;
+    ASSERT_OK(gpuipc_buffer_import(d, len, &fd, 1, NULL, &b));
+    ASSERT(th_check(b, 0, 65536, 5));
+    close(fd);
+    ASSERT_EQ(gpuipc__cache_pools_held(), before + 1);
+    bool close_first = round % 2 == 0;
+    if (close_first)
+      ASSERT_OK(gpuipc_buffer_close(b));
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+    int st = 0;
+    ASSERT_EQ(waitpid(pid, &st, 0), pid);
+    close(sock);
+    if (!close_first) {
+      /* Still held by the open buffer: it stays until that closes. */
+      ASSERT_EQ(gpuipc__cache_pools_held(), before + 1);
+      ASSERT_OK(gpuipc_buffer_close(b));
+    }
+    size_t now = gpuipc__cache_pools_held();
+    if (now != before)
+      fprintf(stderr, "round %d (%s): %zu imported pools held, %zu before\n",
+              round, close_first ? "closed, then killed" : "killed, then closed",
+              now, before);
+    ASSERT_EQ(now, before);
+  }
   return 0;
 }

@@ -235,6 +235,9 @@ typedef struct gpuipc_import_options {
  * caller (gpuipc dup()s what it keeps). The pool import is cached per
  * exporter pool, so importing it again is free; while an imported pool
  * exists, buffer descriptors of that exporter pool import without an fd.
+ * The cached pool import lives while its exporter does: once the exporter
+ * is gone and nothing imported here holds the pool (no gpuipc_pool of it,
+ * no buffer of it open), the driver's pool is destroyed.
  * Cannot allocate (GPUIPC_E_NOT_SUPPORTED from gpuipc_buffer_alloc).
  * Release with gpuipc_pool_destroy(). Errors as gpuipc_buffer_import().
  */
@@ -515,7 +518,8 @@ typedef struct gpuipc_cache_stats {
   uint64_t driver_opens;   /* driver open/import/map calls that succeeded */
   uint64_t driver_closes;  /* driver close/free/unmap calls made */
   uint64_t live_mappings;  /* mappings open now */
-  uint64_t pool_imports;   /* exporter pools imported (each once) */
+  uint64_t pool_imports;   /* exporter pools imported (each once while
+                              held; see gpuipc_pool_import) */
   uint64_t pool_hits;      /* pool imports served from the cache */
 } gpuipc_cache_stats;
 

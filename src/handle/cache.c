@@ -1,7 +1,8 @@
 /*
  * cache.c: owns the per-process import cache: imported mappings, keyed by
  * exporter + allocation and reference counted, and imported exporter pools,
- * keyed by exporter + pool id and kept for the life of the process.
+ * keyed by exporter + pool id and kept while their exporter lives (one
+ * whose exporter is gone is destroyed once nothing imported here holds it).
  *
  * Why it exists and why it validates every hit:
  * - The driver maps a legacy handle once per process however often it is
@@ -72,6 +73,8 @@ struct gpuipc__pool_import {
   CUmemoryPool mp;
   int state;
   long refs;
+  bool keep; /* never released: raw imports (interop.c names such a pool by
+                its handle's value), or the driver refused to destroy it */
   uint64_t access_mask; /* devices granted access (cuMemPoolSetAccess) */
   pthread_mutex_t access_lock;
   struct gpuipc__pool_import *next;
@@ -356,12 +359,87 @@ CUmemoryPool gpuipc__pool_import_handle(const struct gpuipc__pool_import *p) {
   return p->mp;
 }
 
+static void unlink_pool(struct gpuipc__pool_import *p) {
+  for (struct gpuipc__pool_import **pp = &pools; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      return;
+    }
+}
+
+/* Whether an imported pool can go: nothing imported here holds it, and its
+ * exporter is gone (while the exporter lives, the pool stays cached: its
+ * next buffer imports without the fd and without the ~170 us pool
+ * import). Caller holds cache_lock. */
+static bool pool_releasable(const struct gpuipc__pool_import *p) {
+  return p->state == ST_LIVE && p->refs == 0 && !p->keep &&
+         gpuipc__exporter_gone(&p->exporter);
+}
+
+/* Destroys the imported pool p (CLOSING, so nobody finds it) with the lock
+ * dropped; the driver allows it once no pointer imported from it is live,
+ * which no reference left means. Caller holds cache_lock. */
+static void pool_destroy_imported(struct gpuipc__pool_import *p) {
+  p->state = ST_CLOSING;
+  pthread_mutex_unlock(&cache_lock);
+  gpuipc__ctx_guard g;
+  CUresult r = CUDA_ERROR_INVALID_CONTEXT;
+  if (gpuipc__ctx_enter(&g, p->home_ordinal) == GPUIPC_OK) {
+    r = GPUIPC__CU(cuMemPoolDestroy, p->mp);
+    gpuipc__ctx_leave(&g);
+  }
+  pthread_mutex_lock(&cache_lock);
+  if (r == CUDA_SUCCESS) {
+    GPUIPC__DEBUG("handle",
+                  "released the imported pool %llu of gone exporter pid %d",
+                  (unsigned long long)p->pool_id, (int)p->exporter.pid);
+    unlink_pool(p);
+    stats.driver_closes++;
+    pthread_mutex_destroy(&p->access_lock);
+    free(p);
+  } else {
+    GPUIPC__INFO("handle",
+                 "cannot release the imported pool %llu of gone exporter "
+                 "pid %d (cuMemPoolDestroy: %s): it stays",
+                 (unsigned long long)p->pool_id, (int)p->exporter.pid,
+                 gpuipc__cuda_error_name(r));
+    p->state = ST_LIVE;
+    p->keep = true;
+  }
+  pthread_cond_broadcast(&cache_cond);
+}
+
+/* Releases every imported pool that can go. Caller holds cache_lock. */
+static void pool_sweep(void) {
+  for (;;) {
+    struct gpuipc__pool_import *p;
+    for (p = pools; p; p = p->next)
+      if (pool_releasable(p))
+        break;
+    if (p == NULL)
+      return;
+    pool_destroy_imported(p);
+  }
+}
+
 void gpuipc__pool_import_release(struct gpuipc__pool_import *p) {
   if (p == NULL)
     return;
   pthread_mutex_lock(&cache_lock);
   p->refs--;
+  if (pool_releasable(p))
+    pool_destroy_imported(p);
   pthread_mutex_unlock(&cache_lock);
+}
+
+size_t gpuipc__cache_pools_held(void) {
+  size_t n = 0;
+  pthread_mutex_lock(&cache_lock);
+  pool_sweep();
+  for (struct gpuipc__pool_import *p = pools; p; p = p->next)
+    n++;
+  pthread_mutex_unlock(&cache_lock);
+  return n;
 }
 
 /* Grants map_ordinal access to an imported pool, once per (pool, device). */
@@ -412,7 +490,7 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
       if (p->pool_id == d->pool_id &&
           gpuipc__identity_eq(&p->exporter, &d->exporter))
         break;
-    if (p == NULL || p->state != ST_OPENING)
+    if (p == NULL || p->state == ST_LIVE)
       break;
     pthread_cond_wait(&cache_cond, &cache_lock);
   }
@@ -426,11 +504,16 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
       pthread_mutex_unlock(&cache_lock);
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "pool import entry");
     }
+    /* A new pool import is the time to let go of those of gone
+     * exporters (an importer of many short-lived exporters would otherwise
+     * keep every one of their pools mapped). */
+    pool_sweep();
     p->exporter = d->exporter;
     p->pool_id = d->pool_id;
     p->home_ordinal = home;
     p->state = ST_OPENING;
     p->refs = 1;
+    p->keep = (flags & GPUIPC__IMPORT_RAW) != 0;
     pthread_mutex_init(&p->access_lock, NULL);
     p->next = pools;
     pools = p;
@@ -475,11 +558,7 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
       stats.pool_imports++;
       stats.driver_opens++;
     } else {
-      for (struct gpuipc__pool_import **pp = &pools; *pp; pp = &(*pp)->next)
-        if (*pp == p) {
-          *pp = p->next;
-          break;
-        }
+      unlink_pool(p);
     }
     pthread_cond_broadcast(&cache_cond);
     pthread_mutex_unlock(&cache_lock);
