@@ -235,6 +235,9 @@ typedef struct gpuipc_import_options {
  * caller (gpuipc dup()s what it keeps). The pool import is cached per
  * exporter pool, so importing it again is free; while an imported pool
  * exists, buffer descriptors of that exporter pool import without an fd.
+ * The cached pool import lives while its exporter does: once the exporter
+ * is gone and nothing imported here holds the pool (no gpuipc_pool of it,
+ * no buffer of it open), the driver's pool is destroyed.
  * Cannot allocate (GPUIPC_E_NOT_SUPPORTED from gpuipc_buffer_alloc).
  * Release with gpuipc_pool_destroy(). Errors as gpuipc_buffer_import().
  */
@@ -355,14 +358,20 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_BAD_MAGIC        not a gpuipc descriptor
  *   GPUIPC_E_BAD_VERSION      a format version this library does not read
  *   GPUIPC_E_BAD_CHECKSUM     corrupted in transit
- *   GPUIPC_E_BAD_KIND         unknown type or handle kind, or not a buffer
+ *   GPUIPC_E_BAD_KIND         unknown type or handle kind, or not a buffer;
+ *                             or its fd is not what the kind needs, checked
+ *                             before anything is mapped (pinned host: a
+ *                             memfd sealed against shrinking, as gpuipc's
+ *                             own are; VMM and pool fds: not a file of a
+ *                             file system, pipe, socket or sealed host
+ *                             memfd)
  *   GPUIPC_E_PROTOCOL         inconsistent fields (trailing bytes, reserved
  *                             fields not zero, handle length)
  *   GPUIPC_E_OUT_OF_RANGE     offset + size beyond the allocation, checked
  *                             against the declared size and again against
  *                             the real mapped range after mapping (VMM:
- *                             the driver refuses to map a claimed size
- *                             beyond the allocation)
+ *                             a claimed size beyond the device's memory,
+ *                             or one the driver refuses to map)
  *   GPUIPC_E_FOREIGN_MACHINE  exported on another machine (boot id)
  *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace
  *   GPUIPC_E_DEVICE_NOT_VISIBLE the exporter's device (or opts->device) is
@@ -374,7 +383,8 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_PEER_GONE        pidfd route: the exporter exited
  *   GPUIPC_E_STALE            the exporter freed the buffer (its liveness
  *                             table says so), or the driver refused a
- *                             legacy handle of freed memory, or the driver
+ *                             legacy handle or mempool export data (of
+ *                             freed memory, or forged), or the driver
  *                             handed back an import of another (freed)
  *                             allocation this process still holds at that
  *                             address (close that import first)
@@ -508,7 +518,8 @@ typedef struct gpuipc_cache_stats {
   uint64_t driver_opens;   /* driver open/import/map calls that succeeded */
   uint64_t driver_closes;  /* driver close/free/unmap calls made */
   uint64_t live_mappings;  /* mappings open now */
-  uint64_t pool_imports;   /* exporter pools imported (each once) */
+  uint64_t pool_imports;   /* exporter pools imported (each once while
+                              held; see gpuipc_pool_import) */
   uint64_t pool_hits;      /* pool imports served from the cache */
 } gpuipc_cache_stats;
 

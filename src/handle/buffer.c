@@ -16,6 +16,7 @@
 #include "handle_int.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -442,6 +443,65 @@ gpuipc_status gpuipc__import_fd(const gpuipc__desc *d, const int *fds,
                       "GPUIPC_IMPORT_PIDFD_GETFD",
                       gpuipc_pool_kind_name((gpuipc_pool_kind)d->kind),
                       (int)d->exporter.pid);
+}
+
+/* What the kernel says an fd is, for messages: its /proc/self/fd link. */
+static void fd_name(int fd, char *out, size_t cap) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(path, out, cap - 1);
+  if (n < 0)
+    n = 0;
+  out[n] = '\0';
+}
+
+gpuipc_status gpuipc__import_check_host_fd(int fd, size_t size) {
+  char name[256];
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    return gpuipc__fail_errno(errno, "fstat", "pinned host buffer fd %d", fd);
+  int seals = S_ISREG(st.st_mode) ? fcntl(fd, F_GET_SEALS) : -1;
+  if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    fd_name(fd, name, sizeof name);
+    return gpuipc__fail(GPUIPC_E_BAD_KIND,
+                        "pinned host descriptor: its fd %d (%s) is not a "
+                        "memfd sealed against shrinking (%s): its owner "
+                        "could cut the mapping short under this process",
+                        fd, name,
+                        seals < 0 ? "no seals" : "F_SEAL_SHRINK missing");
+  }
+  if ((uint64_t)st.st_size < (uint64_t)size)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "pinned host descriptor claims %zu bytes; its fd holds "
+                        "%lld: forged or corrupted",
+                        size, (long long)st.st_size);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__import_check_driver_fd(int fd, const char *what) {
+  char name[256];
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    return gpuipc__fail_errno(errno, "fstat", "%s fd %d", what, fd);
+  fd_name(fd, name, sizeof name);
+  const char *why = NULL;
+  if (S_ISDIR(st.st_mode) || S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
+      S_ISBLK(st.st_mode) || S_ISLNK(st.st_mode)) {
+    why = "a directory, pipe, socket or block device";
+  } else if (S_ISREG(st.st_mode)) {
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals >= 0 && (seals & (F_SEAL_SHRINK | F_SEAL_GROW)))
+      why = "host memory sealed against resizing (a pinned host buffer's "
+            "memfd)";
+    else if (name[0] == '/' && strncmp(name, "/memfd:", 7) != 0)
+      why = "a file of a file system";
+  }
+  if (why != NULL)
+    return gpuipc__fail(GPUIPC_E_BAD_KIND,
+                        "%s descriptor: its fd %d (%s) is %s, not a shareable "
+                        "handle of the driver",
+                        what, fd, name, why);
+  return GPUIPC_OK;
 }
 
 gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,

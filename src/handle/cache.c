@@ -1,7 +1,8 @@
 /*
  * cache.c: owns the per-process import cache: imported mappings, keyed by
  * exporter + allocation and reference counted, and imported exporter pools,
- * keyed by exporter + pool id and kept for the life of the process.
+ * keyed by exporter + pool id and kept while their exporter lives (one
+ * whose exporter is gone is destroyed once nothing imported here holds it).
  *
  * Why it exists and why it validates every hit:
  * - The driver maps a legacy handle once per process however often it is
@@ -32,7 +33,13 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { ST_OPENING = 1, ST_LIVE = 2 };
+/* OPENING: the kind's open runs (without the lock); LIVE: usable;
+ * CLOSING: its last reference went and the kind's close runs (without the
+ * lock). An entry stays in the list, findable by its key, until its close
+ * has finished, so that a new import of the same memory waits for it
+ * instead of being handed, by the driver, the very mapping that close is
+ * about to free. */
+enum { ST_OPENING = 1, ST_LIVE = 2, ST_CLOSING = 3 };
 
 /* What identifies one mapping: the exporter, the handle kind, the local
  * device it is mapped on, and the allocation (handle bytes for the kinds
@@ -66,6 +73,8 @@ struct gpuipc__pool_import {
   CUmemoryPool mp;
   int state;
   long refs;
+  bool keep; /* never released: raw imports (interop.c names such a pool by
+                its handle's value), or the driver refused to destroy it */
   uint64_t access_mask; /* devices granted access (cuMemPoolSetAccess) */
   pthread_mutex_t access_lock;
   struct gpuipc__pool_import *next;
@@ -115,6 +124,16 @@ static void unlink_entry(struct gpuipc__mapping *m) {
       *pp = m->next;
       return;
     }
+}
+
+/* True when an entry of that kind on that device is in `state`. Caller
+ * holds cache_lock. */
+static bool any_in_state(uint8_t kind, int map_ordinal, int state) {
+  for (struct gpuipc__mapping *e = maps; e; e = e->next)
+    if (e->state == state && e->key.kind == kind &&
+        e->key.map_ordinal == map_ordinal)
+      return true;
+  return false;
 }
 
 /* True when another entry (live or retired) holds a mapping at the same
@@ -189,9 +208,18 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       for (e = maps; e; e = e->next)
         if (e->linked && key_eq(&e->key, &key))
           break;
+    /* The kinds whose driver hands back an existing import of the same
+     * pointer (they have a forget) open only while no mapping of theirs on
+     * this device is being closed: the driver could hand this open the
+     * very mapping that close frees. */
+    if (e == NULL && ops->forget != NULL &&
+        any_in_state(key.kind, map_ordinal, ST_CLOSING)) {
+      pthread_cond_wait(&cache_cond, &cache_lock);
+      continue;
+    }
     if (e == NULL)
       break;
-    if (e->state == ST_OPENING) {
+    if (e->state == ST_OPENING || e->state == ST_CLOSING) {
       pthread_cond_wait(&cache_cond, &cache_lock);
       continue;
     }
@@ -286,13 +314,20 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
     pthread_mutex_unlock(&cache_lock);
     return GPUIPC_OK;
   }
-  unlink_entry(m);
+  m->state = ST_CLOSING;
   stats.live_mappings--;
   /* A pool pointer imported twice is one mapping in the driver (it can
-   * happen only when an exporter reallocated at the address of a buffer
-   * still held here): free it once, with the last holder. The kinds whose
+   * happen when an exporter reallocated at the address of a buffer still
+   * held here, or when an open ran while this close): free it once, with
+   * the last holder. So no open of such a kind runs on this device while
+   * the decision is made and the close runs: the opens in flight finish
+   * first (their mapping is then LIVE and shares this base), and new ones
+   * wait for the close (see gpuipc__cache_acquire). The kinds whose
    * mappings can be shared so have a forget; legacy opens are counted by
    * the driver, so each entry closes its own. */
+  while (m->ops->forget != NULL &&
+         any_in_state(m->key.kind, m->key.map_ordinal, ST_OPENING))
+    pthread_cond_wait(&cache_cond, &cache_lock);
   bool skip = m->ops->forget != NULL && base_shared(m);
   pthread_mutex_unlock(&cache_lock);
   gpuipc_status s = GPUIPC_OK;
@@ -300,6 +335,10 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
     m->ops->forget(&m->o);
   else
     s = close_mapping(m);
+  pthread_mutex_lock(&cache_lock);
+  unlink_entry(m);
+  pthread_cond_broadcast(&cache_cond);
+  pthread_mutex_unlock(&cache_lock);
   free(m);
   return s;
 }
@@ -320,12 +359,87 @@ CUmemoryPool gpuipc__pool_import_handle(const struct gpuipc__pool_import *p) {
   return p->mp;
 }
 
+static void unlink_pool(struct gpuipc__pool_import *p) {
+  for (struct gpuipc__pool_import **pp = &pools; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      return;
+    }
+}
+
+/* Whether an imported pool can go: nothing imported here holds it, and its
+ * exporter is gone (while the exporter lives, the pool stays cached: its
+ * next buffer imports without the fd and without the ~170 us pool
+ * import). Caller holds cache_lock. */
+static bool pool_releasable(const struct gpuipc__pool_import *p) {
+  return p->state == ST_LIVE && p->refs == 0 && !p->keep &&
+         gpuipc__exporter_gone(&p->exporter);
+}
+
+/* Destroys the imported pool p (CLOSING, so nobody finds it) with the lock
+ * dropped; the driver allows it once no pointer imported from it is live,
+ * which no reference left means. Caller holds cache_lock. */
+static void pool_destroy_imported(struct gpuipc__pool_import *p) {
+  p->state = ST_CLOSING;
+  pthread_mutex_unlock(&cache_lock);
+  gpuipc__ctx_guard g;
+  CUresult r = CUDA_ERROR_INVALID_CONTEXT;
+  if (gpuipc__ctx_enter(&g, p->home_ordinal) == GPUIPC_OK) {
+    r = GPUIPC__CU(cuMemPoolDestroy, p->mp);
+    gpuipc__ctx_leave(&g);
+  }
+  pthread_mutex_lock(&cache_lock);
+  if (r == CUDA_SUCCESS) {
+    GPUIPC__DEBUG("handle",
+                  "released the imported pool %llu of gone exporter pid %d",
+                  (unsigned long long)p->pool_id, (int)p->exporter.pid);
+    unlink_pool(p);
+    stats.driver_closes++;
+    pthread_mutex_destroy(&p->access_lock);
+    free(p);
+  } else {
+    GPUIPC__INFO("handle",
+                 "cannot release the imported pool %llu of gone exporter "
+                 "pid %d (cuMemPoolDestroy: %s): it stays",
+                 (unsigned long long)p->pool_id, (int)p->exporter.pid,
+                 gpuipc__cuda_error_name(r));
+    p->state = ST_LIVE;
+    p->keep = true;
+  }
+  pthread_cond_broadcast(&cache_cond);
+}
+
+/* Releases every imported pool that can go. Caller holds cache_lock. */
+static void pool_sweep(void) {
+  for (;;) {
+    struct gpuipc__pool_import *p;
+    for (p = pools; p; p = p->next)
+      if (pool_releasable(p))
+        break;
+    if (p == NULL)
+      return;
+    pool_destroy_imported(p);
+  }
+}
+
 void gpuipc__pool_import_release(struct gpuipc__pool_import *p) {
   if (p == NULL)
     return;
   pthread_mutex_lock(&cache_lock);
   p->refs--;
+  if (pool_releasable(p))
+    pool_destroy_imported(p);
   pthread_mutex_unlock(&cache_lock);
+}
+
+size_t gpuipc__cache_pools_held(void) {
+  size_t n = 0;
+  pthread_mutex_lock(&cache_lock);
+  pool_sweep();
+  for (struct gpuipc__pool_import *p = pools; p; p = p->next)
+    n++;
+  pthread_mutex_unlock(&cache_lock);
+  return n;
 }
 
 /* Grants map_ordinal access to an imported pool, once per (pool, device). */
@@ -376,7 +490,7 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
       if (p->pool_id == d->pool_id &&
           gpuipc__identity_eq(&p->exporter, &d->exporter))
         break;
-    if (p == NULL || p->state != ST_OPENING)
+    if (p == NULL || p->state == ST_LIVE)
       break;
     pthread_cond_wait(&cache_cond, &cache_lock);
   }
@@ -390,11 +504,16 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
       pthread_mutex_unlock(&cache_lock);
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "pool import entry");
     }
+    /* A new pool import is the time to let go of those of gone
+     * exporters (an importer of many short-lived exporters would otherwise
+     * keep every one of their pools mapped). */
+    pool_sweep();
     p->exporter = d->exporter;
     p->pool_id = d->pool_id;
     p->home_ordinal = home;
     p->state = ST_OPENING;
     p->refs = 1;
+    p->keep = (flags & GPUIPC__IMPORT_RAW) != 0;
     pthread_mutex_init(&p->access_lock, NULL);
     p->next = pools;
     pools = p;
@@ -414,6 +533,8 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
                        "GPUIPC_IMPORT_PIDFD_GETFD",
                        (unsigned long long)d->pool_id, (int)d->exporter.pid);
     }
+    if (s == GPUIPC_OK)
+      s = gpuipc__import_check_driver_fd(fd, "memory pool");
     if (s == GPUIPC_OK) {
       gpuipc__ctx_guard g;
       s = gpuipc__ctx_enter(&g, home);
@@ -437,11 +558,7 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
       stats.pool_imports++;
       stats.driver_opens++;
     } else {
-      for (struct gpuipc__pool_import **pp = &pools; *pp; pp = &(*pp)->next)
-        if (*pp == p) {
-          *pp = p->next;
-          break;
-        }
+      unlink_pool(p);
     }
     pthread_cond_broadcast(&cache_cond);
     pthread_mutex_unlock(&cache_lock);

@@ -184,4 +184,9 @@ gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *buf,
  * implied by unified addressing. */
 gpuipc_status gpuipc__pointer_buffer_id(CUdeviceptr ptr, uint64_t *id);
 
+/* How many imported exporter pools this process holds (releasing first
+ * those that can go: their exporter is gone and nothing imported here
+ * holds them). For tests and diagnostics. */
+size_t gpuipc__cache_pools_held(void);
+
 #endif /* GPUIPC_HANDLE_LAYER_H */

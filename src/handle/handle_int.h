@@ -209,6 +209,18 @@ gpuipc_status gpuipc__import_fd(const gpuipc__desc *d, const int *fds,
                                 int *fetched);
 /* The mapping's own buffer id here (0 when the driver has none). */
 uint64_t gpuipc__local_buffer_id(CUdeviceptr base);
+/* Checks, before it is mapped, that an fd is what a descriptor says it is.
+ * Host memory (PINNED_HOST): a memfd sealed against shrinking (gpuipc's
+ * own carry F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), so that nobody can
+ * cut the mapping short (SIGBUS), holding at least size bytes. A driver's
+ * shareable handle (VMM allocation, memory pool; `what` names it): as far
+ * as the kernel can tell, not a directory, pipe, socket or block device,
+ * not a file of a file system, and not host memory sealed against
+ * resizing; a device file, an anonymous inode or an unsealed memfd (the
+ * emulator's) passes, and the driver's import judges the rest. E_BAD_KIND
+ * otherwise (E_OUT_OF_RANGE for a short memfd). */
+gpuipc_status gpuipc__import_check_host_fd(int fd, size_t size);
+gpuipc_status gpuipc__import_check_driver_fd(int fd, const char *what);
 
 /* ---- the import cache (cache.c) ------------------------------------------------ */
 
@@ -235,8 +247,11 @@ CUdeviceptr gpuipc__mapping_base(const struct gpuipc__mapping *m);
 size_t gpuipc__mapping_size(const struct gpuipc__mapping *m);
 void *gpuipc__mapping_host(const struct gpuipc__mapping *m);
 
-/* Imported exporter pools, cached per (exporter, pool id) for the life of
- * the process (the driver cannot destroy an imported pool). Returns the
+/* Imported exporter pools, cached per (exporter, pool id) while their
+ * exporter lives; one whose exporter is gone is destroyed when its last
+ * reference goes (or, if that came first, at the next pool import), which
+ * the driver allows once no pointer imported from it is live. Raw imports
+ * (flags with GPUIPC__IMPORT_RAW) are kept for the life of the process. Returns the
  * pool with access granted to map_ordinal (cuMemPoolSetAccess once per
  * (pool, device)). fd may be -1 when the pool is cached already, or when
  * flags has GPUIPC_IMPORT_PIDFD_GETFD. Holds one reference until
@@ -272,6 +287,10 @@ typedef enum gpuipc__live_state {
   GPUIPC__LIVE_YES = 1,
   GPUIPC__LIVE_FREED = 2
 } gpuipc__live_state;
+
+/* True when the process an identity names is certainly gone (its pid is
+ * free, or names a process with another start time). */
+bool gpuipc__exporter_gone(const gpuipc__identity *exporter);
 
 /* What the exporter's table says of generation g (maps the exporter's table
  * read-only on first use; logs at info once when it cannot). */

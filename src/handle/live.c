@@ -76,6 +76,10 @@ static bool process_gone(int pid, uint64_t start_time) {
   return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
 }
 
+bool gpuipc__exporter_gone(const gpuipc__identity *ex) {
+  return process_gone(ex->pid, ex->start_time);
+}
+
 /* Removes tables of this uid and pid namespace whose process is gone (pid
  * free, or reused by a process with another start time). */
 static void live_sweep(uint64_t pidns) {

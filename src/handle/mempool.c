@@ -269,10 +269,17 @@ static gpuipc_status mempool_open(const gpuipc__desc *d, int map_ordinal,
                           gpuipc__pool_import_handle(pimp), &e);
   if (r != CUDA_SUCCESS) {
     gpuipc__pool_import_release(pimp);
-    return gpuipc__fail_cuda(r, "cuMemPoolImportPointer",
-                             "pool %llu of pid %d",
-                             (unsigned long long)d->pool_id,
-                             (int)d->exporter.pid);
+    gpuipc_status s = gpuipc__fail_cuda(
+        r, "cuMemPoolImportPointer", "pool %llu of pid %d%s",
+        (unsigned long long)d->pool_id, (int)d->exporter.pid,
+        r == CUDA_ERROR_INVALID_VALUE
+            ? ": the export data names no allocation of that pool (freed, "
+              "or forged)"
+            : "");
+    /* As for a legacy handle: the driver refuses export data of no live
+     * allocation of the pool, which is what a descriptor of freed memory
+     * (or a forged one) carries. */
+    return r == CUDA_ERROR_INVALID_VALUE ? GPUIPC_E_STALE : s;
   }
   /* The driver hands back an existing import of the same pointer rather
    * than a new one (when the exporter reused the address of a buffer still

@@ -9,7 +9,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 /* Nothing to create up front: each buffer is its own memfd. The primary
@@ -107,20 +106,12 @@ static gpuipc_status pinned_open(const gpuipc__desc *d, int map_ordinal,
   (void)map_ordinal;
   int fd = -1, fetched = -1;
   GPUIPC__CHECK(gpuipc__import_fd(d, fds, nfds, flags, &fd, &fetched));
-  gpuipc_status s = GPUIPC_OK;
-  struct stat st;
   size_t n = (size_t)d->alloc_size;
-  if (fstat(fd, &st) != 0) {
-    s = gpuipc__fail_errno(errno, "fstat", "pinned host buffer fd %d", fd);
+  /* Checked before it is mapped: a hostile exporter could otherwise send
+   * an fd it can shrink (SIGBUS here), or an fd of other memory. */
+  gpuipc_status s = gpuipc__import_check_host_fd(fd, n);
+  if (s != GPUIPC_OK)
     goto out;
-  }
-  if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size < d->alloc_size) {
-    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                     "pinned host descriptor claims %zu bytes; its fd holds "
-                     "%lld: forged or corrupted",
-                     n, (long long)st.st_size);
-    goto out;
-  }
   void *host = NULL;
   CUdeviceptr dp = 0;
   GPUIPC__CHECK_GOTO(map_pinned(fd, n, &host, &dp), s, out);

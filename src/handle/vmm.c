@@ -187,12 +187,15 @@ static gpuipc_status vmm_open(const gpuipc__desc *d, int map_ordinal,
                               gpuipc__opened *o) {
   int fd = -1, fetched = -1;
   GPUIPC__CHECK(gpuipc__import_fd(d, fds, nfds, flags, &fd, &fetched));
-  gpuipc_status s = GPUIPC_OK;
   CUmemGenericAllocationHandle h = 0;
   CUdeviceptr va = 0;
   size_t n = (size_t)d->alloc_size;
   bool mapped = false;
-  CUresult r = GPUIPC__CU(cuMemImportFromShareableHandle, &h,
+  CUresult r = CUDA_SUCCESS;
+  gpuipc_status s = gpuipc__import_check_driver_fd(fd, "VMM");
+  if (s != GPUIPC_OK)
+    goto fail;
+  r = GPUIPC__CU(cuMemImportFromShareableHandle, &h,
                           (void *)(uintptr_t)fd,
                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if (r != CUDA_SUCCESS) {
@@ -220,6 +223,24 @@ static gpuipc_status vmm_open(const gpuipc__desc *d, int map_ordinal,
                      "VMM descriptor: allocation size %zu is not a multiple "
                      "of the granularity %zu",
                      n, gran);
+    goto fail;
+  }
+  /* A physical allocation is never larger than its device's memory: a
+   * claim beyond it is forged, whatever the driver would say of reserving
+   * that much address space (out of memory) or of mapping it. */
+  size_t total = 0;
+  r = GPUIPC__CU(cuDeviceTotalMem, &total, (CUdevice)prop.location.id);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuDeviceTotalMem", "device %d",
+                          prop.location.id);
+    goto fail;
+  }
+  if (n > total) {
+    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                     "VMM descriptor of pid %d claims an allocation of %zu "
+                     "bytes, more than its device holds (%zu): forged or "
+                     "corrupted",
+                     (int)d->exporter.pid, n, total);
     goto fail;
   }
   r = GPUIPC__CU(cuMemAddressReserve, &va, n, gran, 0, 0);

@@ -1,0 +1,296 @@
+/*
+ * test-handle-hostile.c: imports from a hostile exporter. Every fd that
+ * travels with a descriptor is checked to be what the descriptor says
+ * before anything is mapped: a pinned host buffer's fd must be a memfd
+ * sealed against shrinking (else its owner truncates it under the mapping
+ * and the importer's next access raises SIGBUS), never a regular file or
+ * a driver's fd; a driver's fd (VMM, memory pool) is never a file of a
+ * file system or a sealed host memfd.
+ */
+#include "test-handle.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* A peer's buffer of kind (one fd), its descriptor decoded into *dd. */
+static uint64_t export_one(int sock, gpuipc_pool_kind kind, size_t size,
+                           uint8_t *d, size_t *len, int *fd,
+                           gpuipc__desc *dd) {
+  int nfds = 1;
+  *fd = -1;
+  uint64_t slot = th_peer_export(sock, kind, size, 5, d, len, fd, &nfds);
+  ASSERT_EQ(nfds, 1);
+  ASSERT_OK(gpuipc__desc_decode(d, *len, dd));
+  return slot;
+}
+
+/* An unsealed memfd of n bytes. */
+static int unsealed_memfd(size_t n) {
+  int fd = memfd_create("hostile", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, (off_t)n), 0);
+  return fd;
+}
+
+/* A regular file of n bytes in the temporary directory (unlinked). */
+static int regular_file(size_t n) {
+  char path[] = "/tmp/gpuipc-hostile-XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  unlink(path);
+  ASSERT_EQ(ftruncate(fd, (off_t)n), 0);
+  return fd;
+}
+
+/* The hostile exporter's trick: an unsealed memfd as a pinned host
+ * buffer's fd, truncated once the importer mapped it. The import must be
+ * refused before anything is mapped. */
+TEST_IMPL(handle_hostile_pinned_unsealed_memfd) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len;
+  int fd;
+  gpuipc__desc dd;
+  uint64_t slot =
+      export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d, &len, &fd, &dd);
+  int evil = unsealed_memfd((size_t)dd.alloc_size);
+  gpuipc_buffer *b = NULL;
+  gpuipc_status s = gpuipc_buffer_import(d, len, &evil, 1, NULL, &b);
+  if (s == GPUIPC_OK) {
+    /* What the hostile exporter does next: the importer's next read of
+     * the mapping would raise SIGBUS. */
+    ASSERT_EQ(ftruncate(evil, 0), 0);
+    harness_fail(__FILE__, __LINE__,
+                 "an unsealed memfd was imported as pinned host memory: its "
+                 "owner can truncate it under the mapping");
+  }
+  ASSERT_EQ(s, GPUIPC_E_BAD_KIND);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "F_SEAL_SHRINK");
+  close(evil);
+  /* The genuine fd (sealed by the exporter) imports. */
+  ASSERT_OK(gpuipc_buffer_import(d, len, &fd, 1, NULL, &b));
+  ASSERT(th_check(b, 0, 65536, 5));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  close(fd);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* A regular file, and a driver's fd (the peer's VMM allocation, and its
+ * memory pool), given as a pinned host buffer's fd. */
+TEST_IMPL(handle_hostile_pinned_wrong_fds) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], dv[GPUIPC_DESC_MAX], dp[GPUIPC_DESC_MAX];
+  size_t len, lv;
+  int fd, vfd;
+  gpuipc__desc dd, dvd;
+  uint64_t slot =
+      export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d, &len, &fd, &dd);
+  uint64_t vslot = export_one(sock, GPUIPC_POOL_VMM, 65536, dv, &lv, &vfd, &dvd);
+  harness_send_u64(sock, TH_OP_POOL_EXPORT);
+  harness_send_u64(sock, GPUIPC_POOL_MEMPOOL);
+  int pfd[1] = {-1}, npfd = 1;
+  ASSERT_GT(harness_recv(sock, dp, sizeof dp, pfd, &npfd), 0);
+  ASSERT_EQ(npfd, 1);
+
+  int file = regular_file((size_t)dd.alloc_size);
+  gpuipc_buffer *b = NULL;
+  ASSERT_STATUS(gpuipc_buffer_import(d, len, &file, 1, NULL, &b),
+                GPUIPC_E_BAD_KIND);
+  ASSERT_STATUS(gpuipc_buffer_import(d, len, &vfd, 1, NULL, &b),
+                GPUIPC_E_BAD_KIND);
+  ASSERT_STATUS(gpuipc_buffer_import(d, len, &pfd[0], 1, NULL, &b),
+                GPUIPC_E_BAD_KIND);
+  ASSERT_NULL(b);
+  close(file);
+  close(pfd[0]);
+  close(vfd);
+  close(fd);
+  th_peer_free(sock, vslot);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* A pinned host buffer's sealed memfd, and a regular file, given as a VMM
+ * allocation's fd and as a memory pool's fd: refused as the wrong kind of
+ * fd before the driver is asked to import them. */
+TEST_IMPL(handle_hostile_driver_wrong_fds) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], dv[GPUIPC_DESC_MAX], dp[GPUIPC_DESC_MAX];
+  size_t len, lv;
+  int fd, vfd;
+  gpuipc__desc dd, dvd;
+  uint64_t slot =
+      export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d, &len, &fd, &dd);
+  uint64_t vslot = export_one(sock, GPUIPC_POOL_VMM, 65536, dv, &lv, &vfd, &dvd);
+  harness_send_u64(sock, TH_OP_POOL_EXPORT);
+  harness_send_u64(sock, GPUIPC_POOL_MEMPOOL);
+  int pfd[1] = {-1}, npfd = 1;
+  ssize_t lp = harness_recv(sock, dp, sizeof dp, pfd, &npfd);
+  ASSERT_GT(lp, 0);
+  ASSERT_EQ(npfd, 1);
+
+  int file = regular_file((size_t)dvd.alloc_size);
+  gpuipc_buffer *b = NULL;
+  ASSERT_STATUS(gpuipc_buffer_import(dv, lv, &fd, 1, NULL, &b),
+                GPUIPC_E_BAD_KIND);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "sealed");
+  ASSERT_STATUS(gpuipc_buffer_import(dv, lv, &file, 1, NULL, &b),
+                GPUIPC_E_BAD_KIND);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "file system");
+  gpuipc_pool *p = NULL;
+  ASSERT_STATUS(gpuipc_pool_import(dp, (size_t)lp, fd, NULL, &p),
+                GPUIPC_E_BAD_KIND);
+  ASSERT_STATUS(gpuipc_pool_import(dp, (size_t)lp, file, NULL, &p),
+                GPUIPC_E_BAD_KIND);
+  ASSERT_NULL(p);
+  /* The genuine fds import. */
+  ASSERT_OK(gpuipc_buffer_import(dv, lv, &vfd, 1, NULL, &b));
+  ASSERT(th_check(b, 0, 65536, 5));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  ASSERT_OK(gpuipc_pool_import(dp, (size_t)lp, pfd[0], NULL, &p));
+  ASSERT_OK(gpuipc_pool_destroy(p));
+  close(file);
+  close(pfd[0]);
+  close(vfd);
+  close(fd);
+  th_peer_free(sock, vslot);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* A descriptor re-encoded with one field changed (a forger's, who can
+ * compute the checksum as well as anyone). */
+static size_t forge(const gpuipc__desc *dd, uint8_t *out) {
+  size_t len = 0;
+  ASSERT_OK(gpuipc__desc_encode(dd, out, GPUIPC_DESC_MAX, &len));
+  return len;
+}
+
+/* A VMM descriptor claiming a far larger allocation than its fd holds:
+ * GPUIPC_E_OUT_OF_RANGE, as handle.h documents, whatever the driver says
+ * of reserving or mapping that much. */
+TEST_IMPL(handle_hostile_vmm_forged_size) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], f[GPUIPC_DESC_MAX];
+  size_t len;
+  int fd;
+  gpuipc__desc dd;
+  uint64_t slot = export_one(sock, GPUIPC_POOL_VMM, 65536, d, &len, &fd, &dd);
+  uint64_t sizes[] = {dd.alloc_size * 2, 1ull << 40, 1ull << 50,
+                      (1ull << 62) - dd.alloc_size};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(sizes); i++) {
+    gpuipc__desc x = dd;
+    x.alloc_size = sizes[i] / dd.alloc_size * dd.alloc_size;
+    size_t fl = forge(&x, f);
+    gpuipc_buffer *b = NULL;
+    gpuipc_status s = gpuipc_buffer_import(f, fl, &fd, 1, NULL, &b);
+    if (s != GPUIPC_E_OUT_OF_RANGE)
+      fprintf(stderr, "claimed %llu bytes: %s: %s\n",
+              (unsigned long long)x.alloc_size, gpuipc_status_name(s),
+              gpuipc_last_error());
+    ASSERT_EQ(s, GPUIPC_E_OUT_OF_RANGE);
+    ASSERT_NULL(b);
+  }
+  close(fd);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* A mempool buffer descriptor whose export data was forged: a descriptor
+ * error (GPUIPC_E_STALE: the driver cannot tell forged bytes from those of
+ * a freed allocation), never GPUIPC_E_DRIVER. */
+TEST_IMPL(handle_hostile_mempool_forged_export) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], f[GPUIPC_DESC_MAX];
+  size_t len;
+  int fd;
+  gpuipc__desc dd;
+  uint64_t slot =
+      export_one(sock, GPUIPC_POOL_MEMPOOL, 65536, d, &len, &fd, &dd);
+  for (int i = 0; i < 48; i += 7) {
+    gpuipc__desc x = dd;
+    x.handle[i] ^= 0x5a;
+    size_t fl = forge(&x, f);
+    gpuipc_buffer *b = NULL;
+    gpuipc_status s = gpuipc_buffer_import(f, fl, &fd, 1, NULL, &b);
+    if (s == GPUIPC_OK) {
+      /* Some bytes the driver does not read; the import is then genuine. */
+      ASSERT_OK(gpuipc_buffer_close(b));
+      continue;
+    }
+    if (s != GPUIPC_E_STALE)
+      fprintf(stderr, "export data byte %d forged: %s: %s\n", i,
+              gpuipc_status_name(s), gpuipc_last_error());
+    ASSERT_EQ(s, GPUIPC_E_STALE);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "cuMemPoolImportPointer");
+  }
+  /* The genuine one still imports (the pool import was not spoiled). */
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_import(d, len, &fd, 1, NULL, &b));
+  ASSERT(th_check(b, 0, 65536, 5));
+  ASSERT_OK(gpuipc_buffer_close(b));
+  close(fd);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* Exporters killed one after another, each after this process imported a
+ * buffer of its memory pool: no imported pool of a dead exporter stays
+ * once its buffers are closed (closed before the kill: released at the
+ * next pool import or count; closed after it: released by that close). */
+TEST_IMPL(handle_hostile_dead_exporter_pools_released) {
+  ASSERT_OK(gpuipc_init());
+  size_t before = gpuipc__cache_pools_held();
+  for (int round = 0; round < 8; round++) {
+    int sock;
+    pid_t pid = th_peer_start(NULL, &sock);
+    uint8_t d[GPUIPC_DESC_MAX];
+    size_t len;
+    int fd;
+    gpuipc__desc dd;
+    (void)export_one(sock, GPUIPC_POOL_MEMPOOL, 65536, d, &len, &fd, &dd);
+    gpuipc_buffer *b = NULL;
+    ASSERT_OK(gpuipc_buffer_import(d, len, &fd, 1, NULL, &b));
+    ASSERT(th_check(b, 0, 65536, 5));
+    close(fd);
+    ASSERT_EQ(gpuipc__cache_pools_held(), before + 1);
+    bool close_first = round % 2 == 0;
+    if (close_first)
+      ASSERT_OK(gpuipc_buffer_close(b));
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+    int st = 0;
+    ASSERT_EQ(waitpid(pid, &st, 0), pid);
+    close(sock);
+    if (!close_first) {
+      /* Still held by the open buffer: it stays until that closes. */
+      ASSERT_EQ(gpuipc__cache_pools_held(), before + 1);
+      ASSERT_OK(gpuipc_buffer_close(b));
+    }
+    size_t now = gpuipc__cache_pools_held();
+    if (now != before)
+      fprintf(stderr, "round %d (%s): %zu imported pools held, %zu before\n",
+              round, close_first ? "closed, then killed" : "killed, then closed",
+              now, before);
+    ASSERT_EQ(now, before);
+  }
+  return 0;
+}
