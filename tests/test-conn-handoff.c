@@ -279,6 +279,38 @@ TEST_IMPL(handoff_api_checks) {
   return 0;
 }
 
+/* gpuipc_arena_options names its device by UUID: NULL is local device 0,
+ * a UUID of no visible device is refused. */
+TEST_IMPL(handoff_arena_device_by_uuid) {
+  REQUIRE_DEVICES(1);
+  gpuipc_uuid u0;
+  ASSERT_OK(gpuipc_device_uuid(0, &u0));
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ASSERT_NULL(ao.device);
+  ao.chunk_bytes = (size_t)1 << 20;
+  ao.device = &u0;
+  gpuipc_arena *a = NULL;
+  ASSERT_OK(gpuipc_arena_create(&ao, &a));
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
+  CUdevice dev = -1;
+  ASSERT_CU(gpuipc__cu.cuPointerGetAttribute(
+      &dev, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+      (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b)));
+  ASSERT_EQ(dev, 0);
+  ASSERT_OK(gpuipc_block_free(b, NULL));
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_uuid bad = u0;
+  bad.bytes[0] ^= 0xff;
+  bad.bytes[15] ^= 0xff;
+  ao.device = &bad;
+  a = NULL;
+  gpuipc_status s = gpuipc_arena_create(&ao, &a);
+  ASSERT(s != GPUIPC_OK);
+  ASSERT_NULL(a);
+  return 0;
+}
+
 /* Waits for a helper's "up" (its CUDA is started), however long CUDA
  * takes to start on a loaded machine, then restores the timeout. */
 static void wait_up(gpuipc_conn *c, int timeout_ms) {

@@ -428,8 +428,10 @@ GPUIPC_API gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf,
 
 typedef struct gpuipc_arena_options {
   size_t size;
-  /* The device, by local ordinal. Default 0. */
-  int device;
+  /* The device, by UUID (gpuipc_device_uuid gives a local device's);
+   * NULL: local device 0. Default NULL. Only read during
+   * gpuipc_arena_create. */
+  const gpuipc_uuid *device;
   /* Bytes of the first chunk; the arena grows by chunks of this size (or
    * the size of a larger request) up to max_bytes. Default 64 MiB. */
   size_t chunk_bytes;
@@ -439,7 +441,7 @@ typedef struct gpuipc_arena_options {
 } gpuipc_arena_options;
 
 #define GPUIPC_ARENA_OPTIONS_INIT                                              \
-  {sizeof(gpuipc_arena_options), 0, (size_t)64 << 20, 0}
+  {sizeof(gpuipc_arena_options), NULL, (size_t)64 << 20, 0}
 
 /* Creates an arena and allocates its first chunk of IPC-capable device
  * memory (a stream-ordered memory pool with POSIX file-descriptor export).

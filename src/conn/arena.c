@@ -1,7 +1,12 @@
 /*
- * arena.c: owns arenas: IPC-capable device memory (chunks of a MEMPOOL pool
- * from the handle layer) carved into blocks with a first-fit allocator, and
- * the stream-ordered reuse of memory that consumers held.
+ * arena.c: owns arenas: IPC-capable device memory in chunks (each one
+ * allocation of a handle-layer pool: a memory pool with file-descriptor
+ * export for the arenas of gpuipc_arena_create, VMM or legacy memory for
+ * the process's flag-word arenas) carved into blocks with a first-fit
+ * allocator, and the stream-ordered reuse of memory that consumers held.
+ * The arena's lock is taken only here. The public gpuipc_arena_alloc,
+ * _get_stats and _destroy enter through lease.c (which first reclaims what
+ * orphaned leases of departed peers held) and come here.
  *
  * Reuse. A block a consumer held may be handed out again only after the
  * consumer's GPU work on it is done. The consumer says so on the GPU: its
@@ -15,7 +20,9 @@
  * host. Markers of one arena complete in order (one stream), so of two
  * tags the newer covers the older, which keeps merging free ranges simple.
  */
-#include "conn_int.h"
+#include "arena_int.h"
+
+#include <stdatomic.h>
 
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +34,9 @@ static atomic_uint_fast64_t arena_ids;
 static atomic_size_t chunks_live;
 
 size_t gpuipc__arena_chunks_live(void) { return atomic_load(&chunks_live); }
+
+static gpuipc_status arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
+                                int n);
 
 /* ---- markers ------------------------------------------------------------------ */
 
@@ -194,7 +204,8 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   *out = NULL;
   gpuipc_arena_options o = GPUIPC_ARENA_OPTIONS_INIT;
   GPUIPC__CHECK(gpuipc__options_copy(
-      &o, sizeof o, opts, offsetof(gpuipc_arena_options, device) + sizeof(int),
+      &o, sizeof o, opts,
+      offsetof(gpuipc_arena_options, device) + sizeof(o.device),
       "gpuipc_arena_options", "GPUIPC_ARENA_OPTIONS_INIT"));
   if (o.chunk_bytes == 0)
     o.chunk_bytes = (size_t)64 << 20;
@@ -217,7 +228,7 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   bool entered = false;
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
   po.kind = kind;
-  po.device = o.device;
+  po.device_uuid = o.device; /* NULL: local device 0 */
   GPUIPC__CHECK_GOTO(gpuipc_pool_create(&po, &a->pool), s, fail);
   a->ordinal = gpuipc__pool_ordinal(a->pool);
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
@@ -244,10 +255,9 @@ fail:
   return s;
 }
 
-gpuipc_status gpuipc_arena_destroy(gpuipc_arena *a) {
+gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a) {
   if (a == NULL)
     return GPUIPC_OK;
-  gpuipc__orphans_poll();
   pthread_mutex_lock(&a->lock);
   if (a->blocks_allocated || a->users) {
     size_t n = a->blocks_allocated;
@@ -310,7 +320,6 @@ gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
     free(b);
     return s;
   }
-  gpuipc__orphans_poll();
   pthread_mutex_lock(&a->lock);
   gpuipc__range **pick = NULL;
   for (int pass = 0; pass < 2 && pick == NULL; pass++) {
@@ -386,9 +395,9 @@ out:
   return s;
 }
 
-gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
-                                 struct CUstream_st *stream,
-                                 gpuipc_block **out) {
+gpuipc_status gpuipc__arena_alloc_block(gpuipc_arena *arena, size_t bytes,
+                                        struct CUstream_st *stream,
+                                        gpuipc_block **out) {
   if (arena == NULL || out == NULL || bytes == 0)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_arena_alloc: NULL arena/out or 0 bytes");
@@ -429,7 +438,8 @@ static void block_release_memory(gpuipc_block *b) {
   free(b);
 }
 
-void gpuipc__block_unhold(gpuipc_block *b) {
+/* One holder of a block gave it back (released or died). Lock held. */
+static void block_unhold(gpuipc_block *b) {
   gpuipc_arena *a = b->arena;
   if (b->holders > 0) {
     b->holders--;
@@ -469,7 +479,7 @@ gpuipc_status gpuipc_block_free(gpuipc_block *b, struct CUstream_st *stream) {
     goto out;
   }
   gpuipc_block *one = b;
-  s = gpuipc__arena_mark(a, &one, 1);
+  s = arena_mark(a, &one, 1);
   if (s != GPUIPC_OK)
     goto out;
   b->freed = true;
@@ -500,10 +510,13 @@ gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out) {
   gpuipc_status s = GPUIPC_OK;
   pthread_mutex_lock(&ctl_lock);
   if (ctl_arenas[ordinal] == NULL) {
+    gpuipc_uuid u;
     gpuipc_arena_options o = GPUIPC_ARENA_OPTIONS_INIT;
-    o.device = ordinal;
+    s = gpuipc_device_uuid(ordinal, &u);
+    o.device = &u;
     o.chunk_bytes = (size_t)2 << 20; /* 512 connections of 256 slots */
-    s = arena_create(&o, GPUIPC_POOL_VMM, &ctl_arenas[ordinal]);
+    if (s == GPUIPC_OK)
+      s = arena_create(&o, GPUIPC_POOL_VMM, &ctl_arenas[ordinal]);
     if (s == GPUIPC_E_NOT_SUPPORTED) {
       GPUIPC__INFO("arena", "device %d: no VMM for connection flag words "
                             "(%s); using cuMemAlloc memory with legacy IPC",
@@ -525,7 +538,7 @@ gpuipc_status gpuipc_block_wait(gpuipc_block *b, struct CUstream_st *stream) {
   pthread_mutex_lock(&a->lock);
   gpuipc_status s = GPUIPC_OK;
   if (b->unmarked)
-    s = gpuipc__arena_mark(a, &b, 1);
+    s = arena_mark(a, &b, 1);
   if (s == GPUIPC_OK && b->tag && !mark_done(b->tag)) {
     CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
                             (CUevent)b->tag->ev, 0);
@@ -538,8 +551,10 @@ gpuipc_status gpuipc_block_wait(gpuipc_block *b, struct CUstream_st *stream) {
   return s;
 }
 
-gpuipc_status gpuipc__arena_wait_word(gpuipc_arena *a, uint64_t word,
-                                      uint64_t value) {
+/* Enqueues, on the reclaim stream, a wait until the 64-bit word at `word`
+ * (a device address) reaches value (wrap-around GEQ). Lock held. */
+static gpuipc_status wait_word(gpuipc_arena *a, uint64_t word,
+                               uint64_t value) {
   CUresult r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)a->reclaim,
                           (CUdeviceptr)word, (cuuint64_t)value,
                           CU_STREAM_WAIT_VALUE_GEQ);
@@ -550,8 +565,10 @@ gpuipc_status gpuipc__arena_wait_word(gpuipc_arena *a, uint64_t word,
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc__arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
-                                 int n) {
+/* Records a new marker on the reclaim stream, after every wait enqueued so
+ * far; tags each block with it. Lock held. */
+static gpuipc_status arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
+                                int n) {
   gpuipc__mark *m = NULL;
   GPUIPC__CHECK(mark_new(a, &m));
   CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)m->ev, (CUstream)a->reclaim);
@@ -569,6 +586,115 @@ gpuipc_status gpuipc__arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
   return GPUIPC_OK;
 }
 
+gpuipc_status gpuipc__arena_release(gpuipc_arena *a, const gpuipc__release *rel,
+                                    int n, bool dead) {
+  gpuipc_status s = GPUIPC_OK;
+  pthread_mutex_lock(&a->lock);
+  bool any_ordered = false;
+  for (int i = 0; i < n && !dead; i++) {
+    gpuipc_status ws = GPUIPC_OK;
+    if (rel[i].word) {
+      ws = wait_word(a, rel[i].word, rel[i].value);
+      any_ordered = true;
+    } else if (rel[i].event) {
+      CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->reclaim,
+                              (CUevent)rel[i].event, 0);
+      if (r != CUDA_SUCCESS)
+        ws = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
+      any_ordered = true;
+    }
+    if (ws != GPUIPC_OK && s == GPUIPC_OK)
+      s = ws;
+  }
+  if (dead) {
+    /* The holder is gone: no new wait, but the block's reuse must still
+     * come after any reclaim wait already queued for it, which the newest
+     * marker covers. */
+    for (int i = 0; i < n; i++) {
+      gpuipc_block *b = rel[i].block;
+      if (rel[i].ordered) {
+        gpuipc_status ms = arena_mark(a, &b, 1);
+        if (ms != GPUIPC_OK && s == GPUIPC_OK)
+          s = ms;
+      }
+    }
+  } else if (any_ordered) {
+    /* A marker (an event record) is needed only where memory goes back to
+     * the free list now: blocks freed by their owner whose last holder this
+     * was. Others are marked lazily, when freed or waited for
+     * (gpuipc_block_wait): the reclaim stream runs in order, so a later
+     * marker covers every wait queued before it. */
+    gpuipc_block *now[64];
+    int nn = 0;
+    for (int i = 0; i < n; i++) {
+      gpuipc_block *b = rel[i].block;
+      if (!rel[i].ordered)
+        continue;
+      if (b->freed && b->holders == 1 && nn < (int)GPUIPC__ARRAY_SIZE(now))
+        now[nn++] = b;
+      else
+        b->unmarked = true;
+    }
+    if (nn) {
+      gpuipc_status ms = arena_mark(a, now, nn);
+      if (ms != GPUIPC_OK && s == GPUIPC_OK)
+        s = ms;
+    }
+  }
+  for (int i = 0; i < n; i++)
+    block_unhold(rel[i].block);
+  pthread_mutex_unlock(&a->lock);
+  return s;
+}
+
+void gpuipc__arena_user_add(gpuipc_arena *a) {
+  pthread_mutex_lock(&a->lock);
+  a->users++;
+  pthread_mutex_unlock(&a->lock);
+}
+
+void gpuipc__arena_user_remove(gpuipc_arena *a) {
+  pthread_mutex_lock(&a->lock);
+  a->users--;
+  pthread_mutex_unlock(&a->lock);
+}
+
+void gpuipc__arena_chunk(gpuipc_arena *a, uint32_t ci, gpuipc_buffer **buf,
+                         size_t *size) {
+  pthread_mutex_lock(&a->lock);
+  *buf = ci < a->nchunks ? a->chunks[ci].buf : NULL;
+  *size = ci < a->nchunks ? a->chunks[ci].size : 0;
+  pthread_mutex_unlock(&a->lock);
+}
+
+bool gpuipc__block_sendable(gpuipc_block *b) {
+  pthread_mutex_lock(&b->arena->lock);
+  bool ok = !b->freed && !b->internal;
+  pthread_mutex_unlock(&b->arena->lock);
+  return ok;
+}
+
+void gpuipc__block_hold(gpuipc_block *b) {
+  gpuipc_arena *a = b->arena;
+  pthread_mutex_lock(&a->lock);
+  b->holders++;
+  a->leases++;
+  pthread_mutex_unlock(&a->lock);
+}
+
+gpuipc_status gpuipc__arena_read_words(gpuipc_arena *a, uint64_t words,
+                                       uint32_t n, uint64_t *out) {
+  CUresult r = GPUIPC__CU(cuMemcpyDtoHAsync, out, (CUdeviceptr)words,
+                          sizeof *out * n, (CUstream)a->side);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuMemcpyDtoHAsync", "reading flag words");
+  return GPUIPC_OK;
+}
+
+/* No lock: the side stream is the arena's for its life, and enqueueing on
+ * a stream is thread-safe. */
 gpuipc_status gpuipc__arena_force_words(gpuipc_arena *a, const uint64_t *words,
                                         int n, uint64_t value) {
   for (int i = 0; i < n; i++) {
@@ -584,7 +710,7 @@ gpuipc_status gpuipc__arena_force_words(gpuipc_arena *a, const uint64_t *words,
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *a, gpuipc_arena_stats *st) {
+gpuipc_status gpuipc__arena_get_stats(gpuipc_arena *a, gpuipc_arena_stats *st) {
   if (a == NULL || st == NULL ||
       st->size < offsetof(gpuipc_arena_stats, leases) + sizeof(size_t))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -592,7 +718,6 @@ gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *a, gpuipc_arena_stats *st) {
                         "GPUIPC_ARENA_STATS_INIT)");
   gpuipc__ctx_guard g;
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, a->ordinal));
-  gpuipc__orphans_poll();
   pthread_mutex_lock(&a->lock);
   gpuipc_arena_stats s = {sizeof s,
                           a->nchunks,

@@ -389,8 +389,8 @@ static void peer_gone(gpuipc_conn *c) {
   c->state = GPUIPC__CONN_PEER_GONE;
   GPUIPC__DEBUG("conn", "peer pid %d gone", c->peer_pid);
   disconnect(c);
-  if (c->ho)
-    gpuipc__ho_peer_gone(c);
+  if (c->hooks)
+    c->hooks->peer_gone(c);
 }
 
 /* Ends the connection on our side for a reason that is not the peer
@@ -407,8 +407,8 @@ static gpuipc_status conn_vfail(gpuipc_conn *c, gpuipc_status status,
     c->broken_status = status;
     c->state = GPUIPC__CONN_BROKEN;
     disconnect(c);
-    if (c->ho)
-      gpuipc__ho_peer_gone(c);
+    if (c->hooks)
+      c->hooks->peer_gone(c);
   }
   return gpuipc__fail(status, "peer pid %d disconnected: %s", c->peer_pid,
                       why);
@@ -669,7 +669,7 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
       }
       queue_msg(c, m, p, h.len, fds, nfds);
     } else {
-      s = gpuipc__ho_frame(c, h.type, p, h.len, fds, nfds);
+      s = gpuipc__conn_fast(c)->frame(c, h.type, p, h.len, fds, nfds);
       if (s != GPUIPC_OK && c->state == GPUIPC__CONN_OPEN) {
         char why[sizeof c->broken_why];
         snprintf(why, sizeof why, "%s", gpuipc_last_error());
@@ -801,8 +801,8 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
         return s;
     }
     gpuipc_status s = pump_once(c);
-    if (c->ho)
-      gpuipc__ho_poll(c);
+    if (c->hooks)
+      c->hooks->poll(c);
     if (wait_for && wait_for(c, arg))
       return GPUIPC_OK;
     if (s != GPUIPC_OK)
@@ -841,8 +841,8 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
     if (wait_for == NULL) {
       /* Progress with a timeout: one pass over what arrived is enough. */
       s = pump_once(c);
-      if (c->ho)
-        gpuipc__ho_poll(c);
+      if (c->hooks)
+        c->hooks->poll(c);
       return s;
     }
   }
@@ -1635,8 +1635,8 @@ gpuipc_status gpuipc_conn_from_fd(int fd, const gpuipc_conn_options *opts,
 void gpuipc_conn_close(gpuipc_conn *conn) {
   if (conn == NULL)
     return;
-  if (conn->ho)
-    gpuipc__ho_close(conn);
+  if (conn->hooks)
+    conn->hooks->close(conn);
   if (conn->state == GPUIPC__CONN_OPEN && conn->tx_len > conn->tx_off) {
     /* Give queued frames (releases above all) a short chance to leave. */
     uint64_t deadline = gpuipc__now_ns() + 100ull * 1000000ull;
@@ -1683,8 +1683,8 @@ gpuipc_status gpuipc_conn_progress(gpuipc_conn *conn, int timeout_ms) {
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_progress: bad "
                                               "argument");
   if (conn->state != GPUIPC__CONN_OPEN) {
-    if (conn->ho)
-      gpuipc__ho_poll(conn);
+    if (conn->hooks)
+      conn->hooks->poll(conn);
     return gpuipc__conn_ended(conn);
   }
   return gpuipc__conn_pump(conn, deadline_ms(timeout_ms), NULL, NULL);

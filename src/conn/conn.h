@@ -1,7 +1,9 @@
 /*
  * conn.h: the connection layer, as the layers above (proc, mpi) and the
- * in-tree tools and tests see it. The connection frame format is documented
- * in docs/protocol.md; its header is below:
+ * in-tree tools and tests see it. The connection frame format (header,
+ * every frame type and payload, the handshake, the fast path and its
+ * ordering and lease rules) is documented in docs/protocol.md; the structs
+ * below are its layout. The header:
  *
  *   u32 magic    GPUIPC__FRAME_MAGIC
  *   u8  version  GPUIPC__FRAME_VERSION

@@ -23,7 +23,7 @@
  * its previous release. With one stream per side (the common case) this
  * costs nothing.
  */
-#include "conn_int.h"
+#include "handoff_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,9 +37,9 @@ static gpuipc_status ho_get(gpuipc_conn *c, struct gpuipc__ho **out) {
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "connection state");
     c->ho->peer_pid = c->peer_pid;
     c->ho->peer_start = c->peer_start_time;
-    c->ho->ordinal = -1;
     c->ho->peer_ordinal = -1;
   }
+  (void)gpuipc__conn_fast(c); /* the transport dispatches to us from now on */
   *out = c->ho;
   return GPUIPC_OK;
 }
@@ -115,7 +115,8 @@ static CUresult wait_done(struct gpuipc__ho *h, int i,
   return r;
 }
 
-void gpuipc__ho_free_lq(struct gpuipc__ho *h, int i, int ordinal) {
+/* Destroys h->lq[i] / h->lev[i] (context of device `ordinal`). */
+static void free_lq(struct gpuipc__ho *h, int i, int ordinal) {
   if (h->lq[i] == NULL)
     return;
   gpuipc__ctx_guard g;
@@ -153,10 +154,12 @@ static gpuipc_status export_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
     h->exp[e].arena_id = a->id;
     h->exp[e].mask = 0;
   }
-  pthread_mutex_lock(&a->lock);
-  gpuipc_buffer *buf = a->chunks[ci].buf;
-  size_t size = a->chunks[ci].size;
-  pthread_mutex_unlock(&a->lock);
+  gpuipc_buffer *buf = NULL;
+  size_t size = 0;
+  gpuipc__arena_chunk(a, ci, &buf, &size);
+  if (buf == NULL)
+    return gpuipc__fail(GPUIPC_E_INTERNAL, "arena %llu has no chunk %u",
+                        (unsigned long long)a->id, ci);
   uint8_t desc[GPUIPC_DESC_MAX];
   size_t dlen = 0;
   int fds[GPUIPC_DESC_MAX_FDS];
@@ -172,63 +175,34 @@ static gpuipc_status export_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
   return s;
 }
 
-/* Allocates our flag words in arena a and tells the peer where they are. */
+/* Makes our lease table (flag words on device `ordinal`) and tells the
+ * peer where its flag words are. */
 static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
                               int ordinal, uint64_t deadline) {
-  uint32_t n = c->max_outstanding;
-  gpuipc_status s;
-  gpuipc_arena *a = NULL;
-  GPUIPC__CHECK(gpuipc__ctl_arena(ordinal, &a));
-  h->tx = calloc(n, sizeof *h->tx);
-  h->tx_free = malloc(sizeof *h->tx_free * n);
-  if (h->tx == NULL || h->tx_free == NULL) {
-    s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "%u slots", n);
-    goto fail;
+  gpuipc__lease_table *lt = NULL;
+  GPUIPC__CHECK(gpuipc__lease_open(ordinal, c->max_outstanding, h->peer_pid,
+                                   h->peer_start, &lt));
+  gpuipc_arena *a = lt->ctl_arena;
+  gpuipc_status s = export_chunk(c, h, a, lt->ctl->chunk, deadline);
+  if (s == GPUIPC_OK) {
+    gpuipc__w_ctl w = {a->id, lt->ctl->off, lt->ctl->chunk, lt->nslots};
+    s = gpuipc__conn_send_frame(c, GPUIPC__F_CTL, &w, sizeof w, NULL, 0, NULL,
+                                0, deadline);
   }
-  for (uint32_t i = 0; i < n; i++)
-    h->tx_free[i] = n - 1 - i;
-  h->tx_nfree = n;
-  h->nslots = n;
-  GPUIPC__CHECK_GOTO(gpuipc__arena_take(a, 16u * n, a->side, true, &h->ctl), s,
-                     fail);
-  pthread_mutex_lock(&a->lock);
-  a->users++;
-  pthread_mutex_unlock(&a->lock);
-  h->ctl_arena = a;
-  h->ordinal = a->ordinal;
-  {
-    gpuipc__ctx_guard g;
-    GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
-    /* Fresh words start at 0 (the memory may have held anything). */
-    CUresult r = GPUIPC__CU(cuMemsetD32Async, (CUdeviceptr)h->ctl->ptr, 0,
-                            h->ctl->len / 4, (CUstream)a->side);
-    if (r == CUDA_SUCCESS)
-      r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
-    gpuipc__ctx_leave(&g);
-    if (r != CUDA_SUCCESS) {
-      s = gpuipc__fail_cuda(r, "cuMemsetD32Async", "connection flag words");
-      goto fail;
-    }
+  if (s != GPUIPC_OK) {
+    gpuipc__lease_close(lt);
+    return s;
   }
-  GPUIPC__CHECK_GOTO(export_chunk(c, h, a, h->ctl->chunk, deadline), s, fail);
-  gpuipc__w_ctl w = {a->id, h->ctl->off, h->ctl->chunk, n};
-  GPUIPC__CHECK_GOTO(gpuipc__conn_send_frame(c, GPUIPC__F_CTL, &w, sizeof w,
-                                             NULL, 0, NULL, 0, deadline),
-                     s, fail);
+  h->lt = lt;
   return GPUIPC_OK;
-fail:
-  gpuipc__ho_free_tx(h);
-  h->ctl_arena = NULL;
-  h->nslots = 0;
-  h->ordinal = -1;
-  return s;
 }
 
 /* ---- sender: send ------------------------------------------------------------------ */
 
 static bool have_free_slot(gpuipc_conn *c, void *arg) {
   (void)arg;
-  return c->ho->tx_nfree > 0;
+  uint32_t slot;
+  return gpuipc__lease_free_slot(c->ho->lt, &slot);
 }
 
 /* Event mode: makes an interprocess event on device `ordinal` and sends its
@@ -259,11 +233,14 @@ static gpuipc_status make_event(gpuipc_conn *conn, int ordinal, uint32_t slot,
 /* The stream-ordered ready write of buffer `seq` in `slot` (memop mode),
  * after the work queued on *stream; *stream becomes the stream that wrote
  * the word. */
-static gpuipc_status ready_write(struct gpuipc__ho *h, gpuipc__txs *t,
-                                 uint32_t slot, uint64_t seq,
-                                 struct CUstream_st **stream) {
+static gpuipc_status ready_write(struct gpuipc__ho *h, uint32_t slot,
+                                 uint64_t seq, struct CUstream_st **stream) {
+  gpuipc__lease_table *lt = h->lt;
+  uint64_t last_seq;
+  struct CUstream_st *last_stream;
+  gpuipc__lease_last_write(lt, slot, &last_seq, &last_stream);
   gpuipc__ctx_guard g;
-  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, lt->ordinal));
   CUstream ws = NULL;
   gpuipc_status ss = write_stream(h, 0, *stream, &ws);
   if (ss != GPUIPC_OK) {
@@ -271,14 +248,14 @@ static gpuipc_status ready_write(struct gpuipc__ho *h, gpuipc__txs *t,
     return ss;
   }
   CUresult r = CUDA_SUCCESS;
-  if (t->last_seq != 0 && t->last_stream != (struct CUstream_st *)ws)
+  if (last_seq != 0 && last_stream != (struct CUstream_st *)ws)
     r = GPUIPC__CU(cuStreamWaitValue64, ws,
-                   (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
+                   (CUdeviceptr)gpuipc__released_word(lt->ctl->ptr, lt->nslots,
                                                       slot),
-                   (cuuint64_t)t->last_seq, CU_STREAM_WAIT_VALUE_GEQ);
+                   (cuuint64_t)last_seq, CU_STREAM_WAIT_VALUE_GEQ);
   if (r == CUDA_SUCCESS)
     r = GPUIPC__CU(cuStreamWriteValue64, ws,
-                   (CUdeviceptr)gpuipc__ready_word(h->ctl->ptr, slot),
+                   (CUdeviceptr)gpuipc__ready_word(lt->ctl->ptr, slot),
                    (cuuint64_t)seq, 0);
   gpuipc__ctx_leave(&g);
   if (r != CUDA_SUCCESS)
@@ -298,24 +275,28 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
                                const uint8_t *desc, uint32_t desc_len,
                                const int *fds, int nfds, const void *meta,
                                size_t meta_len, uint64_t deadline,
-                               uint32_t *slot_out) {
-  if (h->tx_nfree == 0) {
+                               uint32_t *slot_out, uint64_t *seq_out) {
+  gpuipc__lease_table *lt = h->lt;
+  uint32_t slot;
+  if (!gpuipc__lease_free_slot(lt, &slot)) {
     /* Every slot is out: wait for a release. */
     GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slot, NULL));
+    if (conn->ho != h || !gpuipc__lease_free_slot(lt, &slot))
+      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slot after a release");
   }
-  uint32_t slot = h->tx_free[h->tx_nfree - 1];
-  gpuipc__txs *t = &h->tx[slot];
-  uint64_t seq = h->tx_seq + 1;
   bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
   bool by_event = conn->order == GPUIPC_ORDER_EVENT;
   if (by_event) {
-    if (t->ready_ev == NULL)
-      GPUIPC__CHECK(make_event(conn, h->ordinal, slot, 0, deadline,
-                               &t->ready_ev));
+    gpuipc_event *ev = gpuipc__lease_ready_event(lt, slot);
+    if (ev == NULL) {
+      GPUIPC__CHECK(make_event(conn, lt->ordinal, slot, 0, deadline, &ev));
+      gpuipc__lease_set_ready_event(lt, slot, ev);
+    }
     /* The consumer's wait (at recv) captures this record; the slot's event
      * is recorded again only after the consumer released this lease. */
-    GPUIPC__CHECK(gpuipc_event_record(t->ready_ev, stream));
+    GPUIPC__CHECK(gpuipc_event_record(ev, stream));
   }
+  uint64_t seq = gpuipc__lease_new_seq(lt);
   w->seq = seq;
   w->slot = slot;
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
@@ -337,22 +318,20 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
                                 sizeof *w + 8 + desc_len + meta_len, NULL, 0,
                                 fds, nfds, deadline);
   }
-  h->tx_seq = seq;
   if (s != GPUIPC_OK)
     return s; /* nothing was enqueued: the slot stays free */
-  h->tx_nfree--;
+  gpuipc__lease_take_slot(lt, slot);
   if (ordered) {
     /* The ready write is enqueued after the frame left: the consumer's
      * stream waits for it on the GPU anyway, and the consumer holds the
      * buffer sooner by the time of this enqueue (about a microsecond). It
      * still follows exactly the work queued on `stream` before this call. */
-    gpuipc_status ws_status = ready_write(h, t, slot, seq, &stream);
+    gpuipc_status ws_status = ready_write(h, slot, seq, &stream);
     if (ws_status != GPUIPC_OK) {
       /* The peer was told of a buffer whose ready word will never be
        * written: end the connection, so that it treats the buffer as from
        * a dead producer (its streams are unblocked, its next call says
-       * the peer is gone), and never reuse the slot. */
-      t->retired = true;
+       * the peer is gone), and never reuse the slot (it stays taken). */
       gpuipc_status cause = ws_status;
       char why[256];
       snprintf(why, sizeof why, "%s", gpuipc_last_error());
@@ -361,12 +340,10 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
                                (unsigned long long)seq);
       return gpuipc__fail(cause, "%s", why);
     }
-    t->last_seq = seq;
-    t->last_stream = stream;
+    gpuipc__lease_written(lt, slot, seq, stream);
   }
-  t->ordered = ordered;
-  t->by_event = by_event;
   *slot_out = slot;
+  *seq_out = seq;
   return GPUIPC_OK;
 }
 
@@ -379,7 +356,7 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
                         "gpuipc_conn_send: NULL connection/block or metadata "
                         "of %zu bytes (max %d)",
                         meta_len, GPUIPC_META_MAX);
-  if (block->freed || block->internal)
+  if (!gpuipc__block_sendable(block))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_conn_send: the block was freed");
   if (conn->state != GPUIPC__CONN_OPEN)
@@ -389,21 +366,24 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
   GPUIPC__CHECK(ho_get(conn, &h));
   uint64_t deadline = gpuipc__conn_deadline(conn);
   gpuipc_arena *a = block->arena;
-  if (h->ctl == NULL)
+  if (h->lt == NULL)
     GPUIPC__CHECK(setup_tx(conn, h, a->ordinal, deadline));
-  if (a->ordinal != h->ordinal)
+  if (a->ordinal != h->lt->ordinal)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_conn_send: the block is on device %d, this "
                         "connection's flag words on device %d (one device per "
                         "connection)",
-                        a->ordinal, h->ordinal);
+                        a->ordinal, h->lt->ordinal);
   GPUIPC__CHECK(export_chunk(conn, h, a, block->chunk, deadline));
   gpuipc__w_buf w = {0,          a->id, block->off, block->bytes, 0,
                      block->chunk, 0,     0};
   uint32_t slot;
+  uint64_t seq;
   GPUIPC__CHECK(send_core(conn, h, stream, &w, NULL, 0, NULL, 0, meta,
-                          meta_len, deadline, &slot));
-  gpuipc__lease_add(h, slot, block, w.seq, h->tx[slot].ordered);
+                          meta_len, deadline, &slot, &seq));
+  gpuipc__lease_add(h->lt, slot, block, NULL, seq,
+                    conn->order == GPUIPC_ORDER_MEMOP,
+                    conn->order == GPUIPC_ORDER_EVENT);
   return GPUIPC_OK;
 }
 
@@ -424,7 +404,7 @@ gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
   struct gpuipc__ho *h = NULL;
   GPUIPC__CHECK(ho_get(conn, &h));
   uint64_t deadline = gpuipc__conn_deadline(conn);
-  if (h->ctl == NULL)
+  if (h->lt == NULL)
     GPUIPC__CHECK(setup_tx(conn, h, bi.ordinal, deadline));
   /* The descriptor is made once per buffer by the handle layer (later
    * exports reuse the driver handle); the peer's import cache makes its
@@ -436,15 +416,16 @@ gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
   GPUIPC__CHECK(gpuipc_buffer_export(buf, desc, sizeof desc, &dlen, fds, &nfds));
   gpuipc__w_buf w = {0, 0, 0, bi.size, 0, UINT32_MAX, GPUIPC__BUF_DESC, 0};
   uint32_t slot;
+  uint64_t seq;
   gpuipc_status s = send_core(conn, h, stream, &w, desc, (uint32_t)dlen, fds,
-                              nfds, meta, meta_len, deadline, &slot);
+                              nfds, meta, meta_len, deadline, &slot, &seq);
   for (int i = 0; i < nfds; i++)
     close(fds[i]);
   if (s != GPUIPC_OK)
     return s;
-  h->tx[slot].buf = buf;
-  h->tx[slot].seq = w.seq;
-  h->tx_out++;
+  gpuipc__lease_add(h->lt, slot, NULL, buf, seq,
+                    conn->order == GPUIPC_ORDER_MEMOP,
+                    conn->order == GPUIPC_ORDER_EVENT);
   return GPUIPC_OK;
 }
 
@@ -454,64 +435,60 @@ gpuipc_status gpuipc_conn_buffer_wait(gpuipc_conn *conn,
   if (conn == NULL || buf == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_buffer_wait: NULL");
   struct gpuipc__ho *h = conn->ho;
-  if (h == NULL || h->ctl == NULL)
+  if (h == NULL || h->lt == NULL)
     return GPUIPC_OK;
+  gpuipc__lease_table *lt = h->lt;
   gpuipc__ctx_guard g;
-  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, lt->ordinal));
   gpuipc_status s = GPUIPC_OK;
-  size_t k = 0;
-  for (size_t i = 0; i < h->nrel; i++) {
-    if (h->rel[i].buf != buf) {
-      h->rel[k++] = h->rel[i];
-      continue;
-    }
-    if (s != GPUIPC_OK) {
-      if (h->rel[i].local)
-        GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[i].local);
-      continue;
-    }
-    if (h->rel[i].local) {
-      CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
-                              (CUevent)h->rel[i].local, 0);
-      GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[i].local);
+  gpuipc__relrec recs[32];
+  size_t n;
+  while ((n = gpuipc__lease_take_releases(lt, buf, recs,
+                                          GPUIPC__ARRAY_SIZE(recs))) > 0) {
+    for (size_t i = 0; i < n; i++) {
+      if (recs[i].local) {
+        if (s == GPUIPC_OK) {
+          CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
+                                  (CUevent)recs[i].local, 0);
+          if (r != CUDA_SUCCESS)
+            s = gpuipc__fail_cuda(r, "cuStreamWaitEvent",
+                                  "ordering reuse of a released buffer");
+        }
+        GPUIPC__CU(cuEventDestroy, (CUevent)recs[i].local);
+        continue;
+      }
+      if (s != GPUIPC_OK)
+        continue;
+      CUstream wst = NULL;
+      s = wait_stream(h, 0, stream, &wst);
+      if (s != GPUIPC_OK)
+        continue;
+      CUresult r = GPUIPC__CU(
+          cuStreamWaitValue64, wst,
+          (CUdeviceptr)gpuipc__released_word(lt->ctl->ptr, lt->nslots,
+                                             recs[i].slot),
+          (cuuint64_t)recs[i].seq, CU_STREAM_WAIT_VALUE_GEQ);
+      if (r == CUDA_SUCCESS)
+        r = wait_done(h, 0, stream);
       if (r != CUDA_SUCCESS)
-        s = gpuipc__fail_cuda(r, "cuStreamWaitEvent",
+        s = gpuipc__fail_cuda(r, "cuStreamWaitValue64",
                               "ordering reuse of a released buffer");
-      continue;
     }
-    CUstream wst = NULL;
-    s = wait_stream(h, 0, stream, &wst);
-    if (s != GPUIPC_OK)
-      continue;
-    CUresult r = GPUIPC__CU(
-        cuStreamWaitValue64, wst,
-        (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots,
-                                           h->rel[i].slot),
-        (cuuint64_t)h->rel[i].seq, CU_STREAM_WAIT_VALUE_GEQ);
-    if (r == CUDA_SUCCESS)
-      r = wait_done(h, 0, stream);
-    if (r != CUDA_SUCCESS)
-      s = gpuipc__fail_cuda(r, "cuStreamWaitValue64",
-                            "ordering reuse of a released buffer");
   }
-  h->nrel = k;
   gpuipc__ctx_leave(&g);
   return s;
 }
 
 unsigned gpuipc_conn_get_buffer_holders(gpuipc_conn *conn,
                                     const gpuipc_buffer *buf) {
-  if (conn == NULL || buf == NULL || conn->ho == NULL || conn->ho->tx == NULL)
+  if (conn == NULL || buf == NULL || conn->ho == NULL || conn->ho->lt == NULL)
     return 0;
   if (conn->state == GPUIPC__CONN_OPEN)
     (void)gpuipc__conn_pump(conn, 0, NULL, NULL);
   struct gpuipc__ho *h = conn->ho;
-  unsigned n = 0;
-  if (h == NULL || h->tx == NULL)
+  if (h == NULL || h->lt == NULL)
     return 0;
-  for (uint32_t i = 0; i < h->nslots; i++)
-    n += h->tx[i].buf == buf;
-  return n;
+  return gpuipc__lease_buffer_holders(h->lt, buf);
 }
 
 /* ---- receiver: frames ---------------------------------------------------------------- */
@@ -753,16 +730,21 @@ static gpuipc_status on_evd(struct gpuipc__ho *h, const unsigned char *p,
   if (w.len != len - sizeof w || w.len > GPUIPC_DESC_MAX || w.pad != 0 ||
       w.which > 1)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad EVD frame");
-  gpuipc_event **slotp = NULL;
-  if (w.which == 0 && h->have_peer_ctl && w.slot < h->peer_nslots)
-    slotp = &h->rx[w.slot].ready_ev;
-  else if (w.which == 1 && h->tx && w.slot < h->nslots)
-    slotp = &h->tx[w.slot].rel_ev;
-  if (slotp == NULL || *slotp != NULL)
+  bool ours = w.which == 1;
+  bool wanted = ours ? h->lt && gpuipc__lease_wants_release_event(h->lt, w.slot)
+                     : h->have_peer_ctl && w.slot < h->peer_nslots &&
+                           h->rx[w.slot].ready_ev == NULL;
+  if (!wanted)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "EVD frame for slot %u: unknown or sent twice",
                         w.slot);
-  return gpuipc_event_import(p + sizeof w, w.len, NULL, slotp);
+  gpuipc_event *ev = NULL;
+  GPUIPC__CHECK(gpuipc_event_import(p + sizeof w, w.len, NULL, &ev));
+  if (ours)
+    gpuipc__lease_set_release_event(h->lt, w.slot, ev);
+  else
+    h->rx[w.slot].ready_ev = ev;
+  return GPUIPC_OK;
 }
 
 /* Closes imports whose release's GPU work completed (all when `all`, after
@@ -781,8 +763,8 @@ static void poll_closing(struct gpuipc__ho *h, bool all) {
   h->nclosing = k;
 }
 
-gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
-                               size_t len, int *fds, int nfds) {
+static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
+                              size_t len, int *fds, int nfds) {
   struct gpuipc__ho *h = NULL;
   gpuipc_status s = ho_get(c, &h);
   if (s != GPUIPC_OK ||
@@ -806,7 +788,7 @@ gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
   case GPUIPC__F_EVD:
     return on_evd(h, p, len);
   case GPUIPC__F_REL:
-    if (len == 0 || len % sizeof(gpuipc__w_rel) || h->tx == NULL)
+    if (len == 0 || len % sizeof(gpuipc__w_rel) || h->lt == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad REL frame of %zu bytes", len);
     {
       gpuipc__w_rel rel[64];
@@ -814,7 +796,7 @@ gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
       if (n > GPUIPC__ARRAY_SIZE(rel))
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "REL frame of %zu entries", n);
       memcpy(rel, p, len);
-      return gpuipc__lease_released(h, rel, n);
+      return gpuipc__lease_released(h->lt, rel, n);
     }
   case GPUIPC__F_BYE:
     c->peer_said_bye = 1;
@@ -1007,11 +989,11 @@ gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn, size_t *held_by_pee
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_get_outstanding: NULL");
   if (conn->state == GPUIPC__CONN_OPEN)
     (void)gpuipc__conn_pump(conn, 0, NULL, NULL);
-  else if (conn->ho)
-    gpuipc__ho_poll(conn);
+  else if (conn->hooks)
+    conn->hooks->poll(conn);
   struct gpuipc__ho *h = conn->ho;
   if (held_by_peer)
-    *held_by_peer = h ? h->tx_out : 0;
+    *held_by_peer = h && h->lt ? gpuipc__lease_outstanding(h->lt) : 0;
   if (held_here)
     *held_here = h ? h->rx_held : 0;
   return GPUIPC_OK;
@@ -1019,7 +1001,9 @@ gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn, size_t *held_by_pee
 
 /* ---- peer departure ------------------------------------------------------------------ */
 
-void gpuipc__ho_peer_gone(gpuipc_conn *c) {
+static void ho_poll(gpuipc_conn *c);
+
+static void ho_peer_gone(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   if (h == NULL)
     return;
@@ -1087,23 +1071,19 @@ void gpuipc__ho_peer_gone(gpuipc_conn *c) {
       gpuipc__ctx_leave(&g);
     }
   }
-  gpuipc__ho_poll(c);
+  ho_poll(c);
 }
 
-void gpuipc__ho_poll(gpuipc_conn *c) {
+static void ho_poll(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
-  gpuipc__orphans_poll();
-  if (h == NULL || c->state == GPUIPC__CONN_OPEN || h->ctl == NULL ||
-      h->dead_handled)
+  gpuipc__lease_reap_orphans();
+  if (h == NULL || c->state == GPUIPC__CONN_OPEN)
     return;
-  /* The peer left. Once its process is gone, reclaim what it held and
-   * write the release words it can no longer write (see lease.c for why
-   * the closed socket alone is not enough). */
-  if (!gpuipc__peer_alive(h->peer_pid, h->peer_start))
-    gpuipc__lease_reclaim_dead(h);
+  /* The peer left: once its process is gone, what it held comes back. */
+  gpuipc__lease_poll(h->lt);
 }
 
-void gpuipc__ho_close(gpuipc_conn *c) {
+static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;
   /* Receiver side: give back what we hold, ordered after the legacy
@@ -1188,7 +1168,7 @@ void gpuipc__ho_close(gpuipc_conn *c) {
    * (cuStreamDestroy lets it), and its writes target memory of ours or
    * mappings of the peer that stay until the work is done (the device was
    * synchronized above whenever something is unmapped). */
-  gpuipc__ho_free_lq(h, 1, h->peer_ordinal);
+  free_lq(h, 1, h->peer_ordinal);
   free(h->closing);
   h->closing = NULL;
   if (h->rx)
@@ -1203,11 +1183,19 @@ void gpuipc__ho_close(gpuipc_conn *c) {
   h->rx = NULL;
   h->q = NULL;
   /* Sender side. */
-  if (h->tx_out > 0 && c->state == GPUIPC__CONN_OPEN) {
+  if (h->lt && gpuipc__lease_outstanding(h->lt) > 0 &&
+      c->state == GPUIPC__CONN_OPEN) {
     /* The peer may have released meanwhile: read what is there. */
     c->ho = h;
     (void)gpuipc__conn_pump(c, 0, NULL, NULL);
     c->ho = NULL;
   }
-  gpuipc__lease_close(h, c->state == GPUIPC__CONN_OPEN);
+  /* The sender's relay stream: its queued work finishes on its own. */
+  if (h->lt)
+    free_lq(h, 0, h->lt->ordinal);
+  gpuipc__lease_close(h->lt);
+  free(h);
 }
+
+const gpuipc__conn_hooks gpuipc__handoff_hooks = {ho_frame, ho_peer_gone,
+                                                  ho_poll, ho_close};

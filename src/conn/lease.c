@@ -1,9 +1,13 @@
 /*
- * lease.c: owns leases: which of our blocks each peer holds (per connection,
- * per flag-word slot), what happens when a release arrives (the arena's
- * reclaim stream waits for the consumer's GPU-side release), and what
- * happens when a peer dies: everything it held is reclaimed once its
- * process is gone.
+ * lease.c: owns the sender's lease tables: per connection, the flag words
+ * and which of our blocks and buffers the peer holds in each slot; what a
+ * release does (the arena orders reuse after the consumer's GPU-side
+ * release); and what happens when a peer dies: everything it held is
+ * reclaimed once its process is gone. A table whose connection closed while
+ * the peer still held something lives on as an orphan until the peer
+ * released everything or its process is gone; orphans are checked in the
+ * arena calls that depend on them (allocation, statistics, destroy), which
+ * enter here for that reason.
  *
  * Why reclaiming after a peer's death is safe: a consumer's GPU work on our
  * memory runs in the consumer's CUDA context. When the process exits or is
@@ -20,15 +24,21 @@
  * reclaim stream may already wait on some of them; gpuipc writes the words
  * itself (side stream) so that those waits pass.
  */
-#include "conn_int.h"
+#include "lease_int.h"
 
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-bool gpuipc__peer_alive(int pid, uint64_t start_time) {
+static void orphan_add(gpuipc__lease_table *lt);
+static bool words_settled(gpuipc__lease_table *lt);
+
+/* True while a process with this pid and start time exists and is not a
+ * zombie. */
+static bool peer_alive(int pid, uint64_t start_time) {
   if (pid <= 0)
     return false;
   char path[64], buf[1024];
@@ -56,34 +66,250 @@ bool gpuipc__peer_alive(int pid, uint64_t start_time) {
   return true;
 }
 
-void gpuipc__lease_add(struct gpuipc__ho *h, uint32_t slot, gpuipc_block *b,
-                       uint64_t seq, bool ordered) {
-  gpuipc_arena *a = b->arena;
-  pthread_mutex_lock(&a->lock);
-  b->holders++;
-  a->leases++;
-  pthread_mutex_unlock(&a->lock);
-  h->tx[slot].block = b;
-  h->tx[slot].seq = seq;
-  h->tx[slot].ordered = ordered;
-  h->tx_out++;
+/* ---- the table ---------------------------------------------------------------------- */
+
+static void lease_free(gpuipc__lease_table *lt) {
+  if (lt->ctl) {
+    /* The flag words go back to the arena after every wait on them that
+     * the reclaim stream queued (the marker recorded by the free). */
+    gpuipc_block_free(lt->ctl, (struct CUstream_st *)NULL);
+    gpuipc__arena_user_remove(lt->ctl_arena);
+    lt->ctl = NULL;
+  }
+  gpuipc__ctx_guard g;
+  bool in = lt->ordinal >= 0 && gpuipc__ctx_enter(&g, lt->ordinal) == GPUIPC_OK;
+  if (lt->tx)
+    for (uint32_t s = 0; s < lt->nslots; s++) {
+      gpuipc_event_destroy(lt->tx[s].ready_ev);
+      gpuipc_event_destroy(lt->tx[s].rel_ev);
+    }
+  for (size_t i = 0; i < lt->nrel; i++)
+    if (lt->rel[i].local)
+      GPUIPC__CU(cuEventDestroy, (CUevent)lt->rel[i].local);
+  if (lt->evq)
+    GPUIPC__CU(cuStreamDestroy, (CUstream)lt->evq);
+  if (in)
+    gpuipc__ctx_leave(&g);
+  free(lt->tx);
+  free(lt->tx_free);
+  free(lt->rel);
+  free(lt);
 }
 
-static void slot_free(struct gpuipc__ho *h, uint32_t slot) {
-  h->tx[slot].block = NULL;
-  h->tx[slot].buf = NULL;
-  h->tx[slot].seq = 0;
-  h->tx_free[h->tx_nfree++] = slot;
-  h->tx_out--;
+gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots, int peer_pid,
+                                 uint64_t peer_start,
+                                 gpuipc__lease_table **out) {
+  *out = NULL;
+  gpuipc_arena *a = NULL;
+  GPUIPC__CHECK(gpuipc__ctl_arena(ordinal, &a));
+  gpuipc__lease_table *lt = calloc(1, sizeof *lt);
+  if (lt == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "lease table");
+  lt->peer_pid = peer_pid;
+  lt->peer_start = peer_start;
+  lt->ordinal = -1;
+  gpuipc_status s;
+  lt->tx = calloc(nslots, sizeof *lt->tx);
+  lt->tx_free = malloc(sizeof *lt->tx_free * nslots);
+  if (lt->tx == NULL || lt->tx_free == NULL) {
+    s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "%u slots", nslots);
+    goto fail;
+  }
+  for (uint32_t i = 0; i < nslots; i++)
+    lt->tx_free[i] = nslots - 1 - i;
+  lt->tx_nfree = nslots;
+  lt->nslots = nslots;
+  GPUIPC__CHECK_GOTO(gpuipc__arena_take(a, 16u * nslots, a->side, true,
+                                        &lt->ctl),
+                     s, fail);
+  gpuipc__arena_user_add(a);
+  lt->ctl_arena = a;
+  lt->ordinal = a->ordinal;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
+  /* Fresh words start at 0 (the memory may have held anything). */
+  CUresult r = GPUIPC__CU(cuMemsetD32Async, (CUdeviceptr)lt->ctl->ptr, 0,
+                          lt->ctl->len / 4, (CUstream)a->side);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+  gpuipc__ctx_leave(&g);
+  if (r != CUDA_SUCCESS) {
+    s = gpuipc__fail_cuda(r, "cuMemsetD32Async", "connection flag words");
+    goto fail;
+  }
+  *out = lt;
+  return GPUIPC_OK;
+fail:
+  lease_free(lt);
+  return s;
 }
 
-gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
+bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt, uint32_t *slot) {
+  if (lt->tx_nfree == 0)
+    return false;
+  *slot = lt->tx_free[lt->tx_nfree - 1];
+  return true;
+}
+
+uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt) {
+  return ++lt->tx_seq;
+}
+
+void gpuipc__lease_take_slot(gpuipc__lease_table *lt, uint32_t slot) {
+  for (uint32_t i = lt->tx_nfree; i-- > 0;)
+    if (lt->tx_free[i] == slot) {
+      lt->tx_free[i] = lt->tx_free[--lt->tx_nfree];
+      return;
+    }
+}
+
+void gpuipc__lease_add(gpuipc__lease_table *lt, uint32_t slot,
+                       gpuipc_block *block, gpuipc_buffer *buf, uint64_t seq,
+                       bool ordered, bool by_event) {
+  gpuipc__txs *t = &lt->tx[slot];
+  if (block)
+    gpuipc__block_hold(block);
+  t->block = block;
+  t->buf = buf;
+  t->seq = seq;
+  t->ordered = ordered;
+  t->by_event = by_event;
+  lt->tx_out++;
+}
+
+void gpuipc__lease_last_write(const gpuipc__lease_table *lt, uint32_t slot,
+                              uint64_t *seq, struct CUstream_st **stream) {
+  *seq = lt->tx[slot].last_seq;
+  *stream = lt->tx[slot].last_stream;
+}
+
+void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
+                           uint64_t seq, struct CUstream_st *stream) {
+  lt->tx[slot].last_seq = seq;
+  lt->tx[slot].last_stream = stream;
+}
+
+gpuipc_event *gpuipc__lease_ready_event(const gpuipc__lease_table *lt,
+                                        uint32_t slot) {
+  return lt->tx[slot].ready_ev;
+}
+
+void gpuipc__lease_set_ready_event(gpuipc__lease_table *lt, uint32_t slot,
+                                   gpuipc_event *ev) {
+  lt->tx[slot].ready_ev = ev;
+}
+
+bool gpuipc__lease_wants_release_event(const gpuipc__lease_table *lt,
+                                       uint32_t slot) {
+  return slot < lt->nslots && lt->tx[slot].rel_ev == NULL;
+}
+
+void gpuipc__lease_set_release_event(gpuipc__lease_table *lt, uint32_t slot,
+                                     gpuipc_event *ev) {
+  lt->tx[slot].rel_ev = ev;
+}
+
+static void slot_free(gpuipc__lease_table *lt, uint32_t slot) {
+  lt->tx[slot].block = NULL;
+  lt->tx[slot].buf = NULL;
+  lt->tx[slot].seq = 0;
+  lt->tx_free[lt->tx_nfree++] = slot;
+  lt->tx_out--;
+}
+
+size_t gpuipc__lease_outstanding(const gpuipc__lease_table *lt) {
+  return lt->tx_out;
+}
+
+unsigned gpuipc__lease_buffer_holders(const gpuipc__lease_table *lt,
+                                      const gpuipc_buffer *buf) {
+  unsigned n = 0;
+  for (uint32_t i = 0; i < lt->nslots; i++)
+    n += lt->tx[i].buf == buf;
+  return n;
+}
+
+size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
+                                   const gpuipc_buffer *buf,
+                                   gpuipc__relrec *out, size_t cap) {
+  size_t k = 0, n = 0;
+  for (size_t i = 0; i < lt->nrel; i++) {
+    if (lt->rel[i].buf == buf && n < cap)
+      out[n++] = lt->rel[i];
+    else
+      lt->rel[k++] = lt->rel[i];
+  }
+  lt->nrel = k;
+  return n;
+}
+
+/* ---- releases ---------------------------------------------------------------------- */
+
+/* A released buffer outside any arena: its owner orders reuse with
+ * gpuipc_conn_buffer_wait, which needs this release's word (or, in event
+ * mode, a local event that completes after the peer's release record).
+ * Context current. */
+static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot) {
+  gpuipc__txs *t = &lt->tx[slot];
+  gpuipc_status s = GPUIPC_OK;
+  struct CUevent_st *local = NULL;
+  if (t->by_event) {
+    /* The release event is recorded again when the slot comes back;
+     * capture this record now on a private stream, and remember a local
+     * event that completes after it. */
+    CUresult r = CUDA_SUCCESS;
+    if (lt->evq == NULL) {
+      CUstream st;
+      r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+      if (r == CUDA_SUCCESS)
+        lt->evq = (struct CUstream_st *)st;
+    }
+    CUevent ev = NULL;
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)lt->evq,
+                     (CUevent)gpuipc_event_get_handle(t->rel_ev), 0);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuEventRecord, ev, (CUstream)lt->evq);
+    if (r != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
+    local = (struct CUevent_st *)ev;
+  }
+  if (t->ordered || local) {
+    if (lt->nrel == lt->caprel) {
+      size_t cap = lt->caprel ? 2 * lt->caprel : 16;
+      gpuipc__relrec *nr =
+          cap > 4096 ? NULL : realloc(lt->rel, sizeof *nr * cap);
+      if (nr != NULL) {
+        lt->rel = nr;
+        lt->caprel = cap;
+      } else if (lt->nrel > 0) {
+        /* Bounded: the oldest record goes (its buffer was never waited
+         * for). */
+        if (lt->rel[0].local)
+          GPUIPC__CU(cuEventDestroy, (CUevent)lt->rel[0].local);
+        memmove(lt->rel, lt->rel + 1, sizeof *lt->rel * (lt->nrel - 1));
+        lt->nrel--;
+      }
+    }
+    if (lt->nrel < lt->caprel)
+      lt->rel[lt->nrel++] = (gpuipc__relrec){t->buf, slot, t->seq, local};
+    else if (local)
+      GPUIPC__CU(cuEventDestroy, (CUevent)local);
+  }
+  slot_free(lt, slot);
+  return s;
+}
+
+gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
                                      const gpuipc__w_rel *rel, size_t n) {
   /* Validate everything first: a frame is applied whole or not at all. */
   for (size_t i = 0; i < n; i++) {
-    if (rel[i].slot >= h->nslots ||
-        (h->tx[rel[i].slot].block == NULL && h->tx[rel[i].slot].buf == NULL) ||
-        h->tx[rel[i].slot].seq != rel[i].seq)
+    if (rel[i].slot >= lt->nslots ||
+        (lt->tx[rel[i].slot].block == NULL &&
+         lt->tx[rel[i].slot].buf == NULL) ||
+        lt->tx[rel[i].slot].seq != rel[i].seq)
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u sequence %llu, which the peer "
                           "does not hold",
@@ -92,129 +318,48 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
       if (rel[k].slot == rel[i].slot)
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "slot %u released twice",
                             rel[i].slot);
-    if (h->tx[rel[i].slot].by_event && h->tx[rel[i].slot].rel_ev == NULL)
+    if (lt->tx[rel[i].slot].by_event && lt->tx[rel[i].slot].rel_ev == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u without its event", rel[i].slot);
   }
   gpuipc__ctx_guard g;
-  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->ordinal));
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, lt->ordinal));
   gpuipc_status s = GPUIPC_OK;
-  /* Group by arena: one marker per arena per frame. */
-  gpuipc_block *blocks[64];
-  uint32_t slots[64];
+  /* Grouped by arena: one marker per arena per frame. */
+  gpuipc__release rs[64];
   size_t i = 0;
   while (i < n) {
-    gpuipc__txs *t0 = &h->tx[rel[i].slot];
+    gpuipc__txs *t0 = &lt->tx[rel[i].slot];
     if (t0->buf) {
-      /* A buffer outside any arena: its owner orders reuse with
-       * gpuipc_conn_buffer_wait, which needs this release's word. */
-      struct CUevent_st *local = NULL;
-      if (t0->by_event) {
-        /* The release event is recorded again when the slot comes back;
-         * capture this record now on a private stream, and remember a
-         * local event that completes after it. */
-        CUresult r = CUDA_SUCCESS;
-        if (h->evq == NULL) {
-          CUstream st;
-          r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
-          if (r == CUDA_SUCCESS)
-            h->evq = (struct CUstream_st *)st;
-        }
-        CUevent ev = NULL;
-        if (r == CUDA_SUCCESS)
-          r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)h->evq,
-                         (CUevent)gpuipc_event_get_handle(t0->rel_ev), 0);
-        if (r == CUDA_SUCCESS)
-          r = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
-        if (r == CUDA_SUCCESS)
-          r = GPUIPC__CU(cuEventRecord, ev, (CUstream)h->evq);
-        if (r != CUDA_SUCCESS && s == GPUIPC_OK)
-          s = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
-        local = (struct CUevent_st *)ev;
-      }
-      if (t0->ordered || local) {
-        if (h->nrel == h->caprel) {
-          size_t cap = h->caprel ? 2 * h->caprel : 16;
-          gpuipc__relrec *nr =
-              cap > 4096 ? NULL : realloc(h->rel, sizeof *nr * cap);
-          if (nr != NULL) {
-            h->rel = nr;
-            h->caprel = cap;
-          } else if (h->nrel > 0) {
-            /* Bounded: the oldest record goes (its buffer was never
-             * waited for). */
-            if (h->rel[0].local)
-              GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[0].local);
-            memmove(h->rel, h->rel + 1, sizeof *h->rel * (h->nrel - 1));
-            h->nrel--;
-          }
-        }
-        if (h->nrel < h->caprel)
-          h->rel[h->nrel++] =
-              (gpuipc__relrec){t0->buf, rel[i].slot, t0->seq, local};
-        else if (local)
-          GPUIPC__CU(cuEventDestroy, (CUevent)local);
-      }
-      slot_free(h, rel[i].slot);
+      gpuipc_status bs = release_buffer(lt, rel[i].slot);
+      if (bs != GPUIPC_OK && s == GPUIPC_OK)
+        s = bs;
       i++;
       continue;
     }
     gpuipc_arena *a = t0->block->arena;
     int nb = 0;
-    pthread_mutex_lock(&a->lock);
-    bool any_ordered = false;
-    while (i < n && nb < 64 && h->tx[rel[i].slot].block != NULL &&
-           h->tx[rel[i].slot].block->arena == a) {
+    while (i < n && nb < 64 && lt->tx[rel[i].slot].block != NULL &&
+           lt->tx[rel[i].slot].block->arena == a) {
       uint32_t slot = rel[i].slot;
-      gpuipc__txs *t = &h->tx[slot];
+      gpuipc__txs *t = &lt->tx[slot];
+      gpuipc__release *r = &rs[nb++];
+      *r = (gpuipc__release){t->block, 0, 0, NULL, t->ordered || t->by_event};
       if (t->ordered) {
         /* Reuse waits, on the GPU, for the consumer's release write. */
-        gpuipc_status ws = gpuipc__arena_wait_word(
-            a, gpuipc__released_word(h->ctl->ptr, h->nslots, slot), t->seq);
-        if (ws != GPUIPC_OK && s == GPUIPC_OK)
-          s = ws;
-        any_ordered = true;
+        r->word = gpuipc__released_word(lt->ctl->ptr, lt->nslots, slot);
+        r->value = t->seq;
       } else if (t->by_event) {
         /* The same with the consumer's release event; the wait captures
          * its record now, before the slot can be used again. */
-        CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->reclaim,
-                                (CUevent)gpuipc_event_get_handle(t->rel_ev), 0);
-        if (r != CUDA_SUCCESS && s == GPUIPC_OK)
-          s = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
-        any_ordered = true;
+        r->event = (struct CUevent_st *)gpuipc_event_get_handle(t->rel_ev);
       }
-      blocks[nb] = t->block;
-      slots[nb] = slot;
-      nb++;
+      slot_free(lt, slot);
       i++;
     }
-    if (any_ordered) {
-      /* A marker (an event record) is needed only where memory goes back
-       * to the free list now: blocks freed by their owner whose last
-       * holder this was. Others are marked lazily, when freed or waited
-       * for (gpuipc_block_wait): the reclaim stream runs in order, so a
-       * later marker covers every wait queued before it. */
-      gpuipc_block *now[64];
-      int nn = 0;
-      for (int k = 0; k < nb; k++) {
-        if (!h->tx[slots[k]].ordered && !h->tx[slots[k]].by_event)
-          continue;
-        if (blocks[k]->freed && blocks[k]->holders == 1)
-          now[nn++] = blocks[k];
-        else
-          blocks[k]->unmarked = true;
-      }
-      if (nn) {
-        gpuipc_status ms = gpuipc__arena_mark(a, now, nn);
-        if (ms != GPUIPC_OK && s == GPUIPC_OK)
-          s = ms;
-      }
-    }
-    for (int k = 0; k < nb; k++)
-      gpuipc__block_unhold(blocks[k]);
-    pthread_mutex_unlock(&a->lock);
-    for (int k = 0; k < nb; k++)
-      slot_free(h, slots[k]);
+    gpuipc_status as = gpuipc__arena_release(a, rs, nb, false);
+    if (as != GPUIPC_OK && s == GPUIPC_OK)
+      s = as;
   }
   gpuipc__ctx_leave(&g);
   if (s != GPUIPC_OK)
@@ -223,33 +368,35 @@ gpuipc_status gpuipc__lease_released(struct gpuipc__ho *h,
   return GPUIPC_OK;
 }
 
-void gpuipc__lease_reclaim_dead(struct gpuipc__ho *h) {
-  if (h->tx == NULL || h->ctl == NULL || h->dead_handled)
+/* ---- a dead peer --------------------------------------------------------------------- */
+
+/* The peer is gone and its process too: everything it held comes back. */
+static void reclaim_dead(gpuipc__lease_table *lt) {
+  if (lt->dead_handled)
     return;
-  h->dead_handled = true;
+  lt->dead_handled = true;
   gpuipc__ctx_guard g;
-  if (gpuipc__ctx_enter(&g, h->ordinal) != GPUIPC_OK) {
+  if (gpuipc__ctx_enter(&g, lt->ordinal) != GPUIPC_OK) {
     GPUIPC__WARN("lease", "cannot reclaim blocks of dead peer %d: %s",
-                 h->peer_pid, gpuipc_last_error());
+                 lt->peer_pid, gpuipc_last_error());
     return;
   }
   /* Unblock waits on the dead peer's "released" words: write a value past
    * every sequence number it could have been given. GEQ compares with
    * wrap-around (signed difference), so the value must stay within 2^63
    * of them: tx_seq + 2^40 does. */
-  uint64_t value = h->tx_seq + ((uint64_t)1 << 40);
+  uint64_t value = lt->tx_seq + ((uint64_t)1 << 40);
   uint64_t words[256];
   int nw = 0;
-  gpuipc_arena *ca = h->ctl_arena;
-  pthread_mutex_lock(&ca->lock);
-  for (uint32_t s = 0; s < h->nslots; s++) {
-    if (h->tx[s].rel_ev)
+  gpuipc_arena *ca = lt->ctl_arena;
+  for (uint32_t s = 0; s < lt->nslots; s++) {
+    if (lt->tx[s].rel_ev)
       /* Event mode: a record of ours completes, which waits for the dead
        * peer's last record accept too. */
-      (void)gpuipc_event_record(h->tx[s].rel_ev, ca->side);
-    if (h->tx[s].last_seq == 0)
+      (void)gpuipc_event_record(lt->tx[s].rel_ev, ca->side);
+    if (lt->tx[s].last_seq == 0)
       continue;
-    words[nw++] = gpuipc__released_word(h->ctl->ptr, h->nslots, s);
+    words[nw++] = gpuipc__released_word(lt->ctl->ptr, lt->nslots, s);
     if (nw == (int)GPUIPC__ARRAY_SIZE(words)) {
       gpuipc__arena_force_words(ca, words, nw, value);
       nw = 0;
@@ -257,88 +404,59 @@ void gpuipc__lease_reclaim_dead(struct gpuipc__ho *h) {
   }
   if (nw)
     gpuipc__arena_force_words(ca, words, nw, value);
-  pthread_mutex_unlock(&ca->lock);
   size_t n = 0;
-  for (uint32_t s = 0; s < h->nslots; s++) {
-    gpuipc__txs *t = &h->tx[s];
+  for (uint32_t s = 0; s < lt->nslots; s++) {
+    gpuipc__txs *t = &lt->tx[s];
     if (t->buf) {
-      slot_free(h, s); /* the caller's buffer: nothing to give back */
+      slot_free(lt, s); /* the caller's buffer: nothing to give back */
       n++;
       continue;
     }
     if (t->block == NULL)
       continue;
-    gpuipc_arena *a = t->block->arena;
-    pthread_mutex_lock(&a->lock);
-    gpuipc_block *b = t->block;
     /* The block's reuse must still come after any reclaim wait already
      * queued for it: the newest marker covers them. */
-    if (t->ordered || t->by_event)
-      gpuipc__arena_mark(a, &b, 1);
-    gpuipc__block_unhold(b);
-    pthread_mutex_unlock(&a->lock);
-    slot_free(h, s);
+    gpuipc__release r = {t->block, 0, 0, NULL, t->ordered || t->by_event};
+    gpuipc_arena *a = t->block->arena;
+    slot_free(lt, s);
+    (void)gpuipc__arena_release(a, &r, 1, true);
     n++;
   }
   gpuipc__ctx_leave(&g);
   if (n)
     GPUIPC__INFO("lease", "reclaimed %zu block(s) held by dead peer pid %d", n,
-                 h->peer_pid);
+                 lt->peer_pid);
 }
 
-void gpuipc__ho_free_tx(struct gpuipc__ho *h) {
-  if (h->ctl) {
-    gpuipc_arena *a = h->ctl_arena;
-    /* The flag words go back to the arena after every wait on them that
-     * the reclaim stream queued (the marker recorded by the free). */
-    gpuipc_block_free(h->ctl, (struct CUstream_st *)NULL);
-    pthread_mutex_lock(&a->lock);
-    a->users--;
-    pthread_mutex_unlock(&a->lock);
-    h->ctl = NULL;
-  }
-  if (h->tx)
-    for (uint32_t s = 0; s < h->nslots; s++) {
-      gpuipc_event_destroy(h->tx[s].ready_ev);
-      gpuipc_event_destroy(h->tx[s].rel_ev);
-    }
-  for (size_t i = 0; i < h->nrel; i++)
-    if (h->rel[i].local)
-      GPUIPC__CU(cuEventDestroy, (CUevent)h->rel[i].local);
-  if (h->evq)
-    GPUIPC__CU(cuStreamDestroy, (CUstream)h->evq);
-  h->evq = NULL;
-  gpuipc__ho_free_lq(h, 0, h->ordinal);
-  free(h->tx);
-  free(h->tx_free);
-  free(h->rel);
-  h->tx = NULL;
-  h->tx_free = NULL;
-  h->rel = NULL;
-  h->nrel = h->caprel = 0;
+void gpuipc__lease_poll(gpuipc__lease_table *lt) {
+  if (lt == NULL || lt->dead_handled)
+    return;
+  /* The peer left. Once its process is gone, reclaim what it held and
+   * write the release words it can no longer write (see the top of this
+   * file for why the closed socket alone is not enough). */
+  if (!peer_alive(lt->peer_pid, lt->peer_start))
+    reclaim_dead(lt);
 }
 
-bool gpuipc__lease_words_settled(struct gpuipc__ho *h) {
-  if (h->ctl == NULL || h->tx_out > 0)
-    return h->ctl == NULL;
-  uint64_t *w = malloc(sizeof *w * h->nslots);
+/* True when every "released" word already holds the newest release the
+ * peer sent (so no wait on them can still be pending). Reads the words
+ * from the device (a small copy). */
+static bool words_settled(gpuipc__lease_table *lt) {
+  if (lt->tx_out > 0)
+    return false;
+  uint64_t *w = malloc(sizeof *w * lt->nslots);
   if (w == NULL)
     return false;
-  gpuipc_arena *a = h->ctl_arena;
   bool settled = false;
   gpuipc__ctx_guard g;
-  if (gpuipc__ctx_enter(&g, h->ordinal) == GPUIPC_OK) {
-    /* On the arena's side stream, which nothing else blocks. */
-    CUresult r = GPUIPC__CU(
-        cuMemcpyDtoHAsync, w,
-        (CUdeviceptr)gpuipc__released_word(h->ctl->ptr, h->nslots, 0),
-        sizeof *w * h->nslots, (CUstream)a->side);
-    if (r == CUDA_SUCCESS)
-      r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
-    if (r == CUDA_SUCCESS) {
+  if (gpuipc__ctx_enter(&g, lt->ordinal) == GPUIPC_OK) {
+    if (gpuipc__arena_read_words(
+            lt->ctl_arena, gpuipc__released_word(lt->ctl->ptr, lt->nslots, 0),
+            lt->nslots, w) == GPUIPC_OK) {
       settled = true;
-      for (uint32_t s = 0; s < h->nslots && settled; s++)
-        if (h->tx[s].last_seq != 0 && (int64_t)(w[s] - h->tx[s].last_seq) < 0)
+      for (uint32_t s = 0; s < lt->nslots && settled; s++)
+        if (lt->tx[s].last_seq != 0 &&
+            (int64_t)(w[s] - lt->tx[s].last_seq) < 0)
           settled = false;
     }
     gpuipc__ctx_leave(&g);
@@ -347,42 +465,44 @@ bool gpuipc__lease_words_settled(struct gpuipc__ho *h) {
   return settled;
 }
 
-void gpuipc__lease_close(struct gpuipc__ho *h, bool peer_open) {
-  (void)peer_open;
-  if (h->ctl != NULL && !h->dead_handled) {
-    if (!gpuipc__peer_alive(h->peer_pid, h->peer_start)) {
-      gpuipc__lease_reclaim_dead(h);
-    } else if (h->tx_out > 0 || !gpuipc__lease_words_settled(h)) {
+void gpuipc__lease_close(gpuipc__lease_table *lt) {
+  if (lt == NULL)
+    return;
+  if (!lt->dead_handled) {
+    if (!peer_alive(lt->peer_pid, lt->peer_start)) {
+      reclaim_dead(lt);
+    } else if (lt->tx_out > 0 || !words_settled(lt)) {
       /* The peer lives and still holds blocks, or its GPU has not yet
-       * written releases it announced: keep the state until it is done or
+       * written releases it announced: keep the table until it is done or
        * gone. */
-      gpuipc__orphan_add(h);
+      orphan_add(lt);
       return;
     }
   }
-  gpuipc__ho_free_tx(h);
-  free(h);
+  lease_free(lt);
 }
 
 /* ---- orphans ------------------------------------------------------------------------ */
 
+/* The lock guards the list only: the checks (a /proc read, a small device
+ * copy) and the reclaim run outside it, on tables taken off the list. */
 static pthread_mutex_t orphan_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct gpuipc__ho *orphans;
+static gpuipc__lease_table *orphans;
 static atomic_int n_orphans;
 
-void gpuipc__orphan_add(struct gpuipc__ho *h) {
-  pthread_mutex_lock(&orphan_lock);
-  h->next_orphan = orphans;
-  orphans = h;
-  atomic_fetch_add(&n_orphans, 1);
-  pthread_mutex_unlock(&orphan_lock);
+static void orphan_add(gpuipc__lease_table *lt) {
   GPUIPC__DEBUG("lease",
                 "connection to pid %d closed while it holds %zu block(s): "
                 "reclaimed when that process is gone",
-                h->peer_pid, h->tx_out);
+                lt->peer_pid, lt->tx_out);
+  pthread_mutex_lock(&orphan_lock);
+  lt->next_orphan = orphans;
+  orphans = lt;
+  atomic_fetch_add(&n_orphans, 1);
+  pthread_mutex_unlock(&orphan_lock);
 }
 
-void gpuipc__orphans_poll(void) {
+void gpuipc__lease_reap_orphans(void) {
   if (GPUIPC__LIKELY(atomic_load_explicit(&n_orphans, memory_order_relaxed) ==
                      0))
     return;
@@ -395,26 +515,58 @@ void gpuipc__orphans_poll(void) {
       !atomic_compare_exchange_strong(&last_poll, &prev, now))
     return;
   pthread_mutex_lock(&orphan_lock);
-  struct gpuipc__ho **pp = &orphans, *done = NULL;
-  while (*pp) {
-    struct gpuipc__ho *h = *pp;
-    if (!gpuipc__peer_alive(h->peer_pid, h->peer_start) ||
-        (h->tx_out == 0 && gpuipc__lease_words_settled(h))) {
-      *pp = h->next_orphan;
-      h->next_orphan = done;
-      done = h;
-      atomic_fetch_sub(&n_orphans, 1);
-    } else {
-      pp = &h->next_orphan;
-    }
-  }
+  gpuipc__lease_table *list = orphans;
+  orphans = NULL;
   pthread_mutex_unlock(&orphan_lock);
-  while (done) {
-    struct gpuipc__ho *h = done;
-    done = h->next_orphan;
-    if (!gpuipc__peer_alive(h->peer_pid, h->peer_start))
-      gpuipc__lease_reclaim_dead(h);
-    gpuipc__ho_free_tx(h);
-    free(h);
+  gpuipc__lease_table *keep = NULL, *keep_tail = NULL;
+  while (list) {
+    gpuipc__lease_table *lt = list;
+    list = lt->next_orphan;
+    lt->next_orphan = NULL;
+    bool gone = !peer_alive(lt->peer_pid, lt->peer_start);
+    if (gone || (lt->tx_out == 0 && words_settled(lt))) {
+      if (gone)
+        reclaim_dead(lt);
+      lease_free(lt);
+      atomic_fetch_sub(&n_orphans, 1);
+      continue;
+    }
+    if (keep_tail)
+      keep_tail->next_orphan = lt;
+    else
+      keep = lt;
+    keep_tail = lt;
   }
+  if (keep_tail) {
+    pthread_mutex_lock(&orphan_lock);
+    keep_tail->next_orphan = orphans;
+    orphans = keep;
+    pthread_mutex_unlock(&orphan_lock);
+  }
+}
+
+/* ---- the public arena calls whose answer depends on orphans ------------------------ */
+
+/* These enter here rather than in arena.c: what orphans hold comes back
+ * first (when their peers are gone), so that an allocation can reuse it
+ * and the statistics and destroy see it. */
+
+gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
+                                 struct CUstream_st *stream,
+                                 gpuipc_block **out) {
+  gpuipc__lease_reap_orphans();
+  return gpuipc__arena_alloc_block(arena, bytes, stream, out);
+}
+
+gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
+                                     gpuipc_arena_stats *st) {
+  gpuipc__lease_reap_orphans();
+  return gpuipc__arena_get_stats(arena, st);
+}
+
+gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
+  if (arena == NULL)
+    return GPUIPC_OK;
+  gpuipc__lease_reap_orphans();
+  return gpuipc__arena_destroy(arena);
 }

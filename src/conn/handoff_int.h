@@ -1,0 +1,95 @@
+/*
+ * handoff_int.h: the fast path's state per connection (handoff.c only):
+ * what this side sends (its lease table, owned by lease.c, and the arena
+ * chunks exported so far) and what it receives (the peer's chunks and flag
+ * words, the buffers held and queued, imports waiting to be closed).
+ */
+#ifndef GPUIPC_HANDOFF_INT_H
+#define GPUIPC_HANDOFF_INT_H
+
+#include "conn_int.h"
+#include "lease_int.h"
+
+/* Receiver side, per slot of the peer. */
+typedef struct gpuipc__rxs {
+  uint64_t held;      /* sequence number held now (or queued); 0: none */
+  uint64_t last_recv; /* newest sequence number waited for */
+  uint64_t last_rel;  /* newest released */
+  struct CUstream_st *last_rel_stream;
+  uint64_t ptr;
+  size_t len;
+  bool ordered;
+  bool by_event;
+  gpuipc_event *ready_ev; /* event mode: the peer's */
+  gpuipc_event *rel_ev;   /* event mode: ours */
+  gpuipc_buffer *imp;     /* BUFD: the import (a reference in the cache) */
+} gpuipc__rxs;
+
+/* An import to close once the GPU work queued before its release is done. */
+typedef struct gpuipc__closing {
+  gpuipc_buffer *imp;
+  struct CUevent_st *ev;
+} gpuipc__closing;
+
+/* An imported chunk of the peer's arena. */
+typedef struct gpuipc__imp {
+  uint64_t arena_id;
+  uint32_t chunk;
+  gpuipc_buffer *buf;
+  uint64_t base;
+  size_t size;
+  int ordinal;
+} gpuipc__imp;
+
+/* A buffer that arrived and was not yet received by the caller. */
+typedef struct gpuipc__qbuf {
+  gpuipc__w_buf w;
+  uint8_t meta[GPUIPC_META_MAX];
+} gpuipc__qbuf;
+
+struct gpuipc__ho {
+  int peer_pid;
+  uint64_t peer_start;
+  /* Sender: the lease table (NULL until the first send) and the chunks of
+   * our arenas exported on this connection. */
+  gpuipc__lease_table *lt;
+  struct {
+    uint64_t arena_id;
+    uint64_t mask;
+  } exp[8];
+  int nexp;
+  /* Receiver. */
+  gpuipc__imp *imp;
+  int nimp, cimp;
+  bool have_peer_ctl;
+  uint64_t peer_ctl; /* device address of the peer's flag words here */
+  uint32_t peer_nslots;
+  int peer_ordinal;
+  gpuipc__rxs *rx;
+  gpuipc__qbuf *q;
+  uint32_t qhead, qlen;
+  size_t rx_held;
+  uint64_t rx_max_seq;
+  bool rx_unblocked;
+  /* Event mode: the peer died while our streams waited on records of its
+   * events that will never complete (a real driver does not let a later
+   * record release them): those streams stay blocked, so close must not
+   * synchronize the context, and leaves the imports mapped. */
+  bool rx_stuck;
+  struct CUstream_st *unblock; /* receiver: writes that unblock our streams */
+  /* Stream memory operations for a caller that passes the legacy default
+   * stream go on these private non-blocking streams instead, joined to the
+   * legacy stream by an event ([0] sender side, the lease table's device;
+   * [1] receiver side, device `peer_ordinal`). */
+  struct CUstream_st *lq[2];
+  struct CUevent_st *lev[2];
+  gpuipc__closing *closing;
+  size_t nclosing, capclosing;
+};
+
+/* True for the legacy default stream (NULL or CU_STREAM_LEGACY). */
+static inline bool gpuipc__is_legacy_stream(const struct CUstream_st *s) {
+  return s == NULL || (uintptr_t)s == 0x1;
+}
+
+#endif /* GPUIPC_HANDOFF_INT_H */

@@ -1,0 +1,129 @@
+/*
+ * lease_int.h: the sender's lease table of a connection (src/conn/ only):
+ * its flag words, which of our blocks and buffers the peer holds in each
+ * slot, the releases a buffer's owner has yet to wait for, and what an
+ * orphan keeps after its connection closed. lease.c owns every field;
+ * handoff.c reads the fields marked immutable and changes the rest through
+ * the functions below.
+ */
+#ifndef GPUIPC_LEASE_INT_H
+#define GPUIPC_LEASE_INT_H
+
+#include "arena_int.h"
+
+/* The flag words of a side that sends: ready[slot] then released[slot],
+ * 64 bits each, from `base` (a device address). */
+static inline uint64_t gpuipc__ready_word(uint64_t base, uint32_t slot) {
+  return base + 8u * (uint64_t)slot;
+}
+static inline uint64_t gpuipc__released_word(uint64_t base, uint32_t nslots,
+                                             uint32_t slot) {
+  return base + 8u * ((uint64_t)nslots + slot);
+}
+
+/* One slot (a flag-word pair). */
+typedef struct gpuipc__txs {
+  gpuipc_block *block; /* the block the peer holds in this slot, or */
+  gpuipc_buffer *buf;  /* the (non-arena) buffer; both NULL: free */
+  uint64_t seq;        /* its lease's sequence number */
+  uint64_t last_seq;   /* last value written to the ready word */
+  struct CUstream_st *last_stream; /* the stream that wrote it */
+  bool ordered;
+  bool by_event;          /* event mode */
+  gpuipc_event *ready_ev; /* event mode: ours, recorded at send */
+  gpuipc_event *rel_ev;   /* event mode: the peer's, recorded at release */
+} gpuipc__txs;
+
+/* A released non-arena buffer, for gpuipc_conn_buffer_wait. */
+typedef struct gpuipc__relrec {
+  const gpuipc_buffer *buf;
+  uint32_t slot;
+  uint64_t seq;
+  struct CUevent_st *local; /* event mode: completes after the release */
+} gpuipc__relrec;
+
+typedef struct gpuipc__lease_table {
+  /* Immutable after gpuipc__lease_open. */
+  int peer_pid;
+  uint64_t peer_start;
+  gpuipc_arena *ctl_arena; /* where the flag words live */
+  gpuipc_block *ctl;       /* the flag words (2 * nslots) */
+  int ordinal;             /* the device of the flag words */
+  uint32_t nslots;
+  /* Everything below: lease.c only. */
+  struct gpuipc__lease_table *next_orphan;
+  bool dead_handled; /* the peer's death was handled (words forced) */
+  gpuipc__txs *tx;
+  uint32_t *tx_free;
+  uint32_t tx_nfree;
+  uint64_t tx_seq;
+  size_t tx_out;
+  gpuipc__relrec *rel;
+  size_t nrel, caprel;
+  struct CUstream_st *evq; /* event mode: where releases are awaited */
+} gpuipc__lease_table;
+
+/* Makes the lease table of a connection to the peer (pid, start time as
+ * the kernel vouched for them): nslots slots, their flag words (zeroed) in
+ * the process's flag-word arena on device `ordinal`. */
+gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots, int peer_pid,
+                                 uint64_t peer_start,
+                                 gpuipc__lease_table **out /* OUT */);
+/* Our side closes the connection: frees the table now if that is safe,
+ * else keeps it as an orphan until the peer released everything or its
+ * process is gone. Takes ownership of lt. */
+void gpuipc__lease_close(gpuipc__lease_table *lt);
+/* The connection ended (the peer left): once the peer process is gone,
+ * everything it held comes back. Called again and again (cheap). */
+void gpuipc__lease_poll(gpuipc__lease_table *lt);
+
+/* Frees the orphans whose peers released everything or are gone (their
+ * leases reclaimed first). Cheap when there are none; checks at most every
+ * few milliseconds. */
+void gpuipc__lease_reap_orphans(void);
+
+/* A free slot for the next lease, or false when every slot is out. */
+bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt,
+                             uint32_t *slot /* OUT */);
+/* The next sequence number (used up by the call). */
+uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt);
+/* The frame of `slot` left: the slot is taken. Until gpuipc__lease_add,
+ * it holds nothing (a slot whose send failed halfway stays taken). */
+void gpuipc__lease_take_slot(gpuipc__lease_table *lt, uint32_t slot);
+/* The peer holds block (or buf) in slot, lease seq. */
+void gpuipc__lease_add(gpuipc__lease_table *lt, uint32_t slot,
+                       gpuipc_block *block, gpuipc_buffer *buf, uint64_t seq,
+                       bool ordered, bool by_event);
+/* The last write of slot's ready word: value and stream (0/NULL: none). */
+void gpuipc__lease_last_write(const gpuipc__lease_table *lt, uint32_t slot,
+                              uint64_t *seq /* OUT */,
+                              struct CUstream_st **stream /* OUT */);
+/* The ready word of slot was written with seq on stream. */
+void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
+                           uint64_t seq, struct CUstream_st *stream);
+/* Event mode: the slot's ready event (ours; NULL until made). */
+gpuipc_event *gpuipc__lease_ready_event(const gpuipc__lease_table *lt,
+                                        uint32_t slot);
+void gpuipc__lease_set_ready_event(gpuipc__lease_table *lt, uint32_t slot,
+                                   gpuipc_event *ev);
+/* Event mode: the peer's release event of slot. wants: true when slot is
+ * valid and has none yet; set takes ownership of ev. */
+bool gpuipc__lease_wants_release_event(const gpuipc__lease_table *lt,
+                                       uint32_t slot);
+void gpuipc__lease_set_release_event(gpuipc__lease_table *lt, uint32_t slot,
+                                     gpuipc_event *ev);
+/* A REL frame: the peer gave these back. A non-OK status is a protocol
+ * violation (unknown slot or sequence number); nothing is applied then. */
+gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
+                                     const gpuipc__w_rel *rel, size_t n);
+/* Moves up to cap release records of buf into out (the caller now owns
+ * their events); returns how many. */
+size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
+                                   const gpuipc_buffer *buf,
+                                   gpuipc__relrec *out /* OUT */, size_t cap);
+/* Leases the peer holds on buf; leases it holds in all. */
+unsigned gpuipc__lease_buffer_holders(const gpuipc__lease_table *lt,
+                                      const gpuipc_buffer *buf);
+size_t gpuipc__lease_outstanding(const gpuipc__lease_table *lt);
+
+#endif /* GPUIPC_LEASE_INT_H */
