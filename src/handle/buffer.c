@@ -336,6 +336,14 @@ gpuipc_status gpuipc_buffer_export(gpuipc_buffer *b, uint8_t *desc, size_t cap,
   GPUIPC__CHECK(gpuipc__driver());
   pthread_mutex_lock(&b->lock);
   gpuipc_status s = make_handle(b);
+  /* A buffer's own fd is recorded as its export in this process's
+   * liveness table, once: an importer fetching it by pidfd_getfd checks
+   * the record. (A mempool buffer's fd is its pool's, recorded with it.) */
+  if (s == GPUIPC_OK && !b->recorded && b->fd >= 0 &&
+      !b->ops->named_by_handle) {
+    gpuipc__live_export_add(b->fd, (unsigned)b->kind, b->generation);
+    b->recorded = true;
+  }
   pthread_mutex_unlock(&b->lock);
   if (s != GPUIPC_OK)
     return s;
@@ -433,7 +441,9 @@ gpuipc_status gpuipc__import_fd(const gpuipc__desc *d, const int *fds,
     return GPUIPC_OK;
   }
   if (flags & GPUIPC_IMPORT_PIDFD_GETFD) {
-    GPUIPC__CHECK(gpuipc__pidfd_getfd(&d->exporter, d->exporter_fd, fetched));
+    /* Proven to be the export the descriptor names, not any file of the
+     * process it names (the descriptor may be forged). */
+    GPUIPC__CHECK(gpuipc__live_fetch_fd(d, d->generation, fetched));
     *fd = *fetched;
     return GPUIPC_OK;
   }
@@ -524,7 +534,7 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
                                   GPUIPC_DESC_BUFFER, "a buffer", &opts, &d));
   /* Did the exporter free it? Its liveness table knows (the driver would
    * map freed memory, or another allocation at its address, silently). */
-  if (gpuipc__generation_state(&d.exporter, d.generation) == GPUIPC__LIVE_FREED)
+  if (gpuipc__generation_state(&d) == GPUIPC__LIVE_FREED)
     return gpuipc__fail(GPUIPC_E_STALE,
                         "the exporter (pid %d) freed the %s buffer this "
                         "descriptor names (generation %llu): a stale "
@@ -622,8 +632,11 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
     gpuipc_status s = GPUIPC_OK;
     if (b->ops->unwrap)
       s = b->ops->unwrap(b);
-    if (b->fd >= 0)
+    if (b->fd >= 0) {
+      if (b->recorded)
+        gpuipc__live_export_clear(b->fd);
       close(b->fd);
+    }
     gpuipc__generation_freed(b->generation);
     buffer_delete(b);
     return s;
@@ -641,8 +654,11 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
   }
   /* The buffer is gone even when the driver reported an error: there is
    * nothing a caller could retry. */
-  if (b->fd >= 0)
+  if (b->fd >= 0) {
+    if (b->recorded)
+      gpuipc__live_export_clear(b->fd);
     close(b->fd);
+  }
   if (pool) {
     if (pool->capacity && !pool->ops->driver_capacity)
       atomic_fetch_sub(&pool->in_use, b->size);
