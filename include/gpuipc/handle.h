@@ -372,8 +372,9 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_OUT_OF_RANGE     offset + size beyond the allocation, checked
  *                             against the declared size and again against
  *                             the real mapped range after mapping (VMM:
- *                             a claimed size beyond the device's memory,
- *                             or one the driver refuses to map)
+ *                             a claimed size beyond the device's memory
+ *                             that cannot be reserved, or one the driver
+ *                             refuses to map)
  *   GPUIPC_E_FOREIGN_MACHINE  exported on another machine (boot id)
  *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace
  *   GPUIPC_E_DEVICE_NOT_VISIBLE the exporter's device (or opts->device) is

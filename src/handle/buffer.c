@@ -493,24 +493,30 @@ gpuipc_status gpuipc__import_check_driver_fd(int fd, const char *what) {
   struct stat st;
   if (fstat(fd, &st) != 0)
     return gpuipc__fail_errno(errno, "fstat", "%s fd %d", what, fd);
-  fd_name(fd, name, sizeof name);
   const char *why = NULL;
   if (S_ISDIR(st.st_mode) || S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
       S_ISBLK(st.st_mode) || S_ISLNK(st.st_mode)) {
     why = "a directory, pipe, socket or block device";
   } else if (S_ISREG(st.st_mode)) {
     int seals = fcntl(fd, F_GET_SEALS);
-    if (seals >= 0 && (seals & (F_SEAL_SHRINK | F_SEAL_GROW)))
+    if (seals >= 0 && (seals & (F_SEAL_SHRINK | F_SEAL_GROW))) {
       why = "host memory sealed against resizing (a pinned host buffer's "
             "memfd)";
-    else if (name[0] == '/' && strncmp(name, "/memfd:", 7) != 0)
-      why = "a file of a file system";
+    } else {
+      /* A memfd's link is "/memfd:NAME (deleted)", an anonymous inode's
+       * "anon_inode:...": only a path names a file of a file system. */
+      fd_name(fd, name, sizeof name);
+      if (name[0] == '/' && strncmp(name, "/memfd:", 7) != 0)
+        why = "a file of a file system";
+    }
   }
-  if (why != NULL)
+  if (why != NULL) {
+    fd_name(fd, name, sizeof name);
     return gpuipc__fail(GPUIPC_E_BAD_KIND,
                         "%s descriptor: its fd %d (%s) is %s, not a shareable "
                         "handle of the driver",
                         what, fd, name, why);
+  }
   return GPUIPC_OK;
 }
 
