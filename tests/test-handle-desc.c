@@ -46,7 +46,7 @@ static size_t fake_desc(uint8_t *out) {
   d.alloc_size = 4096;
   size_t len = 0;
   ASSERT_OK(gpuipc__desc_encode(&d, out, GPUIPC_DESC_MAX, &len));
-  ASSERT_EQ(len, 192);
+  ASSERT_EQ(len, GPUIPC__DESC_LEN);
   return len;
 }
 
@@ -152,7 +152,7 @@ TEST_IMPL(handle_desc_corrupted) {
   ASSERT_STATUS(import_raw(d, len), GPUIPC_E_BAD_VERSION);
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "version 2");
   d[4] = 1;
-  d[9] = 1; /* length 192 + 256 */
+  d[9] = 1; /* length 200 + 256 */
   reseal(d, len);
   ASSERT_STATUS(import_raw(d, len), GPUIPC_E_PROTOCOL);
   d[9] = 0;
@@ -385,11 +385,12 @@ TEST_IMPL(handle_desc_freed_is_stale_pinned_host) {
 
 /* ---- the exporter's liveness table ------------------------------------------------------- */
 
-/* The table's file for an exporter identity (docs/descriptor.md). */
-static void table_path(char *out, size_t cap, const gpuipc__identity *ex) {
-  snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu", (unsigned)geteuid(),
-           (unsigned long long)ex->pidns, (int)ex->pid,
-           (unsigned long long)ex->start_time);
+/* The table's file for a descriptor's exporter (docs/descriptor.md). */
+static void table_path(char *out, size_t cap, const gpuipc__desc *d) {
+  snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu-%016llx",
+           (unsigned)geteuid(), (unsigned long long)d->exporter.pidns,
+           (int)d->exporter.pid, (unsigned long long)d->exporter.start_time,
+           (unsigned long long)d->live_key);
 }
 
 /* Writes a table by hand: the format of docs/descriptor.md, one slot set. */
@@ -422,8 +423,9 @@ static size_t fake_exporter_desc(uint8_t *out, uint64_t st, char *path,
   gpuipc__desc d;
   ASSERT_OK(gpuipc__desc_decode(raw, len, &d));
   d.exporter.start_time = st;
+  d.live_key = 0x5eed0000ull + st;
   ASSERT_OK(gpuipc__desc_encode(&d, out, GPUIPC_DESC_MAX, &len));
-  table_path(path, cap, &d.exporter);
+  table_path(path, cap, &d);
   unlink(path);
   return len;
 }
@@ -488,7 +490,7 @@ TEST_IMPL(handle_desc_liveness_table_unreachable) {
   gpuipc__desc x;
   ASSERT_OK(gpuipc__desc_decode(d, len, &x));
   char path[160];
-  table_path(path, sizeof path, &x.exporter);
+  table_path(path, sizeof path, &x);
   ASSERT_EQ(access(path, R_OK), 0); /* the peer made one */
   ASSERT_EQ(unlink(path), 0);
   th_peer_free(sock, slot);

@@ -60,7 +60,7 @@ TEST_IMPL(handle_fuzz_corpus_replay) {
     gpuipc__desc desc;
     gpuipc_status s = gpuipc__desc_decode(copy, n, &desc);
     ASSERT(s >= 0 && s < GPUIPC__STATUS_END);
-    if (s == GPUIPC_OK && n == GPUIPC__DESC_V1_LEN) {
+    if (s == GPUIPC_OK && n == GPUIPC__DESC_LEN) {
       uint8_t again[GPUIPC_DESC_MAX];
       size_t m = 0;
       ASSERT_OK(gpuipc__desc_encode(&desc, again, sizeof again, &m));

@@ -9,6 +9,7 @@
  */
 #include "test-handle.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -292,5 +293,156 @@ TEST_IMPL(handle_hostile_dead_exporter_pools_released) {
               now, before);
     ASSERT_EQ(now, before);
   }
+  return 0;
+}
+
+/* ---- the liveness table's name, and the pidfd route --------------------------------- */
+
+/* The name older libraries gave a process's liveness table: every part of
+ * it public, so anyone could create it first. */
+static void predictable_table_name(char *out, size_t cap, pid_t pid) {
+  snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu", (unsigned)geteuid(),
+           (unsigned long long)gpuipc__pid_namespace(), (int)pid,
+           (unsigned long long)gpuipc__process_start_time((int)pid));
+}
+
+/* Another process creates the liveness table's predictable name before
+ * the exporter's first allocation (here of the same uid; another uid's
+ * file could not even be removed). The exporter still gets a table (under
+ * a name nobody could predict, carried in its descriptors), so a freed
+ * buffer's descriptor is still refused as stale. */
+TEST_IMPL(handle_hostile_liveness_name_squatted) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  char path[160];
+  predictable_table_name(path, sizeof path, pid);
+  int squat = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  ASSERT_GE(squat, 0);
+  ASSERT_EQ(ftruncate(squat, 4096), 0);
+  close(squat);
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len;
+  int fd;
+  gpuipc__desc dd;
+  uint64_t slot =
+      export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d, &len, &fd, &dd);
+  ASSERT_NE(dd.live_key, 0);
+  th_peer_free(sock, slot);
+  gpuipc_buffer *b = NULL;
+  gpuipc_status s = gpuipc_buffer_import(d, len, &fd, 1, NULL, &b);
+  if (s == GPUIPC_OK)
+    ASSERT_OK(gpuipc_buffer_close(b));
+  unlink(path);
+  close(fd);
+  if (s != GPUIPC_E_STALE)
+    fprintf(stderr, "import of a freed buffer: %s: %s\n",
+            gpuipc_status_name(s), gpuipc_last_error());
+  ASSERT_EQ(s, GPUIPC_E_STALE);
+  th_peer_stop(pid, sock);
+  return 0;
+}
+
+/* The key of a process's liveness table, as anyone may read it from the
+ * names in /dev/shm; 0 when it has none. */
+static uint64_t table_key_of(pid_t pid) {
+  char prefix[160];
+  predictable_table_name(prefix, sizeof prefix, pid);
+  const char *base = prefix + strlen("/dev/shm/");
+  size_t pl = strlen(base);
+  uint64_t key = 0;
+  DIR *dir = opendir("/dev/shm");
+  ASSERT_NOT_NULL(dir);
+  struct dirent *e;
+  while ((e = readdir(dir)) != NULL)
+    if (strncmp(e->d_name, base, pl) == 0 && e->d_name[pl] == '-')
+      key = strtoull(e->d_name + pl + 1, NULL, 16);
+  closedir(dir);
+  return key;
+}
+
+static int pidfd_import(const uint8_t *d, size_t len, gpuipc_buffer **b) {
+  gpuipc_import_options o = GPUIPC_IMPORT_OPTIONS_INIT;
+  o.flags = GPUIPC_IMPORT_PIDFD_GETFD;
+  return gpuipc_buffer_import(d, len, NULL, 0, &o, b);
+}
+
+/* A forged pinned host descriptor naming a bystander process of the same
+ * user and the number of an fd it never exported (here: its own pinned
+ * buffer's memfd, sealed like any of gpuipc's): with
+ * GPUIPC_IMPORT_PIDFD_GETFD the importer must not map it, since the
+ * bystander's table records no such export. A process that never exported
+ * anything is refused as well. The honest export imports. */
+TEST_IMPL(handle_hostile_pidfd_bystander) {
+  ASSERT_OK(gpuipc_init());
+  int sa, sb, sc;
+  pid_t a = th_peer_start(NULL, &sa);
+  pid_t by = th_peer_start(NULL, &sb);
+  pid_t fresh = th_peer_start(NULL, &sc);
+  uint8_t d[GPUIPC_DESC_MAX], f[GPUIPC_DESC_MAX];
+  size_t len;
+  int nfds = 0;
+  uint64_t slot =
+      th_peer_export(sa, GPUIPC_POOL_PINNED_HOST, 65536, 5, d, &len, NULL, &nfds);
+  ASSERT_EQ(nfds, 0);
+  gpuipc_buffer *b = NULL;
+  gpuipc_status s = pidfd_import(d, len, &b);
+  if (s == GPUIPC_E_PERMISSION || s == GPUIPC_E_NOT_SUPPORTED) {
+    th_peer_stop(a, sa);
+    th_peer_stop(by, sb);
+    th_peer_stop(fresh, sc);
+    SKIP("pidfd_getfd refused here: %s", gpuipc_last_error());
+  }
+  ASSERT_OK(s);
+  ASSERT(th_check(b, 0, 65536, 5));
+  ASSERT_OK(gpuipc_buffer_close(b));
+
+  /* The bystander's private buffer, never exported. */
+  harness_send_u64(sb, TH_OP_ALLOC_PRIVATE);
+  harness_send_u64(sb, GPUIPC_POOL_PINNED_HOST);
+  harness_send_u64(sb, 65536);
+  harness_send_u64(sb, 77);
+  uint64_t bslot = harness_recv_u64(sb);
+  int bfd = (int)(int64_t)harness_recv_u64(sb);
+  uint64_t bgen = harness_recv_u64(sb);
+  ASSERT_GE(bfd, 0);
+  gpuipc__desc dd;
+  ASSERT_OK(gpuipc__desc_decode(d, len, &dd));
+  gpuipc__desc x = dd;
+  x.exporter.pid = by;
+  x.exporter.start_time = gpuipc__process_start_time(by);
+  x.exporter_fd = bfd;
+  x.generation = bgen;
+  x.live_key = table_key_of(by);
+  ASSERT_NE(x.live_key, 0); /* it allocated: it has a table */
+  size_t fl = forge(&x, f);
+  b = NULL;
+  s = pidfd_import(f, fl, &b);
+  if (s == GPUIPC_OK) {
+    bool theirs = th_check(b, 0, 65536, 77);
+    ASSERT_OK(gpuipc_buffer_close(b));
+    harness_fail(__FILE__, __LINE__,
+                 "a forged descriptor mapped the bystander's private memfd "
+                 "(its data %s)",
+                 theirs ? "read back" : "not recognized");
+  }
+  ASSERT_EQ(s, GPUIPC_E_PERMISSION);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "has not exported that fd");
+
+  /* A process that never exported (nor allocated) anything: no table. */
+  x.exporter.pid = fresh;
+  x.exporter.start_time = gpuipc__process_start_time(fresh);
+  x.exporter_fd = 0;
+  x.live_key = table_key_of(fresh);
+  ASSERT_EQ(x.live_key, 0);
+  fl = forge(&x, f);
+  ASSERT_STATUS(pidfd_import(f, fl, &b), GPUIPC_E_PERMISSION);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "no liveness table");
+
+  th_peer_free(sb, bslot);
+  th_peer_free(sa, slot);
+  th_peer_stop(a, sa);
+  th_peer_stop(by, sb);
+  th_peer_stop(fresh, sc);
   return 0;
 }

@@ -216,6 +216,20 @@ HELPER_IMPL(handle_peer) {
       harness_send_u64(P.sock, peer_slot(&P, b));
       break;
     }
+    case TH_OP_ALLOC_PRIVATE: {
+      gpuipc_pool_kind kind = (gpuipc_pool_kind)harness_recv_u64(P.sock);
+      size_t size = harness_recv_u64(P.sock);
+      uint32_t seed = (uint32_t)harness_recv_u64(P.sock);
+      gpuipc_buffer *b = NULL;
+      ASSERT_OK(gpuipc_buffer_alloc(peer_pool(&P, kind), size, NULL, &b));
+      th_sync(0);
+      th_fill(b, 0, size, seed);
+      gpuipc__buffer_info i = th_info(b);
+      harness_send_u64(P.sock, peer_slot(&P, b));
+      harness_send_u64(P.sock, (uint64_t)(int64_t)i.fd);
+      harness_send_u64(P.sock, i.generation);
+      break;
+    }
     case TH_OP_WRAP: {
       gpuipc_pool_kind kind = (gpuipc_pool_kind)harness_recv_u64(P.sock);
       size_t alloc = harness_recv_u64(P.sock);

@@ -55,7 +55,10 @@ enum {
   TH_OP_WRAP,         /* kind (legacy|mempool), alloc, off, size, seed ->
                          desc(+fds), u64 slot */
   TH_OP_EVENT_PRODUCE, /* -> event desc (created, exported, recorded) */
-  TH_OP_POOL_EXPORT    /* kind -> pool desc(+fd) of the peer's pool */
+  TH_OP_POOL_EXPORT,   /* kind -> pool desc(+fd) of the peer's pool */
+  TH_OP_ALLOC_PRIVATE  /* kind, size, seed -> u64 slot, u64 fd number (-1:
+                          none yet), u64 generation: allocated, never
+                          exported */
 };
 
 /* Starts a peer (env: extra environment, may be NULL). */

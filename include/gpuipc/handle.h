@@ -30,13 +30,15 @@
  *   legacy and pool imports get importer-local ids), so gpuipc asks the
  *   exporter instead: every process that allocates keeps a *liveness table*
  *   of generation words in shared memory (a file in /dev/shm named after
- *   its uid, pid namespace, pid and start time, mode 0600), marked when a buffer is freed.
+ *   its uid, pid namespace, pid, start time and a random key that every
+ *   descriptor carries, so that nobody can claim the name first; mode
+ *   0600), marked when a buffer is freed.
  *   Every import (cache hits included) reads the exporter's table first and
  *   refuses a freed buffer with GPUIPC_E_STALE. Limits: the table is
  *   readable only by the same uid, and within one /dev/shm; an importer
  *   that cannot read it (another uid, another mount namespace, an exporter
  *   of an older gpuipc, an exporter that exited) imports without this check
- *   and logs that once per exporter at level info; then only the driver's
+ *   and logs that (once) at level info; then only the driver's
  *   own refusals remain (a legacy handle of freed memory fails to open; VMM
  *   and pinned host fds keep the memory alive, so those imports are of real,
  *   though abandoned, memory). Wrapped legacy and mempool memory (generation
@@ -370,8 +372,9 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_OUT_OF_RANGE     offset + size beyond the allocation, checked
  *                             against the declared size and again against
  *                             the real mapped range after mapping (VMM:
- *                             a claimed size beyond the device's memory,
- *                             or one the driver refuses to map)
+ *                             a claimed size beyond the device's memory
+ *                             that cannot be reserved, or one the driver
+ *                             refuses to map)
  *   GPUIPC_E_FOREIGN_MACHINE  exported on another machine (boot id)
  *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace
  *   GPUIPC_E_DEVICE_NOT_VISIBLE the exporter's device (or opts->device) is
@@ -379,7 +382,12 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *   GPUIPC_E_NEED_FD          an fd is needed and was not passed (and the
  *                             pool is not imported, and pidfd_getfd was not
  *                             asked for)
- *   GPUIPC_E_PERMISSION       pidfd_getfd refused (ptrace permission)
+ *   GPUIPC_E_PERMISSION       pidfd_getfd refused (ptrace permission), or
+ *                             the fd fetched is not proven to be the
+ *                             export the descriptor names (the exporter's
+ *                             liveness table records no such export: a
+ *                             forged descriptor, a process that exported
+ *                             nothing)
  *   GPUIPC_E_PEER_GONE        pidfd route: the exporter exited
  *   GPUIPC_E_STALE            the exporter freed the buffer (its liveness
  *                             table says so), or the driver refused a

@@ -336,6 +336,14 @@ gpuipc_status gpuipc_buffer_export(gpuipc_buffer *b, uint8_t *desc, size_t cap,
   GPUIPC__CHECK(gpuipc__driver());
   pthread_mutex_lock(&b->lock);
   gpuipc_status s = make_handle(b);
+  /* A buffer's own fd is recorded as its export in this process's
+   * liveness table, once: an importer fetching it by pidfd_getfd checks
+   * the record. (A mempool buffer's fd is its pool's, recorded with it.) */
+  if (s == GPUIPC_OK && !b->recorded && b->fd >= 0 &&
+      !b->ops->named_by_handle) {
+    gpuipc__live_export_add(b->fd, (unsigned)b->kind, b->generation);
+    b->recorded = true;
+  }
   pthread_mutex_unlock(&b->lock);
   if (s != GPUIPC_OK)
     return s;
@@ -433,7 +441,9 @@ gpuipc_status gpuipc__import_fd(const gpuipc__desc *d, const int *fds,
     return GPUIPC_OK;
   }
   if (flags & GPUIPC_IMPORT_PIDFD_GETFD) {
-    GPUIPC__CHECK(gpuipc__pidfd_getfd(&d->exporter, d->exporter_fd, fetched));
+    /* Proven to be the export the descriptor names, not any file of the
+     * process it names (the descriptor may be forged). */
+    GPUIPC__CHECK(gpuipc__live_fetch_fd(d, d->generation, fetched));
     *fd = *fetched;
     return GPUIPC_OK;
   }
@@ -483,24 +493,30 @@ gpuipc_status gpuipc__import_check_driver_fd(int fd, const char *what) {
   struct stat st;
   if (fstat(fd, &st) != 0)
     return gpuipc__fail_errno(errno, "fstat", "%s fd %d", what, fd);
-  fd_name(fd, name, sizeof name);
   const char *why = NULL;
   if (S_ISDIR(st.st_mode) || S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
       S_ISBLK(st.st_mode) || S_ISLNK(st.st_mode)) {
     why = "a directory, pipe, socket or block device";
   } else if (S_ISREG(st.st_mode)) {
     int seals = fcntl(fd, F_GET_SEALS);
-    if (seals >= 0 && (seals & (F_SEAL_SHRINK | F_SEAL_GROW)))
+    if (seals >= 0 && (seals & (F_SEAL_SHRINK | F_SEAL_GROW))) {
       why = "host memory sealed against resizing (a pinned host buffer's "
             "memfd)";
-    else if (name[0] == '/' && strncmp(name, "/memfd:", 7) != 0)
-      why = "a file of a file system";
+    } else {
+      /* A memfd's link is "/memfd:NAME (deleted)", an anonymous inode's
+       * "anon_inode:...": only a path names a file of a file system. */
+      fd_name(fd, name, sizeof name);
+      if (name[0] == '/' && strncmp(name, "/memfd:", 7) != 0)
+        why = "a file of a file system";
+    }
   }
-  if (why != NULL)
+  if (why != NULL) {
+    fd_name(fd, name, sizeof name);
     return gpuipc__fail(GPUIPC_E_BAD_KIND,
                         "%s descriptor: its fd %d (%s) is %s, not a shareable "
                         "handle of the driver",
                         what, fd, name, why);
+  }
   return GPUIPC_OK;
 }
 
@@ -524,7 +540,7 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
                                   GPUIPC_DESC_BUFFER, "a buffer", &opts, &d));
   /* Did the exporter free it? Its liveness table knows (the driver would
    * map freed memory, or another allocation at its address, silently). */
-  if (gpuipc__generation_state(&d.exporter, d.generation) == GPUIPC__LIVE_FREED)
+  if (gpuipc__generation_state(&d) == GPUIPC__LIVE_FREED)
     return gpuipc__fail(GPUIPC_E_STALE,
                         "the exporter (pid %d) freed the %s buffer this "
                         "descriptor names (generation %llu): a stale "
@@ -622,8 +638,11 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
     gpuipc_status s = GPUIPC_OK;
     if (b->ops->unwrap)
       s = b->ops->unwrap(b);
-    if (b->fd >= 0)
+    if (b->fd >= 0) {
+      if (b->recorded)
+        gpuipc__live_export_clear(b->fd);
       close(b->fd);
+    }
     gpuipc__generation_freed(b->generation);
     buffer_delete(b);
     return s;
@@ -641,8 +660,11 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
   }
   /* The buffer is gone even when the driver reported an error: there is
    * nothing a caller could retry. */
-  if (b->fd >= 0)
+  if (b->fd >= 0) {
+    if (b->recorded)
+      gpuipc__live_export_clear(b->fd);
     close(b->fd);
+  }
   if (pool) {
     if (pool->capacity && !pool->ops->driver_capacity)
       atomic_fetch_sub(&pool->in_use, b->size);

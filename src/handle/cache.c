@@ -522,7 +522,7 @@ gpuipc_status gpuipc__pool_import_acquire(const gpuipc__desc *d,
     gpuipc_status s = GPUIPC_OK;
     int fetched = -1;
     if (fd < 0 && (flags & GPUIPC_IMPORT_PIDFD_GETFD)) {
-      s = gpuipc__pidfd_getfd(&d->exporter, d->exporter_fd, &fetched);
+      s = gpuipc__live_fetch_fd(d, d->pool_id, &fetched);
       fd = fetched;
     } else if (fd < 0) {
       s = gpuipc__fail(GPUIPC_E_NEED_FD,

@@ -133,24 +133,29 @@ enum {
   OFF_SIZE = 112,
   OFF_ALLOC_SIZE = 120,
   OFF_HANDLE = 128,
-  OFF_END = 192
+  OFF_END = 192,
+  /* Appended fields (version 1 keeps them: readers ignore what follows
+   * the fields they know). */
+  OFF_LIVE_KEY = 192,
+  OFF_END_LIVE_KEY = 200
 };
 _Static_assert(OFF_END == GPUIPC__DESC_V1_LEN, "v1 layout");
+_Static_assert(OFF_END_LIVE_KEY == GPUIPC__DESC_LEN, "v1 + live_key");
 _Static_assert(GPUIPC__DESC_V1_LEN <= GPUIPC_DESC_MAX, "GPUIPC_DESC_MAX");
 
 gpuipc_status gpuipc__desc_encode(const gpuipc__desc *d, uint8_t *out,
                                   size_t cap, size_t *len) {
-  if (cap < GPUIPC__DESC_V1_LEN)
+  if (cap < GPUIPC__DESC_LEN)
     return gpuipc__fail(GPUIPC_E_LIMIT,
                         "descriptor needs %u bytes, the buffer holds %zu",
-                        GPUIPC__DESC_V1_LEN, cap);
+                        GPUIPC__DESC_LEN, cap);
   uint8_t *p = out;
-  memset(p, 0, GPUIPC__DESC_V1_LEN);
+  memset(p, 0, GPUIPC__DESC_LEN);
   put32(p + OFF_MAGIC, GPUIPC__DESC_MAGIC);
   put16(p + OFF_VERSION, GPUIPC__DESC_VERSION);
   p[OFF_TYPE] = d->type;
   p[OFF_KIND] = d->kind;
-  put32(p + OFF_LENGTH, GPUIPC__DESC_V1_LEN);
+  put32(p + OFF_LENGTH, GPUIPC__DESC_LEN);
   p[OFF_NFDS] = d->nfds;
   p[OFF_FLAGS] = d->flags;
   put16(p + OFF_HANDLE_LEN, d->handle_len);
@@ -171,8 +176,9 @@ gpuipc_status gpuipc__desc_encode(const gpuipc__desc *d, uint8_t *out,
            d->handle_len <= GPUIPC__DESC_HANDLE_BYTES
                ? d->handle_len
                : GPUIPC__DESC_HANDLE_BYTES);
-  put32(p + OFF_CRC, gpuipc__crc32c(0, p, GPUIPC__DESC_V1_LEN));
-  *len = GPUIPC__DESC_V1_LEN;
+  put64(p + OFF_LIVE_KEY, d->live_key);
+  put32(p + OFF_CRC, gpuipc__crc32c(0, p, GPUIPC__DESC_LEN));
+  *len = GPUIPC__DESC_LEN;
   return GPUIPC_OK;
 }
 
@@ -281,6 +287,8 @@ gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
   x.size = get64(in + OFF_SIZE);
   x.alloc_size = get64(in + OFF_ALLOC_SIZE);
   memcpy(x.handle, in + OFF_HANDLE, GPUIPC__DESC_HANDLE_BYTES);
+  if (declared >= OFF_END_LIVE_KEY)
+    x.live_key = get64(in + OFF_LIVE_KEY);
 
   if (x.handle_len != handle_len_for(x.type, x.kind))
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
@@ -370,6 +378,7 @@ gpuipc_status gpuipc__self_identity(gpuipc__identity *id) {
 }
 
 gpuipc_status gpuipc__desc_set_exporter(gpuipc__desc *d) {
+  d->live_key = gpuipc__live_key();
   return gpuipc__self_identity(&d->exporter);
 }
 

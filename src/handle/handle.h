@@ -44,8 +44,10 @@
 #define GPUIPC__DESC_MAGIC 0x43504947u
 /* The format version this library writes and reads. */
 #define GPUIPC__DESC_VERSION 1u
-/* Length of a version 1 descriptor. */
+/* The shortest version 1 descriptor (the fields up to `handle`). */
 #define GPUIPC__DESC_V1_LEN 192u
+/* The length this library writes: version 1 with `live_key` appended. */
+#define GPUIPC__DESC_LEN 200u
 /* Bytes of handle data carried (a CUipcMemHandle, CUipcEventHandle or
  * CUmemPoolPtrExportData: 64 bytes each). */
 #define GPUIPC__DESC_HANDLE_BYTES 64u
@@ -85,6 +87,10 @@ typedef struct gpuipc__desc {
   uint64_t size;
   uint64_t alloc_size;
   uint8_t handle[GPUIPC__DESC_HANDLE_BYTES];
+  /* Names the exporter's liveness table (random, 0: it has none; in
+   * descriptors of GPUIPC__DESC_LEN bytes or more). Shorter ones come from
+   * an older library, whose table has the name without it. */
+  uint64_t live_key;
 } gpuipc__desc;
 
 /* CRC32C (Castagnoli), the checksum of the format. */
@@ -149,6 +155,8 @@ gpuipc_status gpuipc__pool_chunk_alloc(gpuipc_pool *pool, size_t size,
 /* The liveness table (its layout is read by the tests that forge one): slots per process, and the bit a freed slot has. */
 #define GPUIPC__LIVE_SLOTS (1u << 18)
 #define GPUIPC__LIVE_FREED_BIT (1ull << 63)
+/* Export records after the slots (version 2), one per fd number. */
+#define GPUIPC__LIVE_EXPORTS (1u << 16)
 
 /* The local ordinal of the device a pool allocates on. */
 int gpuipc__pool_ordinal(const gpuipc_pool *pool);

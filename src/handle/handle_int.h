@@ -67,6 +67,7 @@ struct gpuipc_buffer {
   /* Export state, made on first export (lock). */
   pthread_mutex_t lock;
   bool have_handle;
+  bool recorded;        /* fd recorded as an export (liveness table) */
   uint8_t handle[64];   /* CUipcMemHandle or CUmemPoolPtrExportData */
   CUmemGenericAllocationHandle vmm;
   int fd;               /* VMM / PINNED_HOST: shareable fd; -1 */
@@ -292,9 +293,27 @@ typedef enum gpuipc__live_state {
  * free, or names a process with another start time). */
 bool gpuipc__exporter_gone(const gpuipc__identity *exporter);
 
-/* What the exporter's table says of generation g (maps the exporter's table
+/* What the table of the descriptor's exporter says of its generation
+ * (maps the exporter's table, named by the descriptor's live key,
  * read-only on first use; logs at info once when it cannot). */
-gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *exporter,
-                                            uint64_t g);
+gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d);
+
+/* This process's table's key (made with the table on first use; 0 when
+ * it has none): gpuipc__desc_set_exporter puts it in every descriptor. */
+uint64_t gpuipc__live_key(void);
+
+/* Records in this process's table that fd is an export of kind with tag
+ * (VMM and pinned host buffers: their generation; memory pools: their pool
+ * id), with the file's device and inode; clear it before closing the fd. */
+void gpuipc__live_export_add(int fd, unsigned kind, uint64_t tag);
+void gpuipc__live_export_clear(int fd);
+
+/* The pidfd route: fetches fd number d->exporter_fd of the exporter and
+ * proves it is the export the descriptor names: the exporter's table
+ * records an export of d->kind with tag at that fd number, of the very file
+ * fetched (device and inode). GPUIPC_E_PERMISSION otherwise (a forged
+ * descriptor naming a bystander, a process that exported nothing). */
+gpuipc_status gpuipc__live_fetch_fd(const gpuipc__desc *d, uint64_t tag,
+                                    int *out);
 
 #endif /* GPUIPC_HANDLE_INT_H */

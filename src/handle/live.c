@@ -15,7 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static atomic_uint_fast64_t generations;
@@ -26,44 +28,94 @@ static atomic_uint_fast64_t generations;
  * (driver 580: legacy and pool imports get importer-local ids), and it maps
  * freed memory without complaint, so an importer cannot tell from the
  * driver whether the allocation a descriptor names still exists. The
- * exporter tells it instead: each process that allocates keeps a table of
- * generation words in a named shared-memory object,
- *   /dev/shm/gpuipc-<uid>-<pid namespace>-<pid>-<start time>
+ * exporter tells it instead: each process that allocates or exports keeps
+ * a table of generation words in a named shared-memory object,
+ *   /dev/shm/gpuipc-<uid>-<pid namespace>-<pid>-<start time>-<key>
  * (mode 0600, O_EXCL; the namespace is in the name because one /dev/shm
- * may be shared by containers whose pids mean different processes),
+ * may be shared by containers whose pids mean different processes; <key>
+ * is 64 random bits, made anew while the name exists, and travels in every
+ * descriptor, so nobody can claim the name before the exporter creates it),
  * slot (generation % GPUIPC__LIVE_SLOTS) holding the generation while the
  * allocation lives and generation | GPUIPC__LIVE_FREED_BIT once freed. An
  * importer of the same uid maps it read-only (once per exporter) and
  * refuses a descriptor whose slot says "freed" (GPUIPC_E_STALE). A slot
- * holding anything else (reused by a later allocation, never written, or no
- * table at all) means "cannot tell": the import proceeds, so the table
- * never refuses live memory. Legacy descriptors travel without fds, which
- * is why the table is found by name rather than passed as an fd.
+ * holding anything else (reused by a later allocation, never written)
+ * means "cannot tell": the import proceeds, so the table never refuses
+ * live memory. Legacy descriptors travel without fds, which is why the
+ * table is found by name rather than passed as an fd.
+ *
+ * The table also records what the exporter exported by fd, indexed by fd
+ * number: the kind, the export's tag (the generation of a VMM or pinned
+ * host buffer, the pool id of a memory pool) and the file's device and
+ * inode. Only the exporter writes it, so an importer that fetched an fd by
+ * pidfd_getfd can prove that the file it got is the export the descriptor
+ * names, and not some other file a forged descriptor pointed it at.
+ *
  * The exporter unlinks its table when the library is unloaded (normal
  * exit); tables of processes that died without it are removed by the next
  * process of that uid that creates its own. */
 
 #define LIVE_MAGIC 0x4556494c43504947ull /* "GIPCLIVE" */
+#define LIVE_VERSION 2u
 #define LIVE_PROBES 64
+#define LIVE_NAME_TRIES 16
 
 typedef struct live_header {
   uint64_t magic;
   uint32_t version;
   uint32_t slots;
-  uint64_t reserved[6];
+  uint32_t exports; /* version 2: records after the slots */
+  uint32_t pad;
+  uint64_t reserved[5];
 } live_header;
-#define LIVE_BYTES (sizeof(live_header) + GPUIPC__LIVE_SLOTS * sizeof(uint64_t))
+_Static_assert(sizeof(live_header) == 64, "liveness table header");
+
+/* One export record (version 2). seq is odd while the exporter writes it;
+ * kind 0: no export at that fd number. */
+typedef struct live_export {
+  uint32_t seq;
+  uint32_t kind;
+  uint64_t tag;
+  uint64_t dev;
+  uint64_t ino;
+} live_export;
+
+#define LIVE_V1_BYTES                                                          \
+  (sizeof(live_header) + GPUIPC__LIVE_SLOTS * sizeof(uint64_t))
+#define LIVE_BYTES                                                             \
+  (LIVE_V1_BYTES + GPUIPC__LIVE_EXPORTS * sizeof(live_export))
+
+/* A table mapped here. */
+typedef struct live_map {
+  void *base;           /* NULL: none */
+  size_t bytes;
+  uint64_t *slots;
+  live_export *exports; /* NULL: a version 1 table, without records */
+} live_map;
 
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t *live_slots;  /* this process's table (NULL: none) */
-static pid_t live_pid;        /* the process that made live_slots */
+static live_map self;         /* this process's table */
+static pid_t live_pid;        /* the process that made it */
 static bool live_tried;
-static char live_path[128];
+static uint64_t live_key_self; /* its key */
+static char live_path[160];
 
+/* The table's name; key 0: the name of older libraries, without one. */
 static void live_name(char *out, size_t cap, uid_t uid, uint64_t pidns,
-                      int pid, uint64_t start_time) {
-  snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu", (unsigned)uid,
-           (unsigned long long)pidns, pid, (unsigned long long)start_time);
+                      int pid, uint64_t start_time, uint64_t key) {
+  if (key == 0)
+    snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu", (unsigned)uid,
+             (unsigned long long)pidns, pid, (unsigned long long)start_time);
+  else
+    snprintf(out, cap, "/dev/shm/gpuipc-%u-%llu-%d-%llu-%016llx",
+             (unsigned)uid, (unsigned long long)pidns, pid,
+             (unsigned long long)start_time, (unsigned long long)key);
+}
+
+static void live_unmap(live_map *m) {
+  if (m->base != NULL)
+    munmap(m->base, m->bytes);
+  memset(m, 0, sizeof *m);
 }
 
 /* True when the process (pid, start time) is certainly gone: its pid is
@@ -108,61 +160,146 @@ static void live_sweep(uint64_t pidns) {
 }
 
 __attribute__((destructor)) static void live_unlink_at_exit(void) {
-  if (live_slots != NULL && live_pid == getpid())
+  if (self.base != NULL && live_pid == getpid())
     unlink(live_path);
 }
 
-/* This process's table, made on first use (live_lock held). */
-static uint64_t *live_self(void) {
+static uint64_t random_key(void) {
+  uint64_t k = 0;
+  while (k == 0) {
+    if (getrandom(&k, sizeof k, 0) != (ssize_t)sizeof k) {
+      /* No entropy source: still unpredictable enough to an outsider
+       * that cannot watch this process, and EEXIST makes another. */
+      struct timespec ts;
+      clock_gettime(CLOCK_MONOTONIC, &ts);
+      k = ((uint64_t)ts.tv_nsec << 32) ^ (uint64_t)ts.tv_sec ^
+          ((uint64_t)getpid() << 16) ^ (uint64_t)(uintptr_t)&k;
+    }
+  }
+  return k;
+}
+
+/* This process's table, made on first use (live_lock held). Its name
+ * carries a random key, made anew while the name exists: whoever created a
+ * file of a name this process would have chosen, nobody can make it run
+ * without its table. Any other failure is reported loudly, once. */
+static live_map *live_self(void) {
   pid_t me = getpid();
-  if (live_slots != NULL && live_pid != me) {
+  if (self.base != NULL && live_pid != me) {
     /* A forked child inherited its parent's (shared) mapping: never write
      * the parent's table. */
-    munmap((void *)((uint8_t *)live_slots - sizeof(live_header)), LIVE_BYTES);
-    live_slots = NULL;
+    live_unmap(&self);
     live_tried = false;
   }
-  if (live_slots != NULL || (live_tried && live_pid == me))
-    return live_slots;
+  if (self.base != NULL)
+    return &self;
+  if (live_tried && live_pid == me)
+    return NULL;
   live_tried = true;
   live_pid = me;
   uint64_t pidns = gpuipc__pid_namespace();
+  uint64_t start = gpuipc__process_start_time((int)me);
   live_sweep(pidns);
-  live_name(live_path, sizeof live_path, geteuid(), pidns, (int)me,
-            gpuipc__process_start_time((int)me));
-  int fd = open(live_path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                0600);
+  int fd = -1, err = 0;
+  uint64_t key = 0;
+  for (int i = 0; i < LIVE_NAME_TRIES && fd < 0; i++) {
+    key = random_key();
+    live_name(live_path, sizeof live_path, geteuid(), pidns, (int)me, start,
+              key);
+    fd = open(live_path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+              0600);
+    err = errno;
+    if (fd < 0 && err != EEXIST)
+      break;
+  }
   if (fd < 0) {
-    GPUIPC__INFO("handle",
+    GPUIPC__WARN("handle",
                  "no liveness table (%s: %s): importers of this process's "
-                 "buffers cannot detect freed buffers",
-                 live_path, strerror(errno));
+                 "buffers cannot detect freed buffers, and cannot fetch its "
+                 "fds by pidfd_getfd",
+                 live_path, strerror(err));
     return NULL;
   }
   void *m = MAP_FAILED;
   if (ftruncate(fd, (off_t)LIVE_BYTES) == 0)
     m = mmap(NULL, LIVE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  int err = errno;
+  err = errno;
   close(fd);
   if (m == MAP_FAILED) {
-    GPUIPC__INFO("handle", "no liveness table (%s: %s)", live_path,
-                 strerror(err));
+    GPUIPC__WARN("handle",
+                 "no liveness table (%s: %s): importers of this process's "
+                 "buffers cannot detect freed buffers",
+                 live_path, strerror(err));
     unlink(live_path);
     return NULL;
   }
   live_header *h = m;
-  h->version = 1;
+  h->version = LIVE_VERSION;
   h->slots = GPUIPC__LIVE_SLOTS;
+  h->exports = GPUIPC__LIVE_EXPORTS;
   __atomic_store_n(&h->magic, LIVE_MAGIC, __ATOMIC_RELEASE);
-  live_slots = (uint64_t *)(h + 1);
-  return live_slots;
+  self.base = m;
+  self.bytes = LIVE_BYTES;
+  self.slots = (uint64_t *)(h + 1);
+  self.exports = (live_export *)(self.slots + GPUIPC__LIVE_SLOTS);
+  live_key_self = key;
+  return &self;
+}
+
+uint64_t gpuipc__live_key(void) {
+  pthread_mutex_lock(&live_lock);
+  live_map *t = live_self();
+  uint64_t k = t != NULL ? live_key_self : 0;
+  pthread_mutex_unlock(&live_lock);
+  return k;
+}
+
+/* ---- export records (this process writes its own) ------------------------------ */
+
+static void record_write(live_export *r, uint32_t kind, uint64_t tag,
+                         uint64_t dev, uint64_t ino) {
+  uint32_t seq = __atomic_load_n(&r->seq, __ATOMIC_RELAXED);
+  __atomic_store_n(&r->seq, seq | 1u, __ATOMIC_RELAXED);
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  __atomic_store_n(&r->kind, kind, __ATOMIC_RELAXED);
+  __atomic_store_n(&r->tag, tag, __ATOMIC_RELAXED);
+  __atomic_store_n(&r->dev, dev, __ATOMIC_RELAXED);
+  __atomic_store_n(&r->ino, ino, __ATOMIC_RELAXED);
+  __atomic_store_n(&r->seq, (seq | 1u) + 1u, __ATOMIC_RELEASE);
+}
+
+void gpuipc__live_export_add(int fd, unsigned kind, uint64_t tag) {
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st) != 0)
+    return;
+  pthread_mutex_lock(&live_lock);
+  live_map *t = live_self();
+  if (t != NULL && fd < (int)GPUIPC__LIVE_EXPORTS)
+    record_write(&t->exports[fd], kind, tag, (uint64_t)st.st_dev,
+                 (uint64_t)st.st_ino);
+  else if (t != NULL)
+    GPUIPC__INFO("handle",
+                 "export fd %d is beyond the liveness table's %u records: "
+                 "importers cannot fetch it by pidfd_getfd",
+                 fd, GPUIPC__LIVE_EXPORTS);
+  pthread_mutex_unlock(&live_lock);
+}
+
+void gpuipc__live_export_clear(int fd) {
+  pthread_mutex_lock(&live_lock);
+  if (self.base != NULL && live_pid == getpid() && fd >= 0 &&
+      fd < (int)GPUIPC__LIVE_EXPORTS &&
+      __atomic_load_n(&self.exports[fd].kind, __ATOMIC_RELAXED) != 0)
+    record_write(&self.exports[fd], 0, 0, 0, 0);
+  pthread_mutex_unlock(&live_lock);
 }
 
 uint64_t gpuipc__next_generation(void) {
   uint64_t g = atomic_fetch_add(&generations, 1) + 1;
   pthread_mutex_lock(&live_lock);
-  uint64_t *t = live_self();
-  if (t != NULL) {
+  live_map *m = live_self();
+  if (m != NULL) {
+    uint64_t *t = m->slots;
     /* A slot still holding a live allocation is not taken over (that would
      * turn the live one's checks into "cannot tell"): skip to the next
      * generation, a bounded number of times. */
@@ -182,7 +319,7 @@ void gpuipc__generation_freed(uint64_t g) {
   if (g == 0)
     return;
   pthread_mutex_lock(&live_lock);
-  uint64_t *t = live_slots != NULL && live_pid == getpid() ? live_slots : NULL;
+  uint64_t *t = self.base != NULL && live_pid == getpid() ? self.slots : NULL;
   if (t != NULL) {
     uint64_t want = g;
     /* Only if the slot is still this generation's. */
@@ -193,120 +330,218 @@ void gpuipc__generation_freed(uint64_t g) {
   pthread_mutex_unlock(&live_lock);
 }
 
-/* Exporters' tables mapped here, read-only, once per live exporter. An
- * entry goes (unmapped) once its process is gone, checked whenever a new
- * exporter is looked up: a long-running importer of many short-lived
- * exporters must not keep their (unlinked) tables' pages mapped forever,
- * and made-up identities in hostile descriptors must not grow the list. */
+/* ---- exporters' tables, read here ----------------------------------------------- */
+
+/* Exporters' tables mapped here, read-only, once per live exporter and
+ * key. An entry goes (unmapped) once its process is gone, checked whenever
+ * a new exporter is looked up: a long-running importer of many short-lived
+ * exporters must not keep their (unlinked) tables' pages mapped forever.
+ * Only tables that opened are kept, so made-up identities and keys in
+ * hostile descriptors neither grow the list nor hide a real table. */
 typedef struct peer_table {
   int32_t pid;
   uint64_t start_time;
-  const uint64_t *slots; /* NULL: unreachable (logged once) */
+  uint64_t key;
+  live_map m;
   struct peer_table *next;
 } peer_table;
 static peer_table *peers;
+static bool peer_logged;
 
-static void peer_unmap(const uint64_t *slots) {
-  if (slots != NULL)
-    munmap((void *)((const uint8_t *)slots - sizeof(live_header)), LIVE_BYTES);
+/* The key naming the table of a descriptor's exporter: false when the
+ * exporter has none (a descriptor of this library with key 0); 0 for
+ * descriptors of older libraries, whose tables have no key in their name. */
+static bool desc_table_key(const gpuipc__desc *d, uint64_t *key) {
+  if (d->length >= GPUIPC__DESC_LEN) {
+    *key = d->live_key;
+    return d->live_key != 0;
+  }
+  *key = 0;
+  return true;
 }
 
-static const uint64_t *peer_open(const gpuipc__identity *ex) {
-  char path[128];
-  live_name(path, sizeof path, geteuid(), ex->pidns, ex->pid,
-            ex->start_time);
+static bool peer_open(const gpuipc__identity *ex, uint64_t key, live_map *out) {
+  char path[160];
+  live_name(path, sizeof path, geteuid(), ex->pidns, ex->pid, ex->start_time,
+            key);
+  memset(out, 0, sizeof *out);
   int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
-    GPUIPC__INFO("handle",
-                 "cannot check whether buffers of pid %d are freed: its "
-                 "liveness table %s: %s (another uid or /dev/shm, or an "
-                 "older library); imports proceed unchecked",
-                 (int)ex->pid, path, strerror(errno));
-    return NULL;
+    if (!peer_logged)
+      GPUIPC__INFO("handle",
+                   "cannot read the liveness table %s of pid %d: %s (another "
+                   "uid or /dev/shm, an exporter that exited, or a forged "
+                   "descriptor); imports from it proceed unchecked (logged "
+                   "once)",
+                   path, (int)ex->pid, strerror(errno));
+    peer_logged = true;
+    return false;
   }
   struct stat st;
-  const uint64_t *slots = NULL;
   /* Only a table of this very uid, closed to others, is trusted: anyone
    * could create a file with that name. */
   if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
-      (st.st_mode & 0077) == 0 && (size_t)st.st_size == LIVE_BYTES) {
-    void *m = mmap(NULL, LIVE_BYTES, PROT_READ, MAP_SHARED, fd, 0);
+      (st.st_mode & 0077) == 0 &&
+      ((size_t)st.st_size == LIVE_BYTES ||
+       (size_t)st.st_size == LIVE_V1_BYTES)) {
+    size_t bytes = (size_t)st.st_size;
+    void *m = mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
     if (m != MAP_FAILED) {
       const live_header *h = m;
+      bool v2 = bytes == LIVE_BYTES;
       if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == LIVE_MAGIC &&
-          h->version == 1 && h->slots == GPUIPC__LIVE_SLOTS)
-        slots = (const uint64_t *)(h + 1);
-      else
-        munmap(m, LIVE_BYTES);
+          h->slots == GPUIPC__LIVE_SLOTS &&
+          (v2 ? h->version == 2 && h->exports == GPUIPC__LIVE_EXPORTS
+              : h->version == 1)) {
+        out->base = m;
+        out->bytes = bytes;
+        out->slots = (uint64_t *)(h + 1);
+        out->exports =
+            v2 ? (live_export *)(out->slots + GPUIPC__LIVE_SLOTS) : NULL;
+      } else {
+        munmap(m, bytes);
+      }
     }
   }
   close(fd);
-  if (slots == NULL)
+  if (out->base == NULL)
     GPUIPC__INFO("handle",
                  "liveness table %s of pid %d is not usable (owner, mode, "
                  "size or format): imports from it proceed unchecked",
                  path, (int)ex->pid);
-  return slots;
+  return out->base != NULL;
 }
 
-gpuipc__live_state gpuipc__generation_state(const gpuipc__identity *ex,
-                                            uint64_t g) {
+/* The table of a descriptor's exporter (live_lock held). *temp: the
+ * exporter is gone, so the mapping is not kept: the caller unmaps it. */
+static bool peer_get(const gpuipc__desc *d, live_map *out, bool *temp) {
+  const gpuipc__identity *ex = &d->exporter;
+  uint64_t key;
+  *temp = false;
+  if (!desc_table_key(d, &key))
+    return false;
+  for (peer_table *p = peers; p; p = p->next)
+    if (p->pid == ex->pid && p->start_time == ex->start_time &&
+        p->key == key) {
+      *out = p->m;
+      return true;
+    }
+  /* Forget exporters that are gone. */
+  for (peer_table **pp = &peers; *pp;) {
+    peer_table *q = *pp;
+    if (process_gone(q->pid, q->start_time)) {
+      *pp = q->next;
+      live_unmap(&q->m);
+      free(q);
+    } else {
+      pp = &q->next;
+    }
+  }
+  if (!peer_open(ex, key, out))
+    return false;
+  if (process_gone(ex->pid, ex->start_time)) {
+    /* The exporter is gone: its table, still there, is read once. */
+    *temp = true;
+    return true;
+  }
+  peer_table *p = calloc(1, sizeof *p);
+  if (p == NULL) {
+    *temp = true;
+    return true;
+  }
+  p->pid = ex->pid;
+  p->start_time = ex->start_time;
+  p->key = key;
+  p->m = *out;
+  p->next = peers;
+  peers = p;
+  return true;
+}
+
+gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d) {
+  uint64_t g = d->generation;
   if (g == 0 || (g & GPUIPC__LIVE_FREED_BIT))
     return GPUIPC__LIVE_UNKNOWN;
   gpuipc__live_state st = GPUIPC__LIVE_UNKNOWN;
   pthread_mutex_lock(&live_lock);
-  peer_table *p;
-  for (p = peers; p; p = p->next)
-    if (p->pid == ex->pid && p->start_time == ex->start_time)
-      break;
-  if (p == NULL) {
-    /* Forget exporters that are gone. */
-    for (peer_table **pp = &peers; *pp;) {
-      peer_table *q = *pp;
-      if (process_gone(q->pid, q->start_time)) {
-        *pp = q->next;
-        peer_unmap(q->slots);
-        free(q);
-      } else {
-        pp = &q->next;
-      }
-    }
-    if (process_gone(ex->pid, ex->start_time)) {
-      /* The exporter is gone (or never was): nothing to keep. Its table,
-       * if still there, is read once for this import. */
-      const uint64_t *t = peer_open(ex);
-      if (t != NULL) {
-        uint64_t v = __atomic_load_n(&t[g % GPUIPC__LIVE_SLOTS],
-                                     __ATOMIC_ACQUIRE);
-        st = v == g ? GPUIPC__LIVE_YES
-             : v == (g | GPUIPC__LIVE_FREED_BIT) ? GPUIPC__LIVE_FREED
-                                                 : GPUIPC__LIVE_UNKNOWN;
-        peer_unmap(t);
-      }
-      pthread_mutex_unlock(&live_lock);
-      return st;
-    }
-    p = calloc(1, sizeof *p);
-    if (p == NULL) {
-      pthread_mutex_unlock(&live_lock);
-      return GPUIPC__LIVE_UNKNOWN;
-    }
-    p->pid = ex->pid;
-    p->start_time = ex->start_time;
-    p->slots = peer_open(ex);
-    p->next = peers;
-    peers = p;
-  }
+  live_map m;
+  bool temp = false;
   /* Read under the lock: a concurrent lookup may unmap a gone exporter's
    * table. */
-  if (p->slots != NULL) {
-    uint64_t v = __atomic_load_n(&p->slots[g % GPUIPC__LIVE_SLOTS],
-                                 __ATOMIC_ACQUIRE);
+  if (peer_get(d, &m, &temp)) {
+    uint64_t v =
+        __atomic_load_n(&m.slots[g % GPUIPC__LIVE_SLOTS], __ATOMIC_ACQUIRE);
     if (v == g)
       st = GPUIPC__LIVE_YES;
     else if (v == (g | GPUIPC__LIVE_FREED_BIT))
       st = GPUIPC__LIVE_FREED;
+    if (temp)
+      live_unmap(&m);
   }
   pthread_mutex_unlock(&live_lock);
   return st;
+}
+
+/* Reads export record fd of a table; false while it is being written. */
+static bool record_read(const live_export *r, live_export *out) {
+  for (int i = 0; i < 64; i++) {
+    uint32_t s1 = __atomic_load_n(&r->seq, __ATOMIC_ACQUIRE);
+    if (s1 & 1u)
+      continue;
+    out->kind = __atomic_load_n(&r->kind, __ATOMIC_RELAXED);
+    out->tag = __atomic_load_n(&r->tag, __ATOMIC_RELAXED);
+    out->dev = __atomic_load_n(&r->dev, __ATOMIC_RELAXED);
+    out->ino = __atomic_load_n(&r->ino, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&r->seq, __ATOMIC_RELAXED) == s1)
+      return true;
+  }
+  return false;
+}
+
+gpuipc_status gpuipc__live_fetch_fd(const gpuipc__desc *d, uint64_t tag,
+                                    int *out) {
+  int fd = -1;
+  GPUIPC__CHECK(gpuipc__pidfd_getfd(&d->exporter, d->exporter_fd, &fd));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    gpuipc_status s = gpuipc__fail_errno(errno, "fstat", "fetched fd");
+    close(fd);
+    return s;
+  }
+  const char *why = NULL;
+  live_export r;
+  memset(&r, 0, sizeof r);
+  pthread_mutex_lock(&live_lock);
+  live_map m;
+  bool temp = false;
+  if (!peer_get(d, &m, &temp))
+    why = "it has no liveness table this process can read (it exported "
+          "nothing, or the descriptor is forged)";
+  else if (m.exports == NULL)
+    why = "its liveness table records no exports (an older library)";
+  else if (d->exporter_fd >= (int)GPUIPC__LIVE_EXPORTS)
+    why = "the fd number is beyond its table's export records";
+  else if (!record_read(&m.exports[d->exporter_fd], &r))
+    why = "its record of that fd is being rewritten";
+  if (temp)
+    live_unmap(&m);
+  pthread_mutex_unlock(&live_lock);
+  if (why == NULL && (r.kind != d->kind || r.tag != tag))
+    why = r.kind == 0 ? "it has not exported that fd"
+                      : "it exported that fd as another allocation or pool";
+  if (why == NULL &&
+      (r.dev != (uint64_t)st.st_dev || r.ino != (uint64_t)st.st_ino))
+    why = "the file fetched is not the one it exported at that fd number";
+  if (why != NULL) {
+    close(fd);
+    return gpuipc__fail(GPUIPC_E_PERMISSION,
+                        "pidfd_getfd: refusing fd %d of pid %d for this %s "
+                        "descriptor (export %llu): %s",
+                        (int)d->exporter_fd, (int)d->exporter.pid,
+                        gpuipc_pool_kind_name((gpuipc_pool_kind)d->kind),
+                        (unsigned long long)tag, why);
+  }
+  *out = fd;
+  return GPUIPC_OK;
 }

@@ -87,6 +87,7 @@ static gpuipc_status lookup_foreign(CUmemoryPool mp, int ordinal,
     close(newfd);
     return s;
   }
+  gpuipc__live_export_add(newfd, GPUIPC_POOL_MEMPOOL, nid);
   *id = nid;
   *fd = newfd;
   return GPUIPC_OK;
@@ -148,6 +149,8 @@ static gpuipc_status mempool_pool_create(gpuipc_pool *p,
     goto out;
   }
   s = reg_add(p->mp, p->id, p->export_fd, false);
+  if (s == GPUIPC_OK)
+    gpuipc__live_export_add(p->export_fd, GPUIPC_POOL_MEMPOOL, p->id);
 out:
   if (s != GPUIPC_OK) {
     if (p->export_fd >= 0)
@@ -169,8 +172,10 @@ static gpuipc_status mempool_pool_destroy(gpuipc_pool *p) {
   if (p->mp == NULL)
     return GPUIPC_OK;
   reg_remove(p->mp);
-  if (p->export_fd >= 0)
+  if (p->export_fd >= 0) {
+    gpuipc__live_export_clear(p->export_fd);
     close(p->export_fd);
+  }
   p->export_fd = -1;
   gpuipc__ctx_guard g;
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, p->ordinal));

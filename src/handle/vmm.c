@@ -225,28 +225,26 @@ static gpuipc_status vmm_open(const gpuipc__desc *d, int map_ordinal,
                      n, gran);
     goto fail;
   }
-  /* A physical allocation is never larger than its device's memory: a
-   * claim beyond it is forged, whatever the driver would say of reserving
-   * that much address space (out of memory) or of mapping it. */
-  size_t total = 0;
-  r = GPUIPC__CU(cuDeviceTotalMem, &total, (CUdevice)prop.location.id);
-  if (r != CUDA_SUCCESS) {
-    s = gpuipc__fail_cuda(r, "cuDeviceTotalMem", "device %d",
-                          prop.location.id);
-    goto fail;
-  }
-  if (n > total) {
-    s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                     "VMM descriptor of pid %d claims an allocation of %zu "
-                     "bytes, more than its device holds (%zu): forged or "
-                     "corrupted",
-                     (int)d->exporter.pid, n, total);
-    goto fail;
-  }
   r = GPUIPC__CU(cuMemAddressReserve, &va, n, gran, 0, 0);
   if (r != CUDA_SUCCESS) {
     va = 0;
-    s = gpuipc__fail_cuda(r, "cuMemAddressReserve", "%zu bytes", n);
+    /* A physical allocation is never larger than its device's memory: a
+     * claim beyond it, whose address range cannot even be reserved, is
+     * forged (and not this process out of device memory). */
+    size_t total = 0;
+    if (r == CUDA_ERROR_OUT_OF_MEMORY &&
+        GPUIPC__CU(cuDeviceTotalMem, &total, (CUdevice)prop.location.id) ==
+            CUDA_SUCCESS &&
+        n > total) {
+      gpuipc__fail_cuda(r, "cuMemAddressReserve", "%zu bytes", n);
+      s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                       "VMM descriptor of pid %d claims an allocation of %zu "
+                       "bytes, more than its device holds (%zu): forged or "
+                       "corrupted",
+                       (int)d->exporter.pid, n, total);
+    } else {
+      s = gpuipc__fail_cuda(r, "cuMemAddressReserve", "%zu bytes", n);
+    }
     goto fail;
   }
   /* The importer cannot learn the allocation's size before mapping

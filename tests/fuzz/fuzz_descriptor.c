@@ -20,7 +20,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(copy, data, size);
   gpuipc__desc d;
   gpuipc_status s = gpuipc__desc_decode(copy, size, &d);
-  if (s == GPUIPC_OK && size == GPUIPC__DESC_V1_LEN) {
+  if (s == GPUIPC_OK && size == GPUIPC__DESC_LEN) {
     uint8_t again[GPUIPC_DESC_MAX];
     size_t n = 0;
     if (gpuipc__desc_encode(&d, again, sizeof again, &n) != GPUIPC_OK ||
@@ -45,7 +45,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       s = gpuipc__desc_decode(copy, size, &d);
       if (s == GPUIPC_E_BAD_CHECKSUM)
         abort();
-      if (s == GPUIPC_OK && size == GPUIPC__DESC_V1_LEN) {
+      if (s == GPUIPC_OK && size == GPUIPC__DESC_LEN) {
         uint8_t again[GPUIPC_DESC_MAX];
         size_t n = 0;
         if (gpuipc__desc_encode(&d, again, sizeof again, &n) != GPUIPC_OK ||
