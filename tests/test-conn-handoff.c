@@ -1237,3 +1237,224 @@ TEST_IMPL(handoff_legacy_order_reuse_after_release) {
   setenv("GPUIPC_TEST_STREAM", "legacy", 1);
   return test_handoff_order_reuse_after_release();
 }
+
+/* ---- one peer's missing release holds back only what it holds ------------------------- */
+
+/* A step that must end within `secs` seconds: otherwise the test fails
+ * with `what` instead of hanging. */
+static const char *volatile bounded_what;
+static void bounded_alarm(int sig) {
+  (void)sig;
+  const char *parts[] = {"assertion failed: still in ", bounded_what,
+                         " after the bound (a hang)\n"};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(parts); i++) {
+    ssize_t w = write(2, parts[i], strlen(parts[i]));
+    (void)w;
+  }
+  _exit(1);
+}
+static void bounded(const char *what, unsigned secs) {
+  bounded_what = what;
+  signal(SIGALRM, bounded_alarm);
+  alarm(secs);
+}
+static void bounded_done(void) { alarm(0); }
+
+/* True when the work queued on s so far completes within ms. */
+static bool stream_drains(CUstream s, int ms) {
+  for (int i = 0; i < ms; i++) {
+    CUresult r = gpuipc__cu.cuStreamQuery(s);
+    if (r == CUDA_SUCCESS)
+      return true;
+    ASSERT_EQ(r, CUDA_ERROR_NOT_READY);
+    usleep(1000);
+  }
+  return false;
+}
+
+/* Receives one buffer, then forges its release: a REL frame without the
+ * GPU-side write of the release word. Stays alive until killed. */
+HELPER_IMPL(ho_liar) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, NULL, &r));
+  gpuipc__w_rel rel = {r.id & (((uint64_t)1 << 44) - 1),
+                       (uint32_t)(r.id >> 44), 0};
+  raw_frame(gpuipc_conn_get_fd(c), GPUIPC__F_REL, &rel, sizeof rel);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "lied", 4, NULL, 0));
+  for (;;)
+    pause();
+}
+
+/* Arena memory laid out so that every allocation below must reuse memory:
+ * one chunk, no growth, its rest taken by a filler block. */
+static gpuipc_arena *full_arena(size_t small, int n, gpuipc_block **blocks,
+                                gpuipc_block **filler) {
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = (size_t)1 << 20;
+  ao.max_bytes = ao.chunk_bytes;
+  gpuipc_arena *a = NULL;
+  ASSERT_OK(gpuipc_arena_create(&ao, &a));
+  for (int i = 0; i < n; i++)
+    ASSERT_OK(gpuipc_arena_alloc(a, small, NULL, &blocks[i]));
+  ASSERT_OK(gpuipc_arena_alloc(a, ao.chunk_bytes - (size_t)n * small, NULL,
+                               filler));
+  return a;
+}
+
+/* A consumer that announces a release its GPU never writes (a forged REL)
+ * holds back the block it held, and nothing else: a block never shared
+ * with it and a block an honest consumer released are reused at once, and
+ * gpuipc_arena_destroy ends within its bound (GPUIPC_E_BUSY while the liar
+ * lives; OK once it is gone). */
+TEST_IMPL(handoff_forged_release_holds_back_only_its_block) {
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  gpuipc_block *blk[3], *filler;
+  gpuipc_arena *a = full_arena(4096, 3, blk, &filler);
+  int fd_l, fd_h;
+  pid_t liar = spawn_helper("ho_liar", NULL, &fd_l, NULL);
+  pid_t honest = spawn_helper("ho_holder", NULL, &fd_h, "1", NULL);
+  gpuipc_conn *cl = pair_conn(fd_l);
+  gpuipc_conn *ch = pair_conn(fd_h);
+  wait_up(ch, 60000);
+  /* blk[0] to the liar, blk[2] to the honest consumer, blk[1] nowhere. */
+  ASSERT_OK(gpuipc_conn_send(cl, blk[0], (struct CUstream_st *)s, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send(ch, blk[2], (struct CUstream_st *)s, NULL, 0));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(cl, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_MEM_EQ(buf, "lied", 4);
+  ASSERT_OK(gpuipc_conn_recv_msg(ch, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_MEM_EQ(buf, "held", 4);
+  void *p1 = gpuipc_block_get_ptr(blk[1]), *p2 = gpuipc_block_get_ptr(blk[2]);
+  for (int i = 0; i < 3; i++)
+    ASSERT_OK(gpuipc_block_free(blk[i], (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_send_msg(ch, "go", 2, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(ch, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_MEM_EQ(buf, "done", 4);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(ch, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_OK(gpuipc_conn_get_outstanding(cl, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  /* Reuse of the two blocks the liar never held, on a fresh stream each:
+   * the streams must not wait for the liar's release word. */
+  gpuipc_block *again[2], *liars = NULL;
+  CUstream t[2], liars_stream = NULL;
+  for (int i = 0; i < 2; i++) {
+    t[i] = mkstream();
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)t[i], &b));
+    if (gpuipc_block_get_ptr(b) != p1 && gpuipc_block_get_ptr(b) != p2) {
+      /* The liar's block, handed out (stream-ordered after its release)
+       * while the others' markers did not look complete yet: keep it, and
+       * take the next on a fresh stream. */
+      ASSERT_NULL(liars);
+      liars = b;
+      liars_stream = t[i];
+      t[i] = mkstream();
+      ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)t[i], &b));
+    }
+    ASSERT(gpuipc_block_get_ptr(b) == p1 || gpuipc_block_get_ptr(b) == p2);
+    again[i] = b;
+    if (t[i] && !stream_drains(t[i], 5000))
+      harness_fail(__FILE__, __LINE__,
+                   "reuse of a block the liar never held waits for the "
+                   "liar's release");
+  }
+  if (liars)
+    ASSERT_OK(gpuipc_block_free(liars, (struct CUstream_st *)liars_stream));
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_block_free(again[i], NULL));
+  ASSERT_OK(gpuipc_block_free(filler, NULL));
+  gpuipc_conn_close(ch);
+  ASSERT_EQ(wait_helper(honest, 60), 0);
+  gpuipc_conn_close(cl);
+  /* The liar lives: its block's memory is still held back, and destroy
+   * says so within its bound instead of waiting for ever. */
+  bounded("gpuipc_arena_destroy while the liar lives", 30);
+  ASSERT_STATUS(gpuipc_arena_destroy(a), GPUIPC_E_BUSY);
+  bounded_done();
+  kill(liar, SIGKILL);
+  ASSERT_EQ(wait_helper(liar, 60), 128 + SIGKILL);
+  bounded("gpuipc_arena_destroy after the liar died", 30);
+  gpuipc_status ds = GPUIPC_E_BUSY;
+  for (int i = 0; i < 100 && ds == GPUIPC_E_BUSY; i++) {
+    ds = gpuipc_arena_destroy(a);
+    if (ds == GPUIPC_E_BUSY)
+      usleep(10000);
+  }
+  ASSERT_OK(ds);
+  bounded_done();
+  return 0;
+}
+
+/* Connects, says "up", then closes the connection while the buffers the
+ * producer sent still sit in its queue (never received), and lives on. */
+HELPER_IMPL(ho_quick_closer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  {
+    gpuipc__ctx_guard g;
+    ASSERT_OK(gpuipc__driver());
+    ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+    gpuipc__ctx_leave(&g);
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "up", 2, NULL, 0));
+  char buf[8];
+  size_t len;
+  /* The buffers arrive before this message: they are queued. */
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  close(harness_helper_fd()); /* the producer sees the end of the stream */
+  for (;;)
+    pause();
+}
+
+/* gpuipc_conn_close by a consumer with buffers queued (not received):
+ * their releases must come with their words written, so the producer
+ * reuses the memory at once, though the consumer lives on. */
+TEST_IMPL(handoff_close_with_queued_buffers_releases_them) {
+  REQUIRE_DEVICES(1);
+  gpuipc_block *blk[2], *filler;
+  gpuipc_arena *a = full_arena(4096, 2, blk, &filler);
+  int fd;
+  pid_t pid = spawn_helper("ho_quick_closer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  wait_up(c, 60000);
+  CUstream s = mkstream();
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_conn_send(c, blk[i], (struct CUstream_st *)s, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "close", 5, NULL, 0));
+  void *p[2] = {gpuipc_block_get_ptr(blk[0]), gpuipc_block_get_ptr(blk[1])};
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_block_free(blk[i], (struct CUstream_st *)s));
+  gpuipc_status ps = GPUIPC_OK;
+  for (int k = 0; k < 3000 && ps == GPUIPC_OK; k++)
+    ps = gpuipc_conn_progress(c, 10);
+  ASSERT_STATUS(ps, GPUIPC_E_PEER_GONE);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < 2; i++) {
+    CUstream t = mkstream();
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)t, &b));
+    ASSERT(gpuipc_block_get_ptr(b) == p[0] || gpuipc_block_get_ptr(b) == p[1]);
+    if (t && !stream_drains(t, 5000))
+      harness_fail(__FILE__, __LINE__,
+                   "reuse after the consumer's close waits for a release "
+                   "word nobody writes");
+    ASSERT_OK(gpuipc_block_free(b, NULL));
+  }
+  ASSERT_OK(gpuipc_block_free(filler, NULL));
+  gpuipc_conn_close(c);
+  bounded("gpuipc_arena_destroy after the consumer's close", 30);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  bounded_done();
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  return 0;
+}

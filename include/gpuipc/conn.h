@@ -93,8 +93,14 @@
  * socket files, by the 0700 runtime directory). What a peer may touch: a
  * consumer maps whole arena chunks (that is what makes a buffer cost one
  * message), so it can read and write every block of the chunks it was
- * sent, not only the blocks it holds; and it can stall the reuse of blocks
- * it holds by never releasing them (until it exits). Feed one arena only to
+ * sent, not only the blocks it holds; and it can stall the reuse of the
+ * blocks it holds by never releasing them, or by announcing releases its
+ * GPU never writes (until it exits). Only those: each connection orders
+ * reuse after its peer's releases on a stream of its own, so one peer's
+ * missing release never holds back memory that other peers, or nobody,
+ * held. (Memory a peer holds back this way is handed out again, ordered
+ * after that peer's release on the caller's stream, only when nothing
+ * else fits and the arena cannot grow.) Feed one arena only to
  * peers that may see each other's data; use separate arenas otherwise.
  *
  * Limits of this version: one device per connection (blocks sent on a
@@ -357,8 +363,13 @@ GPUIPC_API gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
 
 /* Destroys an arena. Fails with GPUIPC_E_BUSY (and does nothing) while
  * blocks are allocated or held by peers (free them, and let peers release
- * them, first). Connections that carried its blocks may stay open. NULL is
- * a no-op. */
+ * them, first). Memory that peers released is freed only once their GPUs
+ * wrote the releases (and the owner's work queued before its frees
+ * completed): destroy waits for that up to 2 seconds, never longer, then
+ * fails with GPUIPC_E_BUSY (a peer that announced a release its GPU never
+ * writes; try again later: once that peer's process is gone it no longer
+ * counts). Connections that carried its blocks may stay open. NULL is a
+ * no-op. */
 GPUIPC_API gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena);
 
 /* Allocates a block of `bytes` (rounded up to 256) from the arena. Memory

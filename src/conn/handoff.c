@@ -1098,20 +1098,12 @@ static void ho_close(gpuipc_conn *c) {
     for (uint32_t s = 0; s < h->peer_nslots; s++) {
       if (h->rx[s].held == 0)
         continue;
-      bool queued = false;
-      for (uint32_t i = 0; i < h->qlen; i++)
-        queued |= h->q[(h->qhead + i) % h->peer_nslots].w.slot == s;
       gpuipc__w_rel rel = {h->rx[s].held, s, 0};
       bool open = c->state == GPUIPC__CONN_OPEN;
-      if (queued) {
-        h->rx[s].held = 0; /* never handed to the caller: no GPU work */
-        if (h->rx[s].imp) {
-          gpuipc_buffer_close(h->rx[s].imp);
-          h->rx[s].imp = NULL;
-        }
-      } else {
-        (void)release_slot(c, h, s, NULL, open);
-      }
+      /* A buffer still queued (never handed to the caller, so no GPU work
+       * of ours uses it) is released like the others: its release word is
+       * written too, since the producer's reuse waits for it on the GPU. */
+      (void)release_slot(c, h, s, NULL, open);
       if (open)
         (void)gpuipc__conn_send_frame(c, GPUIPC__F_REL, &rel, sizeof rel, NULL,
                                       0, NULL, 0, 0);

@@ -71,13 +71,15 @@ static bool peer_alive(int pid, uint64_t start_time) {
 static void lease_free(gpuipc__lease_table *lt) {
   if (lt->ctl) {
     /* The flag words go back to the arena after every wait on them that
-     * the reclaim stream queued (the marker recorded by the free). */
-    gpuipc_block_free(lt->ctl, (struct CUstream_st *)NULL);
+     * this table's reclaim stream queued (a marker recorded there). */
+    gpuipc__block_free_after(lt->ctl, lt->rc.stream ? &lt->rc : NULL);
     gpuipc__arena_user_remove(lt->ctl_arena);
     lt->ctl = NULL;
   }
   gpuipc__ctx_guard g;
   bool in = lt->ordinal >= 0 && gpuipc__ctx_enter(&g, lt->ordinal) == GPUIPC_OK;
+  if (in)
+    gpuipc__reclaimer_close(&lt->rc);
   if (lt->tx)
     for (uint32_t s = 0; s < lt->nslots; s++) {
       gpuipc_event_destroy(lt->tx[s].ready_ev);
@@ -128,6 +130,11 @@ gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots, int peer_pid,
   gpuipc__ctx_guard g;
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
   /* Fresh words start at 0 (the memory may have held anything). */
+  s = gpuipc__reclaimer_open(&lt->rc);
+  if (s != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    goto fail;
+  }
   CUresult r = GPUIPC__CU(cuMemsetD32Async, (CUdeviceptr)lt->ctl->ptr, 0,
                           lt->ctl->len / 4, (CUstream)a->side);
   if (r == CUDA_SUCCESS)
@@ -357,7 +364,7 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
       slot_free(lt, slot);
       i++;
     }
-    gpuipc_status as = gpuipc__arena_release(a, rs, nb, false);
+    gpuipc_status as = gpuipc__arena_release(a, &lt->rc, rs, nb, false);
     if (as != GPUIPC_OK && s == GPUIPC_OK)
       s = as;
   }
@@ -419,7 +426,7 @@ static void reclaim_dead(gpuipc__lease_table *lt) {
     gpuipc__release r = {t->block, 0, 0, NULL, t->ordered || t->by_event};
     gpuipc_arena *a = t->block->arena;
     slot_free(lt, s);
-    (void)gpuipc__arena_release(a, &r, 1, true);
+    (void)gpuipc__arena_release(a, &lt->rc, &r, 1, true);
     n++;
   }
   gpuipc__ctx_leave(&g);
@@ -564,9 +571,20 @@ gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
   return gpuipc__arena_get_stats(arena, st);
 }
 
+/* Destroy waits up to this long for GPU-side releases that the reuse of
+ * the arena's memory still waits for (see gpuipc_arena_destroy). */
+#define DESTROY_WAIT_MS 2000
+
 gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
   if (arena == NULL)
     return GPUIPC_OK;
-  gpuipc__lease_reap_orphans();
-  return gpuipc__arena_destroy(arena);
+  uint64_t deadline = gpuipc__now_ns() + DESTROY_WAIT_MS * 1000000ull;
+  for (;;) {
+    gpuipc__lease_reap_orphans();
+    bool pending = false;
+    gpuipc_status s = gpuipc__arena_destroy(arena, &pending);
+    if (!pending || gpuipc__now_ns() >= deadline)
+      return s;
+    usleep(1000);
+  }
 }

@@ -50,6 +50,7 @@ typedef struct gpuipc__lease_table {
   gpuipc_block *ctl;       /* the flag words (2 * nslots) */
   int ordinal;             /* the device of the flag words */
   uint32_t nslots;
+  gpuipc__reclaimer rc;    /* orders reuse after this peer's releases */
   /* Everything below: lease.c only. */
   struct gpuipc__lease_table *next_orphan;
   bool dead_handled; /* the peer's death was handled (words forced) */
