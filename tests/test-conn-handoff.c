@@ -12,6 +12,7 @@
 
 #include <execinfo.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -1456,5 +1457,90 @@ TEST_IMPL(handoff_close_with_queued_buffers_releases_them) {
   bounded_done();
   kill(pid, SIGKILL);
   ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  return 0;
+}
+
+/* ---- a consumer whose main thread exited ------------------------------------------------ */
+
+static gpuipc_received lone_rx = GPUIPC_RECEIVED_INIT;
+
+static void *lone_reader(void *arg) {
+  (void)arg;
+  /* Reads the buffer for 1.5 s after the main thread is gone: the data
+   * must stay the producer's (the memory is not handed out again). */
+  uint8_t first[64], now[64];
+  ctx_current();
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(first, (CUdeviceptr)(uintptr_t)lone_rx.ptr,
+                                    sizeof first));
+  for (int i = 0; i < 15; i++) {
+    usleep(100000);
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(now, (CUdeviceptr)(uintptr_t)lone_rx.ptr,
+                                      sizeof now));
+    if (memcmp(first, now, sizeof now) != 0) {
+      fprintf(stderr, "lone reader: the buffer changed under it\n");
+      _exit(3);
+    }
+  }
+  _exit(0);
+}
+
+/* Receives a buffer, hangs up without releasing it, starts a thread that
+ * keeps reading it, and ends its main thread (pthread_exit). */
+HELPER_IMPL(ho_lone_thread) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  ASSERT_OK(gpuipc_conn_recv(c, NULL, &lone_rx));
+  ctx_current();
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, lone_reader, NULL), 0);
+  close(gpuipc_conn_get_fd(c)); /* hang up, holding the buffer */
+  close(harness_helper_fd());
+  pthread_exit(NULL);
+}
+
+/* The consumer's main thread has exited, another reads the buffer: the
+ * process is not gone, so its lease stays (and the memory is not reused)
+ * until the whole process exits. */
+TEST_IMPL(handoff_consumer_main_thread_exit_keeps_lease) {
+  REQUIRE_DEVICES(1);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
+  uint8_t pat[4096];
+  pattern(pat, sizeof pat, 7);
+  ctx_current();
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                    pat, sizeof pat));
+  int fd;
+  pid_t pid = spawn_helper("ho_lone_thread", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  ASSERT_OK(gpuipc_conn_send(c, b, NULL, NULL, 0));
+  gpuipc_status ps = GPUIPC_OK;
+  for (int k = 0; k < 3000 && ps == GPUIPC_OK; k++)
+    ps = gpuipc_conn_progress(c, 10);
+  ASSERT_STATUS(ps, GPUIPC_E_PEER_GONE);
+  /* The helper's reader runs for 1.5 s: for most of it, its lease must
+   * hold (an exited main thread is not an exited process). */
+  for (int i = 0; i < 80; i++) {
+    (void)gpuipc_conn_progress(c, 0);
+    gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+    ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+    if (waitpid(pid, NULL, WNOHANG) != 0)
+      harness_fail(__FILE__, __LINE__, "the helper ended early");
+    if (gpuipc_block_get_holders(b) != 1 || st.leases != 1)
+      harness_fail(__FILE__, __LINE__,
+                   "the lease of a consumer whose main thread exited was "
+                   "reclaimed while its other thread runs");
+    usleep(10000);
+  }
+  /* Once the whole process is gone, the lease comes back. */
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  for (int i = 0; i < 1000 && gpuipc_block_get_holders(b) > 0; i++) {
+    (void)gpuipc_conn_progress(c, 0);
+    usleep(1000);
+  }
+  ASSERT_EQ(gpuipc_block_get_holders(b), 0);
+  ASSERT_OK(gpuipc_block_free(b, NULL));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
   return 0;
 }

@@ -58,7 +58,9 @@
  *
  * Peer death. If a consumer dies (crash, kill -9), the exporter sees its
  * connection close (in any call that makes progress on it) and reclaims
- * everything the consumer held once the process is gone: a dead process's
+ * everything the consumer held once the process is gone (the whole
+ * process: gpuipc watches a pidfd of the peer taken at the handshake; a
+ * process whose main thread exited while other threads run still counts): a dead process's
  * GPU work is torn down with its context, so nothing can still read the
  * memory. If the exporter dies, the consumer's next call on the connection
  * returns GPUIPC_E_PEER_GONE; the buffers it holds stay mapped and readable

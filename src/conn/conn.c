@@ -245,6 +245,7 @@ static void conn_free(gpuipc_conn *c) {
     close(c->fd);
   close_rx_fds(c);
   free_msgs(c);
+  gpuipc__peer_unref(c->peer);
   free(c->rx);
   free(c->tx);
   free(c);
@@ -993,6 +994,7 @@ static gpuipc_status handshake(gpuipc_conn *c, const copts *o,
   c->peer_start_time = gpuipc__process_start_time(cred.pid);
   if (c->peer_start_time == 0)
     c->peer_start_time = peer.start_time;
+  c->peer = gpuipc__peer_open(c->peer_pid, c->peer_start_time);
   c->peer_max_outstanding = peer.max_outstanding;
   GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, deadline));
   GPUIPC__CHECK(hs_read(c->fd, deadline, &h, p, sizeof p, &cred, &have_cred));

@@ -36,7 +36,6 @@ static gpuipc_status ho_get(gpuipc_conn *c, struct gpuipc__ho **out) {
     if (c->ho == NULL)
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "connection state");
     c->ho->peer_pid = c->peer_pid;
-    c->ho->peer_start = c->peer_start_time;
     c->ho->peer_ordinal = -1;
   }
   (void)gpuipc__conn_fast(c); /* the transport dispatches to us from now on */
@@ -180,8 +179,7 @@ static gpuipc_status export_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
 static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
                               int ordinal, uint64_t deadline) {
   gpuipc__lease_table *lt = NULL;
-  GPUIPC__CHECK(gpuipc__lease_open(ordinal, c->max_outstanding, h->peer_pid,
-                                   h->peer_start, &lt));
+  GPUIPC__CHECK(gpuipc__lease_open(ordinal, c->max_outstanding, c->peer, &lt));
   gpuipc_arena *a = lt->ctl_arena;
   gpuipc_status s = export_chunk(c, h, a, lt->ctl->chunk, deadline);
   if (s == GPUIPC_OK) {

@@ -49,7 +49,6 @@ typedef struct gpuipc__qbuf {
 
 struct gpuipc__ho {
   int peer_pid;
-  uint64_t peer_start;
   /* Sender: the lease table (NULL until the first send) and the chunks of
    * our arenas exported on this connection. */
   gpuipc__lease_table *lt;
