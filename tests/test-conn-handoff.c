@@ -1544,3 +1544,58 @@ TEST_IMPL(handoff_consumer_main_thread_exit_keeps_lease) {
   ASSERT_OK(gpuipc_arena_destroy(a));
   return 0;
 }
+
+/* ---- a consumer's close is bounded ------------------------------------------------------ */
+
+/* A producer whose work before its send never completes (its stream waits
+ * for a word nobody writes); it lives on until killed. */
+HELPER_IMPL(ho_stuck_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  /* The never-written word: cuMemAlloc memory (stream memory operations
+   * are refused on pool memory). */
+  uint64_t *word = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc((CUdeviceptr *)&word, 8));
+  ASSERT_CU(gpuipc__cu.cuMemsetD32((CUdeviceptr)(uintptr_t)word, 0, 2));
+  CUstream q = s ? s : NULL;
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(q, (CUdeviceptr)(uintptr_t)word, 1,
+                                           CU_STREAM_WAIT_VALUE_GEQ));
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "sent", 4, NULL, 0));
+  for (;;)
+    pause();
+}
+
+/* gpuipc_conn_close on the consumer side ends within the connection's
+ * timeout, although the producer is alive and its work before the send
+ * never completes (a stream of ours waits for its ready word). */
+TEST_IMPL(handoff_consumer_close_bounded) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_stuck_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 2000));
+  bounded("gpuipc_conn_close of a consumer", 30);
+  uint64_t t0 = gpuipc__now_ns();
+  gpuipc_conn_close(c);
+  uint64_t ms = (gpuipc__now_ns() - t0) / 1000000;
+  bounded_done();
+  ASSERT_LE(ms, 5000);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  bounded("the consumer's stream after the close", 30);
+  if (s)
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  bounded_done();
+  return 0;
+}

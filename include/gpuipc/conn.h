@@ -268,16 +268,19 @@ GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
  * gpuipc_conn_release(conn, id, NULL) would (ordered after work on the
  * legacy default stream and streams that synchronize with it; release
  * explicitly on your own streams before closing to be exact), the peer is
- * told, and the memory imported through the connection is unmapped. Before
- * unmapping, close waits for the device's GPU work to finish
- * (cuCtxSynchronize: queued work may still read that memory); this one wait
- * is not bounded by the connection's timeout (streams waiting on a dead
- * exporter's flag words were unblocked earlier, so it cannot hang on
- * gpuipc's account; in GPUIPC_ORDER_EVENT mode, when the exporter died
- * with an event record pending, close skips the wait and leaves the
- * imported memory mapped instead). Buffers the peer holds from us stay leased; they are
- * reclaimed when the peer process is gone (we can no longer hear its
- * releases). NULL is a no-op. */
+ * told, and the memory imported through the connection is unmapped.
+ * First, streams of ours that wait for the peer's ready words are
+ * unblocked (gpuipc writes the awaited values itself; work queued after a
+ * recv whose producer had not finished then reads undefined data). Before
+ * unmapping, close waits for the GPU work gpuipc queued (on the streams
+ * releases were written on, and its own), up to the connection's timeout
+ * (1 s when it is 0); work that does not complete by then leaves the
+ * imported memory mapped (leaked, with a warning) rather than unmapped
+ * under it. In GPUIPC_ORDER_EVENT mode, when the exporter died with an
+ * event record pending, close does not wait and leaves the imported memory
+ * mapped. Buffers the peer holds from us stay leased; they are reclaimed
+ * when the peer process is gone (we can no longer hear its releases).
+ * NULL is a no-op. */
 GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
 
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or

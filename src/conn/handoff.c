@@ -1001,28 +1001,15 @@ gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn, size_t *held_by_pee
 
 static void ho_poll(gpuipc_conn *c);
 
-static void ho_peer_gone(gpuipc_conn *c) {
-  struct gpuipc__ho *h = c->ho;
-  if (h == NULL)
-    return;
-  /* Buffers that arrived but were not received: the producer's work on
-   * them may never complete; drop them. */
-  for (uint32_t i = 0; i < h->qlen; i++) {
-    gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
-    h->rx[q->w.slot].held = 0;
-    if (h->rx[q->w.slot].imp) {
-      gpuipc_buffer_close(h->rx[q->w.slot].imp);
-      h->rx[q->w.slot].imp = NULL;
-    }
-  }
-  h->qlen = 0;
-  /* Our streams may wait for ready words the dead producer will never
-   * write: write them ourselves, into our own mapping of its memory (which
-   * stays mapped until we close), so nothing hangs. The data those streams
-   * then read is whatever the memory holds: the caller learns from
-   * GPUIPC_E_PEER_GONE that it is not to be trusted. */
-  if (!h->rx_unblocked && h->have_peer_ctl && !c->peer_said_bye &&
-      h->rx_max_seq > 0) {
+/* Our streams may wait for ready words the producer will never write (it
+ * died, or we close while its work before a send has not completed):
+ * write them ourselves, into our own mapping of its memory (which stays
+ * mapped until we close), so nothing hangs. The data those streams then
+ * read is whatever the memory holds: the caller learns from
+ * GPUIPC_E_PEER_GONE (or from closing) that it is not to be trusted.
+ * `dead`: the producer died (event mode: see rx_stuck). */
+static void unblock_ready(gpuipc_conn *c, struct gpuipc__ho *h, bool dead) {
+  if (!h->rx_unblocked && h->have_peer_ctl && h->rx_max_seq > 0) {
     h->rx_unblocked = true;
     gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
@@ -1036,7 +1023,7 @@ static void ho_peer_gone(gpuipc_conn *c) {
       for (uint32_t s = 0; r == CUDA_SUCCESS && s < h->peer_nslots; s++) {
         if (h->rx[s].last_recv == 0)
           continue;
-        if (h->rx[s].ready_ev) {
+        if (h->rx[s].ready_ev && dead) {
           /* A wait (cuStreamWaitEvent) captured the producer's record that
            * was current when it was enqueued; if that record is still
            * pending, the dead producer's work before it will never run,
@@ -1064,11 +1051,30 @@ static void ho_peer_gone(gpuipc_conn *c) {
       }
       if (r != CUDA_SUCCESS)
         GPUIPC__WARN("handoff",
-                     "could not unblock streams waiting on dead peer %d: %s",
+                     "could not unblock streams waiting on peer %d: %s",
                      c->peer_pid, gpuipc__cuda_error_name(r));
       gpuipc__ctx_leave(&g);
     }
   }
+}
+
+static void ho_peer_gone(gpuipc_conn *c) {
+  struct gpuipc__ho *h = c->ho;
+  if (h == NULL)
+    return;
+  /* Buffers that arrived but were not received: the producer's work on
+   * them may never complete; drop them. */
+  for (uint32_t i = 0; i < h->qlen; i++) {
+    gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    h->rx[q->w.slot].held = 0;
+    if (h->rx[q->w.slot].imp) {
+      gpuipc_buffer_close(h->rx[q->w.slot].imp);
+      h->rx[q->w.slot].imp = NULL;
+    }
+  }
+  h->qlen = 0;
+  if (!c->peer_said_bye)
+    unblock_ready(c, h, true);
   ho_poll(c);
 }
 
@@ -1081,12 +1087,94 @@ static void ho_poll(gpuipc_conn *c) {
   gpuipc__lease_poll(h->lt);
 }
 
+/* How long close waits for GPU work gpuipc queued: the connection's
+ * timeout (1 s when that is 0). */
+static uint64_t close_deadline(const gpuipc_conn *c) {
+  if (c->timeout_ms < 0)
+    return UINT64_MAX;
+  int ms = c->timeout_ms > 0 ? c->timeout_ms : 1000;
+  return gpuipc__now_ns() + (uint64_t)ms * 1000000ull;
+}
+
+/* Waits (polling, until deadline) for the work queued so far on every
+ * stream a release was written on, on our private streams, and for the
+ * closing imports' events. True when all of it completed. Context
+ * current. */
+static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
+  enum { MAXEV = 64 };
+  CUevent evs[MAXEV];
+  int nev = 0;
+  bool ok = true;
+  struct CUstream_st *seen[MAXEV];
+  int nseen = 0;
+  for (uint32_t s = 0; h->rx && s <= h->peer_nslots; s++) {
+    struct CUstream_st *st = s < h->peer_nslots ? h->rx[s].last_rel_stream
+                                                : h->unblock;
+    if (st == NULL && s == h->peer_nslots)
+      st = h->lq[1];
+    if (st == NULL)
+      continue;
+    bool dup = false;
+    for (int k = 0; k < nseen && !dup; k++)
+      dup = seen[k] == st;
+    if (dup)
+      continue;
+    if (nseen == MAXEV) {
+      ok = false; /* more streams than we track: wait for none of them */
+      break;
+    }
+    seen[nseen++] = st;
+    CUevent ev;
+    if (GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING) !=
+        CUDA_SUCCESS) {
+      ok = false;
+      break;
+    }
+    if (GPUIPC__CU(cuEventRecord, ev, (CUstream)st) != CUDA_SUCCESS) {
+      /* The caller destroyed that stream: its work was queued long ago. */
+      GPUIPC__CU(cuEventDestroy, ev);
+      continue;
+    }
+    evs[nev++] = ev;
+  }
+  if (h->lq[1] && ok) {
+    bool dup = false;
+    for (int k = 0; k < nseen && !dup; k++)
+      dup = seen[k] == h->lq[1];
+    CUevent ev;
+    if (!dup && nev < MAXEV &&
+        GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING) ==
+            CUDA_SUCCESS) {
+      if (GPUIPC__CU(cuEventRecord, ev, (CUstream)h->lq[1]) == CUDA_SUCCESS)
+        evs[nev++] = ev;
+      else
+        GPUIPC__CU(cuEventDestroy, ev);
+    }
+  }
+  for (;;) {
+    bool done = ok;
+    for (int i = 0; i < nev && done; i++)
+      done = GPUIPC__CU(cuEventQuery, evs[i]) != CUDA_ERROR_NOT_READY;
+    for (size_t i = 0; i < h->nclosing && done; i++)
+      done = GPUIPC__CU(cuEventQuery, (CUevent)h->closing[i].ev) !=
+             CUDA_ERROR_NOT_READY;
+    if (done || !ok || gpuipc__now_ns() >= deadline) {
+      for (int i = 0; i < nev; i++)
+        GPUIPC__CU(cuEventDestroy, evs[i]);
+      return done;
+    }
+    usleep(200);
+  }
+}
+
 static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;
   /* Receiver side: give back what we hold, ordered after the legacy
    * stream, and say goodbye. */
   int sync_ordinal = -1;
+  if (h->rx)
+    unblock_ready(c, h, false);
   if (h->rx) {
     if (c->state == GPUIPC__CONN_OPEN) {
       c->ho = h; /* the transport may dispatch frames while we send */
@@ -1136,23 +1224,43 @@ static void ho_close(gpuipc_conn *c) {
   }
   if (h->nimp > 0 || h->nclosing > 0) {
     /* The imported memory is unmapped below; GPU work of ours that may
-     * still use it (including the release writes just queued) must be
-     * done first. */
-    gpuipc__ctx_guard g;
+     * still use it (the release writes just queued, and the work the
+     * caller queued before each release) must be done first. Our streams
+     * that wait on the peer's ready words were unblocked above; what is
+     * waited for is only what gpuipc queued (on the streams releases were
+     * written on, its own streams, the closing imports' events), within
+     * the connection's timeout. */
     if (sync_ordinal < 0 && h->nimp > 0)
       sync_ordinal = h->imp[0].ordinal;
     if (sync_ordinal < 0)
       sync_ordinal = 0;
+    bool drained = false;
+    gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
-      GPUIPC__CU(cuCtxSynchronize);
+      drained = drain(h, close_deadline(c));
       if (h->unblock)
         GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
       h->unblock = NULL;
-      poll_closing(h, true);
+      if (drained) {
+        poll_closing(h, true);
+      } else {
+        for (size_t i = 0; i < h->nclosing; i++)
+          GPUIPC__CU(cuEventDestroy, (CUevent)h->closing[i].ev);
+      }
       gpuipc__ctx_leave(&g);
     }
-    for (int i = 0; i < h->nimp; i++)
-      gpuipc_buffer_close(h->imp[i].buf);
+    if (drained) {
+      for (int i = 0; i < h->nimp; i++)
+        gpuipc_buffer_close(h->imp[i].buf);
+    } else {
+      GPUIPC__WARN("handoff",
+                   "closing the connection to peer %d: GPU work queued "
+                   "before releases did not complete within the timeout; "
+                   "%d imported chunk(s) and %zu buffer(s) stay mapped",
+                   c->peer_pid, h->nimp, h->nclosing);
+    }
+    h->nimp = 0;
+    h->nclosing = 0;
   }
   /* The receiver's relay stream: its queued work finishes on its own
    * (cuStreamDestroy lets it), and its writes target memory of ours or
