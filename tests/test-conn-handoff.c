@@ -1599,3 +1599,126 @@ TEST_IMPL(handoff_consumer_close_bounded) {
   bounded_done();
   return 0;
 }
+
+/* ---- every driver call of the handoff failing in turn ------------------------------------ */
+
+/* Both sides of a short handoff that tolerate any failure: each call may
+ * fail, and then that side closes. What must hold is that both sides end
+ * (bounded by the caller) and nothing crashes. */
+static void tolerant_producer(gpuipc_conn *c) {
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = (size_t)1 << 20;
+  gpuipc_arena *a = NULL;
+  if (gpuipc_arena_create(&ao, &a) != GPUIPC_OK) {
+    gpuipc_conn_close(c);
+    return;
+  }
+  ctx_current();
+  CUstream s = NULL;
+  if (gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+    s = NULL;
+  gpuipc_block *b[3] = {NULL, NULL, NULL};
+  for (int i = 0; i < 3; i++) {
+    if (gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b[i]) != GPUIPC_OK)
+      break;
+    if (gpuipc_conn_send(c, b[i], (struct CUstream_st *)s, NULL, 0) != GPUIPC_OK)
+      break;
+  }
+  for (int k = 0; k < 300; k++) {
+    unsigned held = 0;
+    for (int i = 0; i < 3; i++)
+      held += b[i] ? gpuipc_block_get_holders(b[i]) : 0;
+    if (held == 0)
+      break;
+    if (gpuipc_conn_progress(c, 10) != GPUIPC_OK)
+      usleep(10000);
+  }
+  for (int i = 0; i < 3; i++)
+    (void)gpuipc_block_free(b[i], (struct CUstream_st *)s);
+  gpuipc_conn_close(c);
+  (void)gpuipc_arena_destroy(a);
+}
+
+static void tolerant_consumer(gpuipc_conn *c) {
+  ctx_current();
+  CUstream s = NULL;
+  if (gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+    s = NULL;
+  for (int i = 0; i < 3; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    if (gpuipc_conn_recv(c, (struct CUstream_st *)s, &r) != GPUIPC_OK)
+      break;
+    if (gpuipc_conn_release(c, r.id, (struct CUstream_st *)s) != GPUIPC_OK)
+      break;
+  }
+  gpuipc_conn_close(c);
+  if (s)
+    (void)gpuipc__cu.cuStreamSynchronize(s);
+}
+
+static gpuipc_conn *fault_conn(int fd) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 2000;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  return c;
+}
+
+HELPER_IMPL(ho_fault_side) {
+  gpuipc_conn *c = fault_conn(dup(harness_helper_fd()));
+  if (strcmp(argv[0], "producer") == 0)
+    tolerant_producer(c);
+  else
+    tolerant_consumer(c);
+  return 0;
+}
+
+/* Each driver call the handoff makes fails in turn (the first, second,
+ * third call of it, and every call), on the producer's side and on the
+ * consumer's: both sides must end, each within the bound, without a
+ * crash. */
+TEST_IMPL(handoff_driver_faults_end_cleanly) {
+  REQUIRE_EMULATOR("fault injection (GPUIPC_EMU_FAIL)");
+  static const char *calls[] = {
+      "cuStreamWriteValue64", "cuStreamWaitValue64", "cuStreamSynchronize",
+      "cuEventRecord",        "cuStreamWaitEvent",   "cuEventCreate",
+      "cuStreamCreate",       "cuMemsetD32Async",    "cuMemcpyDtoHAsync",
+      "cuEventQuery",
+  };
+  static const char *nth[] = {"1", "2", "3", "*"};
+  int runs = 0;
+  for (int side = 0; side < 2; side++)
+    for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(calls); i++)
+      for (size_t k = 0; k < GPUIPC__ARRAY_SIZE(nth); k++) {
+        char var[128];
+        snprintf(var, sizeof var, "GPUIPC_EMU_FAIL=%s:%s", calls[i], nth[k]);
+        char *env[] = {var, NULL};
+        /* GPUIPC_TEST_FAULT=NAME:N:SIDE repeats one run. */
+        const char *only = getenv("GPUIPC_TEST_FAULT");
+        char key[128];
+        snprintf(key, sizeof key, "%s:%s:%s", calls[i], nth[k],
+                 side == 0 ? "producer" : "consumer");
+        if (only && strcmp(only, key) != 0)
+          continue;
+        char what[200];
+        snprintf(what, sizeof what, "the run with %s in the %s", var,
+                 side == 0 ? "producer" : "consumer");
+        bounded(what, 40);
+        int fd;
+        pid_t pid = spawn_helper("ho_fault_side", env, &fd,
+                                 side == 0 ? "producer" : "consumer", NULL);
+        gpuipc_conn *c = fault_conn(fd);
+        if (side == 0)
+          tolerant_consumer(c);
+        else
+          tolerant_producer(c);
+        int st = wait_helper(pid, 30);
+        if (st != 0)
+          harness_fail(__FILE__, __LINE__, "%s: helper ended with %d", what,
+                       st);
+        bounded_done();
+        runs++;
+      }
+  printf("%d fault runs\n", runs);
+  return 0;
+}

@@ -751,7 +751,7 @@ static void poll_closing(struct gpuipc__ho *h, bool all) {
   size_t k = 0;
   for (size_t i = 0; i < h->nclosing; i++) {
     gpuipc__closing *x = &h->closing[i];
-    if (all || GPUIPC__CU(cuEventQuery, (CUevent)x->ev) != CUDA_ERROR_NOT_READY) {
+    if (all || GPUIPC__CU(cuEventQuery, (CUevent)x->ev) == CUDA_SUCCESS) {
       gpuipc_buffer_close(x->imp);
       GPUIPC__CU(cuEventDestroy, (CUevent)x->ev);
     } else {
@@ -900,6 +900,22 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
     if (cr == CUDA_SUCCESS)
       cr = GPUIPC__CU(cuStreamWriteValue64, ws, word,
                       (cuuint64_t)r->held, 0);
+    if (cr == CUDA_SUCCESS) {
+      /* What close waits for before it unmaps: the work queued on ws up
+       * to this release (a later release of the slot, on any stream, is
+       * ordered after this one, so the newest record covers all). */
+      CUresult er = CUDA_SUCCESS;
+      if (r->rel_done == NULL) {
+        CUevent ev;
+        er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+        if (er == CUDA_SUCCESS)
+          r->rel_done = (struct CUevent_st *)ev;
+      }
+      if (er == CUDA_SUCCESS)
+        er = GPUIPC__CU(cuEventRecord, (CUevent)r->rel_done, ws);
+      if (er != CUDA_SUCCESS)
+        h->rx_unknown = true;
+    }
     gpuipc__ctx_leave(&g);
     if (cr != CUDA_SUCCESS)
       return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
@@ -1096,75 +1112,45 @@ static uint64_t close_deadline(const gpuipc_conn *c) {
   return gpuipc__now_ns() + (uint64_t)ms * 1000000ull;
 }
 
-/* Waits (polling, until deadline) for the work queued so far on every
- * stream a release was written on, on our private streams, and for the
- * closing imports' events. True when all of it completed. Context
- * current. */
+/* Waits (polling, until deadline) for every slot's last release write,
+ * the work queued so far on our private streams, and the closing imports'
+ * events. True when all of it completed (an event that reports an error
+ * counts as not complete). Context current. */
 static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
-  enum { MAXEV = 64 };
-  CUevent evs[MAXEV];
-  int nev = 0;
+  if (h->rx_unknown)
+    return false;
+  CUevent own[2] = {NULL, NULL};
+  struct CUstream_st *streams[2] = {h->unblock, h->lq[1]};
   bool ok = true;
-  struct CUstream_st *seen[MAXEV];
-  int nseen = 0;
-  for (uint32_t s = 0; h->rx && s <= h->peer_nslots; s++) {
-    struct CUstream_st *st = s < h->peer_nslots ? h->rx[s].last_rel_stream
-                                                : h->unblock;
-    if (st == NULL && s == h->peer_nslots)
-      st = h->lq[1];
-    if (st == NULL)
+  for (int i = 0; i < 2 && ok; i++) {
+    if (streams[i] == NULL)
       continue;
-    bool dup = false;
-    for (int k = 0; k < nseen && !dup; k++)
-      dup = seen[k] == st;
-    if (dup)
-      continue;
-    if (nseen == MAXEV) {
-      ok = false; /* more streams than we track: wait for none of them */
-      break;
-    }
-    seen[nseen++] = st;
-    CUevent ev;
-    if (GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING) !=
-        CUDA_SUCCESS) {
-      ok = false;
-      break;
-    }
-    if (GPUIPC__CU(cuEventRecord, ev, (CUstream)st) != CUDA_SUCCESS) {
-      /* The caller destroyed that stream: its work was queued long ago. */
-      GPUIPC__CU(cuEventDestroy, ev);
-      continue;
-    }
-    evs[nev++] = ev;
+    ok = GPUIPC__CU(cuEventCreate, &own[i], CU_EVENT_DISABLE_TIMING) ==
+         CUDA_SUCCESS;
+    if (ok)
+      ok = GPUIPC__CU(cuEventRecord, own[i], (CUstream)streams[i]) ==
+           CUDA_SUCCESS;
   }
-  if (h->lq[1] && ok) {
-    bool dup = false;
-    for (int k = 0; k < nseen && !dup; k++)
-      dup = seen[k] == h->lq[1];
-    CUevent ev;
-    if (!dup && nev < MAXEV &&
-        GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING) ==
-            CUDA_SUCCESS) {
-      if (GPUIPC__CU(cuEventRecord, ev, (CUstream)h->lq[1]) == CUDA_SUCCESS)
-        evs[nev++] = ev;
-      else
-        GPUIPC__CU(cuEventDestroy, ev);
-    }
-  }
-  for (;;) {
-    bool done = ok;
-    for (int i = 0; i < nev && done; i++)
-      done = GPUIPC__CU(cuEventQuery, evs[i]) != CUDA_ERROR_NOT_READY;
+  bool done = false;
+  while (ok) {
+    done = true;
+    for (int i = 0; i < 2 && done; i++)
+      done = own[i] == NULL || GPUIPC__CU(cuEventQuery, own[i]) == CUDA_SUCCESS;
+    for (uint32_t s = 0; h->rx && s < h->peer_nslots && done; s++)
+      done = h->rx[s].rel_done == NULL ||
+             GPUIPC__CU(cuEventQuery, (CUevent)h->rx[s].rel_done) ==
+                 CUDA_SUCCESS;
     for (size_t i = 0; i < h->nclosing && done; i++)
-      done = GPUIPC__CU(cuEventQuery, (CUevent)h->closing[i].ev) !=
-             CUDA_ERROR_NOT_READY;
-    if (done || !ok || gpuipc__now_ns() >= deadline) {
-      for (int i = 0; i < nev; i++)
-        GPUIPC__CU(cuEventDestroy, evs[i]);
-      return done;
-    }
+      done = GPUIPC__CU(cuEventQuery, (CUevent)h->closing[i].ev) ==
+             CUDA_SUCCESS;
+    if (done || gpuipc__now_ns() >= deadline)
+      break;
     usleep(200);
   }
+  for (int i = 0; i < 2; i++)
+    if (own[i])
+      GPUIPC__CU(cuEventDestroy, own[i]);
+  return done;
 }
 
 static void ho_close(gpuipc_conn *c) {
@@ -1173,6 +1159,7 @@ static void ho_close(gpuipc_conn *c) {
   /* Receiver side: give back what we hold, ordered after the legacy
    * stream, and say goodbye. */
   int sync_ordinal = -1;
+  bool all_released = true;
   if (h->rx)
     unblock_ready(c, h, false);
   if (h->rx) {
@@ -1189,15 +1176,19 @@ static void ho_close(gpuipc_conn *c) {
       /* A buffer still queued (never handed to the caller, so no GPU work
        * of ours uses it) is released like the others: its release word is
        * written too, since the producer's reuse waits for it on the GPU. */
-      (void)release_slot(c, h, s, NULL, open);
-      if (open)
+      /* A release that could not be written is not announced: the
+       * producer then keeps the lease until our process is gone (and no
+       * BYE below says that everything was released). */
+      if (release_slot(c, h, s, NULL, open) != GPUIPC_OK)
+        all_released = false;
+      else if (open)
         (void)gpuipc__conn_send_frame(c, GPUIPC__F_REL, &rel, sizeof rel, NULL,
                                       0, NULL, 0, 0);
     }
     h->qlen = 0;
     sync_ordinal = h->peer_ordinal;
   }
-  if (c->state == GPUIPC__CONN_OPEN)
+  if (c->state == GPUIPC__CONN_OPEN && all_released)
     (void)gpuipc__conn_send_frame(c, GPUIPC__F_BYE, NULL, 0, NULL, 0, NULL, 0,
                                   0);
   if (h->rx_stuck && (h->nimp > 0 || h->nclosing > 0)) {
@@ -1273,6 +1264,13 @@ static void ho_close(gpuipc_conn *c) {
     for (uint32_t s = 0; s < h->peer_nslots; s++) {
       gpuipc_event_destroy(h->rx[s].ready_ev);
       gpuipc_event_destroy(h->rx[s].rel_ev);
+      if (h->rx[s].rel_done) {
+        gpuipc__ctx_guard g;
+        if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
+          GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].rel_done);
+          gpuipc__ctx_leave(&g);
+        }
+      }
     }
   free(h->imp);
   free(h->rx);
