@@ -12,6 +12,7 @@
 
 #include <execinfo.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -1236,4 +1237,488 @@ TEST_IMPL(handoff_legacy_order_slow_producer) {
 TEST_IMPL(handoff_legacy_order_reuse_after_release) {
   setenv("GPUIPC_TEST_STREAM", "legacy", 1);
   return test_handoff_order_reuse_after_release();
+}
+
+/* ---- one peer's missing release holds back only what it holds ------------------------- */
+
+/* A step that must end within `secs` seconds: otherwise the test fails
+ * with `what` instead of hanging. */
+static const char *volatile bounded_what;
+static void bounded_alarm(int sig) {
+  (void)sig;
+  const char *parts[] = {"assertion failed: still in ", bounded_what,
+                         " after the bound (a hang)\n"};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(parts); i++) {
+    ssize_t w = write(2, parts[i], strlen(parts[i]));
+    (void)w;
+  }
+  _exit(1);
+}
+static void bounded(const char *what, unsigned secs) {
+  bounded_what = what;
+  signal(SIGALRM, bounded_alarm);
+  alarm(secs);
+}
+static void bounded_done(void) { alarm(0); }
+
+/* True when the work queued on s so far completes within ms. */
+static bool stream_drains(CUstream s, int ms) {
+  for (int i = 0; i < ms; i++) {
+    CUresult r = gpuipc__cu.cuStreamQuery(s);
+    if (r == CUDA_SUCCESS)
+      return true;
+    ASSERT_EQ(r, CUDA_ERROR_NOT_READY);
+    usleep(1000);
+  }
+  return false;
+}
+
+/* Receives one buffer, then forges its release: a REL frame without the
+ * GPU-side write of the release word. Stays alive until killed. */
+HELPER_IMPL(ho_liar) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, NULL, &r));
+  gpuipc__w_rel rel = {r.id & (((uint64_t)1 << 44) - 1),
+                       (uint32_t)(r.id >> 44), 0};
+  raw_frame(gpuipc_conn_get_fd(c), GPUIPC__F_REL, &rel, sizeof rel);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "lied", 4, NULL, 0));
+  for (;;)
+    pause();
+}
+
+/* Arena memory laid out so that every allocation below must reuse memory:
+ * one chunk, no growth, its rest taken by a filler block. */
+static gpuipc_arena *full_arena(size_t small, int n, gpuipc_block **blocks,
+                                gpuipc_block **filler) {
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = (size_t)1 << 20;
+  ao.max_bytes = ao.chunk_bytes;
+  gpuipc_arena *a = NULL;
+  ASSERT_OK(gpuipc_arena_create(&ao, &a));
+  for (int i = 0; i < n; i++)
+    ASSERT_OK(gpuipc_arena_alloc(a, small, NULL, &blocks[i]));
+  ASSERT_OK(gpuipc_arena_alloc(a, ao.chunk_bytes - (size_t)n * small, NULL,
+                               filler));
+  return a;
+}
+
+/* A consumer that announces a release its GPU never writes (a forged REL)
+ * holds back the block it held, and nothing else: a block never shared
+ * with it and a block an honest consumer released are reused at once, and
+ * gpuipc_arena_destroy ends within its bound (GPUIPC_E_BUSY while the liar
+ * lives; OK once it is gone). */
+TEST_IMPL(handoff_forged_release_holds_back_only_its_block) {
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  gpuipc_block *blk[3], *filler;
+  gpuipc_arena *a = full_arena(4096, 3, blk, &filler);
+  int fd_l, fd_h;
+  pid_t liar = spawn_helper("ho_liar", NULL, &fd_l, NULL);
+  pid_t honest = spawn_helper("ho_holder", NULL, &fd_h, "1", NULL);
+  gpuipc_conn *cl = pair_conn(fd_l);
+  gpuipc_conn *ch = pair_conn(fd_h);
+  wait_up(ch, 60000);
+  /* blk[0] to the liar, blk[2] to the honest consumer, blk[1] nowhere. */
+  ASSERT_OK(gpuipc_conn_send(cl, blk[0], (struct CUstream_st *)s, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send(ch, blk[2], (struct CUstream_st *)s, NULL, 0));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(cl, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_MEM_EQ(buf, "lied", 4);
+  ASSERT_OK(gpuipc_conn_recv_msg(ch, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_MEM_EQ(buf, "held", 4);
+  void *p1 = gpuipc_block_get_ptr(blk[1]), *p2 = gpuipc_block_get_ptr(blk[2]);
+  for (int i = 0; i < 3; i++)
+    ASSERT_OK(gpuipc_block_free(blk[i], (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_send_msg(ch, "go", 2, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(ch, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_MEM_EQ(buf, "done", 4);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(ch, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_OK(gpuipc_conn_get_outstanding(cl, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  /* Reuse of the two blocks the liar never held, on a fresh stream each:
+   * the streams must not wait for the liar's release word. */
+  gpuipc_block *again[2], *liars = NULL;
+  CUstream t[2], liars_stream = NULL;
+  for (int i = 0; i < 2; i++) {
+    t[i] = mkstream();
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)t[i], &b));
+    if (gpuipc_block_get_ptr(b) != p1 && gpuipc_block_get_ptr(b) != p2) {
+      /* The liar's block, handed out (stream-ordered after its release)
+       * while the others' markers did not look complete yet: keep it, and
+       * take the next on a fresh stream. */
+      ASSERT_NULL(liars);
+      liars = b;
+      liars_stream = t[i];
+      t[i] = mkstream();
+      ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)t[i], &b));
+    }
+    ASSERT(gpuipc_block_get_ptr(b) == p1 || gpuipc_block_get_ptr(b) == p2);
+    again[i] = b;
+    if (t[i] && !stream_drains(t[i], 5000))
+      harness_fail(__FILE__, __LINE__,
+                   "reuse of a block the liar never held waits for the "
+                   "liar's release");
+  }
+  if (liars)
+    ASSERT_OK(gpuipc_block_free(liars, (struct CUstream_st *)liars_stream));
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_block_free(again[i], NULL));
+  ASSERT_OK(gpuipc_block_free(filler, NULL));
+  gpuipc_conn_close(ch);
+  ASSERT_EQ(wait_helper(honest, 60), 0);
+  gpuipc_conn_close(cl);
+  /* The liar lives: its block's memory is still held back, and destroy
+   * says so within its bound instead of waiting for ever. */
+  bounded("gpuipc_arena_destroy while the liar lives", 30);
+  ASSERT_STATUS(gpuipc_arena_destroy(a), GPUIPC_E_BUSY);
+  bounded_done();
+  kill(liar, SIGKILL);
+  ASSERT_EQ(wait_helper(liar, 60), 128 + SIGKILL);
+  bounded("gpuipc_arena_destroy after the liar died", 30);
+  gpuipc_status ds = GPUIPC_E_BUSY;
+  for (int i = 0; i < 100 && ds == GPUIPC_E_BUSY; i++) {
+    ds = gpuipc_arena_destroy(a);
+    if (ds == GPUIPC_E_BUSY)
+      usleep(10000);
+  }
+  ASSERT_OK(ds);
+  bounded_done();
+  return 0;
+}
+
+/* Connects, says "up", then closes the connection while the buffers the
+ * producer sent still sit in its queue (never received), and lives on. */
+HELPER_IMPL(ho_quick_closer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  {
+    gpuipc__ctx_guard g;
+    ASSERT_OK(gpuipc__driver());
+    ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+    gpuipc__ctx_leave(&g);
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "up", 2, NULL, 0));
+  char buf[8];
+  size_t len;
+  /* The buffers arrive before this message: they are queued. */
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  close(harness_helper_fd()); /* the producer sees the end of the stream */
+  for (;;)
+    pause();
+}
+
+/* gpuipc_conn_close by a consumer with buffers queued (not received):
+ * their releases must come with their words written, so the producer
+ * reuses the memory at once, though the consumer lives on. */
+TEST_IMPL(handoff_close_with_queued_buffers_releases_them) {
+  REQUIRE_DEVICES(1);
+  gpuipc_block *blk[2], *filler;
+  gpuipc_arena *a = full_arena(4096, 2, blk, &filler);
+  int fd;
+  pid_t pid = spawn_helper("ho_quick_closer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  wait_up(c, 60000);
+  CUstream s = mkstream();
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_conn_send(c, blk[i], (struct CUstream_st *)s, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "close", 5, NULL, 0));
+  void *p[2] = {gpuipc_block_get_ptr(blk[0]), gpuipc_block_get_ptr(blk[1])};
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_block_free(blk[i], (struct CUstream_st *)s));
+  gpuipc_status ps = GPUIPC_OK;
+  for (int k = 0; k < 3000 && ps == GPUIPC_OK; k++)
+    ps = gpuipc_conn_progress(c, 10);
+  ASSERT_STATUS(ps, GPUIPC_E_PEER_GONE);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < 2; i++) {
+    CUstream t = mkstream();
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)t, &b));
+    ASSERT(gpuipc_block_get_ptr(b) == p[0] || gpuipc_block_get_ptr(b) == p[1]);
+    if (t && !stream_drains(t, 5000))
+      harness_fail(__FILE__, __LINE__,
+                   "reuse after the consumer's close waits for a release "
+                   "word nobody writes");
+    ASSERT_OK(gpuipc_block_free(b, NULL));
+  }
+  ASSERT_OK(gpuipc_block_free(filler, NULL));
+  gpuipc_conn_close(c);
+  bounded("gpuipc_arena_destroy after the consumer's close", 30);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  bounded_done();
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  return 0;
+}
+
+/* ---- a consumer whose main thread exited ------------------------------------------------ */
+
+static gpuipc_received lone_rx = GPUIPC_RECEIVED_INIT;
+
+static void *lone_reader(void *arg) {
+  (void)arg;
+  /* Reads the buffer for 1.5 s after the main thread is gone: the data
+   * must stay the producer's (the memory is not handed out again). */
+  uint8_t first[64], now[64];
+  ctx_current();
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(first, (CUdeviceptr)(uintptr_t)lone_rx.ptr,
+                                    sizeof first));
+  for (int i = 0; i < 15; i++) {
+    usleep(100000);
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(now, (CUdeviceptr)(uintptr_t)lone_rx.ptr,
+                                      sizeof now));
+    if (memcmp(first, now, sizeof now) != 0) {
+      fprintf(stderr, "lone reader: the buffer changed under it\n");
+      _exit(3);
+    }
+  }
+  _exit(0);
+}
+
+/* Receives a buffer, hangs up without releasing it, starts a thread that
+ * keeps reading it, and ends its main thread (pthread_exit). */
+HELPER_IMPL(ho_lone_thread) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  ASSERT_OK(gpuipc_conn_recv(c, NULL, &lone_rx));
+  ctx_current();
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, lone_reader, NULL), 0);
+  close(gpuipc_conn_get_fd(c)); /* hang up, holding the buffer */
+  close(harness_helper_fd());
+  pthread_exit(NULL);
+}
+
+/* The consumer's main thread has exited, another reads the buffer: the
+ * process is not gone, so its lease stays (and the memory is not reused)
+ * until the whole process exits. */
+TEST_IMPL(handoff_consumer_main_thread_exit_keeps_lease) {
+  REQUIRE_DEVICES(1);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
+  uint8_t pat[4096];
+  pattern(pat, sizeof pat, 7);
+  ctx_current();
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                    pat, sizeof pat));
+  int fd;
+  pid_t pid = spawn_helper("ho_lone_thread", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  ASSERT_OK(gpuipc_conn_send(c, b, NULL, NULL, 0));
+  gpuipc_status ps = GPUIPC_OK;
+  for (int k = 0; k < 3000 && ps == GPUIPC_OK; k++)
+    ps = gpuipc_conn_progress(c, 10);
+  ASSERT_STATUS(ps, GPUIPC_E_PEER_GONE);
+  /* The helper's reader runs for 1.5 s: for most of it, its lease must
+   * hold (an exited main thread is not an exited process). */
+  for (int i = 0; i < 80; i++) {
+    (void)gpuipc_conn_progress(c, 0);
+    gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+    ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+    if (waitpid(pid, NULL, WNOHANG) != 0)
+      harness_fail(__FILE__, __LINE__, "the helper ended early");
+    if (gpuipc_block_get_holders(b) != 1 || st.leases != 1)
+      harness_fail(__FILE__, __LINE__,
+                   "the lease of a consumer whose main thread exited was "
+                   "reclaimed while its other thread runs");
+    usleep(10000);
+  }
+  /* Once the whole process is gone, the lease comes back. */
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  for (int i = 0; i < 1000 && gpuipc_block_get_holders(b) > 0; i++) {
+    (void)gpuipc_conn_progress(c, 0);
+    usleep(1000);
+  }
+  ASSERT_EQ(gpuipc_block_get_holders(b), 0);
+  ASSERT_OK(gpuipc_block_free(b, NULL));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* ---- a consumer's close is bounded ------------------------------------------------------ */
+
+/* A producer whose work before its send never completes (its stream waits
+ * for a word nobody writes); it lives on until killed. */
+HELPER_IMPL(ho_stuck_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  /* The never-written word: cuMemAlloc memory (stream memory operations
+   * are refused on pool memory). */
+  uint64_t *word = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc((CUdeviceptr *)&word, 8));
+  ASSERT_CU(gpuipc__cu.cuMemsetD32((CUdeviceptr)(uintptr_t)word, 0, 2));
+  CUstream q = s ? s : NULL;
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(q, (CUdeviceptr)(uintptr_t)word, 1,
+                                           CU_STREAM_WAIT_VALUE_GEQ));
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "sent", 4, NULL, 0));
+  for (;;)
+    pause();
+}
+
+/* gpuipc_conn_close on the consumer side ends within the connection's
+ * timeout, although the producer is alive and its work before the send
+ * never completes (a stream of ours waits for its ready word). */
+TEST_IMPL(handoff_consumer_close_bounded) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_stuck_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 2000));
+  bounded("gpuipc_conn_close of a consumer", 30);
+  uint64_t t0 = gpuipc__now_ns();
+  gpuipc_conn_close(c);
+  uint64_t ms = (gpuipc__now_ns() - t0) / 1000000;
+  bounded_done();
+  ASSERT_LE(ms, 5000);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  bounded("the consumer's stream after the close", 30);
+  if (s)
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  bounded_done();
+  return 0;
+}
+
+/* ---- every driver call of the handoff failing in turn ------------------------------------ */
+
+/* Both sides of a short handoff that tolerate any failure: each call may
+ * fail, and then that side closes. What must hold is that both sides end
+ * (bounded by the caller) and nothing crashes. */
+static void tolerant_producer(gpuipc_conn *c) {
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = (size_t)1 << 20;
+  gpuipc_arena *a = NULL;
+  if (gpuipc_arena_create(&ao, &a) != GPUIPC_OK) {
+    gpuipc_conn_close(c);
+    return;
+  }
+  ctx_current();
+  CUstream s = NULL;
+  if (gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+    s = NULL;
+  gpuipc_block *b[3] = {NULL, NULL, NULL};
+  for (int i = 0; i < 3; i++) {
+    if (gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b[i]) != GPUIPC_OK)
+      break;
+    if (gpuipc_conn_send(c, b[i], (struct CUstream_st *)s, NULL, 0) != GPUIPC_OK)
+      break;
+  }
+  for (int k = 0; k < 300; k++) {
+    unsigned held = 0;
+    for (int i = 0; i < 3; i++)
+      held += b[i] ? gpuipc_block_get_holders(b[i]) : 0;
+    if (held == 0)
+      break;
+    if (gpuipc_conn_progress(c, 10) != GPUIPC_OK)
+      usleep(10000);
+  }
+  for (int i = 0; i < 3; i++)
+    (void)gpuipc_block_free(b[i], (struct CUstream_st *)s);
+  gpuipc_conn_close(c);
+  (void)gpuipc_arena_destroy(a);
+}
+
+static void tolerant_consumer(gpuipc_conn *c) {
+  ctx_current();
+  CUstream s = NULL;
+  if (gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+    s = NULL;
+  for (int i = 0; i < 3; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    if (gpuipc_conn_recv(c, (struct CUstream_st *)s, &r) != GPUIPC_OK)
+      break;
+    if (gpuipc_conn_release(c, r.id, (struct CUstream_st *)s) != GPUIPC_OK)
+      break;
+  }
+  gpuipc_conn_close(c);
+  if (s)
+    (void)gpuipc__cu.cuStreamSynchronize(s);
+}
+
+static gpuipc_conn *fault_conn(int fd) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 2000;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  return c;
+}
+
+HELPER_IMPL(ho_fault_side) {
+  gpuipc_conn *c = fault_conn(dup(harness_helper_fd()));
+  if (strcmp(argv[0], "producer") == 0)
+    tolerant_producer(c);
+  else
+    tolerant_consumer(c);
+  return 0;
+}
+
+/* Each driver call the handoff makes fails in turn (the first, second,
+ * third call of it, and every call), on the producer's side and on the
+ * consumer's: both sides must end, each within the bound, without a
+ * crash. */
+TEST_IMPL(handoff_driver_faults_end_cleanly) {
+  REQUIRE_EMULATOR("fault injection (GPUIPC_EMU_FAIL)");
+  static const char *calls[] = {
+      "cuStreamWriteValue64", "cuStreamWaitValue64", "cuStreamSynchronize",
+      "cuEventRecord",        "cuStreamWaitEvent",   "cuEventCreate",
+      "cuStreamCreate",       "cuMemsetD32Async",    "cuMemcpyDtoHAsync",
+      "cuEventQuery",
+  };
+  static const char *nth[] = {"1", "2", "3", "*"};
+  int runs = 0;
+  for (int side = 0; side < 2; side++)
+    for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(calls); i++)
+      for (size_t k = 0; k < GPUIPC__ARRAY_SIZE(nth); k++) {
+        char var[128];
+        snprintf(var, sizeof var, "GPUIPC_EMU_FAIL=%s:%s", calls[i], nth[k]);
+        char *env[] = {var, NULL};
+        /* GPUIPC_TEST_FAULT=NAME:N:SIDE repeats one run. */
+        const char *only = getenv("GPUIPC_TEST_FAULT");
+        char key[128];
+        snprintf(key, sizeof key, "%s:%s:%s", calls[i], nth[k],
+                 side == 0 ? "producer" : "consumer");
+        if (only && strcmp(only, key) != 0)
+          continue;
+        char what[200];
+        snprintf(what, sizeof what, "the run with %s in the %s", var,
+                 side == 0 ? "producer" : "consumer");
+        bounded(what, 40);
+        int fd;
+        pid_t pid = spawn_helper("ho_fault_side", env, &fd,
+                                 side == 0 ? "producer" : "consumer", NULL);
+        gpuipc_conn *c = fault_conn(fd);
+        if (side == 0)
+          tolerant_consumer(c);
+        else
+          tolerant_producer(c);
+        int st = wait_helper(pid, 30);
+        if (st != 0)
+          harness_fail(__FILE__, __LINE__, "%s: helper ended with %d", what,
+                       st);
+        bounded_done();
+        runs++;
+      }
+  printf("%d fault runs\n", runs);
+  return 0;
 }

@@ -89,7 +89,9 @@
  *
  * Peer death. If a consumer dies (crash, kill -9), the exporter sees its
  * connection close (in any call that makes progress on it) and reclaims
- * everything the consumer held once the process is gone: a dead process's
+ * everything the consumer held once the process is gone (the whole
+ * process: gpuipc watches a pidfd of the peer taken at the handshake; a
+ * process whose main thread exited while other threads run still counts): a dead process's
  * GPU work is torn down with its context, so nothing can still read the
  * memory. If the exporter dies, the consumer's next call on the connection
  * returns GPUIPC_E_PEER_GONE; the buffers it holds stay mapped and readable
@@ -137,8 +139,14 @@
  * socket files, by the 0700 runtime directory). What a peer may touch: a
  * consumer maps whole arena chunks (that is what makes a buffer cost one
  * message), so it can read and write every block of the chunks it was
- * sent, not only the blocks it holds; and it can stall the reuse of blocks
- * it holds by never releasing them (until it exits). Feed one arena only to
+ * sent, not only the blocks it holds; and it can stall the reuse of the
+ * blocks it holds by never releasing them, or by announcing releases its
+ * GPU never writes (until it exits). Only those: each connection orders
+ * reuse after its peer's releases on a stream of its own, so one peer's
+ * missing release never holds back memory that other peers, or nobody,
+ * held. (Memory a peer holds back this way is handed out again, ordered
+ * after that peer's release on the caller's stream, only when nothing
+ * else fits and the arena cannot grow.) Feed one arena only to
  * peers that may see each other's data; use separate arenas otherwise.
  *
  * Limits of this version: one device per connection (blocks sent on a
@@ -353,16 +361,19 @@ GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
  * gpuipc_conn_release(conn, id, NULL) would (ordered after work on the
  * legacy default stream and streams that synchronize with it; release
  * explicitly on your own streams before closing to be exact), the peer is
- * told, and the memory imported through the connection is unmapped. Before
- * unmapping, close waits for the device's GPU work to finish
- * (cuCtxSynchronize: queued work may still read that memory); this one wait
- * is not bounded by the connection's timeout (streams waiting on a dead
- * exporter's flag words were unblocked earlier, so it cannot hang on
- * gpuipc's account; in GPUIPC_ORDER_EVENT mode, when the exporter died
- * with an event record pending, close skips the wait and leaves the
- * imported memory mapped instead). Buffers the peer holds from us stay leased; they are
- * reclaimed when the peer process is gone (we can no longer hear its
- * releases). NULL is a no-op. */
+ * told, and the memory imported through the connection is unmapped.
+ * First, streams of ours that wait for the peer's ready words are
+ * unblocked (gpuipc writes the awaited values itself; work queued after a
+ * recv whose producer had not finished then reads undefined data). Before
+ * unmapping, close waits for the GPU work gpuipc queued (on the streams
+ * releases were written on, and its own), up to the connection's timeout
+ * (1 s when it is 0); work that does not complete by then leaves the
+ * imported memory mapped (leaked, with a warning) rather than unmapped
+ * under it. In GPUIPC_ORDER_EVENT mode, when the exporter died with an
+ * event record pending, close does not wait and leaves the imported memory
+ * mapped. Buffers the peer holds from us stay leased; they are reclaimed
+ * when the peer process is gone (we can no longer hear its releases).
+ * NULL is a no-op. */
 GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
 
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
@@ -451,8 +462,13 @@ GPUIPC_API gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
 
 /* Destroys an arena. Fails with GPUIPC_E_BUSY (and does nothing) while
  * blocks are allocated or held by peers (free them, and let peers release
- * them, first). Connections that carried its blocks may stay open. NULL is
- * a no-op. */
+ * them, first). Memory that peers released is freed only once their GPUs
+ * wrote the releases (and the owner's work queued before its frees
+ * completed): destroy waits for that up to 2 seconds, never longer, then
+ * fails with GPUIPC_E_BUSY (a peer that announced a release its GPU never
+ * writes; try again later: once that peer's process is gone it no longer
+ * counts). Connections that carried its blocks may stay open. NULL is a
+ * no-op. */
 GPUIPC_API gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena);
 
 /* Allocates a block of `bytes` (rounded up to 256) from the arena. Memory

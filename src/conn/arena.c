@@ -11,14 +11,18 @@
  * Reuse. A block a consumer held may be handed out again only after the
  * consumer's GPU work on it is done. The consumer says so on the GPU: its
  * release writes a sequence number into a flag word. When the release
- * message arrives (lease.c), the arena enqueues on its own non-blocking
- * "reclaim" stream a wait for that word, then records an event (a marker)
- * and tags the block with it. The memory of a freed block goes back to the
- * free list with its newest marker; gpuipc_arena_alloc hands such memory
- * out at once when the marker's event completed, and otherwise orders the
- * caller's stream after it (cuStreamWaitEvent): reuse never waits on the
- * host. Markers of one arena complete in order (one stream), so of two
- * tags the newer covers the older, which keeps merging free ranges simple.
+ * message arrives (lease.c), the arena enqueues, on that connection's own
+ * non-blocking reclaim stream, a wait for that word, then records an event
+ * (a marker) and tags the block with it. The memory of a freed block goes
+ * back to the free list with its tags; gpuipc_arena_alloc hands such
+ * memory out at once when the markers completed, and otherwise orders the
+ * caller's stream after them (cuStreamWaitEvent): reuse never waits on the
+ * host. Each connection's stream, and the arena's own (which orders reuse
+ * after the owner's frees), waits for nothing else, so a release word one
+ * peer never writes holds back only memory that peer held: markers of
+ * other streams complete, free ranges merge only when neither waits, and
+ * memory whose markers are overdue is handed out only when nothing else
+ * fits and the arena cannot grow.
  */
 #include "arena_int.h"
 
@@ -35,8 +39,27 @@ static atomic_size_t chunks_live;
 
 size_t gpuipc__arena_chunks_live(void) { return atomic_load(&chunks_live); }
 
-static gpuipc_status arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
-                                int n);
+/* A marker that has not completed this long after it was recorded is
+ * overdue: its memory is handed out only when nothing else fits. */
+#define MARK_OVERDUE_NS (1000ull * 1000000ull)
+
+static atomic_uint_fast64_t reclaimer_ids, mark_orders;
+
+gpuipc_status gpuipc__reclaimer_open(gpuipc__reclaimer *r) {
+  CUstream st;
+  CUresult cr = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+  if (cr != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(cr, "cuStreamCreate", "reclaim stream");
+  r->stream = (struct CUstream_st *)st;
+  r->id = atomic_fetch_add(&reclaimer_ids, 1) + 1;
+  return GPUIPC_OK;
+}
+
+void gpuipc__reclaimer_close(gpuipc__reclaimer *r) {
+  if (r->stream)
+    GPUIPC__CU(cuStreamDestroy, (CUstream)r->stream);
+  r->stream = NULL;
+}
 
 /* ---- markers ------------------------------------------------------------------ */
 
@@ -53,15 +76,6 @@ static gpuipc__mark *mark_ref(gpuipc__mark *m) {
   return m;
 }
 
-/* The newer of two markers (either may be NULL). */
-static gpuipc__mark *mark_newer(gpuipc__mark *x, gpuipc__mark *y) {
-  if (x == NULL)
-    return y;
-  if (y == NULL)
-    return x;
-  return x->order >= y->order ? x : y;
-}
-
 /* True when the marker's event completed (no waiting). Context current. */
 static bool mark_done(gpuipc__mark *m) {
   if (m == NULL || m->done)
@@ -72,7 +86,10 @@ static bool mark_done(gpuipc__mark *m) {
   return m->done;
 }
 
-static gpuipc_status mark_new(gpuipc_arena *a, gpuipc__mark **out) {
+/* Records a new marker on rc's stream, after everything queued there so
+ * far. Lock held, context current. */
+static gpuipc_status mark_record(gpuipc_arena *a, const gpuipc__reclaimer *rc,
+                                 gpuipc__mark **out) {
   gpuipc__mark *m = a->mark_free;
   if (m) {
     a->mark_free = m->next_free;
@@ -90,21 +107,100 @@ static gpuipc_status mark_new(gpuipc_arena *a, gpuipc__mark **out) {
   }
   m->refs = 1;
   m->done = false;
-  m->order = ++a->mark_order;
+  m->src = rc->id;
+  m->order = atomic_fetch_add(&mark_orders, 1) + 1;
+  m->t_ns = gpuipc__now_ns();
   m->next_free = NULL;
+  CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)m->ev, (CUstream)rc->stream);
+  if (r != CUDA_SUCCESS) {
+    mark_unref(a, m);
+    return gpuipc__fail_cuda(r, "cuEventRecord", "reclaim marker");
+  }
   *out = m;
   return GPUIPC_OK;
 }
 
+/* ---- tags ------------------------------------------------------------------------ */
+
+static void tags_clear(gpuipc_arena *a, gpuipc__tags *t) {
+  for (uint32_t i = 0; i < t->n; i++)
+    mark_unref(a, t->m[i]);
+  free(t->m);
+  *t = (gpuipc__tags){NULL, 0, 0};
+}
+
+/* Drops the markers that completed. */
+static void tags_prune(gpuipc_arena *a, gpuipc__tags *t) {
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < t->n; i++) {
+    if (mark_done(t->m[i]))
+      mark_unref(a, t->m[i]);
+    else
+      t->m[k++] = t->m[i];
+  }
+  t->n = k;
+  if (k == 0)
+    tags_clear(a, t);
+}
+
+/* Adds a reference to m (replacing an older marker of its stream). False
+ * when memory for it ran out (the ordering is lost). */
+static bool tags_add(gpuipc_arena *a, gpuipc__tags *t, gpuipc__mark *m) {
+  if (mark_done(m))
+    return true;
+  for (uint32_t i = 0; i < t->n; i++)
+    if (t->m[i]->src == m->src) {
+      if (m->order > t->m[i]->order) {
+        mark_unref(a, t->m[i]);
+        t->m[i] = mark_ref(m);
+      }
+      return true;
+    }
+  if (t->n == t->cap) {
+    uint32_t cap = t->cap ? 2 * t->cap : 2;
+    gpuipc__mark **n = realloc(t->m, sizeof *n * cap);
+    if (n == NULL)
+      return false;
+    t->m = n;
+    t->cap = cap;
+  }
+  t->m[t->n++] = mark_ref(m);
+  return true;
+}
+
+/* True when some marker is overdue (see MARK_OVERDUE_NS). */
+static bool tags_overdue(const gpuipc__tags *t, uint64_t now) {
+  for (uint32_t i = 0; i < t->n; i++)
+    if (!t->m[i]->done && now - t->m[i]->t_ns > MARK_OVERDUE_NS)
+      return true;
+  return false;
+}
+
+/* Orders `stream` after every marker not known complete. */
+static CUresult tags_wait(const gpuipc__tags *t, struct CUstream_st *stream) {
+  for (uint32_t i = 0; i < t->n; i++) {
+    if (mark_done(t->m[i]))
+      continue;
+    CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
+                            (CUevent)t->m[i]->ev, 0);
+    if (r != CUDA_SUCCESS)
+      return r;
+  }
+  return CUDA_SUCCESS;
+}
+
 /* ---- free list ------------------------------------------------------------------ */
 
-/* Returns [off, off+len) of chunk to the free list, merging with
- * neighbours. Takes over the caller's reference to tag. */
+/* Returns [off, off+len) of chunk to the free list; takes over *tags
+ * (NULL: free at once). It merges with a neighbour only when neither waits
+ * for anything. */
 static gpuipc_status range_put(gpuipc_arena *a, uint32_t chunk, size_t off,
-                               size_t len, gpuipc__mark *tag) {
-  if (tag && mark_done(tag)) {
-    mark_unref(a, tag);
-    tag = NULL;
+                               size_t len, gpuipc__tags *tags) {
+  gpuipc__tags t = {NULL, 0, 0};
+  if (tags) {
+    t = *tags;
+    *tags = (gpuipc__tags){NULL, 0, 0};
+    tags_prune(a, &t);
   }
   gpuipc__range **pp = &a->free_list, *prev = NULL;
   while (*pp && ((*pp)->chunk < chunk ||
@@ -113,50 +209,60 @@ static gpuipc_status range_put(gpuipc_arena *a, uint32_t chunk, size_t off,
     pp = &(*pp)->next;
   }
   gpuipc__range *next = *pp;
-  if (prev && prev->chunk == chunk && prev->off + prev->len == off) {
-    prev->len += len;
-    gpuipc__mark *t = mark_newer(prev->tag, tag);
-    if (t != prev->tag) {
-      mark_unref(a, prev->tag);
-      prev->tag = mark_ref(t);
-    }
-    mark_unref(a, tag);
-    if (next && next->chunk == chunk && prev->off + prev->len == next->off) {
-      prev->len += next->len;
-      gpuipc__mark *t2 = mark_newer(prev->tag, next->tag);
-      if (t2 != prev->tag) {
-        mark_unref(a, prev->tag);
-        prev->tag = mark_ref(t2);
+  if (t.n == 0) {
+    if (prev && prev->chunk == chunk && prev->off + prev->len == off) {
+      tags_prune(a, &prev->tags);
+      if (prev->tags.n == 0) {
+        prev->len += len;
+        if (next && next->chunk == chunk && prev->off + prev->len == next->off) {
+          tags_prune(a, &next->tags);
+          if (next->tags.n == 0) {
+            prev->len += next->len;
+            prev->next = next->next;
+            free(next);
+          }
+        }
+        return GPUIPC_OK;
       }
-      mark_unref(a, next->tag);
-      prev->next = next->next;
-      free(next);
     }
-    return GPUIPC_OK;
-  }
-  if (next && next->chunk == chunk && off + len == next->off) {
-    next->off = off;
-    next->len += len;
-    gpuipc__mark *t = mark_newer(next->tag, tag);
-    if (t != next->tag) {
-      mark_unref(a, next->tag);
-      next->tag = mark_ref(t);
+    if (next && next->chunk == chunk && off + len == next->off) {
+      tags_prune(a, &next->tags);
+      if (next->tags.n == 0) {
+        next->off = off;
+        next->len += len;
+        return GPUIPC_OK;
+      }
     }
-    mark_unref(a, tag);
-    return GPUIPC_OK;
   }
   gpuipc__range *r = malloc(sizeof *r);
   if (r == NULL) {
-    mark_unref(a, tag);
+    tags_clear(a, &t);
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "arena free range");
   }
   r->chunk = chunk;
   r->off = off;
   r->len = len;
-  r->tag = tag;
+  r->tags = t;
   r->next = next;
   *pp = r;
   return GPUIPC_OK;
+}
+
+/* Merges neighbours whose markers completed since they were freed. */
+static void coalesce(gpuipc_arena *a) {
+  for (gpuipc__range *r = a->free_list; r; r = r->next) {
+    tags_prune(a, &r->tags);
+    while (r->tags.n == 0 && r->next && r->next->chunk == r->chunk &&
+           r->off + r->len == r->next->off) {
+      gpuipc__range *n = r->next;
+      tags_prune(a, &n->tags);
+      if (n->tags.n != 0)
+        break;
+      r->len += n->len;
+      r->next = n->next;
+      free(n);
+    }
+  }
 }
 
 static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
@@ -233,9 +339,8 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   a->ordinal = gpuipc__pool_ordinal(a->pool);
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
   entered = true;
+  GPUIPC__CHECK_GOTO(gpuipc__reclaimer_open(&a->own), s, fail);
   CUstream st;
-  GPUIPC__CU_CHECK_GOTO(s, fail, cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
-  a->reclaim = (struct CUstream_st *)st;
   GPUIPC__CU_CHECK_GOTO(s, fail, cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
   a->side = (struct CUstream_st *)st;
   GPUIPC__CHECK_GOTO(add_chunk(a, o.chunk_bytes), s, fail);
@@ -243,8 +348,7 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   *out = a;
   return GPUIPC_OK;
 fail:
-  if (a->reclaim)
-    GPUIPC__CU(cuStreamDestroy, (CUstream)a->reclaim);
+  gpuipc__reclaimer_close(&a->own);
   if (a->side)
     GPUIPC__CU(cuStreamDestroy, (CUstream)a->side);
   if (entered)
@@ -255,7 +359,9 @@ fail:
   return s;
 }
 
-gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a) {
+gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a, bool *pending) {
+  if (pending)
+    *pending = false;
   if (a == NULL)
     return GPUIPC_OK;
   pthread_mutex_lock(&a->lock);
@@ -274,17 +380,35 @@ gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a) {
     pthread_mutex_unlock(&a->lock);
     return s;
   }
-  /* Everything queued on the reclaim stream refers to this memory. */
-  GPUIPC__CU(cuStreamSynchronize, (CUstream)a->reclaim);
-  GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+  /* The memory goes only once every GPU-side wait its reuse depends on has
+   * passed (releases of peers, the owner's frees): never waiting for them
+   * here keeps destroy bounded whatever a peer does. */
+  bool busy = GPUIPC__CU(cuStreamQuery, (CUstream)a->own.stream) ==
+                  CUDA_ERROR_NOT_READY ||
+              GPUIPC__CU(cuStreamQuery, (CUstream)a->side) ==
+                  CUDA_ERROR_NOT_READY;
+  for (gpuipc__range *r = a->free_list; r && !busy; r = r->next) {
+    tags_prune(a, &r->tags);
+    busy = r->tags.n > 0;
+  }
+  if (busy) {
+    gpuipc__ctx_leave(&g);
+    pthread_mutex_unlock(&a->lock);
+    if (pending)
+      *pending = true;
+    return gpuipc__fail(GPUIPC_E_BUSY,
+                        "gpuipc_arena_destroy: GPU work that the reuse of "
+                        "the arena's memory waits for has not completed (a "
+                        "peer's release not yet written on its GPU, or "
+                        "work the owner queued before a free)");
+  }
   gpuipc__range *r = a->free_list;
   while (r) {
     gpuipc__range *n = r->next;
-    mark_unref(a, r->tag);
+    tags_clear(a, &r->tags);
     free(r);
     r = n;
   }
-  mark_unref(a, a->last_mark);
   gpuipc__mark *m = a->mark_free;
   while (m) {
     gpuipc__mark *n = m->next_free;
@@ -292,7 +416,7 @@ gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a) {
     free(m);
     m = n;
   }
-  GPUIPC__CU(cuStreamDestroy, (CUstream)a->reclaim);
+  gpuipc__reclaimer_close(&a->own);
   GPUIPC__CU(cuStreamDestroy, (CUstream)a->side);
   for (uint32_t i = 0; i < a->nchunks; i++) {
     gpuipc_buffer_free(a->chunks[i].buf, NULL);
@@ -321,40 +445,47 @@ gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
     return s;
   }
   pthread_mutex_lock(&a->lock);
+  coalesce(a);
   gpuipc__range **pick = NULL;
-  for (int pass = 0; pass < 2 && pick == NULL; pass++) {
-    /* First pass: memory free at once (no marker, or a completed one);
-     * second: memory whose reuse must wait on the GPU. */
+  uint64_t now = gpuipc__now_ns();
+  /* Pass 0: memory free at once; 1: memory whose reuse waits on the GPU
+   * for markers not overdue; then a new chunk; 2: any memory that fits
+   * (a stream ordered after an overdue marker may wait long). */
+  for (int pass = 0; pass < 3 && pick == NULL; pass++) {
+    if (pass == 2) {
+      size_t grow = need > a->chunk_bytes ? need : a->chunk_bytes;
+      s = add_chunk(a, grow);
+      if (s == GPUIPC_OK) {
+        for (gpuipc__range **pp = &a->free_list; *pp; pp = &(*pp)->next)
+          if ((*pp)->len >= need && (*pp)->chunk == a->nchunks - 1) {
+            pick = pp;
+            break;
+          }
+        break;
+      }
+    }
     for (gpuipc__range **pp = &a->free_list; *pp; pp = &(*pp)->next) {
       if ((*pp)->len < need)
         continue;
-      if (pass == 0 && !mark_done((*pp)->tag))
+      if (pass == 0 && (*pp)->tags.n > 0)
+        continue;
+      if (pass == 1 && tags_overdue(&(*pp)->tags, now))
         continue;
       pick = pp;
       break;
     }
-    if (pick == NULL && pass == 1) {
-      size_t grow = need > a->chunk_bytes ? need : a->chunk_bytes;
-      s = add_chunk(a, grow);
-      if (s != GPUIPC_OK)
-        goto out;
-      for (gpuipc__range **pp = &a->free_list; *pp; pp = &(*pp)->next)
-        if ((*pp)->len >= need && (*pp)->chunk == a->nchunks - 1) {
-          pick = pp;
-          break;
-        }
-    }
   }
   if (pick == NULL) {
-    s = gpuipc__fail(GPUIPC_E_INTERNAL, "arena free list inconsistent");
+    if (s == GPUIPC_OK)
+      s = gpuipc__fail(GPUIPC_E_INTERNAL, "arena free list inconsistent");
     goto out;
   }
+  s = GPUIPC_OK;
   gpuipc__range *r = *pick;
-  if (r->tag && !mark_done(r->tag)) {
+  if (r->tags.n > 0) {
     /* Stream-ordered reuse: the caller's stream waits for the releases of
      * the consumers that held this memory. */
-    CUresult cr = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
-                             (CUevent)r->tag->ev, 0);
+    CUresult cr = tags_wait(&r->tags, stream);
     if (cr != CUDA_SUCCESS) {
       s = gpuipc__fail_cuda(cr, "cuStreamWaitEvent",
                             "ordering reuse of arena memory");
@@ -370,11 +501,11 @@ gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
   b->holders = 0;
   b->freed = false;
   b->internal = internal;
-  b->unmarked = false;
-  b->tag = NULL;
+  b->lost = false;
+  b->tags = (gpuipc__tags){NULL, 0, 0};
   if (r->len == need) {
     *pick = r->next;
-    mark_unref(a, r->tag);
+    tags_clear(a, &r->tags);
     free(r);
   } else {
     r->off += need;
@@ -431,10 +562,13 @@ static void block_release_memory(gpuipc_block *b) {
     a->internal_blocks--;
     a->internal_bytes -= b->len;
   }
-  gpuipc_status s = range_put(a, b->chunk, b->off, b->len, b->tag);
+  gpuipc_status s =
+      b->lost ? gpuipc__fail(GPUIPC_E_NO_MEMORY, "ordering of its reuse lost")
+              : range_put(a, b->chunk, b->off, b->len, &b->tags);
   if (s != GPUIPC_OK)
     GPUIPC__WARN("arena", "lost %zu bytes of arena %llu: %s", b->len,
                  (unsigned long long)a->id, gpuipc_last_error());
+  tags_clear(a, &b->tags);
   free(b);
 }
 
@@ -451,7 +585,10 @@ static void block_unhold(gpuipc_block *b) {
   }
 }
 
-gpuipc_status gpuipc_block_free(gpuipc_block *b, struct CUstream_st *stream) {
+/* gpuipc_block_free, and when rc is set, its reuse also after everything
+ * queued on rc so far. */
+static gpuipc_status block_free(gpuipc_block *b, struct CUstream_st *stream,
+                                const gpuipc__reclaimer *rc) {
   if (b == NULL)
     return GPUIPC_OK;
   gpuipc_arena *a = b->arena;
@@ -464,24 +601,34 @@ gpuipc_status gpuipc_block_free(gpuipc_block *b, struct CUstream_st *stream) {
     goto out;
   }
   /* The owner's own work queued on `stream` must be done before reuse: the
-   * reclaim stream waits for it, and the block's marker comes after. */
+   * arena's reclaim stream waits for it, and the block's marker comes
+   * after. */
   gpuipc__mark *m = NULL;
-  s = mark_new(a, &m);
+  s = mark_record(a, &(gpuipc__reclaimer){(struct CUstream_st *)stream, 0}, &m);
   if (s != GPUIPC_OK)
     goto out;
-  CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)m->ev, (CUstream)stream);
-  if (r == CUDA_SUCCESS)
-    r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->reclaim, (CUevent)m->ev, 0);
+  CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->own.stream,
+                          (CUevent)m->ev, 0);
   mark_unref(a, m);
   if (r != CUDA_SUCCESS) {
-    s = gpuipc__fail_cuda(r, "cuEventRecord/cuStreamWaitEvent",
+    s = gpuipc__fail_cuda(r, "cuStreamWaitEvent",
                           "ordering the free of a block after its stream");
     goto out;
   }
-  gpuipc_block *one = b;
-  s = arena_mark(a, &one, 1);
+  s = mark_record(a, &a->own, &m);
   if (s != GPUIPC_OK)
     goto out;
+  if (!tags_add(a, &b->tags, m))
+    b->lost = true;
+  mark_unref(a, m);
+  if (rc) {
+    s = mark_record(a, rc, &m);
+    if (s != GPUIPC_OK)
+      goto out;
+    if (!tags_add(a, &b->tags, m))
+      b->lost = true;
+    mark_unref(a, m);
+  }
   b->freed = true;
   if (b->holders == 0)
     block_release_memory(b);
@@ -491,6 +638,15 @@ out:
   pthread_mutex_unlock(&a->lock);
   gpuipc__ctx_leave(&g);
   return s;
+}
+
+gpuipc_status gpuipc_block_free(gpuipc_block *b, struct CUstream_st *stream) {
+  return block_free(b, stream, NULL);
+}
+
+gpuipc_status gpuipc__block_free_after(gpuipc_block *b,
+                                       const gpuipc__reclaimer *rc) {
+  return block_free(b, NULL, rc);
 }
 
 /* The arena holding connections' flag words on each device: created on
@@ -537,11 +693,9 @@ gpuipc_status gpuipc_block_wait(gpuipc_block *b, struct CUstream_st *stream) {
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, a->ordinal));
   pthread_mutex_lock(&a->lock);
   gpuipc_status s = GPUIPC_OK;
-  if (b->unmarked)
-    s = arena_mark(a, &b, 1);
-  if (s == GPUIPC_OK && b->tag && !mark_done(b->tag)) {
-    CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream,
-                            (CUevent)b->tag->ev, 0);
+  tags_prune(a, &b->tags);
+  if (b->tags.n > 0) {
+    CUresult r = tags_wait(&b->tags, stream);
     if (r != CUDA_SUCCESS)
       s = gpuipc__fail_cuda(r, "cuStreamWaitEvent",
                             "ordering reuse of a released block");
@@ -551,95 +705,44 @@ gpuipc_status gpuipc_block_wait(gpuipc_block *b, struct CUstream_st *stream) {
   return s;
 }
 
-/* Enqueues, on the reclaim stream, a wait until the 64-bit word at `word`
- * (a device address) reaches value (wrap-around GEQ). Lock held. */
-static gpuipc_status wait_word(gpuipc_arena *a, uint64_t word,
-                               uint64_t value) {
-  CUresult r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)a->reclaim,
-                          (CUdeviceptr)word, (cuuint64_t)value,
-                          CU_STREAM_WAIT_VALUE_GEQ);
-  if (r != CUDA_SUCCESS)
-    return gpuipc__fail_cuda(r, "cuStreamWaitValue64",
-                             "reclaim wait for release %llu",
-                             (unsigned long long)value);
-  return GPUIPC_OK;
-}
-
-/* Records a new marker on the reclaim stream, after every wait enqueued so
- * far; tags each block with it. Lock held. */
-static gpuipc_status arena_mark(gpuipc_arena *a, gpuipc_block **blocks,
-                                int n) {
-  gpuipc__mark *m = NULL;
-  GPUIPC__CHECK(mark_new(a, &m));
-  CUresult r = GPUIPC__CU(cuEventRecord, (CUevent)m->ev, (CUstream)a->reclaim);
-  if (r != CUDA_SUCCESS) {
-    mark_unref(a, m);
-    return gpuipc__fail_cuda(r, "cuEventRecord", "reclaim marker");
-  }
-  for (int i = 0; i < n; i++) {
-    mark_unref(a, blocks[i]->tag);
-    blocks[i]->tag = mark_ref(m);
-    blocks[i]->unmarked = false;
-  }
-  mark_unref(a, a->last_mark);
-  a->last_mark = m; /* keeps the creation reference */
-  return GPUIPC_OK;
-}
-
-gpuipc_status gpuipc__arena_release(gpuipc_arena *a, const gpuipc__release *rel,
-                                    int n, bool dead) {
+gpuipc_status gpuipc__arena_release(gpuipc_arena *a,
+                                    const gpuipc__reclaimer *rc,
+                                    const gpuipc__release *rel, int n,
+                                    bool dead) {
   gpuipc_status s = GPUIPC_OK;
   pthread_mutex_lock(&a->lock);
   bool any_ordered = false;
-  for (int i = 0; i < n && !dead; i++) {
-    gpuipc_status ws = GPUIPC_OK;
-    if (rel[i].word) {
-      ws = wait_word(a, rel[i].word, rel[i].value);
-      any_ordered = true;
-    } else if (rel[i].event) {
-      CUresult r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)a->reclaim,
-                              (CUevent)rel[i].event, 0);
-      if (r != CUDA_SUCCESS)
-        ws = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
-      any_ordered = true;
-    }
-    if (ws != GPUIPC_OK && s == GPUIPC_OK)
-      s = ws;
+  for (int i = 0; i < n; i++) {
+    any_ordered |= rel[i].ordered;
+    if (dead)
+      continue;
+    CUresult r = CUDA_SUCCESS;
+    if (rel[i].word)
+      /* Reuse waits, on the GPU, for the consumer's release write. */
+      r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)rc->stream,
+                     (CUdeviceptr)rel[i].word, (cuuint64_t)rel[i].value,
+                     CU_STREAM_WAIT_VALUE_GEQ);
+    else if (rel[i].event)
+      r = GPUIPC__CU(cuStreamWaitEvent, (CUstream)rc->stream,
+                     (CUevent)rel[i].event, 0);
+    if (r != CUDA_SUCCESS && s == GPUIPC_OK)
+      s = gpuipc__fail_cuda(r, rel[i].word ? "cuStreamWaitValue64"
+                                           : "cuStreamWaitEvent",
+                            "reclaim wait for release %llu",
+                            (unsigned long long)rel[i].value);
   }
-  if (dead) {
-    /* The holder is gone: no new wait, but the block's reuse must still
-     * come after any reclaim wait already queued for it, which the newest
-     * marker covers. */
-    for (int i = 0; i < n; i++) {
-      gpuipc_block *b = rel[i].block;
-      if (rel[i].ordered) {
-        gpuipc_status ms = arena_mark(a, &b, 1);
-        if (ms != GPUIPC_OK && s == GPUIPC_OK)
-          s = ms;
-      }
-    }
-  } else if (any_ordered) {
-    /* A marker (an event record) is needed only where memory goes back to
-     * the free list now: blocks freed by their owner whose last holder this
-     * was. Others are marked lazily, when freed or waited for
-     * (gpuipc_block_wait): the reclaim stream runs in order, so a later
-     * marker covers every wait queued before it. */
-    gpuipc_block *now[64];
-    int nn = 0;
-    for (int i = 0; i < n; i++) {
-      gpuipc_block *b = rel[i].block;
-      if (!rel[i].ordered)
-        continue;
-      if (b->freed && b->holders == 1 && nn < (int)GPUIPC__ARRAY_SIZE(now))
-        now[nn++] = b;
-      else
-        b->unmarked = true;
-    }
-    if (nn) {
-      gpuipc_status ms = arena_mark(a, now, nn);
-      if (ms != GPUIPC_OK && s == GPUIPC_OK)
-        s = ms;
-    }
+  if (any_ordered) {
+    /* One marker after this frame's waits (and every earlier wait of this
+     * peer) tags each ordered block; a dead peer's marker still covers the
+     * waits queued before its death (their words were written for it). */
+    gpuipc__mark *m = NULL;
+    gpuipc_status ms = s == GPUIPC_OK ? mark_record(a, rc, &m) : s;
+    if (ms != GPUIPC_OK && s == GPUIPC_OK)
+      s = ms;
+    for (int i = 0; i < n; i++)
+      if (rel[i].ordered && (m == NULL || !tags_add(a, &rel[i].block->tags, m)))
+        rel[i].block->lost = true;
+    mark_unref(a, m);
   }
   for (int i = 0; i < n; i++)
     block_unhold(rel[i].block);

@@ -19,24 +19,50 @@
 struct CUevent_st;
 struct CUstream_st;
 
-/* A marker on an arena's reclaim stream: memory tagged with it may be
- * reused once the marker's event completed (or by work ordered after it).
- * Markers of one arena complete in record order (one stream). Guarded by
+/* A reclaim stream: a non-blocking stream on which waits for releases are
+ * queued. Each arena has one for its owner's frees; each lease table (one
+ * per connection that sends) has its own for its peer's releases, so that
+ * a release word one peer never writes stalls that stream only. The id is
+ * process-unique (never reused). */
+typedef struct gpuipc__reclaimer {
+  struct CUstream_st *stream;
+  uint64_t id;
+} gpuipc__reclaimer;
+
+/* Makes / ends a reclaim stream (context of its device current). Work
+ * still queued on it runs to completion after the close. */
+gpuipc_status gpuipc__reclaimer_open(gpuipc__reclaimer *r /* OUT */);
+void gpuipc__reclaimer_close(gpuipc__reclaimer *r);
+
+/* A marker on a reclaim stream: memory tagged with it may be reused once
+ * the marker's event completed (or by work ordered after it). Of two
+ * markers of one reclaim stream the later covers the earlier. Guarded by
  * the arena's lock. */
 typedef struct gpuipc__mark {
   struct CUevent_st *ev;
-  uint64_t order; /* record order on the reclaim stream */
+  uint64_t src;   /* the reclaimer it was recorded on */
+  uint64_t order; /* record order (process-wide) */
+  uint64_t t_ns;  /* when recorded */
   int refs;
   bool done;      /* known complete */
   struct gpuipc__mark *next_free;
 } gpuipc__mark;
 
-/* One free range of an arena chunk. Guarded by the arena's lock. */
+/* The markers memory waits for before reuse: at most one per reclaim
+ * stream (the newest). Empty: free at once. */
+typedef struct gpuipc__tags {
+  gpuipc__mark **m;
+  uint32_t n, cap;
+} gpuipc__tags;
+
+/* One free range of an arena chunk. Guarded by the arena's lock. Adjacent
+ * ranges merge only when neither waits for anything, so memory one peer
+ * holds back never taints its neighbours. */
 typedef struct gpuipc__range {
   struct gpuipc__range *next;
   uint32_t chunk;
   size_t off, len;
-  gpuipc__mark *tag; /* reuse waits for it; NULL: free at once */
+  gpuipc__tags tags; /* reuse waits for them */
 } gpuipc__range;
 
 typedef struct gpuipc__chunk {
@@ -51,8 +77,8 @@ struct gpuipc_arena {
   uint64_t id;                 /* process-unique, travels in frames */
   gpuipc_pool *pool;
   size_t chunk_bytes, max_bytes;
-  struct CUstream_st *reclaim; /* non-blocking: waits for releases */
-  struct CUstream_st *side;    /* non-blocking: writes that unblock */
+  gpuipc__reclaimer own;    /* orders reuse after the owner's frees */
+  struct CUstream_st *side; /* non-blocking: writes that unblock */
   /* Everything below: under `lock`, in arena.c only. */
   pthread_mutex_t lock;
   size_t total_bytes;
@@ -60,8 +86,6 @@ struct gpuipc_arena {
   uint32_t nchunks;
   gpuipc__range *free_list; /* sorted by (chunk, off) */
   gpuipc__mark *mark_free;
-  uint64_t mark_order;
-  gpuipc__mark *last_mark; /* the newest marker recorded (a reference) */
   size_t blocks_allocated, blocks_deferred, leases, bytes_allocated;
   size_t internal_blocks, internal_bytes; /* flag words of connections */
   int users; /* connections with flag words here */
@@ -78,8 +102,8 @@ struct gpuipc_block {
   /* Under the arena's lock. */
   unsigned holders;
   bool freed;        /* the owner freed it; the memory waits for holders */
-  bool unmarked;     /* reclaim waits were queued after its tag */
-  gpuipc__mark *tag; /* newest reclaim marker covering its releases */
+  bool lost;         /* an ordering could not be recorded: never reused */
+  gpuipc__tags tags; /* what its reuse waits for (releases, the free) */
 };
 
 /* gpuipc_arena_alloc, _get_stats and _destroy after lease.c reclaimed what
@@ -89,7 +113,10 @@ gpuipc_status gpuipc__arena_alloc_block(gpuipc_arena *arena, size_t bytes,
                                         gpuipc_block **out /* OUT */);
 gpuipc_status gpuipc__arena_get_stats(gpuipc_arena *a,
                                       gpuipc_arena_stats *st /* IN/OUT */);
-gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a);
+/* *pending (may be NULL): the arena could not be destroyed only because
+ * GPU work that its memory's reuse waits for is not complete yet (then
+ * GPUIPC_E_BUSY; the caller may try again). Never waits. */
+gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a, bool *pending /* OUT */);
 /* The process's arena for connection flag words on a device. */
 gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out);
 /* Allocates a block (internal: connection flag words, not counted in the
@@ -121,14 +148,21 @@ typedef struct gpuipc__release {
   bool ordered;
 } gpuipc__release;
 
-/* Ends n leases of blocks of arena a (every rel[i].block is of a): queues
- * their waits on the reclaim stream, marks what goes back to the free list
- * now, and drops the holds. `dead`: the holders are gone (no new waits;
- * every ordered block is marked). Context of the arena's device current.
+/* Ends n leases of blocks of arena a (every rel[i].block is of a), all
+ * held by one peer whose releases `rc` orders: queues their waits on rc's
+ * stream, then one marker there that tags every ordered block, and drops
+ * the holds. `dead`: the holder is gone (no new waits; the marker still
+ * covers the waits queued before). Context of the arena's device current.
  * Returns the first failure of a driver call (the holds are dropped all
- * the same). */
-gpuipc_status gpuipc__arena_release(gpuipc_arena *a, const gpuipc__release *rel,
-                                    int n, bool dead);
+ * the same; a block whose ordering failed is never reused). */
+gpuipc_status gpuipc__arena_release(gpuipc_arena *a,
+                                    const gpuipc__reclaimer *rc,
+                                    const gpuipc__release *rel, int n,
+                                    bool dead);
+/* gpuipc_block_free(b, NULL), with the reuse of b's memory also ordered
+ * after everything queued on rc so far (flag words that rc's waits read). */
+gpuipc_status gpuipc__block_free_after(gpuipc_block *b,
+                                       const gpuipc__reclaimer *rc);
 /* Writes value into each word (device addresses in arena a), on the side
  * stream (for flag words a dead peer will never write), then waits for it
  * to complete. Context current. */

@@ -303,6 +303,7 @@ static void conn_free(gpuipc_conn *c) {
     close(c->fd);
   close_rx_fds(c);
   free_msgs(c);
+  gpuipc__peer_unref(c->peer);
   free(c->rx);
   free(c->tx);
   free(c);
@@ -1111,6 +1112,7 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
     c->peer_start_time = gpuipc__process_start_time(cred.pid);
     if (c->peer_start_time == 0)
       c->peer_start_time = peer.start_time;
+    c->peer = gpuipc__peer_open(c->peer_pid, c->peer_start_time);
     c->peer_max_outstanding = peer.max_outstanding;
     GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
     x->stage = HS_VERDICT;

@@ -31,6 +31,7 @@ typedef enum gpuipc__conn_state {
 } gpuipc__conn_state;
 
 struct gpuipc__ho;         /* the fast path's state, handoff.c */
+struct gpuipc__peer;       /* the peer process, lease.c */
 struct gpuipc__conn_hooks; /* below */
 
 struct gpuipc_conn {
@@ -47,6 +48,8 @@ struct gpuipc_conn {
   uint32_t peer_uid, peer_gid;
   uint64_t peer_start_time;
   uint32_t peer_max_outstanding;
+  /* The peer process, watched for its exit (NULL until the handshake). */
+  struct gpuipc__peer *peer;
   int peer_said_bye;
   /* Receive side: bytes read and not yet parsed; descriptors received and
    * not yet claimed by a frame. */
@@ -109,6 +112,15 @@ gpuipc_status gpuipc__conn_ended(gpuipc_conn *c);
  * socket, runs the peer-gone cleanup; returns E_PROTOCOL. */
 gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...)
     GPUIPC__PRINTF(2, 3);
+
+/* ---- the peer process (lease.c) ------------------------------------------------ */
+
+/* A handle on the peer process (pid and start time as the kernel vouched
+ * for them at the handshake): a pidfd, which becomes readable only when
+ * the whole process has exited. Refcounted (connection, lease table).
+ * Never NULL for a pid > 0 (without pidfds the /proc entry decides). */
+struct gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time);
+void gpuipc__peer_unref(struct gpuipc__peer *p);
 
 /* ---- the fast path's hooks ---------------------------------------------------- */
 

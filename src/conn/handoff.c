@@ -36,7 +36,6 @@ static gpuipc_status ho_get(gpuipc_conn *c, struct gpuipc__ho **out) {
     if (c->ho == NULL)
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "connection state");
     c->ho->peer_pid = c->peer_pid;
-    c->ho->peer_start = c->peer_start_time;
     c->ho->peer_ordinal = -1;
   }
   (void)gpuipc__conn_fast(c); /* the transport dispatches to us from now on */
@@ -180,8 +179,7 @@ static gpuipc_status export_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
 static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
                               int ordinal, uint64_t deadline) {
   gpuipc__lease_table *lt = NULL;
-  GPUIPC__CHECK(gpuipc__lease_open(ordinal, c->max_outstanding, h->peer_pid,
-                                   h->peer_start, &lt));
+  GPUIPC__CHECK(gpuipc__lease_open(ordinal, c->max_outstanding, c->peer, &lt));
   gpuipc_arena *a = lt->ctl_arena;
   gpuipc_status s = export_chunk(c, h, a, lt->ctl->chunk, deadline);
   if (s == GPUIPC_OK) {
@@ -753,7 +751,7 @@ static void poll_closing(struct gpuipc__ho *h, bool all) {
   size_t k = 0;
   for (size_t i = 0; i < h->nclosing; i++) {
     gpuipc__closing *x = &h->closing[i];
-    if (all || GPUIPC__CU(cuEventQuery, (CUevent)x->ev) != CUDA_ERROR_NOT_READY) {
+    if (all || GPUIPC__CU(cuEventQuery, (CUevent)x->ev) == CUDA_SUCCESS) {
       gpuipc_buffer_close(x->imp);
       GPUIPC__CU(cuEventDestroy, (CUevent)x->ev);
     } else {
@@ -902,6 +900,22 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
     if (cr == CUDA_SUCCESS)
       cr = GPUIPC__CU(cuStreamWriteValue64, ws, word,
                       (cuuint64_t)r->held, 0);
+    if (cr == CUDA_SUCCESS) {
+      /* What close waits for before it unmaps: the work queued on ws up
+       * to this release (a later release of the slot, on any stream, is
+       * ordered after this one, so the newest record covers all). */
+      CUresult er = CUDA_SUCCESS;
+      if (r->rel_done == NULL) {
+        CUevent ev;
+        er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+        if (er == CUDA_SUCCESS)
+          r->rel_done = (struct CUevent_st *)ev;
+      }
+      if (er == CUDA_SUCCESS)
+        er = GPUIPC__CU(cuEventRecord, (CUevent)r->rel_done, ws);
+      if (er != CUDA_SUCCESS)
+        h->rx_unknown = true;
+    }
     gpuipc__ctx_leave(&g);
     if (cr != CUDA_SUCCESS)
       return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
@@ -1003,28 +1017,15 @@ gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn, size_t *held_by_pee
 
 static void ho_poll(gpuipc_conn *c);
 
-static void ho_peer_gone(gpuipc_conn *c) {
-  struct gpuipc__ho *h = c->ho;
-  if (h == NULL)
-    return;
-  /* Buffers that arrived but were not received: the producer's work on
-   * them may never complete; drop them. */
-  for (uint32_t i = 0; i < h->qlen; i++) {
-    gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
-    h->rx[q->w.slot].held = 0;
-    if (h->rx[q->w.slot].imp) {
-      gpuipc_buffer_close(h->rx[q->w.slot].imp);
-      h->rx[q->w.slot].imp = NULL;
-    }
-  }
-  h->qlen = 0;
-  /* Our streams may wait for ready words the dead producer will never
-   * write: write them ourselves, into our own mapping of its memory (which
-   * stays mapped until we close), so nothing hangs. The data those streams
-   * then read is whatever the memory holds: the caller learns from
-   * GPUIPC_E_PEER_GONE that it is not to be trusted. */
-  if (!h->rx_unblocked && h->have_peer_ctl && !c->peer_said_bye &&
-      h->rx_max_seq > 0) {
+/* Our streams may wait for ready words the producer will never write (it
+ * died, or we close while its work before a send has not completed):
+ * write them ourselves, into our own mapping of its memory (which stays
+ * mapped until we close), so nothing hangs. The data those streams then
+ * read is whatever the memory holds: the caller learns from
+ * GPUIPC_E_PEER_GONE (or from closing) that it is not to be trusted.
+ * `dead`: the producer died (event mode: see rx_stuck). */
+static void unblock_ready(gpuipc_conn *c, struct gpuipc__ho *h, bool dead) {
+  if (!h->rx_unblocked && h->have_peer_ctl && h->rx_max_seq > 0) {
     h->rx_unblocked = true;
     gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
@@ -1038,7 +1039,7 @@ static void ho_peer_gone(gpuipc_conn *c) {
       for (uint32_t s = 0; r == CUDA_SUCCESS && s < h->peer_nslots; s++) {
         if (h->rx[s].last_recv == 0)
           continue;
-        if (h->rx[s].ready_ev) {
+        if (h->rx[s].ready_ev && dead) {
           /* A wait (cuStreamWaitEvent) captured the producer's record that
            * was current when it was enqueued; if that record is still
            * pending, the dead producer's work before it will never run,
@@ -1066,11 +1067,30 @@ static void ho_peer_gone(gpuipc_conn *c) {
       }
       if (r != CUDA_SUCCESS)
         GPUIPC__WARN("handoff",
-                     "could not unblock streams waiting on dead peer %d: %s",
+                     "could not unblock streams waiting on peer %d: %s",
                      c->peer_pid, gpuipc__cuda_error_name(r));
       gpuipc__ctx_leave(&g);
     }
   }
+}
+
+static void ho_peer_gone(gpuipc_conn *c) {
+  struct gpuipc__ho *h = c->ho;
+  if (h == NULL)
+    return;
+  /* Buffers that arrived but were not received: the producer's work on
+   * them may never complete; drop them. */
+  for (uint32_t i = 0; i < h->qlen; i++) {
+    gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    h->rx[q->w.slot].held = 0;
+    if (h->rx[q->w.slot].imp) {
+      gpuipc_buffer_close(h->rx[q->w.slot].imp);
+      h->rx[q->w.slot].imp = NULL;
+    }
+  }
+  h->qlen = 0;
+  if (!c->peer_said_bye)
+    unblock_ready(c, h, true);
   ho_poll(c);
 }
 
@@ -1083,12 +1103,65 @@ static void ho_poll(gpuipc_conn *c) {
   gpuipc__lease_poll(h->lt);
 }
 
+/* How long close waits for GPU work gpuipc queued: the connection's
+ * timeout (1 s when that is 0). */
+static uint64_t close_deadline(const gpuipc_conn *c) {
+  if (c->timeout_ms < 0)
+    return UINT64_MAX;
+  int ms = c->timeout_ms > 0 ? c->timeout_ms : 1000;
+  return gpuipc__now_ns() + (uint64_t)ms * 1000000ull;
+}
+
+/* Waits (polling, until deadline) for every slot's last release write,
+ * the work queued so far on our private streams, and the closing imports'
+ * events. True when all of it completed (an event that reports an error
+ * counts as not complete). Context current. */
+static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
+  if (h->rx_unknown)
+    return false;
+  CUevent own[2] = {NULL, NULL};
+  struct CUstream_st *streams[2] = {h->unblock, h->lq[1]};
+  bool ok = true;
+  for (int i = 0; i < 2 && ok; i++) {
+    if (streams[i] == NULL)
+      continue;
+    ok = GPUIPC__CU(cuEventCreate, &own[i], CU_EVENT_DISABLE_TIMING) ==
+         CUDA_SUCCESS;
+    if (ok)
+      ok = GPUIPC__CU(cuEventRecord, own[i], (CUstream)streams[i]) ==
+           CUDA_SUCCESS;
+  }
+  bool done = false;
+  while (ok) {
+    done = true;
+    for (int i = 0; i < 2 && done; i++)
+      done = own[i] == NULL || GPUIPC__CU(cuEventQuery, own[i]) == CUDA_SUCCESS;
+    for (uint32_t s = 0; h->rx && s < h->peer_nslots && done; s++)
+      done = h->rx[s].rel_done == NULL ||
+             GPUIPC__CU(cuEventQuery, (CUevent)h->rx[s].rel_done) ==
+                 CUDA_SUCCESS;
+    for (size_t i = 0; i < h->nclosing && done; i++)
+      done = GPUIPC__CU(cuEventQuery, (CUevent)h->closing[i].ev) ==
+             CUDA_SUCCESS;
+    if (done || gpuipc__now_ns() >= deadline)
+      break;
+    usleep(200);
+  }
+  for (int i = 0; i < 2; i++)
+    if (own[i])
+      GPUIPC__CU(cuEventDestroy, own[i]);
+  return done;
+}
+
 static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;
   /* Receiver side: give back what we hold, ordered after the legacy
    * stream, and say goodbye. */
   int sync_ordinal = -1;
+  bool all_released = true;
+  if (h->rx)
+    unblock_ready(c, h, false);
   if (h->rx) {
     if (c->state == GPUIPC__CONN_OPEN) {
       c->ho = h; /* the transport may dispatch frames while we send */
@@ -1098,28 +1171,24 @@ static void ho_close(gpuipc_conn *c) {
     for (uint32_t s = 0; s < h->peer_nslots; s++) {
       if (h->rx[s].held == 0)
         continue;
-      bool queued = false;
-      for (uint32_t i = 0; i < h->qlen; i++)
-        queued |= h->q[(h->qhead + i) % h->peer_nslots].w.slot == s;
       gpuipc__w_rel rel = {h->rx[s].held, s, 0};
       bool open = c->state == GPUIPC__CONN_OPEN;
-      if (queued) {
-        h->rx[s].held = 0; /* never handed to the caller: no GPU work */
-        if (h->rx[s].imp) {
-          gpuipc_buffer_close(h->rx[s].imp);
-          h->rx[s].imp = NULL;
-        }
-      } else {
-        (void)release_slot(c, h, s, NULL, open);
-      }
-      if (open)
+      /* A buffer still queued (never handed to the caller, so no GPU work
+       * of ours uses it) is released like the others: its release word is
+       * written too, since the producer's reuse waits for it on the GPU. */
+      /* A release that could not be written is not announced: the
+       * producer then keeps the lease until our process is gone (and no
+       * BYE below says that everything was released). */
+      if (release_slot(c, h, s, NULL, open) != GPUIPC_OK)
+        all_released = false;
+      else if (open)
         (void)gpuipc__conn_send_frame(c, GPUIPC__F_REL, &rel, sizeof rel, NULL,
                                       0, NULL, 0, 0);
     }
     h->qlen = 0;
     sync_ordinal = h->peer_ordinal;
   }
-  if (c->state == GPUIPC__CONN_OPEN)
+  if (c->state == GPUIPC__CONN_OPEN && all_released)
     (void)gpuipc__conn_send_frame(c, GPUIPC__F_BYE, NULL, 0, NULL, 0, NULL, 0,
                                   0);
   if (h->rx_stuck && (h->nimp > 0 || h->nclosing > 0)) {
@@ -1146,23 +1215,43 @@ static void ho_close(gpuipc_conn *c) {
   }
   if (h->nimp > 0 || h->nclosing > 0) {
     /* The imported memory is unmapped below; GPU work of ours that may
-     * still use it (including the release writes just queued) must be
-     * done first. */
-    gpuipc__ctx_guard g;
+     * still use it (the release writes just queued, and the work the
+     * caller queued before each release) must be done first. Our streams
+     * that wait on the peer's ready words were unblocked above; what is
+     * waited for is only what gpuipc queued (on the streams releases were
+     * written on, its own streams, the closing imports' events), within
+     * the connection's timeout. */
     if (sync_ordinal < 0 && h->nimp > 0)
       sync_ordinal = h->imp[0].ordinal;
     if (sync_ordinal < 0)
       sync_ordinal = 0;
+    bool drained = false;
+    gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
-      GPUIPC__CU(cuCtxSynchronize);
+      drained = drain(h, close_deadline(c));
       if (h->unblock)
         GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
       h->unblock = NULL;
-      poll_closing(h, true);
+      if (drained) {
+        poll_closing(h, true);
+      } else {
+        for (size_t i = 0; i < h->nclosing; i++)
+          GPUIPC__CU(cuEventDestroy, (CUevent)h->closing[i].ev);
+      }
       gpuipc__ctx_leave(&g);
     }
-    for (int i = 0; i < h->nimp; i++)
-      gpuipc_buffer_close(h->imp[i].buf);
+    if (drained) {
+      for (int i = 0; i < h->nimp; i++)
+        gpuipc_buffer_close(h->imp[i].buf);
+    } else {
+      GPUIPC__WARN("handoff",
+                   "closing the connection to peer %d: GPU work queued "
+                   "before releases did not complete within the timeout; "
+                   "%d imported chunk(s) and %zu buffer(s) stay mapped",
+                   c->peer_pid, h->nimp, h->nclosing);
+    }
+    h->nimp = 0;
+    h->nclosing = 0;
   }
   /* The receiver's relay stream: its queued work finishes on its own
    * (cuStreamDestroy lets it), and its writes target memory of ours or
@@ -1175,6 +1264,13 @@ static void ho_close(gpuipc_conn *c) {
     for (uint32_t s = 0; s < h->peer_nslots; s++) {
       gpuipc_event_destroy(h->rx[s].ready_ev);
       gpuipc_event_destroy(h->rx[s].rel_ev);
+      if (h->rx[s].rel_done) {
+        gpuipc__ctx_guard g;
+        if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
+          GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].rel_done);
+          gpuipc__ctx_leave(&g);
+        }
+      }
     }
   free(h->imp);
   free(h->rx);

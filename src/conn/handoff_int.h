@@ -22,6 +22,7 @@ typedef struct gpuipc__rxs {
   bool by_event;
   gpuipc_event *ready_ev; /* event mode: the peer's */
   gpuipc_event *rel_ev;   /* event mode: ours */
+  struct CUevent_st *rel_done; /* recorded after each release write */
   gpuipc_buffer *imp;     /* BUFD: the import (a reference in the cache) */
 } gpuipc__rxs;
 
@@ -49,7 +50,6 @@ typedef struct gpuipc__qbuf {
 
 struct gpuipc__ho {
   int peer_pid;
-  uint64_t peer_start;
   /* Sender: the lease table (NULL until the first send) and the chunks of
    * our arenas exported on this connection. */
   gpuipc__lease_table *lt;
@@ -76,6 +76,9 @@ struct gpuipc__ho {
    * record release them): those streams stay blocked, so close must not
    * synchronize the context, and leaves the imports mapped. */
   bool rx_stuck;
+  /* A release write whose completion could not be recorded: close cannot
+   * tell when the imported memory is unused, and leaves it mapped. */
+  bool rx_unknown;
   struct CUstream_st *unblock; /* receiver: writes that unblock our streams */
   /* Stream memory operations for a caller that passes the legacy default
    * stream go on these private non-blocking streams instead, joined to the

@@ -12,8 +12,11 @@
  * Why reclaiming after a peer's death is safe: a consumer's GPU work on our
  * memory runs in the consumer's CUDA context. When the process exits or is
  * killed, the driver tears that context down (its work is aborted or has
- * finished) before the process disappears from the process table, so once
- * the pid is gone, or is a zombie, nothing can touch the memory any more.
+ * finished) before the process is reaped, so once the whole process has
+ * exited (its pidfd, taken at the handshake, becomes readable) nothing can
+ * touch the memory any more. A process whose main thread exited while
+ * other threads run is not gone (its /proc state letter says 'Z', which is
+ * why the letter decides nothing).
  * A closed socket alone is not enough (a process may close the socket and
  * keep running GPU work), which is why, without an orderly BYE, gpuipc
  * waits for the process. The pid comes from the kernel (SCM_CREDENTIALS at
@@ -27,6 +30,8 @@
 #include "lease_int.h"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/syscall.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,13 +41,26 @@
 static void orphan_add(gpuipc__lease_table *lt);
 static bool words_settled(gpuipc__lease_table *lt);
 
-/* True while a process with this pid and start time exists and is not a
- * zombie. */
-static bool peer_alive(int pid, uint64_t start_time) {
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+/* Without a pidfd: true while /proc has a process with this pid and start
+ * time that has a thread left. The state letter does not say "gone": a
+ * process whose main thread called pthread_exit shows 'Z' while its other
+ * threads run; the thread count does. */
+static bool proc_alive(int pid, uint64_t start_time) {
   if (pid <= 0)
     return false;
-  char path[64], buf[1024];
-  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  if (start_time != 0) {
+    uint64_t st = gpuipc__process_start_time(pid);
+    if (st == 0 && (errno == ENOENT || errno == ESRCH))
+      return false;
+    if (st != 0 && st != start_time)
+      return false; /* the pid now names another process */
+  }
+  char path[64], buf[2048];
+  snprintf(path, sizeof path, "/proc/%d/status", pid);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
     return errno != ENOENT && errno != ESRCH; /* unknown: assume alive */
@@ -52,18 +70,58 @@ static bool peer_alive(int pid, uint64_t start_time) {
   if (n <= 0)
     return false;
   buf[n] = '\0';
-  char *p = strrchr(buf, ')');
-  if (p == NULL || p[1] != ' ')
-    return true;
-  char state = p[2];
-  if (state == 'Z' || state == 'X' || state == 'x')
-    return false;
-  if (start_time != 0) {
+  const char *t = strstr(buf, "\nThreads:");
+  return t == NULL || strtol(t + 9, NULL, 10) > 0;
+}
+
+gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time) {
+  gpuipc__peer *p = calloc(1, sizeof *p);
+  if (p == NULL)
+    return NULL;
+  atomic_init(&p->refs, 1);
+  p->pid = pid;
+  p->start_time = start_time;
+  p->pidfd = pid > 0 ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
+  if (p->pidfd >= 0) {
+    (void)fcntl(p->pidfd, F_SETFD, FD_CLOEXEC);
+    /* The pidfd names whatever process has the pid now: it must be the
+     * one the handshake saw (same start time), checked after the open. */
     uint64_t st = gpuipc__process_start_time(pid);
-    if (st != 0 && st != start_time)
-      return false; /* the pid now names another process */
+    if (start_time != 0 && st != start_time) {
+      close(p->pidfd);
+      p->pidfd = -1;
+      p->mismatch = true;
+    }
   }
-  return true;
+  return p;
+}
+
+gpuipc__peer *gpuipc__peer_ref(gpuipc__peer *p) {
+  if (p)
+    atomic_fetch_add(&p->refs, 1);
+  return p;
+}
+
+void gpuipc__peer_unref(gpuipc__peer *p) {
+  if (p == NULL || atomic_fetch_sub(&p->refs, 1) > 1)
+    return;
+  if (p->pidfd >= 0)
+    close(p->pidfd);
+  free(p);
+}
+
+bool gpuipc__peer_gone(const gpuipc__peer *p) {
+  if (p == NULL)
+    return false; /* unknown: assume alive */
+  if (p->mismatch)
+    return true;
+  if (p->pidfd < 0)
+    return !proc_alive(p->pid, p->start_time);
+  /* Readable once every thread of the process has exited. */
+  struct pollfd pf = {p->pidfd, POLLIN, 0};
+  int r;
+  GPUIPC__EINTR_RETRY(r, poll(&pf, 1, 0));
+  return r > 0;
 }
 
 /* ---- the table ---------------------------------------------------------------------- */
@@ -71,13 +129,15 @@ static bool peer_alive(int pid, uint64_t start_time) {
 static void lease_free(gpuipc__lease_table *lt) {
   if (lt->ctl) {
     /* The flag words go back to the arena after every wait on them that
-     * the reclaim stream queued (the marker recorded by the free). */
-    gpuipc_block_free(lt->ctl, (struct CUstream_st *)NULL);
+     * this table's reclaim stream queued (a marker recorded there). */
+    gpuipc__block_free_after(lt->ctl, lt->rc.stream ? &lt->rc : NULL);
     gpuipc__arena_user_remove(lt->ctl_arena);
     lt->ctl = NULL;
   }
   gpuipc__ctx_guard g;
   bool in = lt->ordinal >= 0 && gpuipc__ctx_enter(&g, lt->ordinal) == GPUIPC_OK;
+  if (in)
+    gpuipc__reclaimer_close(&lt->rc);
   if (lt->tx)
     for (uint32_t s = 0; s < lt->nslots; s++) {
       gpuipc_event_destroy(lt->tx[s].ready_ev);
@@ -93,11 +153,12 @@ static void lease_free(gpuipc__lease_table *lt) {
   free(lt->tx);
   free(lt->tx_free);
   free(lt->rel);
+  gpuipc__peer_unref(lt->peer);
   free(lt);
 }
 
-gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots, int peer_pid,
-                                 uint64_t peer_start,
+gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots,
+                                 gpuipc__peer *peer,
                                  gpuipc__lease_table **out) {
   *out = NULL;
   gpuipc_arena *a = NULL;
@@ -105,8 +166,8 @@ gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots, int peer_pid,
   gpuipc__lease_table *lt = calloc(1, sizeof *lt);
   if (lt == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "lease table");
-  lt->peer_pid = peer_pid;
-  lt->peer_start = peer_start;
+  lt->peer = gpuipc__peer_ref(peer);
+  lt->peer_pid = peer ? peer->pid : 0;
   lt->ordinal = -1;
   gpuipc_status s;
   lt->tx = calloc(nslots, sizeof *lt->tx);
@@ -128,6 +189,11 @@ gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots, int peer_pid,
   gpuipc__ctx_guard g;
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
   /* Fresh words start at 0 (the memory may have held anything). */
+  s = gpuipc__reclaimer_open(&lt->rc);
+  if (s != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    goto fail;
+  }
   CUresult r = GPUIPC__CU(cuMemsetD32Async, (CUdeviceptr)lt->ctl->ptr, 0,
                           lt->ctl->len / 4, (CUstream)a->side);
   if (r == CUDA_SUCCESS)
@@ -357,7 +423,7 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
       slot_free(lt, slot);
       i++;
     }
-    gpuipc_status as = gpuipc__arena_release(a, rs, nb, false);
+    gpuipc_status as = gpuipc__arena_release(a, &lt->rc, rs, nb, false);
     if (as != GPUIPC_OK && s == GPUIPC_OK)
       s = as;
   }
@@ -419,7 +485,7 @@ static void reclaim_dead(gpuipc__lease_table *lt) {
     gpuipc__release r = {t->block, 0, 0, NULL, t->ordered || t->by_event};
     gpuipc_arena *a = t->block->arena;
     slot_free(lt, s);
-    (void)gpuipc__arena_release(a, &r, 1, true);
+    (void)gpuipc__arena_release(a, &lt->rc, &r, 1, true);
     n++;
   }
   gpuipc__ctx_leave(&g);
@@ -434,7 +500,7 @@ void gpuipc__lease_poll(gpuipc__lease_table *lt) {
   /* The peer left. Once its process is gone, reclaim what it held and
    * write the release words it can no longer write (see the top of this
    * file for why the closed socket alone is not enough). */
-  if (!peer_alive(lt->peer_pid, lt->peer_start))
+  if (gpuipc__peer_gone(lt->peer))
     reclaim_dead(lt);
 }
 
@@ -469,7 +535,7 @@ void gpuipc__lease_close(gpuipc__lease_table *lt) {
   if (lt == NULL)
     return;
   if (!lt->dead_handled) {
-    if (!peer_alive(lt->peer_pid, lt->peer_start)) {
+    if (gpuipc__peer_gone(lt->peer)) {
       reclaim_dead(lt);
     } else if (lt->tx_out > 0 || !words_settled(lt)) {
       /* The peer lives and still holds blocks, or its GPU has not yet
@@ -523,7 +589,7 @@ void gpuipc__lease_reap_orphans(void) {
     gpuipc__lease_table *lt = list;
     list = lt->next_orphan;
     lt->next_orphan = NULL;
-    bool gone = !peer_alive(lt->peer_pid, lt->peer_start);
+    bool gone = gpuipc__peer_gone(lt->peer);
     if (gone || (lt->tx_out == 0 && words_settled(lt))) {
       if (gone)
         reclaim_dead(lt);
@@ -564,9 +630,20 @@ gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
   return gpuipc__arena_get_stats(arena, st);
 }
 
+/* Destroy waits up to this long for GPU-side releases that the reuse of
+ * the arena's memory still waits for (see gpuipc_arena_destroy). */
+#define DESTROY_WAIT_MS 2000
+
 gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
   if (arena == NULL)
     return GPUIPC_OK;
-  gpuipc__lease_reap_orphans();
-  return gpuipc__arena_destroy(arena);
+  uint64_t deadline = gpuipc__now_ns() + DESTROY_WAIT_MS * 1000000ull;
+  for (;;) {
+    gpuipc__lease_reap_orphans();
+    bool pending = false;
+    gpuipc_status s = gpuipc__arena_destroy(arena, &pending);
+    if (!pending || gpuipc__now_ns() >= deadline)
+      return s;
+    usleep(1000);
+  }
 }

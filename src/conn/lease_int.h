@@ -10,6 +10,9 @@
 #define GPUIPC_LEASE_INT_H
 
 #include "arena_int.h"
+#include "conn_int.h"
+
+#include <stdatomic.h>
 
 /* The flag words of a side that sends: ready[slot] then released[slot],
  * 64 bits each, from `base` (a device address). */
@@ -20,6 +23,20 @@ static inline uint64_t gpuipc__released_word(uint64_t base, uint32_t nslots,
                                              uint32_t slot) {
   return base + 8u * ((uint64_t)nslots + slot);
 }
+
+/* The peer process (see conn_int.h). */
+typedef struct gpuipc__peer {
+  atomic_int refs;
+  int pid;
+  uint64_t start_time;
+  int pidfd;     /* -1: none (old kernel, or the pid named another process) */
+  bool mismatch; /* at open, the pid already named another process */
+} gpuipc__peer;
+
+gpuipc__peer *gpuipc__peer_ref(gpuipc__peer *p);
+/* True once the whole peer process has exited (its pidfd is readable);
+ * a process whose main thread exited while others run is not gone. */
+bool gpuipc__peer_gone(const gpuipc__peer *p);
 
 /* One slot (a flag-word pair). */
 typedef struct gpuipc__txs {
@@ -45,11 +62,12 @@ typedef struct gpuipc__relrec {
 typedef struct gpuipc__lease_table {
   /* Immutable after gpuipc__lease_open. */
   int peer_pid;
-  uint64_t peer_start;
+  gpuipc__peer *peer; /* a reference */
   gpuipc_arena *ctl_arena; /* where the flag words live */
   gpuipc_block *ctl;       /* the flag words (2 * nslots) */
   int ordinal;             /* the device of the flag words */
   uint32_t nslots;
+  gpuipc__reclaimer rc;    /* orders reuse after this peer's releases */
   /* Everything below: lease.c only. */
   struct gpuipc__lease_table *next_orphan;
   bool dead_handled; /* the peer's death was handled (words forced) */
@@ -64,10 +82,10 @@ typedef struct gpuipc__lease_table {
 } gpuipc__lease_table;
 
 /* Makes the lease table of a connection to the peer (pid, start time as
- * the kernel vouched for them): nslots slots, their flag words (zeroed) in
+ * the kernel vouched for them; a reference is taken): nslots slots, their flag words (zeroed) in
  * the process's flag-word arena on device `ordinal`. */
-gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots, int peer_pid,
-                                 uint64_t peer_start,
+gpuipc_status gpuipc__lease_open(int ordinal, uint32_t nslots,
+                                 gpuipc__peer *peer,
                                  gpuipc__lease_table **out /* OUT */);
 /* Our side closes the connection: frees the table now if that is safe,
  * else keeps it as an orphan until the peer released everything or its
