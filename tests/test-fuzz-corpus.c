@@ -9,6 +9,8 @@
 #include "harness.h"
 
 #include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
 
 int fuzz_frames_init(int *argc, char ***argv);
 int fuzz_frames_one(const uint8_t *data, size_t size);
@@ -94,5 +96,49 @@ TEST_IMPL(fuzz_corpus_xfer_header) {
   if (n < 0)
     SKIP("no corpus");
   ASSERT_GT(n, 10);
+  return 0;
+}
+
+/* A live peer sends a valid chunk and flag words, then a BUF frame (slot
+ * 2, sequence 3) whose ready word it never writes. gpuipc_conn_recv
+ * queues a stream wait for it; gpuipc_conn_close must still return within
+ * the connection's timeout (1 s here), not wait on the GPU forever (a
+ * peer must not make any call wait past its timeout). Run in a child, so
+ * that a hang is reported as a failure rather than stalling the suite. */
+TEST_IMPL(conn_hostile_buf_close_is_bounded) {
+  REQUIRE_EMULATOR("the harness makes the emulator the driver");
+  char path[1024];
+  snprintf(path, sizeof path, "%s/tests/fuzz/corpus/frames/real-then-buf.bin",
+           GPUIPC_SOURCE_DIR);
+  static uint8_t in[4096];
+  FILE *f = fopen(path, "rb");
+  if (f == NULL)
+    SKIP("no %s", path);
+  size_t n = fread(in, 1, sizeof in, f);
+  fclose(f);
+  ASSERT_GT(n, 1);
+  pid_t pid = fork();
+  ASSERT(pid >= 0);
+  if (pid == 0) {
+    setenv("FUZZ_FRAMES_STALL", "1", 1); /* the harness does not play the peer */
+    fuzz_frames_init(NULL, NULL);
+    fuzz_frames_one(in, n);
+    _exit(0);
+  }
+  int status = 0;
+  pid_t w = 0;
+  for (int i = 0; i < 150 && (w = waitpid(pid, &status, WNOHANG)) == 0; i++)
+    usleep(100000);
+  if (w == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    harness_fail(__FILE__, __LINE__,
+                 "after a live peer's unsignalled BUF frame, receive + close "
+                 "did not return within 15 s (gpuipc_conn_close waits in "
+                 "cuCtxSynchronize, src/conn/handoff.c gpuipc__ho_close, for "
+                 "a stream wait on a flag word the peer never writes)");
+  }
+  ASSERT(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0);
   return 0;
 }

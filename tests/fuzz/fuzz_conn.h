@@ -73,17 +73,13 @@ static inline void fuzz_check_fds(const char *what) {
   }
 }
 
-/* Sends len bytes on fd in one sendmsg with our credentials and, when
- * nfds > 0, that many descriptors (copies of /dev/null; ours are closed
- * again: the kernel holds its own in flight). Returns 0 when all went. */
-static inline int fuzz_send(int fd, const uint8_t *p, size_t len, int nfds) {
+/* Sends len bytes on fd in one sendmsg with our credentials and nfds of
+ * the descriptors fds (the caller keeps its copies). Returns 0 when all
+ * went. */
+static inline int fuzz_send_fds(int fd, const uint8_t *p, size_t len,
+                                const int *fds, int nfds) {
   if (len == 0)
     return 0;
-  int fds[GPUIPC__FRAME_FDS_MAX + 2];
-  if (nfds > (int)(sizeof fds / sizeof fds[0]))
-    nfds = (int)(sizeof fds / sizeof fds[0]);
-  for (int i = 0; i < nfds; i++)
-    fds[i] = open("/dev/null", O_RDONLY | O_CLOEXEC);
   union {
     char b[CMSG_SPACE(sizeof(struct ucred)) +
            CMSG_SPACE(sizeof(int) * (GPUIPC__FRAME_FDS_MAX + 2))];
@@ -114,9 +110,23 @@ static inline int fuzz_send(int fd, const uint8_t *p, size_t len, int nfds) {
   do
     w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
   while (w < 0 && errno == EINTR);
-  for (int i = 0; i < nfds; i++)
-    close(fds[i]);
   return w == (ssize_t)len ? 0 : -1;
+}
+
+/* As fuzz_send_fds, with nfds copies of /dev/null. */
+static inline int fuzz_send(int fd, const uint8_t *p, size_t len, int nfds) {
+  int fds[GPUIPC__FRAME_FDS_MAX + 2];
+  if (len == 0)
+    return 0;
+  if (nfds > (int)(sizeof fds / sizeof fds[0]))
+    nfds = (int)(sizeof fds / sizeof fds[0]);
+  int k = 0;
+  while (k < nfds && (fds[k] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0)
+    k++;
+  int r = fuzz_send_fds(fd, p, len, fds, k);
+  for (int i = 0; i < k; i++)
+    close(fds[i]);
+  return r;
 }
 
 /* Makes the header check of every frame in p right (walking by the

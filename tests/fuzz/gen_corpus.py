@@ -153,7 +153,8 @@ def frames_corpus():
                  struct.pack("<II", len(pool_desc), 0) + pool_desc + b"m", nfds=1)
     # The first byte is the harness's control byte (fuzz_frames.c): bits
     # 0-2 descriptors to send, bit 3 raw checks, bits 4-5 order mode,
-    # bit 6 keep the peer open, bit 7 two writes.
+    # bit 6 keep the peer open, bit 7 the real exporter's
+    # frames first.
     return {
         "nothing": b"\x00",
         "msg": b"\x00" + frame(F["MSG"], b"hello"),
@@ -163,7 +164,19 @@ def frames_corpus():
         "msg-3fds": b"\x03" + frame(F["MSG"], b"fds", nfds=3),
         "msg-fd-missing": b"\x00" + frame(F["MSG"], b"x", nfds=1),
         "msg-surplus-fds": b"\x02" + frame(F["MSG"], b"x", nfds=1),
-        "msg-split": b"\x80\x05" + frame(F["MSG"], b"split in two writes"),
+        # After the real exporter's recorded frames (bit 7): its chunk,
+        # flag words and two buffers (slots 0, 1; sequence 1, 2).
+        "real": b"\x80",
+        "real-none": b"\x90",
+        "real-event": b"\xa0",
+        "real-open": b"\xc0",
+        "real-then-msg": b"\xc0" + frame(F["MSG"], b"after"),
+        "real-then-buf": b"\xc0" + frame(F["BUF"], w_buf(seq=3, slot=2, off=8192)),
+        "real-then-buf-reused-slot": b"\xc0" + frame(F["BUF"], w_buf(seq=1, slot=0)),
+        "real-then-buf-outside": b"\xc0" + frame(F["BUF"], w_buf(seq=3, slot=2, off=1 << 20)),
+        "real-then-rel": b"\xc0" + frame(F["REL"], w_rel(1, 0)),
+        "real-then-ctl-again": b"\xc0" + ctl,
+        "real-then-bye": b"\xc0" + frame(F["BYE"]),
         "msg-open-partial": b"\x40" + frame(F["MSG"], b"partial")[:12],
         "msg-too-long": b"\x00" + frame(F["MSG"], length=65537),
         "len-over-max": b"\x00" + frame(F["MSG"], length=0x7FFFFFFF),
