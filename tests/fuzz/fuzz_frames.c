@@ -196,6 +196,36 @@ static CUdeviceptr ready_base;
 static uint32_t ready_slots;
 static uint64_t ready_saved[65536];
 
+/* Plays the exporter: the input's BUF/BUFD sequence numbers, in order.
+ * Written by the host straight into the mapping: the emulator's device
+ * memory is host memory and its waits poll (a driver call would not do:
+ * the legacy stream, and every synchronous call, is joined to the waits,
+ * and so was, on the emulator, a stream of our own). */
+static void signal_bufs(const uint8_t *p, size_t len) {
+  size_t off = 0;
+  while (len - off >= sizeof(gpuipc__frame_hdr)) {
+    gpuipc__frame_hdr h;
+    memcpy(&h, p + off, sizeof h);
+    if (h.len > len - off - sizeof h)
+      break;
+    if ((h.type == GPUIPC__F_BUF || h.type == GPUIPC__F_BUFD) &&
+        h.len >= sizeof(gpuipc__w_buf)) {
+      gpuipc__w_buf w;
+      memcpy(&w, p + off + sizeof h, sizeof w);
+      if (w.slot < ready_slots)
+        __atomic_store_n((uint64_t *)(uintptr_t)(ready_base + 8u * w.slot),
+                         w.seq, __ATOMIC_SEQ_CST);
+    }
+    off += sizeof h + h.len;
+  }
+}
+
+static void restore_ready_words(void) {
+  for (uint32_t i = 0; i < ready_slots; i++)
+    __atomic_store_n((uint64_t *)(uintptr_t)(ready_base + 8u * i),
+                     ready_saved[i], __ATOMIC_SEQ_CST);
+}
+
 static void find_flag_words(void) {
   const uint8_t *ctlp = NULL;
   size_t off = 0;
@@ -225,45 +255,23 @@ static void find_flag_words(void) {
       fuzz_die("import of the exporter's flag words", s);
     ready_base = (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(flag_words) + w.off;
     ready_slots = w.nslots;
-    gpuipc__ctx_guard g;
-    if (gpuipc__ctx_enter(&g, 0) != GPUIPC_OK ||
-        GPUIPC__CU(cuMemcpyDtoH, ready_saved, ready_base,
-                   8 * (size_t)ready_slots) != CUDA_SUCCESS)
-      abort();
-    gpuipc__ctx_leave(&g);
+    /* What the exporter's GPU writes for its two sends (perhaps not yet):
+     * each recorded BUF frame's sequence number in its slot. */
+    for (size_t o2 = 0; rec_len - o2 >= sizeof(gpuipc__frame_hdr);) {
+      gpuipc__frame_hdr fh;
+      memcpy(&fh, rec + o2, sizeof fh);
+      if (fh.type == GPUIPC__F_BUF && fh.len >= sizeof(gpuipc__w_buf)) {
+        gpuipc__w_buf b;
+        memcpy(&b, rec + o2 + sizeof fh, sizeof b);
+        if (b.slot < ready_slots && b.seq > ready_saved[b.slot])
+          ready_saved[b.slot] = b.seq;
+      }
+      o2 += sizeof fh + fh.len;
+    }
+    restore_ready_words();
     return;
   }
   abort();
-}
-
-/* Plays the exporter: the input's BUF/BUFD sequence numbers, in order.
- * Written by the host straight into the mapping: the emulator's device
- * memory is host memory and its waits poll (a driver call would not do:
- * the legacy stream, and every synchronous call, is joined to the waits,
- * and so was, on the emulator, a stream of our own). */
-static void signal_bufs(const uint8_t *p, size_t len) {
-  size_t off = 0;
-  while (len - off >= sizeof(gpuipc__frame_hdr)) {
-    gpuipc__frame_hdr h;
-    memcpy(&h, p + off, sizeof h);
-    if (h.len > len - off - sizeof h)
-      break;
-    if ((h.type == GPUIPC__F_BUF || h.type == GPUIPC__F_BUFD) &&
-        h.len >= sizeof(gpuipc__w_buf)) {
-      gpuipc__w_buf w;
-      memcpy(&w, p + off + sizeof h, sizeof w);
-      if (w.slot < ready_slots)
-        __atomic_store_n((uint64_t *)(uintptr_t)(ready_base + 8u * w.slot),
-                         w.seq, __ATOMIC_SEQ_CST);
-    }
-    off += sizeof h + h.len;
-  }
-}
-
-static void restore_ready_words(void) {
-  for (uint32_t i = 0; i < ready_slots; i++)
-    __atomic_store_n((uint64_t *)(uintptr_t)(ready_base + 8u * i),
-                     ready_saved[i], __ATOMIC_SEQ_CST);
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
