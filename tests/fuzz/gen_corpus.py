@@ -1,16 +1,25 @@
 #!/usr/bin/env python3
-"""Writes the seed corpus of the descriptor decoder's fuzz target.
+"""Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/<name>/).
 
-Each file is named STATUS-what.bin, where STATUS is the gpuipc status that
+descriptor: each file is named STATUS-what.bin, where STATUS is the gpuipc status that
 decoding it must give (OK, E_TRUNCATED, ...): the corpus replay test
 (tests/test-handle-fuzz-corpus.c) checks it. Files the fuzzer adds later may
 have any other name; for them the replay only checks that decoding returns.
-Layout: docs/descriptor.md. Run: python3 tests/fuzz/gen_corpus.py
+Layout: docs/descriptor.md.
+
+frames, handshake, xfer-header: inputs of fuzz_frames.c, fuzz_handshake.c
+and fuzz_xfer_header.c (see their opening comments for the input format),
+replayed by tests/test-fuzz-corpus.c, which checks that each one runs
+through the target's harness without a crash or leak. Frame layout:
+docs/protocol.md and src/conn/conn.h.
+
+Run: python3 tests/fuzz/gen_corpus.py (rewrites the seeds, keeps the rest)
 """
 import os
 import struct
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "descriptor")
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+HERE = os.path.join(CORPUS, "descriptor")
 
 
 def crc32c(data, crc=0):
@@ -92,5 +101,185 @@ def main():
             f.write(data)
 
 
+# ---- connection frames -------------------------------------------------------
+
+FRAME_MAGIC = 0x43504947
+F = dict(HELLO=1, ACCEPT=2, REFUSE=3, MSG=4, CHUNK=5, CTL=6, BUF=7, REL=8,
+         BYE=9, BUFD=10, EVD=11)
+
+
+def frame(type_, payload=b"", nfds=0, magic=FRAME_MAGIC, version=1,
+          length=None, check=None):
+    n = len(payload) if length is None else length
+    if check is None:
+        check = (magic ^ n ^ ((type_ << 8) | nfds) ^ 0x5A5A5A5A) & 0xFFFFFFFF
+    return struct.pack("<IBBHII", magic, version, type_, nfds, n, check) + payload
+
+
+def hello(pid=4242, uid=1000, gid=1000, proto=1, max_outstanding=256):
+    return struct.pack("<IIiIIIQ16s", proto, 0, pid, uid, gid,
+                       max_outstanding, 123456, bytes([0xB0] * 16))
+
+
+def w_chunk(arena=1, size=1 << 20, chunk=0, d=b""):
+    return struct.pack("<QQII", arena, size, chunk, len(d)) + d
+
+
+def w_ctl(arena=1, off=0, chunk=0, nslots=4):
+    return struct.pack("<QQII", arena, off, chunk, nslots)
+
+
+def w_buf(seq=1, arena=1, off=0, length=256, slot=0, chunk=0, flags=1, meta=b""):
+    return struct.pack("<QQQQIIII", seq, arena, off, length, slot, chunk,
+                       flags, len(meta)) + meta
+
+
+def w_rel(seq=1, slot=0, flags=0):
+    return struct.pack("<QII", seq, slot, flags)
+
+
+def w_evd(slot=0, which=0, d=b""):
+    return struct.pack("<IIII", slot, which, len(d), 0) + d
+
+
+def frames_corpus():
+    pool_desc = desc(kind=1, nfds=1, exporter_fd=5, pool_id=2, offset=0,
+                     size=1 << 20, alloc_size=1 << 20)
+    ev_desc = desc(type_=3, kind=16, offset=0, size=0, alloc_size=0)
+    chunk = frame(F["CHUNK"], w_chunk(d=pool_desc), nfds=1)
+    ctl = frame(F["CTL"], w_ctl())
+    buf = frame(F["BUF"], w_buf(meta=b"shape=4x4"))
+    bufd = frame(F["BUFD"], w_buf(flags=3, meta=b"m")[:48] +
+                 struct.pack("<II", len(pool_desc), 0) + pool_desc + b"m", nfds=1)
+    # The first byte is the harness's control byte (fuzz_frames.c): bits
+    # 0-2 descriptors to send, bit 3 raw checks, bits 4-5 order mode,
+    # bit 6 keep the peer open, bit 7 the real exporter's
+    # frames first.
+    return {
+        "nothing": b"\x00",
+        "msg": b"\x00" + frame(F["MSG"], b"hello"),
+        "msg-empty": b"\x00" + frame(F["MSG"]),
+        "msg-two": b"\x00" + frame(F["MSG"], b"one") + frame(F["MSG"], b"two"),
+        "msg-fd": b"\x01" + frame(F["MSG"], b"with fd", nfds=1),
+        "msg-3fds": b"\x03" + frame(F["MSG"], b"fds", nfds=3),
+        "msg-fd-missing": b"\x00" + frame(F["MSG"], b"x", nfds=1),
+        "msg-surplus-fds": b"\x02" + frame(F["MSG"], b"x", nfds=1),
+        # After the real exporter's recorded frames (bit 7): its chunk,
+        # flag words and two buffers (slots 0, 1; sequence 1, 2).
+        "real": b"\x80",
+        "real-none": b"\x90",
+        "real-event": b"\xa0",
+        "real-open": b"\xc0",
+        "real-then-msg": b"\xc0" + frame(F["MSG"], b"after"),
+        "real-then-buf": b"\xc0" + frame(F["BUF"], w_buf(seq=3, slot=2, off=8192)),
+        "real-then-buf-reused-slot": b"\xc0" + frame(F["BUF"], w_buf(seq=1, slot=0)),
+        "real-then-buf-outside": b"\xc0" + frame(F["BUF"], w_buf(seq=3, slot=2, off=1 << 20)),
+        "real-then-rel": b"\xc0" + frame(F["REL"], w_rel(1, 0)),
+        "real-then-ctl-again": b"\xc0" + ctl,
+        "real-then-bye": b"\xc0" + frame(F["BYE"]),
+        "msg-open-partial": b"\x40" + frame(F["MSG"], b"partial")[:12],
+        "msg-too-long": b"\x00" + frame(F["MSG"], length=65537),
+        "len-over-max": b"\x00" + frame(F["MSG"], length=0x7FFFFFFF),
+        "bad-magic": b"\x00" + frame(F["MSG"], b"x", magic=0x12345678),
+        "bad-version": b"\x00" + frame(F["MSG"], b"x", version=2),
+        "bad-check": b"\x08" + frame(F["MSG"], b"x", check=0),
+        "type-hello-late": b"\x00" + frame(F["HELLO"], hello()),
+        "type-0": b"\x00" + frame(0),
+        "type-12": b"\x00" + frame(12),
+        "bye": b"\x00" + frame(F["BYE"]),
+        "bye-then-msg": b"\x00" + frame(F["BYE"]) + frame(F["MSG"], b"late"),
+        "chunk": b"\x01" + chunk,
+        "chunk-no-fd": b"\x00" + frame(F["CHUNK"], w_chunk(d=pool_desc)),
+        "chunk-short": b"\x00" + frame(F["CHUNK"], b"\x01" * 8),
+        "chunk-twice": b"\x02" + chunk + chunk,
+        "chunk-ctl-buf": b"\x01" + chunk + ctl + buf,
+        "chunk-ctl-buf-none": b"\x11" + chunk + ctl + buf,
+        "chunk-ctl-buf-event": b"\x21" + chunk + ctl +
+                               frame(F["EVD"], w_evd(d=ev_desc)) +
+                               frame(F["BUF"], w_buf(flags=5)),
+        "ctl-first": b"\x00" + ctl,
+        "buf-first": b"\x00" + buf,
+        "bufd": b"\x01" + chunk + ctl + bufd,
+        "rel-unsolicited": b"\x00" + frame(F["REL"], w_rel() + w_rel(2, 1)),
+        "rel-odd-size": b"\x00" + frame(F["REL"], b"\x00" * 17),
+        "evd": b"\x20" + frame(F["EVD"], w_evd(d=ev_desc)),
+        "evd-bad-pad": b"\x20" + frame(F["EVD"], struct.pack("<IIII", 0, 0, 0, 1)),
+        "fds-without-frame": b"\x01" + frame(F["MSG"], b"x")[:8],
+    }
+
+
+def handshake_corpus():
+    acc = frame(F["ACCEPT"])
+    h = frame(F["HELLO"], hello())
+    return {
+        "hello-accept": h + acc,
+        "hello-accept-msg": h + acc + frame(F["MSG"], b"after"),
+        "hello-only": h,
+        "hello-refuse": h + frame(F["REFUSE"], b"no thanks"),
+        "refuse-first": frame(F["REFUSE"], b"go away"),
+        "hello-short": frame(F["HELLO"], hello()[:20]),
+        "hello-long": frame(F["HELLO"], hello() + bytes(64)) + acc,
+        "hello-proto-2": frame(F["HELLO"], hello(proto=2)) + acc,
+        "hello-max-out-0": frame(F["HELLO"], hello(max_outstanding=0)) + acc,
+        "hello-max-out-huge": frame(F["HELLO"], hello(max_outstanding=0xFFFFFFFF)) + acc,
+        "hello-513": frame(F["HELLO"], bytes(513)),
+        "hello-with-fds": frame(F["HELLO"], hello(), nfds=1) + acc,
+        "hello-bad-check": frame(F["HELLO"], hello(), check=1) + acc,
+        "hello-bad-version": frame(F["HELLO"], hello(), version=9) + acc,
+        "msg-first": frame(F["MSG"], b"x"),
+        "accept-first": acc + h,
+        "hello-hello": h + h,
+        "hello-accept-garbage": h + acc + b"GARBAGE!" * 4,
+        "truncated-header": h[:10],
+        "empty": b"",
+        "text": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    }
+
+
+# ---- xfer shared segment header -------------------------------------------------
+
+def xfer_header(magic=0x53585047, version=1, header_bytes=40, nslots=4,
+                slot_bytes=1 << 16, data_offset=None, total=None, page=4096):
+    if data_offset is None:
+        ctrl_end = 256 + nslots * 128
+        data_offset = (ctrl_end + page - 1) // page * page
+    if total is None:
+        total = (data_offset + slot_bytes * nslots) & (2**64 - 1)
+    return struct.pack("<IIIIQQQ", magic, version, header_bytes, nslots,
+                       slot_bytes, data_offset, total)
+
+
+def xfer_corpus():
+    return {
+        "ok-4-slots": xfer_header(),
+        "ok-1-slot": xfer_header(nslots=1, slot_bytes=4096),
+        "ok-1024-slots": xfer_header(nslots=1024, slot_bytes=4096),
+        "bad-magic": xfer_header(magic=0),
+        "bad-version": xfer_header(version=2),
+        "bad-header-bytes": xfer_header(header_bytes=48),
+        "slots-0": xfer_header(nslots=0),
+        "slots-1025": xfer_header(nslots=1025),
+        "slot-bytes-0": xfer_header(slot_bytes=0),
+        "slot-bytes-unaligned": xfer_header(slot_bytes=4097),
+        "data-offset-wrong": xfer_header(data_offset=8192),
+        "total-wrong": xfer_header(total=1),
+        "overflow": xfer_header(nslots=2, slot_bytes=(1 << 63)),
+        "truncated": xfer_header()[:39],
+        "empty": b"",
+        "with-tail": xfer_header() + bytes(64),
+    }
+
+
+def write_all(name, files):
+    d = os.path.join(CORPUS, name)
+    os.makedirs(d, exist_ok=True)
+    for n, data in files.items():
+        with open(os.path.join(d, n + ".bin"), "wb") as f:
+            f.write(data)
+
+
 if __name__ == "__main__":
     main()
+    write_all("frames", frames_corpus())
+    write_all("handshake", handshake_corpus())
+    write_all("xfer-header", xfer_corpus())
