@@ -1547,7 +1547,12 @@ static PyObject *Rx_dlpack_device(ReceivedObject *r, PyObject *u) {
   View v = rx_view(r);
   return dlpack_device(&v);
 }
-static PyObject *Rx_exit(ReceivedObject *r, PyObject *a) { return Rx_release(r, NULL, NULL); }
+static PyObject *Rx_exit(ReceivedObject *r, PyObject *a) {
+  gpuipc_status st;
+  rx_release(r, r->stream, &st);
+  if (st != GPUIPC_OK) return raise_st(st, "release");
+  Py_RETURN_NONE;
+}
 
 #define ARRAY_GETTERS(T, M)                                                    \
   static PyObject *T##_shape(PyObject *o, void *u) {                           \
@@ -1741,7 +1746,7 @@ static PyObject *Listener_accept(ListenerObject *o, PyObject *args, PyObject *kw
       continue;
     }
     if (st) return raise_st(st, "accept");
-    return conn_new(c, tmo, o->maxo, 0);
+    return conn_new(c, o->timeout_ms, o->maxo, 0);
   }
 }
 
@@ -2296,7 +2301,13 @@ static PyObject *Block_wait(BlockObject *b, PyObject *args, PyObject *kw) {
   if (st) return raise_st(st, "wait");
   Py_RETURN_NONE;
 }
-static PyObject *Block_exit(BlockObject *b, PyObject *a) { return Block_free(b, NULL, NULL); }
+static PyObject *Block_exit(BlockObject *b, PyObject *a) {
+  PyObject *empty = PyTuple_New(0);
+  if (!empty) return NULL;
+  PyObject *r = Block_free(b, empty, NULL);
+  Py_DECREF(empty);
+  return r;
+}
 ARRAY_GETTERS(Block, &((BlockObject *)o)->meta)
 
 static PyObject *Block_get(BlockObject *b, void *w) {
