@@ -26,6 +26,7 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <stdio.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -866,9 +867,23 @@ static int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f) {
     }
     return 0;
   }
-  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-  PyErr_Clear();
-  if (PyObject_HasAttrString(obj, "__dlpack__")) return foreign_from_dlpack(obj, stream, f);
+  /* No CAI, or one that refuses this array (torch: bfloat16): DLPack. */
+  int no_cai = PyErr_ExceptionMatches(PyExc_AttributeError);
+  PyObject *et, *ev, *etb;
+  PyErr_Fetch(&et, &ev, &etb);
+  if (PyObject_HasAttrString(obj, "__dlpack__")) {
+    Py_XDECREF(et);
+    Py_XDECREF(ev);
+    Py_XDECREF(etb);
+    return foreign_from_dlpack(obj, stream, f);
+  }
+  if (!no_cai) {
+    PyErr_Restore(et, ev, etb);
+    return -1;
+  }
+  Py_XDECREF(et);
+  Py_XDECREF(ev);
+  Py_XDECREF(etb);
   PyErr_Format(PyExc_TypeError, "%.100s exposes neither __cuda_array_interface__ nor "
                "__dlpack__", Py_TYPE(obj)->tp_name);
   return -1;
@@ -915,12 +930,26 @@ static void lease_drop(Lease *x) {
   g_count.wraps_live--;
 }
 
+/* Whether pid still runs (a zombie does not: its GPU work is torn down). */
+static int pid_running(int pid) {
+  if (pid <= 0 || kill(pid, 0) != 0) return 0;
+  char path[64], buf[512];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 1;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *r = strrchr(buf, ')');
+  return !(r && r[1] == ' ' && (r[2] == 'Z' || r[2] == 'X'));
+}
+
 /* Frees leases of dead peers. GIL held. */
 static void graves_reap(void) {
   Grave **pp = &g_graves;
   while (*pp) {
     Grave *g = *pp;
-    if (g->pid > 0 && kill(g->pid, 0) == 0) {
+    if (pid_running(g->pid)) {
       pp = &g->next;
       continue;
     }
