@@ -673,13 +673,14 @@ static PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, P
   if (v->dev_type == kDLCUDA && stream != Py_None) {
     long long s = PyLong_AsLongLong(stream);
     if (s == -1 && PyErr_Occurred()) return NULL;
-    if (s == 0) {
-      PyErr_SetString(PyExc_ValueError, "__dlpack__: stream 0 is ambiguous for CUDA "
-                      "(use 1 for the legacy default stream, 2 for per-thread)");
+    /* 0 is not a valid CUDA value in the protocol; taken as the legacy
+     * default stream, as 1 is. */
+    if (s < -1) {
+      PyErr_SetString(PyExc_ValueError, "__dlpack__: stream must be -1, 1, 2 or a CUstream");
       return NULL;
     }
     if (s != -1 && v->has_stream &&
-        order_streams(v->dev_id, v->stream, s == 1 ? 0 : (uintptr_t)s) < 0)
+        order_streams(v->dev_id, v->stream, (s == 1 || s == 0) ? 0 : (uintptr_t)s) < 0)
       return NULL;
   } else if (v->dev_type == kDLCUDA && v->has_stream) {
     if (order_streams(v->dev_id, v->stream, 0) < 0) return NULL;
