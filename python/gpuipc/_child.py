@@ -1,4 +1,4 @@
-"""The child side of gpuipc.spawn (python -m gpuipc._child)."""
+"""The child side of gpuipc.spawn (started as python -c '... main()')."""
 import os
 import pickle
 import sys

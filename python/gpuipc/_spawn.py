@@ -79,7 +79,11 @@ def spawn(target, *args, env=None, timeout=30.0, _worker=None):
     env_add = [f"{k}={v}" for k, v in (env or {}).items()]
     if _worker is not None:
         env_add += [f"GPUIPC_WORKER_INDEX={_worker[0]}", f"GPUIPC_WORKER_COUNT={_worker[1]}"]
-    child = _gpuipc.spawn_child(sys.executable, [sys.executable, "-m", "gpuipc._child"],
+    # The child finds this very package first, wherever it was imported from.
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    boot = (f"import sys; sys.path.insert(0, {top!r}); "
+            "from gpuipc._child import main; main()")
+    child = _gpuipc.spawn_child(sys.executable, [sys.executable, "-c", boot],
                                 env_add=env_add or None, timeout=timeout)
     proc = Process(child)
     try:

@@ -1,7 +1,7 @@
 """pytest setup of the gpuipc suite.
 
-The package under test is the one built in place in python/ (make python),
-else an installed one. Without a usable CUDA driver (no libcuda.so.1 that
+The package under test is GPUIPC_PKG_DIR's (run-pytest.sh, the CTest case
+python_pytest), else the one built in place in python/ (make python). Without a usable CUDA driver (no libcuda.so.1 that
 initializes) the tests run on the CUDA driver emulator of the source tree
 (build/tests/emu/libcuda-emu.so, or GPUIPC_EMU), selected with
 GPUIPC_CUDA_DRIVER exactly as the C suite does; the header line says which.
@@ -13,7 +13,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.dirname(HERE)
 ROOT = os.path.dirname(PKG)
-sys.path.insert(0, PKG)
+# GPUIPC_PKG_DIR: a built package (run-pytest.sh builds one per build dir).
+sys.path.insert(0, os.environ.get("GPUIPC_PKG_DIR") or PKG)
 sys.path.insert(0, HERE)
 
 
