@@ -898,6 +898,7 @@ typedef struct {
   gpuipc_buffer *buf;
   PyObject *owner;
   uintptr_t stream;
+  int *sent; /* a Buffer object's count of leases out (its buf is not ours) */
 } Lease;
 
 typedef struct {
@@ -926,9 +927,13 @@ typedef struct Grave {
 static Grave *g_graves;
 
 static void lease_drop(Lease *x) {
-  gpuipc_buffer_free(x->buf, NULL);
+  if (x->sent) {
+    (*x->sent)--;
+  } else {
+    gpuipc_buffer_free(x->buf, NULL);
+    g_count.wraps_live--;
+  }
   Py_XDECREF(x->owner);
-  g_count.wraps_live--;
 }
 
 /* Whether pid still runs (a zombie does not: its GPU work is torn down). */
@@ -1118,6 +1123,7 @@ static BlockObject *block_find(void *p, size_t n) {
 struct BufferObject {
   PyObject_HEAD
   gpuipc_buffer *b;
+  int sent; /* leases peers hold on it (conn.send), not released yet */
   PyObject *pool;  /* allocated from it */
   PyObject *owner; /* wrapped: the object owning the memory */
   int imported;
@@ -1208,10 +1214,16 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
   if (conn_run(c, tmo, 1, op_send, &x, &st) < 0) goto out;
   if (st != GPUIPC_OK) { conn_status(st, "send", tmo); goto out; }
   if (wrapped) {
-    Lease l = {wrapped, f.owner, stream};
+    Lease l = {wrapped, f.owner, stream, NULL};
     if (leases_push(&c->leases, l) < 0) goto out; /* lease kept by gpuipc anyway */
     wrapped = NULL;
     f.owner = NULL;
+  } else if (x.buf) { /* a Buffer object: kept (and not freed) while held */
+    BufferObject *b = (BufferObject *)obj;
+    Lease l = {b->b, obj, stream, &b->sent};
+    if (leases_push(&c->leases, l) < 0) goto out;
+    Py_INCREF(obj);
+    b->sent++;
   }
   ret = Py_None;
   Py_INCREF(ret);
@@ -1503,7 +1515,7 @@ static PyGetSetDef Conn_getset[] = {
     {"timeout", (getter)Conn_get_timeout, (setter)Conn_set_timeout,
      "default limit of waiting calls, seconds (None: forever)", NULL},
     {"wrapped_pending", (getter)Conn_get_npending, NULL,
-     "wrapped buffers sent and possibly still held by the peer", NULL},
+     "buffers sent outside arenas (wrapped memory, Buffer objects) the peer may still hold", NULL},
     {NULL}};
 
 static PyTypeObject ConnType = {
@@ -2459,6 +2471,7 @@ static PyObject *buffer_new(gpuipc_buffer *b, PyObject *pool, PyObject *owner, i
   BufferObject *o = PyObject_New(BufferObject, &BufferType);
   if (!o) { gpuipc_buffer_free(b, NULL); return NULL; }
   o->b = b;
+  o->sent = 0;
   Py_XINCREF(pool);
   o->pool = pool;
   Py_XINCREF(owner);
@@ -2573,6 +2586,9 @@ static View buf_view(BufferObject *b) {
 }
 
 static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
+  if (b->b && b->sent > 0)
+    return raise_msg(GPUIPC_E_BUSY, "close", "a peer still holds this buffer (sent with "
+                     "conn.send and not released)");
   if (b->b) {
     gpuipc_status st;
     Py_BEGIN_ALLOW_THREADS

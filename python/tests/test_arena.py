@@ -249,3 +249,21 @@ def sender_of(conn, n):
     for i in range(n):
         conn.send(blocks[i % 32], meta=b"%d" % i)
     conn.recv_msg(timeout=60)
+
+
+@pytest.mark.parametrize("kind", ["mempool", "legacy"])
+def test_pool_buffer_sent_is_kept_while_held(kind):
+    pool = gpuipc.Pool(kind=kind)
+    buf = pool.alloc(shape=(32,), dtype="int32")
+    drv().htod(buf.ptr, pattern(128, 1))
+    p = gpuipc.spawn(peers.holder, 1)
+    p.conn.send(buf)
+    assert report(p.conn) == {"holding": 1}
+    assert p.conn.wrapped_pending == 1
+    with pytest.raises(gpuipc.BusyError):
+        buf.close()
+    p.kill()
+    p.join(30)
+    assert settle(p.conn, until=lambda: p.conn.wrapped_pending == 0)
+    buf.close()
+    p.close()
