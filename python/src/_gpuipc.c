@@ -635,11 +635,12 @@ static void capsule_dtor(PyObject *cap) {
   PyErr_Restore(t, v, tb);
 }
 
-/* __dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) */
+/* __dlpack__(stream=None, *, max_version=None, dl_device=None, copy=None) */
 static PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"stream", "max_version", "dl_device", "copy", NULL};
   PyObject *stream = Py_None, *maxv = Py_None, *dldev = Py_None, *copy = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO", kwl, &stream, &maxv, &dldev, &copy))
+  /* stream may come positionally (older consumers call __dlpack__(s)) */
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$OOO", kwl, &stream, &maxv, &dldev, &copy))
     return NULL;
   if (copy != Py_None && PyObject_IsTrue(copy)) {
     PyErr_SetString(PyExc_BufferError, "__dlpack__: copy=True is not supported (gpuipc "

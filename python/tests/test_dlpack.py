@@ -150,6 +150,7 @@ def test_dlpack_arguments(block):
     with pytest.raises(ValueError):
         block.__dlpack__(stream=-5)
     assert block.__dlpack__(stream=0) is not None  # taken as the legacy stream
+    assert block.__dlpack__(1) is not None  # positional stream (older consumers)
     assert block.__dlpack__(copy=False, dl_device=(2, 0), stream=1) is not None
     assert block.__dlpack__(stream=2) is not None  # per-thread default stream
     with pytest.raises(TypeError):

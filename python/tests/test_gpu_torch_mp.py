@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gpu_common import need, need_gpu, torch_cuda
+from gpu_common import need, torch_cuda
 
 
 def test_install_and_uninstall_switch_the_reducers():
@@ -120,4 +120,3 @@ def test_uninstalled_queue_still_works(mp_torch):
     assert [out.get(timeout=120), out.get(timeout=120)] == [5.0, 7.0]
     p.join(60)
     gpuipc.torch.install()  # the fixture uninstalls
-    need_gpu()
