@@ -101,9 +101,9 @@ def _reduce_tensor(tensor):
     return (_rebuild, (srv.name, token, os.getpid()))
 
 
-def _rebuild(name, token, producer_pid):
-    import torch
-
+def _fetch(name, token, producer_pid, stream):
+    """Asks the producer's server for a token's tensor: a Received ordered
+    on stream."""
     cl = _client(name)
     with cl.lock:
         conn = cl.conn
@@ -112,11 +112,16 @@ def _rebuild(name, token, producer_pid):
         if reply != b"OK":
             raise RuntimeError(f"gpuipc.torch: producer pid {producer_pid} could not hand "
                                f"over the tensor: {reply.decode(errors='replace')}")
-        # recv on the current stream of the tensor's device: the view's
-        # users on that stream run after the producer's work.
-        dev = torch.cuda.current_device()
-        rx = conn.recv(stream=torch.cuda.current_stream(dev).cuda_stream,
-                       timeout=FETCH_TIMEOUT)
+        return conn.recv(stream=stream, timeout=FETCH_TIMEOUT)
+
+
+def _rebuild(name, token, producer_pid):
+    import torch
+
+    # recv on the current stream of the current device: the view's users
+    # on that stream run after the producer's work.
+    dev = torch.cuda.current_device()
+    rx = _fetch(name, token, producer_pid, torch.cuda.current_stream(dev).cuda_stream)
     if rx.device != dev:
         with torch.cuda.device(rx.device):
             return torch.from_dlpack(rx)
