@@ -622,8 +622,12 @@ static void dl_deleter_v(DLManagedTensorVersioned *self) {
 /* A capsule nobody consumed (still named "dltensor[_versioned]") deletes
  * its tensor; a consumed one ("used_dltensor...") is the consumer's. */
 static void capsule_dtor(PyObject *cap) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *saved = PyErr_GetRaisedException();
+#else
   PyObject *t, *v, *tb;
   PyErr_Fetch(&t, &v, &tb);
+#endif
   if (PyCapsule_IsValid(cap, "dltensor")) {
     DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
     if (m && m->deleter) m->deleter(m);
@@ -632,7 +636,11 @@ static void capsule_dtor(PyObject *cap) {
     if (m && m->deleter) m->deleter(m);
   }
   PyErr_Clear();
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(saved);
+#else
   PyErr_Restore(t, v, tb);
+#endif
 }
 
 /* __dlpack__(stream=None, *, max_version=None, dl_device=None, copy=None) */
@@ -851,41 +859,44 @@ static int foreign_from_dlpack(PyObject *obj, uintptr_t stream, Foreign *f) {
   return 0;
 }
 
-/* Reads an object's array protocol. stream: where the caller will use it;
- * CAI's "stream" is ordered before it here. */
+/* Reads an object's array protocol. stream: where the caller will use it
+ * (passed to __dlpack__, whose exporter orders it after its work); for CAI
+ * the caller orders it after f->stream when has_stream is set, once it
+ * knows the device. */
 static int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f) {
   memset(f, 0, sizeof *f);
   PyObject *d = PyObject_GetAttrString(obj, "__cuda_array_interface__");
   if (d) {
     int rc = foreign_from_cai(obj, d, f);
     Py_DECREF(d);
-    if (rc < 0) return -1;
-    if (f->has_stream && f->stream != stream) {
-      /* device: whatever ordinal; the event lives on device 0 unless told */
-      if (order_streams(0, f->stream, stream) < 0) {
-        Py_CLEAR(f->owner);
-        return -1;
-      }
-    }
-    return 0;
+    return rc; /* the caller orders `stream` after f->stream (has_stream) */
   }
   /* No CAI, or one that refuses this array (torch: bfloat16): DLPack. */
   int no_cai = PyErr_ExceptionMatches(PyExc_AttributeError);
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *exc = PyErr_GetRaisedException();
+#else
   PyObject *et, *ev, *etb;
   PyErr_Fetch(&et, &ev, &etb);
-  if (PyObject_HasAttrString(obj, "__dlpack__")) {
+#endif
+  int has_dl = PyObject_HasAttrString(obj, "__dlpack__");
+  if (has_dl || no_cai) {
+#if PY_VERSION_HEX >= 0x030C0000
+    Py_XDECREF(exc);
+#else
     Py_XDECREF(et);
     Py_XDECREF(ev);
     Py_XDECREF(etb);
-    return foreign_from_dlpack(obj, stream, f);
-  }
-  if (!no_cai) {
+#endif
+    if (has_dl) return foreign_from_dlpack(obj, stream, f);
+  } else {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
     PyErr_Restore(et, ev, etb);
+#endif
     return -1;
   }
-  Py_XDECREF(et);
-  Py_XDECREF(ev);
-  Py_XDECREF(etb);
   PyErr_Format(PyExc_TypeError, "%.100s exposes neither __cuda_array_interface__ nor "
                "__dlpack__", Py_TYPE(obj)->tp_name);
   return -1;
@@ -1133,6 +1144,8 @@ struct BufferObject {
   ArrMeta meta;
 };
 
+static View buf_view(BufferObject *b);
+
 typedef struct {
   gpuipc_block *block;
   gpuipc_buffer *buf;
@@ -1188,7 +1201,10 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
     if (!b->b) { raise_msg(GPUIPC_E_INVALID_ARG, "send", "buffer was freed"); goto out; }
     if (meta_encode(&b->meta, um.buf, um.len, wire, &wlen) < 0) goto out;
     x.buf = b->b;
-    if (b->has_stream && stream != b->stream && order_streams(0, b->stream, stream) < 0) goto out;
+    if (b->has_stream && stream != b->stream) {
+      View v = buf_view(b);
+      if (order_streams(v.dev_id, b->stream, stream) < 0) goto out;
+    }
   } else {
     if (foreign_get(obj, stream, &f) < 0) goto out;
     if (f.nbytes == 0) {
@@ -1196,10 +1212,12 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
       goto out;
     }
     BlockObject *b = block_find(f.ptr, f.nbytes);
+    int dev = 0;
     if (b) { /* memory of one of our arena blocks: the fast path */
       f.meta.offset = (uint64_t)((char *)f.ptr - (char *)b->ptr);
       if (meta_encode(&f.meta, um.buf, um.len, wire, &wlen) < 0) goto out;
       x.block = b->b;
+      dev = b->device;
     } else {
       if (meta_encode(&f.meta, um.buf, um.len, wire, &wlen) < 0) goto out;
       gpuipc_status st = gpuipc_buffer_wrap(f.ptr, f.nbytes, &wrapped);
@@ -1207,7 +1225,12 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
       g_count.wraps_live++;
       g_count.wraps_total++;
       x.buf = wrapped;
+      gpuipc_uuid u;
+      if (gpuipc_buffer_get_device(wrapped, &u) == GPUIPC_OK) dev = ordinal_of(&u);
     }
+    /* CAI v3: the producer's work is on f.stream; the send goes on ours */
+    if (f.has_stream && f.stream != stream && order_streams(dev, f.stream, stream) < 0)
+      goto out;
   }
   x.meta = wire;
   x.meta_len = wlen;

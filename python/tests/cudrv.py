@@ -42,6 +42,31 @@ class Driver:
         self._check(self.lib.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)), "cuMemAlloc")
         return p.value
 
+    def stream(self):
+        self._current()
+        h = ctypes.c_void_p()
+        self._check(self.lib.cuStreamCreate(ctypes.byref(h), 1), "cuStreamCreate")
+        return h.value
+
+    def htod_async(self, ptr, data, n, stream):
+        self._current()
+        self._check(self.lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(ptr), data,
+                                                  ctypes.c_size_t(n),
+                                                  ctypes.c_void_p(stream)), "cuMemcpyHtoDAsync")
+
+    def sync(self, stream):
+        self._current()
+        self._check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+
+    def host_alloc(self, n):
+        """Pinned host memory (asynchronous copies from pageable memory are
+        synchronous for the host)."""
+        self._current()
+        p = ctypes.c_void_p()
+        self._check(self.lib.cuMemAllocHost_v2(ctypes.byref(p), ctypes.c_size_t(n)),
+                    "cuMemAllocHost")
+        return p.value
+
     def free(self, p):
         self._current()
         self._check(self.lib.cuMemFree_v2(ctypes.c_uint64(p)), "cuMemFree")
@@ -66,7 +91,7 @@ class DeviceArray:
     """Device memory gpuipc did not allocate (cuMemAlloc), exposing
     __cuda_array_interface__ v3 like a framework's array."""
 
-    def __init__(self, shape, typestr="|u1", strides=None):
+    def __init__(self, shape, typestr="|u1", strides=None, stream=None):
         self.shape = tuple(shape)
         self.typestr = typestr
         self.itemsize = int(typestr[2:])
@@ -76,11 +101,12 @@ class DeviceArray:
         self.nbytes = n
         self.ptr = drv().alloc(max(n, 1))
         self.strides = strides
+        self.stream = stream
 
     @property
     def __cuda_array_interface__(self):
         return {"shape": self.shape, "typestr": self.typestr, "data": (self.ptr, False),
-                "version": 3, "strides": self.strides, "stream": None}
+                "version": 3, "strides": self.strides, "stream": self.stream}
 
     def __del__(self):
         try:

@@ -78,3 +78,31 @@ def worker(conn):
 
 def exits(conn, code):
     return code
+
+
+def cai_stream_producer(conn, announce):
+    """Writes an arena block on a stream of its own (asynchronously, from
+    pinned memory) and at once sends a CAI view of it, whose "stream" names
+    that stream when announce is set. (Arena blocks: the fast path makes no
+    driver call that could wait for the copy.)"""
+    import ctypes
+
+    from cudrv import pattern
+    a = gpuipc.Arena(chunk_bytes=1 << 20)
+    warm = a.alloc(256)
+    conn.send(warm)  # the chunk's export, out of the way
+    conn.recv_msg(timeout=30)
+    b = a.alloc(4096)
+    s = drv().stream()
+
+    class View:
+        __cuda_array_interface__ = {"shape": (4096,), "typestr": "|u1",
+                                    "data": (b.ptr, False), "version": 3,
+                                    "stream": s if announce else None}
+    data = pattern(4096, 21)
+    host = drv().host_alloc(len(data))
+    ctypes.memmove(host, data, len(data))
+    drv().htod_async(b.ptr, ctypes.c_void_p(host), len(data), s)
+    conn.send(View())
+    conn.recv_msg(timeout=30)
+    drv().sync(s)  # the copy lands before the block is freed at exit

@@ -2,6 +2,7 @@
 death, foreign memory (wrapped), reference counting over many sends."""
 import gc
 import json
+import os
 import signal
 import time
 import tracemalloc
@@ -267,3 +268,34 @@ def test_pool_buffer_sent_is_kept_while_held(kind):
     assert settle(p.conn, until=lambda: p.conn.wrapped_pending == 0)
     buf.close()
     p.close()
+
+
+def test_cai_stream_is_ordered_before_the_send():
+    """The producer's array names, in its CAI, the stream its data is being
+    written on (a copy the emulator delays by 300 ms): the consumer, reading
+    after recv() on its stream, sees the data, because the send was ordered
+    after that stream's work."""
+    with gpuipc.spawn(peers.cai_stream_producer, True,
+                      env={"GPUIPC_EMU_COPY_DELAY_US": "300000"}) as p:
+        p.conn.recv(timeout=30).release()
+        p.conn.send_msg(b"next")
+        rx = p.conn.recv(timeout=30)
+        assert drv().dtoh(rx.ptr, rx.nbytes) == pattern(4096, 21)
+        rx.release()
+        p.conn.send_msg(b"go")
+        assert p.join(30) == 0
+
+
+def test_without_the_cai_stream_the_data_is_not_there_yet():
+    """The same without naming the stream: the check above can fail."""
+    if not os.environ.get("GPUIPC_CUDA_DRIVER"):
+        pytest.skip("needs the emulator's delayed copies")
+    with gpuipc.spawn(peers.cai_stream_producer, False,
+                      env={"GPUIPC_EMU_COPY_DELAY_US": "300000"}) as p:
+        p.conn.recv(timeout=30).release()
+        p.conn.send_msg(b"next")
+        rx = p.conn.recv(timeout=30)
+        assert drv().dtoh(rx.ptr, rx.nbytes) != pattern(4096, 21)
+        rx.release()
+        p.conn.send_msg(b"go")
+        assert p.join(30) == 0
