@@ -59,7 +59,7 @@ def library():
         lib = os.path.join(bd, "libgpuipc.a")
         if not os.path.exists(lib):
             sys.exit(f"gpuipc: GPUIPC_BUILD_DIR={bd} holds no libgpuipc.a")
-        return [os.path.join(ROOT, "include")], [lib], []
+        return [os.path.join(ROOT, "include")], [lib], ["-Wl,--exclude-libs,ALL"]
     if in_tree():
         bd = os.path.join(ROOT, "build")
         lib = os.path.join(bd, "libgpuipc.a")
@@ -68,7 +68,7 @@ def library():
             lib = os.path.join(bd, "libgpuipc.a")
             cmake_build(bd)
         print(f"gpuipc: linking {lib}", flush=True)
-        return [os.path.join(ROOT, "include")], [lib], []
+        return [os.path.join(ROOT, "include")], [lib], ["-Wl,--exclude-libs,ALL"]
     pc = pkg_config()
     if pc is None:
         sys.exit("gpuipc: no gpuipc library: build from the gpuipc source tree, set "
@@ -92,11 +92,13 @@ class BuildExt(build_ext):
 
 ext = Extension(
     "gpuipc._gpuipc",
-    sources=["src/_gpuipc.c"],
+    sources=["src/module.c", "src/array.c", "src/conn.c", "src/arena.c", "src/buffer.c",
+             "src/proc.c"],
+    depends=["src/ext.h"],
     libraries=["dl", "pthread"],
     extra_compile_args=["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra",
                         "-Wno-unused-parameter", "-Wno-missing-field-initializers",
-                        "-Wno-cast-function-type"],
+                        "-Wno-cast-function-type", "-fvisibility=hidden"],
 )
 
 setup(
