@@ -41,7 +41,9 @@ static void lease_drop(Lease *x) {
     gpuipc_buffer_free(x->buf, NULL);
     g_count.wraps_live--;
   }
-  Py_XDECREF(x->owner);
+  /* Dropping the owner may run any Python code (a __del__, a DLPack
+   * deleter that releases a Received): never under g_lock. */
+  defer_decref(x->owner);
 }
 
 /* Whether pid still runs (a zombie does not: its GPU work is torn down). */
@@ -73,6 +75,7 @@ void graves_reap(void) {
     *pp = g->next;
     PyMem_Free(g);
   }
+  flush_decrefs(); /* after the walk: it may run code that reaps again */
 }
 
 /* ------------------------------------------------------------------------ */
@@ -162,6 +165,7 @@ static int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, voi
     *st = op(c, ctx);
     int fd = gpuipc_conn_get_fd(c->c);
     UNLOCK();
+    flush_decrefs();
     if (*st != GPUIPC_E_WOULD_BLOCK) return 0;
     int left = -1;
     if (deadline >= 0) {
@@ -494,6 +498,7 @@ static PyObject *Conn_progress(ConnObject *c, PyObject *args, PyObject *kw) {
   LOCK();
   gpuipc_status st = op_progress(c, NULL);
   UNLOCK();
+  flush_decrefs();
   graves_reap();
   if (st != GPUIPC_OK) return raise_st(st, "progress");
   Py_RETURN_NONE;
@@ -506,6 +511,7 @@ static PyObject *Conn_outstanding(ConnObject *c, PyObject *unused) {
   gpuipc_status st = gpuipc_conn_get_outstanding(c->c, &a, &b);
   if (st == GPUIPC_OK) conn_reap(c, 1);
   UNLOCK();
+  flush_decrefs();
   if (st != GPUIPC_OK) return raise_st(st, "outstanding");
   return Py_BuildValue("(nn)", (Py_ssize_t)a, (Py_ssize_t)b);
 }

@@ -216,6 +216,10 @@ int parse_uuid(PyObject *o, gpuipc_uuid *u, int *have);
 int ordinal_of(const gpuipc_uuid *u);
 int wait_fd(int fd, short events, int timeout_ms);
 PyObject *gpy_enter(PyObject *s, PyObject *unused);
+/* Py_XDECREF later, by flush_decrefs() (GIL held, g_lock not held): for
+ * references dropped while g_lock is held. */
+void defer_decref(PyObject *o);
+void flush_decrefs(void);
 
 /* array.c */
 void meta_bytes1d(ArrMeta *m, size_t n);

@@ -205,6 +205,33 @@ int wait_fd(int fd, short events, int timeout_ms) {
   }
 }
 
+/* References dropped under g_lock, released after it (GIL-guarded). */
+static PyObject **g_drops;
+static size_t g_ndrops, g_capdrops;
+
+void defer_decref(PyObject *o) {
+  if (!o) return;
+  if (g_ndrops == g_capdrops) {
+    size_t c = g_capdrops ? 2 * g_capdrops : 64;
+    PyObject **n = PyMem_Realloc(g_drops, c * sizeof *n);
+    if (!n) {
+      /* Out of memory: keep the reference (a leak) rather than risk
+       * running Python code under the lock. */
+      return;
+    }
+    g_drops = n;
+    g_capdrops = c;
+  }
+  g_drops[g_ndrops++] = o;
+}
+
+void flush_decrefs(void) {
+  while (g_ndrops) {
+    PyObject *o = g_drops[--g_ndrops];
+    Py_DECREF(o); /* may defer more: the loop takes them too */
+  }
+}
+
 /* __enter__ of every object here: the object itself. */
 PyObject *gpy_enter(PyObject *s, PyObject *unused) {
   Py_INCREF(s);

@@ -299,3 +299,25 @@ def test_without_the_cai_stream_the_data_is_not_there_yet():
         rx.release()
         p.conn.send_msg(b"go")
         assert p.join(30) == 0
+
+
+def test_owner_dropped_outside_the_lock():
+    """The object whose memory was sent may run gpuipc code when it goes
+    (its __del__ here): that must not deadlock on the module's lock."""
+    p = gpuipc.spawn(peers.check_consumer, 1)
+    seen = []
+
+    class Noisy(DeviceArray):
+        def __del__(self):
+            seen.append(p.conn.outstanding())  # a gpuipc call on the same connection
+            super().__del__()
+
+    arr = Noisy((512,))
+    p.conn.send(arr)
+    del arr
+    report(p.conn)
+    assert settle(p.conn, until=lambda: bool(seen))
+    assert p.conn.wrapped_pending == 0
+    p.conn.send_msg(b"go")
+    p.join(30)
+    p.close()
