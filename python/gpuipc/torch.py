@@ -21,6 +21,12 @@ when it is freed the producer's memory is released to it (the producer keeps
 the tensor alive until then), and when the consumer dies the lease ends
 with it, so the producer's memory comes back (PyTorch's own path leaks it).
 
+Streams: the send is ordered after the work queued on the stream that is
+current when the tensor is pickled, in the thread that pickles it (a
+multiprocessing Queue pickles in its feeder thread, where the current
+stream is the default one): work on other streams must be synchronized
+first, as with PyTorch's own path.
+
 Pickled tensors are one-shot, as PyTorch's CUDA tensors in a Queue are:
 each pickle is unpickled once. A token never fetched keeps its tensor
 alive in the producer until the producer exits.

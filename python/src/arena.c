@@ -293,6 +293,15 @@ static PyObject *Block_get(BlockObject *b, void *w) {
   Py_RETURN_NONE;
 }
 
+static PyObject *Block_repr(BlockObject *b) {
+  PyObject *m = meta_repr_part(&b->meta);
+  if (!m) return NULL;
+  PyObject *o = PyUnicode_FromFormat("<gpuipc.Block %U nbytes=%zu%s>", m, b->size,
+                                     b->b ? "" : " freed");
+  Py_DECREF(m);
+  return o;
+}
+
 static PyMethodDef Block_methods[] = {
     {"free", (PyCFunction)(void (*)(void))Block_free, METH_VARARGS | METH_KEYWORDS,
      "free(stream=None): give the block back (deferred while peers hold it)"},
@@ -319,6 +328,7 @@ PyTypeObject BlockType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Block",
     .tp_basicsize = sizeof(BlockObject),
     .tp_dealloc = (destructor)Block_dealloc,
+    .tp_repr = (reprfunc)Block_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A block of an Arena (Arena.alloc); freed with free(), its context, or "
               "when the last view of it is gone.",

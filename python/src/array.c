@@ -601,3 +601,15 @@ int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f) {
   return -1;
 }
 
+
+/* "shape=(3, 4) dtype=float32" for the objects' reprs. */
+PyObject *meta_repr_part(const ArrMeta *m) {
+  PyObject *shape = shape_tuple(m->shape, m->ndim);
+  if (!shape) return NULL;
+  const char *n = dtype_name(&m->dtype);
+  PyObject *r = n ? PyUnicode_FromFormat("shape=%R dtype=%s", shape, n)
+                  : PyUnicode_FromFormat("shape=%R dtype=dlpack(%d,%d,%d)", shape,
+                                         m->dtype.code, m->dtype.bits, m->dtype.lanes);
+  Py_DECREF(shape);
+  return r;
+}

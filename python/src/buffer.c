@@ -291,6 +291,17 @@ static PyObject *Buffer_get(BufferObject *b, void *w) {
   Py_RETURN_NONE;
 }
 
+static PyObject *Buffer_repr(BufferObject *b) {
+  PyObject *m = meta_repr_part(&b->meta);
+  if (!m) return NULL;
+  PyObject *o = b->b ? PyUnicode_FromFormat("<gpuipc.Buffer %U kind=%s%s>", m,
+                                            gpuipc_pool_kind_name(gpuipc_buffer_get_kind(b->b)),
+                                            gpuipc_buffer_is_imported(b->b) ? " imported" : "")
+                     : PyUnicode_FromFormat("<gpuipc.Buffer %U closed>", m);
+  Py_DECREF(m);
+  return o;
+}
+
 static PyMethodDef Buffer_methods[] = {
     {"export", (PyCFunction)Buffer_export, METH_NOARGS,
      "export() -> (desc bytes, [fd]): the fds are the caller's to close"},
@@ -318,6 +329,7 @@ PyTypeObject BufferType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Buffer",
     .tp_basicsize = sizeof(BufferObject),
     .tp_dealloc = (destructor)Buffer_dealloc,
+    .tp_repr = (reprfunc)Buffer_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A gpuipc buffer: allocated from a Pool, wrapped, or opened from a "
               "descriptor (gpuipc.open).",

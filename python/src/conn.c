@@ -692,6 +692,15 @@ static PyObject *Rx_get(ReceivedObject *r, void *which) {
   Py_RETURN_NONE;
 }
 
+static PyObject *Rx_repr(ReceivedObject *r) {
+  PyObject *m = meta_repr_part(&r->meta);
+  if (!m) return NULL;
+  PyObject *o = PyUnicode_FromFormat("<gpuipc.Received %U device=%d id=%llu%s>", m, r->device,
+                                     (unsigned long long)r->id, r->held ? "" : " released");
+  Py_DECREF(m);
+  return o;
+}
+
 static PyMethodDef Rx_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Rx_release, METH_VARARGS | METH_KEYWORDS,
      "release(stream=None): give the buffer back (after the work queued on stream)"},
@@ -721,6 +730,7 @@ PyTypeObject ReceivedType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Received",
     .tp_basicsize = sizeof(ReceivedObject),
     .tp_dealloc = (destructor)Rx_dealloc,
+    .tp_repr = (reprfunc)Rx_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A buffer received from a peer; released when released explicitly, when "
               "its context ends, or when the last view of it is gone.",

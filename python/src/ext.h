@@ -238,6 +238,7 @@ PyObject *cai_dict(const View *v);
 PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject *kw);
 PyObject *dlpack_device(const View *v);
 int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f);
+PyObject *meta_repr_part(const ArrMeta *m);
 
 /* conn.c */
 PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed);

@@ -157,6 +157,15 @@ def test_dlpack_arguments(block):
         block.__dlpack__(max_version=3)
 
 
+def test_reprs(block):
+    assert repr(block).startswith("<gpuipc.Block shape=(2, 3, 4) dtype=float32 nbytes=")
+    pool = gpuipc.Pool(kind="legacy")
+    buf = pool.alloc(shape=(5,), dtype="int8")
+    assert repr(buf) == "<gpuipc.Buffer shape=(5,) dtype=int8 kind=legacy>"
+    buf.close()
+    assert repr(buf).endswith("closed>")
+
+
 def test_cuda_array_interface(block):
     cai = block.__cuda_array_interface__
     assert cai["version"] == 3 and cai["typestr"] == "<f4" and cai["shape"] == (2, 3, 4)
