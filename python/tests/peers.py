@@ -16,7 +16,7 @@ def describe(rx, data=True):
     d = {"shape": list(rx.shape), "dtype": rx.dtype, "strides": list(rx.strides),
          "meta": rx.meta.hex(), "nbytes": rx.nbytes, "length": rx.length}
     if data:
-        d["data"] = drv().dtoh(rx.ptr, rx.nbytes).hex()
+        d["data"] = drv().dtoh(rx.ptr, min(rx.nbytes, 16384)).hex()  # fits one message
     cai = rx.__cuda_array_interface__
     d["cai"] = {"version": cai["version"], "typestr": cai["typestr"],
                 "shape": list(cai["shape"]), "stream": cai["stream"],
@@ -65,7 +65,8 @@ def open_consumer(conn):
         for fd in fds:
             os.close(fd)
     _report(conn, shape=list(buf.shape), dtype=buf.dtype, kind=buf.kind,
-            imported=buf.imported, data=drv().dtoh(buf.ptr, buf.size).hex())
+            imported=buf.imported, size=buf.size,
+            data=drv().dtoh(buf.ptr, min(buf.size, 8192)).hex())  # fits one message
     conn.recv_msg(timeout=30)
     buf.close()
 
