@@ -11,7 +11,6 @@
 /* Array metadata                                                           */
 /* ------------------------------------------------------------------------ */
 
-
 void meta_bytes1d(ArrMeta *m, size_t n) {
   memset(m, 0, sizeof *m);
   m->ndim = 1;
@@ -263,7 +262,6 @@ PyObject *shape_tuple(const int64_t *v, int n) {
 /* Exporting views: CUDA Array Interface v3 and DLPack                      */
 /* ------------------------------------------------------------------------ */
 
-
 PyObject *cai_dict(const View *v) {
   char ts[8];
   if (typestr_make(&v->meta->dtype, ts) < 0) {
@@ -441,7 +439,6 @@ PyObject *dlpack_device(const View *v) { return Py_BuildValue("(ii)", v->dev_typ
 /* Importing foreign arrays (to send or share them)                         */
 /* ------------------------------------------------------------------------ */
 
-
 static int foreign_from_cai(PyObject *obj, PyObject *d, Foreign *f) {
   if (!PyDict_Check(d)) { PyErr_SetString(PyExc_TypeError, "__cuda_array_interface__ is not a dict"); return -1; }
   PyObject *shape = PyDict_GetItemString(d, "shape");
@@ -600,7 +597,6 @@ int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f) {
                "__dlpack__", Py_TYPE(obj)->tp_name);
   return -1;
 }
-
 
 /* "shape=(3, 4) dtype=float32" for the objects' reprs. */
 PyObject *meta_repr_part(const ArrMeta *m) {

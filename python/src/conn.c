@@ -13,7 +13,6 @@
 /* Wrapped buffers kept until the peer released them                        */
 /* ------------------------------------------------------------------------ */
 
-
 static int leases_push(LeaseList *l, Lease x) {
   if (l->n == l->cap) {
     size_t c = l->cap ? 2 * l->cap : 16;
@@ -82,28 +81,23 @@ void graves_reap(void) {
 /* Connection                                                               */
 /* ------------------------------------------------------------------------ */
 
-
-/* GIL held, lock held: the buffers freed above lose their owners. */
+/* GIL and lock held. Drops the leases the peer released (wrapped memory,
+ * Buffer objects): oldest first, up to the first still held, or all of them
+ * when full is set. Their owners go after the lock (defer_decref). */
 static void conn_reap(ConnObject *c, int full) {
-  if (c->leases.n == 0) return;
-  size_t n = c->leases.n;
-  Lease *copy = PyMem_Malloc(n * sizeof *copy);
-  if (!copy) return;
-  memcpy(copy, c->leases.v, n * sizeof *copy);
   size_t w = 0;
   int stop = 0;
-  for (size_t i = 0; i < n; i++) {
-    Lease *x = &copy[i];
-    if (!stop && gpuipc_conn_get_buffer_holders(c->c, x->buf) == 0) {
-      gpuipc_conn_buffer_wait(c->c, x->buf, S(x->stream));
-      lease_drop(x);
+  for (size_t i = 0; i < c->leases.n; i++) {
+    Lease x = c->leases.v[i];
+    if (!stop && gpuipc_conn_get_buffer_holders(c->c, x.buf) == 0) {
+      gpuipc_conn_buffer_wait(c->c, x.buf, S(x.stream));
+      lease_drop(&x);
       continue;
     }
     if (!full) stop = 1;
-    c->leases.v[w++] = *x;
+    c->leases.v[w++] = x;
   }
   c->leases.n = w;
-  PyMem_Free(copy);
 }
 
 void conn_detach(ConnObject *c) {
@@ -149,9 +143,11 @@ static int conn_ok(ConnObject *c) {
   return 1;
 }
 
-/* Runs op (under the lock) until it does not say WOULD_BLOCK, waiting on
- * the socket in between; returns its status (E_TIMEOUT when the limit
- * passed; *timed_out then set). */
+/* Runs op (under the lock, never waiting) until it does not say
+ * WOULD_BLOCK, waiting on the socket in between with neither the GIL nor
+ * the lock; *st gets its status (E_TIMEOUT once the limit passed). Returns
+ * -1 with an exception set (closed here, a signal), else 0. want_out: the
+ * op sends (may wait for room in the socket, or for releases). */
 typedef gpuipc_status (*conn_op)(ConnObject *c, void *ctx);
 
 static int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
@@ -177,7 +173,8 @@ static int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, voi
       left = (int)l;
     }
     if (fd < 0) return 0;
-    if (!out && (left < 0 || left > 1)) left = 1; /* after a false POLLOUT */
+    if (want_out && !out && (left < 0 || left > 1))
+      left = 1; /* after a POLLOUT that did not help: look again soon */
     int r = wait_fd(fd, (short)(POLLIN | (out ? POLLOUT : 0)), left);
     if (r < 0) return -1;
     if (want_out) {
@@ -197,10 +194,6 @@ static PyObject *conn_status(gpuipc_status st, const char *what, int timeout_ms)
 }
 
 /* --- send ---------------------------------------------------------------- */
-
-
-
-
 
 typedef struct {
   gpuipc_block *block;
@@ -295,9 +288,12 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
   if (st != GPUIPC_OK) { conn_status(st, "send", tmo); goto out; }
   if (wrapped) {
     Lease l = {wrapped, f.owner, stream, NULL};
-    if (leases_push(&c->leases, l) < 0) goto out; /* lease kept by gpuipc anyway */
+    int rc = leases_push(&c->leases, l);
+    /* Sent: the peer may map it now, so out of memory here leaks the
+     * wrapper and the owner rather than free what the peer reads. */
     wrapped = NULL;
     f.owner = NULL;
+    if (rc < 0) goto out;
   } else if (x.buf) { /* a Buffer object: kept (and not freed) while held */
     BufferObject *b = (BufferObject *)obj;
     Lease l = {b->b, obj, stream, &b->sent};

@@ -18,7 +18,6 @@ struct gpy_counters g_count;
 /* Events used to order one stream after another (per device ordinal). */
 static gpuipc_event *g_sync_event[MAX_DEV];
 
-
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                   */
 /* ------------------------------------------------------------------------ */
