@@ -74,6 +74,7 @@ static PyObject *buffer_new(gpuipc_buffer *b, PyObject *pool, PyObject *owner, i
   if (!o) { gpuipc_buffer_free(b, NULL); return NULL; }
   o->b = b;
   o->sent = 0;
+  o->weak = NULL;
   Py_XINCREF(pool);
   o->pool = pool;
   Py_XINCREF(owner);
@@ -205,6 +206,7 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
 }
 
 static void Buffer_dealloc(BufferObject *b) {
+  if (b->weak) PyObject_ClearWeakRefs((PyObject *)b);
   if (b->b) {
     gpuipc_buffer_free(b->b, S(b->stream));
     g_count.live_buffers--;
@@ -335,6 +337,7 @@ PyTypeObject BufferType = {
               "descriptor (gpuipc.open).",
     .tp_methods = Buffer_methods,
     .tp_getset = Buffer_getset,
+    .tp_weaklistoffset = offsetof(BufferObject, weak),
 };
 
 /* ------------------------------------------------------------------------ */

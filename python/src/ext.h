@@ -178,6 +178,7 @@ struct BufferObject {
   uintptr_t stream;
   int has_stream;
   ArrMeta meta;
+  PyObject *weak; /* weak references (weakref.finalize of an opened buffer) */
 };
 
 #define ARRAY_GETTERS(T, M)                                                    \

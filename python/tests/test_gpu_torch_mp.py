@@ -120,3 +120,35 @@ def test_uninstalled_queue_still_works(mp_torch):
     assert [out.get(timeout=120), out.get(timeout=120)] == [5.0, 7.0]
     p.join(60)
     gpuipc.torch.install()  # the fixture uninstalls
+
+
+def test_queue_from_an_expandable_segments_producer(mp_torch):
+    """Memory of expandable segments needs a file descriptor: those tensors
+    take the request route (the consumer asks, the producer's server sends
+    a leased buffer)."""
+    import os
+
+    torch = mp_torch
+    import torch_mp_peers
+    ctx = torch.multiprocessing.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    old = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        p = ctx.Process(target=torch_mp_peers.produce, args=(q, done, 5))
+        p.start()
+    finally:
+        if old is None:
+            del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = old
+    try:
+        for i in range(5):
+            t, want = q.get(timeout=180)
+            assert t.is_cuda and t.shape == (1000 + i,)
+            assert float(t.double().sum()) == want
+            del t
+    finally:
+        done.put(1)
+        p.join(60)
+    assert p.exitcode == 0

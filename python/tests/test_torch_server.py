@@ -72,3 +72,45 @@ def test_install_needs_torch():
         gt.install()
     assert not gt.installed()
     gt.uninstall()  # a no-op
+
+
+def open_shared_and_report(conn, name, token, pid, desc, ev_desc, hold):
+    buf = gt._open_shared(name, token, pid, desc, ev_desc, lambda dev: 0)
+    conn.send_msg(json.dumps({"shape": list(buf.shape), "dtype": buf.dtype,
+                              "data": drv().dtoh(buf.ptr, 512).hex()}).encode())
+    if hold:
+        time.sleep(600)
+    conn.recv_msg(timeout=30)  # the parent saw it held
+    del buf  # the producer hears it may reuse the memory
+    conn.recv_msg(timeout=30)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_descriptor_route_holds_until_done_or_death(hold):
+    import weakref
+
+    srv = gt._get_server()
+    arr = DeviceArray((16, 8), "<i4")
+    drv().htod(arr.ptr, pattern(arr.nbytes, 13))
+    gone = weakref.ref(arr)
+    token, desc, ev_desc = srv.offer_shared(arr, 0, 0)
+    assert isinstance(desc, bytes) and isinstance(ev_desc, bytes)
+    del arr
+    assert gone() is not None and gt.stats()["pending"] == 1
+    with gpuipc.spawn(open_shared_and_report, srv.name, token, srv.pid, desc, ev_desc,
+                      hold) as p:
+        r = json.loads(p.conn.recv_msg(timeout=30))
+        assert r["shape"] == [16, 8] and r["dtype"] == "int32"
+        assert bytes.fromhex(r["data"]) == pattern(512, 13)
+        assert wait_for(lambda: gt.stats() == {"pending": 0, "held": 1}), gt.stats()
+        assert gone() is not None
+        if hold:
+            p.kill()
+            p.join(30)
+        else:
+            p.conn.send_msg(b"saw it")
+        assert wait_for(lambda: gt.stats()["held"] == 0), gt.stats()
+        assert wait_for(lambda: gone() is None), "the producer kept the memory"
+        if not hold:
+            p.conn.send_msg(b"go")
+            assert p.join(30) == 0

@@ -30,3 +30,20 @@ def echo_ptrs(q, out, n):
         t = q.get(timeout=120)
         out.put(float(t[0]))
         del t
+
+
+def produce(q, done, n):
+    """Puts n CUDA tensors (with gpuipc's reducers), each with its sum;
+    keeps running until told, so that its memory stays valid."""
+    import os
+
+    import torch
+
+    import gpuipc.torch
+    gpuipc.torch.install()
+    assert "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    for i in range(n):
+        t = torch.full((1000 + i,), float(i + 1), device="cuda")
+        q.put((t, float(t.double().sum())))
+        del t
+    done.get(timeout=300)
