@@ -2,6 +2,9 @@
 #   make            build everything (build/)
 #   make demo       two processes sharing GPU memory (the emulator without a GPU)
 #   make test       build and run the test suite on the CUDA driver emulator
+#                   (with the Python package's pytest suite when python3,
+#                   pytest and Python.h are here; it says when they are not)
+#   make python     build the Python package in place (python/gpuipc)
 #   make gpu-test   the same suite on the real driver (needs a GPU)
 #   make bench      benchmarks (real GPU if present, else the emulator)
 #   make install PREFIX=/usr/local
@@ -17,11 +20,12 @@ JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 # kernel driver serializes; more than 16 at a time only makes each slower.
 GPU_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 16 ] && n=16; echo $$n)
 CMAKE_FLAGS ?=
+PYTHON ?= python3
 CTEST_FLAGS ?=
 
 EMU = $(BUILD)/tests/emu/libcuda-emu.so
 
-.PHONY: all build demo test gpu-test bench install asan tsan fuzz clean
+.PHONY: all build demo test gpu-test bench install asan tsan fuzz clean python
 
 all: build
 
@@ -36,6 +40,11 @@ demo: build
 
 test: build
 	@cd $(BUILD) && ctest -j $(JOBS) --output-on-failure $(CTEST_FLAGS)
+	@PYTHON=$(PYTHON) sh python/tests/run-pytest.sh --check
+
+python: build
+	@cd python && GPUIPC_BUILD_DIR=$(abspath $(BUILD)) $(PYTHON) setup.py -q build_ext --inplace
+	@echo "python: gpuipc built in python/gpuipc (PYTHONPATH=$(abspath python), or pip install --no-build-isolation ./python)"
 
 gpu-test:
 	@cmake -S . -B build-gpu -DGPUIPC_GPU_TEST=ON $(CMAKE_FLAGS) >/dev/null
@@ -44,6 +53,7 @@ gpu-test:
 	  echo "make gpu-test: no usable GPU here (gpuipc doctor exit $$rc); run 'build-gpu/gpuipc doctor' to see why, or use 'make test' for the emulator"; \
 	  exit 1; fi
 	@cd build-gpu && ctest -j $(GPU_JOBS) --output-on-failure $(CTEST_FLAGS)
+	@PYTHON=$(PYTHON) sh python/tests/run-pytest.sh --check
 
 bench: build
 	@$(BUILD)/gpuipc bench all --emulator $(abspath $(EMU))
@@ -68,4 +78,4 @@ fuzz:
 	@cmake --build build-fuzz -j $(JOBS)
 
 clean:
-	@rm -rf $(BUILD) build-gpu build-asan build-tsan build-fuzz
+	@rm -rf $(BUILD) build-gpu build-asan build-tsan build-fuzz python/build python/gpuipc/*.so

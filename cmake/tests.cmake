@@ -46,6 +46,17 @@ foreach(src ${GPUIPC_TEST_SOURCES})
   endforeach()
 endforeach()
 
+# The Python package's pytest suite (python/tests), built against this
+# build's static library; it skips (77) without python3, pytest and the C
+# headers. Not in sanitizer builds: their library cannot be loaded into an
+# unsanitized interpreter.
+if(NOT GPUIPC_ASAN AND NOT GPUIPC_TSAN AND EXISTS ${PROJECT_SOURCE_DIR}/python/tests/run-pytest.sh)
+  add_test(NAME python_pytest
+    COMMAND sh ${PROJECT_SOURCE_DIR}/python/tests/run-pytest.sh ${PROJECT_BINARY_DIR})
+  set_tests_properties(python_pytest PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 1800
+    LABELS python ENVIRONMENT "${GPUIPC_TEST_ENV}")
+endif()
+
 # libFuzzer targets and their corpus replay live under tests/fuzz.
 if(EXISTS ${PROJECT_SOURCE_DIR}/tests/fuzz/CMakeLists.txt)
   add_subdirectory(${PROJECT_SOURCE_DIR}/tests/fuzz ${PROJECT_BINARY_DIR}/tests/fuzz)

@@ -1,0 +1,976 @@
+/*
+ * conn.c: Listener, Connection and Received. Calls that may wait run the
+ * library call without waiting under g_lock and wait in poll(2) with the GIL
+ * and the lock released. Memory sent that gpuipc did not allocate (a torch
+ * tensor, a CuPy array) is wrapped (gpuipc_buffer_wrap) per send; the
+ * wrapper and the Python object owning the memory are kept until the peer
+ * released it, or, after the connection closed, until the peer process is
+ * gone.
+ */
+#include "ext.h"
+
+/* ------------------------------------------------------------------------ */
+/* Wrapped buffers kept until the peer released them                        */
+/* ------------------------------------------------------------------------ */
+
+static int leases_push(LeaseList *l, Lease x) {
+  if (l->n == l->cap) {
+    size_t c = l->cap ? 2 * l->cap : 16;
+    Lease *nv = PyMem_Realloc(l->v, c * sizeof *nv);
+    if (!nv) { PyErr_NoMemory(); return -1; }
+    l->v = nv;
+    l->cap = c;
+  }
+  l->v[l->n++] = x;
+  return 0;
+}
+
+/* After the connection closed: leases wait for their peer's exit. */
+typedef struct Grave {
+  struct Grave *next;
+  int pid;
+  LeaseList l;
+} Grave;
+static Grave *g_graves;
+
+static void lease_drop(Lease *x) {
+  if (x->sent) {
+    (*x->sent)--;
+  } else {
+    gpuipc_buffer_free(x->buf, NULL);
+    g_count.wraps_live--;
+  }
+  /* Dropping the owner may run any Python code (a __del__, a DLPack
+   * deleter that releases a Received): never under g_lock. */
+  defer_decref(x->owner);
+}
+
+/* Whether pid still runs (a zombie does not: its GPU work is torn down). */
+static int pid_running(int pid) {
+  if (pid <= 0 || kill(pid, 0) != 0) return 0;
+  char path[64], buf[512];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 1;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *r = strrchr(buf, ')');
+  return !(r && r[1] == ' ' && (r[2] == 'Z' || r[2] == 'X'));
+}
+
+/* Frees leases of dead peers. GIL held. */
+void graves_reap(void) {
+  Grave **pp = &g_graves;
+  while (*pp) {
+    Grave *g = *pp;
+    if (pid_running(g->pid)) {
+      pp = &g->next;
+      continue;
+    }
+    for (size_t i = 0; i < g->l.n; i++) lease_drop(&g->l.v[i]);
+    g_count.graveyard -= (long long)g->l.n;
+    PyMem_Free(g->l.v);
+    *pp = g->next;
+    PyMem_Free(g);
+  }
+  flush_decrefs(); /* after the walk: it may run code that reaps again */
+}
+
+/* ------------------------------------------------------------------------ */
+/* Connection                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* GIL and lock held. Drops the leases the peer released (wrapped memory,
+ * Buffer objects): oldest first, up to the first still held, or all of them
+ * when full is set. Their owners go after the lock (defer_decref). */
+static void conn_reap(ConnObject *c, int full) {
+  size_t w = 0;
+  int stop = 0;
+  for (size_t i = 0; i < c->leases.n; i++) {
+    Lease x = c->leases.v[i];
+    if (!stop && gpuipc_conn_get_buffer_holders(c->c, x.buf) == 0) {
+      gpuipc_conn_buffer_wait(c->c, x.buf, S(x.stream));
+      lease_drop(&x);
+      continue;
+    }
+    if (!full) stop = 1;
+    c->leases.v[w++] = x;
+  }
+  c->leases.n = w;
+}
+
+void conn_detach(ConnObject *c) {
+  /* lock held, GIL held */
+  if (c->c && !c->borrowed) gpuipc_conn_close(c->c);
+  c->c = NULL;
+  if (c->leases.n) {
+    Grave *g = PyMem_Calloc(1, sizeof *g);
+    if (g) {
+      g->pid = c->peer_pid;
+      g->l = c->leases;
+      g->next = g_graves;
+      g_graves = g;
+      g_count.graveyard += (long long)c->leases.n;
+      c->leases = (LeaseList){0};
+    }
+  }
+}
+
+PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed) {
+  ConnObject *c = PyObject_New(ConnObject, &ConnType);
+  if (!c) {
+    if (!borrowed) gpuipc_conn_close(gc);
+    return NULL;
+  }
+  c->c = gc;
+  c->timeout_ms = timeout_ms;
+  c->max_outstanding = maxo ? maxo : 256;
+  c->borrowed = borrowed;
+  c->leases = (LeaseList){0};
+  c->weak = NULL;
+  gpuipc_peer_info pi = {0};
+  c->peer_pid = gpuipc_conn_get_peer(gc, &pi) == GPUIPC_OK ? pi.pid : -1;
+  gpuipc_conn_set_nonblocking(gc, 1);
+  return (PyObject *)c;
+}
+
+static int conn_ok(ConnObject *c) {
+  if (!c->c) {
+    raise_msg(GPUIPC_E_CLOSED, "connection", "closed here");
+    return 0;
+  }
+  return 1;
+}
+
+/* Runs op (under the lock, never waiting) until it does not say
+ * WOULD_BLOCK, waiting on the socket in between with neither the GIL nor
+ * the lock; *st gets its status (E_TIMEOUT once the limit passed). Returns
+ * -1 with an exception set (closed here, a signal), else 0. want_out: the
+ * op sends (may wait for room in the socket, or for releases). */
+typedef gpuipc_status (*conn_op)(ConnObject *c, void *ctx);
+
+static int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
+                    gpuipc_status *st) {
+  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+  int out = want_out;
+  for (;;) {
+    if (!conn_ok(c)) return -1;
+    LOCK();
+    conn_reap(c, 0);
+    *st = op(c, ctx);
+    int fd = gpuipc_conn_get_fd(c->c);
+    UNLOCK();
+    flush_decrefs();
+    if (*st != GPUIPC_E_WOULD_BLOCK) return 0;
+    int left = -1;
+    if (deadline >= 0) {
+      int64_t l = deadline - now_ms();
+      if (l <= 0) {
+        *st = GPUIPC_E_TIMEOUT;
+        return 0;
+      }
+      left = (int)l;
+    }
+    if (fd < 0) return 0;
+    if (want_out && !out && (left < 0 || left > 1))
+      left = 1; /* after a POLLOUT that did not help: look again soon */
+    int r = wait_fd(fd, (short)(POLLIN | (out ? POLLOUT : 0)), left);
+    if (r < 0) return -1;
+    if (want_out) {
+      struct pollfd p = {.fd = fd, .events = POLLIN};
+      out = !(r == 1 && poll(&p, 1, 0) == 0); /* POLLOUT alone: back off once */
+    }
+  }
+}
+
+static PyObject *conn_status(gpuipc_status st, const char *what, int timeout_ms) {
+  if (st == GPUIPC_E_TIMEOUT) {
+    char d[80];
+    snprintf(d, sizeof d, "nothing within %d ms", timeout_ms);
+    return raise_msg(st, what, d);
+  }
+  return raise_st(st, what);
+}
+
+/* --- send ---------------------------------------------------------------- */
+
+typedef struct {
+  gpuipc_block *block;
+  gpuipc_buffer *buf;
+  uintptr_t stream;
+  const uint8_t *meta;
+  size_t meta_len;
+} SendCtx;
+
+static gpuipc_status op_send(ConnObject *c, void *v) {
+  SendCtx *x = v;
+  if (x->block) return gpuipc_conn_send(c->c, x->block, S(x->stream), x->meta, x->meta_len);
+  return gpuipc_conn_send_buffer(c->c, x->buf, S(x->stream), x->meta, x->meta_len);
+}
+
+static int get_user_meta(PyObject *o, Py_buffer *view) {
+  if (o == NULL || o == Py_None) {
+    view->buf = NULL;
+    view->len = 0;
+    view->obj = NULL;
+    return 0;
+  }
+  return PyObject_GetBuffer(o, view, PyBUF_SIMPLE);
+}
+
+static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"obj", "stream", "meta", "timeout", NULL};
+  PyObject *obj, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO", kwl, &obj, &stream_o, &meta_o, &tmo_o))
+    return NULL;
+  if (!conn_ok(c)) return NULL;
+  uintptr_t stream;
+  int tmo;
+  if (parse_stream(stream_o, &stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+    return NULL;
+  Py_buffer um;
+  if (get_user_meta(meta_o, &um) < 0) return NULL;
+  uint8_t wire[GPUIPC_META_MAX];
+  size_t wlen = 0;
+  SendCtx x = {0};
+  x.stream = stream;
+  Foreign f = {0};
+  gpuipc_buffer *wrapped = NULL;
+  PyObject *ret = NULL;
+
+  if (Py_TYPE(obj) == &BlockType) {
+    BlockObject *b = (BlockObject *)obj;
+    if (!b->b) { raise_msg(GPUIPC_E_INVALID_ARG, "send", "block was freed"); goto out; }
+    if (meta_encode(&b->meta, um.buf, um.len, wire, &wlen) < 0) goto out;
+    x.block = b->b;
+    if (stream != b->stream && order_streams(b->device, b->stream, stream) < 0) goto out;
+  } else if (Py_TYPE(obj) == &BufferType) {
+    BufferObject *b = (BufferObject *)obj;
+    if (!b->b) { raise_msg(GPUIPC_E_INVALID_ARG, "send", "buffer was freed"); goto out; }
+    if (meta_encode(&b->meta, um.buf, um.len, wire, &wlen) < 0) goto out;
+    x.buf = b->b;
+    if (b->has_stream && stream != b->stream) {
+      View v = buf_view(b);
+      if (order_streams(v.dev_id, b->stream, stream) < 0) goto out;
+    }
+  } else {
+    if (foreign_get(obj, stream, &f) < 0) goto out;
+    if (f.nbytes == 0) {
+      PyErr_SetString(PyExc_ValueError, "send: an empty array has no memory to send");
+      goto out;
+    }
+    BlockObject *b = block_find(f.ptr, f.nbytes);
+    int dev = 0;
+    if (b) { /* memory of one of our arena blocks: the fast path */
+      f.meta.offset = (uint64_t)((char *)f.ptr - (char *)b->ptr);
+      if (meta_encode(&f.meta, um.buf, um.len, wire, &wlen) < 0) goto out;
+      x.block = b->b;
+      dev = b->device;
+    } else {
+      if (meta_encode(&f.meta, um.buf, um.len, wire, &wlen) < 0) goto out;
+      gpuipc_status st = gpuipc_buffer_wrap(f.ptr, f.nbytes, &wrapped);
+      if (st) { raise_st(st, "send: wrapping the memory (gpuipc_buffer_wrap)"); goto out; }
+      g_count.wraps_live++;
+      g_count.wraps_total++;
+      x.buf = wrapped;
+      gpuipc_uuid u;
+      if (gpuipc_buffer_get_device(wrapped, &u) == GPUIPC_OK) dev = ordinal_of(&u);
+    }
+    /* CAI v3: the producer's work is on f.stream; the send goes on ours */
+    if (f.has_stream && f.stream != stream && order_streams(dev, f.stream, stream) < 0)
+      goto out;
+  }
+  x.meta = wire;
+  x.meta_len = wlen;
+  gpuipc_status st;
+  if (conn_run(c, tmo, 1, op_send, &x, &st) < 0) goto out;
+  if (st != GPUIPC_OK) { conn_status(st, "send", tmo); goto out; }
+  if (wrapped) {
+    Lease l = {wrapped, f.owner, stream, NULL};
+    int rc = leases_push(&c->leases, l);
+    /* Sent: the peer may map it now, so out of memory here leaks the
+     * wrapper and the owner rather than free what the peer reads. */
+    wrapped = NULL;
+    f.owner = NULL;
+    if (rc < 0) goto out;
+  } else if (x.buf) { /* a Buffer object: kept (and not freed) while held */
+    BufferObject *b = (BufferObject *)obj;
+    Lease l = {b->b, obj, stream, &b->sent};
+    if (leases_push(&c->leases, l) < 0) goto out;
+    Py_INCREF(obj);
+    b->sent++;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  if (wrapped) {
+    gpuipc_buffer_free(wrapped, NULL);
+    g_count.wraps_live--;
+  }
+  Py_XDECREF(f.owner);
+  if (um.obj) PyBuffer_Release(&um);
+  return ret;
+}
+
+/* --- recv ---------------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  ConnObject *conn;
+  uint64_t id;
+  void *ptr;
+  size_t length;
+  int device;
+  uintptr_t stream;
+  int held;
+  ArrMeta meta;
+  PyObject *user; /* bytes */
+} ReceivedObject;
+
+
+typedef struct {
+  uintptr_t stream;
+  gpuipc_received rx;
+} RecvCtx;
+
+static gpuipc_status op_recv(ConnObject *c, void *v) {
+  RecvCtx *x = v;
+  x->rx.size = sizeof x->rx;
+  return gpuipc_conn_recv(c->c, S(x->stream), &x->rx);
+}
+
+static PyObject *Conn_recv(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"stream", "timeout", NULL};
+  PyObject *stream_o = Py_None, *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OO", kwl, &stream_o, &tmo_o)) return NULL;
+  RecvCtx x;
+  memset(&x, 0, sizeof x);
+  int tmo;
+  if (parse_stream(stream_o, &x.stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+    return NULL;
+  gpuipc_status st;
+  if (conn_run(c, tmo, 0, op_recv, &x, &st) < 0) return NULL;
+  if (st != GPUIPC_OK) return conn_status(st, "recv", tmo);
+  ReceivedObject *r = PyObject_New(ReceivedObject, &ReceivedType);
+  if (!r) {
+    LOCK();
+    if (c->c) gpuipc_conn_release(c->c, x.rx.id, S(x.stream));
+    UNLOCK();
+    return NULL;
+  }
+  Py_INCREF(c);
+  r->conn = c;
+  r->id = x.rx.id;
+  r->ptr = x.rx.ptr;
+  r->length = x.rx.length;
+  r->device = x.rx.device;
+  r->stream = x.stream;
+  r->held = 1;
+  const uint8_t *u;
+  size_t ul;
+  meta_decode(x.rx.meta, x.rx.meta_len, x.rx.length, &r->meta, &u, &ul);
+  r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
+  g_count.live_received++;
+  if (!r->user) { Py_DECREF(r); return NULL; }
+  return (PyObject *)r;
+}
+
+/* --- messages -------------------------------------------------------------- */
+
+typedef struct {
+  const void *data;
+  size_t len;
+  int fds[GPUIPC_CONN_FDS_MAX];
+  int nfds;
+} MsgOut;
+
+static gpuipc_status op_send_msg(ConnObject *c, void *v) {
+  MsgOut *m = v;
+  return gpuipc_conn_send_msg(c->c, m->data, m->len, m->fds, m->nfds);
+}
+
+static PyObject *Conn_send_msg(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"data", "fds", "timeout", NULL};
+  Py_buffer data;
+  PyObject *fds_o = NULL, *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|O$O", kwl, &data, &fds_o, &tmo_o)) return NULL;
+  MsgOut m = {data.buf, (size_t)data.len, {0}, 0};
+  int tmo;
+  PyObject *ret = NULL;
+  if (parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0) goto out;
+  if (fds_o && fds_o != Py_None) {
+    PyObject *seq = PySequence_Fast(fds_o, "fds must be a sequence of ints");
+    if (!seq) goto out;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > GPUIPC_CONN_FDS_MAX) {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_ValueError, "at most %d fds", GPUIPC_CONN_FDS_MAX);
+      goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+      int fd = PyObject_AsFileDescriptor(PySequence_Fast_GET_ITEM(seq, i));
+      if (fd < 0) { Py_DECREF(seq); goto out; }
+      m.fds[m.nfds++] = fd;
+    }
+    Py_DECREF(seq);
+  }
+  gpuipc_status st;
+  if (conn_run(c, tmo, 1, op_send_msg, &m, &st) < 0) goto out;
+  if (st != GPUIPC_OK) { conn_status(st, "send_msg", tmo); goto out; }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  PyBuffer_Release(&data);
+  return ret;
+}
+
+typedef struct {
+  char *buf;
+  size_t cap, len;
+  int fds[GPUIPC_CONN_FDS_MAX];
+  int nfds;
+} MsgIn;
+
+static gpuipc_status op_recv_msg(ConnObject *c, void *v) {
+  MsgIn *m = v;
+  m->nfds = GPUIPC_CONN_FDS_MAX;
+  return gpuipc_conn_recv_msg(c->c, m->buf, m->cap, &m->len, m->fds, &m->nfds);
+}
+
+static PyObject *Conn_recv_msg(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"timeout", "with_fds", NULL};
+  PyObject *tmo_o = NULL;
+  int with_fds = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$Op", kwl, &tmo_o, &with_fds)) return NULL;
+  int tmo;
+  if (parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0) return NULL;
+  MsgIn m;
+  memset(&m, 0, sizeof m);
+  m.cap = GPUIPC_CONN_MSG_MAX;
+  m.buf = PyMem_Malloc(m.cap);
+  if (!m.buf) return PyErr_NoMemory();
+  gpuipc_status st;
+  PyObject *ret = NULL;
+  if (conn_run(c, tmo, 0, op_recv_msg, &m, &st) < 0) goto out;
+  if (st != GPUIPC_OK) { conn_status(st, "recv_msg", tmo); goto out; }
+  PyObject *b = PyBytes_FromStringAndSize(m.buf, (Py_ssize_t)m.len);
+  if (!with_fds) {
+    for (int i = 0; i < m.nfds; i++) close(m.fds[i]);
+    ret = b;
+  } else if (b) {
+    PyObject *l = PyList_New(m.nfds);
+    for (int i = 0; l && i < m.nfds; i++) PyList_SET_ITEM(l, i, PyLong_FromLong(m.fds[i]));
+    ret = l ? PyTuple_Pack(2, b, l) : NULL;
+    Py_DECREF(b);
+    Py_XDECREF(l);
+  }
+out:
+  PyMem_Free(m.buf);
+  return ret;
+}
+
+/* --- the rest -------------------------------------------------------------- */
+
+static gpuipc_status op_progress(ConnObject *c, void *v) {
+  (void)v;
+  gpuipc_status st = gpuipc_conn_progress(c->c, 0);
+  conn_reap(c, 1);
+  return st;
+}
+
+static PyObject *Conn_progress(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"timeout", NULL};
+  PyObject *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwl, &tmo_o)) return NULL;
+  int tmo = 0;
+  if (tmo_o && parse_timeout(tmo_o, 0, &tmo) < 0) return NULL;
+  if (!conn_ok(c)) return NULL;
+  if (tmo != 0) {
+    int fd = gpuipc_conn_get_fd(c->c);
+    if (fd >= 0 && wait_fd(fd, POLLIN, tmo) < 0) return NULL;
+  }
+  if (!conn_ok(c)) return NULL;
+  LOCK();
+  gpuipc_status st = op_progress(c, NULL);
+  UNLOCK();
+  flush_decrefs();
+  graves_reap();
+  if (st != GPUIPC_OK) return raise_st(st, "progress");
+  Py_RETURN_NONE;
+}
+
+static PyObject *Conn_outstanding(ConnObject *c, PyObject *unused) {
+  if (!conn_ok(c)) return NULL;
+  size_t a = 0, b = 0;
+  LOCK();
+  gpuipc_status st = gpuipc_conn_get_outstanding(c->c, &a, &b);
+  if (st == GPUIPC_OK) conn_reap(c, 1);
+  UNLOCK();
+  flush_decrefs();
+  if (st != GPUIPC_OK) return raise_st(st, "outstanding");
+  return Py_BuildValue("(nn)", (Py_ssize_t)a, (Py_ssize_t)b);
+}
+
+static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
+  if (c->c) {
+    gpuipc_conn *gc = c->borrowed ? NULL : c->c;
+    /* close may wait for the device (cuCtxSynchronize): no GIL */
+    LOCK();
+    c->c = NULL;
+    conn_detach(c);
+    Py_BEGIN_ALLOW_THREADS
+    gpuipc_conn_close(gc);
+    Py_END_ALLOW_THREADS
+    UNLOCK();
+  }
+  Py_RETURN_NONE;
+}
+
+static void Conn_dealloc(ConnObject *c) {
+  if (c->weak) PyObject_ClearWeakRefs((PyObject *)c);
+  if (c->c) {
+    LOCK();
+    conn_detach(c);
+    UNLOCK();
+  }
+  PyMem_Free(c->leases.v);
+  PyObject_Free(c);
+}
+
+static PyObject *Conn_fileno(ConnObject *c, PyObject *unused) {
+  if (!conn_ok(c)) return NULL;
+  return PyLong_FromLong(gpuipc_conn_get_fd(c->c));
+}
+
+static PyObject *Conn_exit(ConnObject *c, PyObject *args) { return Conn_close(c, NULL); }
+
+static PyObject *Conn_get_peer(ConnObject *c, void *unused) {
+  if (!conn_ok(c)) return NULL;
+  gpuipc_peer_info pi;
+  gpuipc_status st = gpuipc_conn_get_peer(c->c, &pi);
+  if (st) return raise_st(st, "peer");
+  return Py_BuildValue("(iII)", pi.pid, pi.uid, pi.gid);
+}
+static PyObject *Conn_get_closed(ConnObject *c, void *unused) { return PyBool_FromLong(c->c == NULL); }
+static PyObject *Conn_get_timeout(ConnObject *c, void *unused) {
+  if (c->timeout_ms < 0) Py_RETURN_NONE;
+  return PyFloat_FromDouble(c->timeout_ms / 1000.0);
+}
+static int Conn_set_timeout(ConnObject *c, PyObject *v, void *unused) {
+  if (!v) { PyErr_SetString(PyExc_AttributeError, "cannot delete timeout"); return -1; }
+  return parse_timeout(v, -1, &c->timeout_ms);
+}
+static PyObject *Conn_get_npending(ConnObject *c, void *unused) {
+  return PyLong_FromSize_t(c->leases.n);
+}
+
+static PyMethodDef Conn_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Conn_send, METH_VARARGS | METH_KEYWORDS,
+     "send(obj, *, stream=None, meta=None, timeout=...): hand a buffer to the peer"},
+    {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_VARARGS | METH_KEYWORDS,
+     "recv(*, stream=None, timeout=...) -> Received"},
+    {"send_msg", (PyCFunction)(void (*)(void))Conn_send_msg, METH_VARARGS | METH_KEYWORDS,
+     "send_msg(data, fds=(), *, timeout=...)"},
+    {"recv_msg", (PyCFunction)(void (*)(void))Conn_recv_msg, METH_VARARGS | METH_KEYWORDS,
+     "recv_msg(*, timeout=..., with_fds=False) -> bytes, or (bytes, [fd]) with with_fds"},
+    {"progress", (PyCFunction)(void (*)(void))Conn_progress, METH_VARARGS | METH_KEYWORDS,
+     "progress(timeout=0): handle incoming releases and departures"},
+    {"outstanding", (PyCFunction)Conn_outstanding, METH_NOARGS,
+     "outstanding() -> (held_by_peer, held_here)"},
+    {"close", (PyCFunction)Conn_close, METH_NOARGS, "close the connection"},
+    {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS, "the socket, for selectors/poll"},
+    {"__enter__", gpy_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Conn_exit, METH_VARARGS, NULL},
+    {NULL}};
+
+static PyGetSetDef Conn_getset[] = {
+    {"peer", (getter)Conn_get_peer, NULL, "(pid, uid, gid) of the peer", NULL},
+    {"closed", (getter)Conn_get_closed, NULL, NULL, NULL},
+    {"timeout", (getter)Conn_get_timeout, (setter)Conn_set_timeout,
+     "default limit of waiting calls, seconds (None: forever)", NULL},
+    {"wrapped_pending", (getter)Conn_get_npending, NULL,
+     "buffers sent outside arenas (wrapped memory, Buffer objects) the peer may still hold", NULL},
+    {NULL}};
+
+PyTypeObject ConnType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Connection",
+    .tp_basicsize = sizeof(ConnObject),
+    .tp_dealloc = (destructor)Conn_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A connection to one peer process (gpuipc.connect, Listener.accept).",
+    .tp_methods = Conn_methods,
+    .tp_getset = Conn_getset,
+    .tp_weaklistoffset = offsetof(ConnObject, weak),
+};
+
+/* ------------------------------------------------------------------------ */
+/* Received                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static View rx_view(ReceivedObject *r) {
+  return (View){r->ptr, &r->meta, kDLCUDA, r->device, r->stream, 1};
+}
+
+static int rx_alive(ReceivedObject *r) {
+  if (!r->held) {
+    PyErr_SetString(PyExc_ValueError, "buffer already released");
+    return 0;
+  }
+  return 1;
+}
+
+static void rx_release(ReceivedObject *r, uintptr_t stream, gpuipc_status *st) {
+  *st = GPUIPC_OK;
+  if (!r->held) return;
+  r->held = 0;
+  LOCK();
+  if (r->conn->c) *st = gpuipc_conn_release(r->conn->c, r->id, S(stream));
+  UNLOCK();
+}
+
+static PyObject *Rx_release(ReceivedObject *r, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"stream", NULL};
+  PyObject *stream_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwl, &stream_o)) return NULL;
+  uintptr_t s = r->stream;
+  if (stream_o && parse_stream(stream_o, &s) < 0) return NULL;
+  gpuipc_status st;
+  rx_release(r, s, &st);
+  if (st != GPUIPC_OK) return raise_st(st, "release");
+  Py_RETURN_NONE;
+}
+
+static void Rx_dealloc(ReceivedObject *r) {
+  gpuipc_status st;
+  rx_release(r, r->stream, &st);
+  g_count.live_received--;
+  Py_XDECREF(r->user);
+  Py_DECREF(r->conn);
+  PyObject_Free(r);
+}
+
+static PyObject *Rx_cai(ReceivedObject *r, void *u) {
+  if (!rx_alive(r)) return NULL;
+  View v = rx_view(r);
+  return cai_dict(&v);
+}
+static PyObject *Rx_dlpack(ReceivedObject *r, PyObject *a, PyObject *k) {
+  if (!rx_alive(r)) return NULL;
+  View v = rx_view(r);
+  return dlpack_export((PyObject *)r, &v, a, k);
+}
+static PyObject *Rx_dlpack_device(ReceivedObject *r, PyObject *u) {
+  View v = rx_view(r);
+  return dlpack_device(&v);
+}
+static PyObject *Rx_exit(ReceivedObject *r, PyObject *a) {
+  gpuipc_status st;
+  rx_release(r, r->stream, &st);
+  if (st != GPUIPC_OK) return raise_st(st, "release");
+  Py_RETURN_NONE;
+}
+
+ARRAY_GETTERS(Rx, &((ReceivedObject *)o)->meta)
+
+static PyObject *Rx_get(ReceivedObject *r, void *which) {
+  switch ((intptr_t)which) {
+  case 0: return PyLong_FromUnsignedLongLong(r->id);
+  case 1: return PyLong_FromUnsignedLongLong((uintptr_t)r->ptr + r->meta.offset);
+  case 2: return PyLong_FromSize_t(meta_extent(&r->meta));
+  case 3: return PyLong_FromLong(r->device);
+  case 4: Py_INCREF(r->user); return r->user;
+  case 5: return PyBool_FromLong(r->held);
+  case 6: return PyLong_FromLongLong(stream_report(r->stream));
+  case 7: return PyLong_FromSize_t(r->length);
+  case 8: Py_INCREF(r->conn); return (PyObject *)r->conn;
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *Rx_repr(ReceivedObject *r) {
+  PyObject *m = meta_repr_part(&r->meta);
+  if (!m) return NULL;
+  PyObject *o = PyUnicode_FromFormat("<gpuipc.Received %U device=%d id=%llu%s>", m, r->device,
+                                     (unsigned long long)r->id, r->held ? "" : " released");
+  Py_DECREF(m);
+  return o;
+}
+
+static PyMethodDef Rx_methods[] = {
+    {"release", (PyCFunction)(void (*)(void))Rx_release, METH_VARARGS | METH_KEYWORDS,
+     "release(stream=None): give the buffer back (after the work queued on stream)"},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"__dlpack_device__", (PyCFunction)Rx_dlpack_device, METH_NOARGS, NULL},
+    {"__enter__", gpy_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Rx_exit, METH_VARARGS, NULL},
+    {NULL}};
+
+static PyGetSetDef Rx_getset[] = {
+    {"id", (getter)Rx_get, NULL, "lease id", (void *)0},
+    {"ptr", (getter)Rx_get, NULL, "device address of element 0", (void *)1},
+    {"nbytes", (getter)Rx_get, NULL, "bytes the array spans", (void *)2},
+    {"device", (getter)Rx_get, NULL, "local device ordinal", (void *)3},
+    {"meta", (getter)Rx_get, NULL, "the sender's user meta bytes", (void *)4},
+    {"held", (getter)Rx_get, NULL, "not released yet", (void *)5},
+    {"stream", (getter)Rx_get, NULL, "stream the data is ordered on (1: legacy)", (void *)6},
+    {"length", (getter)Rx_get, NULL, "bytes of the whole buffer sent", (void *)7},
+    {"connection", (getter)Rx_get, NULL, NULL, (void *)8},
+    {"shape", (getter)Rx_shape, NULL, NULL, NULL},
+    {"strides", (getter)Rx_strides, NULL, "in elements", NULL},
+    {"dtype", (getter)Rx_dtype, NULL, NULL, NULL},
+    {"__cuda_array_interface__", (getter)Rx_cai, NULL, NULL, NULL},
+    {NULL}};
+
+PyTypeObject ReceivedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Received",
+    .tp_basicsize = sizeof(ReceivedObject),
+    .tp_dealloc = (destructor)Rx_dealloc,
+    .tp_repr = (reprfunc)Rx_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A buffer received from a peer; released when released explicitly, when "
+              "its context ends, or when the last view of it is gone.",
+    .tp_methods = Rx_methods,
+    .tp_getset = Rx_getset,
+};
+
+/* ------------------------------------------------------------------------ */
+/* Listener, connect, pairs                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+  PyObject_HEAD
+  gpuipc_listener *l;
+  int timeout_ms;
+  unsigned maxo;
+} ListenerObject;
+
+typedef struct {
+  gpuipc_conn_options o;
+  uint32_t uids[64], gids[64];
+  PyObject *rdir; /* bytes, kept while o is used */
+} ConnOpts;
+
+static int parse_ids(PyObject *seq_o, uint32_t *out, size_t *n) {
+  *n = 0;
+  if (!seq_o || seq_o == Py_None) return 0;
+  PyObject *seq = PySequence_Fast(seq_o, "ids must be a sequence of ints");
+  if (!seq) return -1;
+  Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  if (k > 64) { Py_DECREF(seq); PyErr_SetString(PyExc_ValueError, "at most 64 ids"); return -1; }
+  for (Py_ssize_t i = 0; i < k; i++) out[i] = (uint32_t)PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
+  Py_DECREF(seq);
+  if (PyErr_Occurred()) return -1;
+  *n = (size_t)k;
+  return 0;
+}
+
+/* Common keyword options of listen/connect/from_fd/spawn. */
+static int parse_conn_opts(PyObject *kw_t, PyObject *kw_a, PyObject *kw_r, PyObject *kw_u,
+                           PyObject *kw_g, unsigned maxo, const char *order, ConnOpts *co,
+                           int *tmo) {
+  gpuipc_conn_options d = GPUIPC_CONN_OPTIONS_INIT;
+  co->o = d;
+  co->rdir = NULL;
+  if (parse_timeout(kw_t, 10000, tmo) < 0) return -1;
+  co->o.timeout_ms = *tmo;
+  if (kw_a) co->o.abstract_name = PyObject_IsTrue(kw_a);
+  if (kw_r && kw_r != Py_None) {
+    if (!PyUnicode_FSConverter(kw_r, &co->rdir)) return -1;
+    co->o.runtime_dir = PyBytes_AS_STRING(co->rdir);
+  }
+  if (parse_ids(kw_u, co->uids, &co->o.n_allow_uids) < 0 ||
+      parse_ids(kw_g, co->gids, &co->o.n_allow_gids) < 0)
+    return -1;
+  co->o.allow_uids = co->uids;
+  co->o.allow_gids = co->gids;
+  if (maxo) co->o.max_outstanding = maxo;
+  if (order) {
+    if (!strcmp(order, "memop")) co->o.order = GPUIPC_ORDER_MEMOP;
+    else if (!strcmp(order, "none")) co->o.order = GPUIPC_ORDER_NONE;
+    else if (!strcmp(order, "event")) co->o.order = GPUIPC_ORDER_EVENT;
+    else {
+      PyErr_Format(PyExc_ValueError, "order must be 'memop', 'none' or 'event', not '%s'", order);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+#define CONN_KW_DECL                                                           \
+  PyObject *kt = NULL, *ka = NULL, *kr = NULL, *ku = NULL, *kg = NULL;         \
+  unsigned maxo = 0;                                                           \
+  const char *order = NULL;
+#define CONN_KW_FMT "OOOOOIz"
+#define CONN_KW_ARGS &kt, &ka, &kr, &ku, &kg, &maxo, &order
+
+PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"name", "timeout", "abstract", "runtime_dir", "allow_uids",
+                        "allow_gids", "max_outstanding", "order", NULL};
+  const char *name;
+  CONN_KW_DECL
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$" CONN_KW_FMT, kwl, &name, CONN_KW_ARGS))
+    return NULL;
+  ConnOpts co;
+  int tmo;
+  if (parse_conn_opts(kt, ka, kr, ku, kg, maxo, order, &co, &tmo) < 0) {
+    Py_XDECREF(co.rdir);
+    return NULL;
+  }
+  gpuipc_listener *l = NULL;
+  gpuipc_status st;
+  co.o.timeout_ms = tmo < 0 ? -1 : tmo; /* bounds each handshake */
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_listen(name, &co.o, &l);
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(co.rdir);
+  if (st) return raise_st(st, "listen");
+  ListenerObject *o = PyObject_New(ListenerObject, &ListenerType);
+  if (!o) { gpuipc_listener_close(l); return NULL; }
+  o->l = l;
+  o->timeout_ms = tmo;
+  o->maxo = co.o.max_outstanding;
+  return (PyObject *)o;
+}
+
+static PyObject *Listener_accept(ListenerObject *o, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"timeout", NULL};
+  PyObject *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwl, &tmo_o)) return NULL;
+  if (!o->l) return raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
+  int tmo;
+  if (parse_timeout(tmo_o, o->timeout_ms, &tmo) < 0) return NULL;
+  int64_t deadline = tmo < 0 ? -1 : now_ms() + tmo;
+  for (;;) {
+    int left = deadline < 0 ? -1 : (int)(deadline - now_ms());
+    if (deadline >= 0 && left < 0) left = 0;
+    int r = wait_fd(gpuipc_listener_get_fd(o->l), POLLIN, left);
+    if (r < 0) return NULL;
+    if (r == 0) return raise_msg(GPUIPC_E_TIMEOUT, "accept", "no peer came");
+    if (!o->l) return raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
+    gpuipc_conn *c = NULL;
+    gpuipc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = gpuipc_accept(o->l, &c);
+    Py_END_ALLOW_THREADS
+    if (st == GPUIPC_E_WOULD_BLOCK || st == GPUIPC_E_TIMEOUT) {
+      if (deadline >= 0 && now_ms() >= deadline) return raise_st(st, "accept");
+      continue;
+    }
+    if (st) return raise_st(st, "accept");
+    return conn_new(c, o->timeout_ms, o->maxo, 0);
+  }
+}
+
+static PyObject *Listener_close(ListenerObject *o, PyObject *u) {
+  gpuipc_listener_close(o->l);
+  o->l = NULL;
+  Py_RETURN_NONE;
+}
+static void Listener_dealloc(ListenerObject *o) {
+  gpuipc_listener_close(o->l);
+  PyObject_Free(o);
+}
+static PyObject *Listener_fileno(ListenerObject *o, PyObject *u) {
+  if (!o->l) return raise_msg(GPUIPC_E_CLOSED, "fileno", "listener closed");
+  return PyLong_FromLong(gpuipc_listener_get_fd(o->l));
+}
+static PyObject *Listener_path(ListenerObject *o, void *u) {
+  if (!o->l) Py_RETURN_NONE;
+  return PyUnicode_DecodeFSDefault(gpuipc_listener_get_path(o->l));
+}
+static PyObject *Listener_exit(ListenerObject *o, PyObject *a) { return Listener_close(o, NULL); }
+
+static PyMethodDef Listener_methods[] = {
+    {"accept", (PyCFunction)(void (*)(void))Listener_accept, METH_VARARGS | METH_KEYWORDS,
+     "accept(timeout=...) -> Connection"},
+    {"close", (PyCFunction)Listener_close, METH_NOARGS, NULL},
+    {"fileno", (PyCFunction)Listener_fileno, METH_NOARGS, NULL},
+    {"__enter__", gpy_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Listener_exit, METH_VARARGS, NULL},
+    {NULL}};
+static PyGetSetDef Listener_getset[] = {{"path", (getter)Listener_path, NULL, NULL, NULL}, {NULL}};
+
+PyTypeObject ListenerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Listener",
+    .tp_basicsize = sizeof(ListenerObject),
+    .tp_dealloc = (destructor)Listener_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A named listening socket (gpuipc.listen).",
+    .tp_methods = Listener_methods,
+    .tp_getset = Listener_getset,
+};
+
+PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"name", "timeout", "abstract", "runtime_dir", "allow_uids",
+                        "allow_gids", "max_outstanding", "order", NULL};
+  const char *name;
+  CONN_KW_DECL
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$" CONN_KW_FMT, kwl, &name, CONN_KW_ARGS))
+    return NULL;
+  ConnOpts co;
+  int tmo;
+  if (parse_conn_opts(kt, ka, kr, ku, kg, maxo, order, &co, &tmo) < 0) {
+    Py_XDECREF(co.rdir);
+    return NULL;
+  }
+  gpuipc_conn *c = NULL;
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_connect(name, &co.o, &c);
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(co.rdir);
+  if (st) return raise_st(st, "connect");
+  return conn_new(c, tmo, co.o.max_outstanding, 0);
+}
+
+PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"fd", "timeout", "abstract", "runtime_dir", "allow_uids",
+                        "allow_gids", "max_outstanding", "order", NULL};
+  int fd;
+  CONN_KW_DECL
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|$" CONN_KW_FMT, kwl, &fd, CONN_KW_ARGS))
+    return NULL;
+  ConnOpts co;
+  int tmo;
+  if (parse_conn_opts(kt, ka, kr, ku, kg, maxo, order, &co, &tmo) < 0) {
+    Py_XDECREF(co.rdir);
+    return NULL;
+  }
+  gpuipc_conn *c = NULL;
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_conn_from_fd(fd, &co.o, &c);
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(co.rdir);
+  if (st) return raise_st(st, "from_fd");
+  return conn_new(c, tmo, co.o.max_outstanding, 0);
+}
+
+PyObject *mod_conn_pair(PyObject *m, PyObject *u) {
+  int fds[2];
+  gpuipc_status st = gpuipc_conn_pair(fds);
+  if (st) return raise_st(st, "conn_pair");
+  return Py_BuildValue("(ii)", fds[0], fds[1]);
+}
+
+PyObject *mod_spawn_connection(PyObject *m, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"timeout", NULL};
+  PyObject *kt = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O", kwl, &kt)) return NULL;
+  int tmo;
+  if (parse_timeout(kt, 10000, &tmo) < 0) return NULL;
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = tmo;
+  gpuipc_conn *c = NULL;
+  int np = 0, nb = 0;
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_spawn_connection(&o, &c, &np, &nb);
+  Py_END_ALLOW_THREADS
+  if (st) return raise_st(st, "spawn_connection");
+  PyObject *co = conn_new(c, tmo, o.max_outstanding, 0);
+  if (!co) return NULL;
+  return Py_BuildValue("(Nii)", co, np, nb);
+}
+

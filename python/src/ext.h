@@ -1,0 +1,267 @@
+/*
+ * ext.h: what the files of the extension gpuipc._gpuipc share: the module
+ * lock and counters, the DLPack structs, the array metadata, the objects
+ * more than one file touches, and their functions.
+ *
+ *   module.c  errors, argument helpers (timeouts, streams, devices), the
+ *             module's functions and its initialization
+ *   array.c   array metadata (its wire form in meta bytes), exporting
+ *             views (CUDA Array Interface v3, DLPack capsules), reading
+ *             foreign arrays (torch, CuPy, cuda.core objects)
+ *   conn.c    Listener, Connection, Received; buffers kept while peers
+ *             hold them
+ *   arena.c   Arena, Block, and the registry of live blocks
+ *   buffer.c  Pool, Buffer, share/open, Event
+ *   proc.c    Child: the spawn helper
+ *
+ * Threads. Connections and arenas must be used by one thread at a time,
+ * and a connection together with the arenas it sends from (progress on a
+ * connection processes releases of arena blocks). So every call on a
+ * connection, arena or block runs under one module lock, g_lock, held only
+ * for calls that do not wait: connections are switched to non-blocking mode
+ * and waits happen here, in poll(2) on the connection's socket, with the
+ * GIL and the lock released. A thread holding g_lock never needs the GIL,
+ * so taking g_lock with the GIL held cannot deadlock. The other fields
+ * here (counters, registries) are guarded by the GIL.
+ */
+#ifndef GPUIPC_PY_EXT_H
+#define GPUIPC_PY_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <gpuipc.h>
+
+/* ------------------------------------------------------------------------ */
+/* DLPack (dlpack.h, v1.0 layout)                                           */
+/* ------------------------------------------------------------------------ */
+
+enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 };
+enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
+
+typedef struct { int32_t device_type; int32_t device_id; } DLDevice;
+typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataType;
+typedef struct {
+  void *data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t *shape;
+  int64_t *strides;
+  uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void *manager_ctx;
+  void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+typedef struct { uint32_t major; uint32_t minor; } DLPackVersion;
+typedef struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void *manager_ctx;
+  void (*deleter)(struct DLManagedTensorVersioned *self);
+  uint64_t flags;
+  DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+
+/* ------------------------------------------------------------------------ */
+/* Module state (module.c)                                                  */
+/* ------------------------------------------------------------------------ */
+
+extern PyThread_type_lock g_lock;
+#define LOCK() PyThread_acquire_lock(g_lock, WAIT_LOCK)
+#define UNLOCK() PyThread_release_lock(g_lock)
+
+extern PyObject *ErrorBase;
+extern PyObject *ErrorClass[GPUIPC__STATUS_END];
+
+/* Counters the tests read (gpuipc._gpuipc.counters()). */
+struct gpy_counters {
+  long long live_received, live_blocks, live_buffers, live_capsule_ctx;
+  long long wraps_live, wraps_total, graveyard;
+};
+extern struct gpy_counters g_count;
+
+#define MAX_DEV 64
+
+extern PyTypeObject ListenerType, ConnType, ArenaType, BlockType, PoolType, BufferType,
+    EventType, ReceivedType, SharedType, ChildType;
+
+/* ------------------------------------------------------------------------ */
+/* Shared types                                                             */
+/* ------------------------------------------------------------------------ */
+
+#define MAXD 16
+typedef struct {
+  int ndim;
+  DLDataType dtype;
+  int64_t shape[MAXD];
+  int64_t strides[MAXD]; /* in elements, valid when has_strides */
+  int has_strides;
+  uint64_t offset; /* bytes from the buffer's start to element 0 */
+} ArrMeta;
+
+/* What an exporting object tells the two protocols. */
+typedef struct {
+  void *base;         /* buffer start; element 0 is base + meta.offset */
+  const ArrMeta *meta;
+  int dev_type, dev_id;
+  uintptr_t stream;   /* the stream its data is ordered on */
+  int has_stream;     /* 0: nothing to order (complete data) */
+} View;
+
+typedef struct {
+  void *ptr;       /* element 0 */
+  size_t nbytes;   /* extent from element 0 */
+  ArrMeta meta;    /* offset 0 */
+  uintptr_t stream;
+  int has_stream;
+  PyObject *owner; /* keeps the memory alive: the object or its capsule */
+} Foreign;
+
+typedef struct {
+  gpuipc_buffer *buf;
+  PyObject *owner;
+  uintptr_t stream;
+  int *sent; /* a Buffer object's count of leases out (its buf is not ours) */
+} Lease;
+
+typedef struct {
+  Lease *v;
+  size_t n, cap;
+} LeaseList;
+
+typedef struct {
+  PyObject_HEAD
+  gpuipc_conn *c;
+  int timeout_ms;      /* default limit of waiting calls (-1 forever) */
+  unsigned max_outstanding;
+  int borrowed;        /* owned by a Child: never closed here */
+  int peer_pid;
+  LeaseList leases;    /* wrapped buffers the peer may still hold */
+  PyObject *weak;
+} ConnObject;
+
+typedef struct BlockObject BlockObject;
+typedef struct BufferObject BufferObject;
+
+struct BlockObject {
+  PyObject_HEAD
+  gpuipc_block *b;
+  PyObject *arena;
+  void *ptr;
+  size_t size;
+  int device;
+  uintptr_t stream;
+  ArrMeta meta;
+  BlockObject *reg_next, *reg_prev; /* live blocks of this process */
+};
+
+struct BufferObject {
+  PyObject_HEAD
+  gpuipc_buffer *b;
+  int sent; /* leases peers hold on it (conn.send), not released yet */
+  PyObject *pool;  /* allocated from it */
+  PyObject *owner; /* wrapped: the object owning the memory */
+  int imported;
+  uintptr_t stream;
+  int has_stream;
+  ArrMeta meta;
+  PyObject *weak; /* weak references (weakref.finalize of an opened buffer) */
+};
+
+#define ARRAY_GETTERS(T, M)                                                    \
+  static PyObject *T##_shape(PyObject *o, void *u) {                           \
+    return shape_tuple((M)->shape, (M)->ndim);                                 \
+  }                                                                            \
+  static PyObject *T##_strides(PyObject *o, void *u) {                         \
+    int64_t s[MAXD];                                                           \
+    meta_fill_strides(M, s);                                                   \
+    return shape_tuple(s, (M)->ndim);                                          \
+  }                                                                            \
+  static PyObject *T##_dtype(PyObject *o, void *u) {                           \
+    const char *n = dtype_name(&(M)->dtype);                                   \
+    if (n) return PyUnicode_FromString(n);                                     \
+    return PyUnicode_FromFormat("dlpack(%d,%d,%d)", (M)->dtype.code,           \
+                                (M)->dtype.bits, (M)->dtype.lanes);            \
+  }
+
+/* ------------------------------------------------------------------------ */
+/* Functions                                                                */
+/* ------------------------------------------------------------------------ */
+
+static inline struct CUstream_st *S(uintptr_t s) { return (struct CUstream_st *)s; }
+/* The stream a protocol reports for a handle: legacy -> 1. */
+static inline long long stream_report(uintptr_t s) { return s == 0 ? 1 : (long long)s; }
+
+/* module.c */
+PyObject *raise_msg(gpuipc_status st, const char *what, const char *detail);
+PyObject *raise_st(gpuipc_status st, const char *what);
+int64_t now_ms(void);
+int parse_timeout(PyObject *o, int dflt, int *out);
+int parse_stream(PyObject *o, uintptr_t *out);
+int order_streams(int dev, uintptr_t from, uintptr_t to);
+PyObject *uuid_str(const gpuipc_uuid *u);
+int parse_uuid(PyObject *o, gpuipc_uuid *u, int *have);
+int ordinal_of(const gpuipc_uuid *u);
+int wait_fd(int fd, short events, int timeout_ms);
+PyObject *gpy_enter(PyObject *s, PyObject *unused);
+/* Py_XDECREF later, by flush_decrefs() (GIL held, g_lock not held): for
+ * references dropped while g_lock is held. */
+void defer_decref(PyObject *o);
+void flush_decrefs(void);
+
+/* array.c */
+void meta_bytes1d(ArrMeta *m, size_t n);
+size_t itemsize(const DLDataType *d);
+int meta_contiguous(const ArrMeta *m);
+size_t meta_extent(const ArrMeta *m);
+void meta_fill_strides(const ArrMeta *m, int64_t *out);
+int meta_encode(const ArrMeta *m, const uint8_t *user, size_t ulen, uint8_t *out, size_t *len);
+void meta_decode(const uint8_t *in, size_t len, size_t length, ArrMeta *m,
+                 const uint8_t **user, size_t *ulen);
+const char *dtype_name(const DLDataType *d);
+int parse_dtype(PyObject *o, DLDataType *d);
+int meta_from_shape(PyObject *shape, PyObject *dtype, size_t *nbytes, ArrMeta *m);
+PyObject *shape_tuple(const int64_t *v, int n);
+PyObject *cai_dict(const View *v);
+PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject *kw);
+PyObject *dlpack_device(const View *v);
+int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f);
+PyObject *meta_repr_part(const ArrMeta *m);
+
+/* conn.c */
+PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed);
+void conn_detach(ConnObject *c);
+void graves_reap(void);
+PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_conn_pair(PyObject *m, PyObject *u);
+PyObject *mod_spawn_connection(PyObject *m, PyObject *args, PyObject *kw);
+
+/* arena.c */
+BlockObject *block_find(void *p, size_t n);
+void dead_arenas_retry_locked(void);
+
+/* buffer.c */
+View buf_view(BufferObject *b);
+PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_open(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_desc_info(PyObject *m, PyObject *args);
+
+/* proc.c */
+PyObject *mod_spawn(PyObject *m, PyObject *args, PyObject *kw);
+
+#endif /* GPUIPC_PY_EXT_H */

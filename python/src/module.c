@@ -1,0 +1,435 @@
+/*
+ * module.c: the module gpuipc._gpuipc itself: errors raised as gpuipc.Error
+ * subclasses named after the status codes, with the library's message; the
+ * helpers every object uses (timeouts, streams, devices, waiting on a
+ * socket without the GIL); the module's functions and its initialization.
+ */
+#include "ext.h"
+
+/* ------------------------------------------------------------------------ */
+/* Module state                                                             */
+/* ------------------------------------------------------------------------ */
+
+PyThread_type_lock g_lock;
+PyObject *ErrorBase;
+PyObject *ErrorClass[GPUIPC__STATUS_END];
+struct gpy_counters g_count;
+
+/* Events used to order one stream after another (per device ordinal). */
+static gpuipc_event *g_sync_event[MAX_DEV];
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Raises the class of status st with the library's message. Call right
+ * after the failing call, on the same thread. */
+PyObject *raise_msg(gpuipc_status st, const char *what, const char *detail) {
+  if (st <= 0 || st >= GPUIPC__STATUS_END) st = GPUIPC_E_INTERNAL;
+  const char *hint = "";
+  if (st == GPUIPC_E_FORKED)
+    hint = " (this process was forked after CUDA was initialized: start "
+           "children with gpuipc.spawn() or multiprocessing's 'spawn' start "
+           "method)";
+  PyObject *msg = PyUnicode_FromFormat("%s: %s%s%s%s", what, gpuipc_strerror(st),
+                                       detail && *detail ? " (" : "",
+                                       detail && *detail ? detail : "",
+                                       detail && *detail ? ")" : "");
+  if (!msg) return NULL;
+  if (*hint) {
+    PyObject *m2 = PyUnicode_FromFormat("%U%s", msg, hint);
+    Py_DECREF(msg);
+    if (!m2) return NULL;
+    msg = m2;
+  }
+  PyObject *exc = PyObject_CallOneArg(ErrorClass[st], msg);
+  Py_DECREF(msg);
+  if (!exc) return NULL;
+  PyObject *code = PyLong_FromLong(st);
+  PyObject *name = PyUnicode_FromString(gpuipc_status_name(st));
+  PyObject *det = PyUnicode_FromString(detail ? detail : "");
+  if (code && name && det) {
+    PyObject_SetAttrString(exc, "status", code);
+    PyObject_SetAttrString(exc, "status_name", name);
+    PyObject_SetAttrString(exc, "detail", det);
+  }
+  Py_XDECREF(code);
+  Py_XDECREF(name);
+  Py_XDECREF(det);
+  PyErr_SetObject(ErrorClass[st], exc);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+PyObject *raise_st(gpuipc_status st, const char *what) {
+  return raise_msg(st, what, gpuipc_last_error());
+}
+
+/* ------------------------------------------------------------------------ */
+/* Small helpers                                                            */
+/* ------------------------------------------------------------------------ */
+
+int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* timeout object: NULL -> dflt, None -> -1 (forever), seconds -> ms. */
+int parse_timeout(PyObject *o, int dflt, int *out) {
+  if (o == NULL) { *out = dflt; return 0; }
+  if (o == Py_None) { *out = -1; return 0; }
+  double s = PyFloat_AsDouble(o);
+  if (s == -1.0 && PyErr_Occurred()) return -1;
+  if (s < 0) { PyErr_SetString(PyExc_ValueError, "timeout must be >= 0 or None"); return -1; }
+  double ms = s * 1000.0;
+  if (ms > 2e9) ms = 2e9;
+  *out = (int)(ms + 0.999);
+  return 0;
+}
+
+/* A stream argument: None/0/1 -> legacy default stream (handle 0 here),
+ * 2 -> per-thread default, an int -> that CUstream, or an object with
+ * .cuda_stream (torch), .ptr (CuPy), __cuda_stream__() (cuda.core) or
+ * .handle. */
+int parse_stream(PyObject *o, uintptr_t *out) {
+  *out = 0;
+  if (o == NULL || o == Py_None) return 0;
+  PyObject *v = NULL;
+  if (PyLong_Check(o)) {
+    v = o;
+    Py_INCREF(v);
+  } else if (PyObject_HasAttrString(o, "__cuda_stream__")) {
+    PyObject *t = PyObject_CallMethod(o, "__cuda_stream__", NULL);
+    if (!t) return -1;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 2) {
+      Py_DECREF(t);
+      PyErr_SetString(PyExc_TypeError, "__cuda_stream__() must return (version, handle)");
+      return -1;
+    }
+    v = PyTuple_GET_ITEM(t, 1);
+    Py_INCREF(v);
+    Py_DECREF(t);
+  } else if (PyObject_HasAttrString(o, "cuda_stream")) {
+    v = PyObject_GetAttrString(o, "cuda_stream");
+  } else if (PyObject_HasAttrString(o, "ptr")) {
+    v = PyObject_GetAttrString(o, "ptr");
+  } else if (PyObject_HasAttrString(o, "handle")) {
+    v = PyObject_GetAttrString(o, "handle");
+  } else {
+    PyErr_Format(PyExc_TypeError, "not a stream: %R (give an int CUstream, a "
+                 "torch/CuPy/cuda.core stream, or None)", o);
+    return -1;
+  }
+  if (!v) return -1;
+  PyObject *iv = PyNumber_Index(v);
+  Py_DECREF(v);
+  if (!iv) return -1;
+  unsigned long long u = PyLong_AsUnsignedLongLong(iv);
+  Py_DECREF(iv);
+  if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+  *out = (u == 1) ? 0 : (uintptr_t)u;
+  return 0;
+}
+
+/* Orders stream `to` after the work queued on `from` (device ordinal dev). */
+int order_streams(int dev, uintptr_t from, uintptr_t to) {
+  if (from == to) return 0;
+  if (dev < 0 || dev >= MAX_DEV) dev = 0;
+  gpuipc_status st = GPUIPC_OK;
+  LOCK();
+  if (!g_sync_event[dev]) {
+    gpuipc_uuid u;
+    st = gpuipc_device_uuid(dev, &u);
+    if (st == GPUIPC_OK) st = gpuipc_event_create(&u, &g_sync_event[dev]);
+  }
+  if (st == GPUIPC_OK) st = gpuipc_event_record(g_sync_event[dev], S(from));
+  if (st == GPUIPC_OK) st = gpuipc_event_wait(g_sync_event[dev], S(to));
+  UNLOCK();
+  if (st != GPUIPC_OK) { raise_st(st, "ordering streams"); return -1; }
+  return 0;
+}
+
+PyObject *uuid_str(const gpuipc_uuid *u) {
+  char buf[GPUIPC_UUID_STRLEN];
+  gpuipc_uuid_format(u, buf);
+  return PyUnicode_FromString(buf);
+}
+
+int parse_uuid(PyObject *o, gpuipc_uuid *u, int *have) {
+  *have = 0;
+  if (o == NULL || o == Py_None) return 0;
+  if (PyLong_Check(o)) {
+    int ord = (int)PyLong_AsLong(o);
+    if (ord == -1 && PyErr_Occurred()) return -1;
+    gpuipc_status st = gpuipc_device_uuid(ord, u);
+    if (st) { raise_st(st, "device"); return -1; }
+    *have = 1;
+    return 0;
+  }
+  const char *s = PyUnicode_AsUTF8(o);
+  if (!s) return -1;
+  gpuipc_status st = gpuipc_uuid_parse(s, u);
+  if (st) { raise_st(st, "device uuid"); return -1; }
+  *have = 1;
+  return 0;
+}
+
+int ordinal_of(const gpuipc_uuid *u) {
+  int ord = 0;
+  if (gpuipc_device_from_uuid(u, &ord) != GPUIPC_OK) return 0;
+  return ord;
+}
+
+/* Waits for fd to become ready (events), up to timeout_ms (-1 forever),
+ * with the GIL released. Returns 1 ready, 0 timed out, -1 with an exception
+ * (a signal handler raised). */
+int wait_fd(int fd, short events, int timeout_ms) {
+  for (;;) {
+    struct pollfd p = {.fd = fd, .events = events};
+    int n, err;
+    Py_BEGIN_ALLOW_THREADS
+    n = poll(&p, 1, timeout_ms);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    if (n > 0) return 1;
+    if (n == 0) return 0;
+    if (err != EINTR) {
+      errno = err;
+      PyErr_SetFromErrno(PyExc_OSError);
+      return -1;
+    }
+    if (PyErr_CheckSignals() < 0) return -1;
+    return 1; /* retry the operation, which recomputes the remaining time */
+  }
+}
+
+/* References dropped under g_lock, released after it (GIL-guarded). */
+static PyObject **g_drops;
+static size_t g_ndrops, g_capdrops;
+
+void defer_decref(PyObject *o) {
+  if (!o) return;
+  if (g_ndrops == g_capdrops) {
+    size_t c = g_capdrops ? 2 * g_capdrops : 64;
+    PyObject **n = PyMem_Realloc(g_drops, c * sizeof *n);
+    if (!n) {
+      /* Out of memory: keep the reference (a leak) rather than risk
+       * running Python code under the lock. */
+      return;
+    }
+    g_drops = n;
+    g_capdrops = c;
+  }
+  g_drops[g_ndrops++] = o;
+}
+
+void flush_decrefs(void) {
+  while (g_ndrops) {
+    PyObject *o = g_drops[--g_ndrops];
+    Py_DECREF(o); /* may defer more: the loop takes them too */
+  }
+}
+
+/* __enter__ of every object here: the object itself. */
+PyObject *gpy_enter(PyObject *s, PyObject *unused) {
+  Py_INCREF(s);
+  return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Module functions                                                         */
+/* ------------------------------------------------------------------------ */
+
+static PyObject *mod_init(PyObject *m, PyObject *u) {
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_init();
+  Py_END_ALLOW_THREADS
+  if (st) return raise_st(st, "init");
+  Py_RETURN_NONE;
+}
+static PyObject *mod_version(PyObject *m, PyObject *u) { return PyUnicode_FromString(gpuipc_version_string()); }
+static PyObject *mod_driver_path(PyObject *m, PyObject *u) { return PyUnicode_FromString(gpuipc_driver_path()); }
+static PyObject *mod_driver_version(PyObject *m, PyObject *u) {
+  int v = 0;
+  gpuipc_status st = gpuipc_driver_version(&v);
+  if (st) return raise_st(st, "driver_version");
+  return PyLong_FromLong(v);
+}
+static PyObject *mod_device_count(PyObject *m, PyObject *u) {
+  int n = 0;
+  gpuipc_status st = gpuipc_device_count(&n);
+  if (st) return raise_st(st, "device_count");
+  return PyLong_FromLong(n);
+}
+static PyObject *mod_device_uuid(PyObject *m, PyObject *args) {
+  int ord = 0;
+  if (!PyArg_ParseTuple(args, "|i", &ord)) return NULL;
+  gpuipc_uuid u;
+  gpuipc_status st = gpuipc_device_uuid(ord, &u);
+  if (st) return raise_st(st, "device_uuid");
+  return uuid_str(&u);
+}
+static PyObject *mod_device_from_uuid(PyObject *m, PyObject *args) {
+  PyObject *o;
+  if (!PyArg_ParseTuple(args, "O", &o)) return NULL;
+  gpuipc_uuid u;
+  int have, ord;
+  if (parse_uuid(o, &u, &have) < 0) return NULL;
+  gpuipc_status st = gpuipc_device_from_uuid(&u, &ord);
+  if (st) return raise_st(st, "device_from_uuid");
+  return PyLong_FromLong(ord);
+}
+static PyObject *mod_cache_stats(PyObject *m, PyObject *u) {
+  gpuipc_cache_stats s = GPUIPC_CACHE_STATS_INIT;
+  gpuipc_status st = gpuipc_cache_get_stats(&s);
+  if (st) return raise_st(st, "cache_stats");
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "hits", (unsigned long long)s.hits,
+                       "misses", (unsigned long long)s.misses, "stale",
+                       (unsigned long long)s.stale, "driver_opens",
+                       (unsigned long long)s.driver_opens, "driver_closes",
+                       (unsigned long long)s.driver_closes, "live_mappings",
+                       (unsigned long long)s.live_mappings, "pool_imports",
+                       (unsigned long long)s.pool_imports, "pool_hits",
+                       (unsigned long long)s.pool_hits);
+}
+static PyObject *mod_counters(PyObject *m, PyObject *u) {
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "received", g_count.live_received,
+                       "blocks", g_count.live_blocks, "buffers", g_count.live_buffers,
+                       "capsule_refs", g_count.live_capsule_ctx, "wraps", g_count.wraps_live,
+                       "wraps_total", g_count.wraps_total, "graveyard", g_count.graveyard);
+}
+static PyObject *mod_collect(PyObject *m, PyObject *u) {
+  LOCK();
+  dead_arenas_retry_locked();
+  UNLOCK();
+  graves_reap();
+  Py_RETURN_NONE;
+}
+static PyObject *mod_worker_index(PyObject *m, PyObject *u) {
+  int i, n;
+  gpuipc_status st = gpuipc_worker_index(&i, &n);
+  if (st) return raise_st(st, "worker_index");
+  return Py_BuildValue("(ii)", i, n);
+}
+static PyObject *mod_status_name(PyObject *m, PyObject *args) {
+  int s;
+  if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
+  return PyUnicode_FromString(gpuipc_status_name((gpuipc_status)s));
+}
+static PyObject *mod_log_level(PyObject *m, PyObject *args) {
+  int l = -1;
+  if (!PyArg_ParseTuple(args, "|i", &l)) return NULL;
+  if (l >= 0) gpuipc_log_set_level((gpuipc_log_level)l);
+  return PyLong_FromLong(gpuipc_log_get_level());
+}
+/* Test hook: makes an error of status s with detail, as the library would. */
+static PyObject *mod_raise_status(PyObject *m, PyObject *args) {
+  int s;
+  const char *d = "";
+  if (!PyArg_ParseTuple(args, "i|s", &s, &d)) return NULL;
+  return raise_msg((gpuipc_status)s, "raise_status", d);
+}
+
+static PyMethodDef mod_methods[] = {
+    {"init", mod_init, METH_NOARGS, "load and initialize the CUDA driver (cuInit)"},
+    {"version", mod_version, METH_NOARGS, "the C library's version"},
+    {"driver_path", mod_driver_path, METH_NOARGS, NULL},
+    {"driver_version", mod_driver_version, METH_NOARGS, NULL},
+    {"device_count", mod_device_count, METH_NOARGS, NULL},
+    {"device_uuid", mod_device_uuid, METH_VARARGS, "device_uuid(ordinal=0) -> 'GPU-...'"},
+    {"device_from_uuid", mod_device_from_uuid, METH_VARARGS, NULL},
+    {"listen", (PyCFunction)(void (*)(void))mod_listen, METH_VARARGS | METH_KEYWORDS,
+     "listen(name, *, timeout=10, abstract=False, runtime_dir=None, allow_uids=(), "
+     "allow_gids=(), max_outstanding=256, order='memop') -> Listener"},
+    {"connect", (PyCFunction)(void (*)(void))mod_connect, METH_VARARGS | METH_KEYWORDS,
+     "connect(name, *, timeout=10, ...) -> Connection"},
+    {"from_fd", (PyCFunction)(void (*)(void))mod_from_fd, METH_VARARGS | METH_KEYWORDS,
+     "from_fd(fd, *, timeout=10, ...) -> Connection (takes the fd)"},
+    {"conn_pair", mod_conn_pair, METH_NOARGS, "conn_pair() -> (fd, fd), close-on-exec"},
+    {"spawn_connection", (PyCFunction)(void (*)(void))mod_spawn_connection,
+     METH_VARARGS | METH_KEYWORDS, "in a spawned child: -> (Connection, n_pools, n_buffers)"},
+    {"spawn_child", (PyCFunction)(void (*)(void))mod_spawn, METH_VARARGS | METH_KEYWORDS,
+     "spawn_child(path, argv, *, env_add=None, timeout=30, search_path=False) -> Child"},
+    {"share", (PyCFunction)(void (*)(void))mod_share, METH_VARARGS | METH_KEYWORDS,
+     "share(obj) -> Shared (desc bytes + fds)"},
+    {"open", (PyCFunction)(void (*)(void))mod_open, METH_VARARGS | METH_KEYWORDS,
+     "open(desc, fds=(), *, device=None, pidfd_getfd=False) -> Buffer"},
+    {"desc_info", mod_desc_info, METH_VARARGS, "what a descriptor says, as a dict"},
+    {"cache_stats", mod_cache_stats, METH_NOARGS, "the import cache's counters"},
+    {"counters", mod_counters, METH_NOARGS, "this module's live-object counters"},
+    {"collect", mod_collect, METH_NOARGS, "retry deferred arena destroys and dead peers' leases"},
+    {"worker_index", mod_worker_index, METH_NOARGS, "(index, count) in a worker"},
+    {"status_name", mod_status_name, METH_VARARGS, NULL},
+    {"log_level", mod_log_level, METH_VARARGS, "log_level(level=-1) -> level"},
+    {"_raise_status", mod_raise_status, METH_VARARGS, NULL},
+    {NULL}};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "gpuipc._gpuipc",
+                                    "gpuipc's C extension (see the gpuipc package).", -1,
+                                    mod_methods};
+
+/* "GPUIPC_E_OUT_OF_RANGE" -> "OutOfRangeError" */
+static void class_name(const char *status, char *out, size_t cap) {
+  const char *p = status + strlen("GPUIPC_E_");
+  size_t n = 0;
+  int up = 1;
+  for (; *p && n + 6 < cap; p++) {
+    if (*p == '_') { up = 1; continue; }
+    out[n++] = up ? *p : (char)(*p - 'A' + 'a');
+    up = 0;
+  }
+  memcpy(out + n, "Error", 6);
+}
+
+PyMODINIT_FUNC PyInit__gpuipc(void) {
+  g_lock = PyThread_allocate_lock();
+  if (!g_lock) return PyErr_NoMemory();
+  PyTypeObject *types[] = {&ListenerType, &ConnType, &ArenaType, &BlockType, &PoolType,
+                           &BufferType, &EventType, &ReceivedType, &SharedType, &ChildType};
+  for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+    if (PyType_Ready(types[i]) < 0) return NULL;
+  PyObject *m = PyModule_Create(&moddef);
+  if (!m) return NULL;
+  const char *names[] = {"Listener", "Connection", "Arena", "Block", "Pool",
+                         "Buffer", "Event", "Received", "Shared", "Child"};
+  for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+    Py_INCREF(types[i]);
+    PyModule_AddObject(m, names[i], (PyObject *)types[i]);
+  }
+  ErrorBase = PyErr_NewExceptionWithDoc(
+      "gpuipc.Error", "A gpuipc call failed; .status, .status_name and .detail say how.",
+      NULL, NULL);
+  if (!ErrorBase) return NULL;
+  Py_INCREF(ErrorBase);
+  PyModule_AddObject(m, "Error", ErrorBase);
+  PyObject *by_status = PyDict_New();
+  for (int s = 1; s < GPUIPC__STATUS_END; s++) {
+    char cname[64], full[80];
+    class_name(gpuipc_status_name((gpuipc_status)s), cname, sizeof cname);
+    snprintf(full, sizeof full, "gpuipc.%s", cname);
+    PyObject *extra = NULL;
+    if (s == GPUIPC_E_TIMEOUT) extra = PyExc_TimeoutError;
+    else if (s == GPUIPC_E_PERMISSION) extra = PyExc_PermissionError;
+    else if (s == GPUIPC_E_INVALID_ARG) extra = PyExc_ValueError;
+    else if (s == GPUIPC_E_NO_MEMORY) extra = PyExc_MemoryError;
+    else if (s == GPUIPC_E_CLOSED || s == GPUIPC_E_PEER_GONE) extra = PyExc_ConnectionError;
+    PyObject *bases = extra ? PyTuple_Pack(2, ErrorBase, extra) : PyTuple_Pack(1, ErrorBase);
+    ErrorClass[s] = PyErr_NewException(full, bases, NULL);
+    Py_DECREF(bases);
+    if (!ErrorClass[s]) return NULL;
+    Py_INCREF(ErrorClass[s]);
+    PyModule_AddObject(m, cname, ErrorClass[s]);
+    PyObject *k = PyLong_FromLong(s);
+    PyDict_SetItem(by_status, k, ErrorClass[s]);
+    Py_DECREF(k);
+  }
+  ErrorClass[0] = ErrorBase;
+  PyModule_AddObject(m, "errors_by_status", by_status);
+  PyModule_AddIntConstant(m, "META_MAX", GPUIPC_META_MAX);
+  PyModule_AddIntConstant(m, "MSG_MAX", GPUIPC_CONN_MSG_MAX);
+  PyModule_AddIntConstant(m, "FDS_MAX", GPUIPC_CONN_FDS_MAX);
+  PyModule_AddStringConstant(m, "__version__", GPUIPC_VERSION_STRING);
+  return m;
+}

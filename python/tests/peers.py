@@ -1,0 +1,109 @@
+"""Functions run in child processes (gpuipc.spawn) by the tests. Each gets
+the connection to the parent first; results go back as JSON messages."""
+import json
+import os
+import time
+
+import gpuipc
+from cudrv import drv
+
+
+def _report(conn, **kw):
+    conn.send_msg(json.dumps(kw).encode())
+
+
+def describe(rx, data=True):
+    d = {"shape": list(rx.shape), "dtype": rx.dtype, "strides": list(rx.strides),
+         "meta": rx.meta.hex(), "nbytes": rx.nbytes, "length": rx.length}
+    if data:
+        d["data"] = drv().dtoh(rx.ptr, min(rx.nbytes, 16384)).hex()  # fits one message
+    cai = rx.__cuda_array_interface__
+    d["cai"] = {"version": cai["version"], "typestr": cai["typestr"],
+                "shape": list(cai["shape"]), "stream": cai["stream"],
+                "strides": None if cai["strides"] is None else list(cai["strides"]),
+                "ptr_matches": cai["data"][0] == rx.ptr}
+    return d
+
+
+def check_consumer(conn, n=1):
+    """Receives n buffers, reports each (shape, dtype, data), releases."""
+    for _ in range(n):
+        rx = conn.recv(timeout=30)
+        _report(conn, **describe(rx))
+        rx.release()
+    conn.recv_msg(timeout=30)  # the parent says when to go
+
+
+def echo_consumer(conn, n):
+    """Receives n buffers and releases each at once; reports the count and
+    its import cache."""
+    got = 0
+    for _ in range(n):
+        with conn.recv(timeout=60):
+            got += 1
+    _report(conn, got=got, cache=gpuipc.cache_stats(), counters=gpuipc._gpuipc.counters())
+    conn.recv_msg(timeout=30)
+
+
+def holder(conn, n):
+    """Receives n buffers, keeps them, says so, then waits to be killed."""
+    held = [conn.recv(timeout=30) for _ in range(n)]
+    _report(conn, holding=len(held))
+    time.sleep(600)
+
+
+def open_consumer(conn):
+    """Receives a shared descriptor with its fds by message, opens it,
+    reports it."""
+    desc, fds = conn.recv_msg(timeout=30, with_fds=True)
+    try:
+        buf = gpuipc.open(desc, fds)
+    except gpuipc.Error as e:
+        _report(conn, error=type(e).__name__, message=str(e))
+        return
+    finally:
+        for fd in fds:
+            os.close(fd)
+    _report(conn, shape=list(buf.shape), dtype=buf.dtype, kind=buf.kind,
+            imported=buf.imported, size=buf.size,
+            data=drv().dtoh(buf.ptr, min(buf.size, 8192)).hex())  # fits one message
+    conn.recv_msg(timeout=30)
+    buf.close()
+
+
+def worker(conn):
+    i, n = gpuipc.worker_index()
+    _report(conn, index=i, count=n, pid=os.getpid())
+    return 3 if i == 0 else 0
+
+
+def exits(conn, code):
+    return code
+
+
+def cai_stream_producer(conn, announce):
+    """Writes an arena block on a stream of its own (asynchronously, from
+    pinned memory) and at once sends a CAI view of it, whose "stream" names
+    that stream when announce is set. (Arena blocks: the fast path makes no
+    driver call that could wait for the copy.)"""
+    import ctypes
+
+    from cudrv import pattern
+    a = gpuipc.Arena(chunk_bytes=1 << 20)
+    warm = a.alloc(256)
+    conn.send(warm)  # the chunk's export, out of the way
+    conn.recv_msg(timeout=30)
+    b = a.alloc(4096)
+    s = drv().stream()
+
+    class View:
+        __cuda_array_interface__ = {"shape": (4096,), "typestr": "|u1",
+                                    "data": (b.ptr, False), "version": 3,
+                                    "stream": s if announce else None}
+    data = pattern(4096, 21)
+    host = drv().host_alloc(len(data))
+    ctypes.memmove(host, data, len(data))
+    drv().htod_async(b.ptr, ctypes.c_void_p(host), len(data), s)
+    conn.send(View())
+    conn.recv_msg(timeout=30)
+    drv().sync(s)  # the copy lands before the block is freed at exit

@@ -1,0 +1,169 @@
+"""Connections: making them, messages with fds, selectors, timeouts, the
+GIL released while waiting."""
+import os
+import selectors
+import threading
+import time
+
+import pytest
+
+import gpuipc
+
+_n = 0
+
+
+def name():
+    global _n
+    _n += 1
+    return f"pyt-{os.getpid()}-{_n}"
+
+
+def pair(**kw):
+    """A connected pair in this process (listener thread)."""
+    nm = name()
+    out = {}
+    with gpuipc.listen(nm, **kw) as lst:
+        t = threading.Thread(target=lambda: out.setdefault("a", lst.accept(timeout=10)))
+        t.start()
+        c = gpuipc.connect(nm, **kw)
+        t.join()
+    return out["a"], c
+
+
+def test_listen_connect_accept_and_peer():
+    a, c = pair()
+    with a, c:
+        pid, uid, gid = a.peer
+        assert pid == os.getpid() and uid == os.getuid()
+        assert isinstance(a.fileno(), int) and a.fileno() >= 0
+        assert not a.closed
+    assert a.closed and c.closed
+    with pytest.raises(gpuipc.ClosedError):
+        a.send_msg(b"x")
+
+
+def test_listener_path_and_accept_timeout():
+    nm = name()
+    with gpuipc.listen(nm) as lst:
+        assert nm in lst.path
+        t0 = time.monotonic()
+        with pytest.raises(gpuipc.TimeoutError):
+            lst.accept(timeout=0.2)
+        assert time.monotonic() - t0 >= 0.15
+        with pytest.raises(gpuipc.ExistsError):
+            gpuipc.listen(nm)
+
+
+def test_messages_in_order_with_fds():
+    a, c = pair()
+    r, w = os.pipe()
+    try:
+        c.send_msg(b"one")
+        c.send_msg(b"two", [w])
+        c.send_msg(b"")
+        assert a.recv_msg() == b"one"
+        data, fds = a.recv_msg(with_fds=True)
+        assert data == b"two" and len(fds) == 1
+        os.write(fds[0], b"through the fd")
+        os.close(fds[0])
+        assert os.read(r, 100) == b"through the fd"
+        assert a.recv_msg() == b""
+        big = os.urandom(gpuipc._gpuipc.MSG_MAX)
+        c.send_msg(big)
+        assert a.recv_msg() == big
+    finally:
+        os.close(r)
+        os.close(w)
+        a.close()
+        c.close()
+
+
+def test_recv_timeout_and_default_timeout():
+    a, c = pair(timeout=0.3)
+    with a, c:
+        assert a.timeout == pytest.approx(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            a.recv_msg()
+        assert 0.25 <= time.monotonic() - t0 < 3
+        with pytest.raises(gpuipc.TimeoutError):
+            a.recv(timeout=0)
+        a.timeout = None
+        assert a.timeout is None
+
+
+def test_peer_closed_is_peer_gone():
+    a, c = pair()
+    c.close()
+    with pytest.raises((gpuipc.PeerGoneError, gpuipc.ClosedError)):
+        a.recv_msg(timeout=5)
+    a.close()
+
+
+def test_fileno_works_with_selectors():
+    a, c = pair()
+    with a, c:
+        sel = selectors.DefaultSelector()
+        sel.register(a.fileno(), selectors.EVENT_READ)
+        assert sel.select(timeout=0.05) == []
+        c.send_msg(b"wake")
+        assert len(sel.select(timeout=5)) == 1
+        assert a.recv_msg(timeout=0) == b"wake"
+        sel.close()
+
+
+def test_gil_released_while_waiting():
+    """A thread blocked in recv_msg lets another thread run Python code."""
+    a, c = pair()
+    with a, c:
+        state = {}
+
+        def waiter():
+            state["started"] = time.monotonic()
+            state["msg"] = a.recv_msg(timeout=10)
+            state["done"] = time.monotonic()
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        while "started" not in state:
+            time.sleep(0.001)
+        count = 0
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            count += 1
+        assert "done" not in state, "the waiter returned without a message"
+        # Holding the GIL the whole wait would leave this loop nearly frozen.
+        assert count > 10000, count
+        c.send_msg(b"now")
+        t.join(5)
+        assert state["msg"] == b"now"
+
+
+def test_gil_released_in_accept():
+    nm = name()
+    with gpuipc.listen(nm) as lst:
+        res = {}
+        t = threading.Thread(target=lambda: res.setdefault("c", lst.accept(timeout=10)))
+        t.start()
+        count = 0
+        end = time.monotonic() + 0.2
+        while time.monotonic() < end:
+            count += 1
+        assert count > 10000
+        c = gpuipc.connect(nm)
+        t.join(5)
+        res["c"].close()
+        c.close()
+
+
+def test_conn_pair_and_from_fd():
+    fa, fb = gpuipc.conn_pair()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", gpuipc.from_fd(fb)))
+    t.start()
+    a = gpuipc.from_fd(fa)
+    t.join(10)
+    b = out["b"]
+    with a, b:
+        a.send_msg(b"hi")
+        assert b.recv_msg() == b"hi"

@@ -1,0 +1,116 @@
+"""gpuipc.torch's hand-over machinery without torch (on the emulator too):
+the per-process server, one-shot tokens, leases kept until the consumer
+releases or dies."""
+import json
+import time
+
+import pytest
+
+import gpuipc
+import gpuipc.torch as gt
+from cudrv import DeviceArray, drv, pattern
+
+
+def fetch_and_report(conn, name, token, pid, hold):
+    rx = gt._fetch(name, token, pid, 0)
+    conn.send_msg(json.dumps({"shape": list(rx.shape), "dtype": rx.dtype,
+                              "data": drv().dtoh(rx.ptr, rx.nbytes).hex()}).encode())
+    try:
+        gt._fetch(name, token, pid, 0)
+        again = "no error"
+    except RuntimeError as e:
+        again = str(e)
+    conn.send_msg(again.encode())
+    if hold:
+        time.sleep(600)
+    conn.recv_msg(timeout=30)  # the parent saw the lease
+    del rx
+
+
+def wait_for(cond, limit=15.0):
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_token_fetched_once_and_lease_ends(hold):
+    srv = gt._get_server()
+    arr = DeviceArray((16, 8), "<i4")
+    drv().htod(arr.ptr, pattern(arr.nbytes, 12))
+    token = srv.offer(arr, 0)
+    del arr  # the server keeps it
+    assert gt.stats()["pending"] == 1
+    with gpuipc.spawn(fetch_and_report, srv.name, token, srv.pid, hold) as p:
+        r = json.loads(p.conn.recv_msg(timeout=30))
+        assert r["shape"] == [16, 8] and r["dtype"] == "int32"
+        assert bytes.fromhex(r["data"]) == pattern(512, 12)
+        assert "unknown tensor" in p.conn.recv_msg(timeout=30).decode()
+        assert gt.stats()["pending"] == 0
+        assert wait_for(lambda: gt.stats()["held"] == 1)
+        if hold:
+            p.kill()
+            p.join(30)
+        else:
+            p.conn.send_msg(b"go")
+            assert p.join(30) == 0
+        assert wait_for(lambda: gt.stats()["held"] == 0), gt.stats()
+    assert gpuipc._gpuipc.counters()["graveyard"] == 0 or wait_for(
+        lambda: gpuipc._gpuipc.counters()["graveyard"] == 0)
+
+
+def test_install_needs_torch():
+    try:
+        import torch  # noqa: F401
+        pytest.skip("torch is here: test_gpu_torch_mp covers install()")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError):
+        gt.install()
+    assert not gt.installed()
+    gt.uninstall()  # a no-op
+
+
+def open_shared_and_report(conn, name, token, pid, desc, ev_desc, hold):
+    buf = gt._open_shared(name, token, pid, desc, ev_desc, lambda dev: 0)
+    conn.send_msg(json.dumps({"shape": list(buf.shape), "dtype": buf.dtype,
+                              "data": drv().dtoh(buf.ptr, 512).hex()}).encode())
+    if hold:
+        time.sleep(600)
+    conn.recv_msg(timeout=30)  # the parent saw it held
+    del buf  # the producer hears it may reuse the memory
+    conn.recv_msg(timeout=30)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_descriptor_route_holds_until_done_or_death(hold):
+    import weakref
+
+    srv = gt._get_server()
+    arr = DeviceArray((16, 8), "<i4")
+    drv().htod(arr.ptr, pattern(arr.nbytes, 13))
+    gone = weakref.ref(arr)
+    token, desc, ev_desc = srv.offer_shared(arr, 0, 0)
+    assert isinstance(desc, bytes) and isinstance(ev_desc, bytes)
+    del arr
+    assert gone() is not None and gt.stats()["pending"] == 1
+    with gpuipc.spawn(open_shared_and_report, srv.name, token, srv.pid, desc, ev_desc,
+                      hold) as p:
+        r = json.loads(p.conn.recv_msg(timeout=30))
+        assert r["shape"] == [16, 8] and r["dtype"] == "int32"
+        assert bytes.fromhex(r["data"]) == pattern(512, 13)
+        assert wait_for(lambda: gt.stats() == {"pending": 0, "held": 1}), gt.stats()
+        assert gone() is not None
+        if hold:
+            p.kill()
+            p.join(30)
+        else:
+            p.conn.send_msg(b"saw it")
+        assert wait_for(lambda: gt.stats()["held"] == 0), gt.stats()
+        assert wait_for(lambda: gone() is None), "the producer kept the memory"
+        if not hold:
+            p.conn.send_msg(b"go")
+            assert p.join(30) == 0
