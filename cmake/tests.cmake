@@ -3,13 +3,12 @@
 file(GLOB GPUIPC_TEST_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/*.c)
 add_executable(gpuipc-tests ${GPUIPC_TEST_SOURCES})
 target_link_libraries(gpuipc-tests PRIVATE gpuipc_internal)
-# Host allocation failure injection (tests/test-faultsim.c): the library's
-# objects and the tests call __wrap_malloc & co., which fail on request.
+# Host allocation failure injection (tests/runner.c: harness_alloc_arm,
+# harness_fail_allocs): the library's objects and the tests call
+# __wrap_malloc & co., which fail on request.
 target_link_options(gpuipc-tests PRIVATE
   "LINKER:--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=strdup")
 target_include_directories(gpuipc-tests PRIVATE ${PROJECT_SOURCE_DIR}/tests)
-# Host allocation failures are injected through these (harness_fail_allocs).
-target_link_options(gpuipc-tests PRIVATE "LINKER:--wrap=malloc,--wrap=realloc")
 if(TARGET cuda-emu)
   target_compile_definitions(gpuipc-tests PRIVATE
     GPUIPC_EMU_PATH="$<TARGET_FILE:cuda-emu>")

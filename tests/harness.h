@@ -225,6 +225,19 @@ int harness_count_fds(void);
  * --wrap=malloc,--wrap=realloc) fail with ENOMEM. Returns how many failed
  * since the previous call. count 0 disarms. */
 int harness_fail_allocs(size_t min, size_t max, int count);
+/* Fails the nth host allocation of this thread from now on (and, with
+ * persist, every one after it) until disarmed; disarming returns how many
+ * were failed (SQLite's faultsim). */
+void harness_alloc_arm(long nth, int persist);
+long harness_alloc_disarm(void);
+/* The calling thread's arming, for tests that pause and resume it. */
+typedef struct harness_alloc_state {
+  long left;   /* > 0: armed; the call that takes it to 0 fails */
+  int persist; /* after the first failure, fail every call */
+  int failing;
+  long hits;   /* allocations failed since arming */
+} harness_alloc_state;
+harness_alloc_state *harness_alloc(void);
 
 /* A path in a fresh private temporary directory (removed at exit). */
 const char *harness_tmpdir(void);

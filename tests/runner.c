@@ -302,7 +302,32 @@ int harness_fail_allocs(size_t min, size_t max, int count) {
   return done;
 }
 
+/* Failure by call count (faultsim): the nth allocation of this thread
+ * after arming fails, and with persist every one after it. */
+static __thread harness_alloc_state nth;
+
+harness_alloc_state *harness_alloc(void) { return &nth; }
+
+void harness_alloc_arm(long n, int persist) {
+  nth.left = n;
+  nth.persist = persist;
+  nth.failing = 0;
+  nth.hits = 0;
+}
+
+long harness_alloc_disarm(void) {
+  nth.left = 0;
+  nth.failing = 0;
+  return nth.hits;
+}
+
 static bool alloc_fails(size_t n) {
+  if (nth.failing || (nth.left > 0 && --nth.left == 0)) {
+    nth.hits++;
+    nth.failing = nth.persist;
+    errno = ENOMEM;
+    return true;
+  }
   if (fail_count > 0 && n >= fail_min && n <= fail_max) {
     fail_count--;
     fail_done++;
@@ -312,13 +337,25 @@ static bool alloc_fails(size_t n) {
   return false;
 }
 
+/* The test binary is linked with --wrap for these (cmake/tests.cmake): the
+ * library's objects and the tests allocate through them. */
 void *__real_malloc(size_t n);
+void *__real_calloc(size_t k, size_t n);
 void *__real_realloc(void *p, size_t n);
+char *__real_strdup(const char *s);
 void *__wrap_malloc(size_t n);
+void *__wrap_calloc(size_t k, size_t n);
 void *__wrap_realloc(void *p, size_t n);
+char *__wrap_strdup(const char *s);
 void *__wrap_malloc(size_t n) { return alloc_fails(n) ? NULL : __real_malloc(n); }
+void *__wrap_calloc(size_t k, size_t n) {
+  return alloc_fails(k * n) ? NULL : __real_calloc(k, n);
+}
 void *__wrap_realloc(void *p, size_t n) {
   return alloc_fails(n) ? NULL : __real_realloc(p, n);
+}
+char *__wrap_strdup(const char *s) {
+  return alloc_fails(strlen(s) + 1) ? NULL : __real_strdup(s);
 }
 
 static int rm_cb(const char *p, const struct stat *s, int f, struct FTW *w) {

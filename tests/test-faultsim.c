@@ -2,7 +2,8 @@
  * test-faultsim.c: host allocation failure injection, after SQLite's
  * faultsim. The test binary is linked with -Wl,--wrap=malloc,calloc,
  * realloc,strdup (cmake/tests.cmake), so every allocation the library's
- * objects (and this file) make goes through the wrappers below; armed
+ * objects (and this file) make goes through the harness's wrappers
+ * (runner.c); armed
  * with N, the N-th allocation of the arming thread fails (and, in
  * persistent mode, every one after it). Each test runs one operation with
  * N = 1, 2, ... until it succeeds with nothing injected, and checks every
@@ -20,54 +21,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-void *__real_malloc(size_t n);
-void *__real_calloc(size_t k, size_t n);
-void *__real_realloc(void *p, size_t n);
-char *__real_strdup(const char *s);
-void *__wrap_malloc(size_t n);
-void *__wrap_calloc(size_t k, size_t n);
-void *__wrap_realloc(void *p, size_t n);
-char *__wrap_strdup(const char *s);
+#define fs_left (harness_alloc()->left)
+#define fs_persist (harness_alloc()->persist)
+#define fs_failing (harness_alloc()->failing)
+#define fs_hits (harness_alloc()->hits)
 
-static _Thread_local long fs_left;   /* > 0: armed; the call that takes it to 0 fails */
-static _Thread_local int fs_persist; /* after the first failure, fail every call */
-static _Thread_local int fs_failing;
-static _Thread_local long fs_hits;
-
-static int fs_fail(void) {
-  if (fs_failing) {
-    fs_hits++;
-    return 1;
-  }
-  if (fs_left > 0 && --fs_left == 0) {
-    fs_hits++;
-    fs_failing = fs_persist;
-    return 1;
-  }
-  return 0;
-}
-
-void *__wrap_malloc(size_t n) { return fs_fail() ? NULL : __real_malloc(n); }
-void *__wrap_calloc(size_t k, size_t n) {
-  return fs_fail() ? NULL : __real_calloc(k, n);
-}
-void *__wrap_realloc(void *p, size_t n) {
-  return fs_fail() ? NULL : __real_realloc(p, n);
-}
-char *__wrap_strdup(const char *s) { return fs_fail() ? NULL : __real_strdup(s); }
-
-static void fs_arm(long n, int persist) {
-  fs_left = n;
-  fs_persist = persist;
-  fs_failing = 0;
-  fs_hits = 0;
-}
+static void fs_arm(long n, int persist) { harness_alloc_arm(n, persist); }
 /* Disarms; returns how many allocations were failed. */
-static long fs_disarm(void) {
-  fs_left = 0;
-  fs_failing = 0;
-  return fs_hits;
-}
+static long fs_disarm(void) { return harness_alloc_disarm(); }
 
 /* The wrappers are in place: an armed allocation of this file fails. */
 static int fs_works(void) {

@@ -25,7 +25,7 @@ def main():
     # CUDA before anything else: a driver that cannot start fails here with
     # its own message, not in the middle of unpickling.
     _gpuipc.init()
-    conn, _, _ = _gpuipc.spawn_connection()
+    conn = _gpuipc.spawn_connection()
     head = pickle.loads(conn.recv_msg(timeout=30))
     sys.path[:] = head["sys_path"]
     try:

@@ -963,14 +963,11 @@ PyObject *mod_spawn_connection(PyObject *m, PyObject *args, PyObject *kw) {
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = tmo;
   gpuipc_conn *c = NULL;
-  int np = 0, nb = 0;
   gpuipc_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_spawn_connection(&o, &c, &np, &nb);
+  st = gpuipc_spawn_connection(&o, &c);
   Py_END_ALLOW_THREADS
   if (st) return raise_st(st, "spawn_connection");
-  PyObject *co = conn_new(c, tmo, o.max_outstanding, 0);
-  if (!co) return NULL;
-  return Py_BuildValue("(Nii)", co, np, nb);
+  return conn_new(c, tmo, o.max_outstanding, 0);
 }
 
