@@ -103,6 +103,29 @@ def _torch_reduce(tensor):
     return r(tensor)
 
 
+def _carrier(tensor):
+    """(tensor to send, dtype name to restore): the CUDA array interface
+    cannot name some dtypes (bfloat16, the float8 kinds: torch writes
+    "<V2"), so those travel viewed as the unsigned integer of their size
+    (same bytes, shape and strides) and the consumer views them back."""
+    import torch
+
+    name = str(tensor.dtype).rsplit(".", 1)[-1]
+    if name == "bfloat16" or name.startswith("float8"):
+        carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                   8: torch.int64}[tensor.element_size()]
+        return tensor.view(carrier), name
+    return tensor, None
+
+
+def _restore(t, real):
+    if real is None:
+        return t
+    import torch
+
+    return t.view(getattr(torch, real))
+
+
 def _reduce_tensor(tensor):
     import torch
 
@@ -112,12 +135,13 @@ def _reduce_tensor(tensor):
     srv = _get_server()
     dev = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(dev).cuda_stream
-    shared = srv.offer_shared(tensor, stream, dev)
+    sent, real = _carrier(tensor)
+    shared = srv.offer_shared(sent, stream, dev)
     if shared is not None:
         token, desc, ev_desc = shared
-        return (_rebuild_shared, (srv.name, token, os.getpid(), desc, ev_desc))
-    token = srv.offer(tensor, stream)
-    return (_rebuild, (srv.name, token, os.getpid()))
+        return (_rebuild_shared, (srv.name, token, os.getpid(), desc, ev_desc, real))
+    token = srv.offer(sent, stream)
+    return (_rebuild, (srv.name, token, os.getpid(), real))
 
 
 # ---- the consumer's side --------------------------------------------------
@@ -171,12 +195,12 @@ def _done(name, token, dev, stream_of):
         pass
 
 
-def _rebuild_shared(name, token, producer_pid, desc, ev_desc):
+def _rebuild_shared(name, token, producer_pid, desc, ev_desc, real=None):
     import torch
 
     buf = _open_shared(name, token, producer_pid, desc, ev_desc,
                        lambda d: torch.cuda.current_stream(d).cuda_stream)
-    return torch.from_dlpack(buf)
+    return _restore(torch.from_dlpack(buf), real)
 
 
 def _fetch(name, token, producer_pid, stream):
@@ -193,7 +217,7 @@ def _fetch(name, token, producer_pid, stream):
         return conn.recv(stream=stream, timeout=FETCH_TIMEOUT)
 
 
-def _rebuild(name, token, producer_pid):
+def _rebuild(name, token, producer_pid, real=None):
     import torch
 
     # recv on the current stream of the current device: the view's users
@@ -202,8 +226,8 @@ def _rebuild(name, token, producer_pid):
     rx = _fetch(name, token, producer_pid, torch.cuda.current_stream(dev).cuda_stream)
     if rx.device != dev:
         with torch.cuda.device(rx.device):
-            return torch.from_dlpack(rx)
-    return torch.from_dlpack(rx)
+            return _restore(torch.from_dlpack(rx), real)
+    return _restore(torch.from_dlpack(rx), real)
 
 
 class _Client:

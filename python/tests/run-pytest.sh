@@ -47,4 +47,4 @@ echo "python: building the extension with $PY ($("$PY" -c 'import sys; print(sys
 (cd "$pkg" && GPUIPC_BUILD_DIR="$build" "$PY" setup.py -q build --build-lib "$out/lib" \
    --build-temp "$out/tmp" >"$out.log" 2>&1) || { cat "$out.log"; echo "FAIL: building the extension"; exit 1; }
 cd "$here" || exit 1
-GPUIPC_PKG_DIR="$out/lib" exec "$PY" -m pytest -p no:cacheprovider -q -rs "$@" "$here"
+GPUIPC_PKG_DIR="$out/lib" exec "$PY" -m pytest -p no:cacheprovider -q -rs --durations=12 "$@" "$here"
