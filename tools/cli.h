@@ -7,6 +7,8 @@
 int gpuipc_cmd_doctor(int argc, char **argv);
 int gpuipc_cmd_demo(int argc, char **argv);
 int gpuipc_cmd_bench(int argc, char **argv);
+int gpuipc_cmd_ls(int argc, char **argv);  /* tools/ls.c */
+int gpuipc_cmd_top(int argc, char **argv); /* tools/ls.c */
 
 /* Benchmarks, one file each under bench/; each parses its own options. */
 int gpuipc_bench_copy(int argc, char **argv);    /* bench/copy.c */
