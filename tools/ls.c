@@ -137,7 +137,7 @@ static void uuid_text(const ls_proc *p, int k, char text[64]) {
 }
 
 static void print_text(FILE *f, const ls_proc *v, int n) {
-  uint64_t now = gpuipc__now_ns();
+  uint64_t now = gpuipc__stats_now();
   if (n == 0) {
     fprintf(f, "no gpuipc process of this user\n");
     return;
@@ -210,7 +210,7 @@ static void json_str(FILE *f, const char *s) {
 }
 
 static void print_json(FILE *f, const char *dir, const ls_proc *v, int n) {
-  uint64_t now = gpuipc__now_ns();
+  uint64_t now = gpuipc__stats_now();
   fprintf(f, "{\"runtime_dir\": ");
   json_str(f, dir);
   fprintf(f, ", \"processes\": [");

@@ -216,8 +216,8 @@ typedef struct gpuipc__stats_conn {
   _Atomic uint32_t order; /* gpuipc_order_mode */
   _Atomic int64_t held_by_peer; /* our blocks/buffers the peer holds */
   _Atomic int64_t held_here;    /* the peer's buffers we hold */
-  _Atomic uint64_t opened_ns;   /* CLOCK_MONOTONIC */
-  /* When each lease of lease slot i began (CLOCK_MONOTONIC ns; 0: none).
+  _Atomic uint64_t opened_ns;   /* gpuipc__stats_now() */
+  /* When each lease of lease slot i began (gpuipc__stats_now(); 0: none).
    * Leases in slots beyond the table are counted in held_by_peer only. */
   _Atomic uint64_t lease_ns[GPUIPC__STATS_LEASES];
 } gpuipc__stats_conn;
@@ -228,7 +228,7 @@ typedef struct gpuipc__stats_seg {
   int32_t pid;
   uint32_t uid;
   uint64_t start_time;    /* clock ticks since boot, /proc/pid/stat */
-  uint64_t created_ns;    /* CLOCK_MONOTONIC */
+  uint64_t created_ns;    /* gpuipc__stats_now() */
   char command[128];      /* the command line, arguments joined by spaces */
   _Atomic int64_t ctr[GPUIPC__STATS_CTRS];
   struct {
@@ -240,6 +240,8 @@ typedef struct gpuipc__stats_seg {
   gpuipc__stats_conn conn[GPUIPC__STATS_CONNS];
 } gpuipc__stats_seg;
 
+/* The clock of the segment's times (ns, CLOCK_MONOTONIC_COARSE). */
+uint64_t gpuipc__stats_now(void);
 /* This process's segment (made on first use; never NULL). */
 gpuipc__stats_seg *gpuipc__stats_self(void);
 /* Adds n (may be negative) to a counter. */

@@ -18,9 +18,19 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static _Atomic(gpuipc__stats_seg *) seg_now;
+
+/* Times in the segment: CLOCK_MONOTONIC_COARSE (a few ms of resolution,
+ * enough for ages shown in ms, and a plain memory read in the vDSO where
+ * the fine clock costs tens of ns on the fast path). */
+uint64_t gpuipc__stats_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
 static gpuipc__stats_seg seg_private; /* when no file could be made */
 static pthread_mutex_t seg_lock = PTHREAD_MUTEX_INITIALIZER;
 static char seg_file[300];  /* the file to remove at exit ("": none) */
@@ -74,7 +84,7 @@ static void fill_header(gpuipc__stats_seg *s, uint64_t start) {
   s->pid = (int32_t)getpid();
   s->uid = (uint32_t)geteuid();
   s->start_time = start;
-  s->created_ns = gpuipc__now_ns();
+  s->created_ns = gpuipc__stats_now();
   read_command(s->command, sizeof s->command);
 }
 
@@ -168,7 +178,8 @@ int gpuipc__stats_conn_open(int peer_pid, uint64_t peer_start, int order) {
     atomic_store_explicit(&c->order, (uint32_t)order, memory_order_relaxed);
     atomic_store_explicit(&c->held_by_peer, 0, memory_order_relaxed);
     atomic_store_explicit(&c->held_here, 0, memory_order_relaxed);
-    atomic_store_explicit(&c->opened_ns, gpuipc__now_ns(), memory_order_relaxed);
+    atomic_store_explicit(&c->opened_ns, gpuipc__stats_now(),
+                          memory_order_relaxed);
     for (int k = 0; k < GPUIPC__STATS_LEASES; k++)
       atomic_store_explicit(&c->lease_ns[k], 0, memory_order_relaxed);
     atomic_store_explicit(&c->used, 1, memory_order_release);
@@ -208,7 +219,7 @@ void gpuipc__stats_lease_begin(int slot, uint32_t ls) {
     return;
   atomic_fetch_add_explicit(&c->held_by_peer, 1, memory_order_relaxed);
   if (ls < GPUIPC__STATS_LEASES)
-    atomic_store_explicit(&c->lease_ns[ls], gpuipc__now_ns(),
+    atomic_store_explicit(&c->lease_ns[ls], gpuipc__stats_now(),
                           memory_order_relaxed);
 }
 
