@@ -58,6 +58,7 @@ int gpuipc_cmd_bench(int argc, char **argv) {
   for (int i = 2; i < argc; i++)
     help |= strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0;
   if (gpuipc_bench_json_take(&argc, argv) < 0) {
+    usage(stderr);
     free(argv0);
     return 2;
   }
