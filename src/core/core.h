@@ -243,8 +243,14 @@ typedef struct gpuipc__stats_seg {
 /* The clock of the segment's times (ns, CLOCK_MONOTONIC_COARSE). */
 uint64_t gpuipc__stats_now(void);
 /* This process's segment (made on first use; never NULL). */
-gpuipc__stats_seg *gpuipc__stats_self(void);
-/* Adds n (may be negative) to a counter. */
+extern _Atomic(gpuipc__stats_seg *) gpuipc__stats_seg_now;
+gpuipc__stats_seg *gpuipc__stats_make(void);
+static inline gpuipc__stats_seg *gpuipc__stats_self(void) {
+  gpuipc__stats_seg *s =
+      atomic_load_explicit(&gpuipc__stats_seg_now, memory_order_acquire);
+  return GPUIPC__LIKELY(s != NULL) ? s : gpuipc__stats_make();
+}
+/* Adds n (may be negative) to a counter of the process. */
 static inline void gpuipc__stats_add(gpuipc__stat which, int64_t n) {
   atomic_fetch_add_explicit(&gpuipc__stats_self()->ctr[which], n,
                             memory_order_relaxed);
@@ -253,10 +259,46 @@ static inline void gpuipc__stats_add(gpuipc__stat which, int64_t n) {
 int gpuipc__stats_conn_open(int peer_pid, uint64_t peer_start, int order);
 void gpuipc__stats_conn_close(int slot);
 void gpuipc__stats_conn_state(int slot, int state);
-void gpuipc__stats_conn_held_here(int slot, int64_t n);
+static inline gpuipc__stats_conn *gpuipc__stats_conn_at(int slot) {
+  if ((unsigned)slot - 1u >= (unsigned)GPUIPC__STATS_CONNS)
+    return NULL;
+  return &gpuipc__stats_self()->conn[slot - 1];
+}
+/* The updates of a connection's slot are made by calls on the connection,
+ * which its contract serializes (one thread at a time): a relaxed load and
+ * store each, no locked instruction, on the handoff path. */
+static inline void gpuipc__stats_conn_bump(_Atomic int64_t *v, int64_t n) {
+  atomic_store_explicit(v, atomic_load_explicit(v, memory_order_relaxed) + n,
+                        memory_order_relaxed);
+}
+/* The peer's buffers we hold: n more (or fewer). */
+static inline void gpuipc__stats_conn_held_here(int slot, int64_t n) {
+  gpuipc__stats_conn *c = gpuipc__stats_conn_at(slot);
+  if (c)
+    gpuipc__stats_conn_bump(&c->held_here, n);
+}
 /* A lease of lease slot ls began / ended (held_by_peer and its age). */
-void gpuipc__stats_lease_begin(int slot, uint32_t ls);
-void gpuipc__stats_lease_end(int slot, uint32_t ls);
+static inline void gpuipc__stats_lease_begin(int slot, uint32_t ls) {
+  gpuipc__stats_conn *c = gpuipc__stats_conn_at(slot);
+  if (c == NULL)
+    return;
+  gpuipc__stats_conn_bump(&c->held_by_peer, 1);
+  if (ls < GPUIPC__STATS_LEASES)
+    atomic_store_explicit(&c->lease_ns[ls], gpuipc__stats_now(),
+                          memory_order_relaxed);
+}
+static inline void gpuipc__stats_lease_end(int slot, uint32_t ls) {
+  gpuipc__stats_conn *c = gpuipc__stats_conn_at(slot);
+  if (c == NULL)
+    return;
+  /* A slot freed without a lease in it (its send failed) held nothing. */
+  if (ls < GPUIPC__STATS_LEASES) {
+    if (atomic_load_explicit(&c->lease_ns[ls], memory_order_relaxed) == 0)
+      return;
+    atomic_store_explicit(&c->lease_ns[ls], 0, memory_order_relaxed);
+  }
+  gpuipc__stats_conn_bump(&c->held_by_peer, -1);
+}
 /* Device ordinal (CUdevice dev) is in use here. */
 void gpuipc__stats_device(int ordinal, int dev);
 /* The segment's file name for pid/start time, in dir. */

@@ -2,8 +2,9 @@
  * stats.c: owns this process's stats segment, what `gpuipc ls` reads: a
  * file proc-<pid>-<start time>.stats (mode 0600) in the runtime directory,
  * mapped MAP_SHARED and made on first use. Writers only do relaxed atomic
- * stores and adds (no lock, no system call after the first use); the
- * layout is in core.h. The file is removed at exit; a process that dies
+ * stores and adds (no lock, no system call after the first use; the
+ * updates of the handoff path are inline in core.h); the layout is in
+ * core.h. The file is removed at exit; a process that dies
  * leaves it behind, and `gpuipc ls` shows it as gone and removes it. When
  * the segment cannot be made, or GPUIPC_STATS=0, the counters go to a
  * private copy (nobody sees them, nothing fails). A forked child starts a
@@ -21,7 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static _Atomic(gpuipc__stats_seg *) seg_now;
+_Atomic(gpuipc__stats_seg *) gpuipc__stats_seg_now;
 
 /* Times in the segment: CLOCK_MONOTONIC_COARSE (a few ms of resolution,
  * enough for ages shown in ms, and a plain memory read in the vDSO where
@@ -126,7 +127,7 @@ static gpuipc__stats_seg *make_segment(void) {
 static void after_fork_child(void) {
   /* The parent's segment stays mapped (and the parent's); the child makes
    * its own on its first update and never removes the parent's file. */
-  atomic_store(&seg_now, NULL);
+  atomic_store(&gpuipc__stats_seg_now, NULL);
   seg_file[0] = '\0';
 }
 
@@ -135,13 +136,10 @@ __attribute__((destructor)) static void remove_segment(void) {
     unlink(seg_file);
 }
 
-gpuipc__stats_seg *gpuipc__stats_self(void) {
-  gpuipc__stats_seg *s = atomic_load_explicit(&seg_now, memory_order_acquire);
-  if (GPUIPC__LIKELY(s != NULL))
-    return s;
+gpuipc__stats_seg *gpuipc__stats_make(void) {
   static bool atfork_done;
   pthread_mutex_lock(&seg_lock);
-  s = atomic_load(&seg_now);
+  gpuipc__stats_seg *s = atomic_load(&gpuipc__stats_seg_now);
   if (s == NULL) {
     if (!atfork_done && pthread_atfork(NULL, NULL, after_fork_child) == 0)
       atfork_done = true;
@@ -151,16 +149,10 @@ gpuipc__stats_seg *gpuipc__stats_self(void) {
       memset(s, 0, sizeof *s);
       fill_header(s, 0);
     }
-    atomic_store_explicit(&seg_now, s, memory_order_release);
+    atomic_store_explicit(&gpuipc__stats_seg_now, s, memory_order_release);
   }
   pthread_mutex_unlock(&seg_lock);
   return s;
-}
-
-static gpuipc__stats_conn *conn_slot(int slot) {
-  if (slot <= 0 || slot > GPUIPC__STATS_CONNS)
-    return NULL;
-  return &gpuipc__stats_self()->conn[slot - 1];
 }
 
 int gpuipc__stats_conn_open(int peer_pid, uint64_t peer_start, int order) {
@@ -192,7 +184,7 @@ int gpuipc__stats_conn_open(int peer_pid, uint64_t peer_start, int order) {
 }
 
 void gpuipc__stats_conn_close(int slot) {
-  gpuipc__stats_conn *c = conn_slot(slot);
+  gpuipc__stats_conn *c = gpuipc__stats_conn_at(slot);
   gpuipc__stats_add(GPUIPC__ST_CONNS, -1);
   if (c)
     atomic_store_explicit(&c->used, 0, memory_order_release);
@@ -202,36 +194,9 @@ void gpuipc__stats_conn_close(int slot) {
 }
 
 void gpuipc__stats_conn_state(int slot, int state) {
-  gpuipc__stats_conn *c = conn_slot(slot);
+  gpuipc__stats_conn *c = gpuipc__stats_conn_at(slot);
   if (c)
     atomic_store_explicit(&c->state, (uint32_t)state, memory_order_relaxed);
-}
-
-void gpuipc__stats_conn_held_here(int slot, int64_t n) {
-  gpuipc__stats_conn *c = conn_slot(slot);
-  if (c)
-    atomic_fetch_add_explicit(&c->held_here, n, memory_order_relaxed);
-}
-
-void gpuipc__stats_lease_begin(int slot, uint32_t ls) {
-  gpuipc__stats_conn *c = conn_slot(slot);
-  if (c == NULL)
-    return;
-  atomic_fetch_add_explicit(&c->held_by_peer, 1, memory_order_relaxed);
-  if (ls < GPUIPC__STATS_LEASES)
-    atomic_store_explicit(&c->lease_ns[ls], gpuipc__stats_now(),
-                          memory_order_relaxed);
-}
-
-void gpuipc__stats_lease_end(int slot, uint32_t ls) {
-  gpuipc__stats_conn *c = conn_slot(slot);
-  if (c == NULL)
-    return;
-  /* A slot freed without a lease in it (its send failed) held nothing. */
-  if (ls < GPUIPC__STATS_LEASES &&
-      atomic_exchange_explicit(&c->lease_ns[ls], 0, memory_order_relaxed) == 0)
-    return;
-  atomic_fetch_sub_explicit(&c->held_by_peer, 1, memory_order_relaxed);
 }
 
 void gpuipc__stats_device(int ordinal, int dev) {
