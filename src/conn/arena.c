@@ -182,7 +182,8 @@ static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
   a->nchunks++;
   a->total_bytes += bytes;
   atomic_fetch_add(&chunks_live, 1);
-  gpuipc__stats_add(GPUIPC__ST_ARENA_CHUNKS, 1), gpuipc__stats_add(GPUIPC__ST_ARENA_BYTES, (int64_t)bytes);
+  gpuipc__stats_add(GPUIPC__ST_ARENA_CHUNKS, 1);
+  gpuipc__stats_add(GPUIPC__ST_ARENA_BYTES, (int64_t)bytes);
   GPUIPC__DEBUG("arena", "arena %llu: chunk %u of %zu bytes",
                 (unsigned long long)a->id, i, bytes);
   return GPUIPC_OK;
@@ -299,7 +300,8 @@ gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a) {
   for (uint32_t i = 0; i < a->nchunks; i++) {
     gpuipc_buffer_free(a->chunks[i].buf, NULL);
     atomic_fetch_sub(&chunks_live, 1);
-    gpuipc__stats_add(GPUIPC__ST_ARENA_CHUNKS, -1), gpuipc__stats_add(GPUIPC__ST_ARENA_BYTES, -(int64_t)a->chunks[i].size);
+    gpuipc__stats_add(GPUIPC__ST_ARENA_CHUNKS, -1);
+    gpuipc__stats_add(GPUIPC__ST_ARENA_BYTES, -(int64_t)a->chunks[i].size);
   }
   gpuipc__ctx_leave(&g);
   s = gpuipc_pool_destroy(a->pool);
@@ -492,8 +494,10 @@ gpuipc_status gpuipc_block_free(gpuipc_block *b, struct CUstream_st *stream) {
   b->freed = true;
   if (b->holders == 0)
     block_release_memory(b);
-  else
-    a->blocks_deferred++, gpuipc__stats_add(GPUIPC__ST_ARENA_DEFERRED, 1);
+  else {
+    a->blocks_deferred++;
+    gpuipc__stats_add(GPUIPC__ST_ARENA_DEFERRED, 1);
+  }
 out:
   pthread_mutex_unlock(&a->lock);
   gpuipc__ctx_leave(&g);

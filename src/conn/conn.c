@@ -1080,7 +1080,8 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
     if (c->peer_start_time == 0)
       c->peer_start_time = peer.start_time;
     c->peer_max_outstanding = peer.max_outstanding;
-    c->stats_slot = gpuipc__stats_conn_open(c->peer_pid, c->peer_start_time, (int)c->order);
+    c->stats_slot = gpuipc__stats_conn_open(c->peer_pid, c->peer_start_time,
+                                            (int)c->order);
     GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
     x->stage = HS_VERDICT;
   }
