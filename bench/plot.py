@@ -50,6 +50,11 @@ def subtitle(d):
     return f"{gpu}, CUDA {cuda}{emu}\n{d.get('command', '')}"
 
 
+def num(v):
+    """A figure for matplotlib: null (not measured) becomes NaN, a gap."""
+    return float("nan") if v is None else float(v)
+
+
 def size_label(b):
     b = int(b)
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
@@ -84,9 +89,9 @@ def draw_handoff_latency(plt, b, d, path):
         if not rs:
             continue
         x = [r["size_bytes"] for r in rs]
-        ax.plot(x, [r["median_us"] for r in rs], style,
+        ax.plot(x, [num(r["median_us"]) for r in rs], style,
                 label=f"gpuipc handoff, {n} consumer(s), median")
-        ax.plot(x, [r["p90_us"] for r in rs], style, alpha=0.35,
+        ax.plot(x, [num(r["p90_us"]) for r in rs], style, alpha=0.35,
                 label=f"gpuipc handoff, {n} consumer(s), p90")
     names = {"legacy": "legacy IPC: get + open + close per buffer",
              "mempool": "mempool: export + import + free per buffer",
@@ -119,7 +124,7 @@ def draw_handoff_throughput(plt, b, d, path):
         rs = sorted((r for r in rows if r["consumers"] == n),
                     key=lambda r: r["size_bytes"])
         ax.plot([r["size_bytes"] for r in rs],
-                [r["buffers_per_s"] for r in rs], "o-",
+                [num(r["buffers_per_s"]) for r in rs], "o-",
                 label=f"{n} consumer(s)")
     sizes = sorted({r["size_bytes"] for r in rows})
     ax.set_xscale("log", base=2)
@@ -152,11 +157,11 @@ def draw_copy(plt, b, d, path):
         rs = sorted((r for r in rows if r["case"] == case),
                     key=lambda r: r["size_bytes"])
         x = [r["size_bytes"] for r in rs]
-        ax.plot(x, [r["gpuipc_gbps"] for r in rs], "o-", label="gpuipc")
+        ax.plot(x, [num(r["gpuipc_gbps"]) for r in rs], "o-", label="gpuipc")
         if any(r.get("plain_gbps") is not None for r in rs):
-            ax.plot(x, [r.get("plain_gbps") for r in rs], "s--",
+            ax.plot(x, [num(r.get("plain_gbps")) for r in rs], "s--",
                     label="plain driver call")
-        ax.plot(x, [r["bound_gbps"] for r in rs], ":", color="black",
+        ax.plot(x, [num(r["bound_gbps"]) for r in rs], ":", color="black",
                 label="bound")
         ax.set_xscale("log", base=2)
         ax.set_xticks(x)
@@ -180,9 +185,9 @@ def draw_handle(plt, b, d, path):
     labels = [f"{r['kind']}\n{r['operation']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 5))
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["gpuipc_us"] for r in rows], 0.4,
+    ax.bar([i - 0.2 for i in x], [num(r["gpuipc_us"]) for r in rows], 0.4,
            label="gpuipc")
-    ax.bar([i + 0.2 for i in x], [r.get("raw_us") or 0 for r in rows], 0.4,
+    ax.bar([i + 0.2 for i in x], [num(r.get("raw_us")) for r in rows], 0.4,
            label="raw driver calls")
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
