@@ -235,11 +235,14 @@ static void usage(FILE *f) {
           "  --threads: host threads of the engine's staged memcpy (default:\n"
           "  the engine's choice), to compare settings on one machine.\n"
           "  --chunk, --streams: the engine's chunk size and stream count\n"
-          "  (default: its heuristic), likewise.\n");
+          "  (default: its heuristic), likewise.\n"
+          "  --json FILE: also write every figure to FILE (gpuipc bench "
+          "--help).\n");
 }
 
-static void row(const char *size, const char *name, double plain, double x,
-                double bound, const char *target, int ok) {
+static void row(const char *size, size_t size_bytes, const char *name,
+                double plain, double x, double bound, const char *target,
+                int ok) {
   char pf[32], bf[32], fr[32], sp[32];
   if (plain > 0)
     snprintf(pf, sizeof pf, "%8.2f", plain);
@@ -253,9 +256,24 @@ static void row(const char *size, const char *name, double plain, double x,
     snprintf(sp, sizeof sp, "%7s", "-");
   printf("%-8s  %-26s %s  %8.2f  %s  %s  %s  %s%s\n", size, name, pf, x, bf, fr,
          sp, target, *target ? (ok ? " ok" : " MISS") : "");
+  gpuipc_bench_json_row_begin("copy");
+  gpuipc_bench_json_num("size_bytes", (double)size_bytes);
+  gpuipc_bench_json_str("case", name);
+  gpuipc_bench_json_num("plain_gbps", plain > 0 ? plain : 0.0 / 0.0);
+  gpuipc_bench_json_num("gpuipc_gbps", x);
+  gpuipc_bench_json_num("bound_gbps", bound);
+  gpuipc_bench_json_str("target", target);
+  if (*target)
+    gpuipc_bench_json_num("target_met", ok);
+  gpuipc_bench_json_row_end();
 }
 
 int gpuipc_bench_copy(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    }
   int emulated = gpuipc_cli_pick_driver(&argc, argv, "bench copy");
   if (emulated < 0)
     return 2;
@@ -415,6 +433,16 @@ int gpuipc_bench_copy(int argc, char **argv) {
          "into an idle stream goes to the driver's pageable copy instead.\n"
          "shared segment: a pinned memfd segment (gpuipc_xfer_shared): "
          "publish, then the stream waits on its word and copies from it.\n");
+  gpuipc_bench_json_num("device", device);
+  gpuipc_bench_json_str("device_name", name);
+  gpuipc_bench_json_num("copy_engines", in.copy_engines);
+  gpuipc_bench_json_num("streams", in.streams);
+  gpuipc_bench_json_num("max_chunk_bytes", (double)in.max_chunk_bytes);
+  gpuipc_bench_json_num("staging_slots", in.staging_slots);
+  gpuipc_bench_json_num("staging_slot_bytes", (double)in.staging_slot_bytes);
+  gpuipc_bench_json_num("host_threads", in.host_threads);
+  gpuipc_bench_json_num("repetitions", reps);
+  gpuipc_bench_json_str("unit", "GB/s");
   if (emulated)
     printf("(emulator: rates are memcpy speeds of this machine, not a GPU's; "
            "the targets apply to a real GPU)\n");
@@ -438,28 +466,29 @@ int gpuipc_bench_copy(int argc, char **argv) {
     int ok;
     ok = xh2d >= 0.95 * h2d;
     misses += !ok;
-    row(sz, "H2D pinned", h2d, xh2d, h2d, ">=95% bound", ok);
+    row(sz, n, "H2D pinned", h2d, xh2d, h2d, ">=95% bound", ok);
     ok = xd2h >= 0.95 * d2h;
     misses += !ok;
-    row(sz, "D2H pinned", d2h, xd2h, d2h, ">=95% bound", ok);
+    row(sz, n, "D2H pinned", d2h, xd2h, d2h, ">=95% bound", ok);
     ok = xh2d_pg >= 3 * h2d_pg;
     misses += !ok;
-    row(sz, "H2D pageable", h2d_pg, xh2d_pg, h2d, ">=3x plain", ok);
+    row(sz, n, "H2D pageable", h2d_pg, xh2d_pg, h2d, ">=3x plain", ok);
     ok = xd2h_pg >= 3 * d2h_pg;
     misses += !ok;
-    row(sz, "D2H pageable", d2h_pg, xd2h_pg, d2h, ">=3x plain", ok);
+    row(sz, n, "D2H pageable", d2h_pg, xd2h_pg, d2h, ">=3x plain", ok);
     /* Below 64 MiB the pipeline has too few chunks to hide its fill and
      * drain (at least 1 MiB each): the target is judged on large copies. */
     if (n >= 64 * MIB) {
       ok = xpipe >= 0.90 * both;
       misses += !ok;
-      row(sz, "in->stage->out pinned", serial, xpipe, both, ">=90% bound", ok);
+      row(sz, n, "in->stage->out pinned", serial, xpipe, both, ">=90% bound", ok);
     } else {
-      row(sz, "in->stage->out pinned", serial, xpipe, both, "", 1);
+      row(sz, n, "in->stage->out pinned", serial, xpipe, both, "", 1);
     }
-    row(sz, "in->stage->out pageable", serial_pg, xpipe_pg, both, "", 1);
-    row(sz, "H2D from shared segment", h2d, xshared, h2d, "", 1);
+    row(sz, n, "in->stage->out pageable", serial_pg, xpipe_pg, both, "", 1);
+    row(sz, n, "H2D from shared segment", h2d, xshared, h2d, "", 1);
   }
+  gpuipc_bench_json_num("targets_missed", misses);
   printf("\n%d target(s) missed%s\n", misses,
          emulated ? " (emulator: not meaningful)" : "");
   rc = 0;

@@ -291,9 +291,30 @@ static void print_row(const char *kind, const char *what, double g, double r,
     snprintf(ratio, sizeof ratio, "%.2fx", g / r);
   }
   printf("%-12s %-26s %12.1f %12s %8s   %s\n", kind, what, g, rs, ratio, raw);
+  gpuipc_bench_json_row_begin("handle");
+  gpuipc_bench_json_str("kind", kind);
+  gpuipc_bench_json_str("operation", what);
+  gpuipc_bench_json_num("gpuipc_us", g);
+  gpuipc_bench_json_num("raw_us", r > 0 ? r : 0.0 / 0.0);
+  gpuipc_bench_json_str("raw_calls", raw);
+  gpuipc_bench_json_row_end();
+}
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: gpuipc bench handle [--iters N] [--size BYTES] "
+             "[--json FILE] [--emulator PATH]\n"
+             "  export/import per buffer for each pool kind, next to the raw "
+             "driver calls\n"
+             "  --iters N     buffers per kind (default 100)\n"
+             "  --size BYTES  buffer size (default 1 MiB)\n");
 }
 
 int gpuipc_bench_handle(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    }
   int picked = gpuipc_cli_pick_driver(&argc, argv, "bench handle");
   if (picked < 0)
     return 2;
@@ -304,11 +325,10 @@ int gpuipc_bench_handle(int argc, char **argv) {
       iters = atoi(argv[++i]);
     else if (strcmp(argv[i], "--size") == 0 && i + 1 < argc)
       size = (size_t)strtoull(argv[++i], NULL, 0);
-    else {
-      fprintf(stderr,
-              "usage: gpuipc bench handle [--iters N] [--size BYTES] "
-              "[--emulator PATH]\n");
-      return strcmp(argv[i], "--help") == 0 ? 0 : 2;
+    else if (strcmp(argv[i], "all") != 0 && strcmp(argv[i], "handle") != 0) {
+      fprintf(stderr, "gpuipc bench handle: unknown option '%s'\n", argv[i]);
+      usage(stderr);
+      return 2;
     }
   }
   if (iters < 1 || size == 0) {
@@ -481,12 +501,18 @@ int gpuipc_bench_handle(int argc, char **argv) {
          iters, size);
   printf("device 0: %s, driver %d.%d (%s)\n", devname[0] ? devname : "?",
          drv / 1000, (drv % 1000) / 10, gpuipc_driver_path());
+  gpuipc_bench_json_num("buffers_per_kind", iters);
+  gpuipc_bench_json_num("size_bytes", (double)size);
+  gpuipc_bench_json_str("device_name", devname[0] ? devname : "?");
   printf("%-12s %-26s %12s %12s %8s   %s\n", "kind", "operation", "gpuipc us",
          "raw us", "ratio", "raw driver calls");
   for (int k = 0; k < NKINDS; k++) {
     const char *kn = gpuipc_pool_kind_name(kinds[k]);
     if (!rows[k].imp.ok) {
       printf("%-12s (not available on this device)\n", kn);
+      gpuipc_bench_json_row_begin("unavailable");
+      gpuipc_bench_json_str("kind", kn);
+      gpuipc_bench_json_row_end();
       continue;
     }
     print_row(kn, "export", rows[k].export_g, rows[k].export_r,

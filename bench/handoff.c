@@ -521,7 +521,23 @@ static const char *size_name(size_t s, char *buf) {
   return buf;
 }
 
+static void usage(FILE *f) {
+  fprintf(f, "usage: gpuipc bench handoff [--quick] [--iters N] [--json FILE] "
+             "[--emulator PATH]\n"
+             "  handoff latency and throughput over a connection, 1 and %d "
+             "consumers,\n"
+             "  next to the raw driver paths measured in the same run\n"
+             "  --quick    %d iterations, 4 KiB and 1 MiB only\n"
+             "  --iters N  iterations per figure (default 2000)\n",
+          MAXC, 200);
+}
+
 int gpuipc_bench_handoff(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    }
   int emu = gpuipc_cli_pick_driver(&argc, argv, "bench handoff");
   if (emu < 0)
     return 1;
@@ -534,9 +550,13 @@ int gpuipc_bench_handoff(int argc, char **argv) {
       quick = true;
     else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc)
       iters = atoi(argv[++i]);
-    else if (strcmp(argv[i], "all") != 0 && strcmp(argv[i], "handoff") != 0) {
-      fprintf(stderr, "usage: gpuipc bench handoff [--quick] [--iters N] "
-                      "[--emulator PATH]\n");
+    else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    } else if (strcmp(argv[i], "all") != 0 &&
+               strcmp(argv[i], "handoff") != 0) {
+      fprintf(stderr, "gpuipc bench handoff: unknown option '%s'\n", argv[i]);
+      usage(stderr);
       return 2;
     }
   }
@@ -574,6 +594,10 @@ int gpuipc_bench_handoff(int argc, char **argv) {
   printf("gpuipc bench handoff: %s%s, %d iterations%s\n", name,
          emu ? " (emulated: times are the emulator's, not a GPU's)" : "",
          iters, quick ? " (--quick)" : "");
+  gpuipc_bench_json_str("device", name);
+  gpuipc_bench_json_num("iterations", iters);
+  gpuipc_bench_json_num("quick", quick);
+  gpuipc_bench_json_num("consumers_max", MAXC);
 
   size_t sizes_full[] = {(size_t)4 << 10, (size_t)64 << 10, (size_t)1 << 20,
                          (size_t)16 << 20, (size_t)256 << 20};
@@ -613,6 +637,33 @@ int gpuipc_bench_handoff(int argc, char **argv) {
            "back)\n",
            fl[0], fl[1], fl[2]);
     fflush(stdout);
+    /* The same figures, one row per path; per_buffer_us is what one
+     * buffer handed over that way costs (the line the charts draw). */
+    gpuipc_bench_json_row_begin("raw");
+    gpuipc_bench_json_str("path", "legacy");
+    gpuipc_bench_json_num("get_us", leg[0]);
+    gpuipc_bench_json_num("open_us", leg[1]);
+    gpuipc_bench_json_num("close_us", leg[2]);
+    gpuipc_bench_json_num("per_buffer_us", leg[0] + leg[1] + leg[2]);
+    gpuipc_bench_json_row_end();
+    gpuipc_bench_json_row_begin("raw");
+    gpuipc_bench_json_str("path", "mempool");
+    gpuipc_bench_json_num("export_us", pool[0]);
+    gpuipc_bench_json_num("import_us", pool[1]);
+    gpuipc_bench_json_num("free_us", pool[2]);
+    gpuipc_bench_json_num("per_buffer_us", pool[0] + pool[1] + pool[2]);
+    gpuipc_bench_json_num("pool_import_once_us", pool[3]);
+    gpuipc_bench_json_row_end();
+    gpuipc_bench_json_row_begin("raw");
+    gpuipc_bench_json_str("path", "memop_round_trip");
+    gpuipc_bench_json_num("per_buffer_us", rt);
+    gpuipc_bench_json_row_end();
+    gpuipc_bench_json_row_begin("raw");
+    gpuipc_bench_json_str("path", "message");
+    gpuipc_bench_json_num("per_buffer_us", fl[0]);
+    gpuipc_bench_json_num("write_value_enqueue_us", fl[1]);
+    gpuipc_bench_json_num("wait_value_enqueue_us", fl[2]);
+    gpuipc_bench_json_row_end();
   }
 
   printf("\nhandoff: send -> consumer holds an ordered, usable buffer (consumer "
@@ -642,6 +693,15 @@ int gpuipc_bench_handoff(int argc, char **argv) {
       printf("%-9s %9d %11.2f %10.2f %14.0f %10.2f %10.2f\n", size_name(sz, sn),
              ncs[ci], med, p90, tput, sc, rc);
       fflush(stdout);
+      gpuipc_bench_json_row_begin("handoff");
+      gpuipc_bench_json_num("size_bytes", (double)sz);
+      gpuipc_bench_json_num("consumers", ncs[ci]);
+      gpuipc_bench_json_num("median_us", med);
+      gpuipc_bench_json_num("p90_us", p90);
+      gpuipc_bench_json_num("buffers_per_s", tput);
+      gpuipc_bench_json_num("send_us", sc);
+      gpuipc_bench_json_num("recv_us", rc);
+      gpuipc_bench_json_row_end();
       if (ncs[ci] == 1 && si == 0) {
         pair_med = med;
         pair_tput = tput;
@@ -653,6 +713,8 @@ int gpuipc_bench_handoff(int argc, char **argv) {
          "(target >= 200000)%s\n",
          pair_med, pair_tput,
          emu ? "; on the emulator these say little about a GPU" : "");
+  gpuipc_bench_json_num("pair_4k_median_us", pair_med);
+  gpuipc_bench_json_num("pair_4k_buffers_per_s", pair_tput);
 
   for (int k = 0; k < MAXC; k++) {
     send_cmd(b.c[k], OP_QUIT, 0);

@@ -4,11 +4,12 @@
  * tool includes only the curlx functions it is allowed. It brings each
  * layer's header for the layers above, never a layer's private *_int.h:
  *
- *   core/core.h      the driver table (gpuipc__cu), contexts, errors, clock
+ *   core/core.h      the driver table (gpuipc__cu), contexts, errors, clock,
+ *                    the default runtime directory, the stats segment
  *   handle/handle.h  descriptors (decode, encode, identity), buffer info,
  *                    liveness-table constants
- *   conn/conn.h      the connection frame format (docs/protocol.md), the
- *                    default runtime directory, arena chunk counters
+ *   conn/conn.h      the connection frame format (docs/protocol.md),
+ *                    arena chunk counters
  *   xfer/xfer.h      copy-engine leak counters, host copy helpers, the
  *                    shared segment's header check
  *

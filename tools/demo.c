@@ -202,7 +202,20 @@ static int child_main(int fd, size_t pattern_bytes) {
   return rc;
 }
 
+static void demo_usage(FILE *f) {
+  fprintf(f, "usage: gpuipc demo [--emulator PATH]\n"
+             "  two processes sharing GPU memory: one fills a buffer, the "
+             "other checks it\n"
+             "  --emulator PATH  the CUDA driver emulator, when no GPU driver "
+             "is usable\n");
+}
+
 int gpuipc_cmd_demo(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      demo_usage(stdout);
+      return 0;
+    }
   int emu = gpuipc_cli_pick_driver(&argc, argv, "demo");
   if (emu < 0)
     return 1;
@@ -210,7 +223,8 @@ int gpuipc_cmd_demo(int argc, char **argv) {
   if (argc >= 3 && strcmp(argv[1], "--child") == 0)
     return child_main(atoi(argv[2]), pattern_bytes);
   if (argc >= 2) {
-    fprintf(stderr, "usage: gpuipc demo [--emulator PATH]\n");
+    fprintf(stderr, "gpuipc demo: unknown option '%s'\n", argv[1]);
+    demo_usage(stderr);
     return 2;
   }
 

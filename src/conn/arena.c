@@ -288,6 +288,8 @@ static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
   a->nchunks++;
   a->total_bytes += bytes;
   atomic_fetch_add(&chunks_live, 1);
+  gpuipc__stats_add(GPUIPC__ST_ARENA_CHUNKS, 1);
+  gpuipc__stats_add(GPUIPC__ST_ARENA_BYTES, (int64_t)bytes);
   GPUIPC__DEBUG("arena", "arena %llu: chunk %u of %zu bytes",
                 (unsigned long long)a->id, i, bytes);
   return GPUIPC_OK;
@@ -345,6 +347,7 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   a->side = (struct CUstream_st *)st;
   GPUIPC__CHECK_GOTO(add_chunk(a, o.chunk_bytes), s, fail);
   gpuipc__ctx_leave(&g);
+  gpuipc__stats_add(GPUIPC__ST_ARENAS, 1);
   *out = a;
   return GPUIPC_OK;
 fail:
@@ -421,11 +424,14 @@ gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a, bool *pending) {
   for (uint32_t i = 0; i < a->nchunks; i++) {
     gpuipc_buffer_free(a->chunks[i].buf, NULL);
     atomic_fetch_sub(&chunks_live, 1);
+    gpuipc__stats_add(GPUIPC__ST_ARENA_CHUNKS, -1);
+    gpuipc__stats_add(GPUIPC__ST_ARENA_BYTES, -(int64_t)a->chunks[i].size);
   }
   gpuipc__ctx_leave(&g);
   s = gpuipc_pool_destroy(a->pool);
   pthread_mutex_unlock(&a->lock);
   pthread_mutex_destroy(&a->lock);
+  gpuipc__stats_add(GPUIPC__ST_ARENAS, -1);
   free(a);
   return s;
 }
@@ -512,6 +518,7 @@ gpuipc_status gpuipc__arena_take(gpuipc_arena *a, size_t bytes,
     r->len -= need;
   }
   a->blocks_allocated++;
+  gpuipc__stats_add(GPUIPC__ST_ARENA_BLOCKS, 1);
   a->bytes_allocated += need;
   if (internal) {
     a->internal_blocks++;
@@ -557,6 +564,7 @@ unsigned gpuipc_block_get_holders(const gpuipc_block *b) {
 static void block_release_memory(gpuipc_block *b) {
   gpuipc_arena *a = b->arena;
   a->blocks_allocated--;
+  gpuipc__stats_add(GPUIPC__ST_ARENA_BLOCKS, -1);
   a->bytes_allocated -= b->len;
   if (b->internal) {
     a->internal_blocks--;
@@ -581,6 +589,7 @@ static void block_unhold(gpuipc_block *b) {
   }
   if (b->holders == 0 && b->freed) {
     a->blocks_deferred--;
+    gpuipc__stats_add(GPUIPC__ST_ARENA_DEFERRED, -1);
     block_release_memory(b);
   }
 }
@@ -632,8 +641,10 @@ static gpuipc_status block_free(gpuipc_block *b, struct CUstream_st *stream,
   b->freed = true;
   if (b->holders == 0)
     block_release_memory(b);
-  else
+  else {
     a->blocks_deferred++;
+    gpuipc__stats_add(GPUIPC__ST_ARENA_DEFERRED, 1);
+  }
 out:
   pthread_mutex_unlock(&a->lock);
   gpuipc__ctx_leave(&g);

@@ -168,42 +168,6 @@ static gpuipc_status ensure_private_dir(const char *dir) {
   return GPUIPC_OK;
 }
 
-void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
-                                 size_t why_cap, bool *from_xdg) {
-  const char *xdg = gpuipc__getenv("XDG_RUNTIME_DIR");
-  char scratch[256];
-  if (why == NULL) {
-    why = scratch;
-    why_cap = sizeof scratch;
-  }
-  why[0] = '\0';
-  struct stat st;
-  bool ok = false;
-  if (xdg == NULL || xdg[0] == '\0')
-    snprintf(why, why_cap, "XDG_RUNTIME_DIR is not set");
-  else if (xdg[0] != '/')
-    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not an absolute path", xdg);
-  else if (strlen(xdg) + sizeof "/gpuipc" > cap)
-    snprintf(why, why_cap, "XDG_RUNTIME_DIR is too long");
-  else if (stat(xdg, &st) != 0)
-    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s: %s", xdg, strerror(errno));
-  else if (!S_ISDIR(st.st_mode))
-    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not a directory", xdg);
-  else if (st.st_uid != geteuid())
-    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is owned by uid %u, not by us",
-             xdg, (unsigned)st.st_uid);
-  else if (access(xdg, W_OK | X_OK) != 0)
-    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not writable", xdg);
-  else
-    ok = true;
-  if (ok)
-    snprintf(dir, cap, "%s/gpuipc", xdg);
-  else
-    snprintf(dir, cap, "/tmp/gpuipc-%u", (unsigned)geteuid());
-  if (from_xdg)
-    *from_xdg = ok;
-}
-
 static gpuipc_status make_addr(const char *name, const copts *o, bool create,
                                struct sockaddr_un *sa, socklen_t *salen,
                                char *shown, size_t shown_cap) {
@@ -299,6 +263,8 @@ void gpuipc__conn_queued(const gpuipc_conn *c, size_t *msgs, size_t *bytes,
 }
 
 static void conn_free(gpuipc_conn *c) {
+  if (c->peer_pid > 0)
+    gpuipc__stats_conn_close(c->stats_slot);
   if (c->fd >= 0)
     close(c->fd);
   close_rx_fds(c);
@@ -388,6 +354,7 @@ static void peer_gone(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return;
   c->state = GPUIPC__CONN_PEER_GONE;
+  gpuipc__stats_conn_state(c->stats_slot, c->state);
   GPUIPC__DEBUG("conn", "peer pid %d gone", c->peer_pid);
   disconnect(c);
   if (c->hooks)
@@ -407,6 +374,7 @@ static gpuipc_status conn_vfail(gpuipc_conn *c, gpuipc_status status,
     memcpy(c->broken_why, why, sizeof why);
     c->broken_status = status;
     c->state = GPUIPC__CONN_BROKEN;
+    gpuipc__stats_conn_state(c->stats_slot, c->state);
     disconnect(c);
     if (c->hooks)
       c->hooks->peer_gone(c);
@@ -1114,6 +1082,8 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
       c->peer_start_time = peer.start_time;
     c->peer = gpuipc__peer_open(c->peer_pid, c->peer_start_time);
     c->peer_max_outstanding = peer.max_outstanding;
+    c->stats_slot = gpuipc__stats_conn_open(c->peer_pid, c->peer_start_time,
+                                            (int)c->order);
     GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
     x->stage = HS_VERDICT;
   }

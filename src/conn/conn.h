@@ -131,12 +131,4 @@ void gpuipc__conn_queued(const struct gpuipc_conn *c, size_t *msgs,
 /* Chunks (device allocations) held by all arenas of this process. */
 size_t gpuipc__arena_chunks_live(void);
 
-/* The directory sockets live in when the caller names none:
- * $XDG_RUNTIME_DIR/gpuipc when XDG_RUNTIME_DIR is an absolute path to a
- * directory of ours we can write to, else /tmp/gpuipc-<uid>. why (may be
- * NULL) receives the reason XDG_RUNTIME_DIR was not used; *from_xdg (may be
- * NULL) says which was chosen. Shared with `gpuipc doctor`. */
-void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
-                                 size_t why_cap, bool *from_xdg);
-
 #endif /* GPUIPC_CONN_LAYER_H */

@@ -75,6 +75,7 @@ struct gpuipc_conn {
    * (owned by handoff.c). */
   const struct gpuipc__conn_hooks *hooks;
   struct gpuipc__ho *ho;
+  int stats_slot; /* this connection in the stats segment (0: none) */
 };
 
 /* ---- transport (conn.c) --------------------------------------------------- */

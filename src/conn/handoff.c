@@ -180,6 +180,7 @@ static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
                               int ordinal, uint64_t deadline) {
   gpuipc__lease_table *lt = NULL;
   GPUIPC__CHECK(gpuipc__lease_open(ordinal, c->max_outstanding, c->peer, &lt));
+  lt->stats_slot = c->stats_slot;
   gpuipc_arena *a = lt->ctl_arena;
   gpuipc_status s = export_chunk(c, h, a, lt->ctl->chunk, deadline);
   if (s == GPUIPC_OK) {
@@ -867,6 +868,7 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
   h->qhead = (h->qhead + 1) % h->peer_nslots;
   h->qlen--;
   h->rx_held++;
+  gpuipc__stats_conn_held_here(conn->stats_slot, 1);
   return GPUIPC_OK;
 }
 
@@ -960,6 +962,7 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
   r->last_rel = r->held;
   r->held = 0;
   h->rx_held--;
+  gpuipc__stats_conn_held_here(conn->stats_slot, -1);
   return GPUIPC_OK;
 }
 

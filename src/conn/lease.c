@@ -241,6 +241,7 @@ void gpuipc__lease_add(gpuipc__lease_table *lt, uint32_t slot,
   t->ordered = ordered;
   t->by_event = by_event;
   lt->tx_out++;
+  gpuipc__stats_lease_begin(lt->stats_slot, slot);
 }
 
 void gpuipc__lease_last_write(const gpuipc__lease_table *lt, uint32_t slot,
@@ -281,6 +282,7 @@ static void slot_free(gpuipc__lease_table *lt, uint32_t slot) {
   lt->tx[slot].seq = 0;
   lt->tx_free[lt->tx_nfree++] = slot;
   lt->tx_out--;
+  gpuipc__stats_lease_end(lt->stats_slot, slot);
 }
 
 size_t gpuipc__lease_outstanding(const gpuipc__lease_table *lt) {
@@ -534,6 +536,7 @@ static bool words_settled(gpuipc__lease_table *lt) {
 void gpuipc__lease_close(gpuipc__lease_table *lt) {
   if (lt == NULL)
     return;
+  lt->stats_slot = 0; /* the connection's slot goes with it */
   if (!lt->dead_handled) {
     if (gpuipc__peer_gone(lt->peer)) {
       reclaim_dead(lt);

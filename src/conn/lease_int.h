@@ -79,6 +79,7 @@ typedef struct gpuipc__lease_table {
   gpuipc__relrec *rel;
   size_t nrel, caprel;
   struct CUstream_st *evq; /* event mode: where releases are awaited */
+  int stats_slot; /* the connection's stats slot (0: none, or closed) */
 } gpuipc__lease_table;
 
 /* Makes the lease table of a connection to the peer (pid, start time as

@@ -322,6 +322,7 @@ gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx) {
       goto out;
     }
     atomic_store_explicit(&primary[ordinal], c, memory_order_release);
+    gpuipc__stats_device(ordinal, (int)dev);
   }
   *ctx = c;
 out:

@@ -1,6 +1,10 @@
 /*
  * log.c: owns the logger. The level comes from GPUIPC_LOG (read once), the
  * destination from GPUIPC_LOG_FILE ("%p" becomes the pid; default stderr).
+ * GPUIPC_LOG_SUBSYS (read once) selects the modules whose INFO, DEBUG
+ * and TRACE lines are written, as NCCL_DEBUG_SUBSYS does: a comma-separated
+ * list of module names ("all": every one), or, starting with '^', the
+ * modules not to write; warnings and errors are always written.
  * Every line starts "host:pid:tid gpuipc LEVEL [module] " and is written
  * with one write(2), so lines from several threads or processes sharing a
  * file do not interleave.
@@ -24,6 +28,51 @@ static char hostname[64];
 
 static const char *const level_names[] = {"OFF",  "ERROR", "WARN",
                                           "INFO", "DEBUG", "TRACE"};
+
+/* GPUIPC_LOG_SUBSYS, parsed once (under log_lock). */
+static bool subsys_read;
+static bool subsys_exclude; /* the list names the modules not to write */
+static char subsys_list[256]; /* ",name,name," lower case; "" none given */
+
+static void subsys_parse(void) {
+  subsys_read = true;
+  const char *e = gpuipc__getenv("GPUIPC_LOG_SUBSYS");
+  if (e == NULL)
+    return;
+  while (*e == ' ')
+    e++;
+  if (*e == '\0')
+    return; /* set but empty: as if unset */
+  if (*e == '^') {
+    subsys_exclude = true;
+    e++;
+  }
+  size_t o = 0;
+  subsys_list[o++] = ',';
+  for (; *e && o + 2 < sizeof subsys_list; e++) {
+    char ch = *e;
+    if (ch == ' ')
+      continue;
+    subsys_list[o++] = (ch >= 'A' && ch <= 'Z') ? (char)(ch - 'A' + 'a') : ch;
+  }
+  subsys_list[o++] = ',';
+  subsys_list[o] = '\0';
+}
+
+/* Whether a line of this level and module is written. Called with
+ * log_lock held. */
+static bool subsys_on(int level, const char *module) {
+  if (!subsys_read)
+    subsys_parse();
+  if (level <= GPUIPC_LOG_WARN || subsys_list[0] == '\0')
+    return true;
+  if (strstr(subsys_list, ",all,"))
+    return !subsys_exclude;
+  char key[40];
+  snprintf(key, sizeof key, ",%s,", module);
+  bool named = strstr(subsys_list, key) != NULL;
+  return subsys_exclude ? !named : named;
+}
 
 static int parse_level(const char *s) {
   if (s == NULL || *s == '\0')
@@ -116,6 +165,11 @@ void gpuipc__log_write(int level, const char *module, const char *fmt, ...) {
   int saved_errno = errno;
   char line[2048];
   pthread_mutex_lock(&log_lock);
+  if (!subsys_on(level, module)) {
+    pthread_mutex_unlock(&log_lock);
+    errno = saved_errno;
+    return;
+  }
   int fd = log_target();
   int n = snprintf(line, sizeof line, "%s:%d:%ld gpuipc %s [%s] ", hostname,
                    (int)getpid(), (long)syscall(SYS_gettid),

@@ -2,10 +2,12 @@
  * util.c: owns small process-level facts and helpers that several layers
  * need: the environment getter, the monotonic clock, the boot id, the pid
  * namespace, the one parser of /proc/<pid>/stat (state, start time),
- * option-struct copying, the version functions.
+ * option-struct copying, the version functions, the default runtime
+ * directory.
  */
 #include "core_int.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,4 +130,40 @@ gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
   }
   memcpy(dst, &dst_size, sizeof dst_size);
   return GPUIPC_OK;
+}
+
+void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
+                                 size_t why_cap, bool *from_xdg) {
+  const char *xdg = gpuipc__getenv("XDG_RUNTIME_DIR");
+  char scratch[256];
+  if (why == NULL) {
+    why = scratch;
+    why_cap = sizeof scratch;
+  }
+  why[0] = '\0';
+  struct stat st;
+  bool ok = false;
+  if (xdg == NULL || xdg[0] == '\0')
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR is not set");
+  else if (xdg[0] != '/')
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not an absolute path", xdg);
+  else if (strlen(xdg) + sizeof "/gpuipc" > cap)
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR is too long");
+  else if (stat(xdg, &st) != 0)
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s: %s", xdg, strerror(errno));
+  else if (!S_ISDIR(st.st_mode))
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not a directory", xdg);
+  else if (st.st_uid != geteuid())
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is owned by uid %u, not by us",
+             xdg, (unsigned)st.st_uid);
+  else if (access(xdg, W_OK | X_OK) != 0)
+    snprintf(why, why_cap, "XDG_RUNTIME_DIR=%s is not writable", xdg);
+  else
+    ok = true;
+  if (ok)
+    snprintf(dir, cap, "%s/gpuipc", xdg);
+  else
+    snprintf(dir, cap, "/tmp/gpuipc-%u", (unsigned)geteuid());
+  if (from_xdg)
+    *from_xdg = ok;
 }

@@ -115,6 +115,8 @@ gpuipc_status gpuipc_buffer_alloc(gpuipc_pool *pool, size_t size,
   b->generation = gpuipc__next_generation();
   gpuipc__ctx_leave(&g);
   atomic_fetch_add(&pool->live, 1);
+  gpuipc__stats_add(GPUIPC__ST_POOL_BUFFERS, 1);
+  gpuipc__stats_add(GPUIPC__ST_POOL_BYTES, (int64_t)b->size);
   *out = b;
   return GPUIPC_OK;
 fail:
@@ -669,6 +671,8 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
     if (pool->capacity && !pool->ops->driver_capacity)
       atomic_fetch_sub(&pool->in_use, b->size);
     atomic_fetch_sub(&pool->live, 1);
+    gpuipc__stats_add(GPUIPC__ST_POOL_BUFFERS, -1);
+    gpuipc__stats_add(GPUIPC__ST_POOL_BYTES, -(int64_t)b->size);
   }
   buffer_delete(b);
   return s;

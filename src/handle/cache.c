@@ -235,6 +235,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       pthread_mutex_lock(&cache_lock);
       if (same) {
         stats.hits++;
+        gpuipc__stats_add(GPUIPC__ST_CACHE_HITS, 1);
         pthread_mutex_unlock(&cache_lock);
         *out = e;
         GPUIPC__TRACE("handle", "import cache hit: base 0x%llx, %ld refs",
@@ -250,6 +251,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       if (e->linked) {
         e->linked = false;
         stats.stale++;
+        gpuipc__stats_add(GPUIPC__ST_CACHE_STALE, 1);
       }
       pthread_mutex_unlock(&cache_lock);
       (void)gpuipc__cache_release(e);
@@ -269,6 +271,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
                   (unsigned long long)d->generation);
     e->linked = false;
     stats.stale++;
+    gpuipc__stats_add(GPUIPC__ST_CACHE_STALE, 1);
   }
   n = calloc(1, sizeof *n);
   if (n == NULL) {
@@ -285,6 +288,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
   n->next = maps;
   maps = n;
   stats.misses++;
+  gpuipc__stats_add(GPUIPC__ST_CACHE_MISSES, 1);
   pthread_mutex_unlock(&cache_lock);
 
   gpuipc_status s = open_mapping(ops, d, map_ordinal, fds, nfds, flags, &n->o);
@@ -293,6 +297,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
   if (s == GPUIPC_OK) {
     n->state = ST_LIVE;
     stats.live_mappings++;
+    gpuipc__stats_add(GPUIPC__ST_CACHE_LIVE, 1);
   } else {
     unlink_entry(n);
   }
@@ -316,6 +321,7 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
   }
   m->state = ST_CLOSING;
   stats.live_mappings--;
+  gpuipc__stats_add(GPUIPC__ST_CACHE_LIVE, -1);
   /* A pool pointer imported twice is one mapping in the driver (it can
    * happen when an exporter reallocated at the address of a buffer still
    * held here, or when an open ran while this close): free it once, with

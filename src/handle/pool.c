@@ -145,6 +145,7 @@ gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts_in,
   GPUIPC__DEBUG("handle", "pool %llu created: %s on device %d",
                 (unsigned long long)p->id, gpuipc_pool_kind_name(p->kind),
                 p->ordinal);
+  gpuipc__stats_add(GPUIPC__ST_POOLS, 1);
   *out = p;
   return GPUIPC_OK;
 fail:
@@ -171,6 +172,7 @@ gpuipc_status gpuipc_pool_destroy(gpuipc_pool *p) {
   gpuipc_status s = GPUIPC_OK;
   if (p->ops->pool_destroy)
     s = p->ops->pool_destroy(p);
+  gpuipc__stats_add(GPUIPC__ST_POOLS, -1);
   pthread_mutex_destroy(&p->lock);
   free(p);
   return s;

@@ -1,0 +1,176 @@
+/*
+ * test-cli.c: the gpuipc command's surface as a packager and a script see
+ * it: --help and -h of every command and subcommand print usage to stdout
+ * and exit 0; --version prints the version; unknown commands and options
+ * exit 2 (doctor: 64, its verdicts own 0..2) with usage on stderr and
+ * nothing on stdout; bench --json writes a record bench/plot.py accepts.
+ */
+#include "harness.h"
+
+#include <unistd.h>
+
+/* Runs the CLI with up to 4 arguments; stdout into out, and (when err is
+ * not NULL) stderr into err instead, through a shell redirect. */
+static int cli(const char *const args[], char *out, size_t cap, char *err,
+               size_t ecap) {
+  char *argv[12];
+  int n = 0;
+  if (err) {
+    argv[n++] = "/bin/sh";
+    argv[n++] = "-c";
+    argv[n++] = "out=$1; shift; \"$0\" \"$@\" 2>&1 >\"$out\"";
+    argv[n++] = GPUIPC_CLI_PATH;
+    static char path[600];
+    snprintf(path, sizeof path, "%s/stdout", harness_tmpdir());
+    argv[n++] = path;
+    for (int i = 0; args[i]; i++)
+      argv[n++] = (char *)args[i];
+    argv[n] = NULL;
+    int rc = harness_run(argv, NULL, err, ecap);
+    FILE *f = fopen(path, "r");
+    ASSERT_NOT_NULL(f);
+    size_t got = fread(out, 1, cap - 1, f);
+    out[got] = '\0';
+    fclose(f);
+    return rc;
+  }
+  argv[n++] = GPUIPC_CLI_PATH;
+  for (int i = 0; args[i]; i++)
+    argv[n++] = (char *)args[i];
+  argv[n] = NULL;
+  return harness_run(argv, NULL, out, cap);
+}
+
+static void show(const char *const args[], char *buf, size_t cap) {
+  buf[0] = '\0';
+  for (int i = 0; args[i]; i++)
+    snprintf(buf + strlen(buf), cap - strlen(buf), " %s", args[i]);
+}
+
+TEST_IMPL(cli_help_of_every_command) {
+  static const char *const cases[][4] = {
+      {"--help"},           {"-h"},
+      {"help"},             {"doctor", "--help"},
+      {"doctor", "-h"},     {"demo", "--help"},
+      {"demo", "-h"},       {"ls", "--help"},
+      {"ls", "-h"},         {"top", "--help"},
+      {"top", "-h"},        {"version", "--help"},
+      {"bench", "--help"},  {"bench", "-h"},
+      {"bench", "handle", "--help"}, {"bench", "handle", "-h"},
+      {"bench", "handoff", "--help"}, {"bench", "handoff", "-h"},
+      {"bench", "copy", "--help"},   {"bench", "copy", "-h"},
+      {"bench", "all", "--help"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    static char out[16384], err[16384];
+    char what[128];
+    show(cases[i], what, sizeof what);
+    int rc = cli(cases[i], out, sizeof out, err, sizeof err);
+    if (rc != 0 || strncmp(out, "usage: gpuipc", 13) != 0 || err[0] != '\0')
+      harness_fail(__FILE__, __LINE__,
+                   "gpuipc%s: exit %d (want 0), stdout:\n%s\nstderr:\n%s",
+                   what, rc, out, err);
+  }
+  return 0;
+}
+
+TEST_IMPL(cli_version) {
+  static const char *const cases[][2] = {{"--version"}, {"version"}};
+  for (size_t i = 0; i < 2; i++) {
+    char out[256], want[64];
+    ASSERT_EQ(cli(cases[i], out, sizeof out, NULL, 0), 0);
+    snprintf(want, sizeof want, "gpuipc %s\n", gpuipc_version_string());
+    ASSERT_STR_EQ(out, want);
+  }
+  return 0;
+}
+
+TEST_IMPL(cli_unknown_options_exit_2_with_usage_on_stderr) {
+  static const struct {
+    const char *args[5];
+    int rc;
+  } cases[] = {
+      {{"no-such-command"}, 2},
+      {{"--no-such-option"}, 2},
+      {{}, 2},
+      {{"demo", "--no-such-option"}, 2},
+      {{"ls", "--no-such-option"}, 2},
+      {{"top", "--no-such-option"}, 2},
+      {{"top", "--interval", "0"}, 2},
+      {{"top", "--count", "x"}, 2},
+      {{"version", "--no-such-option"}, 2},
+      {{"bench"}, 2},
+      {{"bench", "no-such-bench"}, 2},
+      {{"bench", "--no-such-option"}, 2},
+      {{"bench", "handle", "--no-such-option"}, 2},
+      {{"bench", "handoff", "--no-such-option"}, 2},
+      {{"bench", "copy", "--no-such-option"}, 2},
+      {{"bench", "handle", "--json"}, 2},
+      /* doctor's exit status is its verdict (0, 1, 2): a usage error is 64
+       * (docs/doctor.md). */
+      {{"doctor", "--no-such-option"}, 64},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    static char out[16384], err[16384];
+    char what[128];
+    show(cases[i].args, what, sizeof what);
+    int rc = cli(cases[i].args, out, sizeof out, err, sizeof err);
+    if (rc != cases[i].rc || out[0] != '\0' || strstr(err, "usage:") == NULL)
+      harness_fail(__FILE__, __LINE__,
+                   "gpuipc%s: exit %d (want %d, usage on stderr only), "
+                   "stdout:\n%s\nstderr:\n%s",
+                   what, rc, cases[i].rc, out, err);
+  }
+  return 0;
+}
+
+TEST_IMPL(bench_json_record_and_plot_check) {
+  REQUIRE_EMULATOR("a benchmark run short enough for the suite");
+  char path[600];
+  snprintf(path, sizeof path, "%s/handoff.json", harness_tmpdir());
+  const char *args[] = {"bench", "handoff", "--quick", "--iters", "10",
+                        "--json", path, NULL};
+  static char out[1 << 16];
+  ASSERT_EQ(cli(args, out, sizeof out, NULL, 0), 0);
+  /* What it printed is also in the record. */
+  ASSERT(strstr(out, "one pair, 4 KiB: median") != NULL);
+  FILE *f = fopen(path, "r");
+  ASSERT_NOT_NULL(f);
+  static char rec[1 << 16];
+  size_t n = fread(rec, 1, sizeof rec - 1, f);
+  rec[n] = '\0';
+  fclose(f);
+  char want[800];
+  snprintf(want, sizeof want,
+           "\"command\": \"gpuipc bench handoff --quick --iters 10 --json %s\"",
+           path);
+  const char *const keys[] = {
+      "\"format\": \"gpuipc-bench\"", "\"machine\": {\"hostname\": ",
+      "\"driver\": {\"library\": ",   "\"emulated\": true",
+      "\"gpus\": [\n    {\"ordinal\": 0, \"name\": ",
+      "{\"name\": \"handoff\", \"info\": {\"device\": ",
+      "\"iterations\": 10",           "\"raw\": [",
+      "{\"path\": \"legacy\", \"get_us\": ",
+      "{\"path\": \"memop_round_trip\", \"per_buffer_us\": ",
+      "\"handoff\": [",
+      "{\"size_bytes\": 4096, \"consumers\": 1, \"median_us\": ",
+      "{\"size_bytes\": 1048576, \"consumers\": 8, \"median_us\": ",
+      "\"pair_4k_median_us\": ",      want};
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+    if (strstr(rec, keys[i]) == NULL)
+      harness_fail(__FILE__, __LINE__, "record lacks %s:\n%s", keys[i], rec);
+  /* bench/plot.py accepts it (--check needs no matplotlib). */
+  if (access("/usr/bin/python3", X_OK) != 0)
+    SKIP("no python3 for bench/plot.py");
+  char plot[600];
+  snprintf(plot, sizeof plot, "%s/bench/plot.py", GPUIPC_SOURCE_DIR);
+  char *pargv[] = {"/usr/bin/python3", plot, "--check", "--out", "figs", path,
+                   NULL};
+  ASSERT_EQ(harness_run(pargv, NULL, out, sizeof out), 0);
+  ASSERT(strstr(out, "would draw figs/handoff-latency.png") != NULL);
+  ASSERT(strstr(out, "would draw figs/handoff-throughput.png") != NULL);
+  /* Something that is not a record is refused. */
+  char *bad[] = {"/usr/bin/python3", plot, "--check", GPUIPC_SOURCE_DIR "/docs/ls.md", NULL};
+  ASSERT_NE(harness_run(bad, NULL, out, sizeof out), 0);
+  return 0;
+}
