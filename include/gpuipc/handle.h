@@ -179,9 +179,9 @@ GPUIPC_API gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts,
  * Destroys a pool created by gpuipc_pool_create(), or releases a pool
  * obtained by gpuipc_pool_import(). NULL is a no-op. A created pool must
  * have no live buffers (GPUIPC_E_BUSY otherwise, and the pool stays valid).
- * Imported pools stay mapped in the driver for the life of the process (the
- * driver cannot destroy an imported pool); gpuipc keeps them in its cache so
- * the next import from the same exporter pool is free.
+ * Imported pools stay in gpuipc's cache while their exporter lives, so the
+ * next import from the same exporter pool is free; once the exporter is
+ * gone and nothing imported here holds the pool, it is destroyed.
  */
 GPUIPC_API gpuipc_status gpuipc_pool_destroy(gpuipc_pool *pool);
 

@@ -357,6 +357,7 @@ gpuipc_status gpuipc_buffer_export(gpuipc_buffer *b, uint8_t *desc, size_t cap,
   d.flags = b->origin == GPUIPC__WRAPPED ? GPUIPC__DESC_F_WRAPPED : 0;
   memcpy(d.device, b->uuid.bytes, 16);
   GPUIPC__CHECK(gpuipc__desc_set_exporter(&d));
+  d.live_key = gpuipc__live_key(); /* names this process's liveness table */
   d.buffer_id = b->buffer_id;
   d.generation = b->generation;
   d.offset = b->offset;

@@ -25,7 +25,13 @@
  *   is never handed out.
  * Concurrency: one mutex guards the tables; driver calls happen outside it.
  * An entry being opened is in state OPENING, and threads that want the same
- * key wait for it, so the same memory is never mapped twice.
+ * key wait for it, so the same memory is never mapped twice; an entry being
+ * closed is in state CLOSING until its close has finished, and a new import
+ * of the same memory waits for that too (and, for pool memory, whose
+ * second import the driver answers with the first one's mapping, no open
+ * overlaps a close on the same device), so no import is ever handed a
+ * mapping a close in flight is about to free. Imported pools follow the
+ * same states.
  */
 #include "handle_int.h"
 

@@ -378,7 +378,6 @@ gpuipc_status gpuipc__self_identity(gpuipc__identity *id) {
 }
 
 gpuipc_status gpuipc__desc_set_exporter(gpuipc__desc *d) {
-  d->live_key = gpuipc__live_key();
   return gpuipc__self_identity(&d->exporter);
 }
 

@@ -299,7 +299,7 @@ bool gpuipc__exporter_gone(const gpuipc__identity *exporter);
 gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d);
 
 /* This process's table's key (made with the table on first use; 0 when
- * it has none): gpuipc__desc_set_exporter puts it in every descriptor. */
+ * it has none): every buffer and pool descriptor carries it. */
 uint64_t gpuipc__live_key(void);
 
 /* Records in this process's table that fd is an export of kind with tag

@@ -153,7 +153,7 @@ gpuipc_status gpuipc_buffer_import_legacy_raw(const uint8_t handle[64],
  * things can:
  * - the driver: importing a pool it already imported returns the same
  *   CUmemoryPool, so the handle's value names the pool in this process
- *   (imported pools are never destroyed, so the value is never reused);
+ *   (raw pool imports are never destroyed, so the value is never reused);
  * - kcmp(KCMP_FILE): an fd received again (another SCM_RIGHTS copy of the
  *   same export) is the same open file as one seen before, so its id is
  *   known without asking the driver again.

@@ -49,7 +49,10 @@ static atomic_uint_fast64_t generations;
  * host buffer, the pool id of a memory pool) and the file's device and
  * inode. Only the exporter writes it, so an importer that fetched an fd by
  * pidfd_getfd can prove that the file it got is the export the descriptor
- * names, and not some other file a forged descriptor pointed it at.
+ * names, and not some other file a forged descriptor pointed it at. (A
+ * driver's handles may be anonymous files sharing one inode, so for them
+ * the proof rests on the record itself: written at export, cleared before
+ * the fd is closed, naming the allocation's generation or the pool's id.)
  *
  * The exporter unlinks its table when the library is unloaded (normal
  * exit); tables of processes that died without it are removed by the next

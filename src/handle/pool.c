@@ -215,6 +215,7 @@ gpuipc_status gpuipc_pool_export(gpuipc_pool *p, uint8_t *desc, size_t cap,
   int pool_fd = -1;
   GPUIPC__CHECK(p->ops->pool_export(p, &d, &pool_fd));
   GPUIPC__CHECK(gpuipc__desc_set_exporter(&d));
+  d.live_key = gpuipc__live_key(); /* names this process's liveness table */
   int newfd = -1;
   if (fd) {
     newfd = fcntl(pool_fd, F_DUPFD_CLOEXEC, 0);

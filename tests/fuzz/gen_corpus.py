@@ -63,6 +63,8 @@ def main():
         "OK-pool": desc(type_=2, kind=1, nfds=1, exporter_fd=9, pool_id=4, offset=0, size=0, alloc_size=0),
         "OK-event": desc(type_=3, kind=16, offset=0, size=0, alloc_size=0),
         "OK-longer-same-version": desc(length=200, extra=bytes(8)),
+        "OK-live-key": desc(kind=4, nfds=1, exporter_fd=7, offset=0, size=4096, alloc_size=4096,
+                            length=200, extra=struct.pack("<Q", 0x8d2f55e01c9a4b37)),
         "E_TRUNCATED-empty": b"",
         "E_TRUNCATED-3-bytes": desc()[:3],
         "E_TRUNCATED-header-only": desc()[:16],
