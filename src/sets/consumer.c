@@ -16,6 +16,8 @@
  */
 #include "sets_int.h"
 
+#include "conn/conn.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,10 +78,10 @@ static gpuipc_status refuse(gpuipc_tset_sub *sub, uint64_t layout,
   sub->refused = layout;
   sub->refused_status = s;
   snprintf(sub->refused_why, sizeof sub->refused_why, "%s", gpuipc_last_error());
-  if (sub->pending && sub->pending->tab.layout_id == layout) {
-    layout_free(sub, sub->pending, NULL);
-    sub->pending = NULL;
-  }
+  /* A layout being received is the refused one (or one a producer left
+   * half sent): none of it stays. */
+  layout_free(sub, sub->pending, NULL);
+  sub->pending = NULL;
   GPUIPC__WARN(MOD, "tensor-set layout %llx refused: %s",
                (unsigned long long)layout, sub->refused_why);
   return gpuipc__fail(s, "tensor-set layout %llx refused: %s",
@@ -173,13 +175,37 @@ out:
 static gpuipc_status start_layout(gpuipc_tset_sub *sub,
                                   const gpuipc__tset_meta *m,
                                   const gpuipc_received *r) {
-  while (!(sub->tchunks > 0 && sub->thave == sub->tneed)) {
+  /* The piece says how many table bytes were sent before it: take chunks
+   * up to that (or the table's own length, if less). */
+  while (sub->tchunks == 0 ||
+         sub->thave < (sub->tneed < m->c ? sub->tneed : m->c)) {
+    /* The chunks were sent before this piece, so they are all queued
+     * here by now (the connection read them before the piece's frame):
+     * none queued means none more will come. */
+    size_t queued = 0;
+    gpuipc__conn_queued(sub->conn, &queued, NULL, NULL, NULL);
+    if (queued == 0) {
+      size_t have = sub->thave, need = sub->tneed;
+      table_reset(sub);
+      return refuse(sub, m->layout_id,
+                    gpuipc__fail(GPUIPC_E_TRUNCATED, "tensor-set table: %zu "
+                                 "of its %zu bytes came before its first "
+                                 "piece", have, need));
+    }
     gpuipc_status s = take_chunk(sub);
     if (s != GPUIPC_OK)
       return refuse(sub, m->layout_id, s == GPUIPC_E_TIMEOUT ||
                                                s == GPUIPC_E_WOULD_BLOCK
                                            ? GPUIPC_E_PROTOCOL
                                            : s);
+  }
+  if (sub->thave < sub->tneed) {
+    size_t have = sub->thave, need = sub->tneed;
+    table_reset(sub);
+    return refuse(sub, m->layout_id,
+                  gpuipc__fail(GPUIPC_E_TRUNCATED, "tensor-set table: %zu of "
+                               "its %zu bytes came before its first piece",
+                               have, need));
   }
   if (sub->tlayout != m->layout_id || sub->tneed != m->c) {
     table_reset(sub);
