@@ -266,9 +266,10 @@ gpuipc_status gpuipc__tset_table_check(gpuipc__tset_table *t) {
       const gpuipc__tset_entry *o = &t->e[hash[h] - 1];
       if (o->name_len == e->name_len &&
           memcmp(t->names + o->name_off, name, e->name_len) == 0) {
+        uint32_t first = hash[h] - 1;
         free(hash);
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "entries %u and %u are both "
-                            "named \"%.*s\"", hash[h] - 1, i, (int)e->name_len,
+                            "named \"%.*s\"", first, i, (int)e->name_len,
                             name);
       }
     }
