@@ -487,6 +487,10 @@ HELPER_IMPL(ts_consumer) {
     ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
   }
   if (strcmp(mode, "change") == 0) {
+    gpuipc_tset_version *none = NULL;
+    ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &none),
+                  GPUIPC_E_CANCELED);
+    ASSERT_NULL(none);
     spec_t sp2;
     spec(argv[3], &sp2);
     gpuipc_tset_version *v = NULL;
@@ -499,6 +503,8 @@ HELPER_IMPL(ts_consumer) {
   say(c, "ok");
   /* The producer ends the subscription (END) and closes. */
   gpuipc_tset_version *v = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
   gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
   ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
   gpuipc_tset_sub_close(sub);
@@ -830,6 +836,8 @@ HELPER_IMPL(ts_slow_reader) {
   free(host);
   say(c, "ok");
   gpuipc_tset_version *none = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &none),
+                GPUIPC_E_CANCELED);
   gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &none);
   ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
   gpuipc_tset_sub_close(sub);
@@ -1108,12 +1116,28 @@ TEST_IMPL(sets_hostile_tables_refused) {
   check_version(v, &sp, s);
   ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
   say(c, "ok");
-  /* END of the honest set, then the producer's word that all is released. */
+  /* END of the honest set, then the producer is gone. */
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
   ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
                 GPUIPC_E_PEER_GONE);
   gpuipc_tset_sub_close(sub);
   gpuipc_conn_close(c);
   ASSERT_EQ(wait_helper(pid, 120), 0);
   spec_free(&sp);
+  return 0;
+}
+
+/* ---- the benchmark runs ---------------------------------------------------------------- */
+
+TEST_IMPL(sets_bench_quick_runs) {
+  REQUIRE_EMULATOR("a GPU run of the benchmark belongs to make gpu-bench");
+  char *argv[] = {GPUIPC_CLI_PATH, "bench", "sets", "--quick", "--emulator",
+                  (char *)harness_emulator_path(), NULL};
+  static char out[16384];
+  ASSERT_EQ(harness_run(argv, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "copy_into the consumer's own tensors");
+  ASSERT_STR_CONTAINS(out, "zero-copy: publish to usable views");
+  ASSERT_STR_CONTAINS(out, "KV cache: 1000 blocks");
   return 0;
 }

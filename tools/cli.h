@@ -12,6 +12,7 @@ int gpuipc_cmd_bench(int argc, char **argv);
 int gpuipc_bench_copy(int argc, char **argv);    /* bench/copy.c */
 int gpuipc_bench_handoff(int argc, char **argv); /* bench/handoff.c */
 int gpuipc_bench_handle(int argc, char **argv);  /* bench/handle.c */
+int gpuipc_bench_sets(int argc, char **argv);    /* bench/sets.c */
 
 /* If argv holds "--emulator PATH" and no GPU driver is usable, sets
  * GPUIPC_CUDA_DRIVER=PATH and prints a line saying the emulator is in use.

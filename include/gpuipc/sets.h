@@ -269,6 +269,12 @@ GPUIPC_API gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set,
 GPUIPC_API gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set,
                                                  gpuipc_conn *conn);
 
+/* Each piece a subscriber holds (one per copy for an owned set, one per
+ * allocation for a wrapped one) and each version it holds takes one of the
+ * connection's max_outstanding slots (gpuipc_conn_options, default 256):
+ * give a connection that carries a wrapped set of many allocations room
+ * for them. */
+
 /* Number of connections subscribed now (ended ones still draining
  * included). */
 GPUIPC_API size_t gpuipc_tset_get_subscribers(const gpuipc_tset *set);
@@ -291,8 +297,15 @@ GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
  * table and pieces are received and validated on the way. On return the
  * work queued on `stream` after this call runs after the producer's
  * writes queued before its publish; the version's tensors are readable
- * until gpuipc_tset_version_release. GPUIPC_E_PEER_GONE when the producer
- * is gone; GPUIPC_E_PROTOCOL (and the decoder's statuses: TRUNCATED,
+ * until gpuipc_tset_version_release. GPUIPC_E_CANCELED once when the
+ * producer ended the subscription (gpuipc_tset_unsubscribe, or it
+ * destroyed the set): the layout's pieces are released as soon as no
+ * version held uses them, and the versions of a set the producer
+ * subscribes this connection to next come with later calls (a layout
+ * change). The consumer sees the end, and so releases what the producer
+ * waits for, only in a call to gpuipc_tset_recv: a producer's unsubscribe
+ * or destroy waits for the consumer to make that call. GPUIPC_E_PEER_GONE
+ * when the producer is gone; GPUIPC_E_PROTOCOL (and the decoder's statuses: TRUNCATED,
  * BAD_MAGIC, BAD_VERSION, BAD_CHECKSUM, BAD_KIND, OUT_OF_RANGE) for a
  * refused table or a producer that does not follow docs/sets.md: nothing
  * of that layout is returned, ever. Needs CUDA. */

@@ -339,6 +339,9 @@ gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
       if (sub->cur && sub->cur->tab.layout_id == m.layout_id) {
         layout_retire(sub, sub->cur, (CUstream)stream);
         sub->cur = NULL;
+        return gpuipc__fail(GPUIPC_E_CANCELED, "the producer ended the "
+                            "subscription to layout %llx",
+                            (unsigned long long)m.layout_id);
       }
       continue;
     }
