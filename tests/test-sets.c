@@ -1141,3 +1141,23 @@ TEST_IMPL(sets_bench_quick_runs) {
   ASSERT_STR_CONTAINS(out, "KV cache: 1000 blocks");
   return 0;
 }
+
+/* examples/weight_sync.c, run as built beside the CLI. */
+TEST_IMPL(sets_example_weight_sync) {
+  REQUIRE_DEVICES(1);
+  char path[4096];
+  snprintf(path, sizeof path, "%s", GPUIPC_CLI_PATH);
+  char *slash = strrchr(path, '/');
+  ASSERT_NOT_NULL(slash);
+  snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path),
+           "examples/weight_sync");
+  if (access(path, X_OK) != 0)
+    SKIP("%s not built", path);
+  static char out[16384];
+  char *argv[] = {path, "6", NULL};
+  ASSERT_EQ(harness_run(argv, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "engine: version 6, last tensor[0] = 608 (want 608)");
+  ASSERT_STR_CONTAINS(out, "trainer: step 6 published in copy 1");
+  ASSERT_STR_CONTAINS(out, "trainer: engine exit code 0");
+  return 0;
+}
