@@ -292,10 +292,20 @@ static int consumer(int dfd, int cfd) {
       CU(gpuipc__cu.cuMemFree(src));
     }
   }
+  for (size_t i = 0; i < mine.n; i++)
+    CU(gpuipc__cu.cuMemFree((CUdeviceptr)(uintptr_t)mine.dst[i]));
+  free(mine.dst);
+  free(mine.len);
   gpuipc_tset_sub_close(sub);
   gpuipc_conn_close(data);
   gpuipc_conn_close(ctl);
   return 0;
+}
+
+static void free_model(model *m) {
+  free(m->t);
+  free(m->shape);
+  free(m->name);
 }
 
 /* ---- producer ---------------------------------------------------------------------- */
@@ -445,5 +455,7 @@ int gpuipc_bench_sets(int argc, char **argv) {
   waitpid(pid, &wst, 0);
   gpuipc_conn_close(data);
   gpuipc_conn_close(ctl);
+  free_model(&m);
+  free_model(&k);
   return WIFEXITED(wst) && WEXITSTATUS(wst) == 0 ? 0 : 1;
 }

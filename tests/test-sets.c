@@ -1078,6 +1078,9 @@ HELPER_IMPL(ts_hostile_producer) {
     ASSERT_OK(gpuipc_conn_progress(c, 1));
   ASSERT_EQ(gpuipc_block_get_holders(blk), 0);
   ASSERT_EQ(gpuipc_block_get_holders(tok), 0);
+  ASSERT_OK(gpuipc_block_free(blk, NULL));
+  ASSERT_OK(gpuipc_block_free(tok, NULL));
+  ASSERT_OK(gpuipc_arena_destroy(a));
   gpuipc_conn_close(c);
   spec_free(&sp);
   return 0;
