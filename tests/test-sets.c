@@ -1164,3 +1164,53 @@ TEST_IMPL(sets_example_weight_sync) {
   ASSERT_STR_CONTAINS(out, "trainer: engine exit code 0");
   return 0;
 }
+
+/* copy_from / copy_into issue one copy per run of ranges contiguous on
+ * both sides inside one allocation each: the emulator fails the second
+ * cuMemcpyDtoDAsync of the process, so the packed copy (one call) passes
+ * and the copy from three separate allocations (three calls) fails. */
+TEST_IMPL(sets_copy_coalesces) {
+  REQUIRE_EMULATOR("counts driver calls with GPUIPC_EMU_FAIL");
+  setenv("GPUIPC_EMU_FAIL", "cuMemcpyDtoDAsync:2", 1);
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  for (size_t i = 0; i < sp.n; i++)
+    sp.shape[i][0] = 1024; /* multiples of the alignment: packed */
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.align = 16;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  CUdeviceptr one, sep[3];
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&one, 3 * 1024));
+  uint8_t host[3 * 1024], back[3 * 1024];
+  for (size_t k = 0; k < sizeof host; k++)
+    host[k] = (uint8_t)(k * 7 + 1);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(one, host, sizeof host));
+  void *srcs[3];
+  for (int i = 0; i < 3; i++)
+    srcs[i] = (void *)(uintptr_t)(one + 1024 * (CUdeviceptr)i);
+  ASSERT_OK(gpuipc_tset_copy_from(set, 0, srcs, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_tensor t;
+  ASSERT_OK(gpuipc_tset_get_tensor(set, 0, 0, &t));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, (CUdeviceptr)(uintptr_t)t.ptr,
+                                    sizeof back));
+  ASSERT_MEM_EQ(back, host, sizeof host);
+  for (int i = 0; i < 3; i++) {
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&sep[i], 1024));
+    srcs[i] = (void *)(uintptr_t)sep[i];
+  }
+  ASSERT_STATUS(gpuipc_tset_copy_from(set, 0, srcs, (struct CUstream_st *)s),
+                GPUIPC_E_DRIVER);
+  /* The process's second call: the first range of three. */
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "range 0 of 3");
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  for (int i = 0; i < 3; i++)
+    ASSERT_CU(gpuipc__cu.cuMemFree(sep[i]));
+  ASSERT_CU(gpuipc__cu.cuMemFree(one));
+  spec_free(&sp);
+  return 0;
+}
