@@ -10,6 +10,8 @@
  *                    liveness-table constants
  *   conn/conn.h      the connection frame format (docs/protocol.md),
  *                    arena chunk counters
+ *   sets/sets.h      the tensor-set table codec (docs/sets.md) and the
+ *                    meta of a set's buffers
  *   xfer/xfer.h      copy-engine leak counters, host copy helpers, the
  *                    shared segment's header check
  *
@@ -21,6 +23,7 @@
 #include "core/core.h"
 #include "handle/handle.h"
 #include "conn/conn.h"
+#include "sets/sets.h"
 #include "xfer/xfer.h"
 
 #endif /* GPUIPC_TREE_H */

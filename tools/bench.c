@@ -18,6 +18,8 @@ static const struct {
     {"handoff", gpuipc_bench_handoff,
      "per-buffer handoff latency and throughput over a connection"},
     {"copy", gpuipc_bench_copy, "pipelined host<->device copies"},
+    {"sets", gpuipc_bench_sets,
+     "tensor sets: 7B weight sync and KV blocks, producer -> consumer process"},
 };
 
 static void usage(FILE *f) {

@@ -1,0 +1,461 @@
+/*
+ * sets.c: `gpuipc bench sets`: weight sync and KV-cache handoff with a
+ * tensor set, from a producer process into a consumer process on the same
+ * GPU, next to the in-process copy floor measured in the same run.
+ *
+ *   model   the Llama-2-7B shapes in bf16 (291 tensors, 13.48 GB: 32 layers
+ *           of q, k, v, o 4096x4096, gate, up 11008x4096, down 4096x11008
+ *           and two norms of 4096; the embedding and lm_head 32000x4096 and
+ *           the final norm), an owned set in the producer;
+ *   kv      1,000 KV-cache blocks of 256 KiB as one set.
+ *
+ * For each: the one-time setup (subscribe: the table and the pieces go to
+ * the consumer, which imports them); the zero-copy latency from the
+ * producer's gpuipc_tset_publish to the consumer holding usable views (its
+ * gpuipc_tset_recv returned and it has the first and last tensor's
+ * address; the consumer polls in non-blocking mode); and copy_into: from
+ * publish to the consumer's own tensors (one cuMemAlloc each, as a
+ * framework allocates them) holding the new version (its stream
+ * synchronized). The floor is the consumer copying the same bytes from a
+ * local allocation into those same tensors in-process, tensor by tensor.
+ * --quick uses a small model (4 layers of width 512) and fewer iterations.
+ *
+ * The consumer is this program re-executed (/proc/self/exe) with a hidden
+ * argument and two connections: one the set is published on (it carries
+ * nothing else), one for the benchmark's own commands and results. Times
+ * are CLOCK_MONOTONIC, shared by the processes of the machine. The torch
+ * peers (one reduce_tensor per tensor, 512 MiB flattened buckets) are
+ * bench/torch_weight_sync.py, to run beside this on the same machine.
+ */
+#include "cli.h"
+#include "tree.h"
+
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define DIE(...)                                                               \
+  do {                                                                         \
+    fprintf(stderr, "gpuipc bench sets: " __VA_ARGS__);                        \
+    fprintf(stderr, " (%s)\n", gpuipc_last_error());                           \
+    exit(1);                                                                   \
+  } while (0)
+#define OK(expr)                                                               \
+  do {                                                                         \
+    gpuipc_status s_ = (expr);                                                 \
+    if (s_ != GPUIPC_OK)                                                       \
+      DIE("%s: %s", #expr, gpuipc_strerror(s_));                               \
+  } while (0)
+#define CU(expr)                                                               \
+  do {                                                                         \
+    CUresult r_ = (expr);                                                      \
+    if (r_ != CUDA_SUCCESS)                                                    \
+      DIE("%s: %s", #expr, gpuipc__cuda_error_name(r_));                       \
+  } while (0)
+
+enum { OP_LAT = 1, OP_COPY, OP_FLOOR, OP_END, OP_QUIT };
+
+typedef struct cmd {
+  uint32_t op;
+  uint32_t n;
+} cmd;
+
+static double now_us(void) { return (double)gpuipc__now_ns() / 1000.0; }
+
+static int cmp_double(const void *x, const void *y) {
+  double a = *(const double *)x, b = *(const double *)y;
+  return a < b ? -1 : a > b;
+}
+static double pct(double *v, int n, double p) {
+  if (n <= 0)
+    return 0;
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return v[(int)(p * (n - 1) + 0.5)];
+}
+
+static void current(void) {
+  CUcontext c;
+  OK(gpuipc__primary_ctx(0, &c));
+  CU(gpuipc__cu.cuCtxSetCurrent(c));
+}
+
+static void send_cmd(gpuipc_conn *c, uint32_t op, uint32_t n) {
+  cmd m = {op, n};
+  OK(gpuipc_conn_send_msg(c, &m, sizeof m, NULL, 0));
+}
+static void send_dbl(gpuipc_conn *c, double v) {
+  OK(gpuipc_conn_send_msg(c, &v, sizeof v, NULL, 0));
+}
+static double get_dbl(gpuipc_conn *c) {
+  double v = 0;
+  size_t len = 0;
+  OK(gpuipc_conn_recv_msg(c, &v, sizeof v, &len, NULL, NULL));
+  return v;
+}
+
+/* ---- the tensor lists ---------------------------------------------------------- */
+
+typedef struct model {
+  size_t n;
+  gpuipc_tensor *t;
+  int64_t (*shape)[2];
+  char (*name)[64];
+  double bytes;
+} model;
+
+static void add(model *m, const char *name, int64_t a, int64_t b, int dtype) {
+  size_t i = m->n++;
+  snprintf(m->name[i], sizeof m->name[i], "%s", name);
+  m->shape[i][0] = a;
+  m->shape[i][1] = b;
+  m->t[i] = (gpuipc_tensor){m->name[i], dtype, b ? 2 : 1, m->shape[i], NULL,
+                            NULL, 0};
+  m->bytes += (double)a * (double)(b ? b : 1) *
+              (double)gpuipc_dtype_get_size(dtype);
+}
+
+static void alloc_model(model *m, size_t cap) {
+  memset(m, 0, sizeof *m);
+  m->t = calloc(cap, sizeof *m->t);
+  m->shape = calloc(cap, sizeof *m->shape);
+  m->name = calloc(cap, sizeof *m->name);
+  if (!m->t || !m->shape || !m->name)
+    DIE("out of memory");
+}
+
+/* A Llama-shaped model: hidden h, MLP width f, vocabulary v, L layers. */
+static void llama(model *m, int L, int64_t h, int64_t f, int64_t v) {
+  alloc_model(m, (size_t)L * 9 + 3);
+  char nm[64];
+  add(m, "model.embed_tokens.weight", v, h, GPUIPC_DTYPE_BF16);
+  static const char *proj[] = {"self_attn.q_proj", "self_attn.k_proj",
+                               "self_attn.v_proj", "self_attn.o_proj"};
+  for (int l = 0; l < L; l++) {
+    for (int k = 0; k < 4; k++) {
+      snprintf(nm, sizeof nm, "model.layers.%d.%s.weight", l, proj[k]);
+      add(m, nm, h, h, GPUIPC_DTYPE_BF16);
+    }
+    snprintf(nm, sizeof nm, "model.layers.%d.mlp.gate_proj.weight", l);
+    add(m, nm, f, h, GPUIPC_DTYPE_BF16);
+    snprintf(nm, sizeof nm, "model.layers.%d.mlp.up_proj.weight", l);
+    add(m, nm, f, h, GPUIPC_DTYPE_BF16);
+    snprintf(nm, sizeof nm, "model.layers.%d.mlp.down_proj.weight", l);
+    add(m, nm, h, f, GPUIPC_DTYPE_BF16);
+    snprintf(nm, sizeof nm, "model.layers.%d.input_layernorm.weight", l);
+    add(m, nm, h, 0, GPUIPC_DTYPE_BF16);
+    snprintf(nm, sizeof nm, "model.layers.%d.post_attention_layernorm.weight", l);
+    add(m, nm, h, 0, GPUIPC_DTYPE_BF16);
+  }
+  add(m, "model.norm.weight", h, 0, GPUIPC_DTYPE_BF16);
+  add(m, "lm_head.weight", v, h, GPUIPC_DTYPE_BF16);
+}
+
+/* n KV blocks of `bytes` each (u8). */
+static void kv(model *m, int n, int64_t bytes) {
+  alloc_model(m, (size_t)n);
+  char nm[64];
+  for (int i = 0; i < n; i++) {
+    snprintf(nm, sizeof nm, "kv.%d", i);
+    add(m, nm, bytes, 0, GPUIPC_DTYPE_U8);
+  }
+}
+
+/* ---- consumer --------------------------------------------------------------------- */
+
+typedef struct own {
+  size_t n;
+  void **dst;
+  size_t *len;
+  uint64_t layout;
+} own;
+
+/* The consumer's own tensors for a version's layout (allocated once per
+ * layout, one allocation each, as a framework would). */
+static void own_for(own *o, gpuipc_tset_version *v) {
+  if (o->layout == gpuipc_tset_version_get_layout(v))
+    return;
+  for (size_t i = 0; i < o->n; i++)
+    CU(gpuipc__cu.cuMemFree((CUdeviceptr)(uintptr_t)o->dst[i]));
+  free(o->dst);
+  free(o->len);
+  o->n = gpuipc_tset_version_get_count(v);
+  o->dst = calloc(o->n, sizeof *o->dst);
+  o->len = calloc(o->n, sizeof *o->len);
+  if (!o->dst || !o->len)
+    DIE("out of memory");
+  for (size_t i = 0; i < o->n; i++) {
+    gpuipc_tensor t;
+    OK(gpuipc_tset_version_get_tensor(v, i, &t));
+    CUdeviceptr p;
+    CU(gpuipc__cu.cuMemAlloc(&p, t.nbytes ? t.nbytes : 1));
+    o->dst[i] = (void *)(uintptr_t)p;
+    o->len[i] = t.nbytes;
+  }
+  o->layout = gpuipc_tset_version_get_layout(v);
+}
+
+/* Receives the next version, polling (non-blocking). */
+static gpuipc_tset_version *spin_recv(gpuipc_tset_sub *sub, CUstream s) {
+  uint64_t until = gpuipc__now_ns() + 120ull * 1000000000ull;
+  for (;;) {
+    gpuipc_tset_version *v = NULL;
+    gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+    if (st == GPUIPC_OK)
+      return v;
+    if (st != GPUIPC_E_WOULD_BLOCK || gpuipc__now_ns() > until)
+      DIE("gpuipc_tset_recv: %s", gpuipc_strerror(st));
+  }
+}
+
+static int consumer(int dfd, int cfd) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 120000;
+  o.max_outstanding = 4096;
+  gpuipc_conn *data = NULL, *ctl = NULL;
+  OK(gpuipc_conn_from_fd(dfd, &o, &data));
+  OK(gpuipc_conn_from_fd(cfd, &o, &ctl));
+  OK(gpuipc_init());
+  current();
+  CUstream s;
+  CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  gpuipc_tset_sub *sub = NULL;
+  OK(gpuipc_tset_sub_open(data, &sub));
+  OK(gpuipc_conn_set_nonblocking(data, 1));
+  own mine = {0, NULL, NULL, 0};
+  for (;;) {
+    cmd m;
+    size_t len = 0;
+    gpuipc_status st = gpuipc_conn_recv_msg(ctl, &m, sizeof m, &len, NULL, NULL);
+    if (st == GPUIPC_E_PEER_GONE || (st == GPUIPC_OK && m.op == OP_QUIT))
+      break;
+    OK(st);
+    if (m.op == OP_LAT || m.op == OP_COPY) {
+      for (uint32_t i = 0; i < m.n; i++) {
+        gpuipc_tset_version *v = spin_recv(sub, s);
+        size_t n = gpuipc_tset_version_get_count(v);
+        gpuipc_tensor a, b;
+        OK(gpuipc_tset_version_get_tensor(v, 0, &a));
+        OK(gpuipc_tset_version_get_tensor(v, n - 1, &b));
+        if (a.ptr == NULL || b.ptr == NULL)
+          DIE("a view without memory");
+        if (m.op == OP_COPY) {
+          own_for(&mine, v);
+          OK(gpuipc_tset_version_copy_into(v, mine.dst, (struct CUstream_st *)s));
+          CU(gpuipc__cu.cuStreamSynchronize(s));
+        }
+        double t = now_us();
+        if (m.op == OP_LAT)
+          own_for(&mine, v); /* outside the timing: the next copy needs it */
+        OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+        send_dbl(ctl, t);
+      }
+    } else if (m.op == OP_END) {
+      /* The producer unsubscribes: see the end, release the pieces. */
+      uint64_t until = gpuipc__now_ns() + 120ull * 1000000000ull;
+      gpuipc_tset_version *v = NULL;
+      for (;;) {
+        st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+        if (st == GPUIPC_E_CANCELED)
+          break;
+        if (st != GPUIPC_E_WOULD_BLOCK || gpuipc__now_ns() > until)
+          DIE("gpuipc_tset_recv (waiting for the end): %s", gpuipc_strerror(st));
+      }
+    } else if (m.op == OP_FLOOR) {
+      /* The same bytes from one local allocation into the same tensors,
+       * tensor by tensor, in this process. */
+      size_t total = 0;
+      for (size_t i = 0; i < mine.n; i++)
+        total += mine.len[i];
+      CUdeviceptr src;
+      CU(gpuipc__cu.cuMemAlloc(&src, total ? total : 1));
+      CU(gpuipc__cu.cuMemsetD8(src, 1, total));
+      double *v = calloc(m.n + 1, sizeof *v);
+      for (uint32_t k = 0; k <= m.n; k++) { /* the first is a warm-up */
+        double t0 = now_us();
+        size_t off = 0;
+        for (size_t i = 0; i < mine.n; i++) {
+          CU(gpuipc__cu.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)mine.dst[i],
+                                          src + off, mine.len[i], s));
+          off += mine.len[i];
+        }
+        CU(gpuipc__cu.cuStreamSynchronize(s));
+        if (k)
+          v[k - 1] = now_us() - t0;
+      }
+      send_dbl(ctl, pct(v, (int)m.n, 0.5));
+      free(v);
+      CU(gpuipc__cu.cuMemFree(src));
+    }
+  }
+  for (size_t i = 0; i < mine.n; i++)
+    CU(gpuipc__cu.cuMemFree((CUdeviceptr)(uintptr_t)mine.dst[i]));
+  free(mine.dst);
+  free(mine.len);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(data);
+  gpuipc_conn_close(ctl);
+  return 0;
+}
+
+static void free_model(model *m) {
+  free(m->t);
+  free(m->shape);
+  free(m->name);
+}
+
+/* ---- producer ---------------------------------------------------------------------- */
+
+typedef struct res {
+  double setup_ms, lat50, lat99, copy50, floor50;
+} res;
+
+/* One version: begin (no writes: the data is whatever the copy holds),
+ * the GPU idle, then publish; returns the publish time. */
+static double publish(gpuipc_tset *set, CUstream s) {
+  int copy;
+  OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+  CU(gpuipc__cu.cuStreamSynchronize(s));
+  double t0 = now_us();
+  OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  return t0;
+}
+
+static res run(model *m, gpuipc_conn *data, gpuipc_conn *ctl, CUstream s,
+               int lat_iters, int copy_iters, bool floor) {
+  res r = {0, 0, 0, 0, 0};
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.timeout_ms = 120000;
+  gpuipc_tset *set = NULL;
+  OK(gpuipc_tset_create(m->t, m->n, &o, &set));
+  double t0 = now_us();
+  OK(gpuipc_tset_subscribe(set, data, (struct CUstream_st *)s));
+  /* The setup ends when the consumer holds the first version. */
+  send_cmd(ctl, OP_LAT, 1);
+  double p = publish(set, s);
+  (void)p;
+  r.setup_ms = (get_dbl(ctl) - t0) / 1000.0;
+  double *v = calloc((size_t)(lat_iters > copy_iters ? lat_iters : copy_iters) + 1,
+                     sizeof *v);
+  send_cmd(ctl, OP_LAT, (uint32_t)lat_iters);
+  for (int i = 0; i < lat_iters; i++) {
+    double t = publish(set, s);
+    v[i] = get_dbl(ctl) - t;
+  }
+  r.lat99 = pct(v, lat_iters, 0.99);
+  r.lat50 = pct(v, lat_iters, 0.5);
+  send_cmd(ctl, OP_COPY, (uint32_t)copy_iters + 1);
+  for (int i = 0; i <= copy_iters; i++) { /* the first is a warm-up */
+    double t = publish(set, s);
+    double d = get_dbl(ctl) - t;
+    if (i)
+      v[i - 1] = d;
+  }
+  r.copy50 = pct(v, copy_iters, 0.5) / 1000.0;
+  if (floor) {
+    send_cmd(ctl, OP_FLOOR, (uint32_t)copy_iters);
+    r.floor50 = get_dbl(ctl) / 1000.0;
+  }
+  free(v);
+  send_cmd(ctl, OP_END, 0);
+  OK(gpuipc_tset_unsubscribe(set, data));
+  OK(gpuipc_tset_destroy(set));
+  return r;
+}
+
+int gpuipc_bench_sets(int argc, char **argv) {
+  int emu = gpuipc_cli_pick_driver(&argc, argv, "bench sets");
+  if (emu < 0)
+    return 1;
+  bool quick = false;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--child") == 0 && i + 2 < argc)
+      return consumer(atoi(argv[i + 1]), atoi(argv[i + 2]));
+    else if (strcmp(argv[i], "--quick") == 0)
+      quick = true;
+    else if (strcmp(argv[i], "all") != 0 && strcmp(argv[i], "sets") != 0) {
+      fprintf(stderr, "usage: gpuipc bench sets [--quick] [--emulator PATH]\n");
+      return 2;
+    }
+  }
+  int lat_iters = quick ? 200 : 1000, copy_iters = quick ? 5 : 30;
+
+  /* The consumer starts before this process touches CUDA. */
+  int dfds[2], cfds[2];
+  OK(gpuipc_conn_pair(dfds));
+  OK(gpuipc_conn_pair(cfds));
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, dfds[1], 3);
+  posix_spawn_file_actions_adddup2(&fa, cfds[1], 4);
+  char *args[] = {"gpuipc", "bench", "sets", "--child", "3", "4", NULL};
+  pid_t pid;
+  int err = posix_spawn(&pid, "/proc/self/exe", &fa, NULL, args, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(dfds[1]);
+  close(cfds[1]);
+  if (err != 0) {
+    fprintf(stderr, "gpuipc bench sets: spawn: %s\n", strerror(err));
+    return 1;
+  }
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 120000;
+  o.max_outstanding = 4096;
+  gpuipc_conn *data = NULL, *ctl = NULL;
+  OK(gpuipc_conn_from_fd(dfds[0], &o, &data));
+  OK(gpuipc_conn_from_fd(cfds[0], &o, &ctl));
+  OK(gpuipc_init());
+  current();
+  CUstream s;
+  CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  char name[128] = "?";
+  CUdevice dev;
+  CU(gpuipc__cu.cuDeviceGet(&dev, 0));
+  CU(gpuipc__cu.cuDeviceGetName(name, (int)sizeof name, dev));
+  printf("gpuipc bench sets: %s%s%s\n", name,
+         emu ? " (emulated: times are the emulator's, not a GPU's)" : "",
+         quick ? " (--quick)" : "");
+
+  model m, k;
+  if (quick)
+    llama(&m, 4, 512, 1376, 4000);
+  else
+    llama(&m, 32, 4096, 11008, 32000);
+  kv(&k, 1000, quick && emu ? 4096 : 256 << 10);
+  res a = run(&m, data, ctl, s, lat_iters, copy_iters, true);
+  printf("\n%s bf16 shapes: %zu tensors, %.2f GB, producer process -> "
+         "consumer process, same GPU (medians)\n",
+         quick ? "small Llama (4 layers, width 512)" : "Llama-2-7B", m.n,
+         m.bytes / 1e9);
+  printf("  %-58s %10.2f ms\n", "setup, once (subscribe: table, pieces, first "
+         "version)", a.setup_ms);
+  printf("  %-58s %10.2f ms  (%.2f TB/s read+write)\n",
+         "in-process device-to-device copy, tensor by tensor (floor)",
+         a.floor50, 2 * m.bytes / (a.floor50 / 1000.0) / 1e12);
+  printf("  %-58s %10.2f ms  (%.3fx the floor)\n",
+         "copy_into the consumer's own tensors, publish to done", a.copy50,
+         a.copy50 / a.floor50);
+  printf("  %-58s %10.2f us  (p99 %.2f us)\n",
+         "zero-copy: publish to usable views", a.lat50, a.lat99);
+  res b = run(&k, data, ctl, s, lat_iters, copy_iters, false);
+  printf("\nKV cache: %zu blocks of %.0f KiB as one set (%.1f MiB)\n", k.n,
+         k.bytes / (double)k.n / 1024.0, k.bytes / 1048576.0);
+  printf("  %-58s %10.2f ms\n", "setup, once", b.setup_ms);
+  printf("  %-58s %10.2f us  (p99 %.2f us)\n",
+         "zero-copy: publish to usable views", b.lat50, b.lat99);
+  printf("  %-58s %10.2f ms\n", "copy_into the consumer's own blocks", b.copy50);
+  printf("\ntorch peers of the same sync: python3 bench/torch_weight_sync.py\n");
+  fflush(stdout);
+  send_cmd(ctl, OP_QUIT, 0);
+  int wst = 0;
+  waitpid(pid, &wst, 0);
+  gpuipc_conn_close(data);
+  gpuipc_conn_close(ctl);
+  free_model(&m);
+  free_model(&k);
+  return WIFEXITED(wst) && WEXITSTATUS(wst) == 0 ? 0 : 1;
+}

@@ -1,0 +1,668 @@
+/*
+ * producer.c: the producer's side of a tensor set: making the table and
+ * the memory (owned copies in arena blocks, or the caller's allocations
+ * wrapped), subscribing connections, and versions.
+ *
+ * Why a version costs one message and one signal: the table and the
+ * pieces go to a connection once, at subscribe; a version is then one
+ * send of a small arena block (the copy's token) whose meta names the
+ * layout, the version and the copy. The connection layer orders it on the
+ * producer's stream (a flag-word write the consumer's stream waits for)
+ * and gives the consumer a lease on the token. The lease is the
+ * version's: the consumer releases it, on its stream, when it is done with
+ * the version, and gpuipc_tset_begin hands a copy out again only when its
+ * token has no holder left (every consumer released every version in that
+ * copy), after ordering the producer's stream behind those releases
+ * (gpuipc_block_wait). So no copy is written while a consumer may still
+ * read it, with no host synchronization, whatever the number of tensors.
+ *
+ * Consumers that die are reclaimed by the connection layer (their leases
+ * go once the process is gone); each call that waits makes progress on
+ * every subscribed connection and drops those whose peer is gone.
+ */
+#include "sets_int.h"
+
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MOD "sets"
+
+static uint64_t new_layout_id(void) {
+  static _Atomic uint32_t counter;
+  uint32_t n = atomic_fetch_add(&counter, 1) + 1;
+  return (uint64_t)(uint32_t)getpid() << 32 | n;
+}
+
+/* ---- peers -------------------------------------------------------------------- */
+
+static long peer_find(const gpuipc_tset *set, const gpuipc_conn *conn) {
+  for (size_t i = 0; i < set->npeers; i++)
+    if (set->peers[i].conn == conn)
+      return (long)i;
+  return -1;
+}
+
+static void peer_drop(gpuipc_tset *set, size_t i) {
+  set->peers[i] = set->peers[--set->npeers];
+}
+
+/* Makes progress on every peer without waiting; drops the gone and the
+ * ended ones that hold nothing of ours any more. */
+static void peers_progress(gpuipc_tset *set) {
+  for (size_t i = 0; i < set->npeers;) {
+    gpuipc_conn *c = set->peers[i].conn;
+    gpuipc_status s = gpuipc_conn_progress(c, 0);
+    if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED ||
+        s == GPUIPC_E_PROTOCOL) {
+      GPUIPC__DEBUG(MOD, "set %llx: subscriber gone (%s)",
+                    (unsigned long long)set->tab.layout_id,
+                    gpuipc_status_name(s));
+      peer_drop(set, i);
+      continue;
+    }
+    if (set->peers[i].ended) {
+      size_t held = 1;
+      if (gpuipc_conn_get_outstanding(c, &held, NULL) == GPUIPC_OK && held == 0) {
+        peer_drop(set, i);
+        continue;
+      }
+    }
+    i++;
+  }
+}
+
+/* Waits up to ms for any peer's socket to become readable (or sleeps that
+ * long when there are none). */
+static void peers_wait(gpuipc_tset *set, int ms) {
+  struct pollfd pf[64];
+  nfds_t n = 0;
+  for (size_t i = 0; i < set->npeers && n < 64; i++) {
+    int fd = gpuipc_conn_get_fd(set->peers[i].conn);
+    if (fd >= 0)
+      pf[n++] = (struct pollfd){.fd = fd, .events = POLLIN};
+  }
+  if (n == 0) {
+    struct timespec ts = {0, (long)ms * 1000000L};
+    nanosleep(&ts, NULL);
+    return;
+  }
+  (void)poll(pf, n, ms);
+}
+
+static bool past(uint64_t deadline) {
+  return deadline != UINT64_MAX && gpuipc__now_ns() >= deadline;
+}
+
+static uint64_t deadline_of(int timeout_ms) {
+  return timeout_ms < 0 ? UINT64_MAX
+                        : gpuipc__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+
+/* ---- creating ------------------------------------------------------------------- */
+
+static gpuipc_status bad_entry(size_t i, const char *name, const char *why) {
+  return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: tensor %zu "
+                      "(%.64s): %s", i, name ? name : "(no name)", why);
+}
+
+/* Fills the table's entries from the caller's tensors (pieces and offsets
+ * are set later). */
+static gpuipc_status fill_entries(gpuipc_tset *set, const gpuipc_tensor *ts,
+                                  size_t n) {
+  gpuipc__tset_table *t = &set->tab;
+  size_t names = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (ts[i].name == NULL)
+      return bad_entry(i, NULL, "no name");
+    size_t l = strnlen(ts[i].name, GPUIPC_TSET_NAME_MAX + 1);
+    if (l == 0 || l > GPUIPC_TSET_NAME_MAX)
+      return bad_entry(i, ts[i].name, "name of 0 or more than "
+                       "GPUIPC_TSET_NAME_MAX bytes");
+    names += l + 1;
+  }
+  t->n_entries = (uint32_t)n;
+  t->e = calloc(n, sizeof *t->e);
+  t->names = malloc(names);
+  if (t->e == NULL || t->names == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create: %zu tensors", n);
+  size_t off = 0;
+  for (size_t i = 0; i < n; i++) {
+    const gpuipc_tensor *x = &ts[i];
+    gpuipc__tset_entry *e = &t->e[i];
+    size_t l = strlen(x->name);
+    memcpy(t->names + off, x->name, l + 1);
+    e->name_off = (uint32_t)off;
+    e->name_len = (uint16_t)l;
+    off += l + 1;
+    if (gpuipc_dtype_get_size(x->dtype) == 0)
+      return bad_entry(i, x->name, "unknown dtype");
+    if (x->ndim < 0 || x->ndim > GPUIPC_TSET_NDIM_MAX)
+      return bad_entry(i, x->name, "ndim not in 0..GPUIPC_TSET_NDIM_MAX");
+    if (x->ndim > 0 && x->shape == NULL)
+      return bad_entry(i, x->name, "no shape");
+    e->dtype = (uint8_t)x->dtype;
+    e->ndim = (uint8_t)x->ndim;
+    int64_t stride = 1;
+    bool big = false;
+    for (int d = x->ndim - 1; d >= 0; d--) {
+      if (x->shape[d] < 0)
+        return bad_entry(i, x->name, "negative size");
+      e->shape[d] = x->shape[d];
+      if (x->strides) {
+        if (x->strides[d] < 0)
+          return bad_entry(i, x->name, "negative stride");
+        e->strides[d] = x->strides[d];
+      } else {
+        e->strides[d] = stride;
+        if (x->shape[d] > 1 && stride > ((int64_t)1 << 62) / x->shape[d])
+          big = true;
+        else if (x->shape[d] > 1)
+          stride *= x->shape[d];
+      }
+    }
+    if (big)
+      return bad_entry(i, x->name, "larger than 2^62 bytes");
+    if (gpuipc__tset_extent(e->dtype, e->ndim, e->shape, e->strides,
+                            &e->nbytes) != GPUIPC_OK)
+      return bad_entry(i, x->name, gpuipc_last_error());
+  }
+  t->names_len = off;
+  return GPUIPC_OK;
+}
+
+/* Owned: the tensors in order, each aligned, in one piece per copy. */
+static gpuipc_status place_owned(gpuipc_tset *set, size_t align) {
+  gpuipc__tset_table *t = &set->tab;
+  uint64_t pos = 0;
+  for (uint32_t i = 0; i < t->n_entries; i++) {
+    pos = (pos + align - 1) & ~(uint64_t)(align - 1);
+    t->e[i].piece = 0;
+    t->e[i].offset = pos;
+    pos += t->e[i].nbytes;
+  }
+  t->n_pieces = 1;
+  t->piece_len = malloc(sizeof *t->piece_len);
+  if (t->piece_len == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
+  t->piece_len[0] = pos ? (pos + 255) & ~(uint64_t)255 : 256;
+  return GPUIPC_OK;
+}
+
+/* Wrapped: each tensor's allocation is found (gpuipc_buffer_wrap), and
+ * each distinct allocation becomes a piece wrapped whole. */
+static gpuipc_status place_wrapped(gpuipc_tset *set, const gpuipc_tensor *ts) {
+  gpuipc__tset_table *t = &set->tab;
+  size_t cap = 8;
+  CUdeviceptr *bases = malloc(cap * sizeof *bases);
+  t->piece_len = malloc(cap * sizeof *t->piece_len);
+  set->piece_buf = calloc(cap, sizeof *set->piece_buf);
+  if (!bases || !t->piece_len || !set->piece_buf) {
+    free(bases);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
+  }
+  gpuipc_status s = GPUIPC_OK;
+  uint32_t np = 0;
+  set->ordinal = -1;
+  for (uint32_t i = 0; i < t->n_entries && s == GPUIPC_OK; i++) {
+    gpuipc__tset_entry *e = &t->e[i];
+    if (e->nbytes == 0)
+      continue; /* placed below, at offset 0 of piece 0 */
+    gpuipc_buffer *w = NULL;
+    s = gpuipc_buffer_wrap(ts[i].ptr, (size_t)e->nbytes, &w);
+    if (s != GPUIPC_OK) {
+      s = bad_entry(i, ts[i].name, gpuipc_last_error());
+      break;
+    }
+    gpuipc__buffer_info info;
+    s = gpuipc__buffer_info_get(w, &info);
+    gpuipc_buffer_free(w, NULL);
+    if (s != GPUIPC_OK)
+      break;
+    if (set->ordinal >= 0 && info.ordinal != set->ordinal) {
+      s = bad_entry(i, ts[i].name, "on another device than the first tensor");
+      break;
+    }
+    set->ordinal = info.ordinal;
+    uint32_t p = 0;
+    while (p < np && bases[p] != info.base)
+      p++;
+    if (p == np) {
+      if (np == GPUIPC_TSET_PIECES_MAX) {
+        s = bad_entry(i, ts[i].name, "more than GPUIPC_TSET_PIECES_MAX "
+                      "allocations");
+        break;
+      }
+      if (np == cap) {
+        cap *= 2;
+        CUdeviceptr *nb = realloc(bases, cap * sizeof *bases);
+        if (nb)
+          bases = nb;
+        uint64_t *nl = realloc(t->piece_len, cap * sizeof *nl);
+        if (nl)
+          t->piece_len = nl;
+        gpuipc_buffer **nw = realloc(set->piece_buf, cap * sizeof *nw);
+        if (nw)
+          set->piece_buf = nw;
+        if (!nb || !nl || !nw) {
+          s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
+          break;
+        }
+      }
+      s = gpuipc_buffer_wrap((void *)(uintptr_t)info.base, info.alloc_size,
+                             &set->piece_buf[np]);
+      if (s != GPUIPC_OK)
+        break;
+      bases[np] = info.base;
+      t->piece_len[np] = info.alloc_size;
+      np++;
+    }
+    e->piece = p;
+    e->offset = (uint64_t)((CUdeviceptr)(uintptr_t)ts[i].ptr - bases[p]);
+  }
+  t->n_pieces = np;
+  if (s == GPUIPC_OK && np == 0)
+    s = gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: a wrapped set "
+                     "of empty tensors only (make it owned)");
+  if (s == GPUIPC_OK) {
+    set->piece_ptr = malloc(np * sizeof *set->piece_ptr);
+    if (set->piece_ptr == NULL)
+      s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
+    else
+      memcpy(set->piece_ptr, bases, np * sizeof *bases);
+  }
+  free(bases);
+  return s;
+}
+
+gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors, size_t n,
+                                 const gpuipc_tset_options *opts,
+                                 gpuipc_tset **out) {
+  if (out == NULL || (tensors == NULL && n))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: NULL");
+  *out = NULL;
+  if (n == 0 || n > GPUIPC_TSET_ENTRIES_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: %zu tensors "
+                        "(1 to %u)", n, GPUIPC_TSET_ENTRIES_MAX);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  GPUIPC__CHECK(gpuipc__options_copy(&o, sizeof o, opts,
+                                     offsetof(gpuipc_tset_options, copies) +
+                                         sizeof o.copies,
+                                     "gpuipc_tset_options",
+                                     "GPUIPC_TSET_OPTIONS_INIT"));
+  bool wrapped = tensors[0].ptr != NULL;
+  for (size_t i = 1; i < n; i++)
+    if ((tensors[i].ptr != NULL) != wrapped)
+      return bad_entry(i, tensors[i].name, "owned and wrapped tensors mixed "
+                       "(every ptr NULL, or none)");
+  if (o.copies < 1 || o.copies > 2 || (wrapped && o.copies != 1))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: %d copies "
+                        "(1 or 2; a wrapped set has 1)", o.copies);
+  if (o.align < 16 || (o.align & (o.align - 1)) || o.align > ((size_t)1 << 20))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: align %zu "
+                        "(a power of two, 16 to 1 MiB)", o.align);
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc_tset *set = calloc(1, sizeof *set);
+  if (set == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
+  set->wrapped = wrapped;
+  set->copies = o.copies;
+  set->latest = -1;
+  set->writing = -1;
+  set->timeout_ms = o.timeout_ms;
+  set->tab.copies = (uint32_t)o.copies;
+  set->tab.layout_id = new_layout_id();
+  gpuipc_status s = fill_entries(set, tensors, n);
+  if (s != GPUIPC_OK)
+    goto fail;
+  if (wrapped) {
+    s = place_wrapped(set, tensors);
+  } else {
+    s = gpuipc__resolve_device(o.device, 0, &set->ordinal);
+    if (s == GPUIPC_OK)
+      s = place_owned(set, o.align);
+  }
+  if (s != GPUIPC_OK)
+    goto fail;
+  s = gpuipc__tset_table_encode(&set->tab, &set->table, &set->table_len);
+  if (s != GPUIPC_OK) {
+    s = gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: %s",
+                     gpuipc_last_error());
+    goto fail;
+  }
+  /* The memory: the caller's arena, or one of our own sized to fit. */
+  set->arena = o.arena;
+  if (set->arena == NULL) {
+    gpuipc_uuid dev;
+    s = gpuipc_device_uuid(set->ordinal, &dev);
+    if (s != GPUIPC_OK)
+      goto fail;
+    gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+    ao.device = &dev;
+    ao.chunk_bytes = wrapped ? (size_t)1 << 20
+                             : (size_t)set->tab.piece_len[0] + ((size_t)1 << 20);
+    s = gpuipc_arena_create(&ao, &set->own_arena);
+    if (s != GPUIPC_OK)
+      goto fail;
+    set->arena = set->own_arena;
+  }
+  if (!wrapped) {
+    set->piece_ptr = malloc((size_t)set->copies * sizeof *set->piece_ptr);
+    if (set->piece_ptr == NULL) {
+      s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
+      goto fail;
+    }
+    for (int c = 0; c < set->copies; c++) {
+      s = gpuipc_arena_alloc(set->arena, (size_t)set->tab.piece_len[0], NULL,
+                             &set->piece_blk[c]);
+      if (s != GPUIPC_OK)
+        goto fail;
+      set->piece_ptr[c] =
+          (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(set->piece_blk[c]);
+    }
+  }
+  for (int c = 0; c < set->copies; c++) {
+    s = gpuipc_arena_alloc(set->arena, 256, NULL, &set->token[c]);
+    if (s != GPUIPC_OK)
+      goto fail;
+  }
+  s = gpuipc_arena_alloc(set->arena, 256, NULL, &set->ctl);
+  if (s != GPUIPC_OK)
+    goto fail;
+  *out = set;
+  return GPUIPC_OK;
+fail:
+  set->npeers = 0;
+  set->timeout_ms = 0;
+  (void)gpuipc_tset_destroy(set);
+  return s;
+}
+
+/* ---- destroying ---------------------------------------------------------------------- */
+
+static void send_end(gpuipc_tset *set, gpuipc__tset_peer *p) {
+  gpuipc__tset_meta m = {GPUIPC__TSET_END, set->tab.layout_id, 0, 0, 0};
+  uint8_t meta[GPUIPC__TSET_META_LEN];
+  gpuipc__tset_meta_encode(&m, meta);
+  p->ended = true;
+  gpuipc_status s = gpuipc_conn_send(p->conn, set->ctl, NULL, meta, sizeof meta);
+  if (s != GPUIPC_OK && s != GPUIPC_E_PEER_GONE && s != GPUIPC_E_CLOSED)
+    GPUIPC__WARN(MOD, "set %llx: telling a subscriber it ended: %s",
+                 (unsigned long long)set->tab.layout_id, gpuipc_last_error());
+}
+
+gpuipc_status gpuipc_tset_destroy(gpuipc_tset *set) {
+  if (set == NULL)
+    return GPUIPC_OK;
+  for (size_t i = 0; i < set->npeers; i++)
+    if (!set->peers[i].ended)
+      send_end(set, &set->peers[i]);
+  uint64_t deadline = deadline_of(set->timeout_ms);
+  for (;;) {
+    peers_progress(set);
+    if (set->npeers == 0)
+      break;
+    if (past(deadline))
+      return gpuipc__fail(GPUIPC_E_BUSY, "gpuipc_tset_destroy: %zu "
+                          "subscriber(s) still hold versions or pieces of the "
+                          "set", set->npeers);
+    peers_wait(set, 1);
+  }
+  for (int c = 0; c < 2; c++) {
+    gpuipc_block_free(set->piece_blk[c], NULL);
+    gpuipc_block_free(set->token[c], NULL);
+  }
+  gpuipc_block_free(set->ctl, NULL);
+  if (set->piece_buf)
+    for (uint32_t p = 0; p < set->tab.n_pieces; p++)
+      gpuipc_buffer_free(set->piece_buf[p], NULL);
+  gpuipc_status s = gpuipc_arena_destroy(set->own_arena);
+  if (s != GPUIPC_OK)
+    GPUIPC__WARN(MOD, "set %llx: its arena: %s",
+                 (unsigned long long)set->tab.layout_id, gpuipc_last_error());
+  free(set->piece_buf);
+  free(set->piece_ptr);
+  free(set->peers);
+  free(set->table);
+  gpuipc__tset_table_free(&set->tab);
+  free(set);
+  return GPUIPC_OK;
+}
+
+/* ---- accessors --------------------------------------------------------------------- */
+
+size_t gpuipc_tset_get_count(const gpuipc_tset *set) {
+  return set ? set->tab.n_entries : 0;
+}
+int gpuipc_tset_get_copies(const gpuipc_tset *set) {
+  return set ? set->copies : 0;
+}
+uint64_t gpuipc_tset_get_layout(const gpuipc_tset *set) {
+  return set ? set->tab.layout_id : 0;
+}
+uint64_t gpuipc_tset_get_version(const gpuipc_tset *set) {
+  return set ? set->version : 0;
+}
+size_t gpuipc_tset_get_subscribers(const gpuipc_tset *set) {
+  return set ? set->npeers : 0;
+}
+
+gpuipc_status gpuipc_tset_get_tensor(const gpuipc_tset *set, int copy, size_t i,
+                                     gpuipc_tensor *out) {
+  if (set == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_get_tensor: NULL");
+  if (copy < 0 || copy >= set->copies || i >= set->tab.n_entries)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_get_tensor: copy %d "
+                        "of %d, tensor %zu of %u", copy, set->copies, i,
+                        set->tab.n_entries);
+  const gpuipc__tset_entry *e = &set->tab.e[i];
+  out->name = set->tab.names + e->name_off;
+  out->dtype = e->dtype;
+  out->ndim = e->ndim;
+  out->shape = e->shape;
+  out->strides = e->strides;
+  out->ptr = (void *)(uintptr_t)(
+      set->piece_ptr[(size_t)copy * set->tab.n_pieces + e->piece] + e->offset);
+  out->nbytes = (size_t)e->nbytes;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_tset_find(const gpuipc_tset *set, const char *name,
+                               size_t *index) {
+  if (set == NULL || name == NULL || index == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_find: NULL");
+  long i = gpuipc__tset_table_find(&set->tab, name, strlen(name));
+  if (i < 0)
+    return gpuipc__fail(GPUIPC_E_NOT_FOUND, "no tensor named \"%.64s\"", name);
+  *index = (size_t)i;
+  return GPUIPC_OK;
+}
+
+/* ---- subscribers ------------------------------------------------------------------------ */
+
+static gpuipc_status send_version(gpuipc_tset *set, gpuipc_conn *conn,
+                                  CUstream stream) {
+  gpuipc__tset_meta m = {GPUIPC__TSET_VERSION_TOKEN, set->tab.layout_id,
+                         set->version, (uint32_t)set->latest, 0};
+  uint8_t meta[GPUIPC__TSET_META_LEN];
+  gpuipc__tset_meta_encode(&m, meta);
+  return gpuipc_conn_send(conn, set->token[set->latest],
+                          (struct CUstream_st *)stream, meta, sizeof meta);
+}
+
+gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
+                                    struct CUstream_st *stream) {
+  if (set == NULL || conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_subscribe: NULL");
+  if (peer_find(set, conn) >= 0)
+    return gpuipc__fail(GPUIPC_E_EXISTS, "gpuipc_tset_subscribe: connection "
+                        "subscribed already");
+  if (set->npeers == set->peers_cap) {
+    size_t cap = set->peers_cap ? 2 * set->peers_cap : 4;
+    gpuipc__tset_peer *p = realloc(set->peers, cap * sizeof *p);
+    if (p == NULL)
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_subscribe");
+    set->peers = p;
+    set->peers_cap = cap;
+  }
+  gpuipc_status s = GPUIPC_OK;
+  /* The table, in chunk messages. */
+  uint8_t *msg = malloc(GPUIPC_CONN_MSG_MAX);
+  if (msg == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_subscribe");
+  size_t pos = 0;
+  for (uint32_t k = 0; pos < set->table_len && s == GPUIPC_OK; k++) {
+    size_t n = set->table_len - pos;
+    if (n > GPUIPC__TSET_CHUNK_DATA)
+      n = GPUIPC__TSET_CHUNK_DATA;
+    uint32_t hdr[2] = {GPUIPC__TSET_CHUNK_MAGIC, k};
+    uint64_t lid = set->tab.layout_id;
+    for (int i = 0; i < 4; i++) {
+      msg[i] = (uint8_t)(hdr[0] >> (8 * i));
+      msg[4 + i] = (uint8_t)(hdr[1] >> (8 * i));
+    }
+    for (int i = 0; i < 8; i++)
+      msg[8 + i] = (uint8_t)(lid >> (8 * i));
+    memcpy(msg + GPUIPC__TSET_CHUNK_HDR, set->table + pos, n);
+    s = gpuipc_conn_send_msg(conn, msg, GPUIPC__TSET_CHUNK_HDR + n, NULL, 0);
+    pos += n;
+  }
+  free(msg);
+  /* The pieces of every copy. */
+  uint32_t np = set->tab.n_pieces, total = np * (uint32_t)set->copies;
+  for (uint32_t i = 0; i < total && s == GPUIPC_OK; i++) {
+    gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, set->tab.layout_id, i, total,
+                           (uint32_t)set->table_len};
+    uint8_t meta[GPUIPC__TSET_META_LEN];
+    gpuipc__tset_meta_encode(&m, meta);
+    if (set->wrapped)
+      s = gpuipc_conn_send_buffer(conn, set->piece_buf[i], stream, meta,
+                                  sizeof meta);
+    else
+      s = gpuipc_conn_send(conn, set->piece_blk[i / np], stream, meta,
+                           sizeof meta);
+  }
+  /* A late joiner starts at the latest version (not one being rewritten). */
+  if (s == GPUIPC_OK && set->latest >= 0 && set->writing != set->latest)
+    s = send_version(set, conn, (CUstream)stream);
+  if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
+    return s;
+  /* Whatever was sent must drain before the set lets go of conn. */
+  set->peers[set->npeers++] = (gpuipc__tset_peer){conn, s != GPUIPC_OK};
+  return s;
+}
+
+gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set, gpuipc_conn *conn) {
+  if (set == NULL || conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_unsubscribe: NULL");
+  long i = peer_find(set, conn);
+  if (i < 0)
+    return gpuipc__fail(GPUIPC_E_NOT_FOUND, "gpuipc_tset_unsubscribe: "
+                        "connection not subscribed");
+  if (!set->peers[i].ended)
+    send_end(set, &set->peers[i]);
+  uint64_t deadline = deadline_of(set->timeout_ms);
+  for (;;) {
+    peers_progress(set);
+    if (peer_find(set, conn) < 0)
+      return GPUIPC_OK;
+    if (past(deadline))
+      return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_unsubscribe: the "
+                          "consumer still holds versions or pieces of the set");
+    peers_wait(set, 1);
+  }
+}
+
+/* ---- versions ------------------------------------------------------------------------------- */
+
+gpuipc_status gpuipc_tset_begin(gpuipc_tset *set, struct CUstream_st *stream,
+                                int *copy) {
+  if (set == NULL || copy == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_begin: NULL");
+  if (set->writing >= 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_begin: copy %d is "
+                        "begun already (publish it first)", set->writing);
+  int c = set->copies == 1 ? 0 : (set->latest + 1) % set->copies;
+  uint64_t deadline = deadline_of(set->timeout_ms);
+  for (;;) {
+    peers_progress(set);
+    if (gpuipc_block_get_holders(set->token[c]) == 0)
+      break;
+    if (past(deadline))
+      return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_begin: copy %d is "
+                          "still held by %u consumer(s)", c,
+                          gpuipc_block_get_holders(set->token[c]));
+    peers_wait(set, 1);
+  }
+  GPUIPC__CHECK(gpuipc_block_wait(set->token[c], stream));
+  set->writing = c;
+  *copy = c;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_tset_copy_from(gpuipc_tset *set, int copy,
+                                    void *const *srcs,
+                                    struct CUstream_st *stream) {
+  if (set == NULL || srcs == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_copy_from: NULL");
+  if (set->wrapped || copy < 0 || copy >= set->copies)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_copy_from: copy %d "
+                        "of %s set of %d", copy,
+                        set->wrapped ? "a wrapped" : "an owned", set->copies);
+  size_t n = set->tab.n_entries;
+  CUdeviceptr *s = malloc(n * sizeof *s), *d = malloc(n * sizeof *d);
+  uint64_t *l = malloc(n * sizeof *l);
+  gpuipc_status st = GPUIPC_OK;
+  if (!s || !d || !l) {
+    st = gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_copy_from");
+  } else {
+    CUdeviceptr base = set->piece_ptr[copy];
+    for (size_t i = 0; i < n; i++) {
+      s[i] = (CUdeviceptr)(uintptr_t)srcs[i];
+      d[i] = base + set->tab.e[i].offset;
+      l[i] = set->tab.e[i].nbytes;
+    }
+    st = gpuipc__tset_copy(set->ordinal, s, d, l, n, (CUstream)stream);
+  }
+  free(s);
+  free(d);
+  free(l);
+  return st;
+}
+
+gpuipc_status gpuipc_tset_publish(gpuipc_tset *set, struct CUstream_st *stream) {
+  if (set == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_publish: NULL");
+  if (set->writing < 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_publish: no copy "
+                        "begun (gpuipc_tset_begin first)");
+  set->version++;
+  set->latest = set->writing;
+  set->writing = -1;
+  gpuipc_status first = GPUIPC_OK;
+  char why[256] = "";
+  for (size_t i = 0; i < set->npeers;) {
+    if (set->peers[i].ended) {
+      i++;
+      continue;
+    }
+    gpuipc_status s = send_version(set, set->peers[i].conn, (CUstream)stream);
+    if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED) {
+      peer_drop(set, i);
+      continue;
+    }
+    if (s != GPUIPC_OK && first == GPUIPC_OK) {
+      first = s;
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+    }
+    i++;
+  }
+  if (first != GPUIPC_OK)
+    return gpuipc__fail(first, "gpuipc_tset_publish: version %llu: %s",
+                        (unsigned long long)set->version, why);
+  return GPUIPC_OK;
+}

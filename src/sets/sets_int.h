@@ -1,0 +1,90 @@
+/*
+ * sets/sets_int.h: the tensor-set layer's own structures (producer sets,
+ * subscribers, versions) and the helpers its files share. Private to
+ * src/sets/.
+ */
+#ifndef GPUIPC_SETS_INT_H
+#define GPUIPC_SETS_INT_H
+
+#include "sets.h"
+
+#include "core/core.h"
+#include "handle/handle.h"
+
+/* One connection a producer set feeds. */
+typedef struct gpuipc__tset_peer {
+  gpuipc_conn *conn;
+  bool ended; /* END sent; kept until it released everything */
+} gpuipc__tset_peer;
+
+struct gpuipc_tset {
+  gpuipc__tset_table tab;
+  uint8_t *table;      /* encoded, sent to every subscriber */
+  size_t table_len;
+  bool wrapped;
+  int copies;
+  int ordinal;         /* the device of the memory */
+  gpuipc_arena *own_arena;
+  gpuipc_arena *arena;
+  gpuipc_block *piece_blk[2]; /* owned: one block per copy */
+  gpuipc_buffer **piece_buf;  /* wrapped: n_pieces wrappers */
+  CUdeviceptr *piece_ptr;     /* copies * n_pieces base addresses */
+  gpuipc_block *token[2];     /* the versions' leases, one per copy */
+  gpuipc_block *ctl;          /* END markers */
+  gpuipc__tset_peer *peers;
+  size_t npeers, peers_cap;
+  uint64_t version;           /* latest published; 0: none */
+  int latest;                 /* its copy; -1: none */
+  int writing;                /* copy between begin and publish; -1 */
+  int timeout_ms;
+};
+
+/* A layout a subscriber knows: the table and the pieces it holds. */
+typedef struct gpuipc__tset_layout {
+  gpuipc__tset_table tab;
+  uint32_t npieces;      /* copies * n_pieces */
+  uint32_t got;          /* pieces received so far */
+  uint64_t *piece_id;    /* the leases, for gpuipc_conn_release */
+  CUdeviceptr *piece_ptr;
+  size_t refs;           /* versions held */
+  bool retired;          /* superseded or ended: goes with its last version */
+  struct gpuipc__tset_layout *next; /* retired ones still referenced */
+} gpuipc__tset_layout;
+
+struct gpuipc_tset_sub {
+  gpuipc_conn *conn;
+  gpuipc__tset_layout *cur;     /* complete, versions come of it */
+  gpuipc__tset_layout *pending; /* being received */
+  gpuipc__tset_layout *retired; /* list */
+  /* The table being collected from chunk messages. */
+  uint8_t *tbuf;
+  size_t thave, tneed, tcap;
+  uint64_t tlayout;
+  uint32_t tchunks;
+  /* A layout refused: its later buffers are released and skipped. */
+  uint64_t refused;
+  bool has_refused;
+  gpuipc_status refused_status;
+  char refused_why[256];
+  gpuipc_tset_version *held;    /* list of versions not released */
+};
+
+struct gpuipc_tset_version {
+  gpuipc_tset_sub *sub;
+  gpuipc__tset_layout *lay;
+  uint64_t token_id;
+  uint64_t number;
+  int copy;
+  int ordinal; /* the local device its memory is mapped on */
+  gpuipc_tset_version *prev, *next;
+};
+
+/* The fewest device-to-device copies for n (src, dst, len) ranges: sorted
+ * by source, adjacent ranges (contiguous on both sides) merged, one
+ * cuMemcpyDtoDAsync each, on stream in the device's primary context.
+ * srcs[i]/dsts[i]: 0 skips range i. */
+gpuipc_status gpuipc__tset_copy(int ordinal, const CUdeviceptr *srcs,
+                                const CUdeviceptr *dsts, const uint64_t *lens,
+                                size_t n, CUstream stream);
+
+#endif /* GPUIPC_SETS_INT_H */

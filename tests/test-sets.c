@@ -1,0 +1,1216 @@
+/*
+ * test-sets.c: tensor sets: the table codec (every dtype and shape, hostile
+ * tables), sets handed to another process (every dtype and shape, 10,000
+ * entries, wrapped allocations, late joiners, a layout change), ordering
+ * in both directions (the producer's writes before publish; a consumer's
+ * reads before the producer overwrites a double-buffered copy), a consumer
+ * killed mid-read, a producer killed mid-publish, and a hostile producer.
+ *
+ * The producer and consumer agree on a set through a spec name: both build
+ * the same tensor list (spec()), and the data of tensor i in version v is
+ * the pattern fill(i, v).
+ */
+#include "harness.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tree.h"
+
+/* ---- small tools ----------------------------------------------------------------- */
+
+static void ctx_current(void) {
+  CUcontext c;
+  ASSERT_OK(gpuipc__primary_ctx(0, &c));
+  ASSERT_CU(gpuipc__cu.cuCtxSetCurrent(c));
+}
+
+static CUstream mkstream(void) {
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  return s;
+}
+
+static gpuipc_conn *pair_conn(int fd) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  return c;
+}
+
+static void say(gpuipc_conn *c, const char *what) {
+  ASSERT_OK(gpuipc_conn_send_msg(c, what, strlen(what), NULL, 0));
+}
+
+static void hear(gpuipc_conn *c, const char *what) {
+  char buf[64];
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf - 1, &len, NULL, NULL));
+  buf[len] = '\0';
+  ASSERT_STR_EQ(buf, what);
+}
+
+/* Byte k of tensor i in version v. */
+static uint8_t fill(size_t i, uint64_t v, size_t k) {
+  return (uint8_t)(i * 31u + v * 7u + k * 13u + (k >> 8));
+}
+
+/* ---- specs: the tensor lists both sides build ---------------------------------------- */
+
+typedef struct spec_t {
+  size_t n;
+  gpuipc_tensor *t;
+  int64_t (*shape)[GPUIPC_TSET_NDIM_MAX];
+  int64_t (*strides)[GPUIPC_TSET_NDIM_MAX];
+  char (*names)[64];
+} spec_t;
+
+static void spec_alloc(spec_t *s, size_t n) {
+  s->n = n;
+  s->t = calloc(n, sizeof *s->t);
+  s->shape = calloc(n, sizeof *s->shape);
+  s->strides = calloc(n, sizeof *s->strides);
+  s->names = calloc(n, sizeof *s->names);
+  ASSERT(s->t && s->shape && s->strides && s->names);
+}
+
+static void spec_free(spec_t *s) {
+  free(s->t);
+  free(s->shape);
+  free(s->strides);
+  free(s->names);
+}
+
+/* "dtypes": every dtype in seven shapes (scalar, 1-D, 2-D, transposed,
+ * broadcast stride 0, 8-D, empty), and one name that is not ASCII.
+ * "10k": 10,000 small f32 tensors. "small": three. "big": two of 1 MiB. */
+static void spec(const char *name, spec_t *s) {
+  if (strcmp(name, "dtypes") == 0) {
+    spec_alloc(s, 17 * 7 + 1);
+    size_t i = 0;
+    for (int dt = 1; dt <= 17; dt++) {
+      for (int k = 0; k < 7; k++, i++) {
+        gpuipc_tensor *t = &s->t[i];
+        snprintf(s->names[i], 64, "%s.%d", gpuipc_dtype_name(dt), k);
+        t->name = s->names[i];
+        t->dtype = dt;
+        int64_t *sh = s->shape[i], *st = s->strides[i];
+        t->shape = sh;
+        switch (k) {
+        case 0: t->ndim = 0; t->shape = NULL; break;
+        case 1: t->ndim = 1; sh[0] = 7 + dt; break;
+        case 2: t->ndim = 2; sh[0] = 3; sh[1] = 5; break;
+        case 3: /* a transposed 4x6 */
+          t->ndim = 2; sh[0] = 4; sh[1] = 6; st[0] = 1; st[1] = 4;
+          t->strides = st; break;
+        case 4: /* a row broadcast: stride 0 */
+          t->ndim = 2; sh[0] = 5; sh[1] = 3; st[0] = 0; st[1] = 1;
+          t->strides = st; break;
+        case 5:
+          t->ndim = 8;
+          for (int d = 0; d < 8; d++)
+            sh[d] = 1 + (d % 3);
+          break;
+        default: t->ndim = 2; sh[0] = 0; sh[1] = 4; break;
+        }
+      }
+    }
+    snprintf(s->names[i], 64, "caf\xc3\xa9.\xe2\x9c\x93.\xe5\x90\x8d");
+    s->t[i].name = s->names[i];
+    s->t[i].dtype = GPUIPC_DTYPE_BF16;
+    s->t[i].ndim = 1;
+    s->shape[i][0] = 33;
+    s->t[i].shape = s->shape[i];
+  } else if (strcmp(name, "10k") == 0) {
+    spec_alloc(s, 10000);
+    for (size_t i = 0; i < s->n; i++) {
+      snprintf(s->names[i], 64, "layers.%zu.w", i);
+      s->t[i].name = s->names[i];
+      s->t[i].dtype = GPUIPC_DTYPE_F32;
+      s->t[i].ndim = 1;
+      s->shape[i][0] = (int64_t)(i % 7) + 1;
+      s->t[i].shape = s->shape[i];
+    }
+  } else {
+    bool big = strcmp(name, "big") == 0;
+    spec_alloc(s, big ? 2 : 3);
+    for (size_t i = 0; i < s->n; i++) {
+      snprintf(s->names[i], 64, "w%zu", i);
+      s->t[i].name = s->names[i];
+      s->t[i].dtype = GPUIPC_DTYPE_U8;
+      s->t[i].ndim = 1;
+      s->shape[i][0] = big ? (1 << 20) : 1000 + 24 * (int64_t)i;
+      s->t[i].shape = s->shape[i];
+    }
+  }
+}
+
+/* Writes version v's data into copy `copy` of an owned set (the whole
+ * extent of each tensor), on stream from `host` (piece-sized; pinned when
+ * the copy must be asynchronous). */
+static void write_version(gpuipc_tset *set, int copy, uint64_t v, uint8_t *host,
+                          CUstream s) {
+  size_t n = gpuipc_tset_get_count(set);
+  gpuipc_tensor t0, t;
+  ASSERT_OK(gpuipc_tset_get_tensor(set, copy, 0, &t0));
+  CUdeviceptr base = (CUdeviceptr)(uintptr_t)t0.ptr;
+  size_t end = 0;
+  for (size_t i = 0; i < n; i++) {
+    ASSERT_OK(gpuipc_tset_get_tensor(set, copy, i, &t));
+    size_t off = (size_t)((CUdeviceptr)(uintptr_t)t.ptr - base);
+    for (size_t k = 0; k < t.nbytes; k++)
+      host[off + k] = fill(i, v, k);
+    if (off + t.nbytes > end)
+      end = off + t.nbytes;
+  }
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(base, host, end, s));
+}
+
+static size_t owned_bytes(gpuipc_tset *set) {
+  size_t n = gpuipc_tset_get_count(set), end = 0;
+  gpuipc_tensor t0, t;
+  ASSERT_OK(gpuipc_tset_get_tensor(set, 0, 0, &t0));
+  for (size_t i = 0; i < n; i++) {
+    ASSERT_OK(gpuipc_tset_get_tensor(set, 0, i, &t));
+    size_t e = (size_t)((char *)t.ptr - (char *)t0.ptr) + t.nbytes;
+    if (e > end)
+      end = e;
+  }
+  return end;
+}
+
+/* Checks a received version against the spec and the pattern, through the
+ * views and through copy_into (into one allocation, tensors packed in
+ * order, so that copies coalesce). */
+static void check_version(gpuipc_tset_version *v, const spec_t *sp,
+                          CUstream s) {
+  uint64_t num = gpuipc_tset_version_get_number(v);
+  ASSERT_EQ(gpuipc_tset_version_get_count(v), sp->n);
+  size_t total = 0;
+  for (size_t i = 0; i < sp->n; i++) {
+    gpuipc_tensor t;
+    ASSERT_OK(gpuipc_tset_version_get_tensor(v, i, &t));
+    ASSERT_STR_EQ(t.name, sp->t[i].name);
+    ASSERT_EQ(t.dtype, sp->t[i].dtype);
+    ASSERT_EQ(t.ndim, sp->t[i].ndim);
+    for (int d = 0; d < t.ndim; d++) {
+      ASSERT_EQ(t.shape[d], sp->t[i].shape[d]);
+      if (sp->t[i].strides)
+        ASSERT_EQ(t.strides[d], sp->t[i].strides[d]);
+    }
+    size_t idx = 99999;
+    ASSERT_OK(gpuipc_tset_version_find(v, sp->t[i].name, &idx));
+    ASSERT_EQ(idx, i);
+    total += t.nbytes;
+  }
+  ASSERT_STATUS(gpuipc_tset_version_find(v, "no such tensor", &total),
+                GPUIPC_E_NOT_FOUND);
+  total = 0;
+  for (size_t i = 0; i < sp->n; i++) {
+    gpuipc_tensor t;
+    ASSERT_OK(gpuipc_tset_version_get_tensor(v, i, &t));
+    total += t.nbytes;
+  }
+  uint8_t *host = malloc(total + 1), *want = malloc(total + 1);
+  ASSERT(host && want);
+  void **dsts = calloc(sp->n, sizeof *dsts);
+  CUdeviceptr mine = 0;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&mine, total + 1));
+  size_t off = 0;
+  for (size_t i = 0; i < sp->n; i++) {
+    gpuipc_tensor t;
+    ASSERT_OK(gpuipc_tset_version_get_tensor(v, i, &t));
+    dsts[i] = (void *)(uintptr_t)(mine + off);
+    for (size_t k = 0; k < t.nbytes; k++)
+      want[off + k] = fill(i, num, k);
+    off += t.nbytes;
+  }
+  /* Views: a sample of tensors read in place (all of them when few). */
+  size_t step = sp->n > 200 ? sp->n / 97 : 1;
+  for (size_t i = 0; i < sp->n; i += step) {
+    gpuipc_tensor t;
+    ASSERT_OK(gpuipc_tset_version_get_tensor(v, i, &t));
+    if (t.nbytes == 0)
+      continue;
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)t.ptr,
+                                           t.nbytes, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    for (size_t k = 0; k < t.nbytes; k++)
+      if (host[k] != fill(i, num, k))
+        harness_fail(__FILE__, __LINE__, "version %llu, tensor %zu (%s), "
+                     "byte %zu: %u, want %u", (unsigned long long)num, i,
+                     t.name, k, host[k], fill(i, num, k));
+  }
+  /* copy_into: the whole set. */
+  ASSERT_OK(gpuipc_tset_version_copy_into(v, dsts, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, mine, total, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_MEM_EQ(host, want, total);
+  ASSERT_CU(gpuipc__cu.cuMemFree(mine));
+  free(dsts);
+  free(host);
+  free(want);
+}
+
+/* ---- the codec ---------------------------------------------------------------------- */
+
+/* A table of a spec as the producer would build it (owned, packed). */
+static void table_of(const char *name, gpuipc__tset_table *t) {
+  spec_t sp;
+  spec(name, &sp);
+  memset(t, 0, sizeof *t);
+  t->layout_id = 0x1234;
+  t->n_entries = (uint32_t)sp.n;
+  t->n_pieces = 1;
+  t->copies = 1;
+  t->e = calloc(sp.n, sizeof *t->e);
+  t->names = malloc(sp.n * 64);
+  t->piece_len = malloc(8);
+  uint64_t pos = 0;
+  size_t noff = 0;
+  for (size_t i = 0; i < sp.n; i++) {
+    gpuipc__tset_entry *e = &t->e[i];
+    size_t l = strlen(sp.t[i].name);
+    memcpy(t->names + noff, sp.t[i].name, l + 1);
+    e->name_off = (uint32_t)noff;
+    e->name_len = (uint16_t)l;
+    noff += l + 1;
+    e->dtype = (uint8_t)sp.t[i].dtype;
+    e->ndim = (uint8_t)sp.t[i].ndim;
+    int64_t stride = 1;
+    for (int d = e->ndim - 1; d >= 0; d--) {
+      e->shape[d] = sp.t[i].shape[d];
+      e->strides[d] = sp.t[i].strides ? sp.t[i].strides[d] : stride;
+      stride *= e->shape[d] ? e->shape[d] : 1;
+    }
+    ASSERT_OK(gpuipc__tset_extent(e->dtype, e->ndim, e->shape, e->strides,
+                                  &e->nbytes));
+    e->offset = pos;
+    pos += (e->nbytes + 15) & ~(uint64_t)15;
+  }
+  t->names_len = noff;
+  t->piece_len[0] = pos ? pos : 16;
+  spec_free(&sp);
+}
+
+TEST_IMPL(sets_table_roundtrip) {
+  const char *specs[] = {"dtypes", "10k", "small"};
+  for (int k = 0; k < 3; k++) {
+    gpuipc__tset_table t, d;
+    table_of(specs[k], &t);
+    uint8_t *bytes = NULL;
+    size_t len = 0;
+    ASSERT_OK(gpuipc__tset_table_encode(&t, &bytes, &len));
+    ASSERT_OK(gpuipc__tset_table_decode(bytes, len, &d));
+    ASSERT_EQ(d.n_entries, t.n_entries);
+    ASSERT_EQ(d.layout_id, t.layout_id);
+    for (uint32_t i = 0; i < t.n_entries; i++) {
+      const gpuipc__tset_entry *a = &t.e[i], *b = &d.e[i];
+      ASSERT_STR_EQ(d.names + b->name_off, t.names + a->name_off);
+      ASSERT_EQ(a->dtype, b->dtype);
+      ASSERT_EQ(a->ndim, b->ndim);
+      ASSERT_UEQ(a->offset, b->offset);
+      ASSERT_UEQ(a->nbytes, b->nbytes);
+      for (int x = 0; x < a->ndim; x++) {
+        ASSERT_EQ(a->shape[x], b->shape[x]);
+        ASSERT_EQ(a->strides[x], b->strides[x]);
+      }
+      ASSERT_EQ(gpuipc__tset_table_find(&d, t.names + a->name_off, a->name_len),
+                (long)i);
+    }
+    /* One encoding per meaning: re-encoding gives the same bytes. */
+    uint8_t *again = NULL;
+    size_t len2 = 0;
+    ASSERT_OK(gpuipc__tset_table_encode(&d, &again, &len2));
+    ASSERT_EQ(len2, len);
+    ASSERT_MEM_EQ(again, bytes, len);
+    free(again);
+    free(bytes);
+    gpuipc__tset_table_free(&t);
+    gpuipc__tset_table_free(&d);
+  }
+  ASSERT_EQ(gpuipc_dtype_get_size(GPUIPC_DTYPE_BF16), 2);
+  ASSERT_EQ(gpuipc_dtype_get_size(GPUIPC_DTYPE_C128), 16);
+  ASSERT_EQ(gpuipc_dtype_get_size(0), 0);
+  ASSERT_EQ(gpuipc_dtype_get_size(18), 0);
+  ASSERT_STR_EQ(gpuipc_dtype_name(GPUIPC_DTYPE_F8_E4M3FN), "f8_e4m3fn");
+  return 0;
+}
+
+static void le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static void fix_crc(uint8_t *b, size_t len) {
+  memset(b + 12, 0, 4);
+  uint32_t c = gpuipc__crc32c(0, b, len);
+  for (int i = 0; i < 4; i++)
+    b[12 + i] = (uint8_t)(c >> (8 * i));
+}
+
+/* The ways a table is hostile, each a patch of a valid "small" table
+ * (entry 0 at byte 56: 48 of header, 8 of the one piece length; entries
+ * of 1 dimension are 48 bytes with their 2-byte names and padding). */
+enum { H_OVERLAP, H_OUTSIDE, H_LONGNAME, H_COUNT, H_CHECKSUM, H_MAGIC,
+       H_VERSION, H_TRUNC, H_EXTENT, H_DTYPE, H_DUPNAME, H_UTF8, H_PAD,
+       H_NDIM, H_TRAILING, H_N };
+static const gpuipc_status h_want[H_N] = {
+    GPUIPC_E_OUT_OF_RANGE, GPUIPC_E_OUT_OF_RANGE, GPUIPC_E_PROTOCOL,
+    GPUIPC_E_PROTOCOL,     GPUIPC_E_BAD_CHECKSUM, GPUIPC_E_BAD_MAGIC,
+    GPUIPC_E_BAD_VERSION,  GPUIPC_E_TRUNCATED,    GPUIPC_E_OUT_OF_RANGE,
+    GPUIPC_E_BAD_KIND,     GPUIPC_E_PROTOCOL,     GPUIPC_E_PROTOCOL,
+    GPUIPC_E_PROTOCOL,     GPUIPC_E_PROTOCOL,     GPUIPC_E_PROTOCOL};
+static const char *h_name[H_N] = {"overlap", "outside", "longname", "count",
+                                  "checksum", "magic", "version", "trunc",
+                                  "extent", "dtype", "dupname", "utf8", "pad",
+                                  "ndim", "trailing"};
+
+/* A hostile table: *len bytes (malloc'ed). */
+static uint8_t *hostile_table(int h, uint64_t layout, size_t *len) {
+  gpuipc__tset_table t;
+  table_of("small", &t);
+  t.layout_id = layout;
+  uint8_t *b = NULL;
+  ASSERT_OK(gpuipc__tset_table_encode(&t, &b, len));
+  gpuipc__tset_table_free(&t);
+  uint8_t *e0 = b + 56, *e1 = b + 56 + 48;
+  switch (h) {
+  case H_OVERLAP: le64(e1 + 8, 8); break;            /* entry 1 at byte 8 */
+  case H_OUTSIDE: le64(e1 + 8, 1u << 30); break;     /* beyond the piece */
+  case H_LONGNAME: e0[0] = 0x2c; e0[1] = 0x01; break; /* 300 bytes */
+  case H_COUNT: b[24] = 4; break;                    /* 4 entries, 3 sent */
+  case H_CHECKSUM: e0[40] ^= 1; return b;            /* no fix */
+  case H_MAGIC: b[0] = 'X'; break;
+  case H_VERSION: b[4] = 2; break;
+  case H_TRUNC: *len -= 8; return b;                 /* length says more */
+  case H_EXTENT: le64(e0 + 16, 999); break;          /* nbytes != shape */
+  case H_DTYPE: e0[2] = 200; break;
+  case H_DUPNAME: e1[41] = '0'; break;               /* "w1" -> "w0" */
+  case H_UTF8: e0[40] = 0xC0; break;                 /* overlong lead */
+  case H_PAD: e0[47] = 1; break;
+  case H_NDIM: e0[3] = 9; break;
+  case H_TRAILING: {
+    uint8_t *nb = realloc(b, *len + 8);
+    ASSERT_NOT_NULL(nb);
+    b = nb;
+    memset(b + *len, 0, 8);
+    *len += 8;
+    b[8] = (uint8_t)*len;
+    b[9] = (uint8_t)(*len >> 8);
+    fix_crc(b, *len - 8); /* checksum over the declared bytes... */
+    b[8] = (uint8_t)(*len - 8);
+    b[9] = (uint8_t)((*len - 8) >> 8);
+    fix_crc(b, *len - 8); /* ...which are 8 fewer than given */
+    return b;
+  }
+  }
+  fix_crc(b, *len);
+  return b;
+}
+
+TEST_IMPL(sets_table_hostile) {
+  for (int h = 0; h < H_N; h++) {
+    size_t len = 0;
+    uint8_t *b = hostile_table(h, 77, &len);
+    gpuipc__tset_table t;
+    gpuipc_status s = gpuipc__tset_table_decode(b, len, &t);
+    if (s != h_want[h])
+      harness_fail(__FILE__, __LINE__, "hostile table '%s': %s, want %s (%s)",
+                   h_name[h], gpuipc_status_name(s),
+                   gpuipc_status_name(h_want[h]), gpuipc_last_error());
+    ASSERT_NULL(t.e); /* nothing kept */
+    free(b);
+  }
+  /* Too many entries for the bytes: refused before allocating for them. */
+  uint8_t hdr[48] = {0};
+  le64(hdr, GPUIPC__TSET_MAGIC | (uint64_t)1 << 32 | (uint64_t)48 << 48);
+  hdr[8] = 48;
+  le64(hdr + 24, (uint64_t)1000000 | (uint64_t)1 << 32);
+  hdr[32] = 1;
+  fix_crc(hdr, 48);
+  gpuipc__tset_table t;
+  ASSERT_STATUS(gpuipc__tset_table_decode(hdr, 48, &t), GPUIPC_E_PROTOCOL);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "cannot fit");
+  ASSERT_STATUS(gpuipc__tset_table_decode(hdr, 10, &t), GPUIPC_E_TRUNCATED);
+  return 0;
+}
+
+/* ---- the consumer helper -------------------------------------------------------------- */
+
+/* argv: spec, versions to check, then a mode:
+ *   "check"   check each version and release it; "ok" after the last;
+ *   "late"    as check, but the first version must be argv[3]'s number;
+ *   "hold"    check the first version, start a (slow) read of it, say
+ *             "got" and wait to be killed;
+ *   "change"  check the versions of spec, then of spec argv[3] (a new
+ *             layout on the same connection), say "ok". */
+HELPER_IMPL(ts_consumer) {
+  ASSERT(argc >= 3);
+  spec_t sp;
+  spec(argv[0], &sp);
+  int count = atoi(argv[1]);
+  const char *mode = argv[2];
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  uint64_t layout = 0, last = 0;
+  for (int k = 0; k < count; k++) {
+    gpuipc_tset_version *v = NULL;
+    ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+    uint64_t num = gpuipc_tset_version_get_number(v);
+    if (k == 0 && strcmp(mode, "late") == 0)
+      ASSERT_EQ(num, (uint64_t)atoll(argv[3]));
+    if (k > 0)
+      ASSERT_GT(num, last); /* in order */
+    if (k == 0)
+      layout = gpuipc_tset_version_get_layout(v);
+    ASSERT_EQ(gpuipc_tset_version_get_layout(v), layout);
+    last = num;
+    check_version(v, &sp, s);
+    if (strcmp(mode, "hold") == 0) {
+      /* A read in flight (slow on the emulator), then death. */
+      gpuipc_tensor t;
+      ASSERT_OK(gpuipc_tset_version_get_tensor(v, 0, &t));
+      CUdeviceptr mine;
+      ASSERT_CU(gpuipc__cu.cuMemAlloc(&mine, t.nbytes));
+      ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(mine, (CUdeviceptr)(uintptr_t)t.ptr,
+                                             t.nbytes, s));
+      say(c, "got");
+      for (;;)
+        pause();
+    }
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  }
+  if (strcmp(mode, "change") == 0) {
+    gpuipc_tset_version *none = NULL;
+    ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &none),
+                  GPUIPC_E_CANCELED);
+    ASSERT_NULL(none);
+    spec_t sp2;
+    spec(argv[3], &sp2);
+    gpuipc_tset_version *v = NULL;
+    ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+    ASSERT_NE(gpuipc_tset_version_get_layout(v), layout);
+    check_version(v, &sp2, s);
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+    spec_free(&sp2);
+  }
+  say(c, "ok");
+  /* The producer ends the subscription (END) and closes. */
+  gpuipc_tset_version *v = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
+}
+
+/* The producer's side of most tests: an owned set of a spec published
+ * `versions` times to one helper consumer. */
+static void produce(gpuipc_tset *set, gpuipc_conn *c, int versions, CUstream s) {
+  uint8_t *host = malloc(owned_bytes(set) + 1);
+  ASSERT_NOT_NULL(host);
+  uint64_t first = gpuipc_tset_get_version(set);
+  for (int k = 0; k < versions; k++) {
+    int copy = -1;
+    ASSERT_OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+    write_version(set, copy, gpuipc_tset_get_version(set) + 1, host, s);
+    ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+    ASSERT_UEQ(gpuipc_tset_get_version(set), first + (uint64_t)k + 1);
+  }
+  free(host);
+}
+
+static gpuipc_arena *mkarena(size_t chunk) {
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = chunk;
+  gpuipc_arena *a = NULL;
+  ASSERT_OK(gpuipc_arena_create(&ao, &a));
+  return a;
+}
+
+static void arena_empty(gpuipc_arena *a) {
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_EQ(st.leases, 0);
+}
+
+static int run_spec(const char *name, int copies, int versions) {
+  REQUIRE_DEVICES(1);
+  char nv[16];
+  snprintf(nv, sizeof nv, "%d", versions);
+  int fd;
+  pid_t pid = spawn_helper("ts_consumer", NULL, &fd, name, nv, "check", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec(name, &sp);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.copies = copies;
+  o.arena = a;
+  o.align = 16;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_EQ(gpuipc_tset_get_count(set), sp.n);
+  ASSERT_EQ(gpuipc_tset_get_copies(set), copies);
+  size_t idx = 0;
+  ASSERT_OK(gpuipc_tset_find(set, sp.t[sp.n - 1].name, &idx));
+  ASSERT_EQ(idx, sp.n - 1);
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  ASSERT_STATUS(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s),
+                GPUIPC_E_EXISTS);
+  produce(set, c, versions, s);
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, c));
+  ASSERT_EQ(gpuipc_tset_get_subscribers(set), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+TEST_IMPL(sets_every_dtype_and_shape) {
+  return run_spec("dtypes", 1, 3);
+}
+
+TEST_IMPL(sets_double_buffered_versions) {
+  return run_spec("small", 2, 8);
+}
+
+TEST_IMPL(sets_10000_entries) {
+  return run_spec("10k", 2, 2);
+}
+
+/* A wrapped set: the producer's own allocations (two tensors in one, one
+ * in another: two pieces), updated in place between versions. */
+TEST_IMPL(sets_wrapped_allocations) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_consumer", NULL, &fd, "small", "3", "check", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  CUdeviceptr a1, a2;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&a1, 8192));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&a2, 4096));
+  sp.t[0].ptr = (void *)(uintptr_t)(a1 + 256);
+  sp.t[1].ptr = (void *)(uintptr_t)(a2);
+  sp.t[2].ptr = (void *)(uintptr_t)(a1 + 4096);
+  gpuipc_tset *set = NULL;
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.copies = 2;
+  ASSERT_STATUS(gpuipc_tset_create(sp.t, sp.n, &o, &set), GPUIPC_E_INVALID_ARG);
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  uint8_t host[2048];
+  for (uint64_t v = 1; v <= 3; v++) {
+    int copy = -1;
+    ASSERT_OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+    ASSERT_EQ(copy, 0);
+    for (size_t i = 0; i < sp.n; i++) {
+      gpuipc_tensor t;
+      ASSERT_OK(gpuipc_tset_get_tensor(set, 0, i, &t));
+      ASSERT_PTR_EQ(t.ptr, sp.t[i].ptr);
+      for (size_t k = 0; k < t.nbytes; k++)
+        host[k] = fill(i, v, k);
+      ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)t.ptr, host,
+                                        t.nbytes));
+    }
+    ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  }
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  ASSERT_CU(gpuipc__cu.cuMemFree(a1));
+  ASSERT_CU(gpuipc__cu.cuMemFree(a2));
+  spec_free(&sp);
+  return 0;
+}
+
+TEST_IMPL(sets_create_refuses_bad_tensors) {
+  REQUIRE_DEVICES(1);
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset *set = NULL;
+  sp.names[1][0] = 'w';
+  sp.names[1][1] = '0'; /* a duplicate of "w0" */
+  ASSERT_STATUS(gpuipc_tset_create(sp.t, sp.n, NULL, &set), GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "both named");
+  sp.names[1][1] = '1';
+  sp.t[2].dtype = 99;
+  ASSERT_STATUS(gpuipc_tset_create(sp.t, sp.n, NULL, &set), GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "tensor 2");
+  sp.t[2].dtype = GPUIPC_DTYPE_U8;
+  char longname[300];
+  memset(longname, 'x', 299);
+  longname[299] = '\0';
+  sp.t[0].name = longname;
+  ASSERT_STATUS(gpuipc_tset_create(sp.t, sp.n, NULL, &set), GPUIPC_E_INVALID_ARG);
+  sp.t[0].name = sp.names[0];
+  sp.t[1].ptr = (void *)(uintptr_t)4096;
+  ASSERT_STATUS(gpuipc_tset_create(sp.t, sp.n, NULL, &set), GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "mixed");
+  sp.t[1].ptr = NULL;
+  ASSERT_STATUS(gpuipc_tset_create(sp.t, 0, NULL, &set), GPUIPC_E_INVALID_ARG);
+  ASSERT_NULL(set);
+  /* Begin twice, publish without begin. */
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_STATUS(gpuipc_tset_publish(set, NULL), GPUIPC_E_INVALID_ARG);
+  int copy;
+  ASSERT_OK(gpuipc_tset_begin(set, NULL, &copy));
+  ASSERT_STATUS(gpuipc_tset_begin(set, NULL, &copy), GPUIPC_E_INVALID_ARG);
+  ASSERT_OK(gpuipc_tset_publish(set, NULL));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  ASSERT_OK(gpuipc_tset_destroy(NULL));
+  spec_free(&sp);
+  return 0;
+}
+
+/* A late joiner starts at the latest version; a consumer subscribed
+ * before sees them all. */
+TEST_IMPL(sets_late_joiner_gets_latest) {
+  REQUIRE_DEVICES(1);
+  int fd1, fd2;
+  pid_t p1 = spawn_helper("ts_consumer", NULL, &fd1, "small", "4", "check", NULL);
+  pid_t p2 = spawn_helper("ts_consumer", NULL, &fd2, "small", "2", "late", "3",
+                          NULL);
+  gpuipc_conn *c1 = pair_conn(fd1), *c2 = pair_conn(fd2);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.copies = 2;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c1, (struct CUstream_st *)s));
+  produce(set, c1, 3, s);
+  ASSERT_OK(gpuipc_tset_subscribe(set, c2, (struct CUstream_st *)s));
+  ASSERT_EQ(gpuipc_tset_get_subscribers(set), 2);
+  produce(set, c1, 1, s);
+  hear(c1, "ok");
+  hear(c2, "ok");
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(c1);
+  gpuipc_conn_close(c2);
+  ASSERT_EQ(wait_helper(p1, 120), 0);
+  ASSERT_EQ(wait_helper(p2, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* A layout change: the producer moves the connection to a new set. */
+TEST_IMPL(sets_layout_change) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_consumer", NULL, &fd, "small", "2", "change",
+                           "dtypes", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t a, b;
+  spec("small", &a);
+  spec("dtypes", &b);
+  gpuipc_tset *sa = NULL, *sb = NULL;
+  ASSERT_OK(gpuipc_tset_create(a.t, a.n, NULL, &sa));
+  ASSERT_OK(gpuipc_tset_create(b.t, b.n, NULL, &sb));
+  ASSERT_NE(gpuipc_tset_get_layout(sa), gpuipc_tset_get_layout(sb));
+  ASSERT_OK(gpuipc_tset_subscribe(sa, c, (struct CUstream_st *)s));
+  produce(sa, c, 2, s);
+  ASSERT_OK(gpuipc_tset_unsubscribe(sa, c));
+  ASSERT_OK(gpuipc_tset_subscribe(sb, c, (struct CUstream_st *)s));
+  produce(sb, c, 1, s);
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_unsubscribe(sb, c));
+  ASSERT_STATUS(gpuipc_tset_unsubscribe(sb, c), GPUIPC_E_NOT_FOUND);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(sa));
+  ASSERT_OK(gpuipc_tset_destroy(sb));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  spec_free(&a);
+  spec_free(&b);
+  return 0;
+}
+
+/* ---- ordering ---------------------------------------------------------------------------- */
+
+static char *delay_env[] = {"GPUIPC_EMU_COPY_DELAY_US=200000", NULL};
+static char *no_delay[] = {"GPUIPC_EMU_COPY_DELAY_US=", NULL};
+
+/* The producer's slow write before publish is what the consumer reads. */
+TEST_IMPL(sets_order_writes_before_publish) {
+  if (harness_on_emulator())
+    setenv("GPUIPC_EMU_COPY_DELAY_US", "200000", 1);
+  REQUIRE_DEVICES(1);
+  int fd;
+  const char *name = harness_on_emulator() ? "small" : "big";
+  pid_t pid = spawn_helper("ts_consumer", no_delay, &fd, name, "2", "check",
+                           NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec(name, &sp);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.copies = 2;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  /* Pinned host memory: the write is asynchronous (and slow), and the
+   * consumer's reads are queued as soon as it received the version. */
+  size_t bytes = owned_bytes(set);
+  uint8_t *host[2];
+  for (int k = 0; k < 2; k++) {
+    ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&host[k], bytes, 0));
+    int copy;
+    ASSERT_OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+    ASSERT_EQ(copy, k);
+    write_version(set, copy, (uint64_t)k + 1, host[k], s);
+    ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  }
+  hear(c, "ok");
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  for (int k = 0; k < 2; k++)
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(host[k]));
+  spec_free(&sp);
+  return 0;
+}
+
+/* A consumer's slow read of version 1 (copy 0) is queued, then released;
+ * the producer's version 3 reuses copy 0 at once: its overwrite must wait
+ * for the read. */
+HELPER_IMPL(ts_slow_reader) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  gpuipc_tset_version *v1 = NULL, *v = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v1));
+  ASSERT_EQ(gpuipc_tset_version_get_copy(v1), 0);
+  gpuipc_tensor t;
+  ASSERT_OK(gpuipc_tset_version_get_tensor(v1, 0, &t));
+  size_t n = t.nbytes;
+  CUdeviceptr mine;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&mine, n));
+  void *dst = (void *)(uintptr_t)mine;
+  void *dsts[3] = {dst, NULL, NULL};
+  ASSERT_OK(gpuipc_tset_version_copy_into(v1, dsts, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_tset_version_release(v1, (struct CUstream_st *)s));
+  /* Versions 2 and 3 (3 in copy 0, overwritten while our copy may still
+   * be queued). */
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  ASSERT_EQ(gpuipc_tset_version_get_number(v), 2);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  ASSERT_EQ(gpuipc_tset_version_get_number(v), 3);
+  ASSERT_EQ(gpuipc_tset_version_get_copy(v), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t *host = malloc(n);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(host, mine, n));
+  for (size_t k = 0; k < n; k++)
+    ASSERT_EQ(host[k], fill(0, 1, k)); /* version 1's, not the overwrite */
+  ASSERT_OK(gpuipc_tset_version_get_tensor(v, 0, &t));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(host, (CUdeviceptr)(uintptr_t)t.ptr, n));
+  for (size_t k = 0; k < n; k++)
+    ASSERT_EQ(host[k], 0x55); /* version 3 */
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  free(host);
+  say(c, "ok");
+  gpuipc_tset_version *none = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &none),
+                GPUIPC_E_CANCELED);
+  gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &none);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(sets_order_reads_before_reuse) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_slow_reader",
+                           harness_on_emulator() ? delay_env : NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec(harness_on_emulator() ? "small" : "big", &sp);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.copies = 2;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 2, s); /* versions 1 (copy 0) and 2 (copy 1) */
+  int copy;
+  /* Copy 0 comes back as soon as the release of version 1 arrived. */
+  ASSERT_OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+  ASSERT_EQ(copy, 0);
+  gpuipc_tensor t;
+  ASSERT_OK(gpuipc_tset_get_tensor(set, 0, 0, &t));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)t.ptr, 0x55,
+                                       t.nbytes, s));
+  ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  hear(c, "ok");
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* ---- death -------------------------------------------------------------------------------- */
+
+/* A consumer killed while it holds a version and reads it: the producer's
+ * next begin gets the copy back (no hang), and nothing stays leased. */
+TEST_IMPL(sets_consumer_killed_mid_read) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_consumer", harness_on_emulator() ? delay_env : NULL,
+                           &fd, "small", "1", "hold", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.arena = a;
+  o.timeout_ms = 30000;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 1, s);
+  hear(c, "got");
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  int copy;
+  ASSERT_OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+  ASSERT_EQ(gpuipc_tset_get_subscribers(set), 0);
+  ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+/* A producer publishing double-buffered versions as fast as it can, until
+ * it is killed. */
+HELPER_IMPL(ts_producer_loop) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.copies = 2;
+  o.timeout_ms = -1;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  uint8_t *host = malloc(owned_bytes(set) + 1);
+  for (;;) {
+    int copy;
+    ASSERT_OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+    write_version(set, copy, gpuipc_tset_get_version(set) + 1, host, s);
+    ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  }
+}
+
+/* A producer that dies in the middle of sending a layout (table and one
+ * piece of two sent, no version). */
+HELPER_IMPL(ts_producer_half) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc__tset_table t;
+  table_of("small", &t);
+  t.copies = 2;
+  uint8_t *b = NULL;
+  size_t len = 0;
+  ASSERT_OK(gpuipc__tset_table_encode(&t, &b, &len));
+  uint8_t msg[GPUIPC_CONN_MSG_MAX];
+  memset(msg, 0, GPUIPC__TSET_CHUNK_HDR);
+  le64(msg, GPUIPC__TSET_CHUNK_MAGIC);
+  le64(msg + 8, t.layout_id);
+  memcpy(msg + GPUIPC__TSET_CHUNK_HDR, b, len);
+  ASSERT_OK(gpuipc_conn_send_msg(c, msg, GPUIPC__TSET_CHUNK_HDR + len, NULL, 0));
+  gpuipc_block *blk = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, (size_t)t.piece_len[0], NULL, &blk));
+  gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, t.layout_id, 0, 2, (uint32_t)len};
+  uint8_t meta[GPUIPC__TSET_META_LEN];
+  gpuipc__tset_meta_encode(&m, meta);
+  ASSERT_OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, meta, sizeof meta));
+  ASSERT_OK(gpuipc_conn_progress(c, 100));
+  _exit(0);
+}
+
+TEST_IMPL(sets_producer_killed_mid_publish) {
+  REQUIRE_DEVICES(1);
+  int fds0 = harness_count_fds();
+  spec_t sp;
+  spec("small", &sp);
+  CUstream s = mkstream();
+  /* Killed at some point of its loop: every version received is whole. */
+  int fd;
+  pid_t pid = spawn_helper("ts_producer_loop", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  uint64_t last = 0;
+  int got = 0;
+  unsigned seed = (unsigned)time(NULL);
+  int kill_at = 3 + (int)(rand_r(&seed) % 8);
+  gpuipc_status st = GPUIPC_OK;
+  for (;;) {
+    gpuipc_tset_version *v = NULL;
+    st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+    if (st != GPUIPC_OK)
+      break;
+    ASSERT_GT(gpuipc_tset_version_get_number(v), last);
+    last = gpuipc_tset_version_get_number(v);
+    check_version(v, &sp, s);
+    if (++got == kill_at)
+      kill(pid, SIGKILL);
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  }
+  ASSERT_STATUS(st, GPUIPC_E_PEER_GONE);
+  ASSERT_GE(got, kill_at);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  /* Dead in the middle of a layout: no version, no hang. */
+  pid = spawn_helper("ts_producer_half", NULL, &fd, NULL);
+  c = pair_conn(fd);
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  gpuipc_tset_version *v = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_PEER_GONE);
+  ASSERT_NULL(v);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  size_t here = 99;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 1); /* the one piece, held by the half layout */
+  gpuipc_tset_sub_close(sub);
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 0);
+  gpuipc_conn_close(c);
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  ASSERT_EQ(harness_count_fds(), fds0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* ---- a hostile producer ----------------------------------------------------------------- */
+
+/* Sends, for each hostile table, the table, its pieces and a version;
+ * then a valid set's version. Pieces are 64 KiB blocks except for "short"
+ * (index H_N), whose table wants more than its piece has. */
+HELPER_IMPL(ts_hostile_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  gpuipc_block *blk = NULL, *tok = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 65536, NULL, &blk));
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, NULL, &tok));
+  for (int h = 0; h <= H_N; h++) {
+    uint64_t layout = 1000 + (uint64_t)h;
+    size_t len = 0;
+    uint8_t *b;
+    if (h < H_N) {
+      b = hostile_table(h, layout, &len);
+    } else {
+      gpuipc__tset_table t;
+      table_of("small", &t);
+      t.layout_id = layout;
+      t.piece_len[0] = 1 << 20; /* the block has 64 KiB */
+      ASSERT_OK(gpuipc__tset_table_encode(&t, &b, &len));
+      gpuipc__tset_table_free(&t);
+    }
+    static uint8_t msg[GPUIPC_CONN_MSG_MAX];
+    memset(msg, 0, GPUIPC__TSET_CHUNK_HDR);
+    le64(msg, GPUIPC__TSET_CHUNK_MAGIC);
+    le64(msg + 8, layout);
+    memcpy(msg + GPUIPC__TSET_CHUNK_HDR, b, len);
+    ASSERT_OK(gpuipc_conn_send_msg(c, msg, GPUIPC__TSET_CHUNK_HDR + len, NULL, 0));
+    uint8_t meta[GPUIPC__TSET_META_LEN];
+    gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, layout, 0, 1, (uint32_t)len};
+    gpuipc__tset_meta_encode(&m, meta);
+    ASSERT_OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, meta, sizeof meta));
+    m = (gpuipc__tset_meta){GPUIPC__TSET_VERSION_TOKEN, layout, 1, 0, 0};
+    gpuipc__tset_meta_encode(&m, meta);
+    ASSERT_OK(gpuipc_conn_send(c, tok, (struct CUstream_st *)s, meta, sizeof meta));
+    free(b);
+  }
+  /* Then an honest set. */
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 1, s);
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  /* Everything of the hostile layouts was released. */
+  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(blk) ||
+                               gpuipc_block_get_holders(tok)); i++)
+    ASSERT_OK(gpuipc_conn_progress(c, 1));
+  ASSERT_EQ(gpuipc_block_get_holders(blk), 0);
+  ASSERT_EQ(gpuipc_block_get_holders(tok), 0);
+  ASSERT_OK(gpuipc_block_free(blk, NULL));
+  ASSERT_OK(gpuipc_block_free(tok, NULL));
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
+}
+
+TEST_IMPL(sets_hostile_tables_refused) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_hostile_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  for (int h = 0; h <= H_N; h++) {
+    gpuipc_status want = h < H_N ? h_want[h] : GPUIPC_E_OUT_OF_RANGE;
+    const char *what = h < H_N ? h_name[h] : "short piece";
+    gpuipc_tset_version *v = NULL;
+    /* Once for the table (at its first piece), once for its version. */
+    for (int k = 0; k < 2; k++) {
+      gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+      if (st != want)
+        harness_fail(__FILE__, __LINE__, "hostile table '%s' (%s): %s, want %s "
+                     "(%s)", what, k ? "its version" : "its table",
+                     gpuipc_status_name(st), gpuipc_status_name(want),
+                     gpuipc_last_error());
+      ASSERT_NULL(v);
+    }
+    size_t here = 99;
+    ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+    ASSERT_EQ(here, 0); /* nothing of it kept */
+  }
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset_version *v = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  check_version(v, &sp, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "ok");
+  /* END of the honest set, then the producer is gone. */
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_PEER_GONE);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* ---- the benchmark runs ---------------------------------------------------------------- */
+
+TEST_IMPL(sets_bench_quick_runs) {
+  REQUIRE_EMULATOR("a GPU run of the benchmark belongs to make gpu-bench");
+  char *argv[] = {GPUIPC_CLI_PATH, "bench", "sets", "--quick", "--emulator",
+                  (char *)harness_emulator_path(), NULL};
+  static char out[16384];
+  ASSERT_EQ(harness_run(argv, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "copy_into the consumer's own tensors");
+  ASSERT_STR_CONTAINS(out, "zero-copy: publish to usable views");
+  ASSERT_STR_CONTAINS(out, "KV cache: 1000 blocks");
+  return 0;
+}
+
+/* examples/weight_sync.c, run as built beside the CLI. */
+TEST_IMPL(sets_example_weight_sync) {
+  REQUIRE_DEVICES(1);
+  char path[4096];
+  snprintf(path, sizeof path, "%s", GPUIPC_CLI_PATH);
+  char *slash = strrchr(path, '/');
+  ASSERT_NOT_NULL(slash);
+  snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path),
+           "examples/weight_sync");
+  if (access(path, X_OK) != 0)
+    SKIP("%s not built", path);
+  static char out[16384];
+  char *argv[] = {path, "6", NULL};
+  ASSERT_EQ(harness_run(argv, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "engine: version 6, last tensor[0] = 608 (want 608)");
+  ASSERT_STR_CONTAINS(out, "trainer: step 6 published in copy 1");
+  ASSERT_STR_CONTAINS(out, "trainer: engine exit code 0");
+  return 0;
+}
+
+/* copy_from / copy_into issue one copy per run of ranges contiguous on
+ * both sides inside one allocation each: the emulator fails the second
+ * cuMemcpyDtoDAsync of the process, so the packed copy (one call) passes
+ * and the copy from three separate allocations (three calls) fails. */
+TEST_IMPL(sets_copy_coalesces) {
+  REQUIRE_EMULATOR("counts driver calls with GPUIPC_EMU_FAIL");
+  setenv("GPUIPC_EMU_FAIL", "cuMemcpyDtoDAsync:2", 1);
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  for (size_t i = 0; i < sp.n; i++)
+    sp.shape[i][0] = 1024; /* multiples of the alignment: packed */
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.align = 16;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  CUdeviceptr one, sep[3];
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&one, 3 * 1024));
+  uint8_t host[3 * 1024], back[3 * 1024];
+  for (size_t k = 0; k < sizeof host; k++)
+    host[k] = (uint8_t)(k * 7 + 1);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(one, host, sizeof host));
+  void *srcs[3];
+  for (int i = 0; i < 3; i++)
+    srcs[i] = (void *)(uintptr_t)(one + 1024 * (CUdeviceptr)i);
+  ASSERT_OK(gpuipc_tset_copy_from(set, 0, srcs, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_tensor t;
+  ASSERT_OK(gpuipc_tset_get_tensor(set, 0, 0, &t));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, (CUdeviceptr)(uintptr_t)t.ptr,
+                                    sizeof back));
+  ASSERT_MEM_EQ(back, host, sizeof host);
+  for (int i = 0; i < 3; i++) {
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&sep[i], 1024));
+    srcs[i] = (void *)(uintptr_t)sep[i];
+  }
+  ASSERT_STATUS(gpuipc_tset_copy_from(set, 0, srcs, (struct CUstream_st *)s),
+                GPUIPC_E_DRIVER);
+  /* The process's second call: the first range of three. */
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "range 0 of 3");
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  for (int i = 0; i < 3; i++)
+    ASSERT_CU(gpuipc__cu.cuMemFree(sep[i]));
+  ASSERT_CU(gpuipc__cu.cuMemFree(one));
+  spec_free(&sp);
+  return 0;
+}
