@@ -344,6 +344,8 @@ gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
   if (c->state == GPUIPC__CONN_OPEN) {
     GPUIPC__WARN("conn",
                  "disconnecting peer pid %d: %s", c->peer_pid, why);
+    if (c->hooks)
+      c->hooks->breaking(c);
     memcpy(c->broken_why, why, sizeof why);
     c->state = GPUIPC__CONN_BROKEN;
     disconnect(c);

@@ -134,6 +134,10 @@ typedef struct gpuipc__conn_hooks {
   /* Periodic, after each pass over the socket: reclaim what a departed
    * peer held once its process is gone. */
   void (*poll)(gpuipc_conn *c);
+  /* This side breaks the connection on its own error (called before the
+   * socket closes, the connection still open): tell the peer what we
+   * still hold, so that it gets everything else back at once. */
+  void (*breaking)(gpuipc_conn *c);
   /* gpuipc_conn_close: release what we hold, tell the peer, free the
    * fast path's state (c->ho is NULL on return). */
   void (*close)(gpuipc_conn *c);

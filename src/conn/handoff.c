@@ -799,6 +799,23 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
   case GPUIPC__F_BYE:
     c->peer_said_bye = 1;
     return GPUIPC_OK;
+  case GPUIPC__F_ABANDON:
+    if (len % sizeof(gpuipc__w_rel) || len / sizeof(gpuipc__w_rel) > 4096)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad ABANDON frame of %zu bytes",
+                          len);
+    if (h->lt == NULL)
+      return GPUIPC_OK; /* we never sent anything */
+    {
+      size_t n = len / sizeof(gpuipc__w_rel);
+      gpuipc__w_rel *held = n ? malloc(len) : NULL;
+      if (n && held == NULL)
+        return gpuipc__fail(GPUIPC_E_NO_MEMORY, "ABANDON frame");
+      if (n)
+        memcpy(held, p, len);
+      gpuipc_status as = gpuipc__lease_abandoned(h->lt, held, n);
+      free(held);
+      return as;
+    }
   default:
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "unexpected frame type %d", type);
   }
@@ -1016,6 +1033,32 @@ gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn, size_t *held_by_pee
 /* ---- peer departure ------------------------------------------------------------------ */
 
 static void ho_poll(gpuipc_conn *c);
+
+/* We break the connection on our own error: every buffer the caller holds
+ * (received, not released) stays ours until released locally; everything
+ * else the peer sent us (queued, or in frames we will not read) we never
+ * used. Say so, so that the peer need not wait for our process to exit. */
+static void ho_breaking(gpuipc_conn *c) {
+  struct gpuipc__ho *h = c->ho;
+  if (h == NULL || h->rx == NULL)
+    return;
+  gpuipc__w_rel held[4096];
+  size_t n = 0;
+  for (uint32_t s = 0; s < h->peer_nslots; s++) {
+    if (h->rx[s].held == 0)
+      continue;
+    bool queued = false;
+    for (uint32_t i = 0; i < h->qlen && !queued; i++)
+      queued = h->q[(h->qhead + i) % h->peer_nslots].w.slot == s;
+    if (queued)
+      continue;
+    if (n == GPUIPC__ARRAY_SIZE(held))
+      return; /* too many to name: the peer waits for our exit */
+    held[n++] = (gpuipc__w_rel){h->rx[s].held, s, 0};
+  }
+  (void)gpuipc__conn_send_frame(c, GPUIPC__F_ABANDON, held, n * sizeof *held,
+                                NULL, 0, NULL, 0, 0);
+}
 
 /* Our streams may wait for ready words the producer will never write (it
  * died, or we close while its work before a send has not completed):
@@ -1293,5 +1336,5 @@ static void ho_close(gpuipc_conn *c) {
   free(h);
 }
 
-const gpuipc__conn_hooks gpuipc__handoff_hooks = {ho_frame, ho_peer_gone,
-                                                  ho_poll, ho_close};
+const gpuipc__conn_hooks gpuipc__handoff_hooks = {
+    ho_frame, ho_peer_gone, ho_poll, ho_breaking, ho_close};

@@ -434,6 +434,49 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
   return GPUIPC_OK;
 }
 
+gpuipc_status gpuipc__lease_abandoned(gpuipc__lease_table *lt,
+                                      const gpuipc__w_rel *held, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (held[i].slot >= lt->nslots ||
+        (lt->tx[held[i].slot].block == NULL &&
+         lt->tx[held[i].slot].buf == NULL) ||
+        lt->tx[held[i].slot].seq != held[i].seq)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "ABANDON names slot %u sequence %llu, which the "
+                          "peer does not hold",
+                          held[i].slot, (unsigned long long)held[i].seq);
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, lt->ordinal));
+  size_t back = 0;
+  for (uint32_t s = 0; s < lt->nslots; s++) {
+    gpuipc__txs *t = &lt->tx[s];
+    if (t->block == NULL && t->buf == NULL)
+      continue;
+    bool kept = false;
+    for (size_t i = 0; i < n && !kept; i++)
+      kept = held[i].slot == s;
+    if (kept)
+      continue;
+    back++;
+    if (t->buf) {
+      slot_free(lt, s);
+      continue;
+    }
+    /* Never used by the peer: no release word to wait for; its reuse
+     * still follows the waits queued for earlier leases of this peer. */
+    gpuipc__release r = {t->block, 0, 0, NULL, t->ordered || t->by_event};
+    gpuipc_arena *a = t->block->arena;
+    slot_free(lt, s);
+    (void)gpuipc__arena_release(a, &lt->rc, &r, 1, true);
+  }
+  gpuipc__ctx_leave(&g);
+  GPUIPC__INFO("lease",
+               "peer pid %d ended the connection on its own error: %zu "
+               "lease(s) back, %zu still held",
+               lt->peer_pid, back, n);
+  return GPUIPC_OK;
+}
+
 /* ---- a dead peer --------------------------------------------------------------------- */
 
 /* The peer is gone and its process too: everything it held comes back. */

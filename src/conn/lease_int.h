@@ -134,6 +134,12 @@ void gpuipc__lease_set_release_event(gpuipc__lease_table *lt, uint32_t slot,
  * violation (unknown slot or sequence number); nothing is applied then. */
 gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
                                      const gpuipc__w_rel *rel, size_t n);
+/* An ABANDON frame: the peer ends the connection and still holds only the
+ * n leases named (the others it never used, and will not release): those
+ * come back now, without waiting for release words. A non-OK status is a
+ * protocol violation (a lease it does not hold); nothing is applied then. */
+gpuipc_status gpuipc__lease_abandoned(gpuipc__lease_table *lt,
+                                      const gpuipc__w_rel *held, size_t n);
 /* Moves up to cap release records of buf into out (the caller now owns
  * their events); returns how many. */
 size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
