@@ -1796,3 +1796,42 @@ TEST_IMPL(handoff_consumer_gives_up_tells_what_it_held) {
   ASSERT_OK(gpuipc_arena_destroy(a2));
   return 0;
 }
+
+/* ---- the opt-in peer watcher ------------------------------------------------------------ */
+
+/* With watch_peer, a consumer whose stream waits for a buffer of an
+ * exporter that then dies gets its stream unblocked without any gpuipc
+ * call: cuStreamSynchronize returns. (Without the watcher it would block
+ * until some call on the connection: GPUIPC_TEST_NO_WATCH=1 shows it.) */
+TEST_IMPL(handoff_watcher_unblocks_without_calls) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_stuck_producer", NULL, &fd, NULL);
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  o.watch_peer = getenv("GPUIPC_TEST_NO_WATCH") == NULL;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  /* The producer's work before the send never completes: s waits. */
+  usleep(50000);
+  ASSERT_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  bounded("cuStreamSynchronize after the exporter died, with no gpuipc call",
+          20);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  bounded_done();
+  ASSERT_STATUS(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s),
+                GPUIPC_OK);
+  gpuipc_conn_close(c);
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
+}

@@ -245,6 +245,7 @@ static void conn_free(gpuipc_conn *c) {
     close(c->fd);
   close_rx_fds(c);
   free_msgs(c);
+  gpuipc__watch_remove(c);
   gpuipc__peer_unref(c->peer);
   free(c->rx);
   free(c->tx);
@@ -1028,6 +1029,8 @@ static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
   int t = o->o.timeout_ms;
   uint64_t deadline = deadline_ms(t == 0 ? 10000 : t);
   gpuipc_status s = handshake(c, o, pre, deadline);
+  if (s == GPUIPC_OK && o->o.watch_peer)
+    s = gpuipc__watch_add(c);
   if (s != GPUIPC_OK) {
     conn_free(c);
     return s;

@@ -25,6 +25,10 @@
  */
 #include "handoff_int.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +45,217 @@ static gpuipc_status ho_get(gpuipc_conn *c, struct gpuipc__ho **out) {
   (void)gpuipc__conn_fast(c); /* the transport dispatches to us from now on */
   *out = c->ho;
   return GPUIPC_OK;
+}
+
+/* ---- the peer watcher (opt-in: gpuipc_conn_options.watch_peer) ------------------------- */
+
+/* Without it there is no background progress: a dead peer is noticed in
+ * the next call on its connection. With it, one process-wide thread polls
+ * the pidfds of the watched peers and, when one's process has exited,
+ * writes the flag words our streams may wait for (the ready words of its
+ * buffers, the release words of our leases), so those streams run on
+ * without any call from the application. The connection's thread
+ * publishes where the words are and the newest sequence numbers through
+ * atomics; a watch's mutex keeps the words mapped while the thread writes
+ * them (the connection's close takes it before unmapping). The list's lock
+ * is never held across a driver call. */
+struct gpuipc__watch {
+  struct gpuipc__watch *next;
+  int pidfd; /* ours (a dup of the peer's) */
+  int pid;
+  pthread_mutex_t mu; /* held while the words are written */
+  bool fired;         /* under mu */
+  _Atomic uint64_t rx_base, tx_base; /* 0: not known yet */
+  _Atomic int rx_ordinal, tx_ordinal;
+  _Atomic uint32_t rx_nslots, tx_nslots;
+  _Atomic uint64_t rx_max, tx_seq;
+};
+
+#define WATCH_POLL_MS 100
+
+static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct gpuipc__watch *watches;
+static int watch_wake[2] = {-1, -1};
+static bool watcher_started;
+
+/* Writes value into each of n 64-bit words from base, on device ordinal,
+ * and waits for the writes (on a stream of the watcher's own). */
+static void watch_write(int ordinal, uint64_t base, uint32_t n,
+                        uint64_t value) {
+  static struct CUstream_st *streams[64];
+  if (ordinal < 0 || ordinal >= 64 || base == 0)
+    return;
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, ordinal) != GPUIPC_OK)
+    return;
+  CUresult r = CUDA_SUCCESS;
+  if (streams[ordinal] == NULL) {
+    CUstream st;
+    r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+    if (r == CUDA_SUCCESS)
+      streams[ordinal] = (struct CUstream_st *)st;
+  }
+  for (uint32_t s = 0; r == CUDA_SUCCESS && s < n; s++)
+    r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)streams[ordinal],
+                   (CUdeviceptr)(base + 8u * (uint64_t)s), (cuuint64_t)value,
+                   0);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamSynchronize, (CUstream)streams[ordinal]);
+  if (r != CUDA_SUCCESS)
+    GPUIPC__WARN("handoff", "watcher: unblocking flag words failed: %s",
+                 gpuipc__cuda_error_name(r));
+  gpuipc__ctx_leave(&g);
+}
+
+/* The peer's process exited: unblock what may wait for it. mu held. */
+static void watch_fire(struct gpuipc__watch *w) {
+  w->fired = true;
+  GPUIPC__INFO("handoff", "watcher: peer pid %d exited; unblocking its flag "
+                          "words",
+               w->pid);
+  uint64_t rb = atomic_load_explicit(&w->rx_base, memory_order_acquire);
+  if (rb && atomic_load(&w->rx_max) > 0)
+    watch_write(atomic_load(&w->rx_ordinal), rb, atomic_load(&w->rx_nslots),
+                atomic_load(&w->rx_max));
+  uint64_t tb = atomic_load_explicit(&w->tx_base, memory_order_acquire);
+  if (tb) {
+    uint32_t n = atomic_load(&w->tx_nslots);
+    /* Past every sequence number the peer was given, within 2^63 of them
+     * (GEQ compares with wrap-around), as the lease table's reclaim. */
+    watch_write(atomic_load(&w->tx_ordinal), gpuipc__released_word(tb, n, 0),
+                n, atomic_load(&w->tx_seq) + ((uint64_t)1 << 40));
+  }
+}
+
+static void *watcher(void *arg) {
+  (void)arg;
+  for (;;) {
+    struct pollfd pf[256];
+    struct gpuipc__watch *ws[256];
+    int n = 0;
+    pf[n++] = (struct pollfd){watch_wake[0], POLLIN, 0};
+    pthread_mutex_lock(&watch_lock);
+    for (struct gpuipc__watch *w = watches; w && n < 256; w = w->next) {
+      pthread_mutex_lock(&w->mu);
+      bool fired = w->fired;
+      pthread_mutex_unlock(&w->mu);
+      if (fired)
+        continue;
+      ws[n] = w;
+      pf[n++] = (struct pollfd){w->pidfd, POLLIN, 0};
+    }
+    pthread_mutex_unlock(&watch_lock);
+    int r = poll(pf, (nfds_t)n, WATCH_POLL_MS);
+    if (r <= 0)
+      continue;
+    if (pf[0].revents) {
+      char buf[64];
+      while (read(watch_wake[0], buf, sizeof buf) > 0)
+        ;
+    }
+    for (int i = 1; i < n; i++) {
+      if (!(pf[i].revents & (POLLIN | POLLHUP | POLLERR)))
+        continue;
+      /* Still watched? Its mutex is taken under the list's lock, so a
+       * concurrent removal waits for the writes to be done. */
+      pthread_mutex_lock(&watch_lock);
+      struct gpuipc__watch *w = watches;
+      while (w && w != ws[i])
+        w = w->next;
+      if (w)
+        pthread_mutex_lock(&w->mu);
+      pthread_mutex_unlock(&watch_lock);
+      if (w == NULL)
+        continue;
+      if (!w->fired)
+        watch_fire(w);
+      pthread_mutex_unlock(&w->mu);
+    }
+  }
+  return NULL;
+}
+
+gpuipc_status gpuipc__watch_add(gpuipc_conn *c) {
+  if (c->peer == NULL || c->peer->pidfd < 0)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "watch_peer: no pidfd of peer pid %d (kernel older "
+                        "than 5.3?)",
+                        c->peer_pid);
+  struct gpuipc__watch *w = calloc(1, sizeof *w);
+  if (w == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "peer watch");
+  w->pidfd = fcntl(c->peer->pidfd, F_DUPFD_CLOEXEC, 0);
+  if (w->pidfd < 0) {
+    gpuipc_status s = gpuipc__fail_errno(errno, "fcntl", "dup of a pidfd");
+    free(w);
+    return s;
+  }
+  w->pid = c->peer_pid;
+  pthread_mutex_init(&w->mu, NULL);
+  atomic_init(&w->rx_ordinal, -1);
+  atomic_init(&w->tx_ordinal, -1);
+  gpuipc_status s = GPUIPC_OK;
+  pthread_mutex_lock(&watch_lock);
+  if (!watcher_started) {
+    if (pipe2(watch_wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+      s = gpuipc__fail_errno(errno, "pipe2", "peer watcher");
+    } else {
+      pthread_attr_t attr;
+      pthread_attr_init(&attr);
+      pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+      /* The watcher takes no signals: they are the application's. */
+      sigset_t all, old;
+      sigfillset(&all);
+      pthread_sigmask(SIG_SETMASK, &all, &old);
+      pthread_t t;
+      int rc = pthread_create(&t, &attr, watcher, NULL);
+      pthread_sigmask(SIG_SETMASK, &old, NULL);
+      pthread_attr_destroy(&attr);
+      if (rc != 0) {
+        s = gpuipc__fail_errno(rc, "pthread_create", "peer watcher");
+        close(watch_wake[0]);
+        close(watch_wake[1]);
+        watch_wake[0] = watch_wake[1] = -1;
+      } else {
+        watcher_started = true;
+      }
+    }
+  }
+  if (s == GPUIPC_OK) {
+    w->next = watches;
+    watches = w;
+    ssize_t k = write(watch_wake[1], "w", 1);
+    (void)k;
+  }
+  pthread_mutex_unlock(&watch_lock);
+  if (s != GPUIPC_OK) {
+    close(w->pidfd);
+    pthread_mutex_destroy(&w->mu);
+    free(w);
+    return s;
+  }
+  c->watch = w;
+  return GPUIPC_OK;
+}
+
+void gpuipc__watch_remove(gpuipc_conn *c) {
+  struct gpuipc__watch *w = c->watch;
+  if (w == NULL)
+    return;
+  c->watch = NULL;
+  pthread_mutex_lock(&watch_lock);
+  for (struct gpuipc__watch **pp = &watches; *pp; pp = &(*pp)->next)
+    if (*pp == w) {
+      *pp = w->next;
+      break;
+    }
+  pthread_mutex_unlock(&watch_lock);
+  /* Writes in progress end before the words may be unmapped. */
+  pthread_mutex_lock(&w->mu);
+  pthread_mutex_unlock(&w->mu);
+  pthread_mutex_destroy(&w->mu);
+  close(w->pidfd);
+  free(w);
 }
 
 /* ---- the legacy default stream ----------------------------------------------------- */
@@ -192,6 +407,12 @@ static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
     return s;
   }
   h->lt = lt;
+  if (c->watch) {
+    struct gpuipc__watch *wt = c->watch;
+    atomic_store(&wt->tx_ordinal, lt->ordinal);
+    atomic_store(&wt->tx_nslots, lt->nslots);
+    atomic_store_explicit(&wt->tx_base, lt->ctl->ptr, memory_order_release);
+  }
   return GPUIPC_OK;
 }
 
@@ -295,6 +516,8 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
     GPUIPC__CHECK(gpuipc_event_record(ev, stream));
   }
   uint64_t seq = gpuipc__lease_new_seq(lt);
+  if (conn->watch)
+    atomic_store(&conn->watch->tx_seq, seq);
   w->seq = seq;
   w->slot = slot;
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
@@ -562,8 +785,8 @@ out:
   return s;
 }
 
-static gpuipc_status on_ctl(struct gpuipc__ho *h, const unsigned char *p,
-                            size_t len) {
+static gpuipc_status on_ctl(gpuipc_conn *c, struct gpuipc__ho *h,
+                            const unsigned char *p, size_t len) {
   gpuipc__w_ctl w;
   if (len != sizeof w || h->have_peer_ctl)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad or repeated CTL frame");
@@ -588,11 +811,16 @@ static gpuipc_status on_ctl(struct gpuipc__ho *h, const unsigned char *p,
   h->peer_nslots = w.nslots;
   h->peer_ordinal = im->ordinal;
   h->have_peer_ctl = true;
+  if (c->watch) {
+    atomic_store(&c->watch->rx_ordinal, h->peer_ordinal);
+    atomic_store(&c->watch->rx_nslots, h->peer_nslots);
+    atomic_store_explicit(&c->watch->rx_base, h->peer_ctl, memory_order_release);
+  }
   return GPUIPC_OK;
 }
 
-static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
-                            size_t len) {
+static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
+                            const unsigned char *p, size_t len) {
   gpuipc__w_buf w;
   if (len < sizeof w)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame of %zu bytes", len);
@@ -635,6 +863,8 @@ static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
   }
   if (w.seq > h->rx_max_seq)
     h->rx_max_seq = w.seq;
+  if (c->watch)
+    atomic_store(&c->watch->rx_max, h->rx_max_seq);
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = w;
   memcpy(q->meta, p + sizeof w, w.meta_len);
@@ -642,8 +872,9 @@ static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
   return GPUIPC_OK;
 }
 
-static gpuipc_status on_bufd(struct gpuipc__ho *h, const unsigned char *p,
-                             size_t len, int *fds, int nfds) {
+static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
+                             const unsigned char *p, size_t len, int *fds,
+                             int nfds) {
   gpuipc_status s = GPUIPC_OK;
   gpuipc_buffer *imp = NULL;
   gpuipc__w_buf w;
@@ -709,6 +940,8 @@ static gpuipc_status on_bufd(struct gpuipc__ho *h, const unsigned char *p,
   r->imp = imp;
   if (w.seq > h->rx_max_seq)
     h->rx_max_seq = w.seq;
+  if (c->watch)
+    atomic_store(&c->watch->rx_max, h->rx_max_seq);
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = w;
   memcpy(q->meta, p + sizeof w + sizeof dl + dl[0], w.meta_len);
@@ -778,11 +1011,11 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
   case GPUIPC__F_CHUNK:
     return on_chunk(c, h, p, len, fds, nfds);
   case GPUIPC__F_CTL:
-    return on_ctl(h, p, len);
+    return on_ctl(c, h, p, len);
   case GPUIPC__F_BUF:
-    return on_buf(h, p, len);
+    return on_buf(c, h, p, len);
   case GPUIPC__F_BUFD:
-    return on_bufd(h, p, len, fds, nfds);
+    return on_bufd(c, h, p, len, fds, nfds);
   case GPUIPC__F_EVD:
     return on_evd(h, p, len);
   case GPUIPC__F_REL:
@@ -1199,6 +1432,8 @@ static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
 static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;
+  /* The watcher writes into memory unmapped below: it stops first. */
+  gpuipc__watch_remove(c);
   /* Receiver side: give back what we hold, ordered after the legacy
    * stream, and say goodbye. */
   int sync_ordinal = -1;
