@@ -32,7 +32,7 @@ typedef enum gpuipc__conn_state {
 
 struct gpuipc__ho;         /* the fast path's state, handoff.c */
 struct gpuipc__peer;       /* the peer process, lease.c */
-struct gpuipc__watch;      /* the peer watcher's record, handoff.c */
+struct gpuipc__watch;      /* the peer watcher's record, lease.c */
 struct gpuipc__conn_hooks; /* below */
 
 struct gpuipc_conn {
@@ -118,7 +118,7 @@ gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...)
 struct gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time);
 void gpuipc__peer_unref(struct gpuipc__peer *p);
 
-/* ---- the peer watcher (handoff.c) ---------------------------------------------- */
+/* ---- the peer watcher (lease.c) ------------------------------------------------ */
 
 /* Starts watching the peer of c (after the handshake): when its process
  * exits, a thread of gpuipc unblocks the flag words our streams wait for,

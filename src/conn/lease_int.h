@@ -38,6 +38,21 @@ gpuipc__peer *gpuipc__peer_ref(gpuipc__peer *p);
  * a process whose main thread exited while others run is not gone. */
 bool gpuipc__peer_gone(const gpuipc__peer *p);
 
+/* A watched peer (gpuipc_conn_options.watch_peer; see lease.c): where the
+ * flag words are that our streams may wait for, published by the
+ * connection's thread (handoff.c) through the atomics. */
+struct gpuipc__watch {
+  struct gpuipc__watch *next;
+  int pidfd; /* ours (a dup of the peer's) */
+  int pid;
+  pthread_mutex_t mu; /* held while the words are written */
+  bool fired;         /* under mu */
+  _Atomic uint64_t rx_base, tx_base; /* 0: not known yet */
+  _Atomic int rx_ordinal, tx_ordinal;
+  _Atomic uint32_t rx_nslots, tx_nslots;
+  _Atomic uint64_t rx_max, tx_seq;
+};
+
 /* One slot (a flag-word pair). */
 typedef struct gpuipc__txs {
   gpuipc_block *block; /* the block the peer holds in this slot, or */
