@@ -103,9 +103,14 @@
  * (In GPUIPC_ORDER_EVENT mode this unblocking is not possible on a real
  * driver: see the limit documented there.)
  *
- * Progress. There is no background thread. Incoming frames (buffers,
- * releases, arena exports, user messages) are read inside every call on the
- * connection and in gpuipc_conn_progress. An event loop polls
+ * Progress. By default there is no background thread. Incoming frames
+ * (buffers, releases, arena exports, user messages) are read, and a dead
+ * peer is noticed, inside every call on the connection and in
+ * gpuipc_conn_progress. So after an exporter died, a consumer that
+ * synchronizes a stream waiting for one of its buffers before making any
+ * gpuipc call blocks until some thread makes one (that call unblocks the
+ * stream). gpuipc_conn_options.watch_peer starts a watcher thread that
+ * does this within a bounded time without any call. An event loop polls
  * gpuipc_conn_get_fd() for POLLIN and calls gpuipc_conn_progress (or recv) when
  * it is readable. An exporter that only sends must still make progress now
  * and then (send does, too), or releases pile up in the socket.
@@ -284,12 +289,21 @@ typedef struct gpuipc_conn_options {
    * (ms, 1 to GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP). 0: the default,
    * GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS. */
   int handshake_timeout_ms;
+  /* Nonzero: watch the peer process from a thread of gpuipc (one for the
+   * whole process). Within about 100 ms of the peer's exit it writes the
+   * flag words our streams may wait for (as the next call on the
+   * connection would), so a stream that waits for a dead exporter's buffer
+   * runs on, and a cuStreamSynchronize returns, without any gpuipc call.
+   * Calls on the connection stay the application's (the watcher changes
+   * nothing else). Needs pidfds (Linux 5.3): GPUIPC_E_NOT_SUPPORTED
+   * otherwise. Default 0: no background progress (see "Progress"). */
+  int watch_peer;
 } gpuipc_conn_options;
 
 #define GPUIPC_CONN_OPTIONS_INIT                                               \
   {sizeof(gpuipc_conn_options), 10000, 0, 0, NULL, NULL, 0, NULL, 0, 256,      \
    GPUIPC_ORDER_MEMOP, GPUIPC_CONN_QUEUE_MSGS, GPUIPC_CONN_QUEUE_FDS,          \
-   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS}
+   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS, 0}
 
 /* ------------------------------------------------------------------------ */
 /* Making connections                                                        */

@@ -63,11 +63,36 @@ void gpuipc__reclaimer_close(gpuipc__reclaimer *r) {
 
 /* ---- markers ------------------------------------------------------------------ */
 
+static bool mark_done(gpuipc__mark *m);
+
+/* Drops a reference. A marker nobody refers to is reused only once its
+ * event completed: a stream may still wait for its pending record (a
+ * reuse handed out ordered after it), and recording the event again must
+ * not disturb that wait. Until then it waits on the retired list. */
 static void mark_unref(gpuipc_arena *a, gpuipc__mark *m) {
   if (m == NULL || --m->refs > 0)
     return;
+  if (!mark_done(m)) {
+    m->next_free = a->mark_retired;
+    a->mark_retired = m;
+    return;
+  }
   m->next_free = a->mark_free;
   a->mark_free = m;
+}
+
+/* Moves the retired markers that completed to the free list. */
+static void marks_recycle(gpuipc_arena *a) {
+  for (gpuipc__mark **pp = &a->mark_retired; *pp;) {
+    gpuipc__mark *m = *pp;
+    if (mark_done(m)) {
+      *pp = m->next_free;
+      m->next_free = a->mark_free;
+      a->mark_free = m;
+    } else {
+      pp = &m->next_free;
+    }
+  }
 }
 
 static gpuipc__mark *mark_ref(gpuipc__mark *m) {
@@ -90,6 +115,8 @@ static bool mark_done(gpuipc__mark *m) {
  * far. Lock held, context current. */
 static gpuipc_status mark_record(gpuipc_arena *a, const gpuipc__reclaimer *rc,
                                  gpuipc__mark **out) {
+  if (a->mark_free == NULL)
+    marks_recycle(a);
   gpuipc__mark *m = a->mark_free;
   if (m) {
     a->mark_free = m->next_free;
@@ -412,12 +439,14 @@ gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a, bool *pending) {
     free(r);
     r = n;
   }
-  gpuipc__mark *m = a->mark_free;
-  while (m) {
-    gpuipc__mark *n = m->next_free;
-    GPUIPC__CU(cuEventDestroy, (CUevent)m->ev);
-    free(m);
-    m = n;
+  for (int l = 0; l < 2; l++) {
+    gpuipc__mark *m = l ? a->mark_retired : a->mark_free;
+    while (m) {
+      gpuipc__mark *n = m->next_free;
+      GPUIPC__CU(cuEventDestroy, (CUevent)m->ev);
+      free(m);
+      m = n;
+    }
   }
   gpuipc__reclaimer_close(&a->own);
   GPUIPC__CU(cuStreamDestroy, (CUstream)a->side);

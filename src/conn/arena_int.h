@@ -85,7 +85,8 @@ struct gpuipc_arena {
   gpuipc__chunk chunks[GPUIPC__ARENA_MAX_CHUNKS];
   uint32_t nchunks;
   gpuipc__range *free_list; /* sorted by (chunk, off) */
-  gpuipc__mark *mark_free;
+  gpuipc__mark *mark_free;    /* complete, ready for reuse */
+  gpuipc__mark *mark_retired; /* unreferenced, record still pending */
   size_t blocks_allocated, blocks_deferred, leases, bytes_allocated;
   size_t internal_blocks, internal_bytes; /* flag words of connections */
   int users; /* connections with flag words here */

@@ -269,6 +269,7 @@ static void conn_free(gpuipc_conn *c) {
     close(c->fd);
   close_rx_fds(c);
   free_msgs(c);
+  gpuipc__watch_remove(c);
   gpuipc__peer_unref(c->peer);
   free(c->rx);
   free(c->tx);
@@ -371,6 +372,8 @@ static gpuipc_status conn_vfail(gpuipc_conn *c, gpuipc_status status,
   if (c->state == GPUIPC__CONN_OPEN) {
     GPUIPC__WARN("conn",
                  "disconnecting peer pid %d: %s", c->peer_pid, why);
+    if (c->hooks)
+      c->hooks->breaking(c);
     memcpy(c->broken_why, why, sizeof why);
     c->broken_status = status;
     c->state = GPUIPC__CONN_BROKEN;
@@ -1124,6 +1127,8 @@ static gpuipc_status finish(int fd, const copts *o, const struct ucred *pre,
     else
       s = GPUIPC_OK;
   }
+  if (s == GPUIPC_OK && o->o.watch_peer)
+    s = gpuipc__watch_add(c);
   if (s != GPUIPC_OK) {
     conn_free(c);
     return s;
@@ -1451,6 +1456,8 @@ gpuipc_status gpuipc_accept(gpuipc_listener *l, gpuipc_conn **out) {
       }
       int pid = (int)x->pre.pid;
       gpuipc_conn *c = pending_take(l, i);
+      if (s == GPUIPC_OK && l->opts.watch_peer)
+        s = gpuipc__watch_add(c);
       if (s == GPUIPC_OK) {
         *out = c;
         return GPUIPC_OK;

@@ -41,7 +41,9 @@ enum {
   GPUIPC__F_BYE = 9,    /* orderly close: everything I held is released */
   GPUIPC__F_BUFD = 10,  /* one buffer by descriptor (+ fds) */
   GPUIPC__F_EVD = 11,   /* event mode: a slot's interprocess event */
-  GPUIPC__F_TYPE_MAX = 11
+  GPUIPC__F_ABANDON = 12, /* I end this connection on my own error: I
+                           * still hold these; the rest is untouched */
+  GPUIPC__F_TYPE_MAX = 12
 };
 
 typedef struct gpuipc__frame_hdr {

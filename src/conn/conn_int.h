@@ -32,6 +32,7 @@ typedef enum gpuipc__conn_state {
 
 struct gpuipc__ho;         /* the fast path's state, handoff.c */
 struct gpuipc__peer;       /* the peer process, lease.c */
+struct gpuipc__watch;      /* the peer watcher's record, lease.c */
 struct gpuipc__conn_hooks; /* below */
 
 struct gpuipc_conn {
@@ -50,6 +51,8 @@ struct gpuipc_conn {
   uint32_t peer_max_outstanding;
   /* The peer process, watched for its exit (NULL until the handshake). */
   struct gpuipc__peer *peer;
+  /* Set when gpuipc_conn_options.watch_peer asked for the watcher. */
+  struct gpuipc__watch *watch;
   int peer_said_bye;
   /* Receive side: bytes read and not yet parsed; descriptors received and
    * not yet claimed by a frame. */
@@ -123,6 +126,15 @@ gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...)
 struct gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time);
 void gpuipc__peer_unref(struct gpuipc__peer *p);
 
+/* ---- the peer watcher (lease.c) ------------------------------------------------ */
+
+/* Starts watching the peer of c (after the handshake): when its process
+ * exits, a thread of gpuipc unblocks the flag words our streams wait for,
+ * without any call on c. GPUIPC_E_NOT_SUPPORTED without pidfds. */
+gpuipc_status gpuipc__watch_add(gpuipc_conn *c);
+/* Stops it (idempotent; waits for writes in progress). */
+void gpuipc__watch_remove(gpuipc_conn *c);
+
 /* ---- the fast path's hooks ---------------------------------------------------- */
 
 /* What the transport calls in the fast path (handoff.c), as libuv's loop
@@ -142,6 +154,10 @@ typedef struct gpuipc__conn_hooks {
   /* Periodic, after each pass over the socket: reclaim what a departed
    * peer held once its process is gone. */
   void (*poll)(gpuipc_conn *c);
+  /* This side breaks the connection on its own error (called before the
+   * socket closes, the connection still open): tell the peer what we
+   * still hold, so that it gets everything else back at once. */
+  void (*breaking)(gpuipc_conn *c);
   /* gpuipc_conn_close: release what we hold, tell the peer, free the
    * fast path's state (c->ho is NULL on return). */
   void (*close)(gpuipc_conn *c);

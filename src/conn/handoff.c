@@ -25,6 +25,7 @@
  */
 #include "handoff_int.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -193,6 +194,12 @@ static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
     return s;
   }
   h->lt = lt;
+  if (c->watch) {
+    struct gpuipc__watch *wt = c->watch;
+    atomic_store(&wt->tx_ordinal, lt->ordinal);
+    atomic_store(&wt->tx_nslots, lt->nslots);
+    atomic_store_explicit(&wt->tx_base, lt->ctl->ptr, memory_order_release);
+  }
   return GPUIPC_OK;
 }
 
@@ -296,6 +303,8 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
     GPUIPC__CHECK(gpuipc_event_record(ev, stream));
   }
   uint64_t seq = gpuipc__lease_new_seq(lt);
+  if (conn->watch)
+    atomic_store(&conn->watch->tx_seq, seq);
   w->seq = seq;
   w->slot = slot;
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
@@ -563,8 +572,8 @@ out:
   return s;
 }
 
-static gpuipc_status on_ctl(struct gpuipc__ho *h, const unsigned char *p,
-                            size_t len) {
+static gpuipc_status on_ctl(gpuipc_conn *c, struct gpuipc__ho *h,
+                            const unsigned char *p, size_t len) {
   gpuipc__w_ctl w;
   if (len != sizeof w || h->have_peer_ctl)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad or repeated CTL frame");
@@ -589,11 +598,16 @@ static gpuipc_status on_ctl(struct gpuipc__ho *h, const unsigned char *p,
   h->peer_nslots = w.nslots;
   h->peer_ordinal = im->ordinal;
   h->have_peer_ctl = true;
+  if (c->watch) {
+    atomic_store(&c->watch->rx_ordinal, h->peer_ordinal);
+    atomic_store(&c->watch->rx_nslots, h->peer_nslots);
+    atomic_store_explicit(&c->watch->rx_base, h->peer_ctl, memory_order_release);
+  }
   return GPUIPC_OK;
 }
 
-static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
-                            size_t len) {
+static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
+                            const unsigned char *p, size_t len) {
   gpuipc__w_buf w;
   if (len < sizeof w)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame of %zu bytes", len);
@@ -636,6 +650,8 @@ static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
   }
   if (w.seq > h->rx_max_seq)
     h->rx_max_seq = w.seq;
+  if (c->watch)
+    atomic_store(&c->watch->rx_max, h->rx_max_seq);
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = w;
   memcpy(q->meta, p + sizeof w, w.meta_len);
@@ -643,8 +659,9 @@ static gpuipc_status on_buf(struct gpuipc__ho *h, const unsigned char *p,
   return GPUIPC_OK;
 }
 
-static gpuipc_status on_bufd(struct gpuipc__ho *h, const unsigned char *p,
-                             size_t len, int *fds, int nfds) {
+static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
+                             const unsigned char *p, size_t len, int *fds,
+                             int nfds) {
   gpuipc_status s = GPUIPC_OK;
   gpuipc_buffer *imp = NULL;
   gpuipc__w_buf w;
@@ -710,6 +727,8 @@ static gpuipc_status on_bufd(struct gpuipc__ho *h, const unsigned char *p,
   r->imp = imp;
   if (w.seq > h->rx_max_seq)
     h->rx_max_seq = w.seq;
+  if (c->watch)
+    atomic_store(&c->watch->rx_max, h->rx_max_seq);
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = w;
   memcpy(q->meta, p + sizeof w + sizeof dl + dl[0], w.meta_len);
@@ -779,11 +798,11 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
   case GPUIPC__F_CHUNK:
     return on_chunk(c, h, p, len, fds, nfds);
   case GPUIPC__F_CTL:
-    return on_ctl(h, p, len);
+    return on_ctl(c, h, p, len);
   case GPUIPC__F_BUF:
-    return on_buf(h, p, len);
+    return on_buf(c, h, p, len);
   case GPUIPC__F_BUFD:
-    return on_bufd(h, p, len, fds, nfds);
+    return on_bufd(c, h, p, len, fds, nfds);
   case GPUIPC__F_EVD:
     return on_evd(h, p, len);
   case GPUIPC__F_REL:
@@ -800,6 +819,23 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
   case GPUIPC__F_BYE:
     c->peer_said_bye = 1;
     return GPUIPC_OK;
+  case GPUIPC__F_ABANDON:
+    if (len % sizeof(gpuipc__w_rel) || len / sizeof(gpuipc__w_rel) > 4096)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad ABANDON frame of %zu bytes",
+                          len);
+    if (h->lt == NULL)
+      return GPUIPC_OK; /* we never sent anything */
+    {
+      size_t n = len / sizeof(gpuipc__w_rel);
+      gpuipc__w_rel *held = n ? malloc(len) : NULL;
+      if (n && held == NULL)
+        return gpuipc__fail(GPUIPC_E_NO_MEMORY, "ABANDON frame");
+      if (n)
+        memcpy(held, p, len);
+      gpuipc_status as = gpuipc__lease_abandoned(h->lt, held, n);
+      free(held);
+      return as;
+    }
   default:
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "unexpected frame type %d", type);
   }
@@ -1020,6 +1056,32 @@ gpuipc_status gpuipc_conn_get_outstanding(gpuipc_conn *conn, size_t *held_by_pee
 
 static void ho_poll(gpuipc_conn *c);
 
+/* We break the connection on our own error: every buffer the caller holds
+ * (received, not released) stays ours until released locally; everything
+ * else the peer sent us (queued, or in frames we will not read) we never
+ * used. Say so, so that the peer need not wait for our process to exit. */
+static void ho_breaking(gpuipc_conn *c) {
+  struct gpuipc__ho *h = c->ho;
+  if (h == NULL || h->rx == NULL)
+    return;
+  gpuipc__w_rel held[4096];
+  size_t n = 0;
+  for (uint32_t s = 0; s < h->peer_nslots; s++) {
+    if (h->rx[s].held == 0)
+      continue;
+    bool queued = false;
+    for (uint32_t i = 0; i < h->qlen && !queued; i++)
+      queued = h->q[(h->qhead + i) % h->peer_nslots].w.slot == s;
+    if (queued)
+      continue;
+    if (n == GPUIPC__ARRAY_SIZE(held))
+      return; /* too many to name: the peer waits for our exit */
+    held[n++] = (gpuipc__w_rel){h->rx[s].held, s, 0};
+  }
+  (void)gpuipc__conn_send_frame(c, GPUIPC__F_ABANDON, held, n * sizeof *held,
+                                NULL, 0, NULL, 0, 0);
+}
+
 /* Our streams may wait for ready words the producer will never write (it
  * died, or we close while its work before a send has not completed):
  * write them ourselves, into our own mapping of its memory (which stays
@@ -1159,6 +1221,8 @@ static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
 static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;
+  /* The watcher writes into memory unmapped below: it stops first. */
+  gpuipc__watch_remove(c);
   /* Receiver side: give back what we hold, ordered after the legacy
    * stream, and say goodbye. */
   int sync_ordinal = -1;
@@ -1296,5 +1360,5 @@ static void ho_close(gpuipc_conn *c) {
   free(h);
 }
 
-const gpuipc__conn_hooks gpuipc__handoff_hooks = {ho_frame, ho_peer_gone,
-                                                  ho_poll, ho_close};
+const gpuipc__conn_hooks gpuipc__handoff_hooks = {
+    ho_frame, ho_peer_gone, ho_poll, ho_breaking, ho_close};

@@ -7,7 +7,9 @@
  * the peer still held something lives on as an orphan until the peer
  * released everything or its process is gone; orphans are checked in the
  * arena calls that depend on them (allocation, statistics, destroy), which
- * enter here for that reason.
+ * enter here for that reason. It also owns the peer process handle (a
+ * pidfd taken at the handshake) that decides when a peer is gone, and the
+ * opt-in peer watcher thread.
  *
  * Why reclaiming after a peer's death is safe: a consumer's GPU work on our
  * memory runs in the consumer's CUDA context. When the process exits or is
@@ -31,6 +33,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/syscall.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -436,6 +439,49 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
   return GPUIPC_OK;
 }
 
+gpuipc_status gpuipc__lease_abandoned(gpuipc__lease_table *lt,
+                                      const gpuipc__w_rel *held, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (held[i].slot >= lt->nslots ||
+        (lt->tx[held[i].slot].block == NULL &&
+         lt->tx[held[i].slot].buf == NULL) ||
+        lt->tx[held[i].slot].seq != held[i].seq)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "ABANDON names slot %u sequence %llu, which the "
+                          "peer does not hold",
+                          held[i].slot, (unsigned long long)held[i].seq);
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, lt->ordinal));
+  size_t back = 0;
+  for (uint32_t s = 0; s < lt->nslots; s++) {
+    gpuipc__txs *t = &lt->tx[s];
+    if (t->block == NULL && t->buf == NULL)
+      continue;
+    bool kept = false;
+    for (size_t i = 0; i < n && !kept; i++)
+      kept = held[i].slot == s;
+    if (kept)
+      continue;
+    back++;
+    if (t->buf) {
+      slot_free(lt, s);
+      continue;
+    }
+    /* Never used by the peer: no release word to wait for; its reuse
+     * still follows the waits queued for earlier leases of this peer. */
+    gpuipc__release r = {t->block, 0, 0, NULL, t->ordered || t->by_event};
+    gpuipc_arena *a = t->block->arena;
+    slot_free(lt, s);
+    (void)gpuipc__arena_release(a, &lt->rc, &r, 1, true);
+  }
+  gpuipc__ctx_leave(&g);
+  GPUIPC__INFO("lease",
+               "peer pid %d ended the connection on its own error: %zu "
+               "lease(s) back, %zu still held",
+               lt->peer_pid, back, n);
+  return GPUIPC_OK;
+}
+
 /* ---- a dead peer --------------------------------------------------------------------- */
 
 /* The peer is gone and its process too: everything it held comes back. */
@@ -649,4 +695,204 @@ gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
       return s;
     usleep(1000);
   }
+}
+
+/* ---- the peer watcher (opt-in: gpuipc_conn_options.watch_peer) ------------------------- */
+
+/* Without it there is no background progress: a dead peer is noticed in
+ * the next call on its connection. With it, one process-wide thread polls
+ * the pidfds of the watched peers and, when one's process has exited,
+ * writes the flag words our streams may wait for (the ready words of its
+ * buffers, the release words of our leases), so those streams run on
+ * without any call from the application. The connection's thread
+ * publishes where the words are and the newest sequence numbers through
+ * atomics; a watch's mutex keeps the words mapped while the thread writes
+ * them (the connection's close takes it before unmapping). The list's lock
+ * is never held across a driver call. */
+
+#define WATCH_POLL_MS 100
+
+static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct gpuipc__watch *watches;
+static int watch_wake[2] = {-1, -1};
+static bool watcher_started;
+
+/* Writes value into each of n 64-bit words from base, on device ordinal,
+ * and waits for the writes (on a stream of the watcher's own). */
+static void watch_write(int ordinal, uint64_t base, uint32_t n,
+                        uint64_t value) {
+  static struct CUstream_st *streams[64];
+  if (ordinal < 0 || ordinal >= 64 || base == 0)
+    return;
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, ordinal) != GPUIPC_OK)
+    return;
+  CUresult r = CUDA_SUCCESS;
+  if (streams[ordinal] == NULL) {
+    CUstream st;
+    r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+    if (r == CUDA_SUCCESS)
+      streams[ordinal] = (struct CUstream_st *)st;
+  }
+  for (uint32_t s = 0; r == CUDA_SUCCESS && s < n; s++)
+    r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)streams[ordinal],
+                   (CUdeviceptr)(base + 8u * (uint64_t)s), (cuuint64_t)value,
+                   0);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamSynchronize, (CUstream)streams[ordinal]);
+  if (r != CUDA_SUCCESS)
+    GPUIPC__WARN("lease", "watcher: unblocking flag words failed: %s",
+                 gpuipc__cuda_error_name(r));
+  gpuipc__ctx_leave(&g);
+}
+
+/* The peer's process exited: unblock what may wait for it. mu held. */
+static void watch_fire(struct gpuipc__watch *w) {
+  w->fired = true;
+  GPUIPC__INFO("lease", "watcher: peer pid %d exited; unblocking its flag "
+                          "words",
+               w->pid);
+  uint64_t rb = atomic_load_explicit(&w->rx_base, memory_order_acquire);
+  if (rb && atomic_load(&w->rx_max) > 0)
+    watch_write(atomic_load(&w->rx_ordinal), rb, atomic_load(&w->rx_nslots),
+                atomic_load(&w->rx_max));
+  uint64_t tb = atomic_load_explicit(&w->tx_base, memory_order_acquire);
+  if (tb) {
+    uint32_t n = atomic_load(&w->tx_nslots);
+    /* Past every sequence number the peer was given, within 2^63 of them
+     * (GEQ compares with wrap-around), as the lease table's reclaim. */
+    watch_write(atomic_load(&w->tx_ordinal), gpuipc__released_word(tb, n, 0),
+                n, atomic_load(&w->tx_seq) + ((uint64_t)1 << 40));
+  }
+}
+
+static void *watcher(void *arg) {
+  (void)arg;
+  for (;;) {
+    struct pollfd pf[256];
+    struct gpuipc__watch *ws[256];
+    int n = 0;
+    pf[n++] = (struct pollfd){watch_wake[0], POLLIN, 0};
+    pthread_mutex_lock(&watch_lock);
+    for (struct gpuipc__watch *w = watches; w && n < 256; w = w->next) {
+      pthread_mutex_lock(&w->mu);
+      bool fired = w->fired;
+      pthread_mutex_unlock(&w->mu);
+      if (fired)
+        continue;
+      ws[n] = w;
+      pf[n++] = (struct pollfd){w->pidfd, POLLIN, 0};
+    }
+    pthread_mutex_unlock(&watch_lock);
+    int r = poll(pf, (nfds_t)n, WATCH_POLL_MS);
+    if (r <= 0)
+      continue;
+    if (pf[0].revents) {
+      char buf[64];
+      while (read(watch_wake[0], buf, sizeof buf) > 0)
+        ;
+    }
+    for (int i = 1; i < n; i++) {
+      if (!(pf[i].revents & (POLLIN | POLLHUP | POLLERR)))
+        continue;
+      /* Still watched? Its mutex is taken under the list's lock, so a
+       * concurrent removal waits for the writes to be done. */
+      pthread_mutex_lock(&watch_lock);
+      struct gpuipc__watch *w = watches;
+      while (w && w != ws[i])
+        w = w->next;
+      if (w)
+        pthread_mutex_lock(&w->mu);
+      pthread_mutex_unlock(&watch_lock);
+      if (w == NULL)
+        continue;
+      if (!w->fired)
+        watch_fire(w);
+      pthread_mutex_unlock(&w->mu);
+    }
+  }
+  return NULL;
+}
+
+gpuipc_status gpuipc__watch_add(gpuipc_conn *c) {
+  if (c->peer == NULL || c->peer->pidfd < 0)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "watch_peer: no pidfd of peer pid %d (kernel older "
+                        "than 5.3?)",
+                        c->peer_pid);
+  struct gpuipc__watch *w = calloc(1, sizeof *w);
+  if (w == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "peer watch");
+  w->pidfd = fcntl(c->peer->pidfd, F_DUPFD_CLOEXEC, 0);
+  if (w->pidfd < 0) {
+    gpuipc_status s = gpuipc__fail_errno(errno, "fcntl", "dup of a pidfd");
+    free(w);
+    return s;
+  }
+  w->pid = c->peer_pid;
+  pthread_mutex_init(&w->mu, NULL);
+  atomic_init(&w->rx_ordinal, -1);
+  atomic_init(&w->tx_ordinal, -1);
+  gpuipc_status s = GPUIPC_OK;
+  pthread_mutex_lock(&watch_lock);
+  if (!watcher_started) {
+    if (pipe2(watch_wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+      s = gpuipc__fail_errno(errno, "pipe2", "peer watcher");
+    } else {
+      pthread_attr_t attr;
+      pthread_attr_init(&attr);
+      pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+      /* The watcher takes no signals: they are the application's. */
+      sigset_t all, old;
+      sigfillset(&all);
+      pthread_sigmask(SIG_SETMASK, &all, &old);
+      pthread_t t;
+      int rc = pthread_create(&t, &attr, watcher, NULL);
+      pthread_sigmask(SIG_SETMASK, &old, NULL);
+      pthread_attr_destroy(&attr);
+      if (rc != 0) {
+        s = gpuipc__fail_errno(rc, "pthread_create", "peer watcher");
+        close(watch_wake[0]);
+        close(watch_wake[1]);
+        watch_wake[0] = watch_wake[1] = -1;
+      } else {
+        watcher_started = true;
+      }
+    }
+  }
+  if (s == GPUIPC_OK) {
+    w->next = watches;
+    watches = w;
+    ssize_t k = write(watch_wake[1], "w", 1);
+    (void)k;
+  }
+  pthread_mutex_unlock(&watch_lock);
+  if (s != GPUIPC_OK) {
+    close(w->pidfd);
+    pthread_mutex_destroy(&w->mu);
+    free(w);
+    return s;
+  }
+  c->watch = w;
+  return GPUIPC_OK;
+}
+
+void gpuipc__watch_remove(gpuipc_conn *c) {
+  struct gpuipc__watch *w = c->watch;
+  if (w == NULL)
+    return;
+  c->watch = NULL;
+  pthread_mutex_lock(&watch_lock);
+  for (struct gpuipc__watch **pp = &watches; *pp; pp = &(*pp)->next)
+    if (*pp == w) {
+      *pp = w->next;
+      break;
+    }
+  pthread_mutex_unlock(&watch_lock);
+  /* Writes in progress end before the words may be unmapped. */
+  pthread_mutex_lock(&w->mu);
+  pthread_mutex_unlock(&w->mu);
+  pthread_mutex_destroy(&w->mu);
+  close(w->pidfd);
+  free(w);
 }

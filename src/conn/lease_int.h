@@ -38,6 +38,21 @@ gpuipc__peer *gpuipc__peer_ref(gpuipc__peer *p);
  * a process whose main thread exited while others run is not gone. */
 bool gpuipc__peer_gone(const gpuipc__peer *p);
 
+/* A watched peer (gpuipc_conn_options.watch_peer; see lease.c): where the
+ * flag words are that our streams may wait for, published by the
+ * connection's thread (handoff.c) through the atomics. */
+struct gpuipc__watch {
+  struct gpuipc__watch *next;
+  int pidfd; /* ours (a dup of the peer's) */
+  int pid;
+  pthread_mutex_t mu; /* held while the words are written */
+  bool fired;         /* under mu */
+  _Atomic uint64_t rx_base, tx_base; /* 0: not known yet */
+  _Atomic int rx_ordinal, tx_ordinal;
+  _Atomic uint32_t rx_nslots, tx_nslots;
+  _Atomic uint64_t rx_max, tx_seq;
+};
+
 /* One slot (a flag-word pair). */
 typedef struct gpuipc__txs {
   gpuipc_block *block; /* the block the peer holds in this slot, or */
@@ -135,6 +150,12 @@ void gpuipc__lease_set_release_event(gpuipc__lease_table *lt, uint32_t slot,
  * violation (unknown slot or sequence number); nothing is applied then. */
 gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
                                      const gpuipc__w_rel *rel, size_t n);
+/* An ABANDON frame: the peer ends the connection and still holds only the
+ * n leases named (the others it never used, and will not release): those
+ * come back now, without waiting for release words. A non-OK status is a
+ * protocol violation (a lease it does not hold); nothing is applied then. */
+gpuipc_status gpuipc__lease_abandoned(gpuipc__lease_table *lt,
+                                      const gpuipc__w_rel *held, size_t n);
 /* Moves up to cap release records of buf into out (the caller now owns
  * their events); returns how many. */
 size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
