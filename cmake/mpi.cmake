@@ -105,3 +105,28 @@ if(TARGET example_mpi_node)
   set_tests_properties(mpi_node_two_machines PROPERTIES TIMEOUT 120 LABELS "mpi"
     ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};GPUIPC_MPI_SIMULATE_MACHINES=2")
 endif()
+
+# gpuipc_mpi_send / recv: one program (tests/mpi/), every path. Ranks
+# exchange with rank ^ 1 and rank ^ 2: with two simulated machines the
+# first is remote, the second local.
+add_executable(test_mpi_sendrecv ${PROJECT_SOURCE_DIR}/tests/mpi/test-mpi-sendrecv.c)
+set_target_properties(test_mpi_sendrecv PROPERTIES OUTPUT_NAME test-mpi-sendrecv
+  RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+target_link_libraries(test_mpi_sendrecv PRIVATE gpuipc_mpi)
+# Each entry: name:VAR=value,VAR=value (the environment of that test).
+foreach(cfg
+    "local:"
+    "staged:GPUIPC_MPI_SIMULATE_MACHINES=2"
+    "staged_small_chunks:GPUIPC_MPI_SIMULATE_MACHINES=2,GPUIPC_MPI_CHUNK_BYTES=65536,GPUIPC_MPI_CUDA_AWARE=0"
+    "cuda_aware:GPUIPC_MPI_SIMULATE_MACHINES=2,GPUIPC_MPI_CUDA_AWARE=1,GPUIPC_MPI_CHUNK_BYTES=1048576"
+    "no_local:GPUIPC_MPI_LOCAL=0,GPUIPC_MPI_CUDA_AWARE=0,GPUIPC_MPI_CHUNK_BYTES=131072")
+  string(FIND "${cfg}" ":" colon)
+  string(SUBSTRING "${cfg}" 0 ${colon} cfgname)
+  math(EXPR colon "${colon} + 1")
+  string(SUBSTRING "${cfg}" ${colon} -1 cfgenv)
+  string(REPLACE "," ";" cfgenv "${cfgenv}")
+  add_test(NAME mpi_sendrecv_${cfgname}
+    COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:test_mpi_sendrecv>)
+  set_tests_properties(mpi_sendrecv_${cfgname} PROPERTIES TIMEOUT 180 LABELS "mpi"
+    ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};${cfgenv}")
+endforeach()
