@@ -39,6 +39,14 @@ foreach(ex ${GPUIPC_MPI_EXAMPLES})
   list(APPEND GPUIPC_MPI_EXAMPLE_NAMES ${exname})
 endforeach()
 
+# The benchmark of gpuipc_mpi_send / recv: an MPI program of its own
+# (bench/mpi/), installed beside the gpuipc command, which runs it under
+# mpirun for `gpuipc bench mpi` (the command itself never links MPI).
+add_executable(gpuipc_bench_mpi ${PROJECT_SOURCE_DIR}/bench/mpi/bench-mpi.c)
+set_target_properties(gpuipc_bench_mpi PROPERTIES OUTPUT_NAME gpuipc-bench-mpi)
+target_link_libraries(gpuipc_bench_mpi PRIVATE gpuipc_mpi)
+install(TARGETS gpuipc_bench_mpi RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+
 # Tests: each MPI example under mpirun with 4 ranks on this machine. This
 # file is included before cmake/tests.cmake, so the environment is made
 # here the same way: the emulator unless GPUIPC_GPU_TEST.
@@ -130,3 +138,9 @@ foreach(cfg
   set_tests_properties(mpi_sendrecv_${cfgname} PROPERTIES TIMEOUT 180 LABELS "mpi"
     ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};${cfgenv}")
 endforeach()
+
+# The benchmark's CI smoke run: two ranks, --quick.
+add_test(NAME mpi_bench_quick
+  COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:gpuipc_bench_mpi> --quick)
+set_tests_properties(mpi_bench_quick PROPERTIES TIMEOUT 180 LABELS "mpi"
+  ENVIRONMENT "${GPUIPC_MPI_TEST_ENV}")
