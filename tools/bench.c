@@ -84,7 +84,7 @@ int gpuipc_cmd_bench(int argc, char **argv) {
     for (size_t i = 0; i < sizeof benches / sizeof benches[0]; i++)
       fprintf(argc < 2 ? stderr : stdout, "  %-8s %s\n", benches[i].name,
               benches[i].what);
-    fprintf(argc < 2 ? stderr : stdout, "  %-8s every one of them\n", "all");
+    fprintf(argc < 2 ? stderr : stdout, "  %-8s every one of them but mpi\n", "all");
     return argc < 2 ? 2 : 0;
   }
   /* Choose the driver once, here: "bench all" hands the same argv to each
