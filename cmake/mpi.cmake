@@ -105,6 +105,15 @@ foreach(exname ${GPUIPC_MPI_EXAMPLE_NAMES})
     ENVIRONMENT "${GPUIPC_MPI_TEST_ENV}")
 endforeach()
 
+# The ring across two simulated machines (rank % 2): every neighbour is
+# remote (the plain mpi_ring test has them all local).
+if(TARGET example_mpi_ring)
+  add_test(NAME mpi_ring_two_machines
+    COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:example_mpi_ring>)
+  set_tests_properties(mpi_ring_two_machines PROPERTIES TIMEOUT 120 LABELS "mpi"
+    ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};GPUIPC_MPI_SIMULATE_MACHINES=2")
+endif()
+
 # The helper's cross-machine reporting, on one machine: ranks pretend to
 # run on two machines (see GPUIPC_MPI_SIMULATE_MACHINES in gpuipc/mpi.h).
 if(TARGET example_mpi_node)

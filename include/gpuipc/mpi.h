@@ -14,6 +14,9 @@
  *   gpuipc_conn *c = gpuipc_mpi_get_conn(g, peer_rank);   (a rank on this node)
  *   gpuipc_conn_send_buffer(c, buf, ...) / gpuipc_conn_recv(c, ...)  (conn.h)
  *   ... or arena blocks: gpuipc_conn_send / gpuipc_conn_recv ...
+ *   ... or, between any two ranks, on this machine or not:
+ *   gpuipc_mpi_send(g, dev_ptr, bytes, dest, tag, stream, NULL) /
+ *   gpuipc_mpi_recv(g, dev_ptr, bytes, source, tag, stream, NULL)
  *   gpuipc_mpi_finalize(g);                           (collective)
  *
  * Ranks are grouped by machine with MPI_Comm_split_type(MPI_COMM_TYPE_SHARED),
@@ -21,12 +24,16 @@
  * different boot ids are on different machines, whatever MPI's grouping,
  * and GPU memory cannot be shared with them through CUDA IPC. The helper
  * never fakes that: gpuipc_mpi_get_conn() returns NULL for such a rank and
- * gpuipc_mpi_peer_check() says GPUIPC_E_FOREIGN_MACHINE. Across machines use
- * CUDA-aware MPI, UCX or NCCL.
+ * gpuipc_mpi_peer_check() says GPUIPC_E_FOREIGN_MACHINE. Across machines,
+ * gpuipc_mpi_send / gpuipc_mpi_recv (below) move device buffers through
+ * MPI itself (directly when the library is CUDA-aware, else staged through
+ * pinned host memory).
  *
  * Connections are made by name (gpuipc_listen / gpuipc_connect in the
  * runtime directory of opts, or the default) between every pair of ranks of
- * one machine, so they carry file descriptors: memory-pool and VMM buffers
+ * one machine (two per pair: the one gpuipc_mpi_get_conn returns, for the
+ * application alone, and one of gpuipc_mpi_send / recv's own), so they
+ * carry file descriptors: memory-pool and VMM buffers
  * travel as well as legacy ones. Descriptors of LEGACY buffers need no fd
  * and may also travel in plain MPI messages (examples/mpi_hello.c).
  *
@@ -37,7 +44,8 @@
  *
  * Thread safety: gpuipc_mpi_init and gpuipc_mpi_finalize are collective
  * over the communicator and follow MPI's threading rules; the accessors are
- * thread-safe; each connection follows conn.h's rules.
+ * thread-safe; each connection follows conn.h's rules; gpuipc_mpi_send /
+ * recv on one gpuipc_mpi from one thread at a time.
  */
 #ifndef GPUIPC_MPI_H
 #define GPUIPC_MPI_H
@@ -56,7 +64,8 @@ typedef struct gpuipc_mpi gpuipc_mpi;
 
 /*
  * Collective over comm. Groups the ranks by machine, checks each group's
- * boot ids, and connects every pair of ranks of this rank's group. opts:
+ * boot ids, connects every pair of ranks of this rank's group, and
+ * duplicates comm three times for gpuipc_mpi_send / recv (MPI_Comm_dup). opts:
  * options of the connections (NULL: defaults; the timeout bounds each
  * connect and accept). Needs no CUDA.
  * Returns GPUIPC_E_FOREIGN_MACHINE when MPI put ranks with different boot
@@ -90,7 +99,8 @@ int gpuipc_mpi_get_machine_of(const gpuipc_mpi *g, int rank);
  * Can this rank share GPU memory with rank `rank` (of the communicator
  * given to init)? GPUIPC_OK when it is on this machine and is not this
  * rank; GPUIPC_E_FOREIGN_MACHINE, with a message naming both boot ids and
- * pointing to CUDA-aware MPI / UCX / NCCL, when it is on another machine;
+ * pointing to gpuipc_mpi_send / recv (or CUDA-aware MPI / UCX / NCCL),
+ * when it is on another machine;
  * GPUIPC_E_INVALID_ARG for this rank itself or a rank out of range.
  */
 gpuipc_status gpuipc_mpi_peer_check(const gpuipc_mpi *g, int rank);

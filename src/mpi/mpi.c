@@ -300,7 +300,8 @@ gpuipc_status gpuipc_mpi_peer_check(const gpuipc_mpi *g, int rank) {
     return gpuipc__fail(GPUIPC_E_FOREIGN_MACHINE,
                         "rank %d runs on another machine than rank %d (boot "
                         "id %s vs %s): CUDA IPC cannot share GPU memory "
-                        "across machines; use CUDA-aware MPI, UCX or NCCL",
+                        "across machines; move buffers with gpuipc_mpi_send "
+                        "/ recv (through MPI), or CUDA-aware MPI, UCX or NCCL",
                         rank, g->rank, b, a);
   }
   return GPUIPC_OK;
