@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 
 #define HDR_MAGIC 0x4d504947u /* "GIPM" */
@@ -461,6 +462,21 @@ gpuipc_status gpuipc_mpi_send(gpuipc_mpi *g, const void *buf, size_t bytes,
     } else if (s == GPUIPC_OK) {
       gpuipc_status w = gpuipc_buffer_wrap((void *)(uintptr_t)buf, bytes,
                                            &wrapped);
+      if (w == GPUIPC_OK) {
+        /* Memory the driver wraps but will not export (the export is kept
+         * by the buffer, so the send below reuses it) goes through MPI
+         * too, decided before the peer is told the path. */
+        uint8_t desc[GPUIPC_DESC_MAX];
+        int fds[4], nfds = 4;
+        size_t len = 0;
+        w = gpuipc_buffer_export(wrapped, desc, sizeof desc, &len, fds, &nfds);
+        for (int i = 0; w == GPUIPC_OK && i < nfds; i++)
+          close(fds[i]);
+        if (w != GPUIPC_OK) {
+          gpuipc_buffer_free(wrapped, NULL);
+          wrapped = NULL;
+        }
+      }
       if (w == GPUIPC_OK)
         path = GPUIPC_MPI_PATH_LOCAL;
       else
