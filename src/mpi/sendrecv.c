@@ -655,9 +655,14 @@ gpuipc_status gpuipc_mpi_recv(gpuipc_mpi *g, void *buf, size_t bytes,
              : staged_recv(g, d, buf, bytes, chunk, source, tag, stream);
     MPI_Recv(&theirs, 1, MPI_INT32_T, source, tag, g->c_s2r, MPI_STATUS_IGNORE);
   }
+  char why[512] = "";
+  if (ds != GPUIPC_OK)
+    snprintf(why, sizeof why, "%s", gpuipc_last_error());
   int32_t mine = ds;
   MPI_Send(&mine, 1, MPI_INT32_T, source, tag, g->c_r2s);
+  if (ds != GPUIPC_OK) /* this side's own failure first */
+    return gpuipc__fail(ds, "%s", why);
   if (theirs != GPUIPC_OK)
     return peer_failed(who, source, theirs, "while sending the data");
-  return ds;
+  return GPUIPC_OK;
 }

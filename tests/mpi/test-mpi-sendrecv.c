@@ -10,7 +10,8 @@
  * both sides, and the pair still in step after it), a sender whose buffer
  * is not device memory (INVALID_ARG there, CANCELED at the receiver),
  * MPI_ANY_SOURCE / MPI_ANY_TAG, and that the application's own MPI
- * messages with the same tags are left alone.
+ * messages with the same tags are left alone. With GPUIPC_TEST_FAULT, a
+ * driver failure in the middle of a transfer instead (fault_run).
  */
 #include <mpi.h>
 
@@ -187,9 +188,49 @@ static void pair(gpuipc_mpi *g, int peer, int round) {
          "negative tag");
 }
 
+/* GPUIPC_TEST_FAULT=recv|send: a driver copy of the receiver (rank 1) or
+ * of the sender (rank 0) fails during the first transfer from 0 to 1 (its
+ * second chunk on the staged path; the copy on the local path): that side
+ * returns the driver's error, the other GPUIPC_E_CANCELED, and the next
+ * transfers both ways are whole. */
+static void fault_run(gpuipc_mpi *g) {
+  const char *f = getenv("GPUIPC_TEST_FAULT");
+  int faulty = strcmp(f, "send") == 0 ? 0 : 1;
+  size_t n = 300000;
+  gpuipc_buffer *b = NULL;
+  EXPECT(gpuipc_buffer_alloc(pool_, n, NULL, &b) == GPUIPC_OK, "alloc");
+  if (rank_ == 0) {
+    gpuipc_buffer_free(b, NULL);
+    b = dev_buffer(n, 0, 0, -1);
+  }
+  void *p = gpuipc_buffer_get_ptr(b);
+  gpuipc_status s = rank_ == 0 ? gpuipc_mpi_send(g, p, n, 1, 5, NULL, NULL)
+                               : gpuipc_mpi_recv(g, p, n, 0, 5, NULL, NULL);
+  if (rank_ == faulty)
+    EXPECT(s != GPUIPC_OK && s != GPUIPC_E_CANCELED,
+           "the failing side (%s) returned %s", f, gpuipc_status_name(s));
+  else
+    EXPECT(s == GPUIPC_E_CANCELED, "the other side of a %s failure returned %s",
+           f, gpuipc_status_name(s));
+  gpuipc_buffer_free(b, NULL);
+  one(g, 0, 1, n, 6, 3);
+  one(g, 1, 0, n + 1, 7, 3);
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  const char *fault = getenv("GPUIPC_TEST_FAULT");
+  /* Rank 1 makes no copy to the device before the transfer that fails
+   * (its buffer is not filled), so the second one is that transfer's
+   * second chunk; on the local path its one copy is device to device. */
+  if (fault && strcmp(fault, "recv") == 0 && rank_ == 1)
+    setenv("GPUIPC_EMU_FAIL",
+           getenv("GPUIPC_MPI_SIMULATE_MACHINES") ? "cuMemcpyHtoDAsync:2"
+                                                  : "cuMemcpyDtoDAsync:1",
+           1);
+  if (fault && strcmp(fault, "send") == 0 && rank_ == 0)
+    setenv("GPUIPC_EMU_FAIL", "cuMemcpyDtoHAsync:2", 1);
   int size = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   gpuipc_mpi *g = NULL;
@@ -217,6 +258,10 @@ int main(int argc, char **argv) {
              size, gpuipc_mpi_get_machines(g),
              gpuipc_mpi_is_cuda_aware(g) ? "" : "not ",
              gpuipc_mpi_get_chunk_bytes(g, (size_t)64 << 20));
+    if (fault != NULL) {
+      if (rank_ < 2 && size >= 2)
+        fault_run(g);
+    } else
     for (int round = 1; round <= 2; round++) {
       int peer = rank_ ^ round;
       if (peer < size)
