@@ -39,6 +39,14 @@ foreach(ex ${GPUIPC_MPI_EXAMPLES})
   list(APPEND GPUIPC_MPI_EXAMPLE_NAMES ${exname})
 endforeach()
 
+# The benchmark of gpuipc_mpi_send / recv: an MPI program of its own
+# (bench/mpi/), installed beside the gpuipc command, which runs it under
+# mpirun for `gpuipc bench mpi` (the command itself never links MPI).
+add_executable(gpuipc_bench_mpi ${PROJECT_SOURCE_DIR}/bench/mpi/bench-mpi.c)
+set_target_properties(gpuipc_bench_mpi PROPERTIES OUTPUT_NAME gpuipc-bench-mpi)
+target_link_libraries(gpuipc_bench_mpi PRIVATE gpuipc_mpi)
+install(TARGETS gpuipc_bench_mpi RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+
 # Tests: each MPI example under mpirun with 4 ranks on this machine. This
 # file is included before cmake/tests.cmake, so the environment is made
 # here the same way: the emulator unless GPUIPC_GPU_TEST.
@@ -97,6 +105,15 @@ foreach(exname ${GPUIPC_MPI_EXAMPLE_NAMES})
     ENVIRONMENT "${GPUIPC_MPI_TEST_ENV}")
 endforeach()
 
+# The ring across two simulated machines (rank % 2): every neighbour is
+# remote (the plain mpi_ring test has them all local).
+if(TARGET example_mpi_ring)
+  add_test(NAME mpi_ring_two_machines
+    COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:example_mpi_ring>)
+  set_tests_properties(mpi_ring_two_machines PROPERTIES TIMEOUT 120 LABELS "mpi"
+    ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};GPUIPC_MPI_SIMULATE_MACHINES=2")
+endif()
+
 # The helper's cross-machine reporting, on one machine: ranks pretend to
 # run on two machines (see GPUIPC_MPI_SIMULATE_MACHINES in gpuipc/mpi.h).
 if(TARGET example_mpi_node)
@@ -105,3 +122,43 @@ if(TARGET example_mpi_node)
   set_tests_properties(mpi_node_two_machines PROPERTIES TIMEOUT 120 LABELS "mpi"
     ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};GPUIPC_MPI_SIMULATE_MACHINES=2")
 endif()
+
+# gpuipc_mpi_send / recv: one program (tests/mpi/), every path. Ranks
+# exchange with rank ^ 1 and rank ^ 2: with two simulated machines the
+# first is remote, the second local.
+add_executable(test_mpi_sendrecv ${PROJECT_SOURCE_DIR}/tests/mpi/test-mpi-sendrecv.c)
+set_target_properties(test_mpi_sendrecv PROPERTIES OUTPUT_NAME test-mpi-sendrecv
+  RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+target_link_libraries(test_mpi_sendrecv PRIVATE gpuipc_mpi)
+# Each entry: name:VAR=value,VAR=value (the environment of that test).
+foreach(cfg
+    "local:"
+    "staged:GPUIPC_MPI_SIMULATE_MACHINES=2"
+    "staged_small_chunks:GPUIPC_MPI_SIMULATE_MACHINES=2,GPUIPC_MPI_CHUNK_BYTES=65536,GPUIPC_MPI_CUDA_AWARE=0"
+    "cuda_aware:GPUIPC_MPI_SIMULATE_MACHINES=2,GPUIPC_MPI_CUDA_AWARE=1,GPUIPC_MPI_CHUNK_BYTES=1048576"
+    "no_local:GPUIPC_MPI_LOCAL=0,GPUIPC_MPI_CUDA_AWARE=0,GPUIPC_MPI_CHUNK_BYTES=131072"
+    "fault_recv_staged:GPUIPC_TEST_FAULT=recv,GPUIPC_MPI_SIMULATE_MACHINES=2,GPUIPC_MPI_CUDA_AWARE=0,GPUIPC_MPI_CHUNK_BYTES=65536"
+    "fault_send_staged:GPUIPC_TEST_FAULT=send,GPUIPC_MPI_SIMULATE_MACHINES=2,GPUIPC_MPI_CUDA_AWARE=0,GPUIPC_MPI_CHUNK_BYTES=65536"
+    "fault_recv_local:GPUIPC_TEST_FAULT=recv")
+  string(FIND "${cfg}" ":" colon)
+  string(SUBSTRING "${cfg}" 0 ${colon} cfgname)
+  math(EXPR colon "${colon} + 1")
+  string(SUBSTRING "${cfg}" ${colon} -1 cfgenv)
+  string(REPLACE "," ";" cfgenv "${cfgenv}")
+  # On a real GPU: no emulator fault injection, and device memory is not
+  # host-addressable (forcing CUDA-awareness on an MPI that is not would
+  # hand it pointers it cannot read).
+  if(GPUIPC_GPU_TEST AND cfgname MATCHES "^(fault_|cuda_aware)")
+    continue()
+  endif()
+  add_test(NAME mpi_sendrecv_${cfgname}
+    COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:test_mpi_sendrecv>)
+  set_tests_properties(mpi_sendrecv_${cfgname} PROPERTIES TIMEOUT 180 LABELS "mpi"
+    ENVIRONMENT "${GPUIPC_MPI_TEST_ENV};${cfgenv}")
+endforeach()
+
+# The benchmark's CI smoke run: two ranks, --quick.
+add_test(NAME mpi_bench_quick
+  COMMAND ${GPUIPC_MPIEXEC} ${GPUIPC_MPIRUN_FLAGS} $<TARGET_FILE:gpuipc_bench_mpi> --quick)
+set_tests_properties(mpi_bench_quick PROPERTIES TIMEOUT 180 LABELS "mpi"
+  ENVIRONMENT "${GPUIPC_MPI_TEST_ENV}")

@@ -9,28 +9,22 @@
  * below it in order and accepts the ranks above it. A connect completes when
  * its peer accepts; the lowest rank only accepts, and each rank's connects
  * wait only on ranks below it that are already accepting, so no cycle can
- * form. The connecting side says who it is in its first user message.
+ * form. The connecting side says who it is, and which of its two
+ * connections this is, in its first user message: each pair has one
+ * connection for the application (gpuipc_mpi_get_conn) and one of
+ * gpuipc_mpi_send / recv's own (sendrecv.c), so that neither ever takes a
+ * buffer meant for the other.
  */
 #include "core/core.h"
 
-#include "gpuipc/mpi.h"
+#include "mpi_int.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-struct gpuipc_mpi {
-  MPI_Comm comm;       /* the caller's (not owned) */
-  MPI_Comm local;      /* this machine's ranks (owned) */
-  int rank, size;
-  int local_rank, local_size;
-  int machines;
-  int *machine_of;     /* [size]: machine index of each rank */
-  int *local_of;       /* [size]: local rank of each rank, -1 elsewhere */
-  uint8_t *boot_ids;   /* [size][16] */
-  gpuipc_conn **conns; /* [local_size], NULL for this rank */
-};
 
 static void format_boot_id(const uint8_t *b, char out[33]) {
   for (int i = 0; i < 16; i++)
@@ -40,12 +34,19 @@ static void format_boot_id(const uint8_t *b, char out[33]) {
 static void free_g(gpuipc_mpi *g) {
   if (g == NULL)
     return;
-  if (g->conns)
-    for (int i = 0; i < g->local_size; i++)
+  gpuipc__mpi_sendrecv_free(g);
+  for (int i = 0; i < g->local_size; i++) {
+    if (g->conns)
       gpuipc_conn_close(g->conns[i]);
-  if (g->local != MPI_COMM_NULL)
-    MPI_Comm_free(&g->local);
+    if (g->priv)
+      gpuipc_conn_close(g->priv[i]);
+  }
+  MPI_Comm *comms[] = {&g->local, &g->c_s2r, &g->c_r2s, &g->c_data};
+  for (size_t i = 0; i < sizeof comms / sizeof comms[0]; i++)
+    if (*comms[i] != MPI_COMM_NULL)
+      MPI_Comm_free(comms[i]);
   free(g->conns);
+  free(g->priv);
   free(g->machine_of);
   free(g->local_of);
   free(g->boot_ids);
@@ -84,14 +85,18 @@ static gpuipc_status connect_all(gpuipc_mpi *g,
     gpuipc_listener_close(l);
     return s;
   }
-  /* Connect to every rank below, in order. */
+  /* Connect to every rank below, in order: two connections each, the
+   * application's (channel 0) and gpuipc_mpi_send / recv's (channel 1). */
   for (int i = 0; i < g->local_rank && s == GPUIPC_OK; i++) {
     snprintf(name, sizeof name, "mpi-%016llx-%d", (unsigned long long)token,
              i);
-    s = gpuipc_connect(name, opts, &g->conns[i]);
-    if (s == GPUIPC_OK) {
-      int32_t me = g->local_rank;
-      s = gpuipc_conn_send_msg(g->conns[i], &me, sizeof me, NULL, 0);
+    for (int ch = 0; ch < 2 && s == GPUIPC_OK; ch++) {
+      gpuipc_conn **slot = ch == 0 ? &g->conns[i] : &g->priv[i];
+      s = gpuipc_connect(name, opts, slot);
+      if (s == GPUIPC_OK) {
+        int32_t me[2] = {g->local_rank, ch};
+        s = gpuipc_conn_send_msg(*slot, me, sizeof me, NULL, 0);
+      }
     }
     if (s != GPUIPC_OK) {
       char why[256];
@@ -101,20 +106,25 @@ static gpuipc_status connect_all(gpuipc_mpi *g,
                        g->local_rank, i, why);
     }
   }
-  /* Accept every rank above: they say who they are. */
-  for (int k = g->local_rank + 1; k < g->local_size && s == GPUIPC_OK; k++) {
+  /* Accept every rank above, twice: they say who they are and which
+   * channel this is. */
+  for (int k = 2 * (g->local_rank + 1); k < 2 * g->local_size && s == GPUIPC_OK;
+       k++) {
     gpuipc_conn *c = NULL;
     s = gpuipc_accept(l, &c);
-    int32_t who = -1;
+    int32_t who[2] = {-1, -1};
     size_t len = 0;
     if (s == GPUIPC_OK)
-      s = gpuipc_conn_recv_msg(c, &who, sizeof who, &len, NULL, NULL);
-    if (s == GPUIPC_OK && (len != sizeof who || who <= g->local_rank ||
-                           who >= g->local_size || g->conns[who] != NULL))
+      s = gpuipc_conn_recv_msg(c, who, sizeof who, &len, NULL, NULL);
+    gpuipc_conn **slot = NULL;
+    if (s == GPUIPC_OK && len == sizeof who && who[0] > g->local_rank &&
+        who[0] < g->local_size && (who[1] == 0 || who[1] == 1))
+      slot = who[1] == 0 ? &g->conns[who[0]] : &g->priv[who[0]];
+    if (s == GPUIPC_OK && (slot == NULL || *slot != NULL))
       s = gpuipc__fail(GPUIPC_E_PROTOCOL,
                        "gpuipc_mpi_init: a peer introduced itself as local "
-                       "rank %d (%zu bytes)",
-                       (int)who, len);
+                       "rank %d channel %d (%zu bytes)",
+                       (int)who[0], (int)who[1], len);
     if (s != GPUIPC_OK) {
       gpuipc_conn_close(c);
       char why[256];
@@ -123,7 +133,7 @@ static gpuipc_status connect_all(gpuipc_mpi *g,
                        g->local_rank, why);
       break;
     }
-    g->conns[who] = c;
+    *slot = c;
   }
   gpuipc_listener_close(l);
   return agree(g, s);
@@ -139,7 +149,11 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
   if (g == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_mpi_init");
   g->comm = comm;
-  g->local = MPI_COMM_NULL;
+  g->local = g->c_s2r = g->c_r2s = g->c_data = MPI_COMM_NULL;
+  g->timeout_ms = opts && opts->size >= offsetof(gpuipc_conn_options, timeout_ms) +
+                                           sizeof opts->timeout_ms
+                      ? opts->timeout_ms
+                      : 10000;
   gpuipc_status s = GPUIPC_OK;
   MPI_Comm_rank(comm, &g->rank);
   MPI_Comm_size(comm, &g->size);
@@ -174,15 +188,22 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
   g->machine_of = calloc((size_t)g->size, sizeof(int));
   g->local_of = calloc((size_t)g->size, sizeof(int));
   g->conns = calloc((size_t)g->local_size, sizeof *g->conns);
+  g->priv = calloc((size_t)g->local_size, sizeof *g->priv);
   int *local_ranks = calloc((size_t)g->local_size, sizeof(int));
   if (!g->boot_ids || !g->machine_of || !g->local_of || !g->conns ||
-      !local_ranks) {
+      !g->priv || !local_ranks) {
     free(local_ranks);
     s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_mpi_init");
     goto fail; /* collective calls below would hang the others: MPI's
                   own out-of-memory handling applies there anyway */
   }
   MPI_Allgather(mine, 16, MPI_BYTE, g->boot_ids, 16, MPI_BYTE, comm);
+  /* Communicators of gpuipc_mpi_send / recv's own. Collective over comm:
+   * made here, where every rank of comm still takes part (later failures
+   * are agreed on within one machine only). */
+  int dup_ok = MPI_Comm_dup(comm, &g->c_s2r) == MPI_SUCCESS &&
+               MPI_Comm_dup(comm, &g->c_r2s) == MPI_SUCCESS &&
+               MPI_Comm_dup(comm, &g->c_data) == MPI_SUCCESS;
   /* Machines, numbered by first appearance. */
   g->machines = 0;
   for (int r = 0; r < g->size; r++) {
@@ -200,6 +221,8 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
       g->local_of[local_ranks[i]] = i;
   /* MPI's shared-memory group must be one machine. */
   gpuipc_status check = bs;
+  if (!dup_ok && check == GPUIPC_OK)
+    check = gpuipc__fail(GPUIPC_E_SYSTEM, "gpuipc_mpi_init: MPI_Comm_dup failed");
   for (int i = 0; i < g->local_size && check == GPUIPC_OK; i++) {
     int r = local_ranks[i];
     if (g->machine_of[r] != g->machine_of[g->rank]) {
@@ -230,6 +253,7 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
   s = connect_all(g, opts, token);
   if (s != GPUIPC_OK)
     goto fail;
+  gpuipc__mpi_sendrecv_init(g);
   *out = g;
   return GPUIPC_OK;
 fail:
@@ -276,7 +300,8 @@ gpuipc_status gpuipc_mpi_peer_check(const gpuipc_mpi *g, int rank) {
     return gpuipc__fail(GPUIPC_E_FOREIGN_MACHINE,
                         "rank %d runs on another machine than rank %d (boot "
                         "id %s vs %s): CUDA IPC cannot share GPU memory "
-                        "across machines; use CUDA-aware MPI, UCX or NCCL",
+                        "across machines; move buffers with gpuipc_mpi_send "
+                        "/ recv (through MPI), or CUDA-aware MPI, UCX or NCCL",
                         rank, g->rank, b, a);
   }
   return GPUIPC_OK;
