@@ -105,7 +105,7 @@ gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
                                    size_t min_size, const char *what,
                                    const char *init_name);
 
-/* ---- environment (util.c) ------------------------------------------------ */
+/* ---- environment (env.c) ------------------------------------------------ */
 
 /* getenv() behind one name, so that every variable gpuipc reads is found by
  * searching for it. It does not cache: each variable's user reads it once
@@ -299,8 +299,9 @@ static inline void gpuipc__stats_lease_end(int slot, uint32_t ls) {
   }
   gpuipc__stats_conn_bump(&c->held_by_peer, -1);
 }
-/* Device ordinal (CUdevice dev) is in use here. */
-void gpuipc__stats_device(int ordinal, int dev);
+/* Device ordinal, of this UUID, is in use here (driver.c says so when it
+ * retains the device's primary context). */
+void gpuipc__stats_device(int ordinal, const uint8_t uuid[16]);
 /* The segment's file name for pid/start time, in dir. */
 int gpuipc__stats_path(char *out, size_t cap, const char *dir, int pid,
                        uint64_t start_time);

@@ -322,7 +322,10 @@ gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx) {
       goto out;
     }
     atomic_store_explicit(&primary[ordinal], c, memory_order_release);
-    gpuipc__stats_device(ordinal, (int)dev);
+    CUuuid u;
+    if (GPUIPC__CU(cuDeviceGetUuid, &u, dev) != CUDA_SUCCESS)
+      memset(&u, 0, sizeof u);
+    gpuipc__stats_device(ordinal, (const uint8_t *)u.bytes);
   }
   *ctx = c;
 out:

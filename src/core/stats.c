@@ -199,18 +199,15 @@ void gpuipc__stats_conn_state(int slot, int state) {
     atomic_store_explicit(&c->state, (uint32_t)state, memory_order_relaxed);
 }
 
-void gpuipc__stats_device(int ordinal, int dev) {
+void gpuipc__stats_device(int ordinal, const uint8_t uuid[16]) {
   gpuipc__stats_seg *s = gpuipc__stats_self();
-  CUuuid u;
-  if (GPUIPC__CU(cuDeviceGetUuid, &u, (CUdevice)dev) != CUDA_SUCCESS)
-    memset(&u, 0, sizeof u);
   for (int i = 0; i < GPUIPC__STATS_DEVICES; i++) {
     uint32_t free_ = 0;
     if (atomic_load(&s->dev[i].used) == 1 && s->dev[i].ordinal == ordinal)
       return;
     if (atomic_compare_exchange_strong(&s->dev[i].used, &free_, 2)) {
       s->dev[i].ordinal = ordinal;
-      memcpy(s->dev[i].uuid, u.bytes, sizeof s->dev[i].uuid);
+      memcpy(s->dev[i].uuid, uuid, sizeof s->dev[i].uuid);
       atomic_store_explicit(&s->dev[i].used, 1, memory_order_release);
       return;
     }

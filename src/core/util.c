@@ -1,6 +1,6 @@
 /*
  * util.c: owns small process-level facts and helpers that several layers
- * need: the environment getter, the monotonic clock, the boot id, the pid
+ * need: the monotonic clock, the boot id, the pid
  * namespace, the one parser of /proc/<pid>/stat (state, start time),
  * option-struct copying, the version functions, the default runtime
  * directory.
@@ -19,7 +19,6 @@
 unsigned gpuipc_version(void) { return GPUIPC_VERSION_HEX; }
 const char *gpuipc_version_string(void) { return GPUIPC_VERSION_STRING; }
 
-const char *gpuipc__getenv(const char *name) { return getenv(name); }
 
 uint64_t gpuipc__now_ns(void) {
   struct timespec ts;
