@@ -36,5 +36,5 @@ for t in ${TARGETS:-descriptor frames handshake xfer-header}; do
     awk '/^stat::number_of_executed_units/ {s += $2} END {print s + 0}')
   arts=$(cd "$w" && ls -d crash-* leak-* timeout-* oom-* 2>/dev/null | tr '\n' ' ')
   echo "$t: $total executions in $((end - start)) s over $jobs processes" \
-    "($per each); corpus $(ls "$w/corpus" | wc -l) files; artifacts: ${arts:-none}"
+    "(at most $per each); corpus $(ls "$w/corpus" | wc -l) files; artifacts: ${arts:-none}"
 done
