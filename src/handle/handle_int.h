@@ -114,7 +114,6 @@ typedef struct gpuipc__opened {
 
 typedef struct gpuipc__kind_ops {
   gpuipc_pool_kind kind;
-  const char *name; /* gpuipc_pool_kind_name */
   /* How the kind's allocations are named. True (LEGACY, MEMPOOL): by the
    * handle bytes and the driver's buffer id; the driver maps one handle
    * once per process however often it is opened, so the import cache keys
@@ -188,7 +187,8 @@ static inline size_t gpuipc__round_up(size_t n, size_t g) {
   return (n + g - 1) / g * g;
 }
 
-/* ---- helpers the kinds share (buffer.c) ------------------------------------ */
+/* ---- helpers the kinds share (kind.c; import.c for the two steps that
+ * need the import cache or the liveness table) ----------------------------- */
 
 /* Checks a descriptor's offset + size against the real range of the mapping
  * at base (cuMemGetAddressRange): E_OUT_OF_RANGE when they go beyond it.
@@ -268,7 +268,7 @@ CUmemoryPool gpuipc__pool_import_handle(const struct gpuipc__pool_import *p);
 void gpuipc__cache_count_open(void);
 void gpuipc__cache_count_close(void);
 
-/* ---- pools (pool.c) --------------------------------------------------- */
+/* ---- pools (pool.c; the id counter in kind.c) ----------------------------- */
 
 /* A new exporter-local id for a pool (a process-wide counter, never 0). */
 uint64_t gpuipc__next_pool_id(void);

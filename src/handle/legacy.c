@@ -139,7 +139,6 @@ static gpuipc_status legacy_close(int map_ordinal, gpuipc__opened *o) {
 
 const gpuipc__kind_ops gpuipc__legacy_ops = {
     .kind = GPUIPC_POOL_LEGACY,
-    .name = "legacy",
     .named_by_handle = true,
     .stream_ordered = false,
     .driver_capacity = false,

@@ -329,7 +329,6 @@ static gpuipc_status mempool_close(int map_ordinal, gpuipc__opened *o) {
 
 const gpuipc__kind_ops gpuipc__mempool_ops = {
     .kind = GPUIPC_POOL_MEMPOOL,
-    .name = "mempool",
     .named_by_handle = true,
     .stream_ordered = true,
     .driver_capacity = true,

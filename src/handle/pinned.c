@@ -132,7 +132,6 @@ static gpuipc_status pinned_close(int map_ordinal, gpuipc__opened *o) {
 
 const gpuipc__kind_ops gpuipc__pinned_ops = {
     .kind = GPUIPC_POOL_PINNED_HOST,
-    .name = "pinned-host",
     .named_by_handle = false,
     .stream_ordered = false,
     .driver_capacity = false,

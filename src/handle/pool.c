@@ -11,9 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static atomic_uint_fast64_t pool_ids;
 
-uint64_t gpuipc__next_pool_id(void) { return atomic_fetch_add(&pool_ids, 1) + 1; }
 
 static const gpuipc__kind_ops *const kinds[] = {
     [GPUIPC_POOL_MEMPOOL] = &gpuipc__mempool_ops,
@@ -26,12 +24,6 @@ const gpuipc__kind_ops *gpuipc__kind_ops_get(unsigned kind) {
   return kind < GPUIPC__ARRAY_SIZE(kinds) ? kinds[kind] : NULL;
 }
 
-const char *gpuipc_pool_kind_name(gpuipc_pool_kind kind) {
-  if (kind == GPUIPC_POOL_AUTO)
-    return "auto";
-  const gpuipc__kind_ops *ops = gpuipc__kind_ops_get((unsigned)kind);
-  return ops ? ops->name : "unknown";
-}
 
 /* ---- create / destroy ------------------------------------------------------------- */
 

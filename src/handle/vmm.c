@@ -322,7 +322,6 @@ static gpuipc_status vmm_close(int map_ordinal, gpuipc__opened *o) {
 
 const gpuipc__kind_ops gpuipc__vmm_ops = {
     .kind = GPUIPC_POOL_VMM,
-    .name = "vmm",
     .named_by_handle = false,
     .stream_ordered = false,
     .driver_capacity = false,
