@@ -307,3 +307,14 @@ def test_bad_arguments_are_refused():
     with pytest.raises(gpuipc.InvalidArgError):
         ts.begin()
     gc.collect()
+
+
+def test_bench_sets_runs_on_the_emulator(capsys):
+    from gpuipc import bench_sets
+
+    assert bench_sets.main(["--emulator", "--iters", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["tensors"] == 39 and set(r["ms"]) == {"copy_into", "zero-copy"}, out
+    assert len(bench_sets.model_shapes(False)) == 291
+    assert bench_sets._nbytes(bench_sets.model_shapes(False)) == 13_476_831_232  # 13.48 GB
