@@ -89,8 +89,15 @@ def hold_then_release(conn, name):
     _report(conn, **describe(v2))
     conn.recv_msg(timeout=30)   # "reread": the producer is blocked on v1's copy
     _report(conn, **describe(v1))
+    view = v1["x"]
     v1.release()
+    try:
+        view.__cuda_array_interface__
+        after = "exported"
+    except gpuipc.InvalidArgError:
+        after = "refused"
     v2.release()
+    _report(conn, valid=view.valid, after=after, released=v1.released)
     with sub.recv(timeout=30) as v3:
         _report(conn, **describe(v3))
     conn.recv_msg(timeout=30)

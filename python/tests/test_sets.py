@@ -189,6 +189,8 @@ def test_double_buffering_never_overwrites_a_held_copy():
         assert time.monotonic() - t0 >= 0.25
         peer.p.conn.send_msg(b"reread")
         assert report(peer.p.conn)["digest"] == d1, "version 1 was torn"
+        # a view of a released version refuses to export
+        assert report(peer.p.conn) == {"valid": False, "after": "refused", "released": True}
         assert ts.begin(timeout=30) == 0  # released: copy 0 again
         d3 = fill(ts, 0, 3)
         ts.publish()
