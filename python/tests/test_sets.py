@@ -36,7 +36,7 @@ class Peer:
         self.p = gpuipc.spawn(fn, self.name, *args, timeout=60)
         self.sc = self.lst.accept(timeout=30)
 
-    def close(self, set_=None):
+    def close(self):
         try:
             self.p.conn.send_msg(b"go")
         except gpuipc.Error:
