@@ -127,3 +127,19 @@ def expect_refusal(conn, name):
     sub.close()
     conn.recv_msg(timeout=30)
     sc.close()
+
+
+def produce(conn, name, delay):
+    """A producer in the child: subscribes its connection to an owned set,
+    publishes one version after `delay` seconds, and ends the subscription
+    when the parent says so."""
+    sc = gpuipc.connect(name, timeout=30)
+    ts = gpuipc.TensorSet.empty({"x": ((64,), "uint8")})
+    ts.subscribe(sc)
+    time.sleep(delay)
+    drv().htod(ts.tensors(0)["x"].ptr, bytes(range(64)))
+    ts.update()
+    conn.recv_msg(timeout=30)
+    ts.unsubscribe(sc, timeout=30)
+    ts.destroy()
+    sc.close()

@@ -320,3 +320,38 @@ def test_bench_sets_runs_on_the_emulator(capsys):
     assert r["tensors"] == 39 and set(r["ms"]) == {"copy_into", "zero-copy"}, out
     assert len(bench_sets.model_shapes(False)) == 291
     assert bench_sets._nbytes(bench_sets.model_shapes(False)) == 13_476_831_232  # 13.48 GB
+
+
+def test_recv_releases_the_gil_and_times_out():
+    import threading
+
+    peer = Peer(sets_peers.produce, 0.5)
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=spin)
+    try:
+        sub = gpuipc.TensorSet.subscribe(peer.sc)
+        with pytest.raises(gpuipc.TimeoutError):
+            sub.recv(timeout=0.05)  # nothing published yet
+        t.start()
+        with sub.recv(timeout=30) as v:  # waits ~0.5 s for the child's publish
+            n = ticks[0]
+            assert v.number == 1 and drv().dtoh(v["x"].ptr, 64) == bytes(range(64))
+        stop.set()
+        t.join()
+        assert n > 50, f"the waiting recv held the GIL ({n} ticks)"
+        peer.p.conn.send_msg(b"unsubscribe")
+        with pytest.raises(gpuipc.CanceledError):
+            sub.recv(timeout=30)
+        sub.close()
+        assert sub.closed
+    finally:
+        stop.set()
+        rc = peer.close()
+    assert rc == 0
+    peer.sc.close()
