@@ -10,7 +10,8 @@ the peer dies, and stream-ordered handoff that never blocks either host.
     c.send(tensor)                            t = torch.from_dlpack(rx)
 
 The objects mirror the C API (include/gpuipc.h): Listener, Connection,
-Arena, Block, Pool, Buffer, Event, Received. Errors are gpuipc.Error
+Arena, Block, Pool, Buffer, Event, Received; tensor sets (many named
+tensors as one versioned object) are TensorSet and its Subscriber. Errors are gpuipc.Error
 subclasses named after the status codes (TimeoutError, PeerGoneError, ...).
 Every call that may wait releases the GIL and takes ``timeout=`` in seconds
 (None: forever).
@@ -19,6 +20,7 @@ from . import _gpuipc
 from ._gpuipc import *  # noqa: F401,F403  the objects, functions and errors
 from ._gpuipc import Arena, Error, Received, errors_by_status  # noqa: F401
 from ._spawn import Process, spawn, spawn_workers  # noqa: F401
+from .sets import Subscriber, TensorSet, Version  # noqa: F401
 
 __version__ = _gpuipc.__version__
 
@@ -39,5 +41,5 @@ __all__ = [
     "Arena", "Block", "Buffer", "Child", "Connection", "Error", "Event", "Listener",
     "Pool", "Process", "Received", "Shared", "connect", "conn_pair", "device_count",
     "device_uuid", "empty", "from_fd", "init", "listen", "open", "share", "spawn",
-    "spawn_workers", "version",
+    "spawn_workers", "version", "TensorSet", "Subscriber", "Version",
 ]

@@ -128,6 +128,7 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
   c->max_outstanding = maxo ? maxo : 256;
   c->borrowed = borrowed;
   c->leases = (LeaseList){0};
+  c->tset_refs = 0;
   c->weak = NULL;
   gpuipc_peer_info pi = {0};
   c->peer_pid = gpuipc_conn_get_peer(gc, &pi) == GPUIPC_OK ? pi.pid : -1;
@@ -148,9 +149,7 @@ static int conn_ok(ConnObject *c) {
  * the lock; *st gets its status (E_TIMEOUT once the limit passed). Returns
  * -1 with an exception set (closed here, a signal), else 0. want_out: the
  * op sends (may wait for room in the socket, or for releases). */
-typedef gpuipc_status (*conn_op)(ConnObject *c, void *ctx);
-
-static int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
+int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
                     gpuipc_status *st) {
   int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
   int out = want_out;
@@ -513,6 +512,10 @@ static PyObject *Conn_outstanding(ConnObject *c, PyObject *unused) {
 }
 
 static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
+  if (c->c && c->tset_refs > 0)
+    return raise_msg(GPUIPC_E_BUSY, "close", "a tensor set or subscriber still uses the "
+                     "connection (unsubscribe, destroy the set or close the subscriber "
+                     "first)");
   if (c->c) {
     gpuipc_conn *gc = c->borrowed ? NULL : c->c;
     /* close may wait for the device (cuCtxSynchronize): no GIL */

@@ -13,6 +13,8 @@
  *   arena.c   Arena, Block, and the registry of live blocks
  *   buffer.c  Pool, Buffer, share/open, Event
  *   proc.c    Child: the spawn helper
+ *   sets.c    TensorSetC, TensorSetSub, TensorSetVersion, TensorView:
+ *             tensor sets (include/gpuipc/sets.h)
  *
  * Threads. Connections and arenas must be used by one thread at a time,
  * and a connection together with the arenas it sends from (progress on a
@@ -96,7 +98,7 @@ extern struct gpy_counters g_count;
 #define MAX_DEV 64
 
 extern PyTypeObject ListenerType, ConnType, ArenaType, BlockType, PoolType, BufferType,
-    EventType, ReceivedType, SharedType, ChildType;
+    EventType, ReceivedType, SharedType, ChildType, TSetType, TSubType, TVerType, TViewType;
 
 /* ------------------------------------------------------------------------ */
 /* Shared types                                                             */
@@ -150,6 +152,7 @@ typedef struct {
   int borrowed;        /* owned by a Child: never closed here */
   int peer_pid;
   LeaseList leases;    /* wrapped buffers the peer may still hold */
+  int tset_refs;       /* tensor sets and subscribers using it: no close */
   PyObject *weak;
 } ConnObject;
 
@@ -243,6 +246,13 @@ PyObject *meta_repr_part(const ArrMeta *m);
 
 /* conn.c */
 PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed);
+/* Runs op (under the lock, never waiting) until it does not say
+ * WOULD_BLOCK, waiting on the socket in between without the GIL or the
+ * lock; *st gets its status (E_TIMEOUT once the limit passed). -1 with an
+ * exception set (closed here, a signal), else 0. */
+typedef gpuipc_status (*conn_op)(ConnObject *c, void *ctx);
+int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
+             gpuipc_status *st);
 void conn_detach(ConnObject *c);
 void graves_reap(void);
 PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw);

@@ -387,13 +387,15 @@ PyMODINIT_FUNC PyInit__gpuipc(void) {
   g_lock = PyThread_allocate_lock();
   if (!g_lock) return PyErr_NoMemory();
   PyTypeObject *types[] = {&ListenerType, &ConnType, &ArenaType, &BlockType, &PoolType,
-                           &BufferType, &EventType, &ReceivedType, &SharedType, &ChildType};
+                           &BufferType, &EventType, &ReceivedType, &SharedType, &ChildType,
+                           &TSetType, &TSubType, &TVerType, &TViewType};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
     if (PyType_Ready(types[i]) < 0) return NULL;
   PyObject *m = PyModule_Create(&moddef);
   if (!m) return NULL;
   const char *names[] = {"Listener", "Connection", "Arena", "Block", "Pool",
-                         "Buffer", "Event", "Received", "Shared", "Child"};
+                         "Buffer", "Event", "Received", "Shared", "Child",
+                         "TensorSetC", "TensorSetSub", "TensorSetVersion", "TensorView"};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
     Py_INCREF(types[i]);
     PyModule_AddObject(m, names[i], (PyObject *)types[i]);
@@ -430,6 +432,9 @@ PyMODINIT_FUNC PyInit__gpuipc(void) {
   PyModule_AddIntConstant(m, "META_MAX", GPUIPC_META_MAX);
   PyModule_AddIntConstant(m, "MSG_MAX", GPUIPC_CONN_MSG_MAX);
   PyModule_AddIntConstant(m, "FDS_MAX", GPUIPC_CONN_FDS_MAX);
+  PyModule_AddIntConstant(m, "TSET_NAME_MAX", GPUIPC_TSET_NAME_MAX);
+  PyModule_AddIntConstant(m, "TSET_NDIM_MAX", GPUIPC_TSET_NDIM_MAX);
+  PyModule_AddIntConstant(m, "TSET_ENTRIES_MAX", GPUIPC_TSET_ENTRIES_MAX);
   PyModule_AddStringConstant(m, "__version__", GPUIPC_VERSION_STRING);
   return m;
 }

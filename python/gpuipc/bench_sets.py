@@ -1,0 +1,220 @@
+"""python -m gpuipc.bench_sets: weight sync through a tensor set, from Python.
+
+The Python twin of `gpuipc bench sets`: the shapes of Llama-2-7B in bf16
+(291 tensors, 13.48 GB) from a producer process (a trainer: a wrapped set
+over its own weights, one version per sync) into a consumer process's own
+tensors on the same GPU (an engine: recv, copy_into on one stream, release),
+next to the in-process copy floor, in one run:
+
+  floor        in-process device-to-device copy of the same tensors
+               (dst.copy_(src) per tensor), in the consumer
+  copy_into    producer's begin -> consumer's copies done (stream synced)
+  zero-copy    producer's begin -> consumer holding a torch tensor of every
+               entry (recv + torch.from_dlpack of each view), no copy
+
+Medians after warm-up; one clock for both processes (CLOCK_MONOTONIC).
+Needs PyTorch with CUDA for the floor and the model sizes. --quick: a small
+model (4 layers of width 512). --emulator (or no torch): an owned set of
+the quick shapes into gpuipc arena blocks, no floor (a smoke run of the
+path, not a measurement).
+
+  python -m gpuipc.bench_sets [--quick] [--iters N] [--json]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import gpuipc
+
+
+def llama_shapes(layers, hidden, mlp, vocab):
+    """(name, shape) of a Llama-2 model's weights, in its state_dict order."""
+    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes.append((p + f"self_attn.{n}.weight", (hidden, hidden)))
+        shapes.append((p + "mlp.gate_proj.weight", (mlp, hidden)))
+        shapes.append((p + "mlp.up_proj.weight", (mlp, hidden)))
+        shapes.append((p + "mlp.down_proj.weight", (hidden, mlp)))
+        shapes.append((p + "input_layernorm.weight", (hidden,)))
+        shapes.append((p + "post_attention_layernorm.weight", (hidden,)))
+    shapes.append(("model.norm.weight", (hidden,)))
+    shapes.append(("lm_head.weight", (vocab, hidden)))
+    return shapes
+
+
+def model_shapes(quick):
+    return llama_shapes(4, 512, 1376, 4000) if quick else llama_shapes(32, 4096, 11008, 32000)
+
+
+def _nbytes(shapes):
+    total = 0
+    for _, s in shapes:
+        n = 2
+        for d in s:
+            n *= d
+        total += n
+    return total
+
+
+def _torch_why():
+    if "emu" in os.path.basename(os.environ.get("GPUIPC_CUDA_DRIVER", "")):
+        return "on the CUDA driver emulator"
+    try:
+        import torch
+    except Exception as e:
+        return f"torch not importable: {type(e).__name__}: {e}"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    return None
+
+
+def _producer(conn, name, quick, use_torch):
+    """The trainer: one version per command ('zero' / 'copy'), reporting
+    the time it began."""
+    shapes = model_shapes(quick)
+    if use_torch:
+        import torch
+        torch.cuda.set_device(0)
+        weights = {n: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda:0")
+                   for n, s in shapes}
+        torch.cuda.synchronize()
+        ts = gpuipc.TensorSet.from_dict(weights)
+        stream = torch.cuda.current_stream()
+    else:
+        ts = gpuipc.TensorSet.empty({n: (s, "bfloat16") for n, s in shapes})
+        stream = None
+    with gpuipc.listen(name, timeout=60) as lst:
+        conn.send_msg(b"ready")
+        sc = lst.accept(timeout=60)
+        ts.subscribe(sc, stream=stream)
+        while True:
+            cmd = conn.recv_msg(timeout=600)
+            if cmd == b"quit":
+                break
+            t0 = time.monotonic_ns()
+            ts.begin(stream=stream, timeout=60)  # waits for the consumer's release
+            ts.publish(stream=stream)            # the weights are already in place
+            conn.send_msg(str(t0).encode())
+        ts.unsubscribe(sc, timeout=60)
+        ts.destroy(timeout=60)
+        sc.close()
+
+
+def run(quick, iters, use_torch, out):
+    shapes = model_shapes(quick)
+    total = _nbytes(shapes)
+    name = f"bench-sets-{os.getpid()}"
+    rows = {}
+    if use_torch:
+        import torch
+        torch.cuda.set_device(0)
+        mine = {n: torch.zeros(s, dtype=torch.bfloat16, device="cuda:0") for n, s in shapes}
+        src = {n: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda:0") for n, s in shapes}
+        stream = torch.cuda.current_stream()
+        sync = torch.cuda.synchronize
+        floor = []
+        for i in range(iters + 3):
+            sync()
+            t0 = time.monotonic_ns()
+            for n, t in mine.items():
+                t.copy_(src[n])
+            sync()
+            if i >= 3:
+                floor.append((time.monotonic_ns() - t0) / 1e6)
+        del src
+        rows["floor"] = statistics.median(floor)
+    else:
+        arena = gpuipc.Arena(chunk_bytes=max(64 << 20, 2 * total))
+        mine = {n: arena.alloc(shape=s, dtype="bfloat16") for n, s in shapes}
+        stream = None
+        ev = gpuipc.Event()
+
+        def sync():
+            ev.record(stream=None)
+            ev.synchronize()
+
+    with gpuipc.spawn(_producer, name, quick, use_torch, timeout=120) as p:
+        assert p.conn.recv_msg(timeout=120) == b"ready"
+        sc = gpuipc.connect(name, timeout=60)
+        sub = gpuipc.TensorSet.subscribe(sc)
+        for mode in ("copy_into", "zero-copy"):
+            times = []
+            for i in range(iters + 3):
+                p.conn.send_msg(b"go")
+                v = sub.recv(stream=stream, timeout=60)
+                if mode == "copy_into":
+                    v.copy_into(mine, stream=stream)
+                    sync()
+                else:
+                    if use_torch:
+                        held = [torch.from_dlpack(v[n]) for n in v]
+                    else:
+                        held = [v[n] for n in v]
+                t1 = time.monotonic_ns()
+                if mode == "zero-copy":
+                    del held
+                v.release(stream=stream)
+                t0 = int(p.conn.recv_msg(timeout=60))
+                if i >= 3:
+                    times.append((t1 - t0) / 1e6)
+            rows[mode] = statistics.median(times)
+        p.conn.send_msg(b"quit")
+        try:
+            sub.recv(timeout=60)
+        except gpuipc.CanceledError:
+            pass
+        sub.close()
+        assert p.join(120) == 0
+        sc.close()
+    f = rows.get("floor")
+    print(f"weight sync, {len(shapes)} tensors of bf16, {total / 1e9:.2f} GB, "
+          f"{'torch' if use_torch else 'gpuipc arena blocks (no torch)'}; "
+          f"median of {iters} after 3 warm-up", file=out)
+    labels = {"floor": "in-process device-to-device copy (floor)",
+              "copy_into": "gpuipc tensor set: copy_into the consumer's tensors",
+              "zero-copy": "gpuipc tensor set: zero-copy views"}
+    for k, label in labels.items():
+        if k not in rows:
+            print(f"  {label:<54} (not measured: no torch)", file=out)
+            continue
+        m = rows[k]
+        extra = ""
+        if f and k != "floor":
+            extra = f"  ({m / f:.2f}x the floor)"
+        elif k == "floor":
+            extra = f"  ({2 * total / (m / 1e3) / 1e12:.2f} TB/s read+write)"
+        unit = f"{m * 1e3:9.1f} us" if m < 1 else f"{m:9.2f} ms"
+        print(f"  {label:<54} {unit}{extra}", file=out)
+    return {"tensors": len(shapes), "bytes": total, "iters": iters, "torch": use_torch,
+            "ms": rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m gpuipc.bench_sets",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small model (a smoke run)")
+    ap.add_argument("--iters", type=int, default=0, help="measured syncs per row")
+    ap.add_argument("--emulator", action="store_true",
+                    help="no torch: an owned set into arena blocks (quick shapes)")
+    ap.add_argument("--json", action="store_true", help="also print the result as JSON")
+    a = ap.parse_args(argv)
+    why = "--emulator" if a.emulator else _torch_why()
+    use_torch = why is None
+    quick = a.quick or not use_torch
+    iters = a.iters or (5 if quick else 20)
+    if not use_torch:
+        print(f"python -m gpuipc.bench_sets: without torch ({why}): the path only, no floor",
+              file=sys.stderr)
+    r = run(quick, iters, use_torch, sys.stdout)
+    if a.json:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
