@@ -1,6 +1,6 @@
 /*
  * test-sets-fuzz-corpus.c: replays the tensor-set table fuzz target's seed
- * corpus (tests/fuzz/corpus/sets) through the decoder, as an ordinary
+ * corpus (tests/fuzz/corpus/sets-table) through the decoder, as an ordinary
  * test. Files named STATUS-what.bin must decode to that status; any other
  * file (inputs the fuzzer found) must decode to some status; a table that
  * decodes must re-encode to the same bytes.
@@ -30,7 +30,7 @@ static int expected(const char *name) {
 
 TEST_IMPL(sets_fuzz_corpus_replay) {
   char dir[1024];
-  snprintf(dir, sizeof dir, "%s/tests/fuzz/corpus/sets", GPUIPC_SOURCE_DIR);
+  snprintf(dir, sizeof dir, "%s/tests/fuzz/corpus/sets-table", GPUIPC_SOURCE_DIR);
   DIR *d = opendir(dir);
   if (d == NULL)
     SKIP("no corpus at %s", dir);

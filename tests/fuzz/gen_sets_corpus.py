@@ -10,7 +10,7 @@ Layout: docs/sets.md. Run: python3 tests/fuzz/gen_sets_corpus.py
 import os
 import struct
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "sets")
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "sets-table")
 
 DTYPE_SIZE = {1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 4, 8: 8, 9: 8, 10: 2,
               11: 2, 12: 4, 13: 8, 14: 8, 15: 16, 16: 1, 17: 1}
