@@ -59,7 +59,7 @@ static int producer(int peer, int device) {
   CHECK("gpuipc_device_uuid", gpuipc_device_uuid(device, &dev));
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
   po.kind = GPUIPC_POOL_LEGACY;
-  po.device_uuid = &dev;
+  po.device = &dev;
   CHECK("gpuipc_pool_create", gpuipc_pool_create(&po, &pool));
   CHECK("gpuipc_buffer_alloc", gpuipc_buffer_alloc(pool, sizeof msg, NULL, &buf));
   CHECK("gpuipc_xfer_create", gpuipc_xfer_create(&dev, NULL, &x));

@@ -89,7 +89,7 @@ int main(int argc, char **argv) {
   gpuipc_uuid dev;
   CHECK("gpuipc_device_uuid", gpuipc_device_uuid(device, &dev));
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
-  po.device_uuid = &dev;
+  po.device = &dev;
   CHECK("gpuipc_pool_create", gpuipc_pool_create(&po, &pool));
   CHECK("gpuipc_buffer_alloc", gpuipc_buffer_alloc(pool, BYTES, NULL, &mine));
   CHECK("gpuipc_xfer_create", gpuipc_xfer_create(&dev, NULL, &x));

@@ -44,7 +44,7 @@ int main(int argc, char **argv) {
     s = gpuipc_device_uuid(count ? gpuipc_mpi_get_local_rank(g) % count : 0, &dev);
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
   po.kind = GPUIPC_POOL_LEGACY; /* plain device memory, as cudaMalloc gives */
-  po.device_uuid = &dev;
+  po.device = &dev;
   if (s == GPUIPC_OK)
     s = gpuipc_pool_create(&po, &pool);
   if (s == GPUIPC_OK)

@@ -664,13 +664,10 @@ TEST_IMPL(handle_pool_options) {
   gpuipc_pool_options o = GPUIPC_POOL_OPTIONS_INIT;
   o.kind = (gpuipc_pool_kind)42;
   ASSERT_STATUS(gpuipc_pool_create(&o, &p), GPUIPC_E_BAD_KIND);
-  o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
-  o.device = 99;
-  ASSERT_STATUS(gpuipc_pool_create(&o, &p), GPUIPC_E_NO_DEVICE);
   gpuipc_uuid ghost;
   memset(ghost.bytes, 0xEE, 16);
   o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
-  o.device_uuid = &ghost;
+  o.device = &ghost;
   ASSERT_STATUS(gpuipc_pool_create(&o, &p), GPUIPC_E_DEVICE_NOT_VISIBLE);
   o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
   o.size = 0;
@@ -679,7 +676,7 @@ TEST_IMPL(handle_pool_options) {
   /* An older caller's shorter struct: the fields it lacks take defaults. */
   o = (gpuipc_pool_options)GPUIPC_POOL_OPTIONS_INIT;
   o.kind = GPUIPC_POOL_LEGACY;
-  o.size = offsetof(gpuipc_pool_options, device_uuid);
+  o.size = offsetof(gpuipc_pool_options, capacity);
   ASSERT_OK(gpuipc_pool_create(&o, &p));
   ASSERT_EQ(gpuipc_pool_get_kind(p), GPUIPC_POOL_LEGACY);
   /* Capacity is enforced for non-mempool kinds. */

@@ -186,7 +186,7 @@ int main(int argc, char **argv) {
         gpuipc_device_uuid(gpuipc_mpi_get_local_rank(gl) % (count ? count : 1), &dev));
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
   po.kind = GPUIPC_POOL_LEGACY; /* cudaMalloc memory, as applications have */
-  po.device_uuid = &dev;
+  po.device = &dev;
   CHECK("gpuipc_pool_create", gpuipc_pool_create(&po, &dpool));
   CHECK("gpuipc_buffer_alloc", gpuipc_buffer_alloc(dpool, max, NULL, &db));
   po.kind = GPUIPC_POOL_PINNED_HOST;

@@ -141,11 +141,10 @@ GPUIPC_API const char *gpuipc_pool_kind_name(gpuipc_pool_kind kind);
 typedef struct gpuipc_pool_options {
   size_t size; /* sizeof(gpuipc_pool_options): set by the initializer */
   gpuipc_pool_kind kind;
-  /* The device, by UUID when device_uuid is non-NULL, else by local ordinal
-   * (default 0). Ignored for PINNED_HOST except to pick the context used to
-   * register the memory. */
-  int device;
-  const gpuipc_uuid *device_uuid;
+  /* The device, by UUID (gpuipc_device_uuid gives a local ordinal's); NULL
+   * (the default) is local device 0. Ignored for PINNED_HOST except to pick
+   * the context used to register the memory. */
+  const gpuipc_uuid *device;
   /* MEMPOOL: the pool's maximum size in bytes (CU_MEMPOOL maxSize), 0 for
    * no limit. Other kinds: an upper bound on the sum of live buffer sizes
    * gpuipc enforces (GPUIPC_E_LIMIT), 0 for none. */
@@ -162,7 +161,7 @@ typedef struct gpuipc_pool_options {
 } gpuipc_pool_options;
 
 #define GPUIPC_POOL_OPTIONS_INIT                                               \
-  { sizeof(gpuipc_pool_options), GPUIPC_POOL_AUTO, 0, NULL, 0, 0, NULL, 0 }
+  { sizeof(gpuipc_pool_options), GPUIPC_POOL_AUTO, NULL, 0, 0, NULL, 0 }
 
 /*
  * Creates a pool. opts NULL means all defaults (AUTO on device 0).

@@ -42,11 +42,14 @@ static PyObject *Pool_new(PyTypeObject *t, PyObject *args, PyObject *kw) {
   gpuipc_uuid u;
   if (dev_o != Py_None) {
     if (PyLong_Check(dev_o)) {
-      o.device = (int)PyLong_AsLong(dev_o);
+      /* An ordinal of this process, named by its UUID as the C API wants. */
+      gpuipc_status ds = gpuipc_device_uuid((int)PyLong_AsLong(dev_o), &u);
+      if (ds) return raise_st(ds, "Pool");
+      o.device = &u;
     } else {
       int have;
       if (parse_uuid(dev_o, &u, &have) < 0) return NULL;
-      o.device_uuid = &u;
+      o.device = &u;
     }
   }
   o.capacity = (size_t)cap;

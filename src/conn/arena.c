@@ -363,7 +363,7 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   bool entered = false;
   gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
   po.kind = kind;
-  po.device_uuid = o.device; /* NULL: local device 0 */
+  po.device = o.device; /* NULL: local device 0 */
   GPUIPC__CHECK_GOTO(gpuipc_pool_create(&po, &a->pool), s, fail);
   a->ordinal = gpuipc__pool_ordinal(a->pool);
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);

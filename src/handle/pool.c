@@ -91,7 +91,7 @@ gpuipc_status gpuipc_pool_create(const gpuipc_pool_options *opts_in,
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "pool");
   p->export_fd = -1;
   pthread_mutex_init(&p->lock, NULL);
-  gpuipc_status s = gpuipc__resolve_device(opts.device_uuid, opts.device,
+  gpuipc_status s = gpuipc__resolve_device(opts.device, 0,
                                            &p->ordinal);
   if (s != GPUIPC_OK)
     goto fail;

@@ -244,7 +244,7 @@ int main(int argc, char **argv) {
                            &dev);
     gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
     po.kind = GPUIPC_POOL_LEGACY; /* cudaMalloc-like memory */
-    po.device_uuid = &dev;
+    po.device = &dev;
     if (s == GPUIPC_OK)
       s = gpuipc_pool_create(&po, &pool_);
     if (s == GPUIPC_OK)
