@@ -132,40 +132,12 @@ static gpuipc_status check_name(const char *name) {
   return GPUIPC_OK;
 }
 
-/* Makes sure dir exists, is a directory (not a link), belongs to us and has
- * mode 0700: anything else could let another user connect to, or replace,
- * our sockets. */
+/* The runtime directory as core checks it (gpuipc__private_dir), with
+ * the reason recorded for gpuipc_last_error(). */
 static gpuipc_status ensure_private_dir(const char *dir) {
-  struct stat st;
-  if (lstat(dir, &st) != 0) {
-    if (errno != ENOENT)
-      return gpuipc__fail_errno(errno, "lstat", "runtime directory %s", dir);
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-      return gpuipc__fail_errno(errno, "mkdir", "runtime directory %s", dir);
-    if (lstat(dir, &st) != 0)
-      return gpuipc__fail_errno(errno, "lstat", "runtime directory %s", dir);
-    /* mkdir's mode went through the umask, which can only remove bits; a
-     * fresh directory of ours may need them back. */
-    if (S_ISDIR(st.st_mode) && st.st_uid == geteuid() &&
-        (st.st_mode & 07777) != 0700 && chmod(dir, 0700) == 0)
-      st.st_mode = (st.st_mode & ~(mode_t)07777) | 0700;
-  }
-  if (!S_ISDIR(st.st_mode))
-    return gpuipc__fail(GPUIPC_E_PERMISSION,
-                        "runtime directory %s is not a directory (a link or "
-                        "file is there): refusing it",
-                        dir);
-  if (st.st_uid != geteuid())
-    return gpuipc__fail(GPUIPC_E_PERMISSION,
-                        "runtime directory %s belongs to uid %u, not to us "
-                        "(uid %u): refusing it",
-                        dir, (unsigned)st.st_uid, (unsigned)geteuid());
-  if ((st.st_mode & 07777) != 0700)
-    return gpuipc__fail(GPUIPC_E_PERMISSION,
-                        "runtime directory %s has mode %04o, not 0700: "
-                        "refusing it (chmod 700 it, or remove it)",
-                        dir, (unsigned)(st.st_mode & 07777));
-  return GPUIPC_OK;
+  char why[512];
+  gpuipc_status s = gpuipc__private_dir(dir, why, sizeof why);
+  return s == GPUIPC_OK ? GPUIPC_OK : gpuipc__fail(s, "%s", why);
 }
 
 static gpuipc_status make_addr(const char *name, const copts *o, bool create,

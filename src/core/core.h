@@ -171,6 +171,11 @@ gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time);
  * a directory of ours we can write to, else /tmp/gpuipc-<uid>. why (may be
  * NULL) receives the reason XDG_RUNTIME_DIR was not used; *from_xdg (may be
  * NULL) says which was chosen. Shared with `gpuipc doctor` and `gpuipc ls`. */
+/* Makes sure dir exists, is a directory (not a link), belongs to us and has
+ * mode 0700 (made so when it is missing): anything else could let another
+ * user connect to, or replace, what lives there. GPUIPC_OK, or the status
+ * with the reason in why (may be NULL); records nothing. */
+gpuipc_status gpuipc__private_dir(const char *dir, char *why, size_t why_cap);
 void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
                                  size_t why_cap, bool *from_xdg);
 

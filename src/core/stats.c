@@ -44,22 +44,6 @@ int gpuipc__stats_path(char *out, size_t cap, const char *dir, int pid,
   return n > 0 && (size_t)n < cap ? 0 : -1;
 }
 
-/* The runtime directory, made if missing; only a directory of ours with
- * mode 0700 is used (the rule the sockets follow). */
-static bool private_dir(const char *dir) {
-  struct stat st;
-  if (lstat(dir, &st) != 0) {
-    if (errno != ENOENT || (mkdir(dir, 0700) != 0 && errno != EEXIST) ||
-        lstat(dir, &st) != 0)
-      return false;
-    if (S_ISDIR(st.st_mode) && st.st_uid == geteuid() &&
-        (st.st_mode & 07777) != 0700 && chmod(dir, 0700) == 0)
-      st.st_mode = (st.st_mode & ~(mode_t)07777) | 0700;
-  }
-  return S_ISDIR(st.st_mode) && st.st_uid == geteuid() &&
-         (st.st_mode & 07777) == 0700;
-}
-
 static void read_command(char *out, size_t cap) {
   out[0] = '\0';
   int fd = open("/proc/self/cmdline", O_RDONLY | O_CLOEXEC);
@@ -96,7 +80,7 @@ static gpuipc__stats_seg *make_segment(void) {
   char dir[200], path[300];
   gpuipc__default_runtime_dir(dir, sizeof dir, NULL, 0, NULL);
   uint64_t start = gpuipc__process_start_time((int)getpid());
-  if (!private_dir(dir) ||
+  if (gpuipc__private_dir(dir, NULL, 0) != GPUIPC_OK ||
       gpuipc__stats_path(path, sizeof path, dir, (int)getpid(), start) != 0)
     return NULL;
   int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC,

@@ -166,3 +166,60 @@ void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
   if (from_xdg)
     *from_xdg = ok;
 }
+
+/* The one check of a runtime directory (sockets, stats segments). Nothing
+ * is recorded: the caller decides whether the reason in why is an error
+ * (the transport) or only means "do without" (the stats segment). */
+gpuipc_status gpuipc__private_dir(const char *dir, char *why, size_t why_cap) {
+  char scratch[8];
+  if (why == NULL || why_cap == 0) {
+    why = scratch;
+    why_cap = sizeof scratch;
+  }
+  struct stat st;
+  if (lstat(dir, &st) != 0) {
+    if (errno != ENOENT)
+      goto sys_lstat;
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+      int err = errno;
+      snprintf(why, why_cap, "mkdir: %s (runtime directory %s)", strerror(err),
+               dir);
+      return gpuipc__status_from_errno(err);
+    }
+    if (lstat(dir, &st) != 0)
+      goto sys_lstat;
+    /* mkdir's mode went through the umask, which can only remove bits; a
+     * fresh directory of ours may need them back. */
+    if (S_ISDIR(st.st_mode) && st.st_uid == geteuid() &&
+        (st.st_mode & 07777) != 0700 && chmod(dir, 0700) == 0)
+      st.st_mode = (st.st_mode & ~(mode_t)07777) | 0700;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    snprintf(why, why_cap,
+             "runtime directory %s is not a directory (a link or file is "
+             "there): refusing it",
+             dir);
+    return GPUIPC_E_PERMISSION;
+  }
+  if (st.st_uid != geteuid()) {
+    snprintf(why, why_cap,
+             "runtime directory %s belongs to uid %u, not to us (uid %u): "
+             "refusing it",
+             dir, (unsigned)st.st_uid, (unsigned)geteuid());
+    return GPUIPC_E_PERMISSION;
+  }
+  if ((st.st_mode & 07777) != 0700) {
+    snprintf(why, why_cap,
+             "runtime directory %s has mode %04o, not 0700: refusing it "
+             "(chmod 700 it, or remove it)",
+             dir, (unsigned)(st.st_mode & 07777));
+    return GPUIPC_E_PERMISSION;
+  }
+  return GPUIPC_OK;
+sys_lstat: {
+  int err = errno;
+  snprintf(why, why_cap, "lstat: %s (runtime directory %s)", strerror(err),
+           dir);
+  return gpuipc__status_from_errno(err);
+}
+}
