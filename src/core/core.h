@@ -92,6 +92,31 @@ void gpuipc__log_write(int level, const char *module, const char *fmt, ...)
     (ret) = (call);                                                            \
   } while ((ret) == -1 && errno == EINTR)
 
+/* ---- little-endian fields of wire formats (descriptors, set tables) ---- */
+
+static inline void gpuipc__put_le16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+static inline void gpuipc__put_le32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void gpuipc__put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t gpuipc__get_le16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
+}
+static inline uint32_t gpuipc__get_le32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+         (uint32_t)p[3] << 24;
+}
+static inline uint64_t gpuipc__get_le64(const uint8_t *p) {
+  return (uint64_t)gpuipc__get_le32(p) | (uint64_t)gpuipc__get_le32(p + 4) << 32;
+}
+
 /* ---- extensible option structs (util.c) -------------------------------- */
 
 /* Every public option struct starts with `size_t size` (set by its

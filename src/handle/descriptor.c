@@ -78,36 +78,6 @@ uint32_t gpuipc__crc32c(uint32_t crc, const void *data, size_t len) {
   return ~crc_soft(crc, p, len);
 }
 
-/* ---- little-endian fields --------------------------------------------------- */
-
-static void put16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint16_t get16(const uint8_t *p) {
-  return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
-}
-static uint32_t get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++)
-    v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 /* Offsets of version 1 (docs/descriptor.md has the same table). */
 enum {
   OFF_MAGIC = 0,
@@ -151,33 +121,33 @@ gpuipc_status gpuipc__desc_encode(const gpuipc__desc *d, uint8_t *out,
                         GPUIPC__DESC_LEN, cap);
   uint8_t *p = out;
   memset(p, 0, GPUIPC__DESC_LEN);
-  put32(p + OFF_MAGIC, GPUIPC__DESC_MAGIC);
-  put16(p + OFF_VERSION, GPUIPC__DESC_VERSION);
+  gpuipc__put_le32(p + OFF_MAGIC, GPUIPC__DESC_MAGIC);
+  gpuipc__put_le16(p + OFF_VERSION, GPUIPC__DESC_VERSION);
   p[OFF_TYPE] = d->type;
   p[OFF_KIND] = d->kind;
-  put32(p + OFF_LENGTH, GPUIPC__DESC_LEN);
+  gpuipc__put_le32(p + OFF_LENGTH, GPUIPC__DESC_LEN);
   p[OFF_NFDS] = d->nfds;
   p[OFF_FLAGS] = d->flags;
-  put16(p + OFF_HANDLE_LEN, d->handle_len);
-  put32(p + OFF_EXPORTER_FD, (uint32_t)d->exporter_fd);
+  gpuipc__put_le16(p + OFF_HANDLE_LEN, d->handle_len);
+  gpuipc__put_le32(p + OFF_EXPORTER_FD, (uint32_t)d->exporter_fd);
   memcpy(p + OFF_DEVICE, d->device, 16);
   memcpy(p + OFF_BOOT_ID, d->exporter.boot_id, 16);
-  put64(p + OFF_PIDNS, d->exporter.pidns);
-  put32(p + OFF_PID, (uint32_t)d->exporter.pid);
-  put64(p + OFF_START_TIME, d->exporter.start_time);
-  put64(p + OFF_POOL_ID, d->pool_id);
-  put64(p + OFF_BUFFER_ID, d->buffer_id);
-  put64(p + OFF_GENERATION, d->generation);
-  put64(p + OFF_OFFSET, d->offset);
-  put64(p + OFF_SIZE, d->size);
-  put64(p + OFF_ALLOC_SIZE, d->alloc_size);
+  gpuipc__put_le64(p + OFF_PIDNS, d->exporter.pidns);
+  gpuipc__put_le32(p + OFF_PID, (uint32_t)d->exporter.pid);
+  gpuipc__put_le64(p + OFF_START_TIME, d->exporter.start_time);
+  gpuipc__put_le64(p + OFF_POOL_ID, d->pool_id);
+  gpuipc__put_le64(p + OFF_BUFFER_ID, d->buffer_id);
+  gpuipc__put_le64(p + OFF_GENERATION, d->generation);
+  gpuipc__put_le64(p + OFF_OFFSET, d->offset);
+  gpuipc__put_le64(p + OFF_SIZE, d->size);
+  gpuipc__put_le64(p + OFF_ALLOC_SIZE, d->alloc_size);
   if (d->handle_len)
     memcpy(p + OFF_HANDLE, d->handle,
            d->handle_len <= GPUIPC__DESC_HANDLE_BYTES
                ? d->handle_len
                : GPUIPC__DESC_HANDLE_BYTES);
-  put64(p + OFF_LIVE_KEY, d->live_key);
-  put32(p + OFF_CRC, gpuipc__crc32c(0, p, GPUIPC__DESC_LEN));
+  gpuipc__put_le64(p + OFF_LIVE_KEY, d->live_key);
+  gpuipc__put_le32(p + OFF_CRC, gpuipc__crc32c(0, p, GPUIPC__DESC_LEN));
   *len = GPUIPC__DESC_LEN;
   return GPUIPC_OK;
 }
@@ -219,7 +189,7 @@ gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
     return gpuipc__fail(GPUIPC_E_TRUNCATED,
                         "descriptor truncated: %zu byte(s), not even a magic",
                         len);
-  uint32_t magic = get32(in + OFF_MAGIC);
+  uint32_t magic = gpuipc__get_le32(in + OFF_MAGIC);
   if (magic != GPUIPC__DESC_MAGIC)
     return gpuipc__fail(GPUIPC_E_BAD_MAGIC,
                         "not a gpuipc descriptor (magic 0x%08x, want 0x%08x)",
@@ -228,13 +198,13 @@ gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
     return gpuipc__fail(GPUIPC_E_TRUNCATED,
                         "descriptor truncated: %zu byte(s), header is %d", len,
                         OFF_CRC + 4);
-  unsigned version = get16(in + OFF_VERSION);
+  unsigned version = gpuipc__get_le16(in + OFF_VERSION);
   if (version != GPUIPC__DESC_VERSION)
     return gpuipc__fail(GPUIPC_E_BAD_VERSION,
                         "descriptor format version %u; this library (%s) "
                         "reads version %u",
                         version, GPUIPC_VERSION_STRING, GPUIPC__DESC_VERSION);
-  uint32_t declared = get32(in + OFF_LENGTH);
+  uint32_t declared = gpuipc__get_le32(in + OFF_LENGTH);
   if (declared < GPUIPC__DESC_V1_LEN || declared > GPUIPC_DESC_MAX)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "descriptor declares %u bytes; version %u descriptors "
@@ -251,7 +221,7 @@ gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
                         "(trailing garbage)",
                         len, declared);
   /* The checksum covers the whole descriptor with its own field zeroed. */
-  uint32_t want = get32(in + OFF_CRC);
+  uint32_t want = gpuipc__get_le32(in + OFF_CRC);
   static const uint8_t zero4[4];
   uint32_t crc = gpuipc__crc32c(0, in, OFF_CRC);
   crc = gpuipc__crc32c(crc, zero4, 4);
@@ -273,22 +243,22 @@ gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
                         x.type, x.kind);
   x.nfds = in[OFF_NFDS];
   x.flags = in[OFF_FLAGS];
-  x.handle_len = get16(in + OFF_HANDLE_LEN);
-  x.exporter_fd = (int32_t)get32(in + OFF_EXPORTER_FD);
+  x.handle_len = gpuipc__get_le16(in + OFF_HANDLE_LEN);
+  x.exporter_fd = (int32_t)gpuipc__get_le32(in + OFF_EXPORTER_FD);
   memcpy(x.device, in + OFF_DEVICE, 16);
   memcpy(x.exporter.boot_id, in + OFF_BOOT_ID, 16);
-  x.exporter.pidns = get64(in + OFF_PIDNS);
-  x.exporter.pid = (int32_t)get32(in + OFF_PID);
-  x.exporter.start_time = get64(in + OFF_START_TIME);
-  x.pool_id = get64(in + OFF_POOL_ID);
-  x.buffer_id = get64(in + OFF_BUFFER_ID);
-  x.generation = get64(in + OFF_GENERATION);
-  x.offset = get64(in + OFF_OFFSET);
-  x.size = get64(in + OFF_SIZE);
-  x.alloc_size = get64(in + OFF_ALLOC_SIZE);
+  x.exporter.pidns = gpuipc__get_le64(in + OFF_PIDNS);
+  x.exporter.pid = (int32_t)gpuipc__get_le32(in + OFF_PID);
+  x.exporter.start_time = gpuipc__get_le64(in + OFF_START_TIME);
+  x.pool_id = gpuipc__get_le64(in + OFF_POOL_ID);
+  x.buffer_id = gpuipc__get_le64(in + OFF_BUFFER_ID);
+  x.generation = gpuipc__get_le64(in + OFF_GENERATION);
+  x.offset = gpuipc__get_le64(in + OFF_OFFSET);
+  x.size = gpuipc__get_le64(in + OFF_SIZE);
+  x.alloc_size = gpuipc__get_le64(in + OFF_ALLOC_SIZE);
   memcpy(x.handle, in + OFF_HANDLE, GPUIPC__DESC_HANDLE_BYTES);
   if (declared >= OFF_END_LIVE_KEY)
-    x.live_key = get64(in + OFF_LIVE_KEY);
+    x.live_key = gpuipc__get_le64(in + OFF_LIVE_KEY);
 
   if (x.handle_len != handle_len_for(x.type, x.kind))
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
@@ -306,7 +276,7 @@ gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
   if (x.flags & ~GPUIPC__DESC_F_ALL)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "descriptor: unknown flags 0x%02x",
                         x.flags);
-  if (get32(in + OFF_RESERVED) != 0)
+  if (gpuipc__get_le32(in + OFF_RESERVED) != 0)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "descriptor: reserved field is not zero");
   if (x.exporter.pid <= 0)
@@ -557,7 +527,7 @@ gpuipc_status gpuipc_desc_send(int sock, const uint8_t *desc, size_t len,
                         "gpuipc_desc_send: bad arguments (len %zu, nfds %d)",
                         len, nfds);
   uint8_t msg[4 + GPUIPC_DESC_MAX];
-  put32(msg, (uint32_t)len);
+  gpuipc__put_le32(msg, (uint32_t)len);
   memcpy(msg + 4, desc, len);
   return send_all(sock, msg, 4 + len, fds, nfds);
 }
@@ -623,7 +593,7 @@ gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
   gpuipc_status s = recv_all(sock, hdr, 4, tmp, &got, 8, &fd_err);
   if (s != GPUIPC_OK)
     goto fail;
-  uint32_t n = get32(hdr);
+  uint32_t n = gpuipc__get_le32(hdr);
   if (n == 0 || n > GPUIPC_DESC_MAX) {
     s = gpuipc__fail(GPUIPC_E_PROTOCOL,
                      "gpuipc_desc_recv: message of %u bytes is no descriptor",

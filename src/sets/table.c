@@ -41,29 +41,6 @@ const char *gpuipc_dtype_name(int dtype) {
   return dtypes[dtype].name;
 }
 
-/* ---- little-endian fields ------------------------------------------------ */
-
-static void put16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static uint32_t get32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-         (uint32_t)p[3] << 24;
-}
-static uint64_t get64(const uint8_t *p) {
-  return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
-}
-
 /* ---- checks ------------------------------------------------------------------ */
 
 #define EXTENT_MAX ((uint64_t)1 << 62)
@@ -300,34 +277,34 @@ gpuipc_status gpuipc__tset_table_encode(gpuipc__tset_table *t, uint8_t **out,
   uint8_t *b = calloc(1, total);
   if (b == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "table of %zu bytes", total);
-  put32(b, GPUIPC__TSET_MAGIC);
-  put16(b + 4, GPUIPC__TSET_VERSION);
-  put16(b + 6, GPUIPC__TSET_HDR_LEN);
-  put32(b + 8, (uint32_t)total);
-  put64(b + 16, t->layout_id);
-  put32(b + 24, t->n_entries);
-  put32(b + 28, t->n_pieces);
-  put32(b + 32, t->copies);
+  gpuipc__put_le32(b, GPUIPC__TSET_MAGIC);
+  gpuipc__put_le16(b + 4, GPUIPC__TSET_VERSION);
+  gpuipc__put_le16(b + 6, GPUIPC__TSET_HDR_LEN);
+  gpuipc__put_le32(b + 8, (uint32_t)total);
+  gpuipc__put_le64(b + 16, t->layout_id);
+  gpuipc__put_le32(b + 24, t->n_entries);
+  gpuipc__put_le32(b + 28, t->n_pieces);
+  gpuipc__put_le32(b + 32, t->copies);
   size_t pos = GPUIPC__TSET_HDR_LEN;
   for (uint32_t p = 0; p < t->n_pieces; p++, pos += 8)
-    put64(b + pos, t->piece_len[p]);
+    gpuipc__put_le64(b + pos, t->piece_len[p]);
   for (uint32_t i = 0; i < t->n_entries; i++) {
     const gpuipc__tset_entry *e = &t->e[i];
     uint8_t *q = b + pos;
-    put16(q, e->name_len);
+    gpuipc__put_le16(q, e->name_len);
     q[2] = e->dtype;
     q[3] = e->ndim;
-    put32(q + 4, e->piece);
-    put64(q + 8, e->offset);
-    put64(q + 16, e->nbytes);
+    gpuipc__put_le32(q + 4, e->piece);
+    gpuipc__put_le64(q + 8, e->offset);
+    gpuipc__put_le64(q + 16, e->nbytes);
     for (int d = 0; d < e->ndim; d++) {
-      put64(q + 24 + 8 * d, (uint64_t)e->shape[d]);
-      put64(q + 24 + 8 * (e->ndim + d), (uint64_t)e->strides[d]);
+      gpuipc__put_le64(q + 24 + 8 * d, (uint64_t)e->shape[d]);
+      gpuipc__put_le64(q + 24 + 8 * (e->ndim + d), (uint64_t)e->strides[d]);
     }
     memcpy(q + 24 + 16 * e->ndim, t->names + e->name_off, e->name_len);
     pos += entry_len(e);
   }
-  put32(b + 12, gpuipc__crc32c(0, b, total));
+  gpuipc__put_le32(b + 12, gpuipc__crc32c(0, b, total));
   *out = b;
   *len = total;
   return GPUIPC_OK;
@@ -351,17 +328,17 @@ gpuipc_status gpuipc__tset_table_decode(const uint8_t *in, size_t len,
   if (in == NULL || len < GPUIPC__TSET_HDR_LEN)
     return gpuipc__fail(GPUIPC_E_TRUNCATED, "tensor-set table: %zu bytes, the "
                         "header alone is %d", len, GPUIPC__TSET_HDR_LEN);
-  if (get32(in) != GPUIPC__TSET_MAGIC)
+  if (gpuipc__get_le32(in) != GPUIPC__TSET_MAGIC)
     return gpuipc__fail(GPUIPC_E_BAD_MAGIC, "not a tensor-set table");
-  if (get16(in + 4) != GPUIPC__TSET_VERSION)
+  if (gpuipc__get_le16(in + 4) != GPUIPC__TSET_VERSION)
     return gpuipc__fail(GPUIPC_E_BAD_VERSION, "tensor-set table version %u "
-                        "(this library reads %d)", get16(in + 4),
+                        "(this library reads %d)", gpuipc__get_le16(in + 4),
                         GPUIPC__TSET_VERSION);
-  if (get16(in + 6) != GPUIPC__TSET_HDR_LEN)
+  if (gpuipc__get_le16(in + 6) != GPUIPC__TSET_HDR_LEN)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "tensor-set table: header of %u "
-                        "bytes (version 1 has %d)", get16(in + 6),
+                        "bytes (version 1 has %d)", gpuipc__get_le16(in + 6),
                         GPUIPC__TSET_HDR_LEN);
-  uint32_t total = get32(in + 8);
+  uint32_t total = gpuipc__get_le32(in + 8);
   if (total > len)
     return gpuipc__fail(GPUIPC_E_TRUNCATED, "tensor-set table: %zu of its %u "
                         "bytes", len, total);
@@ -377,14 +354,14 @@ gpuipc_status gpuipc__tset_table_decode(const uint8_t *in, size_t len,
     memset(hdr + 12, 0, 4);
     uint32_t c = gpuipc__crc32c(0, hdr, sizeof hdr);
     c = gpuipc__crc32c(c, in + sizeof hdr, total - sizeof hdr);
-    if (c != get32(in + 12))
+    if (c != gpuipc__get_le32(in + 12))
       return gpuipc__fail(GPUIPC_E_BAD_CHECKSUM, "tensor-set table: checksum "
-                          "%08x, computed %08x", get32(in + 12), c);
+                          "%08x, computed %08x", gpuipc__get_le32(in + 12), c);
   }
-  if (get32(in + 36) != 0 || get64(in + 40) != 0)
+  if (gpuipc__get_le32(in + 36) != 0 || gpuipc__get_le64(in + 40) != 0)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "tensor-set table: reserved fields "
                         "not zero");
-  uint32_t ne = get32(in + 24), np = get32(in + 28), nc = get32(in + 32);
+  uint32_t ne = gpuipc__get_le32(in + 24), np = gpuipc__get_le32(in + 28), nc = gpuipc__get_le32(in + 32);
   if (ne == 0 || ne > GPUIPC_TSET_ENTRIES_MAX || np == 0 ||
       np > GPUIPC_TSET_PIECES_MAX || nc < 1 || nc > 2)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "tensor-set table: %u entries, %u "
@@ -395,7 +372,7 @@ gpuipc_status gpuipc__tset_table_decode(const uint8_t *in, size_t len,
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "tensor-set table: %u entries and "
                         "%u pieces cannot fit in %u bytes", ne, np, total);
   gpuipc_status s = GPUIPC_OK;
-  t->layout_id = get64(in + 16);
+  t->layout_id = gpuipc__get_le64(in + 16);
   t->n_entries = ne;
   t->n_pieces = np;
   t->copies = nc;
@@ -409,7 +386,7 @@ gpuipc_status gpuipc__tset_table_decode(const uint8_t *in, size_t len,
   }
   size_t pos = GPUIPC__TSET_HDR_LEN;
   for (uint32_t p = 0; p < np; p++, pos += 8)
-    t->piece_len[p] = get64(in + pos);
+    t->piece_len[p] = gpuipc__get_le64(in + pos);
   size_t names = 0;
   for (uint32_t i = 0; i < ne; i++) {
     if (total - pos < 24) {
@@ -419,12 +396,12 @@ gpuipc_status gpuipc__tset_table_decode(const uint8_t *in, size_t len,
     }
     const uint8_t *q = in + pos;
     gpuipc__tset_entry *e = &t->e[i];
-    e->name_len = get16(q);
+    e->name_len = gpuipc__get_le16(q);
     e->dtype = q[2];
     e->ndim = q[3];
-    e->piece = get32(q + 4);
-    e->offset = get64(q + 8);
-    e->nbytes = get64(q + 16);
+    e->piece = gpuipc__get_le32(q + 4);
+    e->offset = gpuipc__get_le64(q + 8);
+    e->nbytes = gpuipc__get_le64(q + 16);
     if (e->ndim > GPUIPC_TSET_NDIM_MAX || e->name_len == 0 ||
         e->name_len > GPUIPC_TSET_NAME_MAX) {
       s = gpuipc__fail(GPUIPC_E_PROTOCOL, "tensor-set table: entry %u: ndim "
@@ -439,8 +416,8 @@ gpuipc_status gpuipc__tset_table_decode(const uint8_t *in, size_t len,
       goto fail;
     }
     for (int d = 0; d < e->ndim; d++) {
-      e->shape[d] = (int64_t)get64(q + 24 + 8 * d);
-      e->strides[d] = (int64_t)get64(q + 24 + 8 * (e->ndim + d));
+      e->shape[d] = (int64_t)gpuipc__get_le64(q + 24 + 8 * d);
+      e->strides[d] = (int64_t)gpuipc__get_le64(q + 24 + 8 * (e->ndim + d));
     }
     size_t nstart = 24 + 16 * (size_t)e->ndim;
     for (size_t k = nstart + e->name_len; k < el; k++)
@@ -475,26 +452,26 @@ fail:
 void gpuipc__tset_meta_encode(const gpuipc__tset_meta *m,
                               uint8_t out[GPUIPC__TSET_META_LEN]) {
   memset(out, 0, GPUIPC__TSET_META_LEN);
-  put32(out, GPUIPC__TSET_META_MAGIC);
-  put16(out + 4, m->kind);
-  put64(out + 8, m->layout_id);
-  put64(out + 16, m->a);
-  put32(out + 24, m->b);
-  put32(out + 28, m->c);
+  gpuipc__put_le32(out, GPUIPC__TSET_META_MAGIC);
+  gpuipc__put_le16(out + 4, m->kind);
+  gpuipc__put_le64(out + 8, m->layout_id);
+  gpuipc__put_le64(out + 16, m->a);
+  gpuipc__put_le32(out + 24, m->b);
+  gpuipc__put_le32(out + 28, m->c);
 }
 
 gpuipc_status gpuipc__tset_meta_decode(const uint8_t *in, size_t len,
                                        gpuipc__tset_meta *m) {
-  if (len != GPUIPC__TSET_META_LEN || get32(in) != GPUIPC__TSET_META_MAGIC)
+  if (len != GPUIPC__TSET_META_LEN || gpuipc__get_le32(in) != GPUIPC__TSET_META_MAGIC)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "a buffer that is not of a tensor "
                         "set (%zu bytes of meta) came on a subscribed "
                         "connection", len);
-  m->kind = get16(in + 4);
-  m->layout_id = get64(in + 8);
-  m->a = get64(in + 16);
-  m->b = get32(in + 24);
-  m->c = get32(in + 28);
-  if (get16(in + 6) != 0 || m->kind < GPUIPC__TSET_PIECE ||
+  m->kind = gpuipc__get_le16(in + 4);
+  m->layout_id = gpuipc__get_le64(in + 8);
+  m->a = gpuipc__get_le64(in + 16);
+  m->b = gpuipc__get_le32(in + 24);
+  m->c = gpuipc__get_le32(in + 28);
+  if (gpuipc__get_le16(in + 6) != 0 || m->kind < GPUIPC__TSET_PIECE ||
       m->kind > GPUIPC__TSET_END)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "tensor-set buffer of kind %u",
                         m->kind);
