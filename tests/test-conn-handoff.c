@@ -1148,6 +1148,13 @@ HELPER_IMPL(ho_forger) {
   } else if (strcmp(what, "buf_unknown_chunk") == 0) {
     w.chunk = 5;
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strcmp(what, "buf_seq_past_limit") == 0) {
+    /* More than 2^63 past the first buffer's sequence number: the GPU's
+     * cyclic comparison would order the two backwards, and the write that
+     * unblocks our streams at close (the newest value) would never satisfy
+     * the first buffer's wait. */
+    w.seq = GPUIPC__SEQ_LIMIT + ((uint64_t)1 << 63);
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
   }
   /* Wait until the victim hangs up on us. */
   char b;
@@ -1170,6 +1177,7 @@ TEST_IMPL(handoff_rejects_forged_frames) {
       {"buf_slot", "slot"},
       {"buf_meta_len", "metadata"},
       {"buf_unknown_chunk", "never sent"},
+      {"buf_seq_past_limit", "past the limit"},
   };
   CUstream s = mkstream();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

@@ -102,6 +102,15 @@ typedef struct gpuipc__w_evd { /* EVD: + event descriptor */
   uint32_t pad;
 } gpuipc__w_evd;
 _Static_assert(sizeof(gpuipc__w_evd) == 16, "wire layout");
+/* Sequence numbers on the wire lie in [1, GPUIPC__SEQ_LIMIT). The GPU
+ * compares flag words cyclically (cuStreamWaitValue64 GEQ is a signed
+ * difference), so two values more than 2^63 apart compare backwards: a
+ * peer that sent such a pair could make the unblocking write at close
+ * (the newest value) fail a wait for an older one, and keep our streams
+ * blocked for ever. Within the limit the cyclic order is the plain order.
+ * A sender that counts one per buffer reaches it after 2^62 buffers. */
+#define GPUIPC__SEQ_LIMIT ((uint64_t)1 << 62)
+
 typedef struct gpuipc__w_buf { /* BUF: + meta bytes */
   uint64_t seq;
   uint64_t arena_id;

@@ -303,6 +303,9 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
     GPUIPC__CHECK(gpuipc_event_record(ev, stream));
   }
   uint64_t seq = gpuipc__lease_new_seq(lt);
+  if (seq == 0)
+    return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
+                                        "are used up (2^62 buffers)");
   if (conn->watch)
     atomic_store(&conn->watch->tx_seq, seq);
   w->seq = seq;
@@ -618,10 +621,11 @@ static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame: metadata of %u bytes",
                         w.meta_len);
   if (w.slot >= h->peer_nslots || h->rx[w.slot].held ||
-      w.seq <= h->rx[w.slot].last_recv || w.seq <= h->rx[w.slot].last_rel)
+      w.seq >= GPUIPC__SEQ_LIMIT || w.seq <= h->rx[w.slot].last_recv ||
+      w.seq <= h->rx[w.slot].last_rel)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "BUF frame: slot %u (of %u) busy or sequence %llu "
-                        "not new",
+                        "not new or past the limit",
                         w.slot, h->peer_nslots, (unsigned long long)w.seq);
   gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
   if (im == NULL)
@@ -683,10 +687,11 @@ static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
     goto out;
   }
   if (w.slot >= h->peer_nslots || h->rx[w.slot].held ||
-      w.seq <= h->rx[w.slot].last_recv || w.seq <= h->rx[w.slot].last_rel ||
-      h->qlen == h->peer_nslots) {
+      w.seq >= GPUIPC__SEQ_LIMIT || w.seq <= h->rx[w.slot].last_recv ||
+      w.seq <= h->rx[w.slot].last_rel || h->qlen == h->peer_nslots) {
     s = gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFD frame: slot %u busy or "
-                                        "sequence %llu not new",
+                                        "sequence %llu not new or past "
+                                        "the limit",
                      w.slot, (unsigned long long)w.seq);
     goto out;
   }

@@ -221,6 +221,8 @@ bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt, uint32_t *slot) {
 }
 
 uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt) {
+  if (lt->tx_seq + 1 >= GPUIPC__SEQ_LIMIT)
+    return 0; /* a receiver would refuse it */
   return ++lt->tx_seq;
 }
 

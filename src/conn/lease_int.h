@@ -119,7 +119,8 @@ void gpuipc__lease_reap_orphans(void);
 /* A free slot for the next lease, or false when every slot is out. */
 bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt,
                              uint32_t *slot /* OUT */);
-/* The next sequence number (used up by the call). */
+/* The next sequence number (used up by the call), or 0 when the
+ * connection reached GPUIPC__SEQ_LIMIT. */
 uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt);
 /* The frame of `slot` left: the slot is taken. Until gpuipc__lease_add,
  * it holds nothing (a slot whose send failed halfway stays taken). */
