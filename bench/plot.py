@@ -76,6 +76,15 @@ def charts_of(records):
                 out.append(("copy-throughput", b, d))
             elif b["name"] == "handle" and t.get("handle"):
                 out.append(("handle-ops", b, d))
+            elif b["name"] == "sets" and t.get("model"):
+                out.append(("sets-sync", b, d))
+    # The torch peers (bench/torch_weight_sync.py --json) are drawn beside
+    # the tensor sets: attach them to that chart.
+    torch_rows = [r for d in records for b in d.get("benchmarks", [])
+                  if b["name"] == "sets-torch" for r in b.get("tables", {}).get("torch", [])]
+    for _, b, _ in out:
+        if b["name"] == "sets":
+            b["_torch"] = torch_rows
     return out
 
 
@@ -201,10 +210,41 @@ def draw_handle(plt, b, d, path):
     plt.close(fig)
 
 
+def draw_sets(plt, b, d, path):
+    m = b["tables"]["model"][0]
+    bars = [("in-process copy\n(floor, gpuipc run)", num(m.get("floor_ms"))),
+            ("gpuipc sets\ncopy_into", num(m.get("copy_into_ms"))),
+            ("gpuipc sets\nzero-copy views", num(m.get("zero_copy_median_us")) / 1000.0)]
+    names = {"floor": "in-process copy\n(floor, torch run)",
+             "per-tensor": "torch.mp\nreduce_tensor\nper tensor",
+             "buckets": "torch.mp\n512 MiB\nbuckets"}
+    for r in b.get("_torch", []):
+        bars.append((names.get(r["method"], r["method"]), num(r["ms"])))
+    fig, ax = plt.subplots(figsize=(max(7, len(bars) * 1.6), 5))
+    x = range(len(bars))
+    colors = ["#888888", "#1f77b4", "#1f77b4"] + [
+        "#888888" if r["method"] == "floor" else "#d62728" for r in b.get("_torch", [])]
+    ax.bar(list(x), [v for _, v in bars], 0.6, color=colors)
+    for i, (_, v) in enumerate(bars):
+        if v == v:
+            ax.text(i, v, f"{v:.3g} ms", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([n for n, _ in bars], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("milliseconds per sync (median, log)")
+    ax.set_title(f"Weight sync, {m['set']}: {int(m['tensors'])} tensors, "
+                 f"{m['bytes'] / 1e9:.2f} GB, producer -> consumer process\n"
+                 + subtitle(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 DRAW = {"handoff-latency": draw_handoff_latency,
         "handoff-throughput": draw_handoff_throughput,
         "copy-throughput": draw_copy,
-        "handle-ops": draw_handle}
+        "handle-ops": draw_handle,
+        "sets-sync": draw_sets}
 
 
 def main():

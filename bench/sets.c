@@ -367,6 +367,30 @@ static res run(model *m, gpuipc_conn *data, gpuipc_conn *ctl, CUstream s,
   return r;
 }
 
+static const char sets_usage[] =
+    "usage: gpuipc bench sets [--quick] [--emulator PATH] [--json FILE]\n"
+    "  a 7B model's tensors (bf16 shapes) and 1,000 KV blocks handed from a\n"
+    "  producer process to a consumer process as tensor sets: copy_into the\n"
+    "  consumer's own tensors against the in-process copy (the floor), and\n"
+    "  zero-copy publish to usable views. --quick: a small model.\n";
+
+/* One row of the JSON report (docs/bench-json.md, "sets"). */
+static void set_row(const char *table, const char *what, const model *m,
+                    const res *r, bool floor) {
+  gpuipc_bench_json_row_begin(table);
+  gpuipc_bench_json_str("set", what);
+  gpuipc_bench_json_num("tensors", (double)m->n);
+  gpuipc_bench_json_num("bytes", (double)m->bytes);
+  gpuipc_bench_json_num("setup_ms", r->setup_ms);
+  gpuipc_bench_json_num("floor_ms", floor ? r->floor50 : 0.0 / 0.0);
+  gpuipc_bench_json_num("copy_into_ms", r->copy50);
+  gpuipc_bench_json_num("copy_into_vs_floor",
+                        floor ? r->copy50 / r->floor50 : 0.0 / 0.0);
+  gpuipc_bench_json_num("zero_copy_median_us", r->lat50);
+  gpuipc_bench_json_num("zero_copy_p99_us", r->lat99);
+  gpuipc_bench_json_row_end();
+}
+
 int gpuipc_bench_sets(int argc, char **argv) {
   int emu = gpuipc_cli_pick_driver(&argc, argv, "bench sets");
   if (emu < 0)
@@ -377,8 +401,12 @@ int gpuipc_bench_sets(int argc, char **argv) {
       return consumer(atoi(argv[i + 1]), atoi(argv[i + 2]));
     else if (strcmp(argv[i], "--quick") == 0)
       quick = true;
-    else if (strcmp(argv[i], "all") != 0 && strcmp(argv[i], "sets") != 0) {
-      fprintf(stderr, "usage: gpuipc bench sets [--quick] [--emulator PATH]\n");
+    else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      printf("%s", sets_usage);
+      return 0;
+    } else if (strcmp(argv[i], "all") != 0 && strcmp(argv[i], "sets") != 0) {
+      fprintf(stderr, "gpuipc bench sets: unknown option %s\n%s", argv[i],
+              sets_usage);
       return 2;
     }
   }
@@ -441,7 +469,14 @@ int gpuipc_bench_sets(int argc, char **argv) {
          a.copy50 / a.floor50);
   printf("  %-58s %10.2f us  (p99 %.2f us)\n",
          "zero-copy: publish to usable views", a.lat50, a.lat99);
+  gpuipc_bench_json_num("quick", quick);
+  gpuipc_bench_json_str("device_name", name);
+  gpuipc_bench_json_num("latency_iterations", lat_iters);
+  gpuipc_bench_json_num("copy_iterations", copy_iters);
+  set_row("model", quick ? "small Llama (4 layers, width 512)" : "Llama-2-7B",
+          &m, &a, true);
   res b = run(&k, data, ctl, s, lat_iters, copy_iters, false);
+  set_row("kv", "KV cache blocks", &k, &b, false);
   printf("\nKV cache: %zu blocks of %.0f KiB as one set (%.1f MiB)\n", k.n,
          k.bytes / (double)k.n / 1024.0, k.bytes / 1048576.0);
   printf("  %-58s %10.2f ms\n", "setup, once", b.setup_ms);

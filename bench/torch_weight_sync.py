@@ -22,12 +22,19 @@ Each sync is timed from the producer's start (CLOCK_MONOTONIC, shared by
 the processes of the machine) to the consumer's copies being done
 (torch.cuda.synchronize); medians after warm-up.
 
-  python3 bench/torch_weight_sync.py [--quick] [--iters N]
+  python3 bench/torch_weight_sync.py [--quick] [--iters N] [--json FILE]
 
---quick: a small model (4 layers of width 512). Needs PyTorch with CUDA.
+--quick: a small model (4 layers of width 512). --json FILE: also write the
+figures as a gpuipc-bench record (benchmark "sets-torch", docs/bench-json.md)
+that bench/plot.py draws beside `gpuipc bench sets --json`. Needs PyTorch
+with CUDA.
 """
 import argparse
+import json
+import os
+import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -118,6 +125,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE", default="")
     a = ap.parse_args()
     iters = a.iters or (5 if a.quick else 20)
     warm = 3
@@ -149,18 +157,48 @@ def main():
     print("  %-52s %9.2f ms  (%.2f TB/s read+write)" % (
         "in-process device-to-device copy (floor)", f, 2 * total / (f / 1e3) / 1e12))
 
+    rows = [{"method": "floor", "label": "in-process device-to-device copy (floor)",
+             "ms": f, "vs_floor": 1.0}]
     for how, label in (("per-tensor", "torch.multiprocessing, reduce_tensor per tensor"),
                        ("buckets", "512 MiB flattened buckets")):
         here.send(how)
         times = [consumer_sync(here, mine, how) for _ in range(warm + iters)][warm:]
         m = statistics.median(times)
         print("  %-52s %9.2f ms  (%.2fx the floor)" % (label, m, m / f))
+        rows.append({"method": how, "label": label, "ms": m, "vs_floor": m / f})
         # The producer's value, 1.0, arrived.
         assert float(mine["model.norm.weight"][0]) == 1.0
         for t in mine.values():
             t.zero_()
     here.send("quit")
     p.join()
+    if a.json:
+        write_json(a.json, a, shapes, total, iters, rows)
+
+
+def write_json(path, a, shapes, total, iters, rows):
+    """The figures as a gpuipc-bench record (docs/bench-json.md)."""
+    props = torch.cuda.get_device_properties(0)
+    rec = {
+        "format": "gpuipc-bench", "format_version": 1,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "exit_status": 0,
+        "command": " ".join(["python3"] + sys.argv),
+        "argv": ["python3"] + sys.argv,
+        "machine": {"hostname": platform.node(), "kernel": platform.release(),
+                    "arch": platform.machine(), "cpus": os.cpu_count()},
+        "driver": {"library": "torch " + torch.__version__, "emulated": 0,
+                   "cuda_version_text": torch.version.cuda},
+        "gpus": [{"ordinal": 0, "name": props.name,
+                  "memory_bytes": props.total_memory}],
+        "benchmarks": [{
+            "name": "sets-torch",
+            "info": {"quick": int(a.quick), "iterations": iters,
+                     "tensors": len(shapes), "bytes": total},
+            "tables": {"torch": rows}}],
+    }
+    with open(path, "w") as fh:
+        json.dump(rec, fh, indent=1)
 
 
 if __name__ == "__main__":

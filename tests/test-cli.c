@@ -60,6 +60,8 @@ TEST_IMPL(cli_help_of_every_command) {
       {"bench", "handoff", "--help"}, {"bench", "handoff", "-h"},
       {"bench", "copy", "--help"},   {"bench", "copy", "-h"},
       {"bench", "all", "--help"},
+      {"bench", "sets", "--help"},   {"bench", "sets", "-h"},
+      {"bench", "mpi", "--help"},    {"bench", "mpi", "-h"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     static char out[16384], err[16384];

@@ -16,7 +16,68 @@
  * gpuipc-bench-mpi (built where MPI was found; this command never links
  * MPI), run here under mpirun with two ranks: the one beside this program,
  * else the one on PATH; mpirun from $GPUIPC_MPIRUN or PATH. */
+/* Replays the records gpuipc-bench-mpi wrote ("info\tnum|str\tkey\tvalue",
+ * "row\ttable", "num|str\tkey\tvalue", "end") into the JSON report. */
+static void replay_rows(const char *path) {
+  FILE *f = fopen(path, "r");
+  if (f == NULL)
+    return;
+  char line[512];
+  bool in_row = false;
+  while (fgets(line, sizeof line, f)) {
+    line[strcspn(line, "\n")] = '\0';
+    char *f1 = line, *f2 = strchr(f1, '\t');
+    if (f2)
+      *f2++ = '\0';
+    if (strcmp(f1, "end") == 0) {
+      if (in_row)
+        gpuipc_bench_json_row_end();
+      in_row = false;
+      continue;
+    }
+    if (f2 == NULL)
+      continue;
+    if (strcmp(f1, "row") == 0) {
+      if (in_row)
+        gpuipc_bench_json_row_end();
+      gpuipc_bench_json_row_begin(f2);
+      in_row = true;
+      continue;
+    }
+    if (strcmp(f1, "info") == 0) {
+      if (in_row) /* info belongs outside rows */
+        continue;
+      f1 = f2;
+      f2 = strchr(f1, '\t');
+      if (f2 == NULL)
+        continue;
+      *f2++ = '\0';
+    }
+    char *val = strchr(f2, '\t');
+    if (val == NULL)
+      continue;
+    *val++ = '\0';
+    if (strcmp(f1, "num") == 0)
+      gpuipc_bench_json_num(f2, strtod(val, NULL));
+    else if (strcmp(f1, "str") == 0)
+      gpuipc_bench_json_str(f2, val);
+  }
+  if (in_row)
+    gpuipc_bench_json_row_end();
+  fclose(f);
+}
+
 static int bench_mpi(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      printf("usage: gpuipc bench mpi [--quick] [--iters N] [--max-mib N]\n"
+             "  runs gpuipc-bench-mpi under mpirun with 2 ranks: node-local\n"
+             "  gpuipc_mpi_send/recv against MPI's host-memory transfer of the\n"
+             "  same bytes, and the staged path of ranks on other machines\n"
+             "  (GPUIPC_MPI_SIMULATE_MACHINES) against a plain copy and a\n"
+             "  plain MPI transfer. mpirun: $GPUIPC_MPIRUN, else PATH.\n");
+      return 0;
+    }
   char self[PATH_MAX], bench[PATH_MAX + 32];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   snprintf(bench, sizeof bench, "gpuipc-bench-mpi");
@@ -47,9 +108,16 @@ static int bench_mpi(int argc, char **argv) {
   args[k++] = bench;
   for (int i = 1; i < argc; i++)
     args[k++] = argv[i];
+  /* The figures come back as records in a file (see bench-mpi.c). */
+  char rows[] = "/tmp/gpuipc-bench-mpi-XXXXXX";
+  int rfd = mkstemp(rows);
+  if (rfd >= 0)
+    close(rfd);
   fflush(stdout);
   pid_t pid = fork();
   if (pid == 0) {
+    if (rfd >= 0)
+      setenv("GPUIPC_BENCH_ROWS", rows, 1);
     execvp(args[0], args);
     fprintf(stderr, "gpuipc bench mpi: cannot run %s (%s): install MPI, or "
                     "set GPUIPC_MPIRUN; the benchmark is %s\n",
@@ -58,9 +126,14 @@ static int bench_mpi(int argc, char **argv) {
   }
   free(args);
   int st = 0;
-  if (pid < 0 || waitpid(pid, &st, 0) < 0)
-    return 1;
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+  int rc = 1;
+  if (pid >= 0 && waitpid(pid, &st, 0) == pid)
+    rc = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+  if (rfd >= 0) {
+    replay_rows(rows);
+    unlink(rows);
+  }
+  return rc;
 }
 
 static const struct {

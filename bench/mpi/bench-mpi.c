@@ -27,6 +27,7 @@
 #include <gpuipc.h>
 #include <gpuipc/mpi.h>
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -134,11 +135,13 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[i], "--max-mib") == 0 && i + 1 < argc)
       max_mib = (size_t)atol(argv[++i]);
     else {
+      int help = strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0;
       if (rank_ == 0)
-        fprintf(stderr, "usage: mpirun -n 2 gpuipc-bench-mpi [--quick] "
-                        "[--iters N] [--max-mib N]\n");
+        fprintf(help ? stdout : stderr,
+                "usage: mpirun -n 2 gpuipc-bench-mpi [--quick] "
+                "[--iters N] [--max-mib N]\n");
       MPI_Finalize();
-      return 2;
+      return help ? 0 : 2;
     }
   }
   if (size < 2) {
@@ -199,6 +202,22 @@ int main(int argc, char **argv) {
   memset(c.pin, 0x5a, max);
 
   int local = gpuipc_mpi_get_conn(gl, rank_ == 0 ? 1 : 0) != NULL;
+  /* `gpuipc bench mpi --json` asks for the figures as records in a file
+   * (tools/bench.c turns them into the JSON report's rows). */
+  FILE *rows = NULL;
+  const char *rows_path = getenv("GPUIPC_BENCH_ROWS");
+  if (rank_ == 0 && rows_path && *rows_path) {
+    rows = fopen(rows_path, "w");
+    if (rows == NULL)
+      fprintf(stderr, "gpuipc-bench-mpi: %s: %s (no JSON rows)\n", rows_path,
+              strerror(errno));
+  }
+  if (rows) {
+    fprintf(rows, "info\tnum\titerations\t%d\ninfo\tnum\tquick\t%d\n", iters,
+            quick);
+    fprintf(rows, "info\tnum\tone_machine\t%d\ninfo\tnum\tcuda_aware\t%d\n",
+            local, gpuipc_mpi_is_cuda_aware(gl));
+  }
   if (rank_ == 0) {
     printf("gpuipc bench mpi: 2 of %d ranks, %s, MPI %sCUDA-aware, %d "
            "iterations (medians)%s\n",
@@ -239,11 +258,26 @@ int main(int argc, char **argv) {
              n >= ((size_t)64 << 20) ? (bound >= 0.8 ? "  (>= 80%: met)"
                                                      : "  (>= 80%: NOT met)")
                                      : "");
+      if (rows) {
+        double nan = 0.0 / 0.0;
+        fprintf(rows, "row\tmpi\nnum\tsize_bytes\t%zu\n", n);
+        fprintf(rows, "num\tlocal_gbps\t%.6g\nnum\tmpi_host_gbps\t%.6g\n",
+                local ? gbs(n, tl) : nan, local ? gbs(n, th) : nan);
+        fprintf(rows, "num\tstaged_gbps\t%.6g\nnum\tcopy_gbps\t%.6g\n",
+                gbs(n, ts), gbs(n, tc));
+        fprintf(rows, "num\tmpi_gbps\t%.6g\nnum\tsum_gbps\t%.6g\n",
+                gbs(n, tm), gbs(n, tc + tm));
+        fprintf(rows, "num\tbound_fraction\t%.6g\n", bound);
+        fprintf(rows, "str\tlocal_path\t%s\nstr\tremote_path\t%s\nend\n",
+                gpuipc_mpi_path_name(pl), gpuipc_mpi_path_name(pr));
+      }
       if ((local && pl != GPUIPC_MPI_PATH_LOCAL) || pr != GPUIPC_MPI_PATH_STAGED)
         printf("  note: paths taken: %s, %s\n", gpuipc_mpi_path_name(pl),
                gpuipc_mpi_path_name(pr));
     }
   }
+  if (rows)
+    fclose(rows);
   if (rank_ == 0)
     printf("GB/s (1e9 bytes/s). ratio: MPI host time / gpuipc time. vs sum: "
            "(copy + MPI time) / staged time. bound: staged rate / min(copy, MPI "
