@@ -39,10 +39,30 @@
 
 extern char **environ;
 
+/* Which process failed, and (in the producer) how the consumer ended. */
+static const char *role = "producer";
+static pid_t child_pid;
+static void child_status(void) {
+  int st = 0;
+  for (int i = 0; child_pid > 0 && i < 200; i++) {
+    if (waitpid(child_pid, &st, WNOHANG) == child_pid) {
+      if (WIFSIGNALED(st))
+        fprintf(stderr, "gpuipc bench sets: the consumer process was killed "
+                        "by signal %d\n", WTERMSIG(st));
+      else
+        fprintf(stderr, "gpuipc bench sets: the consumer process exited "
+                        "with status %d\n", WEXITSTATUS(st));
+      return;
+    }
+    usleep(10000);
+  }
+}
 #define DIE(...)                                                               \
   do {                                                                         \
-    fprintf(stderr, "gpuipc bench sets: " __VA_ARGS__);                        \
+    fprintf(stderr, "gpuipc bench sets (%s): ", role);                         \
+    fprintf(stderr, __VA_ARGS__);                                              \
     fprintf(stderr, " (%s)\n", gpuipc_last_error());                           \
+    child_status();                                                            \
     exit(1);                                                                   \
   } while (0)
 #define OK(expr)                                                               \
@@ -213,6 +233,7 @@ static gpuipc_tset_version *spin_recv(gpuipc_tset_sub *sub, CUstream s) {
 }
 
 static int consumer(int dfd, int cfd) {
+  role = "consumer";
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 120000;
   o.max_outstanding = 4096;
@@ -368,11 +389,12 @@ static res run(model *m, gpuipc_conn *data, gpuipc_conn *ctl, CUstream s,
 }
 
 static const char sets_usage[] =
-    "usage: gpuipc bench sets [--quick] [--emulator PATH] [--json FILE]\n"
+    "usage: gpuipc bench sets [--quick] [--layers N] [--emulator PATH] [--json FILE]\n"
     "  a 7B model's tensors (bf16 shapes) and 1,000 KV blocks handed from a\n"
     "  producer process to a consumer process as tensor sets: copy_into the\n"
     "  consumer's own tensors against the in-process copy (the floor), and\n"
-    "  zero-copy publish to usable views. --quick: a small model.\n";
+    "  zero-copy publish to usable views. --quick: a small model.\n"
+    "  --layers N: the model's depth (32; the same width).\n";
 
 /* One row of the JSON report (docs/bench-json.md, "sets"). */
 static void set_row(const char *table, const char *what, const model *m,
@@ -396,11 +418,15 @@ int gpuipc_bench_sets(int argc, char **argv) {
   if (emu < 0)
     return 1;
   bool quick = false;
+  int layers = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--child") == 0 && i + 2 < argc)
       return consumer(atoi(argv[i + 1]), atoi(argv[i + 2]));
     else if (strcmp(argv[i], "--quick") == 0)
       quick = true;
+    else if (strcmp(argv[i], "--layers") == 0 && i + 1 < argc &&
+             atoi(argv[i + 1]) > 0 && atoi(argv[i + 1]) <= 1024)
+      layers = atoi(argv[++i]);
     else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       printf("%s", sets_usage);
       return 0;
@@ -423,6 +449,8 @@ int gpuipc_bench_sets(int argc, char **argv) {
   char *args[] = {"gpuipc", "bench", "sets", "--child", "3", "4", NULL};
   pid_t pid;
   int err = posix_spawn(&pid, "/proc/self/exe", &fa, NULL, args, environ);
+  if (err == 0)
+    child_pid = pid;
   posix_spawn_file_actions_destroy(&fa);
   close(dfds[1]);
   close(cfds[1]);
@@ -450,14 +478,21 @@ int gpuipc_bench_sets(int argc, char **argv) {
 
   model m, k;
   if (quick)
-    llama(&m, 4, 512, 1376, 4000);
+    llama(&m, layers ? layers : 4, 512, 1376, 4000);
   else
-    llama(&m, 32, 4096, 11008, 32000);
+    llama(&m, layers ? layers : 32, 4096, 11008, 32000);
   kv(&k, 1000, quick && emu ? 4096 : 256 << 10);
+  char model_name[64];
+  if (layers && layers != (quick ? 4 : 32))
+    snprintf(model_name, sizeof model_name, "Llama (%d layers, width %d)",
+             layers, quick ? 512 : 4096);
+  else
+    snprintf(model_name, sizeof model_name, "%s",
+             quick ? "small Llama (4 layers, width 512)" : "Llama-2-7B");
   res a = run(&m, data, ctl, s, lat_iters, copy_iters, true);
   printf("\n%s bf16 shapes: %zu tensors, %.2f GB, producer process -> "
          "consumer process, same GPU (medians)\n",
-         quick ? "small Llama (4 layers, width 512)" : "Llama-2-7B", m.n,
+         model_name, m.n,
          m.bytes / 1e9);
   printf("  %-58s %10.2f ms\n", "setup, once (subscribe: table, pieces, first "
          "version)", a.setup_ms);
@@ -473,8 +508,7 @@ int gpuipc_bench_sets(int argc, char **argv) {
   gpuipc_bench_json_str("device_name", name);
   gpuipc_bench_json_num("latency_iterations", lat_iters);
   gpuipc_bench_json_num("copy_iterations", copy_iters);
-  set_row("model", quick ? "small Llama (4 layers, width 512)" : "Llama-2-7B",
-          &m, &a, true);
+  set_row("model", model_name, &m, &a, true);
   res b = run(&k, data, ctl, s, lat_iters, copy_iters, false);
   set_row("kv", "KV cache blocks", &k, &b, false);
   printf("\nKV cache: %zu blocks of %.0f KiB as one set (%.1f MiB)\n", k.n,
