@@ -31,18 +31,31 @@ int meta_contiguous(const ArrMeta *m) {
 }
 
 /* Bytes spanned from element 0 (strides must be >= 0). */
+/* The bytes an array spans from its first element, or SIZE_MAX when that
+ * does not fit in a size_t (shapes and strides can come from a peer: a
+ * product that wrapped around would make a huge view look small). Shapes
+ * and strides are non-negative here. */
 size_t meta_extent(const ArrMeta *m) {
   size_t isz = itemsize(&m->dtype);
   for (int i = 0; i < m->ndim; i++)
     if (m->shape[i] == 0) return 0;
   if (!m->has_strides) {
     size_t n = isz;
-    for (int i = 0; i < m->ndim; i++) n *= (size_t)m->shape[i];
+    for (int i = 0; i < m->ndim; i++)
+      if (__builtin_mul_overflow(n, (size_t)m->shape[i], &n)) return SIZE_MAX;
     return n;
   }
   size_t last = 0;
-  for (int i = 0; i < m->ndim; i++) last += (size_t)(m->shape[i] - 1) * (size_t)m->strides[i];
-  return (last + 1) * isz;
+  for (int i = 0; i < m->ndim; i++) {
+    size_t step;
+    if (__builtin_mul_overflow((size_t)(m->shape[i] - 1), (size_t)m->strides[i], &step) ||
+        __builtin_add_overflow(last, step, &last))
+      return SIZE_MAX;
+  }
+  size_t n;
+  if (__builtin_add_overflow(last, (size_t)1, &n) || __builtin_mul_overflow(n, isz, &n))
+    return SIZE_MAX;
+  return n;
 }
 
 void meta_fill_strides(const ArrMeta *m, int64_t *out) {
@@ -244,6 +257,10 @@ int meta_from_shape(PyObject *shape, PyObject *dtype, size_t *nbytes, ArrMeta *m
   for (int i = 0; i < m->ndim; i++)
     if (m->shape[i] < 0) { PyErr_SetString(PyExc_ValueError, "negative dimension"); return -1; }
   *nbytes = meta_extent(m);
+  if (*nbytes == SIZE_MAX) {
+    PyErr_SetString(PyExc_ValueError, "shape too large: its size does not fit in 64 bits");
+    return -1;
+  }
   return 0;
 }
 

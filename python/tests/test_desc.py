@@ -90,6 +90,40 @@ def test_hostile_descriptors_raise_their_own_errors():
     buf.close()
 
 
+def _forged_share(desc, shape, strides=None):
+    """A shared descriptor whose array metadata says `shape` (uint8) over
+    the buffer of `desc` (a shared descriptor of our own)."""
+    assert desc[:4] == b"GPYS"
+    raw = desc[6 + desc[5]:]
+    nd = len(shape)
+    hdr = bytes([ord("G"), ord("P"), 1, nd, 1, 8, 1, 0, 1 if strides else 0, 0, 0, 0])
+    meta = hdr + (0).to_bytes(8, "little")
+    meta += b"".join(int(x).to_bytes(8, "little") for x in shape)
+    if strides:
+        meta += b"".join(int(x).to_bytes(8, "little") for x in strides)
+    return b"GPYS" + bytes([1, len(meta)]) + meta + raw
+
+
+@pytest.mark.parametrize("shape,strides", [
+    ((1 << 62, 4), None),             # 2^64 bytes: wraps to 0
+    ((1 << 32, (1 << 32) + 1), None),  # wraps to 2^32
+    ((3, 2), ((1 << 63) - 1, 1)),      # (3-1) * stride wraps
+])
+def test_shape_whose_size_wraps_around_is_refused(shape, strides):
+    """A peer's metadata whose byte count overflows 64 bits must not pass
+    for a small array (the view would reach far past the buffer)."""
+    pool = gpuipc.Pool(kind="mempool")
+    buf = pool.alloc(4096)
+    with gpuipc.spawn(peers.open_consumer) as p:
+        s = gpuipc.share(buf)
+        p.conn.send_msg(_forged_share(s.desc, shape, strides), s.fds)
+        r = report(p.conn)
+        assert r.get("error") == "OutOfRangeError", r
+        assert p.join(30) == 0
+        s.close()
+    buf.close()
+
+
 def test_stale_descriptor_is_refused_in_the_peer():
     pool = gpuipc.Pool(kind="mempool")
     buf = pool.alloc(4096)
