@@ -900,8 +900,16 @@ int gpuipc_bench_ring(int argc, char **argv) {
                parse_fault(argv[i + 1], &s) == 0) {
       i++;
     } else if (strcmp(a, "all") != 0 && strcmp(a, "ring") != 0) {
-      fprintf(stderr, "gpuipc bench ring: bad option '%s'%s\n", a,
-              more || a[0] != '-' ? "" : " (or its value is missing)");
+      bool valued = strcmp(a, "--iters") == 0 || strcmp(a, "--burst") == 0 ||
+                    strcmp(a, "--spin-us") == 0 ||
+                    strcmp(a, "--test-fault") == 0;
+      if (valued && more)
+        fprintf(stderr, "gpuipc bench ring: bad value '%s' for %s\n",
+                argv[i + 1], a);
+      else if (valued)
+        fprintf(stderr, "gpuipc bench ring: %s needs a value\n", a);
+      else
+        fprintf(stderr, "gpuipc bench ring: unknown option '%s'\n", a);
       usage(stderr);
       return 2;
     }
