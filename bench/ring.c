@@ -8,8 +8,10 @@
  *   socket   a socketpair of the kind gpuipc_conn_pair makes (AF_UNIX,
  *            SOCK_STREAM), non-blocking as the transport keeps it, through
  *            the transport's own sendmsg/recvmsg (gpuipc__sock_send/recv,
- *            MSG_DONTWAIT); the receiver either polls recvmsg or sleeps in
- *            poll() as a blocking gpuipc call does;
+ *            MSG_DONTWAIT); the receiver polls recvmsg, sleeps in poll()
+ *            as a blocking gpuipc call does, or blocks in recvmsg (the
+ *            socket in blocking mode for that case, SO_RCVTIMEO bounding
+ *            each call);
  *   ring     one single-producer single-consumer ring per direction in a
  *            sealed memfd both map (sent over the socket with the wake
  *            eventfds, as two unrelated processes would get it): C11
@@ -97,24 +99,30 @@ typedef struct shm {
   } sleep[2]; /* [0] the parent's, [1] the child's */
 } shm;
 
-/* ---- cases ---------------------------------------------------------------- */
+/* ---- cases --------------------------------------------------------------- */
 
 typedef enum { T_SOCKET, T_RING } transport;
-typedef enum { W_SPIN, W_FUTEX, W_EVENTFD, W_SOCKET } wake_kind;
-static const char *const wake_names[] = {"none", "futex", "eventfd", "socket"};
+/* W_BLOCK: the socket transport only, a receiver blocked in recvmsg. */
+typedef enum { W_SPIN, W_FUTEX, W_EVENTFD, W_SOCKET, W_BLOCK } wake_kind;
+static const char *const wake_names[] = {"none", "futex", "eventfd", "socket",
+                                         "blocking"};
 
 typedef struct bcase {
   const char *key;  /* the JSON row's `case` */
   const char *text; /* as printed */
   transport t;
-  wake_kind w;     /* socket transport: W_SPIN polls, W_SOCKET sleeps in poll() */
+  wake_kind w; /* socket transport: W_SPIN polls recvmsg, W_SOCKET sleeps
+                * in poll(), W_BLOCK blocks in recvmsg */
   bool spin_first; /* spin --spin-us before sleeping (else sleep at once) */
 } bcase;
 
 static const bcase cases[] = {
-    {"socket_polled", "socket, receiver polls recvmsg", T_SOCKET, W_SPIN, false},
+    {"socket_polled", "socket, receiver polls recvmsg", T_SOCKET, W_SPIN,
+     false},
     {"socket_poll", "socket, receiver sleeps in poll()", T_SOCKET, W_SOCKET,
      false},
+    {"socket_blocking", "socket, receiver blocks in recvmsg", T_SOCKET,
+     W_BLOCK, false},
     {"ring_spin", "ring, receiver spins", T_RING, W_SPIN, false},
     {"ring_futex_spin", "ring, spin, then futex", T_RING, W_FUTEX, true},
     {"ring_futex", "ring, futex (sleeps at once)", T_RING, W_FUTEX, false},
@@ -127,6 +135,21 @@ static const bcase cases[] = {
      false},
 };
 #define NCASES (int)(sizeof cases / sizeof cases[0])
+
+static int case_index(const char *key) {
+  for (int i = 0; i < NCASES; i++)
+    if (strcmp(cases[i].key, key) == 0)
+      return i;
+  return -1;
+}
+
+/* The `wake` column: how the receiver is woken, or how it waits for a
+ * socket. */
+static const char *wake_name(const bcase *c) {
+  if (c->t == T_SOCKET)
+    return c->w == W_SPIN ? "none" : c->w == W_BLOCK ? "blocking" : "poll";
+  return wake_names[c->w];
+}
 
 /* ---- control messages over the socket ------------------------------------ */
 
@@ -146,7 +169,7 @@ typedef struct result {
 _Static_assert(sizeof(ctl) == MSG_BYTES && sizeof(result) == MSG_BYTES,
                "control messages are one message");
 
-/* ---- one side's private state --------------------------------------------- */
+/* ---- one side's private state -------------------------------------------- */
 
 typedef struct side {
   int who;         /* 0 parent, 1 child */
@@ -233,7 +256,7 @@ static int peer_check(const side *s) {
   return 0;
 }
 
-/* ---- the socket: whole messages over a stream ------------------------------ */
+/* ---- the socket: whole messages over a stream ---------------------------- */
 
 /* Sends len bytes, waiting in poll() for room as the transport does. */
 static int sock_send_all(const side *s, const void *buf, size_t len,
@@ -268,17 +291,31 @@ static int sock_send_all(const side *s, const void *buf, size_t len,
   return 0;
 }
 
-/* Receives up to cap bytes (at least one); polled: spin on recvmsg, else
- * sleep in poll() between tries. *sleeps counts the polls that waited.
- * fds: up to 3 descriptors that came with the bytes. */
-static int sock_recv_some(const side *s, void *buf, size_t cap, bool polled,
+/* How a socket receiver waits for bytes. */
+typedef enum {
+  RX_POLL,  /* non-blocking recvmsg, poll() between tries (gpuipc's way) */
+  RX_SPIN,  /* non-blocking recvmsg, again and again */
+  RX_BLOCK, /* one blocking recvmsg, bounded by SO_RCVTIMEO */
+} rx_how;
+
+static rx_how rx_how_of(wake_kind w) {
+  return w == W_SPIN ? RX_SPIN : w == W_BLOCK ? RX_BLOCK : RX_POLL;
+}
+
+/* Receives up to cap bytes (at least one). *sleeps counts the polls that
+ * waited. fds: up to 3 descriptors that came with the bytes. */
+static int sock_recv_some(const side *s, void *buf, size_t cap, rx_how how,
                           int timeout_ms, size_t *got, uint64_t *sleeps,
                           int *fds, int *nfds) {
   uint64_t deadline = 0;
   unsigned k = 0;
+  bool polled = how == RX_SPIN;
   for (;;) {
-    gpuipc_status st = gpuipc__sock_recv(s->sock, buf, cap, MSG_DONTWAIT, fds,
-                                         fds ? 3 : 0, nfds, NULL, NULL, got);
+    /* Blocking: the socket is in blocking mode for the case, and its
+     * SO_RCVTIMEO (TIMEOUT_MS) bounds the call (then EAGAIN). */
+    gpuipc_status st = gpuipc__sock_recv(
+        s->sock, buf, cap, how == RX_BLOCK ? 0 : MSG_DONTWAIT, fds,
+        fds ? 3 : 0, nfds, NULL, NULL, got);
     if (st == GPUIPC_OK) {
       if (*got == 0)
         return gone(s);
@@ -288,6 +325,8 @@ static int sock_recv_some(const side *s, void *buf, size_t cap, bool polled,
       return gone(s);
     if (st != GPUIPC_E_WOULD_BLOCK)
       return fail("%s: %s", s->what, gpuipc_last_error());
+    if (how == RX_BLOCK)
+      return timed_out(s);
     if (polled) {
       cpu_relax();
       if ((++k & 63) != 0)
@@ -311,12 +350,12 @@ static int sock_recv_some(const side *s, void *buf, size_t cap, bool polled,
   }
 }
 
-static int sock_recv_exact(const side *s, void *buf, size_t len, bool polled,
+static int sock_recv_exact(const side *s, void *buf, size_t len, rx_how how,
                            int timeout_ms, uint64_t *sleeps) {
   size_t off = 0;
   while (off < len) {
     size_t got = 0;
-    if (sock_recv_some(s, (char *)buf + off, len - off, polled, timeout_ms,
+    if (sock_recv_some(s, (char *)buf + off, len - off, how, timeout_ms,
                        &got, sleeps, NULL, NULL) < 0)
       return -1;
     off += got;
@@ -324,7 +363,7 @@ static int sock_recv_exact(const side *s, void *buf, size_t len, bool polled,
   return 0;
 }
 
-/* ---- the ring: waits, wakes, bounds ---------------------------------------- */
+/* ---- the ring: waits, wakes, bounds -------------------------------------- */
 
 /* 1 when an entry is there to read, 0 when not, -1 when the peer's head
  * index cannot be: it may run at most SLOTS ahead of our tail and never
@@ -528,14 +567,26 @@ static int ring_get(side *s, uint64_t want_seq, entry *out) {
   return wake_peer(s, WANTS_ROOM);
 }
 
-/* ---- one case, each side's part ---------------------------------------------- */
+/* ---- one case, each side's part ------------------------------------------ */
 
-static void setup_case(side *s, const bcase *c, uint64_t spin_ns) {
+/* This side's socket end: blocking for a case whose receiver blocks in
+ * recvmsg (each call still bounded by SO_RCVTIMEO), else non-blocking as
+ * the transport keeps it. Sends always say MSG_DONTWAIT. */
+static int sock_blocking(const side *s, bool blocking) {
+  int fl = fcntl(s->sock, F_GETFL);
+  if (fl < 0 ||
+      fcntl(s->sock, F_SETFL, blocking ? fl & ~O_NONBLOCK : fl | O_NONBLOCK))
+    return fail("%s: fcntl: %s", s->what, strerror(errno));
+  return 0;
+}
+
+static int setup_case(side *s, const bcase *c, uint64_t spin_ns) {
   s->what = c->text;
   s->w = c->w;
   s->spin_first = c->spin_first;
   s->spin_ns = spin_ns;
   s->sleeps = 0;
+  return sock_blocking(s, c->w == W_BLOCK);
 }
 
 /* The child's fault, when asked for: after fault_after messages of its
@@ -564,7 +615,7 @@ static int sock_msg_send(side *s, uint64_t seq) {
 }
 
 static int sock_msg_recv(side *s, uint64_t seq, entry *e) {
-  if (sock_recv_exact(s, e, sizeof *e, s->w == W_SPIN, TIMEOUT_MS,
+  if (sock_recv_exact(s, e, sizeof *e, rx_how_of(s->w), TIMEOUT_MS,
                       &s->sleeps) < 0)
     return -1;
   if (e->seq != seq)
@@ -615,7 +666,7 @@ static int sock_burst_recv(side *s, uint64_t burst) {
   uint64_t next = 0;
   while (next < burst) {
     size_t got = 0;
-    if (sock_recv_some(s, buf + have, sizeof buf - have, s->w == W_SPIN,
+    if (sock_recv_some(s, buf + have, sizeof buf - have, rx_how_of(s->w),
                        TIMEOUT_MS, &got, &s->sleeps, NULL, NULL) < 0)
       return -1;
     have += got;
@@ -678,7 +729,7 @@ fail:
   return -1;
 }
 
-/* ---- set-up: the mapping and the wake fds, over the socket ------------------- */
+/* ---- set-up: the mapping and the wake fds, over the socket --------------- */
 
 static void side_map(side *s, shm *m) {
   s->m = m;
@@ -749,8 +800,8 @@ static int child_setup(side *s) {
   int fds[3] = {-1, -1, -1}, nfds = 0;
   size_t got = 0;
   s->what = "set-up";
-  if (sock_recv_some(s, hello, sizeof hello, false, CTL_TIMEOUT_MS, &got, NULL,
-                     fds, &nfds) < 0)
+  if (sock_recv_some(s, hello, sizeof hello, RX_POLL, CTL_TIMEOUT_MS, &got,
+                     NULL, fds, &nfds) < 0)
     return -1;
   int rc = -1;
   struct stat st;
@@ -789,7 +840,7 @@ static void child_main(side *s) {
   for (;;) {
     ctl m;
     s->what = "waiting for the next case";
-    if (sock_recv_exact(s, &m, sizeof m, false, CTL_TIMEOUT_MS, NULL) < 0)
+    if (sock_recv_exact(s, &m, sizeof m, RX_POLL, CTL_TIMEOUT_MS, NULL) < 0)
       goto fail;
     if (m.op == OP_QUIT)
       _exit(0);
@@ -799,7 +850,8 @@ static void child_main(side *s) {
            (unsigned long long)m.iters);
       goto fail;
     }
-    setup_case(s, &cases[m.kase], m.spin_ns);
+    if (setup_case(s, &cases[m.kase], m.spin_ns) < 0)
+      goto fail;
     result r;
     memset(&r, 0, sizeof r);
     if (child_case(s, (int)m.kase, m.iters, m.iters / 10, m.burst, &r) < 0)
@@ -813,7 +865,7 @@ fail:
   _exit(1);
 }
 
-/* ---- the command --------------------------------------------------------------- */
+/* ---- the command --------------------------------------------------------- */
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -840,12 +892,13 @@ static int parse_fault(const char *arg, side *s) {
   s->fault_kind = strcmp(kind, "exit") == 0      ? 1
                   : strcmp(kind, "garbage") == 0 ? 2
                                                  : 0;
-  s->fault_case = -1;
-  for (int i = 0; i < NCASES; i++)
-    if (strcmp(name, cases[i].key) == 0)
-      s->fault_case = i;
+  s->fault_case = case_index(name);
   s->fault_after = n;
-  return s->fault_kind == 0 || s->fault_case < 0 ? -1 : 0;
+  /* garbage is a ring index: ring cases only */
+  if (s->fault_kind == 0 || s->fault_case < 0 ||
+      (s->fault_kind == 2 && cases[s->fault_case].t != T_RING))
+    return -1;
+  return 0;
 }
 
 static bool number(const char *a, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -933,6 +986,9 @@ int gpuipc_bench_ring(int argc, char **argv) {
     free(rtt);
     return 1;
   }
+  /* Bounds a blocking recvmsg (the socket_blocking case) as a deadline
+   * bounds every other wait. */
+  struct timeval rcvtimeo = {TIMEOUT_MS / 1000, (TIMEOUT_MS % 1000) * 1000};
   pid_t parent = getpid();
   fflush(NULL);
   pid_t pid = fork();
@@ -952,6 +1008,12 @@ int gpuipc_bench_ring(int argc, char **argv) {
     s.who = 1;
     s.sock = fds[1];
     s.peer_pid = parent;
+    if (setsockopt(s.sock, SOL_SOCKET, SO_RCVTIMEO, &rcvtimeo,
+                   sizeof rcvtimeo) != 0) {
+      fprintf(stderr, "gpuipc bench ring (child): SO_RCVTIMEO: %s\n",
+              strerror(errno));
+      _exit(1);
+    }
     child_main(&s);
   }
   close(fds[1]);
@@ -961,6 +1023,11 @@ int gpuipc_bench_ring(int argc, char **argv) {
   s.fault_kind = 0;
 
   int rc = 1;
+  if (setsockopt(s.sock, SOL_SOCKET, SO_RCVTIMEO, &rcvtimeo,
+                 sizeof rcvtimeo) != 0) {
+    fail("SO_RCVTIMEO: %s", strerror(errno));
+    goto out;
+  }
   if (parent_setup(&s) < 0)
     goto out;
   printf("gpuipc bench ring: %d-byte messages between two processes, %llu "
@@ -986,7 +1053,8 @@ int gpuipc_bench_ring(int argc, char **argv) {
   double ow_med[NCASES], rate[NCASES];
   for (int k = 0; k < NCASES; k++) {
     const bcase *c = &cases[k];
-    setup_case(&s, c, spin_us * 1000u);
+    if (setup_case(&s, c, spin_us * 1000u) < 0)
+      goto out;
     ctl m;
     memset(&m, 0, sizeof m);
     m.op = OP_RUN;
@@ -1002,7 +1070,7 @@ int gpuipc_bench_ring(int argc, char **argv) {
                     &burst_sleeps) < 0)
       goto out;
     s.what = c->text;
-    if (sock_recv_exact(&s, &r, sizeof r, false, TIMEOUT_MS, NULL) < 0)
+    if (sock_recv_exact(&s, &r, sizeof r, RX_POLL, TIMEOUT_MS, NULL) < 0)
       goto out;
     if (r.burst_got != burst) {
       fail("%s: the child counted %llu of %llu messages", c->text,
@@ -1016,21 +1084,23 @@ int gpuipc_bench_ring(int argc, char **argv) {
     double lat_spm =
         (double)(lat_sleeps + r.lat_sleeps) / (2.0 * (double)(iters + warm));
     double burst_spm = (double)(burst_sleeps + r.burst_sleeps) / (double)burst;
+    if (c->w == W_BLOCK) /* whether a blocking recvmsg slept is not seen */
+      lat_spm = burst_spm = NAN;
     ow_med[k] = r.one_way_med_us;
     rate[k] = per_s;
     char sl[32];
-    snprintf(sl, sizeof sl, "%.2f | %.3f", lat_spm, burst_spm);
+    if (c->w == W_BLOCK)
+      snprintf(sl, sizeof sl, "-");
+    else
+      snprintf(sl, sizeof sl, "%.2f | %.3f", lat_spm, burst_spm);
     printf("%-36s %-7s %9.2f %8.2f %9.2f %8.2f %12.0f %13s\n", c->text,
-           c->t == T_SOCKET ? (c->w == W_SPIN ? "none" : "poll")
-                            : wake_names[c->w],
+           wake_name(c),
            r.one_way_med_us, r.one_way_p90_us, rtt_med, rtt_p90, per_s, sl);
     fflush(stdout);
     gpuipc_bench_json_row_begin("ring");
     gpuipc_bench_json_str("case", c->key);
     gpuipc_bench_json_str("transport", c->t == T_SOCKET ? "socket" : "ring");
-    gpuipc_bench_json_str("wake", c->t == T_SOCKET && c->w == W_SOCKET
-                                      ? "poll"
-                                      : wake_names[c->w]);
+    gpuipc_bench_json_str("wake", wake_name(c));
     /* The spin before a sleep; null where the receiver never sleeps. */
     gpuipc_bench_json_num("spin_us", c->spin_first ? (double)spin_us
                                      : c->w == W_SPIN ? NAN
@@ -1045,15 +1115,23 @@ int gpuipc_bench_ring(int argc, char **argv) {
     gpuipc_bench_json_row_end();
   }
   printf("\nmedian one way, receiver awake: socket %.2f us, ring %.2f us; "
-         "receiver asleep: socket %.2f, futex %.2f, eventfd %.2f, socket wake "
-         "%.2f us\nthroughput: socket %.0f, ring (spinning) %.0f, ring "
-         "(eventfd after a spin) %.0f msgs/s\n",
-         ow_med[0], ow_med[2], ow_med[1], ow_med[4], ow_med[6], ow_med[8],
-         rate[0], rate[2], rate[5]);
-  gpuipc_bench_json_num("socket_polled_one_way_us", ow_med[0]);
-  gpuipc_bench_json_num("ring_spin_one_way_us", ow_med[2]);
-  gpuipc_bench_json_num("socket_polled_msgs_per_s", rate[0]);
-  gpuipc_bench_json_num("ring_spin_msgs_per_s", rate[2]);
+         "receiver asleep: socket %.2f (poll) %.2f (blocking), futex %.2f, "
+         "eventfd %.2f, socket wake %.2f us\nthroughput: socket %.0f, ring "
+         "(spinning) %.0f, ring (eventfd after a spin) %.0f msgs/s\n",
+         ow_med[case_index("socket_polled")], ow_med[case_index("ring_spin")],
+         ow_med[case_index("socket_poll")],
+         ow_med[case_index("socket_blocking")],
+         ow_med[case_index("ring_futex")], ow_med[case_index("ring_eventfd")],
+         ow_med[case_index("ring_sockwake")],
+         rate[case_index("socket_polled")], rate[case_index("ring_spin")],
+         rate[case_index("ring_eventfd_spin")]);
+  gpuipc_bench_json_num("socket_polled_one_way_us",
+                        ow_med[case_index("socket_polled")]);
+  gpuipc_bench_json_num("ring_spin_one_way_us",
+                        ow_med[case_index("ring_spin")]);
+  gpuipc_bench_json_num("socket_polled_msgs_per_s",
+                        rate[case_index("socket_polled")]);
+  gpuipc_bench_json_num("ring_spin_msgs_per_s", rate[case_index("ring_spin")]);
   {
     ctl q;
     memset(&q, 0, sizeof q);

@@ -112,6 +112,7 @@ TEST_IMPL(cli_unknown_options_exit_2_with_usage_on_stderr) {
       {{"bench", "ring", "--iters", "0"}, 2},
       {{"bench", "ring", "--burst"}, 2},
       {{"bench", "ring", "--test-fault", "exit:no-such-case:1"}, 2},
+      {{"bench", "ring", "--test-fault", "garbage:socket_poll:1"}, 2},
       {{"bench", "handle", "--json"}, 2},
       /* doctor's exit status is its verdict (0, 1, 2): a usage error is 64
        * (docs/doctor.md). */
@@ -184,9 +185,10 @@ TEST_IMPL(bench_json_record_and_plot_check) {
 
 /* The cases of `gpuipc bench ring`, as its JSON record names them. */
 static const char *const ring_cases[] = {
-    "socket_polled",   "socket_poll",        "ring_spin",
-    "ring_futex_spin", "ring_futex",         "ring_eventfd_spin",
-    "ring_eventfd",    "ring_sockwake_spin", "ring_sockwake"};
+    "socket_polled",     "socket_poll",  "socket_blocking",
+    "ring_spin",         "ring_futex_spin", "ring_futex",
+    "ring_eventfd_spin", "ring_eventfd", "ring_sockwake_spin",
+    "ring_sockwake"};
 
 TEST_IMPL(bench_ring_runs_every_case) {
   /* No GPU is involved: the same on the emulator and on a GPU machine. */
@@ -197,11 +199,12 @@ TEST_IMPL(bench_ring_runs_every_case) {
   static char out[1 << 16], err[1 << 16];
   int rc = cli(args, out, sizeof out, err, sizeof err);
   if (rc != 0 || err[0] != '\0')
-    harness_fail(__FILE__, __LINE__, "exit %d (want 0), stdout:\n%s\nstderr:\n%s",
-                 rc, out, err);
+    harness_fail(__FILE__, __LINE__,
+                 "exit %d (want 0), stdout:\n%s\nstderr:\n%s", rc, out, err);
   const char *const lines[] = {
       "socket, receiver polls recvmsg", "socket, receiver sleeps in poll()",
-      "ring, receiver spins", "ring, spin, then futex",
+      "socket, receiver blocks in recvmsg", "ring, receiver spins",
+      "ring, spin, then futex",
       "ring, futex (sleeps at once)", "ring, spin, then eventfd",
       "ring, eventfd (sleeps at once)", "ring, spin, then socket wake",
       "ring, socket wake (sleeps at once)", "median one way, receiver awake"};
@@ -213,8 +216,9 @@ TEST_IMPL(bench_ring_runs_every_case) {
   size_t n = fread(rec, 1, sizeof rec - 1, f);
   rec[n] = '\0';
   fclose(f);
-  ASSERT_STR_CONTAINS(rec, "{\"name\": \"ring\", \"info\": {\"iterations\": 100, "
-                           "\"burst\": 3000, \"quick\": 1, \"message_bytes\": 64");
+  ASSERT_STR_CONTAINS(rec, "{\"name\": \"ring\", \"info\": {\"iterations\": "
+                           "100, \"burst\": 3000, \"quick\": 1, "
+                           "\"message_bytes\": 64");
   ASSERT_STR_CONTAINS(rec, "\"ring\": [");
   for (size_t i = 0; i < sizeof ring_cases / sizeof ring_cases[0]; i++) {
     char want[128];
@@ -226,6 +230,7 @@ TEST_IMPL(bench_ring_runs_every_case) {
   ASSERT_STR_CONTAINS(rec, "\"wake\": \"futex\", \"spin_us\": 0, "
                            "\"one_way_median_us\": ");
   ASSERT_STR_CONTAINS(rec, "\"wake\": \"none\", \"spin_us\": null, ");
+  ASSERT_STR_CONTAINS(rec, "\"wake\": \"blocking\", \"spin_us\": 0, ");
   return 0;
 }
 
@@ -238,6 +243,7 @@ TEST_IMPL(bench_ring_peer_death_and_garbage_end_the_run) {
     const char *fault, *want;
   } faults[] = {
       {"exit:socket_poll:20", "is gone (the socket hung up)"},
+      {"exit:socket_blocking:20", "is gone (the socket hung up)"},
       {"exit:ring_spin:20", "is gone (the socket hung up)"},
       {"exit:ring_futex:20", "is gone (the socket hung up)"},
       {"exit:ring_eventfd:20", "is gone (the socket hung up)"},
