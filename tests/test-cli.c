@@ -3,17 +3,19 @@
  * it: --help and -h of every command and subcommand print usage to stdout
  * and exit 0; --version prints the version; unknown commands and options
  * exit 2 (doctor: 64, its verdicts own 0..2) with usage on stderr and
- * nothing on stdout; bench --json writes a record bench/plot.py accepts.
+ * nothing on stdout; bench --json writes a record bench/plot.py accepts;
+ * bench ring runs every case and ends cleanly when its peer dies or writes
+ * garbage into the ring.
  */
 #include "harness.h"
 
 #include <unistd.h>
 
-/* Runs the CLI with up to 4 arguments; stdout into out, and (when err is
+/* Runs the CLI with up to 16 arguments; stdout into out, and (when err is
  * not NULL) stderr into err instead, through a shell redirect. */
 static int cli(const char *const args[], char *out, size_t cap, char *err,
                size_t ecap) {
-  char *argv[12];
+  char *argv[24];
   int n = 0;
   if (err) {
     argv[n++] = "/bin/sh";
@@ -23,7 +25,7 @@ static int cli(const char *const args[], char *out, size_t cap, char *err,
     static char path[600];
     snprintf(path, sizeof path, "%s/stdout", harness_tmpdir());
     argv[n++] = path;
-    for (int i = 0; args[i]; i++)
+    for (int i = 0; args[i] && n < 23; i++)
       argv[n++] = (char *)args[i];
     argv[n] = NULL;
     int rc = harness_run(argv, NULL, err, ecap);
@@ -35,7 +37,7 @@ static int cli(const char *const args[], char *out, size_t cap, char *err,
     return rc;
   }
   argv[n++] = GPUIPC_CLI_PATH;
-  for (int i = 0; args[i]; i++)
+  for (int i = 0; args[i] && n < 23; i++)
     argv[n++] = (char *)args[i];
   argv[n] = NULL;
   return harness_run(argv, NULL, out, cap);
@@ -59,6 +61,7 @@ TEST_IMPL(cli_help_of_every_command) {
       {"bench", "handle", "--help"}, {"bench", "handle", "-h"},
       {"bench", "handoff", "--help"}, {"bench", "handoff", "-h"},
       {"bench", "copy", "--help"},   {"bench", "copy", "-h"},
+      {"bench", "ring", "--help"},   {"bench", "ring", "-h"},
       {"bench", "all", "--help"},
       {"bench", "sets", "--help"},   {"bench", "sets", "-h"},
       {"bench", "mpi", "--help"},    {"bench", "mpi", "-h"},
@@ -107,6 +110,11 @@ TEST_IMPL(cli_unknown_options_exit_2_with_usage_on_stderr) {
       {{"bench", "handle", "--no-such-option"}, 2},
       {{"bench", "handoff", "--no-such-option"}, 2},
       {{"bench", "copy", "--no-such-option"}, 2},
+      {{"bench", "ring", "--no-such-option"}, 2},
+      {{"bench", "ring", "--iters", "0"}, 2},
+      {{"bench", "ring", "--burst"}, 2},
+      {{"bench", "ring", "--test-fault", "exit:no-such-case:1"}, 2},
+      {{"bench", "ring", "--test-fault", "garbage:socket_poll:1"}, 2},
       {{"bench", "handle", "--json"}, 2},
       /* doctor's exit status is its verdict (0, 1, 2): a usage error is 64
        * (docs/doctor.md). */
@@ -174,5 +182,93 @@ TEST_IMPL(bench_json_record_and_plot_check) {
   /* Something that is not a record is refused. */
   char *bad[] = {"/usr/bin/python3", plot, "--check", GPUIPC_SOURCE_DIR "/docs/ls.md", NULL};
   ASSERT_NE(harness_run(bad, NULL, out, sizeof out), 0);
+  return 0;
+}
+
+/* The cases of `gpuipc bench ring`, as its JSON record names them. */
+static const char *const ring_cases[] = {
+    "socket_polled",     "socket_poll",  "socket_blocking",
+    "ring_spin",         "ring_futex_spin", "ring_futex",
+    "ring_eventfd_spin", "ring_eventfd", "ring_sockwake_spin",
+    "ring_sockwake"};
+
+TEST_IMPL(bench_ring_runs_every_case) {
+  /* No GPU is involved: the same on the emulator and on a GPU machine. */
+  char path[600];
+  snprintf(path, sizeof path, "%s/ring.json", harness_tmpdir());
+  const char *args[] = {"bench", "ring", "--quick", "--iters", "100",
+                        "--burst", "3000", "--json", path, NULL};
+  static char out[1 << 16], err[1 << 16];
+  int rc = cli(args, out, sizeof out, err, sizeof err);
+  if (rc != 0 || err[0] != '\0')
+    harness_fail(__FILE__, __LINE__,
+                 "exit %d (want 0), stdout:\n%s\nstderr:\n%s", rc, out, err);
+  const char *const lines[] = {
+      "socket, receiver polls recvmsg", "socket, receiver sleeps in poll()",
+      "socket, receiver blocks in recvmsg", "ring, receiver spins",
+      "ring, spin, then futex",
+      "ring, futex (sleeps at once)", "ring, spin, then eventfd",
+      "ring, eventfd (sleeps at once)", "ring, spin, then socket wake",
+      "ring, socket wake (sleeps at once)", "median one way, receiver awake"};
+  for (size_t i = 0; i < sizeof lines / sizeof lines[0]; i++)
+    ASSERT_STR_CONTAINS(out, lines[i]);
+  FILE *f = fopen(path, "r");
+  ASSERT_NOT_NULL(f);
+  static char rec[1 << 16];
+  size_t n = fread(rec, 1, sizeof rec - 1, f);
+  rec[n] = '\0';
+  fclose(f);
+  ASSERT_STR_CONTAINS(rec, "{\"name\": \"ring\", \"info\": {\"iterations\": "
+                           "100, \"burst\": 3000, \"quick\": 1, "
+                           "\"message_bytes\": 64");
+  ASSERT_STR_CONTAINS(rec, "\"ring\": [");
+  for (size_t i = 0; i < sizeof ring_cases / sizeof ring_cases[0]; i++) {
+    char want[128];
+    snprintf(want, sizeof want, "{\"case\": \"%s\", \"transport\": ",
+             ring_cases[i]);
+    if (strstr(rec, want) == NULL)
+      harness_fail(__FILE__, __LINE__, "record lacks %s:\n%s", want, rec);
+  }
+  ASSERT_STR_CONTAINS(rec, "\"wake\": \"futex\", \"spin_us\": 0, "
+                           "\"one_way_median_us\": ");
+  ASSERT_STR_CONTAINS(rec, "\"wake\": \"none\", \"spin_us\": null, ");
+  ASSERT_STR_CONTAINS(rec, "\"wake\": \"blocking\", \"spin_us\": 0, ");
+  return 0;
+}
+
+/* A child that exits, or publishes a ring index far outside the ring, in
+ * the middle of a case (spinning, or asleep on each kind of wake) ends the
+ * run with exit 1 and the reason, seen when it happens: not the timeout
+ * that bounds a silent peer ("no word from"). */
+TEST_IMPL(bench_ring_peer_death_and_garbage_end_the_run) {
+  static const struct {
+    const char *fault, *want;
+  } faults[] = {
+      {"exit:socket_poll:20", "is gone (the socket hung up)"},
+      {"exit:socket_blocking:20", "is gone (the socket hung up)"},
+      {"exit:ring_spin:20", "is gone (the socket hung up)"},
+      {"exit:ring_futex:20", "is gone (the socket hung up)"},
+      {"exit:ring_eventfd:20", "is gone (the socket hung up)"},
+      {"exit:ring_sockwake:20", "is gone (the socket hung up)"},
+      {"garbage:ring_spin:20", "outside the ring"},
+      {"garbage:ring_futex:20", "outside the ring"},
+      {"garbage:ring_eventfd:20", "outside the ring"},
+      {"garbage:ring_sockwake:20", "outside the ring"},
+  };
+  for (size_t i = 0; i < sizeof faults / sizeof faults[0]; i++) {
+    const char *args[] = {"bench", "ring",         "--iters",       "50",
+                          "--burst", "500", "--test-fault", faults[i].fault,
+                          NULL};
+    static char out[1 << 16], err[1 << 16];
+    int rc = cli(args, out, sizeof out, err, sizeof err);
+    if (rc != 1 || strstr(err, faults[i].want) == NULL ||
+        strstr(err, "no word from") != NULL ||
+        (strncmp(faults[i].fault, "exit", 4) == 0 &&
+         strstr(err, "the child exited with status 3") == NULL))
+      harness_fail(__FILE__, __LINE__,
+                   "--test-fault %s: exit %d (want 1 with \"%s\"), "
+                   "stdout:\n%s\nstderr:\n%s",
+                   faults[i].fault, rc, faults[i].want, out, err);
+  }
   return 0;
 }

@@ -148,6 +148,8 @@ static const struct {
     {"copy", gpuipc_bench_copy, "pipelined host<->device copies"},
     {"sets", gpuipc_bench_sets,
      "tensor sets: 7B weight sync and KV blocks, producer -> consumer process"},
+    {"ring", gpuipc_bench_ring,
+     "64-byte messages: the transport's socket vs a shared-memory ring (no GPU)"},
     {"mpi", bench_mpi,
      "gpuipc_mpi_send/recv vs MPI (runs gpuipc-bench-mpi under mpirun)"},
 };

@@ -15,6 +15,7 @@ int gpuipc_bench_copy(int argc, char **argv);    /* bench/copy.c */
 int gpuipc_bench_handoff(int argc, char **argv); /* bench/handoff.c */
 int gpuipc_bench_handle(int argc, char **argv);  /* bench/handle.c */
 int gpuipc_bench_sets(int argc, char **argv);    /* bench/sets.c */
+int gpuipc_bench_ring(int argc, char **argv);    /* bench/ring.c */
 
 /* The --json FILE record of a benchmark run (bench/report.c). take removes
  * "--json FILE" from argv (-1: no file named); the benchmarks call begin
