@@ -12,6 +12,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <execinfo.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <poll.h>
@@ -424,8 +425,40 @@ static int run_one(const struct entry *t) {
   return r;
 }
 
+/* A crash of a test or helper says where: the signal, the thread and a
+ * backtrace (module+offset; addr2line -e MODULE OFFSET names the line).
+ * Sanitizer builds keep their own, better reports. */
+static void crash_report(int sig) {
+  char head[96];
+  int n = snprintf(head, sizeof head, "crash: signal %d in pid %d, thread %ld\n",
+                   sig, (int)getpid(), (long)gettid());
+  if (n > 0 && write(2, head, (size_t)n) < 0)
+    _exit(128 + sig);
+  void *frames[48];
+  int nf = backtrace(frames, 48);
+  backtrace_symbols_fd(frames, nf, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+static void crash_reporter_install(void) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  return;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  return;
+#endif
+#endif
+  void *warm[1];
+  (void)backtrace(warm, 1); /* loads libgcc before any crash */
+  static const int sigs[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+  for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++)
+    signal(sigs[i], crash_report);
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
+  crash_reporter_install();
   const char *hfd = getenv("GPUIPC_TEST_HELPER_FD");
   if (hfd)
     helper_fd = atoi(hfd);

@@ -1423,6 +1423,62 @@ HELPER_IMPL(ho_quick_closer) {
     pause();
 }
 
+/* Sends one block and lives until the peer hangs up. */
+HELPER_IMPL(ho_send_one) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0));
+  char x;
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, &x, 1, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static CUdeviceptr gate_word;
+static void *open_gate_later(void *arg) {
+  (void)arg;
+  ctx_current();
+  usleep(100000);
+  ASSERT_CU(gpuipc__cu.cuMemsetD32(gate_word, 1, 1));
+  return NULL;
+}
+
+/* A consumer closes the connection while it holds a buffer whose wait on
+ * the producer's ready word still sits, on the consumer's stream, behind
+ * earlier work of its own: close must not unmap the producer's flag words
+ * before that wait has run (the device would read unmapped memory once
+ * the stream moves on; on the emulator, a crash). */
+TEST_IMPL(handoff_close_waits_for_the_recv_stream) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_send_one", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate_word, 4));
+  ASSERT_CU(gpuipc__cu.cuMemsetD32(gate_word, 0, 1));
+  /* The caller's own earlier work on s, not done yet. */
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(s, gate_word, 1,
+                                           CU_STREAM_WAIT_VALUE_GEQ));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, open_gate_later, NULL), 0);
+  gpuipc_conn_close(c); /* still holding r */
+  ASSERT_EQ(pthread_join(t, NULL), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate_word));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
+}
+
 /* gpuipc_conn_close by a consumer with buffers queued (not received):
  * their releases must come with their words written, so the producer
  * reuses the memory at once, though the consumer lives on. */

@@ -602,7 +602,11 @@ typedef struct gpuipc_received {
  * GPUIPC_E_PEER_GONE when the exporter is gone (buffers already received
  * stay readable until released); GPUIPC_E_BUSY when the queue of user
  * messages not yet taken is full, so that nothing behind them is read
- * (see Backpressure). Needs CUDA. */
+ * (see Backpressure). `stream` must stay a valid stream until the buffer
+ * is released: a buffer released on another stream is released after the
+ * work queued on `stream` before this call (its wait for the producer),
+ * and one still held at gpuipc_conn_close is released there, on `stream`,
+ * so that close unmaps nothing that work may still read. Needs CUDA. */
 GPUIPC_API gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn,
                                           struct CUstream_st *stream,
                                           gpuipc_received *out /* OUT */);

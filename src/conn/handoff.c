@@ -899,6 +899,8 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
                                "ready flag of buffer %llu from pid %d",
                                (unsigned long long)q->w.seq, conn->peer_pid);
     r->last_recv = q->w.seq;
+    r->waited = true;
+    r->recv_stream = stream;
   }
   out->id = make_id(q->w.slot, q->w.seq);
   out->ptr = (void *)(uintptr_t)r->ptr;
@@ -925,7 +927,7 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
                                gpuipc__conn_deadline(conn), &r->rel_ev));
     GPUIPC__CHECK(gpuipc_event_record(r->rel_ev, stream));
   }
-  if (write_flag && r->ordered) {
+  if (r->ordered && (write_flag || r->waited)) {
     gpuipc__ctx_guard g;
     GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
     CUdeviceptr word = (CUdeviceptr)gpuipc__released_word(
@@ -937,16 +939,45 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
       return ss;
     }
     CUresult cr = CUDA_SUCCESS;
-    if (r->last_rel != 0 && r->last_rel_stream != (struct CUstream_st *)ws)
+    if (r->waited && stream != r->recv_stream) {
+      /* Released on another stream than it was received on: the release
+       * (and close's unmapping, which waits for rel_done) comes after our
+       * wait on the recv stream, which reads the peer's flag words. */
+      if (r->join_ev == NULL) {
+        CUevent ev;
+        cr = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+        if (cr == CUDA_SUCCESS)
+          r->join_ev = (struct CUevent_st *)ev;
+      }
+      if (cr == CUDA_SUCCESS)
+        cr = GPUIPC__CU(cuEventRecord, (CUevent)r->join_ev,
+                        (CUstream)r->recv_stream);
+      if (cr == CUDA_SUCCESS)
+        cr = GPUIPC__CU(cuStreamWaitEvent, ws, (CUevent)r->join_ev, 0);
+      if (cr != CUDA_SUCCESS) {
+        gpuipc__ctx_leave(&g);
+        if (write_flag)
+          return gpuipc__fail_cuda(cr, "cuEventRecord/cuStreamWaitEvent",
+                                   "ordering the release of buffer %llu "
+                                   "after the stream it was received on "
+                                   "(destroyed already?)",
+                                   (unsigned long long)r->held);
+        h->rx_unknown = true; /* close cannot tell when the wait ran */
+        goto forget;
+      }
+    }
+    if (write_flag && r->last_rel != 0 &&
+        r->last_rel_stream != (struct CUstream_st *)ws)
       cr = GPUIPC__CU(cuStreamWaitValue64, ws, word,
                       (cuuint64_t)r->last_rel, CU_STREAM_WAIT_VALUE_GEQ);
-    if (cr == CUDA_SUCCESS)
+    if (write_flag && cr == CUDA_SUCCESS)
       cr = GPUIPC__CU(cuStreamWriteValue64, ws, word,
                       (cuuint64_t)r->held, 0);
     if (cr == CUDA_SUCCESS) {
       /* What close waits for before it unmaps: the work queued on ws up
-       * to this release (a later release of the slot, on any stream, is
-       * ordered after this one, so the newest record covers all). */
+       * to this release, our wait on the recv stream included (a later
+       * release of the slot, on any stream, is ordered after this one, so
+       * the newest record covers all). */
       CUresult er = CUDA_SUCCESS;
       if (r->rel_done == NULL) {
         CUevent ev;
@@ -964,8 +995,11 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
       return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
                                "release flag of buffer %llu",
                                (unsigned long long)r->held);
-    r->last_rel_stream = (struct CUstream_st *)ws;
+    if (write_flag)
+      r->last_rel_stream = (struct CUstream_st *)ws;
   }
+forget:
+  r->waited = false;
   if (r->imp) {
     /* The import is closed once the work queued before this release is
      * done (an event on that stream); closing it now could unmap memory a
@@ -1251,8 +1285,14 @@ static void ho_close(gpuipc_conn *c) {
       /* A release that could not be written is not announced: the
        * producer then keeps the lease until our process is gone (and no
        * BYE below says that everything was released). */
-      if (release_slot(c, h, s, NULL, open) != GPUIPC_OK)
+      /* On the stream it was received on: the release, and the unmapping
+       * below, come after our wait there (see gpuipc__rxs.waited). */
+      struct CUstream_st *rs = h->rx[s].waited ? h->rx[s].recv_stream : NULL;
+      if (release_slot(c, h, s, rs, open) != GPUIPC_OK) {
         all_released = false;
+        if (h->rx[s].waited)
+          h->rx_unknown = true; /* our wait there may still read the words */
+      }
       else if (open)
         (void)gpuipc__conn_send_frame(c, GPUIPC__F_REL, &rel, sizeof rel, NULL,
                                       0, NULL, 0, 0);
@@ -1336,10 +1376,13 @@ static void ho_close(gpuipc_conn *c) {
     for (uint32_t s = 0; s < h->peer_nslots; s++) {
       gpuipc_event_destroy(h->rx[s].ready_ev);
       gpuipc_event_destroy(h->rx[s].rel_ev);
-      if (h->rx[s].rel_done) {
+      if (h->rx[s].rel_done || h->rx[s].join_ev) {
         gpuipc__ctx_guard g;
         if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
-          GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].rel_done);
+          if (h->rx[s].rel_done)
+            GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].rel_done);
+          if (h->rx[s].join_ev)
+            GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].join_ev);
           gpuipc__ctx_leave(&g);
         }
       }

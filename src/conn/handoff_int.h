@@ -23,6 +23,14 @@ typedef struct gpuipc__rxs {
   gpuipc_event *ready_ev; /* event mode: the peer's */
   gpuipc_event *rel_ev;   /* event mode: ours */
   struct CUevent_st *rel_done; /* recorded after each release write */
+  /* Ordered mode: the held buffer's wait on its ready word was enqueued on
+   * recv_stream (the caller's stream; NULL: the legacy stream). Until that
+   * wait has run, the GPU still reads the peer's flag words: a release is
+   * ordered after it (join_ev when released on another stream), so that
+   * rel_done covers it too. */
+  bool waited;
+  struct CUstream_st *recv_stream;
+  struct CUevent_st *join_ev;
   gpuipc_buffer *imp;     /* BUFD: the import (a reference in the cache) */
 } gpuipc__rxs;
 
