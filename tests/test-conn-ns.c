@@ -1,0 +1,538 @@
+/*
+ * test-conn-ns.c: connections between processes in different pid, IPC and
+ * mount namespaces (as two containers are), sharing only the directory
+ * that holds the socket: each helper is started in namespaces of its own
+ * (unshare(2) in a forked child, a fresh /proc and a private /dev/shm), and
+ * the handoff (mempool arena blocks, VMM and pinned host buffers, GPU-side
+ * ordering and release), the stale-descriptor checks (the liveness table
+ * travels with the connection) and peer-death cleanup run between them.
+ * Where the kernel refuses the namespaces (no root, a seccomp profile) the
+ * tests skip and say why. Also here: a peer that passes a wrong liveness
+ * table fd at the handshake.
+ */
+#include "harness.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tree.h"
+
+/* ---- helpers in namespaces of their own ---------------------------------------- */
+
+/* Why the last spawn_ns could not make the namespaces (for SKIP). */
+static char ns_why[256];
+
+/* What the grandchild reports through the status pipe when a step fails
+ * (the pipe is close-on-exec: nothing arrives once exec succeeded). */
+typedef struct ns_report {
+  int step; /* 1 unshare, 2 fork, 3 mounts, 4 exec */
+  int err;
+} ns_report;
+
+static const char *step_name(int step) {
+  switch (step) {
+  case 1: return "unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC)";
+  case 2: return "fork into the new pid namespace";
+  case 3: return "mounting a private /dev/shm and /proc";
+  default: return "exec of the helper";
+  }
+}
+
+static void report(int fd, int step, int err) {
+  ns_report r = {step, err};
+  ssize_t w = write(fd, &r, sizeof r);
+  (void)w;
+  _exit(77);
+}
+
+/* Starts this binary as helper `name` in new pid, IPC and mount namespaces
+ * (pid 1 there, with its own /proc and an empty /dev/shm). Returns the pid
+ * of the process that waits for it (its exit status is the helper's; when
+ * it dies, the helper is killed), or -1 with ns_why set when the kernel
+ * refused the namespaces (EPERM, EINVAL, ENOSPC, ENOSYS). *fd: the test's
+ * end of a socketpair whose other end is the helper's fd 3. */
+static pid_t spawn_ns(const char *name, int *fd, const char *a1,
+                      const char *a2, const char *a3) {
+  int sv[2], st[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  ASSERT_EQ(pipe2(st, O_CLOEXEC), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    close(sv[0]);
+    close(st[0]);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC) != 0)
+      report(st[1], 1, errno);
+    pid_t inner = fork();
+    if (inner < 0)
+      report(st[1], 2, errno);
+    if (inner == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      /* A container's view: its own /proc, an empty /dev/shm. */
+      if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
+          mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
+                "mode=1777") != 0 ||
+          mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                NULL) != 0)
+        report(st[1], 3, errno);
+      if (sv[1] == 3 ? fcntl(3, F_SETFD, 0) != 0 : dup2(sv[1], 3) < 0)
+        report(st[1], 4, errno);
+      setenv("GPUIPC_TEST_HELPER_FD", "3", 1);
+      char *argv[] = {"/proc/self/exe", "--helper", (char *)name, (char *)a1,
+                      (char *)a2,       (char *)a3,  NULL};
+      execv("/proc/self/exe", argv);
+      report(st[1], 4, errno);
+    }
+    close(sv[1]);
+    close(st[1]);
+    int ws = 0;
+    while (waitpid(inner, &ws, 0) < 0 && errno == EINTR)
+      ;
+    _exit(WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws));
+  }
+  close(sv[1]);
+  close(st[1]);
+  ns_report r;
+  ssize_t n;
+  do
+    n = read(st[0], &r, sizeof r);
+  while (n < 0 && errno == EINTR);
+  close(st[0]);
+  if (n == (ssize_t)sizeof r) {
+    int ws;
+    waitpid(pid, &ws, 0);
+    close(sv[0]);
+    snprintf(ns_why, sizeof ns_why, "%s: %s", step_name(r.step),
+             strerror(r.err));
+    if (r.step <= 3 && (r.err == EPERM || r.err == EINVAL ||
+                        r.err == ENOSPC || r.err == ENOSYS ||
+                        r.err == EACCES || r.err == EUSERS))
+      return -1;
+    harness_fail(__FILE__, __LINE__, "namespaced helper %s: %s", name,
+                 ns_why);
+  }
+  *fd = sv[0];
+  return pid;
+}
+
+/* ---- small tools --------------------------------------------------------------- */
+
+static void ctx_current(void) {
+  CUcontext c;
+  ASSERT_OK(gpuipc__primary_ctx(0, &c));
+  ASSERT_CU(gpuipc__cu.cuCtxSetCurrent(c));
+}
+
+static CUstream mkstream(void) {
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  return s;
+}
+
+static gpuipc_conn_options ns_opts(const char *dir) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  o.runtime_dir = dir;
+  return o;
+}
+
+/* The exporter listens on "ns" in dir and accepts one peer. */
+static gpuipc_conn *ns_accept(const char *dir) {
+  gpuipc_conn_options o = ns_opts(dir);
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("ns", &o, &l));
+  harness_send_u64(harness_helper_fd(), 1); /* listening */
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_accept(l, &c));
+  gpuipc_listener_close(l);
+  return c;
+}
+
+static gpuipc_conn *ns_connect(const char *dir) {
+  gpuipc_conn_options o = ns_opts(dir);
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_connect("ns", &o, &c));
+  return c;
+}
+
+/* Both helpers in namespaces of their own, the exporter listening before
+ * the importer connects; *ex / *im: the test's ends of their sockets. */
+static int start_pair(const char *exporter, const char *importer,
+                      const char *mode, pid_t *pe, pid_t *pi, int *ex,
+                      int *im) {
+  char ns[32];
+  snprintf(ns, sizeof ns, "%llu", (unsigned long long)gpuipc__pid_namespace());
+  *pe = spawn_ns(exporter, ex, harness_tmpdir(), ns, mode);
+  if (*pe < 0)
+    return -1;
+  ASSERT_UEQ(harness_recv_u64(*ex), 1);
+  *pi = spawn_ns(importer, im, harness_tmpdir(), ns, mode);
+  if (*pi < 0) {
+    kill(*pe, SIGKILL);
+    wait_helper(*pe, 30);
+    return -1;
+  }
+  return 0;
+}
+
+#define START_PAIR_OR_SKIP(e, i, mode, pe, pi, ex, im)                         \
+  do {                                                                         \
+    if (start_pair((e), (i), (mode), (pe), (pi), (ex), (im)) != 0)             \
+      SKIP("the kernel refused new namespaces here (%s); these tests need "   \
+           "root or CAP_SYS_ADMIN",                                            \
+           ns_why);                                                            \
+  } while (0)
+
+static void fill(gpuipc_conn *c, void *ptr, size_t n, uint8_t v,
+                 CUstream s) {
+  (void)c;
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)ptr, v, n, s));
+}
+
+static void expect_bytes(const void *ptr, size_t n, uint8_t v, CUstream s) {
+  uint8_t *h = malloc(n);
+  ASSERT_NOT_NULL(h);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(h, (CUdeviceptr)(uintptr_t)ptr, n, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (size_t i = 0; i < n; i++)
+    if (h[i] != v)
+      harness_fail(__FILE__, __LINE__, "byte %zu is 0x%02x, want 0x%02x", i,
+                   h[i], v);
+  free(h);
+}
+
+/* ---- the helpers' own checks ---------------------------------------------------- */
+
+/* Both helpers check where they are: pid 1 of a pid namespace that is not
+ * the test's, and a /dev/shm without the test's files. */
+static void check_contained(uint64_t test_pidns) {
+  ASSERT_EQ(getpid(), 1);
+  ASSERT_NE(gpuipc__pid_namespace(), test_pidns);
+}
+
+/* ---- handoff across namespaces -------------------------------------------------- */
+
+enum { NBUF = 24, BYTES = 65536 };
+
+/* args: dir, test's pid namespace. Sends NBUF arena blocks (mempool), then
+ * a VMM and a pinned host buffer by descriptor, each filled on our stream
+ * just before the send (the importer's reads are ordered after it), and
+ * checks that every lease comes back. */
+HELPER_IMPL(ns_ho_exporter) {
+  (void)argc;
+  check_contained(strtoull(argv[1], NULL, 10));
+  gpuipc_conn *c = ns_accept(argv[0]);
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+  /* The importer is pid 1 of a sibling namespace: not visible here. */
+  ASSERT_EQ(pi.pid, 0);
+  CUstream s = mkstream();
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = (size_t)4 << 20;
+  gpuipc_arena *a = NULL;
+  ASSERT_OK(gpuipc_arena_create(&ao, &a));
+  gpuipc_block *b[NBUF];
+  for (int i = 0; i < NBUF; i++) {
+    ASSERT_OK(gpuipc_arena_alloc(a, BYTES, (struct CUstream_st *)s, &b[i]));
+    fill(c, gpuipc_block_get_ptr(b[i]), BYTES, (uint8_t)(0x10 + i), s);
+    uint32_t meta = (uint32_t)i;
+    ASSERT_OK(gpuipc_conn_send(c, b[i], (struct CUstream_st *)s, &meta,
+                               sizeof meta));
+  }
+  gpuipc_pool_kind kinds[2] = {GPUIPC_POOL_VMM, GPUIPC_POOL_PINNED_HOST};
+  gpuipc_pool *pools[2];
+  gpuipc_buffer *bufs[2];
+  for (int k = 0; k < 2; k++) {
+    gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+    po.kind = kinds[k];
+    ASSERT_OK(gpuipc_pool_create(&po, &pools[k]));
+    ASSERT_OK(gpuipc_buffer_alloc(pools[k], BYTES, (struct CUstream_st *)s,
+                                  &bufs[k]));
+    fill(c, gpuipc_buffer_get_ptr(bufs[k]), BYTES, (uint8_t)(0xa0 + k), s);
+    uint32_t meta = 100u + (uint32_t)k;
+    ASSERT_OK(gpuipc_conn_send_buffer(c, bufs[k], (struct CUstream_st *)s,
+                                      &meta, sizeof meta));
+  }
+  /* Every lease comes back (released on the importer's GPU stream). */
+  for (int i = 0; i < NBUF; i++)
+    for (int t = 0; t < 30000 && gpuipc_block_get_holders(b[i]) > 0; t++)
+      ASSERT_OK(gpuipc_conn_progress(c, 1));
+  for (int i = 0; i < NBUF; i++)
+    ASSERT_EQ(gpuipc_block_get_holders(b[i]), 0);
+  for (int k = 0; k < 2; k++) {
+    for (int t = 0; t < 30000 && gpuipc_conn_get_buffer_holders(c, bufs[k]);
+         t++)
+      ASSERT_OK(gpuipc_conn_progress(c, 1));
+    ASSERT_EQ(gpuipc_conn_get_buffer_holders(c, bufs[k]), 0);
+  }
+  /* The importer says goodbye after its checks. */
+  gpuipc_status st;
+  do
+    st = gpuipc_conn_progress(c, 100);
+  while (st == GPUIPC_OK);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_conn_close(c);
+  for (int i = 0; i < NBUF; i++)
+    ASSERT_OK(gpuipc_block_free(b[i], (struct CUstream_st *)s));
+  for (int k = 0; k < 2; k++) {
+    ASSERT_OK(gpuipc_buffer_free(bufs[k], (struct CUstream_st *)s));
+    ASSERT_OK(gpuipc_pool_destroy(pools[k]));
+  }
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+HELPER_IMPL(ns_ho_importer) {
+  (void)argc;
+  check_contained(strtoull(argv[1], NULL, 10));
+  gpuipc_conn *c = ns_connect(argv[0]);
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+  ASSERT_EQ(pi.pid, 0);
+  CUstream s = mkstream();
+  for (int i = 0; i < NBUF + 2; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    ASSERT_EQ(r.meta_len, 4);
+    uint32_t meta;
+    memcpy(&meta, r.meta, 4);
+    ASSERT_EQ(r.length, BYTES);
+    uint8_t want = meta < 100 ? (uint8_t)(0x10 + meta)
+                              : (uint8_t)(0xa0 + meta - 100);
+    ASSERT_EQ(meta, i < NBUF ? (uint32_t)i : 100u + (uint32_t)(i - NBUF));
+    expect_bytes(r.ptr, BYTES, want, s);
+    ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  }
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static int run_pair(const char *e, const char *i, const char *mode) {
+  pid_t pe, pi;
+  int ex, im;
+  START_PAIR_OR_SKIP(e, i, mode, &pe, &pi, &ex, &im);
+  int si = wait_helper(pi, 90);
+  int se = wait_helper(pe, 90);
+  close(ex);
+  close(im);
+  return si * 1000 + se;
+}
+
+TEST_IMPL(ns_handoff_arena_vmm_pinned) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  ASSERT_EQ(run_pair("ns_ho_exporter", "ns_ho_importer", "-"), 0);
+  return 0;
+}
+
+/* ---- stale descriptors across namespaces ---------------------------------------- */
+
+/* Sends (user messages) descriptors with their fds: a live VMM buffer, a
+ * freed one, a live pinned host buffer, a freed one, and a legacy one. */
+HELPER_IMPL(ns_stale_exporter) {
+  (void)argc;
+  check_contained(strtoull(argv[1], NULL, 10));
+  gpuipc_conn *c = ns_accept(argv[0]);
+  CUstream s = mkstream();
+  gpuipc_pool_kind kinds[3] = {GPUIPC_POOL_VMM, GPUIPC_POOL_PINNED_HOST,
+                               GPUIPC_POOL_LEGACY};
+  for (int k = 0; k < 3; k++) {
+    gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+    po.kind = kinds[k];
+    gpuipc_pool *pool = NULL;
+    ASSERT_OK(gpuipc_pool_create(&po, &pool));
+    for (int freed = 0; freed < (k < 2 ? 2 : 1); freed++) {
+      gpuipc_buffer *b = NULL;
+      ASSERT_OK(gpuipc_buffer_alloc(pool, 4096, (struct CUstream_st *)s, &b));
+      fill(c, gpuipc_buffer_get_ptr(b), 4096, (uint8_t)(0x40 + k), s);
+      ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+      uint8_t d[GPUIPC_DESC_MAX];
+      size_t len = 0;
+      int fds[GPUIPC_DESC_MAX_FDS], nfds = GPUIPC_DESC_MAX_FDS;
+      ASSERT_OK(gpuipc_buffer_export(b, d, sizeof d, &len, fds, &nfds));
+      if (freed)
+        ASSERT_OK(gpuipc_buffer_free(b, (struct CUstream_st *)s));
+      ASSERT_OK(gpuipc_conn_send_msg(c, d, len, fds, nfds));
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      /* The importer's verdict, before the buffer may go. */
+      uint8_t ack[8];
+      size_t al = 0;
+      ASSERT_OK(gpuipc_conn_recv_msg(c, ack, sizeof ack, &al, NULL, NULL));
+      if (!freed)
+        ASSERT_OK(gpuipc_buffer_free(b, (struct CUstream_st *)s));
+    }
+    ASSERT_OK(gpuipc_pool_destroy(pool));
+  }
+  gpuipc_status st;
+  do
+    st = gpuipc_conn_progress(c, 100);
+  while (st == GPUIPC_OK);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+static void ack(gpuipc_conn *c) {
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+}
+
+HELPER_IMPL(ns_stale_importer) {
+  (void)argc;
+  check_contained(strtoull(argv[1], NULL, 10));
+  gpuipc_conn *c = ns_connect(argv[0]);
+  CUstream s = mkstream();
+  for (int k = 0; k < 3; k++) {
+    for (int freed = 0; freed < (k < 2 ? 2 : 1); freed++) {
+      uint8_t d[GPUIPC_DESC_MAX];
+      size_t len = 0;
+      int fds[GPUIPC_DESC_MAX_FDS], nfds = GPUIPC_DESC_MAX_FDS;
+      ASSERT_OK(gpuipc_conn_recv_msg(c, d, sizeof d, &len, fds, &nfds));
+      gpuipc_buffer *b = NULL;
+      /* Outside the connection, a descriptor of another pid namespace is
+       * refused whatever its kind. */
+      ASSERT_STATUS(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b),
+                    GPUIPC_E_FOREIGN_NAMESPACE);
+      gpuipc_status st = gpuipc_conn_import_buffer(c, d, len, fds, nfds,
+                                                   NULL, &b);
+      if (k == 2) {
+        /* Legacy: refused, saying that it needs one pid namespace. */
+        ASSERT_EQ(st, GPUIPC_E_FOREIGN_NAMESPACE);
+        ASSERT_STR_CONTAINS(gpuipc_last_error(), "one pid namespace");
+      } else if (freed) {
+        /* This /dev/shm has no table of the exporter: only the table the
+         * connection carried can say the buffer was freed. */
+        ASSERT_EQ(st, GPUIPC_E_STALE);
+      } else {
+        ASSERT_OK(st);
+        expect_bytes(gpuipc_buffer_get_ptr(b), 4096, (uint8_t)(0x40 + k), s);
+        ASSERT_OK(gpuipc_buffer_close(b));
+      }
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      ack(c);
+    }
+  }
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(ns_stale_descriptor) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  ASSERT_EQ(run_pair("ns_stale_exporter", "ns_stale_importer", "-"), 0);
+  return 0;
+}
+
+/* ---- peer death across namespaces ----------------------------------------------- */
+
+/* mode "consumer": the importer dies (SIGKILL) holding every block; the
+ * exporter gets them all back once its process is gone (told by the
+ * pidfd the kernel gave of a peer it cannot see). mode "exporter": the
+ * exporter dies while the importer holds its buffers; the importer sees
+ * GPUIPC_E_PEER_GONE and its streams never block on the dead peer. */
+/* Ends this process at once, without closing anything (no BYE, no
+ * release, no destructor). As pid 1 of its namespace it cannot send itself
+ * SIGKILL (the kernel ignores signals a namespace's init does not handle,
+ * from inside), so it exits the way a killed process looks to its peer. */
+static void die(void) { _exit(128 + SIGKILL); }
+
+HELPER_IMPL(ns_death_exporter) {
+  (void)argc;
+  check_contained(strtoull(argv[1], NULL, 10));
+  bool consumer_dies = strcmp(argv[2], "consumer") == 0;
+  gpuipc_conn *c = ns_accept(argv[0]);
+  CUstream s = mkstream();
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = (size_t)1 << 20;
+  gpuipc_arena *a = NULL;
+  ASSERT_OK(gpuipc_arena_create(&ao, &a));
+  gpuipc_block *b[8];
+  for (int i = 0; i < 8; i++) {
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b[i]));
+    fill(c, gpuipc_block_get_ptr(b[i]), 4096, (uint8_t)i, s);
+    ASSERT_OK(gpuipc_conn_send(c, b[i], (struct CUstream_st *)s, NULL, 0));
+  }
+  if (!consumer_dies) {
+    /* Wait until the importer has them all, then die without a word. */
+    uint8_t m[8];
+    size_t ml = 0;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, m, sizeof m, &ml, NULL, NULL));
+    die();
+  }
+  gpuipc_status st = GPUIPC_OK;
+  for (int t = 0; t < 3000 && st == GPUIPC_OK; t++)
+    st = gpuipc_conn_progress(c, 10);
+  ASSERT_EQ(st, GPUIPC_E_PEER_GONE);
+  /* The socket closes while the process is still exiting; its leases go
+   * once the process is gone (its pidfd says so), which progress checks. */
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  for (int t = 0; t < 1000; t++) {
+    (void)gpuipc_conn_progress(c, 0);
+    ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+    if (as.leases == 0)
+      break;
+    usleep(10000);
+  }
+  ASSERT_EQ(as.leases, 0);
+  for (int i = 0; i < 8; i++)
+    ASSERT_EQ(gpuipc_block_get_holders(b[i]), 0);
+  gpuipc_conn_close(c);
+  for (int i = 0; i < 8; i++)
+    ASSERT_OK(gpuipc_block_free(b[i], (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+HELPER_IMPL(ns_death_importer) {
+  (void)argc;
+  check_contained(strtoull(argv[1], NULL, 10));
+  bool consumer_dies = strcmp(argv[2], "consumer") == 0;
+  gpuipc_conn *c = ns_connect(argv[0]);
+  CUstream s = mkstream();
+  gpuipc_received r[8];
+  for (int i = 0; i < 8; i++) {
+    r[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r[i]));
+    expect_bytes(r[i].ptr, 4096, (uint8_t)i, s);
+  }
+  if (consumer_dies)
+    die();
+  ASSERT_OK(gpuipc_conn_send_msg(c, "all", 3, NULL, 0));
+  gpuipc_status st = GPUIPC_OK;
+  for (int t = 0; t < 3000 && st == GPUIPC_OK; t++)
+    st = gpuipc_conn_progress(c, 10);
+  ASSERT_EQ(st, GPUIPC_E_PEER_GONE);
+  /* The held buffers stay readable, and a stream that orders after the
+   * gone sender does not wait for ever. */
+  for (int i = 0; i < 8; i++) {
+    expect_bytes(r[i].ptr, 4096, (uint8_t)i, s);
+    ASSERT_OK(gpuipc_conn_release(c, r[i].id, (struct CUstream_st *)s));
+  }
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(ns_peer_death_consumer) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  /* The importer kills itself (status 128 + SIGKILL); the exporter's
+   * checks passed (0). */
+  ASSERT_EQ(run_pair("ns_death_exporter", "ns_death_importer", "consumer"),
+            (128 + SIGKILL) * 1000);
+  return 0;
+}
+
+TEST_IMPL(ns_peer_death_exporter) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  ASSERT_EQ(run_pair("ns_death_exporter", "ns_death_importer", "exporter"),
+            128 + SIGKILL);
+  return 0;
+}
