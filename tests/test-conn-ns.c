@@ -20,6 +20,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -534,5 +535,168 @@ TEST_IMPL(ns_peer_death_exporter) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   ASSERT_EQ(run_pair("ns_death_exporter", "ns_death_importer", "exporter"),
             128 + SIGKILL);
+  return 0;
+}
+
+/* ---- a peer that passes a wrong liveness table ---------------------------------- */
+
+static void raw_frame(int sock, int type, const void *p, size_t n,
+                      const int *fds, int nfds) {
+  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                         (uint8_t)type, (uint16_t)nfds, (uint32_t)n, 0};
+  h.check = gpuipc__frame_check(&h);
+  unsigned char buf[256];
+  memcpy(buf, &h, sizeof h);
+  memcpy(buf + sizeof h, p, n);
+  struct iovec iov = {buf, sizeof h + n};
+  size_t w = 0;
+  ASSERT_OK(gpuipc__sock_send(sock, &iov, 1, fds, nfds, true, 0, &w));
+  ASSERT_EQ(w, sizeof h + n);
+}
+
+/* Reads one frame; false when the other side closed (it refused us). */
+static bool raw_read_frame(int sock) {
+  gpuipc__frame_hdr h;
+  if (recv(sock, &h, sizeof h, MSG_WAITALL) != (ssize_t)sizeof h)
+    return false;
+  unsigned char buf[512];
+  ASSERT_LE(h.len, sizeof buf);
+  return h.len == 0 ||
+         recv(sock, buf, h.len, MSG_WAITALL) == (ssize_t)h.len;
+}
+
+enum {
+  BAD_PIPE,
+  BAD_DISK_FILE,
+  BAD_SIZE,
+  BAD_HEADER,
+  BAD_KEY0_WITH_FD,
+  BAD_KEY_WITHOUT_FD,
+  BAD_TWO_FDS,
+  BAD_FD_WITH_HELLO,
+  BAD_N
+};
+
+/* The child's side: a handshake by hand, with the case's LIVE frame. */
+static void raw_bad_live_peer(int sock, int which) {
+  int one = 1;
+  ASSERT_EQ(setsockopt(sock, SOL_SOCKET, SO_PASSCRED, &one, sizeof one), 0);
+  gpuipc__hello me;
+  memset(&me, 0, sizeof me);
+  me.proto = GPUIPC__PROTO_VERSION;
+  me.flags = GPUIPC__HELLO_F_NS;
+  me.pid = getpid();
+  me.uid = geteuid();
+  me.gid = getegid();
+  me.max_outstanding = 16;
+  me.start_time = gpuipc__process_start_time(getpid());
+  ASSERT_OK(gpuipc__boot_id(me.boot_id));
+  me.pidns = gpuipc__pid_namespace();
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);
+  int bad[2] = {-1, -1};
+  int nbad = 1;
+  uint64_t key = 0x1234;
+  switch (which) {
+  case BAD_PIPE:
+    bad[0] = p[0];
+    break;
+  case BAD_DISK_FILE:
+    bad[0] = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+    break;
+  case BAD_SIZE:
+  case BAD_HEADER:
+  case BAD_KEY0_WITH_FD:
+  case BAD_TWO_FDS:
+    bad[0] = memfd_create("bad-live", MFD_CLOEXEC);
+    ASSERT_GE(bad[0], 0);
+    /* The size of a real table for all but BAD_SIZE; all zero. */
+    ASSERT_EQ(ftruncate(bad[0], which == BAD_SIZE ? 4096
+                                                  : (off_t)(64 +
+                                                            GPUIPC__LIVE_SLOTS * 8 +
+                                                            GPUIPC__LIVE_EXPORTS * 32)),
+              0);
+    if (which == BAD_KEY0_WITH_FD)
+      key = 0;
+    if (which == BAD_TWO_FDS) {
+      bad[1] = p[1];
+      nbad = 2;
+    }
+    break;
+  case BAD_KEY_WITHOUT_FD:
+    nbad = 0;
+    break;
+  case BAD_FD_WITH_HELLO:
+    break;
+  }
+  if (which == BAD_FD_WITH_HELLO)
+    raw_frame(sock, GPUIPC__F_HELLO, &me, sizeof me, p, 1);
+  else
+    raw_frame(sock, GPUIPC__F_HELLO, &me, sizeof me, NULL, 0);
+  if (!raw_read_frame(sock)) /* its HELLO */
+    return;
+  if (which == BAD_FD_WITH_HELLO) {
+    /* Refused at our HELLO already: drained below. */
+    char sink[256];
+    while (recv(sock, sink, sizeof sink, 0) > 0)
+      ;
+    return;
+  }
+  raw_frame(sock, GPUIPC__F_ACCEPT, NULL, 0, NULL, 0);
+  gpuipc__w_live w = {key};
+  raw_frame(sock, GPUIPC__F_LIVE, &w, sizeof w, bad, nbad);
+  char sink[256];
+  while (recv(sock, sink, sizeof sink, 0) > 0)
+    ;
+}
+
+TEST_IMPL(ns_hostile_live_table) {
+  static const char *want[BAD_N] = {
+      "not a regular file",
+      "not on tmpfs",
+      "size is not a liveness table's",
+      "header is not a liveness table's",
+      "key 0 and an fd",
+      "key set and no fd",
+      "unexpected file descriptors",
+      "fds",
+  };
+  int base = harness_count_fds();
+  for (int which = 0; which < BAD_N; which++) {
+    if (which == BAD_DISK_FILE) {
+      /* Only meaningful where the test binary is not itself on tmpfs. */
+      struct statfs fs;
+      int f = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+      ASSERT_GE(f, 0);
+      ASSERT_EQ(fstatfs(f, &fs), 0);
+      close(f);
+      if (fs.f_type == 0x01021994) {
+        printf("case %d skipped: the test binary is on tmpfs\n", which);
+        continue;
+      }
+    }
+    int sv[2];
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      close(sv[0]);
+      raw_bad_live_peer(sv[1], which);
+      _exit(0);
+    }
+    close(sv[1]);
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.timeout_ms = 10000;
+    gpuipc_conn *c = NULL;
+    gpuipc_status st = gpuipc_conn_from_fd(sv[0], &o, &c);
+    printf("case %d: %s: %s\n", which, gpuipc_status_name(st),
+           gpuipc_last_error());
+    ASSERT_EQ(st, GPUIPC_E_PROTOCOL);
+    ASSERT_NULL(c);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), want[which]);
+    ASSERT_EQ(wait_helper(pid, 30), 0);
+    /* Whatever the peer passed was closed. */
+    ASSERT_EQ(harness_count_fds(), base);
+  }
   return 0;
 }
