@@ -55,7 +55,9 @@ static void report(int fd, int step, int err) {
 }
 
 /* Starts this binary as helper `name` in new pid, IPC and mount namespaces
- * (pid 1 there, with its own /proc and an empty /dev/shm). Returns the pid
+ * (pid 1 there, with its own /proc and an empty /dev/shm); with a3 "ipc",
+ * in new IPC and mount namespaces only (one pid namespace, as with docker
+ * --pid=host or a pod's shareProcessNamespace, but no shared /dev/shm). Returns the pid
  * of the process that waits for it (its exit status is the helper's; when
  * it dies, the helper is killed), or -1 with ns_why set when the kernel
  * refused the namespaces (EPERM, EINVAL, ENOSPC, ENOSYS). *fd: the test's
@@ -71,7 +73,10 @@ static pid_t spawn_ns(const char *name, int *fd, const char *a1,
     close(sv[0]);
     close(st[0]);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC) != 0)
+    int flags = CLONE_NEWNS | CLONE_NEWIPC;
+    if (a3 == NULL || strcmp(a3, "ipc") != 0)
+      flags |= CLONE_NEWPID;
+    if (unshare(flags) != 0)
       report(st[1], 1, errno);
     pid_t inner = fork();
     if (inner < 0)
@@ -215,10 +220,37 @@ static void expect_bytes(const void *ptr, size_t n, uint8_t v, CUstream s) {
 /* ---- the helpers' own checks ---------------------------------------------------- */
 
 /* Both helpers check where they are: pid 1 of a pid namespace that is not
- * the test's, and a /dev/shm without the test's files. */
-static void check_contained(uint64_t test_pidns) {
-  ASSERT_EQ(getpid(), 1);
-  ASSERT_NE(gpuipc__pid_namespace(), test_pidns);
+ * the test's (mode "ipc": the test's pid namespace), and a /dev/shm of
+ * their own (the test's marker file is not there). */
+static bool ipc_only(char **argv) { return strcmp(argv[2], "ipc") == 0; }
+
+static void check_contained(char **argv) {
+  uint64_t test_pidns = strtoull(argv[1], NULL, 10);
+  if (ipc_only(argv)) {
+    ASSERT_NE(getpid(), 1);
+    ASSERT_UEQ(gpuipc__pid_namespace(), test_pidns);
+  } else {
+    ASSERT_EQ(getpid(), 1);
+    ASSERT_NE(gpuipc__pid_namespace(), test_pidns);
+  }
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/gpuipc-test-ns-%llu",
+           (unsigned long long)test_pidns);
+  ASSERT_NE(access(path, F_OK), 0);
+}
+
+/* The test's marker in its /dev/shm, which the helpers must not see. */
+static void shm_marker(bool make) {
+  char path[128];
+  snprintf(path, sizeof path, "/dev/shm/gpuipc-test-ns-%llu",
+           (unsigned long long)gpuipc__pid_namespace());
+  if (make) {
+    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    ASSERT_GE(fd, 0);
+    close(fd);
+  } else {
+    unlink(path);
+  }
 }
 
 /* ---- handoff across namespaces -------------------------------------------------- */
@@ -229,14 +261,7 @@ enum { NBUF = 24, BYTES = 65536 };
  * a VMM and a pinned host buffer by descriptor, each filled on our stream
  * just before the send (the importer's reads are ordered after it), and
  * checks that every lease comes back. */
-HELPER_IMPL(ns_ho_exporter) {
-  (void)argc;
-  check_contained(strtoull(argv[1], NULL, 10));
-  gpuipc_conn *c = ns_accept(argv[0]);
-  gpuipc_peer_info pi;
-  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
-  /* The importer is pid 1 of a sibling namespace: not visible here. */
-  ASSERT_EQ(pi.pid, 0);
+static void ho_export(gpuipc_conn *c) {
   CUstream s = mkstream();
   gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
   ao.chunk_bytes = (size_t)4 << 20;
@@ -290,16 +315,34 @@ HELPER_IMPL(ns_ho_exporter) {
     ASSERT_OK(gpuipc_pool_destroy(pools[k]));
   }
   ASSERT_OK(gpuipc_arena_destroy(a));
+}
+
+HELPER_IMPL(ns_ho_exporter) {
+  (void)argc;
+  check_contained(argv);
+  gpuipc_conn *c = ns_accept(argv[0]);
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+  /* The importer is pid 1 of a sibling namespace: not visible here (in
+   * mode "ipc", one pid namespace: visible). */
+  if (ipc_only(argv))
+    ASSERT_GT(pi.pid, 1);
+  else
+    ASSERT_EQ(pi.pid, 0);
+  ho_export(c);
   return 0;
 }
 
 HELPER_IMPL(ns_ho_importer) {
   (void)argc;
-  check_contained(strtoull(argv[1], NULL, 10));
+  check_contained(argv);
   gpuipc_conn *c = ns_connect(argv[0]);
   gpuipc_peer_info pi;
   ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
-  ASSERT_EQ(pi.pid, 0);
+  if (ipc_only(argv))
+    ASSERT_GT(pi.pid, 1);
+  else
+    ASSERT_EQ(pi.pid, 0); /* the peer is not in our namespace, nor below */
   CUstream s = mkstream();
   for (int i = 0; i < NBUF + 2; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
@@ -321,11 +364,13 @@ HELPER_IMPL(ns_ho_importer) {
 static int run_pair(const char *e, const char *i, const char *mode) {
   pid_t pe, pi;
   int ex, im;
+  shm_marker(true);
   START_PAIR_OR_SKIP(e, i, mode, &pe, &pi, &ex, &im);
   int si = wait_helper(pi, 90);
   int se = wait_helper(pe, 90);
   close(ex);
   close(im);
+  shm_marker(false);
   return si * 1000 + se;
 }
 
@@ -335,13 +380,55 @@ TEST_IMPL(ns_handoff_arena_vmm_pinned) {
   return 0;
 }
 
+/* One pid namespace, separate IPC and mount namespaces: the by-name
+ * liveness tables are out of reach, the connection's are not. */
+TEST_IMPL(ns_handoff_ipc_only) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  ASSERT_EQ(run_pair("ns_ho_exporter", "ns_ho_importer", "ipc"), 0);
+  return 0;
+}
+
+/* The exporter is this process; the importer is in a pid namespace below
+ * ours: we see its pid (the kernel's translation), it does not see ours. */
+TEST_IMPL(ns_handoff_to_child_namespace) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  gpuipc_conn_options o = ns_opts(harness_tmpdir());
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("ns", &o, &l));
+  char ns[32];
+  snprintf(ns, sizeof ns, "%llu", (unsigned long long)gpuipc__pid_namespace());
+  shm_marker(true);
+  int im = -1;
+  pid_t pi = spawn_ns("ns_ho_importer", &im, harness_tmpdir(), ns, "-");
+  if (pi < 0) {
+    gpuipc_listener_close(l);
+    shm_marker(false);
+    SKIP("the kernel refused new namespaces here (%s); these tests need "
+         "root or CAP_SYS_ADMIN",
+         ns_why);
+  }
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_accept(l, &c));
+  gpuipc_listener_close(l);
+  gpuipc_peer_info info;
+  ASSERT_OK(gpuipc_conn_get_peer(c, &info));
+  /* Its pid here: neither 0 nor the pid 1 it has there. */
+  ASSERT_GT(info.pid, 1);
+  ASSERT_NE(info.pid, pi);
+  ho_export(c);
+  ASSERT_EQ(wait_helper(pi, 90), 0);
+  close(im);
+  shm_marker(false);
+  return 0;
+}
+
 /* ---- stale descriptors across namespaces ---------------------------------------- */
 
 /* Sends (user messages) descriptors with their fds: a live VMM buffer, a
  * freed one, a live pinned host buffer, a freed one, and a legacy one. */
 HELPER_IMPL(ns_stale_exporter) {
   (void)argc;
-  check_contained(strtoull(argv[1], NULL, 10));
+  check_contained(argv);
   gpuipc_conn *c = ns_accept(argv[0]);
   CUstream s = mkstream();
   gpuipc_pool_kind kinds[3] = {GPUIPC_POOL_VMM, GPUIPC_POOL_PINNED_HOST,
@@ -388,7 +475,7 @@ static void ack(gpuipc_conn *c) {
 
 HELPER_IMPL(ns_stale_importer) {
   (void)argc;
-  check_contained(strtoull(argv[1], NULL, 10));
+  check_contained(argv);
   gpuipc_conn *c = ns_connect(argv[0]);
   CUstream s = mkstream();
   for (int k = 0; k < 3; k++) {
@@ -400,11 +487,12 @@ HELPER_IMPL(ns_stale_importer) {
       gpuipc_buffer *b = NULL;
       /* Outside the connection, a descriptor of another pid namespace is
        * refused whatever its kind. */
-      ASSERT_STATUS(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b),
-                    GPUIPC_E_FOREIGN_NAMESPACE);
+      if (!ipc_only(argv))
+        ASSERT_STATUS(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b),
+                      GPUIPC_E_FOREIGN_NAMESPACE);
       gpuipc_status st = gpuipc_conn_import_buffer(c, d, len, fds, nfds,
                                                    NULL, &b);
-      if (k == 2) {
+      if (k == 2 && !ipc_only(argv)) {
         /* Legacy: refused, saying that it needs one pid namespace. */
         ASSERT_EQ(st, GPUIPC_E_FOREIGN_NAMESPACE);
         ASSERT_STR_CONTAINS(gpuipc_last_error(), "one pid namespace");
@@ -432,6 +520,12 @@ TEST_IMPL(ns_stale_descriptor) {
   return 0;
 }
 
+TEST_IMPL(ns_stale_descriptor_ipc_only) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  ASSERT_EQ(run_pair("ns_stale_exporter", "ns_stale_importer", "ipc"), 0);
+  return 0;
+}
+
 /* ---- peer death across namespaces ----------------------------------------------- */
 
 /* mode "consumer": the importer dies (SIGKILL) holding every block; the
@@ -447,7 +541,7 @@ static void die(void) { _exit(128 + SIGKILL); }
 
 HELPER_IMPL(ns_death_exporter) {
   (void)argc;
-  check_contained(strtoull(argv[1], NULL, 10));
+  check_contained(argv);
   bool consumer_dies = strcmp(argv[2], "consumer") == 0;
   gpuipc_conn *c = ns_accept(argv[0]);
   CUstream s = mkstream();
@@ -494,7 +588,7 @@ HELPER_IMPL(ns_death_exporter) {
 
 HELPER_IMPL(ns_death_importer) {
   (void)argc;
-  check_contained(strtoull(argv[1], NULL, 10));
+  check_contained(argv);
   bool consumer_dies = strcmp(argv[2], "consumer") == 0;
   gpuipc_conn *c = ns_connect(argv[0]);
   CUstream s = mkstream();
