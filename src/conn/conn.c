@@ -236,7 +236,7 @@ void gpuipc__conn_queued(const gpuipc_conn *c, size_t *msgs, size_t *bytes,
 }
 
 static void conn_free(gpuipc_conn *c) {
-  if (c->peer != NULL)
+  if (c->stats_open)
     gpuipc__stats_conn_close(c->stats_slot);
   if (c->fd >= 0)
     close(c->fd);
@@ -1259,6 +1259,7 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
     c->peer_max_outstanding = peer.max_outstanding;
     c->stats_slot = gpuipc__stats_conn_open(c->peer_pid, c->peer_start_time,
                                             (int)c->order);
+    c->stats_open = true;
     GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
     if (x->peer_ns)
       GPUIPC__CHECK(send_live(c->fd, wdeadline));

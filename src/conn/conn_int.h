@@ -88,6 +88,7 @@ struct gpuipc_conn {
   const struct gpuipc__conn_hooks *hooks;
   struct gpuipc__ho *ho;
   int stats_slot; /* this connection in the stats segment (0: none) */
+  bool stats_open; /* counted in the stats segment (closed in conn_free) */
 };
 
 /* ---- transport (conn.c) --------------------------------------------------- */
