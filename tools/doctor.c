@@ -737,8 +737,7 @@ static void decide_cross_container(doc_report *r) {
   else
     snprintf(v->why, sizeof v->why,
              "SO_PEERPIDFD: %s (needs Linux 6.5): a connection to a peer in "
-             "a pid namespace this process cannot see is refused; a peer in "
-             "a child pid namespace (visible here) still works",
+             "a pid namespace this process cannot see is refused",
              strerror(r->peer_pidfd_errno));
   v = &r->xc[XC_LEGACY];
   snprintf(v->why, sizeof v->why,
