@@ -794,3 +794,115 @@ TEST_IMPL(ns_hostile_live_table) {
   }
   return 0;
 }
+
+/* ---- two exporters with one pid ------------------------------------------------- */
+
+/* Mode "twin-live" / "twin-freed": connects to the test's listener, sends a
+ * VMM buffer's descriptor and fd in a message (freed first in twin-freed),
+ * and waits for the test's word. */
+HELPER_IMPL(ns_twin) {
+  (void)argc;
+  check_contained(argv);
+  bool freed = strcmp(argv[2], "twin-freed") == 0;
+  gpuipc_conn *c = ns_connect(argv[0]);
+  CUstream s = mkstream();
+  gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+  po.kind = GPUIPC_POOL_VMM;
+  gpuipc_pool *pool = NULL;
+  ASSERT_OK(gpuipc_pool_create(&po, &pool));
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_alloc(pool, 4096, (struct CUstream_st *)s, &b));
+  fill(c, gpuipc_buffer_get_ptr(b), 4096, freed ? 0x22 : 0x11, s);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  int fds[GPUIPC_DESC_MAX_FDS], nfds = GPUIPC_DESC_MAX_FDS;
+  ASSERT_OK(gpuipc_buffer_export(b, d, sizeof d, &len, fds, &nfds));
+  if (freed)
+    ASSERT_OK(gpuipc_buffer_free(b, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, d, len, fds, nfds));
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
+  uint8_t w[8];
+  size_t wl = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, w, sizeof w, &wl, NULL, NULL));
+  if (!freed)
+    ASSERT_OK(gpuipc_buffer_free(b, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_pool_destroy(pool));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* Two exporters, each pid 1 of a pid namespace of its own, probably with
+ * the same start time and the same first generation: this importer tells
+ * them apart (the pid namespace is part of every identity), checks each
+ * one's descriptor against that one's table (one live, one freed), and
+ * refuses a descriptor of one that arrives over the other's connection. */
+TEST_IMPL(ns_two_exporters_one_pid) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  gpuipc_conn_options o = ns_opts(harness_tmpdir());
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("ns", &o, &l));
+  char ns[32];
+  snprintf(ns, sizeof ns, "%llu", (unsigned long long)gpuipc__pid_namespace());
+  static const char *const modes[2] = {"twin-live", "twin-freed"};
+  pid_t pid[2];
+  int hfd[2];
+  gpuipc_conn *c[2];
+  for (int k = 0; k < 2; k++) {
+    pid[k] = spawn_ns("ns_twin", &hfd[k], harness_tmpdir(), ns, modes[k]);
+    if (pid[k] < 0) {
+      if (k == 1) {
+        kill(pid[0], SIGKILL);
+        wait_helper(pid[0], 30);
+      }
+      gpuipc_listener_close(l);
+      SKIP("the kernel refused new namespaces here (%s); these tests need "
+           "root or CAP_SYS_ADMIN",
+           ns_why);
+    }
+    ASSERT_OK(gpuipc_accept(l, &c[k]));
+  }
+  gpuipc_listener_close(l);
+  uint8_t d[2][GPUIPC_DESC_MAX];
+  size_t len[2];
+  int fds[2][GPUIPC_DESC_MAX_FDS], nfds[2];
+  for (int k = 0; k < 2; k++) {
+    nfds[k] = GPUIPC_DESC_MAX_FDS;
+    ASSERT_OK(gpuipc_conn_recv_msg(c[k], d[k], sizeof d[k], &len[k], fds[k],
+                                   &nfds[k]));
+    gpuipc_desc_info di = GPUIPC_DESC_INFO_INIT;
+    ASSERT_OK(gpuipc_desc_get_info(d[k], len[k], &di));
+    ASSERT_EQ(di.exporter_pid, 1);
+    ASSERT(!di.same_namespace);
+  }
+  CUstream s = mkstream();
+  /* Each over its own connection: the live one imports with its data, the
+   * freed one is stale. */
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_conn_import_buffer(c[0], d[0], len[0], fds[0], nfds[0],
+                                      NULL, &b));
+  expect_bytes(gpuipc_buffer_get_ptr(b), 4096, 0x11, s);
+  ASSERT_OK(gpuipc_buffer_close(b));
+  ASSERT_STATUS(gpuipc_conn_import_buffer(c[1], d[1], len[1], fds[1],
+                                          nfds[1], NULL, &b),
+                GPUIPC_E_STALE);
+  /* Over the other's connection: not that peer's, refused. */
+  ASSERT_STATUS(gpuipc_conn_import_buffer(c[1], d[0], len[0], fds[0],
+                                          nfds[0], NULL, &b),
+                GPUIPC_E_FOREIGN_NAMESPACE);
+  ASSERT_STATUS(gpuipc_conn_import_buffer(c[0], d[1], len[1], fds[1],
+                                          nfds[1], NULL, &b),
+                GPUIPC_E_FOREIGN_NAMESPACE);
+  for (int k = 0; k < 2; k++) {
+    for (int i = 0; i < nfds[k]; i++)
+      close(fds[k][i]);
+    ASSERT_OK(gpuipc_conn_send_msg(c[k], "ok", 2, NULL, 0));
+  }
+  for (int k = 0; k < 2; k++) {
+    ASSERT_EQ(wait_helper(pid[k], 60), 0);
+    gpuipc_conn_close(c[k]);
+    close(hfd[k]);
+  }
+  return 0;
+}
