@@ -641,7 +641,9 @@ static void raw_frame(int sock, int type, const void *p, size_t n,
   h.check = gpuipc__frame_check(&h);
   unsigned char buf[256];
   memcpy(buf, &h, sizeof h);
-  memcpy(buf + sizeof h, p, n);
+  ASSERT_LE(n, sizeof buf - sizeof h);
+  if (n)
+    memcpy(buf + sizeof h, p, n);
   struct iovec iov = {buf, sizeof h + n};
   size_t w = 0;
   ASSERT_OK(gpuipc__sock_send(sock, &iov, 1, fds, nfds, true, 0, &w));
