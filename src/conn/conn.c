@@ -3,7 +3,9 @@
  * listening / accepting / connecting by name (file or abstract; a lock file
  * beside a socket file makes replacing a stale one race-free), connected
  * pairs, the handshake with credential checks (a state machine, so that a
- * listener runs the handshakes of all its pending peers at once), framing
+ * listener runs the handshakes of all its pending peers at once; peers of
+ * another pid namespace are named by their own HELLO and followed by the
+ * pidfd the kernel gives, and each side passes its liveness table), framing
  * (length, type, version, header check), file descriptors (SCM_RIGHTS,
  * through the core socket helper), partial reads and writes, timeouts,
  * non-blocking mode, and user messages (a bounded queue with backpressure).
