@@ -3,12 +3,15 @@
  * mount namespaces (as two containers are), sharing only the directory
  * that holds the socket: each helper is started in namespaces of its own
  * (unshare(2) in a forked child, a fresh /proc and a private /dev/shm), and
- * the handoff (mempool arena blocks, VMM and pinned host buffers, GPU-side
- * ordering and release), the stale-descriptor checks (the liveness table
- * travels with the connection) and peer-death cleanup run between them.
- * Where the kernel refuses the namespaces (no root, a seccomp profile) the
- * tests skip and say why. Also here: a peer that passes a wrong liveness
- * table fd at the handshake.
+ * the handoff (mempool arena blocks, mempool, VMM and pinned host buffers,
+ * GPU-side ordering and release), the stale-descriptor checks (the
+ * liveness table travels with the connection) and peer-death cleanup run
+ * between them; also with one pid namespace and separate IPC and mount
+ * namespaces, with the importer in a pid namespace below the exporter's,
+ * and with two exporters that are both pid 1. Where the kernel refuses the
+ * namespaces (no root, a seccomp profile) the tests skip and say why. Also
+ * here: a peer that passes a wrong liveness table fd at the handshake, and
+ * one that truncates its table afterwards.
  */
 #include "harness.h"
 
@@ -257,8 +260,8 @@ static void shm_marker(bool make) {
 
 enum { NBUF = 24, BYTES = 65536 };
 
-/* args: dir, test's pid namespace. Sends NBUF arena blocks (mempool), then
- * a VMM and a pinned host buffer by descriptor, each filled on our stream
+/* Sends NBUF arena blocks (mempool), then a mempool, a VMM and a pinned
+ * host buffer by descriptor, each filled on our stream
  * just before the send (the importer's reads are ordered after it), and
  * checks that every lease comes back. */
 static void ho_export(gpuipc_conn *c) {
@@ -275,10 +278,11 @@ static void ho_export(gpuipc_conn *c) {
     ASSERT_OK(gpuipc_conn_send(c, b[i], (struct CUstream_st *)s, &meta,
                                sizeof meta));
   }
-  gpuipc_pool_kind kinds[2] = {GPUIPC_POOL_VMM, GPUIPC_POOL_PINNED_HOST};
-  gpuipc_pool *pools[2];
-  gpuipc_buffer *bufs[2];
-  for (int k = 0; k < 2; k++) {
+  gpuipc_pool_kind kinds[3] = {GPUIPC_POOL_MEMPOOL, GPUIPC_POOL_VMM,
+                               GPUIPC_POOL_PINNED_HOST};
+  gpuipc_pool *pools[3];
+  gpuipc_buffer *bufs[3];
+  for (int k = 0; k < 3; k++) {
     gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
     po.kind = kinds[k];
     ASSERT_OK(gpuipc_pool_create(&po, &pools[k]));
@@ -295,7 +299,7 @@ static void ho_export(gpuipc_conn *c) {
       ASSERT_OK(gpuipc_conn_progress(c, 1));
   for (int i = 0; i < NBUF; i++)
     ASSERT_EQ(gpuipc_block_get_holders(b[i]), 0);
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 3; k++) {
     for (int t = 0; t < 30000 && gpuipc_conn_get_buffer_holders(c, bufs[k]);
          t++)
       ASSERT_OK(gpuipc_conn_progress(c, 1));
@@ -310,7 +314,7 @@ static void ho_export(gpuipc_conn *c) {
   gpuipc_conn_close(c);
   for (int i = 0; i < NBUF; i++)
     ASSERT_OK(gpuipc_block_free(b[i], (struct CUstream_st *)s));
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 3; k++) {
     ASSERT_OK(gpuipc_buffer_free(bufs[k], (struct CUstream_st *)s));
     ASSERT_OK(gpuipc_pool_destroy(pools[k]));
   }
@@ -344,7 +348,7 @@ HELPER_IMPL(ns_ho_importer) {
   else
     ASSERT_EQ(pi.pid, 0); /* the peer is not in our namespace, nor below */
   CUstream s = mkstream();
-  for (int i = 0; i < NBUF + 2; i++) {
+  for (int i = 0; i < NBUF + 3; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
     ASSERT_EQ(r.meta_len, 4);
@@ -374,7 +378,7 @@ static int run_pair(const char *e, const char *i, const char *mode) {
   return si * 1000 + se;
 }
 
-TEST_IMPL(ns_handoff_arena_vmm_pinned) {
+TEST_IMPL(ns_handoff_arena_pool_vmm_pinned) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   ASSERT_EQ(run_pair("ns_ho_exporter", "ns_ho_importer", "-"), 0);
   return 0;
@@ -906,5 +910,119 @@ TEST_IMPL(ns_two_exporters_one_pid) {
     gpuipc_conn_close(c[k]);
     close(hfd[k]);
   }
+  return 0;
+}
+
+/* ---- a peer that truncates its table after the handshake ------------------------ */
+
+/* The child's side: a real pinned host buffer, and a table of its own
+ * making (a plain memfd with a real header) that says the buffer is freed;
+ * after the test's word it truncates the table to nothing. */
+static void raw_truncating_peer(int sock, int go) {
+  ctx_current();
+  gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+  po.kind = GPUIPC_POOL_PINNED_HOST;
+  gpuipc_pool *pool = NULL;
+  ASSERT_OK(gpuipc_pool_create(&po, &pool));
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_alloc(pool, 4096, NULL, &b));
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  int fds[GPUIPC_DESC_MAX_FDS], nfds = GPUIPC_DESC_MAX_FDS;
+  ASSERT_OK(gpuipc_buffer_export(b, d, sizeof d, &len, fds, &nfds));
+  ASSERT_EQ(nfds, 1);
+  gpuipc__desc dd;
+  ASSERT_OK(gpuipc__desc_decode(d, len, &dd));
+  uint64_t key = 0;
+  int real = gpuipc__live_table_fd(&key);
+  ASSERT_GE(real, 0);
+  uint8_t hdr[64];
+  ASSERT_EQ(pread(real, hdr, sizeof hdr, 0), (ssize_t)sizeof hdr);
+  close(real);
+  int fake = memfd_create("fake-live", MFD_CLOEXEC);
+  ASSERT_GE(fake, 0);
+  ASSERT_EQ(ftruncate(fake, (off_t)(64 + GPUIPC__LIVE_SLOTS * 8ull +
+                                    GPUIPC__LIVE_EXPORTS * 32ull)),
+            0);
+  ASSERT_EQ(pwrite(fake, hdr, sizeof hdr, 0), (ssize_t)sizeof hdr);
+  uint64_t freed = dd.generation | GPUIPC__LIVE_FREED_BIT;
+  ASSERT_EQ(pwrite(fake, &freed, 8,
+                   (off_t)(64 + (dd.generation % GPUIPC__LIVE_SLOTS) * 8)),
+            8);
+
+  int one = 1;
+  ASSERT_EQ(setsockopt(sock, SOL_SOCKET, SO_PASSCRED, &one, sizeof one), 0);
+  gpuipc__hello me;
+  memset(&me, 0, sizeof me);
+  me.proto = GPUIPC__PROTO_VERSION;
+  me.flags = GPUIPC__HELLO_F_NS;
+  me.pid = getpid();
+  me.uid = geteuid();
+  me.gid = getegid();
+  me.max_outstanding = 16;
+  me.start_time = gpuipc__process_start_time(getpid());
+  ASSERT_OK(gpuipc__boot_id(me.boot_id));
+  me.pidns = gpuipc__pid_namespace();
+  raw_frame(sock, GPUIPC__F_HELLO, &me, sizeof me, NULL, 0);
+  ASSERT(raw_read_frame(sock));
+  raw_frame(sock, GPUIPC__F_ACCEPT, NULL, 0, NULL, 0);
+  gpuipc__w_live w = {key};
+  raw_frame(sock, GPUIPC__F_LIVE, &w, sizeof w, &fake, 1);
+  /* The same descriptor twice: before and after the truncation. */
+  raw_frame(sock, GPUIPC__F_MSG, d, len, fds, 1);
+  char c;
+  ASSERT_EQ(read(go, &c, 1), 1);
+  ASSERT_EQ(ftruncate(fake, 0), 0);
+  raw_frame(sock, GPUIPC__F_MSG, d, len, fds, 1);
+  char sink[256];
+  while (recv(sock, sink, sizeof sink, 0) > 0)
+    ;
+  ASSERT_OK(gpuipc_buffer_free(b, NULL));
+  ASSERT_OK(gpuipc_pool_destroy(pool));
+}
+
+/* The table a connection carried is what decides (it says "freed" of a
+ * live buffer, so the import is refused), and once the peer truncates it
+ * the import proceeds as "cannot tell": no fault, no crash (it is read
+ * with pread, never mapped). */
+TEST_IMPL(ns_hostile_table_truncated) {
+  REQUIRE_EMULATOR("the forked peer uses the emulator");
+  int sv[2], go[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  ASSERT_EQ(pipe2(go, O_CLOEXEC), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    close(sv[0]);
+    close(go[1]);
+    raw_truncating_peer(sv[1], go[0]);
+    _exit(0);
+  }
+  close(sv[1]);
+  close(go[0]);
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(sv[0], &o, &c));
+  for (int round = 0; round < 2; round++) {
+    uint8_t d[GPUIPC_DESC_MAX];
+    size_t len = 0;
+    int fds[GPUIPC_DESC_MAX_FDS], nfds = GPUIPC_DESC_MAX_FDS;
+    ASSERT_OK(gpuipc_conn_recv_msg(c, d, sizeof d, &len, fds, &nfds));
+    ASSERT_EQ(nfds, 1);
+    gpuipc_buffer *b = NULL;
+    gpuipc_status st = gpuipc_conn_import_buffer(c, d, len, fds, nfds, NULL, &b);
+    if (round == 0) {
+      ASSERT_EQ(st, GPUIPC_E_STALE);
+      ASSERT_EQ(write(go[1], "t", 1), 1);
+    } else {
+      ASSERT_OK(st);
+      ASSERT_OK(gpuipc_buffer_close(b));
+    }
+    close(fds[0]);
+  }
+  gpuipc_conn_close(c);
+  close(go[1]);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }
