@@ -43,7 +43,7 @@ typedef struct ns_report {
 
 static const char *step_name(int step) {
   switch (step) {
-  case 1: return "unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC)";
+  case 1: return "unshare(CLONE_NEWNS | CLONE_NEWIPC [| CLONE_NEWPID])";
   case 2: return "fork into the new pid namespace";
   case 3: return "mounting a private /dev/shm and /proc";
   default: return "exec of the helper";
@@ -194,13 +194,6 @@ static int start_pair(const char *exporter, const char *importer,
   return 0;
 }
 
-#define START_PAIR_OR_SKIP(e, i, mode, pe, pi, ex, im)                         \
-  do {                                                                         \
-    if (start_pair((e), (i), (mode), (pe), (pi), (ex), (im)) != 0)             \
-      SKIP("the kernel refused new namespaces here (%s); these tests need "   \
-           "root or CAP_SYS_ADMIN",                                            \
-           ns_why);                                                            \
-  } while (0)
 
 static void fill(gpuipc_conn *c, void *ptr, size_t n, uint8_t v,
                  CUstream s) {
@@ -365,22 +358,41 @@ HELPER_IMPL(ns_ho_importer) {
   return 0;
 }
 
-static int run_pair(const char *e, const char *i, const char *mode) {
+/* Runs an exporter and an importer helper in namespaces of their own;
+ * false (ns_why says why) when the kernel refused the namespaces, else
+ * their exit statuses. */
+static bool run_pair(const char *e, const char *i, const char *mode,
+                     int *se, int *si) {
   pid_t pe, pi;
   int ex, im;
   shm_marker(true);
-  START_PAIR_OR_SKIP(e, i, mode, &pe, &pi, &ex, &im);
-  int si = wait_helper(pi, 90);
-  int se = wait_helper(pe, 90);
+  if (start_pair(e, i, mode, &pe, &pi, &ex, &im) != 0) {
+    shm_marker(false);
+    return false;
+  }
+  *si = wait_helper(pi, 90);
+  *se = wait_helper(pe, 90);
   close(ex);
   close(im);
   shm_marker(false);
-  return si * 1000 + se;
+  return true;
 }
+
+/* Runs the pair and checks their exit statuses, or skips saying why. */
+#define RUN_PAIR(e, i, mode, want_e, want_i)                                   \
+  do {                                                                         \
+    int se_ = -1, si_ = -1;                                                    \
+    if (!run_pair((e), (i), (mode), &se_, &si_))                               \
+      SKIP("the kernel refused new namespaces here (%s); these tests need "   \
+           "root or CAP_SYS_ADMIN",                                            \
+           ns_why);                                                            \
+    ASSERT_EQ(si_, (want_i));                                                  \
+    ASSERT_EQ(se_, (want_e));                                                  \
+  } while (0)
 
 TEST_IMPL(ns_handoff_arena_pool_vmm_pinned) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
-  ASSERT_EQ(run_pair("ns_ho_exporter", "ns_ho_importer", "-"), 0);
+  RUN_PAIR("ns_ho_exporter", "ns_ho_importer", "-", 0, 0);
   return 0;
 }
 
@@ -388,7 +400,7 @@ TEST_IMPL(ns_handoff_arena_pool_vmm_pinned) {
  * liveness tables are out of reach, the connection's are not. */
 TEST_IMPL(ns_handoff_ipc_only) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
-  ASSERT_EQ(run_pair("ns_ho_exporter", "ns_ho_importer", "ipc"), 0);
+  RUN_PAIR("ns_ho_exporter", "ns_ho_importer", "ipc", 0, 0);
   return 0;
 }
 
@@ -520,13 +532,13 @@ HELPER_IMPL(ns_stale_importer) {
 
 TEST_IMPL(ns_stale_descriptor) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
-  ASSERT_EQ(run_pair("ns_stale_exporter", "ns_stale_importer", "-"), 0);
+  RUN_PAIR("ns_stale_exporter", "ns_stale_importer", "-", 0, 0);
   return 0;
 }
 
 TEST_IMPL(ns_stale_descriptor_ipc_only) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
-  ASSERT_EQ(run_pair("ns_stale_exporter", "ns_stale_importer", "ipc"), 0);
+  RUN_PAIR("ns_stale_exporter", "ns_stale_importer", "ipc", 0, 0);
   return 0;
 }
 
@@ -624,15 +636,15 @@ TEST_IMPL(ns_peer_death_consumer) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   /* The importer kills itself (status 128 + SIGKILL); the exporter's
    * checks passed (0). */
-  ASSERT_EQ(run_pair("ns_death_exporter", "ns_death_importer", "consumer"),
-            (128 + SIGKILL) * 1000);
+  RUN_PAIR("ns_death_exporter", "ns_death_importer", "consumer", 0,
+           128 + SIGKILL);
   return 0;
 }
 
 TEST_IMPL(ns_peer_death_exporter) {
   REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
-  ASSERT_EQ(run_pair("ns_death_exporter", "ns_death_importer", "exporter"),
-            128 + SIGKILL);
+  RUN_PAIR("ns_death_exporter", "ns_death_importer", "exporter",
+           128 + SIGKILL, 0);
   return 0;
 }
 
