@@ -217,6 +217,7 @@ static bool identity_gone(const gpuipc__identity *ex) {
     return process_gone(ex->pid, ex->start_time);
   bool gone = true;
   pthread_mutex_lock(&watch_lock);
+  watch_sweep(); /* a gone peer's pidfd is not kept */
   for (watched *w = watches; w; w = w->next)
     if (gpuipc__identity_eq(&w->id, ex)) {
       gone = pidfd_exited(w->pidfd);
