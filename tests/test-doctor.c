@@ -11,8 +11,12 @@
 #include "harness.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
 #include <stdarg.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define OUT_CAP (1u << 20)
@@ -587,6 +591,32 @@ static int check_shape(jval *j, int exit_status) {
   JREQ_OR_NULL(j, "process.nofile.soft", J_NUM);
   JREQ_OR_NULL(j, "process.nofile.hard", J_NUM);
 
+  JREQ(j, "container.in_container", J_BOOL);
+  JREQ(j, "container.why", J_STR);
+  JREQ_OR_NULL(j, "container.runtime", J_STR);
+  JREQ_OR_NULL(j, "container.cgroup", J_STR);
+  JREQ(j, "container.peer_pidfd", J_BOOL);
+  static const char *const nss[] = {"pid", "ipc", "mnt", "net", "uts", "user", "cgroup"};
+  for (size_t k = 0; k < sizeof nss / sizeof nss[0]; k++) {
+    char path[96];
+    snprintf(path, sizeof path, "container.namespaces.%s", nss[k]);
+    jval *nv = JREQ(j, path, J_OBJ);
+    JREQ_OR_NULL(nv, "inode", J_NUM);
+    JREQ_OR_NULL(nv, "pid1_inode", J_NUM);
+    JREQ_OR_NULL(nv, "initial", J_BOOL);
+    JREQ(nv, "own", J_BOOL);
+  }
+  static const char *const xcs[] = {"pool_fds",     "vmm_fds",        "pinned_host",
+                                    "stream_memops", "stale_checks",  "peer_death",
+                                    "legacy_handles", "ipc_events",   "pidfd_getfd"};
+  for (size_t k = 0; k < sizeof xcs / sizeof xcs[0]; k++) {
+    char path[128];
+    snprintf(path, sizeof path, "container.with_peer_in_another_container.%s", xcs[k]);
+    jval *xv = JREQ(j, path, J_OBJ);
+    JREQ(xv, "works", J_BOOL);
+    ASSERT_GT(strlen(JREQ(xv, "why", J_STR)->str), 0);
+  }
+
   int usable = 0;
   for (size_t m = 0; m < sizeof mechanisms / sizeof mechanisms[0]; m++) {
     char path[96];
@@ -796,7 +826,8 @@ TEST_IMPL(doctor_human_sections) {
   doctor_run r = run_doctor(NULL, NULL, NULL);
   ASSERT_EQ(r.status, 0);
   static const char *const sections[] = {"\nSystem\n", "\nDriver\n", "\nDevice 0: ",
-                                         "\nPeers", "\nProcess\n", "\nMechanisms\n"};
+                                         "\nPeers", "\nProcess\n", "\nContainers\n",
+                                         "\nMechanisms\n"};
   for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++)
     ASSERT_STR_CONTAINS(r.out, sections[i]);
   static const char *const labels[] = {
@@ -805,7 +836,10 @@ TEST_IMPL(doctor_human_sections) {
       "pool handle types", "POSIX-fd handles", "VMM ", "IPC events", "fabric handles",
       "stream memops 32-bit", "stream memops 64-bit", "stream wait-value NOR",
       "compute capability", "UUID", "PCI bus id", "pidfd_getfd", "ptrace policy",
-      "runtime directory", "open-file limit", "kernel", "64-bit process"};
+      "runtime directory", "open-file limit", "kernel", "64-bit process",
+      "in a container", "pid namespace", "ipc namespace", "cgroup", "peer pidfd",
+      "another container", "stale-descriptor checks", "peer-death cleanup",
+      "pidfd_getfd route"};
   for (size_t i = 0; i < sizeof labels / sizeof labels[0]; i++)
     ASSERT_STR_CONTAINS(r.out, labels[i]);
   char want[32];
@@ -1018,5 +1052,104 @@ TEST_IMPL(doctor_json_disabled_capabilities) {
   ASSERT(JREQ(d0, "memory_pools", J_BOOL)->b);
   ASSERT_EQ(JREQ(d0, "mempool_handle_types", J_ARR)->n, 0);
   doctor_run_free(&r);
+  return 0;
+}
+
+/* Run in new pid, IPC and mount namespaces (a fresh /proc), the doctor says
+ * it is in a container, names the namespaces of its own, and says which
+ * mechanisms work with a peer in another container: the fd-based kinds,
+ * not legacy handles or IPC events (one pid namespace). Skips, saying why,
+ * where the kernel refuses the namespaces. */
+TEST_IMPL(doctor_container_namespaces) {
+  int out[2], st[2];
+  ASSERT_EQ(pipe2(out, O_CLOEXEC), 0);
+  ASSERT_EQ(pipe2(st, O_CLOEXEC), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    close(out[0]);
+    close(st[0]);
+    int err = 0;
+    if (unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC) != 0) {
+      err = errno;
+      ssize_t w = write(st[1], &err, sizeof err);
+      (void)w;
+      _exit(77);
+    }
+    pid_t inner = fork();
+    if (inner == 0) {
+      if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
+          mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) {
+        err = errno;
+        ssize_t w = write(st[1], &err, sizeof err);
+        (void)w;
+        _exit(77);
+      }
+      dup2(out[1], 1);
+      char *argv[] = {GPUIPC_CLI_PATH, "doctor", "--json", NULL};
+      execv(GPUIPC_CLI_PATH, argv);
+      _exit(127);
+    }
+    close(out[1]);
+    close(st[1]);
+    int ws = 0;
+    while (waitpid(inner, &ws, 0) < 0 && errno == EINTR)
+      ;
+    _exit(WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws));
+  }
+  close(out[1]);
+  close(st[1]);
+  int err = 0;
+  ssize_t n = read(st[0], &err, sizeof err);
+  close(st[0]);
+  char *buf = malloc(OUT_CAP);
+  ASSERT_NOT_NULL(buf);
+  size_t got = 0;
+  for (;;) {
+    ssize_t r = read(out[0], buf + got, OUT_CAP - 1 - got);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      break;
+    got += (size_t)r;
+  }
+  buf[got] = '\0';
+  close(out[0]);
+  int ws = 0;
+  waitpid(pid, &ws, 0);
+  if (n == (ssize_t)sizeof err) {
+    free(buf);
+    SKIP("new namespaces refused here (%s); this test needs root or CAP_SYS_ADMIN",
+         strerror(err));
+  }
+  ASSERT(WIFEXITED(ws));
+  ASSERT_EQ(WEXITSTATUS(ws), 0);
+  char perr[256];
+  jval *j = jparse_object(buf, perr, sizeof perr);
+  if (j == NULL)
+    harness_fail(__FILE__, __LINE__, "not JSON: %s\n%s", perr, buf);
+  check_shape(j, 0);
+  ASSERT(JREQ(j, "container.in_container", J_BOOL)->b);
+  ASSERT_STR_CONTAINS(JREQ(j, "container.why", J_STR)->str, "pid namespace");
+  ASSERT(JREQ(j, "container.namespaces.pid.own", J_BOOL)->b);
+  ASSERT(JREQ(j, "container.namespaces.ipc.own", J_BOOL)->b);
+  ASSERT(!JREQ(j, "container.namespaces.pid.initial", J_BOOL)->b);
+  const char *x = "container.with_peer_in_another_container";
+  char path[160];
+  static const char *const works[] = {"pool_fds", "vmm_fds", "pinned_host", "stale_checks"};
+  for (size_t k = 0; k < sizeof works / sizeof works[0]; k++) {
+    snprintf(path, sizeof path, "%s.%s.works", x, works[k]);
+    if (!JREQ(j, path, J_BOOL)->b)
+      harness_fail(__FILE__, __LINE__, "%s: false", path);
+  }
+  static const char *const needs_pidns[] = {"legacy_handles", "ipc_events", "pidfd_getfd"};
+  for (size_t k = 0; k < sizeof needs_pidns / sizeof needs_pidns[0]; k++) {
+    snprintf(path, sizeof path, "%s.%s.works", x, needs_pidns[k]);
+    ASSERT(!JREQ(j, path, J_BOOL)->b);
+    snprintf(path, sizeof path, "%s.%s.why", x, needs_pidns[k]);
+    ASSERT_STR_CONTAINS(JREQ(j, path, J_STR)->str, "one pid namespace");
+  }
+  jfree(j);
+  free(buf);
   return 0;
 }

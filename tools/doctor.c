@@ -9,6 +9,11 @@
  * added to). It asks the driver only for attributes: it creates no context
  * and allocates nothing, so it is fast and safe to run beside a busy job.
  *
+ * It also says whether this process runs in a container (its pid or IPC
+ * namespace is not the machine's first, its namespaces differ from those of
+ * its pid 1, its cgroup names a container runtime) and which mechanisms
+ * work with a peer in another container, and why (docs/doctor.md).
+ *
  * Exit status: 0 when at least one mechanism is usable on at least one
  * device; 1 when the driver works but none is (including "no device");
  * 2 when there is no usable CUDA driver; 64 for a usage error.
@@ -24,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/utsname.h>
@@ -137,6 +143,51 @@ static const struct {
     [M_PEER] = {"peer_access", "peer access"},
 };
 
+/* The namespaces a container gets, with the inode each has in the
+ * machine's first (initial) namespace set where the kernel fixes it (pid,
+ * IPC, UTS, user, cgroup; 0: mount and network have none). */
+enum { NS_PID, NS_IPC, NS_MNT, NS_NET, NS_UTS, NS_USER, NS_CGROUP, NS_COUNT };
+static const struct {
+  const char *name;
+  unsigned long long init_ino;
+} ns_info[NS_COUNT] = {
+    [NS_PID] = {"pid", 0xEFFFFFFCull},   [NS_IPC] = {"ipc", 0xEFFFFFFFull},
+    [NS_MNT] = {"mnt", 0},               [NS_NET] = {"net", 0},
+    [NS_UTS] = {"uts", 0xEFFFFFFEull},   [NS_USER] = {"user", 0xEFFFFFFDull},
+    [NS_CGROUP] = {"cgroup", 0xEFFFFFFBull},
+};
+
+typedef struct doc_ns {
+  unsigned long long self, pid1; /* inodes; 0: unknown */
+  bool have_self, have_pid1;
+  bool own; /* not the initial namespace (where that is known), or not pid
+               1's */
+} doc_ns;
+
+/* With a peer in another container (its own pid, IPC and mount
+ * namespaces, only the socket directory shared): what works. */
+enum { XC_POOL_FD, XC_VMM_FD, XC_PINNED, XC_MEMOPS, XC_LIVENESS, XC_PEER_DEATH,
+       XC_LEGACY, XC_IPC_EVENT, XC_PIDFD_GETFD, XC_COUNT };
+static const struct {
+  const char *key;
+  const char *label;
+} xc_info[XC_COUNT] = {
+    [XC_POOL_FD] = {"pool_fds", "pool fds"},
+    [XC_VMM_FD] = {"vmm_fds", "VMM fds"},
+    [XC_PINNED] = {"pinned_host", "pinned host memfds"},
+    [XC_MEMOPS] = {"stream_memops", "stream-memop ordering"},
+    [XC_LIVENESS] = {"stale_checks", "stale-descriptor checks"},
+    [XC_PEER_DEATH] = {"peer_death", "peer-death cleanup"},
+    [XC_LEGACY] = {"legacy_handles", "legacy handles"},
+    [XC_IPC_EVENT] = {"ipc_events", "IPC events"},
+    [XC_PIDFD_GETFD] = {"pidfd_getfd", "pidfd_getfd route"},
+};
+
+typedef struct xc_verdict {
+  bool works;
+  char why[320];
+} xc_verdict;
+
 typedef struct doc_verdict {
   bool usable;
   bool on_device[DOC_MAX_DEVICES]; /* not used by M_PEER */
@@ -183,6 +234,16 @@ typedef struct doc_report {
   char rt_detail[PATH_MAX + 96];
   bool have_nofile;
   long long nofile_soft, nofile_hard; /* -1: unlimited */
+
+  /* containers */
+  doc_ns ns[NS_COUNT];
+  char cgroup[512];           /* this process's cgroup (v2 line, or the first) */
+  char runtime[32];           /* a container runtime named by its cgroup/files */
+  bool in_container;
+  char container_why[256];    /* the signals, or why it looks like none */
+  bool peer_pidfd;            /* SO_PEERPIDFD works (Linux 6.5) */
+  int peer_pidfd_errno;
+  xc_verdict xc[XC_COUNT];
 
   doc_verdict verdict[M_COUNT];
   int usable_count;
@@ -527,11 +588,179 @@ static void gather_runtime_dir(doc_report *r) {
   }
 }
 
+/* ---- containers ---------------------------------------------------------------- */
+
+static bool ns_inode(const char *pid, const char *name,
+                     unsigned long long *ino) {
+  char path[64], link[128];
+  snprintf(path, sizeof path, "/proc/%s/ns/%s", pid, name);
+  ssize_t n = readlink(path, link, sizeof link - 1);
+  if (n <= 0)
+    return false;
+  link[n] = '\0';
+  const char *b = strchr(link, '[');
+  if (b == NULL)
+    return false;
+  *ino = strtoull(b + 1, NULL, 10);
+  return *ino != 0;
+}
+
+static void read_cgroup(doc_report *r) {
+  FILE *f = fopen("/proc/self/cgroup", "re");
+  if (f == NULL)
+    return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    line[strcspn(line, "\n")] = '\0';
+    /* The v2 line ("0::/path") wins; else the first. */
+    if (r->cgroup[0] == '\0' || strncmp(line, "0::", 3) == 0)
+      snprintf(r->cgroup, sizeof r->cgroup, "%s", line);
+    if (strncmp(line, "0::", 3) == 0)
+      break;
+  }
+  fclose(f);
+  static const struct {
+    const char *needle, *name;
+  } runtimes[] = {{"kubepods", "kubernetes"}, {"docker", "docker"},
+                  {"containerd", "containerd"}, {"cri-o", "cri-o"},
+                  {"crio-", "cri-o"}, {"libpod", "podman"}, {"lxc", "lxc"}};
+  for (size_t i = 0; i < sizeof runtimes / sizeof runtimes[0]; i++)
+    if (strstr(r->cgroup, runtimes[i].needle)) {
+      snprintf(r->runtime, sizeof r->runtime, "%s", runtimes[i].name);
+      return;
+    }
+}
+
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+
+/* SO_PEERPIDFD (Linux 6.5) on a socketpair of our own: how a connection
+ * follows a peer whose pid namespace this process cannot see. */
+static void probe_peer_pidfd(doc_report *r) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    r->peer_pidfd_errno = errno;
+    return;
+  }
+  int pidfd = -1;
+  socklen_t len = sizeof pidfd;
+  if (getsockopt(sv[0], SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) == 0) {
+    r->peer_pidfd = true;
+    close(pidfd);
+  } else {
+    r->peer_pidfd_errno = errno;
+  }
+  close(sv[0]);
+  close(sv[1]);
+}
+
+static void gather_container(doc_report *r) {
+  char why[256] = "";
+  for (int i = 0; i < NS_COUNT; i++) {
+    doc_ns *n = &r->ns[i];
+    n->have_self = ns_inode("self", ns_info[i].name, &n->self);
+    n->have_pid1 = ns_inode("1", ns_info[i].name, &n->pid1);
+    bool not_initial = n->have_self && ns_info[i].init_ino != 0 &&
+                       n->self != ns_info[i].init_ino;
+    bool not_pid1s = n->have_self && n->have_pid1 && n->self != n->pid1;
+    n->own = not_initial || not_pid1s;
+    if (n->own && (i == NS_PID || i == NS_IPC || i == NS_MNT))
+      append(why, sizeof why, "%s%s namespace %s", why[0] ? ", " : "",
+             ns_info[i].name,
+             not_initial ? "of its own" : "differs from pid 1's");
+  }
+  read_cgroup(r);
+  if (r->runtime[0] == '\0') {
+    struct stat st;
+    if (stat("/.dockerenv", &st) == 0)
+      snprintf(r->runtime, sizeof r->runtime, "docker");
+    else if (stat("/run/.containerenv", &st) == 0)
+      snprintf(r->runtime, sizeof r->runtime, "podman");
+  }
+  if (r->runtime[0])
+    append(why, sizeof why, "%s%s (cgroup or marker file)", why[0] ? ", " : "",
+           r->runtime);
+  r->in_container = why[0] != '\0';
+  snprintf(r->container_why, sizeof r->container_why, "%s",
+           why[0] ? why
+                  : "no: the machine's pid and IPC namespaces, those of pid "
+                    "1, and no container cgroup");
+  probe_peer_pidfd(r);
+}
+
+/* What works with a peer in another container; run after decide() (it
+ * uses the device verdicts). */
+static void decide_cross_container(doc_report *r) {
+  const char *fdpath = "its fd travels over the connection (SCM_RIGHTS): "
+                       "needs only the shared socket directory and the GPU "
+                       "visible in both";
+  struct {
+    int mech;
+    const char *what;
+  } fdk[3] = {{M_POOL_FD, NULL}, {M_VMM_FD, NULL}, {-1, NULL}};
+  for (int k = 0; k < 3; k++) {
+    xc_verdict *v = &r->xc[k == 0 ? XC_POOL_FD : k == 1 ? XC_VMM_FD : XC_PINNED];
+    /* Pinned host memory needs a driver and a device, as legacy handles
+     * do (their verdict says which is missing). */
+    const doc_verdict *here = &r->verdict[fdk[k].mech >= 0 ? fdk[k].mech : M_LEGACY];
+    bool usable = fdk[k].mech >= 0 ? here->usable
+                                   : r->loaded && r->device_count > 0;
+    if (!usable) {
+      char reason[sizeof here->reason];
+      snprintf(reason, sizeof reason, "%s", here->reason);
+      snprintf(v->why, sizeof v->why, "not usable here at all: %s", reason);
+      continue;
+    }
+    v->works = true;
+    snprintf(v->why, sizeof v->why, "%s%s", fdpath,
+             k == 2 ? " (a sealed memfd; host memory, any device)" : "");
+  }
+  xc_verdict *v = &r->xc[XC_MEMOPS];
+  v->works = r->verdict[M_MEMOPS].usable &&
+             (r->verdict[M_POOL_FD].usable || r->verdict[M_VMM_FD].usable);
+  snprintf(v->why, sizeof v->why, "%s",
+           v->works ? "flag words in memory shared by fd; no host in the loop"
+                    : "needs stream memops and pool or VMM fds");
+  v = &r->xc[XC_LIVENESS];
+  v->works = true;
+  snprintf(v->why, sizeof v->why,
+           "the exporter's liveness table travels with the connection (a "
+           "read-only fd at the handshake); by name in /dev/shm only where "
+           "/dev/shm is shared");
+  v = &r->xc[XC_PEER_DEATH];
+  v->works = r->peer_pidfd;
+  if (r->peer_pidfd)
+    snprintf(v->why, sizeof v->why,
+             "a peer whose pid namespace is not visible here is followed "
+             "by its pidfd from the socket (SO_PEERPIDFD)");
+  else
+    snprintf(v->why, sizeof v->why,
+             "SO_PEERPIDFD: %s (needs Linux 6.5): a connection to a peer in "
+             "a pid namespace this process cannot see is refused",
+             strerror(r->peer_pidfd_errno));
+  v = &r->xc[XC_LEGACY];
+  snprintf(v->why, sizeof v->why,
+           "needs one pid namespace: the driver opens a legacy handle by its "
+           "exporter's pid (docker --pid=container:<id>, Kubernetes "
+           "shareProcessNamespace); refused otherwise");
+  v = &r->xc[XC_IPC_EVENT];
+  snprintf(v->why, sizeof v->why,
+           "needs one pid namespace, as legacy handles do; order with "
+           "stream memops instead (the default)");
+  v = &r->xc[XC_PIDFD_GETFD];
+  snprintf(v->why, sizeof v->why,
+           "needs one pid namespace and ptrace rights over the exporter "
+           "(CAP_SYS_PTRACE across containers); pass fds with descriptors "
+           "instead");
+}
+
 static void gather_process(doc_report *r) {
   r->euid = geteuid();
   gather_pidfd(r);
   gather_ptrace(r);
   gather_runtime_dir(r);
+  gather_container(r);
   struct rlimit rl;
   if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
     r->have_nofile = true;
@@ -909,6 +1138,37 @@ static void print_human(FILE *out, const doc_report *r) {
     h_kv(out, "open-file limit", "unknown");
   }
 
+  h_section(out, "Containers");
+  h_kv(out, "in a container", "%s%s", r->in_container ? "yes: " : "",
+       r->container_why);
+  for (int i = 0; i < NS_COUNT; i++) {
+    const doc_ns *n = &r->ns[i];
+    char label[32];
+    snprintf(label, sizeof label, "%s namespace", ns_info[i].name);
+    if (!n->have_self) {
+      h_kv(out, label, "unknown (/proc/self/ns/%s unreadable)", ns_info[i].name);
+      continue;
+    }
+    char pid1[64];
+    if (n->have_pid1)
+      snprintf(pid1, sizeof pid1, "pid 1's %s", n->pid1 == n->self ? "the same" : "differs");
+    else
+      snprintf(pid1, sizeof pid1, "pid 1's unreadable");
+    h_kv(out, label, "%llu (%s%s)", n->self,
+         ns_info[i].init_ino == 0
+             ? ""
+             : (n->self == ns_info[i].init_ino ? "the machine's, " : "its own, "),
+         pid1);
+  }
+  h_kv(out, "cgroup", "%s", r->cgroup[0] ? r->cgroup : "unknown");
+  h_kv(out, "peer pidfd", "%s",
+       r->peer_pidfd ? "yes (SO_PEERPIDFD)" : "no (SO_PEERPIDFD needs Linux 6.5)");
+  h_kv(out, "another container", "with a peer there (its own pid, IPC and mount "
+       "namespaces, only the socket directory shared):");
+  for (int k = 0; k < XC_COUNT; k++)
+    h_kv(out, xc_info[k].label, "%s: %s", r->xc[k].works ? "works" : "no",
+         r->xc[k].why);
+
   h_section(out, "Mechanisms");
   for (int m = 0; m < M_COUNT; m++) {
     const doc_verdict *v = &r->verdict[m];
@@ -1221,6 +1481,36 @@ static void print_json(FILE *out, const doc_report *r) {
   jw_obj_end(&w);
   jw_obj_end(&w);
 
+  jw_obj(&w, "container");
+  jw_bool(&w, "in_container", r->in_container);
+  jw_str(&w, "why", r->container_why);
+  jw_str(&w, "runtime", r->runtime[0] ? r->runtime : NULL);
+  jw_str(&w, "cgroup", r->cgroup[0] ? r->cgroup : NULL);
+  jw_obj(&w, "namespaces");
+  for (int i = 0; i < NS_COUNT; i++) {
+    const doc_ns *n = &r->ns[i];
+    jw_obj(&w, ns_info[i].name);
+    jw_opt_int(&w, "inode", n->have_self, (long long)n->self);
+    jw_opt_int(&w, "pid1_inode", n->have_pid1, (long long)n->pid1);
+    if (ns_info[i].init_ino != 0 && n->have_self)
+      jw_bool(&w, "initial", n->self == ns_info[i].init_ino);
+    else
+      jw_null(&w, "initial");
+    jw_bool(&w, "own", n->own);
+    jw_obj_end(&w);
+  }
+  jw_obj_end(&w);
+  jw_bool(&w, "peer_pidfd", r->peer_pidfd);
+  jw_obj(&w, "with_peer_in_another_container");
+  for (int k = 0; k < XC_COUNT; k++) {
+    jw_obj(&w, xc_info[k].key);
+    jw_bool(&w, "works", r->xc[k].works);
+    jw_str(&w, "why", r->xc[k].why);
+    jw_obj_end(&w);
+  }
+  jw_obj_end(&w);
+  jw_obj_end(&w);
+
   jw_obj(&w, "mechanisms");
   for (int m = 0; m < M_COUNT; m++) {
     const doc_verdict *v = &r->verdict[m];
@@ -1294,6 +1584,7 @@ int gpuipc_cmd_doctor(int argc, char **argv) {
   gather_process(r);
   gather_driver(r);
   decide(r);
+  decide_cross_container(r);
   if (!quiet) {
     if (json)
       print_json(stdout, r);

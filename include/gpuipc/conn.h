@@ -402,7 +402,10 @@ GPUIPC_API gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn,
 GPUIPC_API gpuipc_status gpuipc_conn_set_nonblocking(gpuipc_conn *conn,
                                                      int nonblocking);
 
-/* Who is on the other end, as the kernel vouched for it at handshake. */
+/* Who is on the other end, as the kernel vouched for it at handshake. pid
+ * is the peer's pid as this process sees it: 0 when the peer lives in a
+ * pid namespace this one cannot see (another container); the connection
+ * then follows the peer by the pidfd the kernel gave of it. */
 typedef struct gpuipc_peer_info {
   int pid;
   uint32_t uid;
@@ -446,6 +449,21 @@ GPUIPC_API gpuipc_status gpuipc_conn_recv_msg(gpuipc_conn *conn, void *buf,
                                               size_t cap, size_t *len /* OUT */,
                                               int *fds /* OUT */,
                                               int *nfds /* IN/OUT */);
+
+/* Imports a buffer descriptor that came over this connection from its
+ * peer (in a user message, with its fds): the same as
+ * gpuipc_buffer_import(), except that a descriptor the peer exported is
+ * checked against the liveness table the peer passed at the handshake
+ * (so a freed buffer is GPUIPC_E_STALE even where the two processes share
+ * no /dev/shm), and is accepted from another pid namespace (another
+ * container) when its kind travels by fd (MEMPOOL, VMM, PINNED_HOST).
+ * Legacy handles from another pid namespace are refused
+ * (GPUIPC_E_FOREIGN_NAMESPACE, saying why: the driver opens them by the
+ * exporter's pid). Descriptors of third processes are checked as
+ * gpuipc_buffer_import() checks them. */
+GPUIPC_API gpuipc_status gpuipc_conn_import_buffer(
+    gpuipc_conn *conn, const uint8_t *desc, size_t len, const int *fds,
+    int nfds, const gpuipc_import_options *opts, gpuipc_buffer **out /* OUT */);
 
 /* ------------------------------------------------------------------------ */
 /* Arenas and blocks (the exporter's side)                                   */

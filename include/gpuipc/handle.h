@@ -375,7 +375,10 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *                             that cannot be reserved, or one the driver
  *                             refuses to map)
  *   GPUIPC_E_FOREIGN_MACHINE  exported on another machine (boot id)
- *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace
+ *   GPUIPC_E_FOREIGN_NAMESPACE  exported in another pid namespace (over a
+ *                             connection from its exporter, fd-based kinds
+ *                             are accepted: gpuipc_conn_import_buffer;
+ *                             legacy handles never are)
  *   GPUIPC_E_DEVICE_NOT_VISIBLE the exporter's device (or opts->device) is
  *                             not visible in this process
  *   GPUIPC_E_NEED_FD          an fd is needed and was not passed (and the

@@ -3,7 +3,9 @@
  * listening / accepting / connecting by name (file or abstract; a lock file
  * beside a socket file makes replacing a stale one race-free), connected
  * pairs, the handshake with credential checks (a state machine, so that a
- * listener runs the handshakes of all its pending peers at once), framing
+ * listener runs the handshakes of all its pending peers at once; peers of
+ * another pid namespace are named by their own HELLO and followed by the
+ * pidfd the kernel gives, and each side passes its liveness table), framing
  * (length, type, version, header check), file descriptors (SCM_RIGHTS,
  * through the core socket helper), partial reads and writes, timeouts,
  * non-blocking mode, and user messages (a bounded queue with backpressure).
@@ -200,6 +202,7 @@ static gpuipc_conn *conn_new(int fd, const copts *o) {
   c->q_max_msgs = o->o.queue_msgs;
   c->q_max_bytes = o->o.queue_bytes;
   c->q_max_fds = o->o.queue_fds;
+  c->hs_fd = -1;
   return c;
 }
 
@@ -235,10 +238,13 @@ void gpuipc__conn_queued(const gpuipc_conn *c, size_t *msgs, size_t *bytes,
 }
 
 static void conn_free(gpuipc_conn *c) {
-  if (c->peer_pid > 0)
+  if (c->stats_open)
     gpuipc__stats_conn_close(c->stats_slot);
   if (c->fd >= 0)
     close(c->fd);
+  if (c->hs_fd >= 0)
+    close(c->hs_fd);
+  gpuipc__live_peer_close(c->peer_table);
   close_rx_fds(c);
   free_msgs(c);
   gpuipc__watch_remove(c);
@@ -814,7 +820,7 @@ static bool peer_allowed(const copts *o, uint32_t uid, uint32_t gid) {
  * the frame machinery, so nothing after the handshake is consumed here.
  * `pre` carries SO_PEERCRED for sockets made by connect/accept (the
  * kernel's record of the peer at connect time). */
-enum { HS_HELLO = 0, HS_VERDICT = 1 };
+enum { HS_HELLO = 0, HS_VERDICT = 1, HS_LIVE = 2 };
 
 #define HS_PAYLOAD_MAX 512
 
@@ -825,6 +831,7 @@ typedef struct hs {
   bool have_pre;
   int stage;
   bool hello_failed; /* our HELLO did not leave: the peer closed */
+  bool peer_ns;      /* the peer's HELLO has GPUIPC__HELLO_F_NS */
   unsigned char buf[sizeof(gpuipc__frame_hdr) + HS_PAYLOAD_MAX];
   size_t got, want;
   struct ucred cred; /* with the frame's first byte */
@@ -836,10 +843,11 @@ typedef struct hs {
 /* Writes one handshake frame whole (the socket is empty at this point, so
  * it fits; the loop covers EINTR and a peer that is slow to drain), with
  * our credentials attached for the kernel to vouch for. */
-static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
-                              uint64_t deadline) {
+static gpuipc_status hs_write_fds(int fd, int type, const void *p, size_t n,
+                                  const int *fds, int nfds,
+                                  uint64_t deadline) {
   gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
-                         (uint8_t)type, 0, (uint32_t)n, 0};
+                         (uint8_t)type, (uint16_t)nfds, (uint32_t)n, 0};
   h.check = gpuipc__frame_check(&h);
   unsigned char buf[sizeof h + HS_PAYLOAD_MAX];
   if (n > HS_PAYLOAD_MAX)
@@ -852,7 +860,8 @@ static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
     struct iovec iov = {buf + off, total - off};
     size_t w = 0;
     gpuipc_status s =
-        gpuipc__sock_send(fd, &iov, 1, NULL, 0, off == 0, MSG_DONTWAIT, &w);
+        gpuipc__sock_send(fd, &iov, 1, off == 0 ? fds : NULL,
+                          off == 0 ? nfds : 0, off == 0, MSG_DONTWAIT, &w);
     if (s == GPUIPC_E_WOULD_BLOCK) {
       int ev = wait_fd(fd, POLLOUT, deadline);
       if (ev < 0)
@@ -869,6 +878,11 @@ static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
     off += w;
   }
   return GPUIPC_OK;
+}
+
+static gpuipc_status hs_write(int fd, int type, const void *p, size_t n,
+                              uint64_t deadline) {
+  return hs_write_fds(fd, type, p, n, NULL, 0, deadline);
 }
 
 /* Tells the peer why we refuse it; keeps the caller's message. */
@@ -888,9 +902,15 @@ static gpuipc_status hs_read_some(hs *x, gpuipc__frame_hdr *h) {
     struct ucred uc;
     bool have_uc = false;
     size_t r = 0;
-    gpuipc_status s =
-        gpuipc__sock_recv(fd, x->buf + x->got, x->want - x->got, MSG_DONTWAIT,
-                          NULL, 0, NULL, &uc, &have_uc, &r);
+    int rfd = -1, nr = 0;
+    gpuipc_status s = gpuipc__sock_recv(
+        fd, x->buf + x->got, x->want - x->got, MSG_DONTWAIT,
+        x->got == 0 ? &rfd : NULL, x->got == 0 ? 1 : 0, &nr, &uc, &have_uc, &r);
+    if (nr > 0) {
+      if (x->c->hs_fd >= 0)
+        close(x->c->hs_fd);
+      x->c->hs_fd = rfd;
+    }
     if (s == GPUIPC_E_WOULD_BLOCK)
       return s;
     if (s == GPUIPC_E_PEER_GONE)
@@ -921,15 +941,112 @@ static gpuipc_status hs_read_some(hs *x, gpuipc__frame_hdr *h) {
                             "handshake: frame version %u, this library "
                             "speaks %u",
                             h->version, GPUIPC__FRAME_VERSION);
-      if (h->len > HS_PAYLOAD_MAX || h->nfds != 0)
+      bool with_fd = h->type == GPUIPC__F_LIVE && x->stage == HS_LIVE;
+      if (h->len > HS_PAYLOAD_MAX || h->nfds > (with_fd ? 1 : 0) ||
+          h->nfds != (x->c->hs_fd >= 0 ? 1 : 0))
         return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                            "handshake frame of %u bytes, %u fds", h->len,
-                            h->nfds);
+                            "handshake frame of type %u, %u bytes, %u fds "
+                            "(%d came)",
+                            h->type, h->len, h->nfds,
+                            x->c->hs_fd >= 0 ? 1 : 0);
       x->want = sizeof *h + h->len;
     }
   }
   memcpy(h, x->buf, sizeof *h);
   return GPUIPC_OK;
+}
+
+/* Sends our LIVE frame: this process's liveness table, read-only, so that
+ * the peer checks our descriptors against it in whatever IPC namespace it
+ * lives (key 0 and no fd when we have none). */
+static gpuipc_status send_live(int fd, uint64_t wdeadline) {
+  gpuipc__w_live w = {0};
+  int tfd = gpuipc__live_table_fd(&w.key);
+  if (tfd < 0)
+    w.key = 0;
+  gpuipc_status s = hs_write_fds(fd, GPUIPC__F_LIVE, &w, sizeof w,
+                                 tfd >= 0 ? &tfd : NULL, tfd >= 0 ? 1 : 0,
+                                 wdeadline);
+  if (tfd >= 0)
+    close(tfd);
+  return s;
+}
+
+/* For a peer of another pid namespace that this process sees (ours is an
+ * ancestor of its): /proc/<pid> must show the pid the peer claims in its
+ * own namespace (the last NSpid entry) and its start time. */
+static bool foreign_pid_matches(int pid_here, int pid_there,
+                                uint64_t start_here, uint64_t start_there) {
+  if (start_here != start_there)
+    return false;
+  char path[64], buf[4096];
+  snprintf(path, sizeof path, "/proc/%d/status", pid_here);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return false;
+  ssize_t n;
+  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
+  close(fd);
+  if (n <= 0)
+    return false;
+  buf[n] = '\0';
+  const char *t = strstr(buf, "\nNSpid:");
+  if (t == NULL)
+    return false;
+  t += 8;
+  long last = -1;
+  for (;;) {
+    char *end;
+    long v = strtol(t, &end, 10);
+    if (end == t)
+      break;
+    last = v;
+    t = end;
+  }
+  return last == pid_there;
+}
+
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+
+/* The pidfd of the socket's peer as the kernel recorded it at connect
+ * (SO_PEERPIDFD, Linux 6.5), for a peer whose pid is not visible here. It
+ * must name a process invisible here too (its fdinfo shows pid 0): a
+ * socketpair made by this very process would give our own. -1 with the
+ * reason in why. */
+static int invisible_peer_pidfd(int sock, char *why, size_t cap) {
+  int pidfd = -1;
+  socklen_t len = sizeof pidfd;
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) != 0) {
+    snprintf(why, cap, "this kernel gives no pidfd of a socket's peer "
+                       "(SO_PEERPIDFD: %s; needs Linux 6.5)",
+             strerror(errno));
+    return -1;
+  }
+  (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+  char path[64], buf[512];
+  snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ssize_t n = -1;
+  if (fd >= 0) {
+    GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
+    close(fd);
+  }
+  const char *t = NULL;
+  if (n > 0) {
+    buf[n] = '\0';
+    t = strstr(buf, "Pid:");
+  }
+  if (t == NULL || strtol(t + 4, NULL, 10) != 0) {
+    snprintf(why, cap, "the socket's peer as the kernel recorded it at "
+                       "connect time is %s",
+             t == NULL ? "not readable (/proc/self/fdinfo)"
+                       : "another process, one visible here");
+    close(pidfd);
+    return -1;
+  }
+  return pidfd;
 }
 
 /* Starts the handshake on x->c: sends our HELLO. `wdeadline` bounds the
@@ -948,6 +1065,8 @@ static gpuipc_status hs_start(hs *x, uint64_t wdeadline) {
   me.start_time = gpuipc__process_start_time(getpid());
   if (gpuipc__boot_id(me.boot_id) != GPUIPC_OK)
     memset(me.boot_id, 0, sizeof me.boot_id);
+  me.pidns = gpuipc__pid_namespace();
+  me.flags = GPUIPC__HELLO_F_NS;
   x->stage = HS_HELLO;
   x->got = 0;
   x->want = sizeof(gpuipc__frame_hdr);
@@ -987,6 +1106,39 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
     if (x->hello_failed)
       return gpuipc__fail(GPUIPC_E_PEER_GONE,
                           "handshake: the peer closed the connection");
+    if (x->stage == HS_VERDICT && h.type == GPUIPC__F_ACCEPT && x->peer_ns) {
+      /* The peer's liveness table comes next. */
+      x->stage = HS_LIVE;
+      continue;
+    }
+    if (x->stage == HS_LIVE) {
+      gpuipc__w_live w;
+      if (h.type != GPUIPC__F_LIVE || h.len != sizeof w)
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake: expected LIVE, got frame type %u of "
+                            "%u bytes",
+                            h.type, h.len);
+      memcpy(&w, p, sizeof w);
+      int tfd = c->hs_fd;
+      c->hs_fd = -1;
+      if ((w.key == 0) != (tfd < 0)) {
+        if (tfd >= 0)
+          close(tfd);
+        return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                            "handshake: LIVE frame with key %s and %s fd",
+                            w.key ? "set" : "0", tfd >= 0 ? "an" : "no");
+      }
+      if (tfd >= 0) {
+        gpuipc_status ts =
+            gpuipc__live_peer_open(tfd, &c->via.peer, w.key, &c->peer_table);
+        close(tfd);
+        if (ts != GPUIPC_OK)
+          return ts;
+        c->via.table = c->peer_table;
+      }
+      x->stage = HS_VERDICT;
+      h.type = GPUIPC__F_ACCEPT; /* the verdict, read before */
+    }
     if (x->stage == HS_VERDICT) {
       if (h.type != GPUIPC__F_ACCEPT)
         return gpuipc__fail(GPUIPC_E_PROTOCOL,
@@ -1000,7 +1152,7 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
                     c->peer_uid);
       return GPUIPC_OK;
     }
-    if (h.type != GPUIPC__F_HELLO || h.len < sizeof(gpuipc__hello)) {
+    if (h.type != GPUIPC__F_HELLO || h.len < GPUIPC__HELLO_V1_LEN) {
       refuse(c->fd, "expected a HELLO frame", wdeadline);
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "handshake: expected HELLO, got frame type %u of %u "
@@ -1008,7 +1160,13 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
                           h.type, h.len);
     }
     gpuipc__hello peer;
-    memcpy(&peer, p, sizeof peer);
+    memset(&peer, 0, sizeof peer);
+    memcpy(&peer, p, h.len < sizeof peer ? h.len : sizeof peer);
+    if (h.len < sizeof peer)
+      peer.flags = 0; /* an older library: one pid namespace */
+    x->peer_ns = (peer.flags & GPUIPC__HELLO_F_NS) != 0;
+    uint64_t my_ns = gpuipc__pid_namespace();
+    bool foreign = x->peer_ns && peer.pidns != my_ns;
     if (!x->have_cred) {
       refuse(c->fd, "no credentials", wdeadline);
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
@@ -1025,9 +1183,13 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
                           why);
     }
     /* The kernel vouches for cred (SCM_CREDENTIALS are checked at send
-     * time); the HELLO's own fields must agree with it. */
+     * time); the HELLO's own fields must agree with it. In one pid
+     * namespace the pids are the same number; a peer of another one has
+     * the pid the kernel translated into ours (0: it is not visible here,
+     * as a sibling container is not), and its HELLO says its own. */
     if ((uint32_t)cred.uid != peer.uid || (uint32_t)cred.gid != peer.gid ||
-        cred.pid != peer.pid || (x->have_pre && (x->pre.uid != cred.uid))) {
+        (!foreign && cred.pid != peer.pid) ||
+        (x->have_pre && (x->pre.uid != cred.uid))) {
       refuse(c->fd, "credentials do not match", wdeadline);
       return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
                           "handshake: the peer's claimed identity (pid %d uid "
@@ -1050,16 +1212,59 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
     c->peer_pid = cred.pid;
     c->peer_uid = cred.uid;
     c->peer_gid = cred.gid;
-    /* The start time, read here for the pid the kernel vouched for, pairs
-     * with it to name the process even after the pid is reused. */
-    c->peer_start_time = gpuipc__process_start_time(cred.pid);
-    if (c->peer_start_time == 0)
+    c->peer_foreign_ns = foreign;
+    if (cred.pid > 0) {
+      /* The start time, read here for the pid the kernel vouched for,
+       * pairs with it to name the process even after the pid is reused. */
+      c->peer_start_time = gpuipc__process_start_time(cred.pid);
+      if (c->peer_start_time == 0)
+        c->peer_start_time = peer.start_time;
+      if (foreign && !foreign_pid_matches(cred.pid, peer.pid,
+                                          c->peer_start_time,
+                                          peer.start_time)) {
+        refuse(c->fd, "credentials do not match", wdeadline);
+        return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
+                            "handshake: the peer (pid %d here) claims pid %d "
+                            "in its pid namespace and start time %llu, which "
+                            "/proc does not show",
+                            (int)cred.pid, peer.pid,
+                            (unsigned long long)peer.start_time);
+      }
+      c->peer = gpuipc__peer_open(c->peer_pid, c->peer_start_time);
+    } else {
+      /* Not visible here: the pidfd the kernel gives of the socket's peer
+       * (Linux 6.5) is the only way to tell when it is gone. */
+      char why[200];
+      int pidfd = invisible_peer_pidfd(c->fd, why, sizeof why);
+      if (pidfd < 0) {
+        refuse(c->fd, "no pidfd of this peer", wdeadline);
+        return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                            "handshake: the peer (pid %d in pid namespace "
+                            "%llu) is not visible in this pid namespace "
+                            "(%llu), and %s: its death could not be told, "
+                            "so its leases could never be reclaimed",
+                            peer.pid, (unsigned long long)peer.pidns,
+                            (unsigned long long)my_ns, why);
+      }
       c->peer_start_time = peer.start_time;
-    c->peer = gpuipc__peer_open(c->peer_pid, c->peer_start_time);
+      c->peer = gpuipc__peer_from_pidfd(pidfd);
+    }
+    /* Who the peer is for the imports of what it sends: its own pid
+     * namespace, pid and start time, as its descriptors name it. */
+    memcpy(c->via.peer.boot_id, peer.boot_id, 16);
+    c->via.peer.pidns = x->peer_ns ? peer.pidns : my_ns;
+    c->via.peer.pid = foreign ? peer.pid : cred.pid;
+    c->via.peer.start_time = foreign ? peer.start_time : c->peer_start_time;
+    if (foreign)
+      gpuipc__live_watch_identity(&c->via.peer,
+                                  gpuipc__peer_pidfd(c->peer));
     c->peer_max_outstanding = peer.max_outstanding;
     c->stats_slot = gpuipc__stats_conn_open(c->peer_pid, c->peer_start_time,
                                             (int)c->order);
+    c->stats_open = true;
     GPUIPC__CHECK(hs_write(c->fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
+    if (x->peer_ns)
+      GPUIPC__CHECK(send_live(c->fd, wdeadline));
     x->stage = HS_VERDICT;
   }
 }
@@ -1627,6 +1832,17 @@ gpuipc_status gpuipc_conn_get_peer(const gpuipc_conn *conn, gpuipc_peer_info *in
   info->uid = conn->peer_uid;
   info->gid = conn->peer_gid;
   return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_import_buffer(gpuipc_conn *conn, const uint8_t *desc,
+                                        size_t len, const int *fds, int nfds,
+                                        const gpuipc_import_options *opts,
+                                        gpuipc_buffer **out) {
+  if (conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_import_buffer: NULL connection");
+  return gpuipc__buffer_import_via(&conn->via, desc, len, fds, nfds, opts,
+                                   out);
 }
 
 gpuipc_status gpuipc_conn_progress(gpuipc_conn *conn, int timeout_ms) {

@@ -43,7 +43,12 @@ enum {
   GPUIPC__F_EVD = 11,   /* event mode: a slot's interprocess event */
   GPUIPC__F_ABANDON = 12, /* I end this connection on my own error: I
                            * still hold these; the rest is untouched */
-  GPUIPC__F_TYPE_MAX = 12
+  GPUIPC__F_TYPE_MAX = 12,
+  /* Handshake only (after ACCEPT, when both HELLOs have
+   * GPUIPC__HELLO_F_NS): my liveness table, u64 key + its fd (or key 0 and
+   * no fd: I have none). Outside the handshake it ends the connection, as
+   * every type above GPUIPC__F_TYPE_MAX does. */
+  GPUIPC__F_LIVE = 13
 };
 
 typedef struct gpuipc__frame_hdr {
@@ -64,17 +69,29 @@ static inline uint32_t gpuipc__frame_check(const gpuipc__frame_hdr *h) {
   return h->magic ^ h->len ^ ((uint32_t)h->type << 8 | h->nfds) ^ 0x5a5a5a5au;
 }
 
-/* HELLO payload. */
+/* HELLO payload. A peer of an older library sends the first
+ * GPUIPC__HELLO_V1_LEN bytes only, without flags. */
 typedef struct gpuipc__hello {
   uint32_t proto;
-  uint32_t flags;
-  int32_t pid;
+  uint32_t flags; /* GPUIPC__HELLO_F_* */
+  int32_t pid;    /* in the sender's own pid namespace */
   uint32_t uid;
   uint32_t gid;
   uint32_t max_outstanding;
   uint64_t start_time;
   uint8_t boot_id[16];
+  uint64_t pidns; /* F_NS: the inode of the sender's pid namespace */
 } gpuipc__hello;
+#define GPUIPC__HELLO_V1_LEN 48u
+/* pidns is set, and a LIVE frame follows this side's ACCEPT when the
+ * peer's HELLO has this flag too. */
+#define GPUIPC__HELLO_F_NS 0x1u
+_Static_assert(sizeof(gpuipc__hello) == 56, "wire layout");
+
+/* LIVE payload (+ the table's fd when key is not 0). */
+typedef struct gpuipc__w_live {
+  uint64_t key;
+} gpuipc__w_live;
 
 /* Wire formats of the fast-path frames (little-endian, packed by layout). */
 typedef struct gpuipc__w_chunk { /* CHUNK: + desc bytes, + fds */

@@ -44,8 +44,17 @@ struct gpuipc_conn {
   int nonblocking;
   uint32_t max_outstanding;
   gpuipc_order_mode order;
-  /* Peer, as the kernel vouched for it (SCM_CREDENTIALS at handshake). */
+  /* Peer, as the kernel vouched for it (SCM_CREDENTIALS at handshake):
+   * its pid as this process sees it, 0 when it lives in a pid namespace
+   * this process cannot see (a sibling container). */
   int peer_pid;
+  /* The peer for the handle layer's imports of what arrives here: its
+   * identity (its own pid namespace, pid and start time) and the liveness
+   * table it passed at the handshake (NULL: none, or an older peer). */
+  gpuipc__via via;
+  gpuipc__live_peer *peer_table;
+  bool peer_foreign_ns; /* its pid namespace is not ours */
+  int hs_fd;            /* handshake: an fd that came with a frame, -1 */
   uint32_t peer_uid, peer_gid;
   uint64_t peer_start_time;
   uint32_t peer_max_outstanding;
@@ -79,6 +88,7 @@ struct gpuipc_conn {
   const struct gpuipc__conn_hooks *hooks;
   struct gpuipc__ho *ho;
   int stats_slot; /* this connection in the stats segment (0: none) */
+  bool stats_open; /* counted in the stats segment (closed in conn_free) */
 };
 
 /* ---- transport (conn.c) --------------------------------------------------- */
@@ -124,6 +134,12 @@ gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...)
  * the whole process has exited. Refcounted (connection, lease table).
  * Never NULL for a pid > 0 (without pidfds the /proc entry decides). */
 struct gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time);
+/* The same for a peer this process cannot name by pid (another pid
+ * namespace it cannot see): the pidfd the kernel gave of it, owned from
+ * now on (closed also when this returns NULL). */
+struct gpuipc__peer *gpuipc__peer_from_pidfd(int pidfd);
+/* The peer's pidfd (borrowed; -1: none). */
+int gpuipc__peer_pidfd(const struct gpuipc__peer *p);
 void gpuipc__peer_unref(struct gpuipc__peer *p);
 
 /* ---- the peer watcher (lease.c) ------------------------------------------------ */

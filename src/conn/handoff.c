@@ -545,7 +545,8 @@ static gpuipc_status on_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
   /* The one driver import of this memory on this connection (the handle
    * layer's cache makes a second connection to the same exporter free). */
   gpuipc_buffer *buf = NULL;
-  s = gpuipc_buffer_import(p + sizeof w, w.desc_len, fds, nfds, NULL, &buf);
+  s = gpuipc__buffer_import_via(&c->via, p + sizeof w, w.desc_len, fds, nfds,
+                                NULL, &buf);
   if (s != GPUIPC_OK)
     goto out;
   gpuipc__buffer_info bi;
@@ -698,8 +699,8 @@ static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
   /* Descriptors are hostile input: the handle layer validates them (and
    * goes through its import cache: a buffer seen before costs no driver
    * call). A descriptor that does not import is the peer's error. */
-  s = gpuipc_buffer_import(p + sizeof w + sizeof dl, dl[0], fds, nfds, NULL,
-                           &imp);
+  s = gpuipc__buffer_import_via(&c->via, p + sizeof w + sizeof dl, dl[0], fds,
+                                nfds, NULL, &imp);
   if (s != GPUIPC_OK)
     goto out;
   if (gpuipc_buffer_get_size(imp) < w.len || w.len == 0) {

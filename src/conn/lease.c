@@ -23,7 +23,10 @@
  * keep running GPU work), which is why, without an orderly BYE, gpuipc
  * waits for the process. The pid comes from the kernel (SCM_CREDENTIALS at
  * the handshake) and is paired with the process start time, so a reused
- * pid is not mistaken for the peer.
+ * pid is not mistaken for the peer. A peer in a pid namespace this process
+ * cannot see (a sibling container) has no pid here (the kernel reports 0):
+ * its pidfd is the one the kernel gives of the socket's peer
+ * (SO_PEERPIDFD), taken at the handshake, and decides alone.
  *
  * A dead peer never writes its "released" flag words, and the arena's
  * reclaim stream may already wait on some of them; gpuipc writes the words
@@ -97,6 +100,21 @@ gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time) {
     }
   }
   return p;
+}
+
+gpuipc__peer *gpuipc__peer_from_pidfd(int pidfd) {
+  gpuipc__peer *p = calloc(1, sizeof *p);
+  if (p == NULL) {
+    close(pidfd);
+    return NULL;
+  }
+  atomic_init(&p->refs, 1);
+  p->pidfd = pidfd;
+  return p;
+}
+
+int gpuipc__peer_pidfd(const gpuipc__peer *p) {
+  return p != NULL ? p->pidfd : -1;
 }
 
 gpuipc__peer *gpuipc__peer_ref(gpuipc__peer *p) {

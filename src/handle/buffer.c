@@ -377,6 +377,14 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
                                    const int *fds, int nfds,
                                    const gpuipc_import_options *opts_in,
                                    gpuipc_buffer **out) {
+  return gpuipc__buffer_import_via(NULL, desc, len, fds, nfds, opts_in, out);
+}
+
+gpuipc_status gpuipc__buffer_import_via(const gpuipc__via *via,
+                                        const uint8_t *desc, size_t len,
+                                        const int *fds, int nfds,
+                                        const gpuipc_import_options *opts_in,
+                                        gpuipc_buffer **out) {
   if (desc == NULL || out == NULL || nfds < 0 || nfds > GPUIPC_DESC_MAX_FDS ||
       (nfds > 0 && fds == NULL))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -390,10 +398,11 @@ gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
   gpuipc_import_options opts;
   gpuipc__desc d;
   GPUIPC__CHECK(gpuipc__desc_open("gpuipc_buffer_import", desc, len, opts_in,
-                                  GPUIPC_DESC_BUFFER, "a buffer", &opts, &d));
+                                  GPUIPC_DESC_BUFFER, "a buffer", via, &opts,
+                                  &d));
   /* Did the exporter free it? Its liveness table knows (the driver would
    * map freed memory, or another allocation at its address, silently). */
-  if (gpuipc__generation_state(&d) == GPUIPC__LIVE_FREED)
+  if (gpuipc__generation_state(&d, via) == GPUIPC__LIVE_FREED)
     return gpuipc__fail(GPUIPC_E_STALE,
                         "the exporter (pid %d) freed the %s buffer this "
                         "descriptor names (generation %llu): a stale "

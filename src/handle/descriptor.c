@@ -356,10 +356,15 @@ bool gpuipc__identity_eq(const gpuipc__identity *a, const gpuipc__identity *b) {
          a->pid == b->pid && a->start_time == b->start_time;
 }
 
-/* Refuses descriptors of another machine (E_FOREIGN_MACHINE), another pid
- * namespace (E_FOREIGN_NAMESPACE), and of this very process
- * (E_INVALID_ARG). */
-static gpuipc_status check_origin(const gpuipc__desc *d) {
+/* Refuses descriptors of another machine (E_FOREIGN_MACHINE), of this very
+ * process (E_INVALID_ARG), and of another pid namespace
+ * (E_FOREIGN_NAMESPACE), except, over a connection (via), those of the
+ * connection's peer whose kind travels by fd: a memory pool's, a VMM
+ * allocation's or pinned host memory's file descriptor means the same in
+ * every namespace, while the driver opens a legacy memory or event handle
+ * by the exporter's pid, which needs one pid namespace. */
+static gpuipc_status check_origin(const gpuipc__desc *d,
+                                  const gpuipc__via *via) {
   gpuipc__identity me;
   GPUIPC__CHECK(gpuipc__self_identity(&me));
   if (memcmp(me.boot_id, d->exporter.boot_id, 16) != 0)
@@ -367,20 +372,42 @@ static gpuipc_status check_origin(const gpuipc__desc *d) {
                         "descriptor was exported on another machine (or "
                         "before a reboot): its boot id differs from this "
                         "machine's; CUDA IPC works only within one machine");
-  if (me.pidns != d->exporter.pidns)
-    return gpuipc__fail(GPUIPC_E_FOREIGN_NAMESPACE,
-                        "descriptor was exported in another pid namespace "
-                        "(%llu, this process is in %llu): its exporter pid %d "
-                        "means nothing here; run both in one pid namespace "
-                        "(e.g. docker --pid=host or a shared pod)",
-                        (unsigned long long)d->exporter.pidns,
-                        (unsigned long long)me.pidns, (int)d->exporter.pid);
-  if (me.pid == d->exporter.pid && me.start_time == d->exporter.start_time)
+  /* The namespace is part of the identity: pid 1 of two containers are
+   * two processes. */
+  if (gpuipc__identity_eq(&me, &d->exporter))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "descriptor was exported by this very process: use "
                         "the exported object itself (the driver refuses to "
                         "open a process's own IPC handles)");
-  return GPUIPC_OK;
+  if (me.pidns == d->exporter.pidns)
+    return GPUIPC_OK;
+  bool by_fd = d->type != GPUIPC_DESC_EVENT &&
+               (d->kind == GPUIPC_POOL_MEMPOOL || d->kind == GPUIPC_POOL_VMM ||
+                d->kind == GPUIPC_POOL_PINNED_HOST);
+  if (!by_fd)
+    return gpuipc__fail(
+        GPUIPC_E_FOREIGN_NAMESPACE,
+        "%s descriptor was exported in another pid namespace (%llu, this "
+        "process is in %llu): the driver opens a legacy CUDA IPC handle by "
+        "its exporter's pid, which needs both processes in one pid "
+        "namespace (docker --pid=container:<id>, Kubernetes "
+        "shareProcessNamespace); share it as a MEMPOOL, VMM or PINNED_HOST "
+        "buffer instead, whose fd travels over a connection",
+        d->type == GPUIPC_DESC_EVENT ? "an interprocess event's" : "a legacy",
+        (unsigned long long)d->exporter.pidns, (unsigned long long)me.pidns);
+  if (via != NULL && gpuipc__identity_eq(&via->peer, &d->exporter))
+    return GPUIPC_OK;
+  return gpuipc__fail(GPUIPC_E_FOREIGN_NAMESPACE,
+                      "descriptor was exported in another pid namespace "
+                      "(%llu, this process is in %llu) by pid %d there, "
+                      "which means nothing here: a %s descriptor is accepted "
+                      "from another pid namespace only over a connection to "
+                      "its exporter (gpuipc_conn_import_buffer, or the "
+                      "connection's own handoff), whose peer the kernel "
+                      "vouched for and whose liveness table came with it",
+                      (unsigned long long)d->exporter.pidns,
+                      (unsigned long long)me.pidns, (int)d->exporter.pid,
+                      gpuipc_pool_kind_name((gpuipc_pool_kind)d->kind));
 }
 
 /* ---- the pidfd_getfd route ---------------------------------------------------- */
@@ -638,6 +665,7 @@ gpuipc_status gpuipc__desc_open(const char *fn, const uint8_t *desc,
                                 size_t len,
                                 const gpuipc_import_options *opts_in,
                                 unsigned type, const char *what,
+                                const gpuipc__via *via,
                                 gpuipc_import_options *opts, gpuipc__desc *d) {
   *opts = (gpuipc_import_options)GPUIPC_IMPORT_OPTIONS_INIT;
   GPUIPC__CHECK(gpuipc__options_copy(opts, sizeof *opts, opts_in, 0,
@@ -648,5 +676,5 @@ gpuipc_status gpuipc__desc_open(const char *fn, const uint8_t *desc,
     return gpuipc__fail(GPUIPC_E_BAD_KIND,
                         "%s: descriptor of type %u is not %s", fn,
                         (unsigned)d->type, what);
-  return check_origin(d);
+  return check_origin(d, via);
 }

@@ -83,7 +83,7 @@ gpuipc_status gpuipc_event_import(const uint8_t *desc, size_t len,
   gpuipc_import_options opts;
   gpuipc__desc d;
   GPUIPC__CHECK(gpuipc__desc_open("gpuipc_event_import", desc, len, opts_in,
-                                  GPUIPC_DESC_EVENT, "an event", &opts, &d));
+                                  GPUIPC_DESC_EVENT, "an event", NULL, &opts, &d));
   GPUIPC__CHECK(gpuipc__driver());
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);

@@ -107,16 +107,61 @@ gpuipc_status gpuipc__desc_encode(const gpuipc__desc *d, uint8_t *out,
 gpuipc_status gpuipc__desc_decode(const uint8_t *in, size_t len,
                                   gpuipc__desc *d);
 
+/* A connection's peer, for imports of what arrived over that connection
+ * (the layer above fills it at the handshake): the peer's identity as its
+ * HELLO names it (pid namespace, pid in it, start time; the kernel vouched
+ * for the connection, and for the pid where it can see it), and the
+ * liveness table the peer passed by fd (NULL: none). A descriptor whose
+ * exporter is that peer is checked against that table, and may come from
+ * another pid namespace when its kind travels by fd (mempool, VMM, pinned
+ * host); legacy handles never may. */
+typedef struct gpuipc__live_peer gpuipc__live_peer;
+typedef struct gpuipc__via {
+  gpuipc__identity peer;
+  const gpuipc__live_peer *table;
+} gpuipc__via;
+
 /* The common start of gpuipc_buffer_import, gpuipc_pool_import and
  * gpuipc_event_import (`fn`): reads the caller's options into *opts
  * (opts_in may be NULL), decodes the descriptor into *d, and checks that it
  * is of `type` (E_BAD_KIND naming `what`: "a buffer", ...) and comes from
- * another process of this machine and pid namespace. */
+ * another process of this machine and pid namespace, or (via not NULL)
+ * from the connection's peer in another pid namespace, of a kind that
+ * travels by fd (E_FOREIGN_NAMESPACE with the reason otherwise). */
 gpuipc_status gpuipc__desc_open(const char *fn, const uint8_t *desc,
                                 size_t len,
                                 const gpuipc_import_options *opts_in,
                                 unsigned type, const char *what,
+                                const gpuipc__via *via,
                                 gpuipc_import_options *opts, gpuipc__desc *d);
+
+/* gpuipc_buffer_import for what arrived over a connection (via: its peer;
+ * NULL: the same as gpuipc_buffer_import). */
+gpuipc_status gpuipc__buffer_import_via(const gpuipc__via *via,
+                                        const uint8_t *desc, size_t len,
+                                        const int *fds, int nfds,
+                                        const gpuipc_import_options *opts_in,
+                                        gpuipc_buffer **out);
+
+/* ---- liveness tables that travel with connections (live.c) -----------------
+ * The exporter side: a new read-only fd of this process's liveness table
+ * (the table is made now if it was not yet), and its key; the caller sends
+ * it and closes it. -1 (and the reason through gpuipc__fail) when this
+ * process has no table. */
+int gpuipc__live_table_fd(uint64_t *key);
+/* The importer side: validates an fd a peer passed as its liveness table
+ * (a regular file of tmpfs or a memfd, of exactly a table's size, with a
+ * table's header) and keeps a dup of it, named by the peer's identity and
+ * key. Hostile input: anything else is GPUIPC_E_PROTOCOL with the reason,
+ * and the table is only ever read with pread, never mapped, so a peer that
+ * truncates it later cannot fault this process. */
+gpuipc_status gpuipc__live_peer_open(int fd, const gpuipc__identity *peer,
+                                     uint64_t key, gpuipc__live_peer **out);
+void gpuipc__live_peer_close(gpuipc__live_peer *t);
+/* Remembers a pidfd (duplicated) of a process of another pid namespace,
+ * the peer of a connection, so that "is the exporter gone" can be
+ * answered for its identity (whose pid means nothing here). */
+void gpuipc__live_watch_identity(const gpuipc__identity *id, int pidfd);
 
 /* This process's identity (computed once per process; recomputed after a
  * fork). */

@@ -290,13 +290,19 @@ typedef enum gpuipc__live_state {
 } gpuipc__live_state;
 
 /* True when the process an identity names is certainly gone (its pid is
- * free, or names a process with another start time). */
+ * free, or names a process with another start time). For an identity of
+ * another pid namespace, whose pid means nothing here: what the pidfd the
+ * connection layer registered for it says (gpuipc__live_watch_identity);
+ * without one, true (nothing can tell it lives: nothing is kept for it). */
 bool gpuipc__exporter_gone(const gpuipc__identity *exporter);
 
-/* What the table of the descriptor's exporter says of its generation
- * (maps the exporter's table, named by the descriptor's live key,
- * read-only on first use; logs at info once when it cannot). */
-gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d);
+/* What the table of the descriptor's exporter says of its generation:
+ * the table its connection passed (via, when the descriptor's exporter is
+ * that connection's peer and names that table's key), else the table found
+ * by name in /dev/shm (mapped read-only on first use; logs at info once
+ * when it cannot). */
+gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d,
+                                            const gpuipc__via *via);
 
 /* This process's table's key (made with the table on first use; 0 when
  * it has none): every buffer and pool descriptor carries it. */

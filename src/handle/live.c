@@ -10,6 +10,8 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +19,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -42,7 +45,24 @@ static atomic_uint_fast64_t generations;
  * holding anything else (reused by a later allocation, never written)
  * means "cannot tell": the import proceeds, so the table never refuses
  * live memory. Legacy descriptors travel without fds, which is why the
- * table is found by name rather than passed as an fd.
+ * table can be found by name.
+ *
+ * A name in /dev/shm reaches only processes that share that /dev/shm (one
+ * IPC and mount namespace, as containers do not): a connection therefore
+ * carries the table itself, a read-only fd of it passed once at the
+ * handshake (gpuipc__live_table_fd on one side, gpuipc__live_peer_open on
+ * the other), and descriptors of the connection's peer that arrive over it
+ * are checked against that table (the gpuipc__via of the import); the
+ * by-name lookup stays for descriptors that travel any other way. A table
+ * from a peer is hostile input: checked to be a tmpfs file (or memfd) of a
+ * table's size and header, and read with pread only, so a peer that
+ * truncates it cannot fault this process. When /dev/shm cannot hold a
+ * table at all (absent, read-only), the table is a sealed memfd that only
+ * connections carry.
+ *
+ * Pids of another pid namespace mean nothing here: whether such an
+ * exporter is gone is what a pidfd of it says (the connection layer
+ * registers its peer's, gpuipc__live_watch_identity), never /proc.
  *
  * The table also records what the exporter exported by fd, indexed by fd
  * number: the kind, the export's tag (the generation of a VMM or pinned
@@ -101,7 +121,9 @@ static live_map self;         /* this process's table */
 static pid_t live_pid;        /* the process that made it */
 static bool live_tried;
 static uint64_t live_key_self; /* its key */
-static char live_path[160];
+static char live_path[160];   /* "": a memfd (live_memfd), no name */
+static int live_memfd = -1;   /* the table when /dev/shm cannot hold it */
+static uint64_t live_dev, live_ino; /* the table's file */
 
 /* The table's name; key 0: the name of older libraries, without one. */
 static void live_name(char *out, size_t cap, uid_t uid, uint64_t pidns,
@@ -131,8 +153,82 @@ static bool process_gone(int pid, uint64_t start_time) {
   return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
 }
 
+/* Pidfds of processes of other pid namespaces (connections' peers), by
+ * identity. An entry goes once its process is gone; at most WATCH_MAX. */
+#define WATCH_MAX 1024
+typedef struct watched {
+  gpuipc__identity id;
+  int pidfd;
+  struct watched *next;
+} watched;
+static watched *watches;
+static int nwatches;
+static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static bool pidfd_exited(int pidfd) {
+  struct pollfd pf = {pidfd, POLLIN, 0};
+  int r;
+  GPUIPC__EINTR_RETRY(r, poll(&pf, 1, 0));
+  return r > 0;
+}
+
+/* Drops the entries of gone processes (watch_lock held). */
+static void watch_sweep(void) {
+  for (watched **pp = &watches; *pp;) {
+    watched *w = *pp;
+    if (pidfd_exited(w->pidfd)) {
+      *pp = w->next;
+      close(w->pidfd);
+      free(w);
+      nwatches--;
+    } else {
+      pp = &w->next;
+    }
+  }
+}
+
+void gpuipc__live_watch_identity(const gpuipc__identity *id, int pidfd) {
+  if (pidfd < 0)
+    return;
+  pthread_mutex_lock(&watch_lock);
+  watch_sweep();
+  bool have = false;
+  for (watched *w = watches; w && !have; w = w->next)
+    have = gpuipc__identity_eq(&w->id, id);
+  watched *w = NULL;
+  if (!have && nwatches < WATCH_MAX && (w = calloc(1, sizeof *w)) != NULL) {
+    w->pidfd = fcntl(pidfd, F_DUPFD_CLOEXEC, 0);
+    if (w->pidfd < 0) {
+      free(w);
+    } else {
+      w->id = *id;
+      w->next = watches;
+      watches = w;
+      nwatches++;
+    }
+  }
+  pthread_mutex_unlock(&watch_lock);
+}
+
+/* Whether the process an identity names is gone, in whichever pid
+ * namespace it lives. */
+static bool identity_gone(const gpuipc__identity *ex) {
+  if (ex->pidns == gpuipc__pid_namespace())
+    return process_gone(ex->pid, ex->start_time);
+  bool gone = true;
+  pthread_mutex_lock(&watch_lock);
+  watch_sweep(); /* a gone peer's pidfd is not kept */
+  for (watched *w = watches; w; w = w->next)
+    if (gpuipc__identity_eq(&w->id, ex)) {
+      gone = pidfd_exited(w->pidfd);
+      break;
+    }
+  pthread_mutex_unlock(&watch_lock);
+  return gone;
+}
+
 bool gpuipc__exporter_gone(const gpuipc__identity *ex) {
-  return process_gone(ex->pid, ex->start_time);
+  return identity_gone(ex);
 }
 
 /* Removes tables of this uid and pid namespace whose process is gone (pid
@@ -163,7 +259,7 @@ static void live_sweep(uint64_t pidns) {
 }
 
 __attribute__((destructor)) static void live_unlink_at_exit(void) {
-  if (self.base != NULL && live_pid == getpid())
+  if (self.base != NULL && live_pid == getpid() && live_path[0] != '\0')
     unlink(live_path);
 }
 
@@ -194,6 +290,10 @@ static live_map *live_self(void) {
     live_unmap(&self);
     live_tried = false;
   }
+  if (live_memfd >= 0 && live_pid != me) {
+    close(live_memfd); /* the parent's */
+    live_memfd = -1;
+  }
   if (self.base != NULL)
     return &self;
   if (live_tried && live_pid == me)
@@ -215,27 +315,61 @@ static live_map *live_self(void) {
     if (fd < 0 && err != EEXIST)
       break;
   }
-  if (fd < 0) {
-    GPUIPC__WARN("handle",
-                 "no liveness table (%s: %s): importers of this process's "
-                 "buffers cannot detect freed buffers, and cannot fetch its "
-                 "fds by pidfd_getfd",
-                 live_path, strerror(err));
-    return NULL;
+  bool named = fd >= 0;
+  if (!named) {
+    /* No /dev/shm for it (a container without one, read-only, full):
+     * a sealed memfd, which only connections carry. */
+    char why[200];
+    snprintf(why, sizeof why, "%s: %s", live_path, strerror(err));
+    live_path[0] = '\0';
+    fd = memfd_create("gpuipc-live", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+      GPUIPC__WARN("handle",
+                   "no liveness table (%s; memfd_create: %s): importers of "
+                   "this process's buffers cannot detect freed buffers, and "
+                   "cannot fetch its fds by pidfd_getfd",
+                   why, strerror(errno));
+      return NULL;
+    }
+    GPUIPC__INFO("handle",
+                 "liveness table in a memfd (%s): it reaches importers over "
+                 "connections only",
+                 why);
   }
   void *m = MAP_FAILED;
   if (ftruncate(fd, (off_t)LIVE_BYTES) == 0)
     m = mmap(NULL, LIVE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   err = errno;
-  close(fd);
+  /* A memfd table is sealed: its size is fixed, and nobody given its fd
+   * can write it or map it writable (this mapping stays writable). */
+  if (m != MAP_FAILED && !named &&
+      fcntl(fd, F_ADD_SEALS,
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) !=
+          0) {
+    err = errno;
+    munmap(m, LIVE_BYTES);
+    m = MAP_FAILED;
+  }
+  struct stat st;
+  if (m != MAP_FAILED && fstat(fd, &st) == 0) {
+    live_dev = (uint64_t)st.st_dev;
+    live_ino = (uint64_t)st.st_ino;
+  }
+  if (named)
+    close(fd);
   if (m == MAP_FAILED) {
     GPUIPC__WARN("handle",
                  "no liveness table (%s: %s): importers of this process's "
                  "buffers cannot detect freed buffers",
-                 live_path, strerror(err));
-    unlink(live_path);
+                 named ? live_path : "memfd", strerror(err));
+    if (named)
+      unlink(live_path);
+    else
+      close(fd);
     return NULL;
   }
+  if (!named)
+    live_memfd = fd;
   live_header *h = m;
   h->version = LIVE_VERSION;
   h->slots = GPUIPC__LIVE_SLOTS;
@@ -247,6 +381,111 @@ static live_map *live_self(void) {
   self.exports = (live_export *)(self.slots + GPUIPC__LIVE_SLOTS);
   live_key_self = key;
   return &self;
+}
+
+int gpuipc__live_table_fd(uint64_t *key) {
+  pthread_mutex_lock(&live_lock);
+  live_map *t = live_self();
+  int fd = -1;
+  const char *why = "this process has no liveness table (see the log)";
+  if (t != NULL && live_memfd >= 0) {
+    fd = fcntl(live_memfd, F_DUPFD_CLOEXEC, 0);
+    why = "dup of the table's memfd failed";
+  } else if (t != NULL) {
+    /* Read-only: the peer may read the table, never write it. */
+    fd = open(live_path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    why = "the table's file could not be opened again";
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) != 0 || (uint64_t)st.st_dev != live_dev ||
+                    (uint64_t)st.st_ino != live_ino)) {
+      close(fd);
+      fd = -1;
+      errno = ESTALE;
+      why = "the table's name names another file now";
+    }
+  }
+  int err = errno;
+  *key = fd >= 0 ? live_key_self : 0;
+  pthread_mutex_unlock(&live_lock);
+  if (fd < 0)
+    gpuipc__fail(GPUIPC_E_NOT_SUPPORTED, "liveness table fd: %s (%s)", why,
+                 strerror(err));
+  return fd;
+}
+
+/* ---- tables that came with connections ------------------------------------------ */
+
+struct gpuipc__live_peer {
+  int fd;
+  uint64_t key;
+  gpuipc__identity id;
+};
+
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994
+#endif
+
+gpuipc_status gpuipc__live_peer_open(int fd, const gpuipc__identity *peer,
+                                     uint64_t key, gpuipc__live_peer **out) {
+  *out = NULL;
+  struct stat st;
+  struct statfs fs;
+  live_header h;
+  const char *why = NULL;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+    why = "it is not a regular file";
+  else if (fstatfs(fd, &fs) != 0 || fs.f_type != TMPFS_MAGIC)
+    why = "it is not on tmpfs or a memfd (reading it could block)";
+  else if ((size_t)st.st_size != LIVE_BYTES)
+    why = "its size is not a liveness table's";
+  else if (pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h ||
+           h.magic != LIVE_MAGIC || h.version != LIVE_VERSION ||
+           h.slots != GPUIPC__LIVE_SLOTS || h.exports != GPUIPC__LIVE_EXPORTS)
+    why = "its header is not a liveness table's";
+  else if (key == 0)
+    why = "it came without a key";
+  if (why != NULL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "handshake: the peer's liveness table fd is refused: "
+                        "%s",
+                        why);
+  gpuipc__live_peer *t = calloc(1, sizeof *t);
+  if (t == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "liveness table of a peer");
+  t->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (t->fd < 0) {
+    gpuipc_status s = gpuipc__fail_errno(errno, "fcntl", "dup of a table fd");
+    free(t);
+    return s;
+  }
+  t->key = key;
+  t->id = *peer;
+  *out = t;
+  return GPUIPC_OK;
+}
+
+void gpuipc__live_peer_close(gpuipc__live_peer *t) {
+  if (t == NULL)
+    return;
+  close(t->fd);
+  free(t);
+}
+
+/* A slot of a connection's table, read with pread (the peer may truncate
+ * the file: a short read says "cannot tell"). */
+static gpuipc__live_state via_state(const gpuipc__live_peer *t, uint64_t g) {
+  uint64_t v = 0;
+  off_t off = (off_t)(sizeof(live_header) +
+                      (g % GPUIPC__LIVE_SLOTS) * sizeof(uint64_t));
+  ssize_t n;
+  GPUIPC__EINTR_RETRY(n, pread(t->fd, &v, sizeof v, off));
+  if (n != (ssize_t)sizeof v)
+    return GPUIPC__LIVE_UNKNOWN;
+  if (v == g)
+    return GPUIPC__LIVE_YES;
+  if (v == (g | GPUIPC__LIVE_FREED_BIT))
+    return GPUIPC__LIVE_FREED;
+  return GPUIPC__LIVE_UNKNOWN;
 }
 
 uint64_t gpuipc__live_key(void) {
@@ -342,8 +581,7 @@ void gpuipc__generation_freed(uint64_t g) {
  * Only tables that opened are kept, so made-up identities and keys in
  * hostile descriptors neither grow the list nor hide a real table. */
 typedef struct peer_table {
-  int32_t pid;
-  uint64_t start_time;
+  gpuipc__identity id;
   uint64_t key;
   live_map m;
   struct peer_table *next;
@@ -424,15 +662,14 @@ static bool peer_get(const gpuipc__desc *d, live_map *out, bool *temp) {
   if (!desc_table_key(d, &key))
     return false;
   for (peer_table *p = peers; p; p = p->next)
-    if (p->pid == ex->pid && p->start_time == ex->start_time &&
-        p->key == key) {
+    if (gpuipc__identity_eq(&p->id, ex) && p->key == key) {
       *out = p->m;
       return true;
     }
   /* Forget exporters that are gone. */
   for (peer_table **pp = &peers; *pp;) {
     peer_table *q = *pp;
-    if (process_gone(q->pid, q->start_time)) {
+    if (identity_gone(&q->id)) {
       *pp = q->next;
       live_unmap(&q->m);
       free(q);
@@ -442,8 +679,9 @@ static bool peer_get(const gpuipc__desc *d, live_map *out, bool *temp) {
   }
   if (!peer_open(ex, key, out))
     return false;
-  if (process_gone(ex->pid, ex->start_time)) {
-    /* The exporter is gone: its table, still there, is read once. */
+  if (identity_gone(ex)) {
+    /* The exporter is gone (or, of another pid namespace, nothing here
+     * can tell): its table, still there, is read once. */
     *temp = true;
     return true;
   }
@@ -452,8 +690,7 @@ static bool peer_get(const gpuipc__desc *d, live_map *out, bool *temp) {
     *temp = true;
     return true;
   }
-  p->pid = ex->pid;
-  p->start_time = ex->start_time;
+  p->id = *ex;
   p->key = key;
   p->m = *out;
   p->next = peers;
@@ -461,10 +698,17 @@ static bool peer_get(const gpuipc__desc *d, live_map *out, bool *temp) {
   return true;
 }
 
-gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d) {
+gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d,
+                                            const gpuipc__via *via) {
   uint64_t g = d->generation;
   if (g == 0 || (g & GPUIPC__LIVE_FREED_BIT))
     return GPUIPC__LIVE_UNKNOWN;
+  /* The table the connection carried, when the descriptor is of that
+   * connection's peer and names that table. */
+  if (via != NULL && via->table != NULL &&
+      gpuipc__identity_eq(&d->exporter, &via->table->id) &&
+      d->length >= GPUIPC__DESC_LEN && d->live_key == via->table->key)
+    return via_state(via->table, g);
   gpuipc__live_state st = GPUIPC__LIVE_UNKNOWN;
   pthread_mutex_lock(&live_lock);
   live_map m;
@@ -505,6 +749,12 @@ static bool record_read(const live_export *r, live_export *out) {
 gpuipc_status gpuipc__live_fetch_fd(const gpuipc__desc *d, uint64_t tag,
                                     int *out) {
   int fd = -1;
+  if (d->exporter.pidns != gpuipc__pid_namespace())
+    return gpuipc__fail(GPUIPC_E_FOREIGN_NAMESPACE,
+                        "pidfd_getfd: the exporter (pid %d) is in another pid "
+                        "namespace, where its pid means nothing here: its "
+                        "fds must come with the descriptor",
+                        (int)d->exporter.pid);
   GPUIPC__CHECK(gpuipc__pidfd_getfd(&d->exporter, d->exporter_fd, &fd));
   struct stat st;
   if (fstat(fd, &st) != 0) {

@@ -235,7 +235,7 @@ gpuipc_status gpuipc_pool_import(const uint8_t *desc, size_t len, int fd,
   gpuipc_import_options opts;
   gpuipc__desc d;
   GPUIPC__CHECK(gpuipc__desc_open("gpuipc_pool_import", desc, len, opts_in,
-                                  GPUIPC_DESC_POOL, "a pool", &opts, &d));
+                                  GPUIPC_DESC_POOL, "a pool", NULL, &opts, &d));
   GPUIPC__CHECK(gpuipc__driver());
   gpuipc_uuid dev;
   memcpy(dev.bytes, d.device, 16);

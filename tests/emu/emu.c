@@ -158,6 +158,12 @@ static uint64_t proc_start_time(pid_t pid) {
   return p ? strtoull(p, NULL, 10) : 0;
 }
 
+static uint64_t id_salt(uint64_t start_time) {
+  struct stat st;
+  uint64_t ns = stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+  return (start_time * 7919u + ns * 2654435761u) & 0xffffffffffull;
+}
+
 /* ======================================================================== */
 /* global state and configuration                                            */
 /* ======================================================================== */
@@ -394,7 +400,7 @@ static void configure(void) {
   const char *s;
   E.pid = getpid();
   E.start_time = proc_start_time(E.pid);
-  E.id_salt = (E.start_time * 7919u) & 0xffffffffffull;
+  E.id_salt = id_salt(E.start_time);
   s = getenv("GPUIPC_EMU_LOG");
   E.log = s && *s && strcmp(s, "0") != 0;
   s = getenv("GPUIPC_EMU_DEVICES");
@@ -460,7 +466,9 @@ static void configure(void) {
 static void config(void) { pthread_once(&E.once, configure); }
 
 /* Unique across the processes alive at one time (pid bits) and across pid
- * reuse (salted with the process start time): buffer ids, allocation ids. */
+ * reuse (salted with the process start time and the pid namespace: pid 1 of
+ * two containers started in one clock tick are two processes): buffer ids,
+ * allocation ids. */
 static uint64_t next_id(void) {
   static _Atomic uint64_t ctr;
   uint64_t n = atomic_fetch_add(&ctr, 1) + 1;
@@ -535,7 +543,7 @@ CUresult cuInit(unsigned int flags) {
     if (getpid() != E.pid) {
       E.pid = getpid();
       E.start_time = proc_start_time(E.pid);
-      E.id_salt = (E.start_time * 7919u) & 0xffffffffffull;
+      E.id_salt = id_salt(E.start_time);
     }
     atomic_store_explicit(&E.inited, 1, memory_order_release);
   }
