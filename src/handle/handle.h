@@ -158,6 +158,8 @@ int gpuipc__live_table_fd(uint64_t *key);
 gpuipc_status gpuipc__live_peer_open(int fd, const gpuipc__identity *peer,
                                      uint64_t key, gpuipc__live_peer **out);
 void gpuipc__live_peer_close(gpuipc__live_peer *t);
+/* The size in bytes of a liveness table (what a peer's must have). */
+size_t gpuipc__live_table_bytes(void);
 /* Remembers a pidfd (duplicated) of a process of another pid namespace,
  * the peer of a connection, so that "is the exporter gone" can be
  * answered for its identity (whose pid means nothing here). */

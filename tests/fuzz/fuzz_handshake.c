@@ -11,10 +11,12 @@
  * Each input runs twice: as it is, and with its first frame made to look
  * right where a checksum-like field would stop every mutation (header
  * check; the HELLO's pid, uid and gid set to this process's, which the
- * kernel's credentials must match).
+ * kernel's credentials must match). The second pass also sends
+ * descriptors, for a LIVE frame (see live_fds).
  */
 #include "fuzz_conn.h"
 
+#include <sys/mman.h>
 #include <sys/un.h>
 
 static gpuipc_listener *listener;
@@ -59,6 +61,64 @@ static void via_pair(const uint8_t *p, size_t n) {
   close(sv[1]);
 }
 
+/* Descriptors sent with the "made right" pass, chosen by the input's last
+ * byte: bit 0 a copy of /dev/null, bit 1 a memfd holding the bytes after
+ * the input's last complete frame (a liveness table whose bytes the input
+ * controls, for a LIVE frame; those bytes are not sent on the socket),
+ * sealed against shrinking and growing when bit 2 is set too, and of a
+ * table's size when bit 3 is (the input at its start, zeros after). */
+static int live_fds(const uint8_t *p, size_t n, uint8_t ctl, int *fds) {
+  int k = 0;
+  if (ctl & 1)
+    fds[k++] = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (ctl & 2) {
+    int m = memfd_create("fuzz-live", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (m >= 0 && n && write(m, p, n) != (ssize_t)n) {
+      close(m);
+      m = -1;
+    }
+    if (m >= 0 && (ctl & 8) &&
+        ftruncate(m, (off_t)gpuipc__live_table_bytes()) != 0) {
+      close(m);
+      m = -1;
+    }
+    if (m >= 0 && (ctl & 4))
+      (void)fcntl(m, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+    fds[k++] = m;
+  }
+  int j = 0;
+  for (int i = 0; i < k; i++)
+    if (fds[i] >= 0)
+      fds[j++] = fds[i];
+  return j;
+}
+
+/* Where the input's first LIVE frame starts (first) and ends (end): the
+ * frame goes with the descriptors (they arrive with the bytes they were
+ * sent with), what follows it is the memfd's content. Without a LIVE
+ * frame, all of the input goes on the socket, the descriptors with its
+ * last frame. */
+static void live_split(const uint8_t *p, size_t n, size_t *first,
+                       size_t *end) {
+  size_t f = 0, e = 0;
+  bool live = false;
+  for (size_t off = 0; n - off >= sizeof(gpuipc__frame_hdr);) {
+    gpuipc__frame_hdr h;
+    memcpy(&h, p + off, sizeof h);
+    if (h.len > n - off - sizeof h)
+      break;
+    f = off;
+    off += sizeof h + h.len;
+    e = off;
+    if (h.type == GPUIPC__F_LIVE) {
+      live = true;
+      break;
+    }
+  }
+  *first = f;
+  *end = live ? e : n;
+}
+
 /* The listener: connect to it, send, then accept. */
 static void via_listener(const uint8_t *p, size_t n) {
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -71,7 +131,14 @@ static void via_listener(const uint8_t *p, size_t n) {
   socklen_t sl = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
   if (connect(fd, (struct sockaddr *)&sa, sl) != 0)
     abort();
-  (void)fuzz_send(fd, p, n, 0);
+  size_t first, end;
+  live_split(p, n, &first, &end);
+  int fds[2];
+  int nfds = live_fds(p + end, n - end, n ? p[n - 1] : 0, fds);
+  (void)fuzz_send_fds(fd, p, first, NULL, 0);
+  (void)fuzz_send_fds(fd, p + first, end - first, fds, nfds);
+  for (int i = 0; i < nfds; i++)
+    close(fds[i]);
   shutdown(fd, SHUT_WR);
   gpuipc_conn *c = NULL;
   gpuipc_status s = gpuipc_accept(listener, &c);
@@ -95,7 +162,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   /* Made to look right: the header check of every frame, and the
    * HELLO's identity fields where the first frame is long enough. */
-  fuzz_fix_checks(copy, size);
+  size_t first, end;
+  live_split(copy, size, &first, &end);
+  fuzz_fix_checks(copy, end); /* not the table's bytes after a LIVE frame */
   const size_t id_off = sizeof(gpuipc__frame_hdr) + 8; /* pid, uid, gid */
   if (size >= id_off + 12) {
     int32_t pid = getpid();
