@@ -442,7 +442,11 @@ PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw) {
   return (PyObject *)s;
 }
 
-PyObject *mod_open(PyObject *m, PyObject *args, PyObject *kw) {
+/* gpuipc.open(), and Connection.open() when conn is not NULL (a
+ * descriptor that came over that connection from its peer: checked against
+ * the peer's liveness table, accepted from another container when its
+ * kind travels by fd). */
+PyObject *open_desc(ConnObject *conn, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"desc", "fds", "device", "pidfd_getfd", NULL};
   Py_buffer d;
   PyObject *fds_o = Py_None, *dev_o = Py_None;
@@ -486,9 +490,17 @@ PyObject *mod_open(PyObject *m, PyObject *args, PyObject *kw) {
   }
   gpuipc_buffer *b = NULL;
   gpuipc_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_buffer_import(p, len, fds, nfds, &io, &b);
-  Py_END_ALLOW_THREADS
+  if (conn) {
+    /* Under g_lock: the connection must not close meanwhile. */
+    LOCK();
+    st = conn->c ? gpuipc_conn_import_buffer(conn->c, p, len, fds, nfds, &io, &b)
+                 : GPUIPC_E_CLOSED;
+    UNLOCK();
+  } else {
+    Py_BEGIN_ALLOW_THREADS
+    st = gpuipc_buffer_import(p, len, fds, nfds, &io, &b);
+    Py_END_ALLOW_THREADS
+  }
   if (st) { raise_st(st, "open"); goto out; }
   size_t size = gpuipc_buffer_get_size(b);
   if (have_meta && (meta.offset > size || meta_extent(&meta) > size - meta.offset)) {
@@ -500,6 +512,11 @@ PyObject *mod_open(PyObject *m, PyObject *args, PyObject *kw) {
 out:
   PyBuffer_Release(&d);
   return ret;
+}
+
+PyObject *mod_open(PyObject *m, PyObject *args, PyObject *kw) {
+  (void)m;
+  return open_desc(NULL, args, kw);
 }
 
 PyObject *mod_desc_info(PyObject *m, PyObject *args) {

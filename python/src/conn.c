@@ -511,6 +511,11 @@ static PyObject *Conn_outstanding(ConnObject *c, PyObject *unused) {
   return Py_BuildValue("(nn)", (Py_ssize_t)a, (Py_ssize_t)b);
 }
 
+static PyObject *Conn_open(ConnObject *c, PyObject *args, PyObject *kw) {
+  if (!conn_ok(c)) return NULL;
+  return open_desc(c, args, kw);
+}
+
 static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
   if (c->c && c->tset_refs > 0)
     return raise_msg(GPUIPC_E_BUSY, "close", "a tensor set or subscriber still uses the "
@@ -581,6 +586,10 @@ static PyMethodDef Conn_methods[] = {
      "progress(timeout=0): handle incoming releases and departures"},
     {"outstanding", (PyCFunction)Conn_outstanding, METH_NOARGS,
      "outstanding() -> (held_by_peer, held_here)"},
+    {"open", (PyCFunction)(void (*)(void))Conn_open, METH_VARARGS | METH_KEYWORDS,
+     "open(desc, fds=(), *, device=None) -> Buffer: a descriptor that came over "
+     "this connection from its peer (checked against the peer's liveness table; "
+     "fd-based kinds also from another container)"},
     {"close", (PyCFunction)Conn_close, METH_NOARGS, "close the connection"},
     {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS, "the socket, for selectors/poll"},
     {"__enter__", gpy_enter, METH_NOARGS, NULL},

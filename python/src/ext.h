@@ -269,6 +269,7 @@ void dead_arenas_retry_locked(void);
 View buf_view(BufferObject *b);
 PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_open(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *open_desc(ConnObject *conn, PyObject *args, PyObject *kw);
 PyObject *mod_desc_info(PyObject *m, PyObject *args);
 
 /* proc.c */

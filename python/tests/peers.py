@@ -52,12 +52,12 @@ def holder(conn, n):
     time.sleep(600)
 
 
-def open_consumer(conn):
-    """Receives a shared descriptor with its fds by message, opens it,
-    reports it."""
+def open_consumer(conn, via_conn=False):
+    """Receives a shared descriptor with its fds by message, opens it
+    (gpuipc.open, or conn.open with via_conn), reports it."""
     desc, fds = conn.recv_msg(timeout=30, with_fds=True)
     try:
-        buf = gpuipc.open(desc, fds)
+        buf = conn.open(desc, fds) if via_conn else gpuipc.open(desc, fds)
     except gpuipc.Error as e:
         _report(conn, error=type(e).__name__, message=str(e))
         return

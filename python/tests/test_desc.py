@@ -140,6 +140,35 @@ def test_stale_descriptor_is_refused_in_the_peer():
         p.join(30)
 
 
+@pytest.mark.parametrize("kind", ["mempool", "vmm", "pinned-host", "legacy"])
+def test_descriptor_opened_through_the_connection(kind):
+    """conn.open: a descriptor that came over the connection from its
+    peer is opened (and its data is there); once freed, it is stale."""
+    pool = gpuipc.Pool(kind=kind)
+    buf = pool.alloc(4096)
+    drv().htod(buf.ptr, pattern(4096, 9))
+    with gpuipc.spawn(peers.open_consumer, True) as p:
+        s = gpuipc.share(buf)
+        p.conn.send_msg(s.desc, s.fds)
+        r = report(p.conn)
+        assert r.get("imported") is True, r
+        assert bytes.fromhex(r["data"])[:4096] == pattern(4096, 9)
+        p.conn.send_msg(b"go")
+        assert p.join(30) == 0
+        s.close()
+    s = gpuipc.share(buf)
+    desc, fds = s.desc, [os.dup(fd) for fd in s.fds]
+    s.close()
+    buf.close()
+    with gpuipc.spawn(peers.open_consumer, True) as p:
+        p.conn.send_msg(desc, fds)
+        for fd in fds:
+            os.close(fd)
+        r = report(p.conn)
+        assert r["error"] == "StaleError", r
+        p.join(30)
+
+
 def test_blocks_are_not_shared_by_descriptor():
     a = gpuipc.Arena(chunk_bytes=1 << 20)
     b = a.alloc(256)
