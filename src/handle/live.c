@@ -368,7 +368,10 @@ static bool peer_open(const gpuipc__identity *ex, uint64_t key, live_map *out) {
   live_name(path, sizeof path, geteuid(), ex->pidns, ex->pid, ex->start_time,
             key);
   memset(out, 0, sizeof *out);
-  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  /* O_NONBLOCK: the name comes from a descriptor and anyone may create a
+   * file in /dev/shm; a FIFO there would make open wait for a writer (with
+   * live_lock held: every import of this process with it). */
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     if (!peer_logged)
       GPUIPC__INFO("handle",
