@@ -518,3 +518,48 @@ TEST_IMPL(handle_hostile_liveness_table_fifo) {
   ASSERT_OK(s); /* the table is not usable: the import proceeds unchecked */
   return 0;
 }
+
+/* The exporter owns its liveness table and can truncate it once an
+ * importer has looked into it: a mapping of it would raise SIGBUS in the
+ * importer at its next import from that exporter. The importer reads the
+ * table (rather than maps it): a table cut short is only a table it cannot
+ * use. (The test truncates the peer's table itself, as the peer could.) */
+TEST_IMPL(handle_hostile_liveness_table_truncated) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], d2[GPUIPC_DESC_MAX];
+  size_t len, len2;
+  int fd, fd2;
+  gpuipc__desc dd;
+  export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d, &len, &fd, &dd);
+  export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d2, &len2, &fd2, &dd);
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_import(d, len, &fd, 1, NULL, &b)); /* looked into */
+  ASSERT_OK(gpuipc_buffer_close(b));
+  close(fd);
+  char path[200];
+  predictable_table_name(path, sizeof path, pid);
+  uint64_t key = table_key_of(pid);
+  ASSERT_NE(key, 0);
+  snprintf(path + strlen(path), sizeof path - strlen(path), "-%016llx",
+           (unsigned long long)key);
+  int t = open(path, O_RDWR | O_CLOEXEC);
+  ASSERT_GE(t, 0);
+  ASSERT_EQ(ftruncate(t, 0), 0);
+  close(t);
+  /* The next import from it: the stale check reads the table. */
+  gpuipc_status s = gpuipc_buffer_import(d2, len2, &fd2, 1, NULL, &b);
+  if (s != GPUIPC_OK)
+    fprintf(stderr, "import: %s: %s\n", gpuipc_status_name(s),
+            gpuipc_last_error());
+  ASSERT_OK(s); /* the table is not usable: the import proceeds unchecked */
+  ASSERT_OK(gpuipc_buffer_close(b));
+  close(fd2);
+  /* The peer's own table is cut short too: it would die of its next
+   * write there, so it is not asked for anything more. */
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  close(sock);
+  return 0;
+}
