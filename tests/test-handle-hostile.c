@@ -11,8 +11,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -444,5 +447,119 @@ TEST_IMPL(handle_hostile_pidfd_bystander) {
   th_peer_stop(a, sa);
   th_peer_stop(by, sb);
   th_peer_stop(fresh, sc);
+  return 0;
+}
+
+/* A descriptor names its exporter's liveness table (pid, start time, key),
+ * and anyone can create a file in /dev/shm: a FIFO under the name a forged
+ * descriptor gives. Opening it to read would wait for a writer (with the
+ * table lock held, so every import of the process would wait). The import
+ * must go on at once, without the table. A watchdog thread opens the FIFO
+ * for writing if the import is still waiting after a while, so that a
+ * failure ends rather than hangs. */
+struct fifo_watch {
+  const char *path;
+  _Atomic int done;
+  _Atomic int rescued;
+};
+
+static void *fifo_watchdog(void *arg) {
+  struct fifo_watch *w = arg;
+  for (int i = 0; i < 300 && !atomic_load(&w->done); i++)
+    usleep(10000);
+  while (!atomic_load(&w->done)) {
+    int fd = open(w->path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd >= 0) {
+      atomic_store(&w->rescued, 1);
+      close(fd);
+    }
+    usleep(10000);
+  }
+  return NULL;
+}
+
+TEST_IMPL(handle_hostile_liveness_table_fifo) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len;
+  int fd;
+  gpuipc__desc dd;
+  uint64_t slot =
+      export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d, &len, &fd, &dd);
+  dd.live_key = 0x5eedf1f0deadbeefull; /* names no real table */
+  ASSERT_OK(gpuipc__desc_encode(&dd, d, sizeof d, &len));
+  char path[200];
+  snprintf(path, sizeof path, "/dev/shm/gpuipc-%u-%llu-%d-%llu-%016llx",
+           (unsigned)geteuid(), (unsigned long long)dd.exporter.pidns,
+           (int)dd.exporter.pid, (unsigned long long)dd.exporter.start_time,
+           (unsigned long long)dd.live_key);
+  unlink(path);
+  ASSERT_EQ(mkfifo(path, 0600), 0);
+  struct fifo_watch w = {path, 0, 0};
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, fifo_watchdog, &w), 0);
+  gpuipc_buffer *b = NULL;
+  gpuipc_status s = gpuipc_buffer_import(d, len, &fd, 1, NULL, &b);
+  atomic_store(&w.done, 1);
+  ASSERT_EQ(pthread_join(t, NULL), 0);
+  unlink(path);
+  if (s == GPUIPC_OK)
+    ASSERT_OK(gpuipc_buffer_close(b));
+  else
+    fprintf(stderr, "import: %s: %s\n", gpuipc_status_name(s),
+            gpuipc_last_error());
+  close(fd);
+  th_peer_free(sock, slot);
+  th_peer_stop(pid, sock);
+  if (atomic_load(&w.rescued))
+    harness_fail(__FILE__, __LINE__, "the import waited on the FIFO %s", path);
+  ASSERT_OK(s); /* the table is not usable: the import proceeds unchecked */
+  return 0;
+}
+
+/* The exporter owns its liveness table and can truncate it once an
+ * importer has looked into it: a mapping of it would raise SIGBUS in the
+ * importer at its next import from that exporter. The importer reads the
+ * table (rather than maps it): a table cut short is only a table it cannot
+ * use. (The test truncates the peer's table itself, as the peer could.) */
+TEST_IMPL(handle_hostile_liveness_table_truncated) {
+  ASSERT_OK(gpuipc_init());
+  int sock;
+  pid_t pid = th_peer_start(NULL, &sock);
+  uint8_t d[GPUIPC_DESC_MAX], d2[GPUIPC_DESC_MAX];
+  size_t len, len2;
+  int fd, fd2;
+  gpuipc__desc dd;
+  export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d, &len, &fd, &dd);
+  export_one(sock, GPUIPC_POOL_PINNED_HOST, 65536, d2, &len2, &fd2, &dd);
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_import(d, len, &fd, 1, NULL, &b)); /* looked into */
+  ASSERT_OK(gpuipc_buffer_close(b));
+  close(fd);
+  char path[200];
+  predictable_table_name(path, sizeof path, pid);
+  uint64_t key = table_key_of(pid);
+  ASSERT_NE(key, 0);
+  snprintf(path + strlen(path), sizeof path - strlen(path), "-%016llx",
+           (unsigned long long)key);
+  int t = open(path, O_RDWR | O_CLOEXEC);
+  ASSERT_GE(t, 0);
+  ASSERT_EQ(ftruncate(t, 0), 0);
+  close(t);
+  /* The next import from it: the stale check reads the table. */
+  gpuipc_status s = gpuipc_buffer_import(d2, len2, &fd2, 1, NULL, &b);
+  if (s != GPUIPC_OK)
+    fprintf(stderr, "import: %s: %s\n", gpuipc_status_name(s),
+            gpuipc_last_error());
+  ASSERT_OK(s); /* the table is not usable: the import proceeds unchecked */
+  ASSERT_OK(gpuipc_buffer_close(b));
+  close(fd2);
+  /* The peer's own table is cut short too: it would die of its next
+   * write there, so it is not asked for anything more. */
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  close(sock);
   return 0;
 }

@@ -11,7 +11,9 @@
 #include "harness.h"
 #include "tree.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -270,5 +272,129 @@ TEST_IMPL(top_count_refreshes) {
     n++;
   ASSERT_EQ(n, 3);
   ASSERT_HAS(out, "no gpuipc process of this user");
+  return 0;
+}
+
+/* ---- hostile or broken segments ---------------------------------------------- */
+
+/* The runtime directory ls reads, made (0700) under a private
+ * XDG_RUNTIME_DIR. */
+static const char *ls_dir(void) {
+  static char dir[600];
+  snprintf(dir, sizeof dir, "%s/gpuipc", private_runtime());
+  ASSERT_EQ(mkdir(dir, 0700) == 0 || errno == EEXIST, 1);
+  return dir;
+}
+
+/* Writes a segment that passes ls's checks for (pid, start) at fd. */
+static void forge_segment(int fd, int pid, uint64_t start, const char *command) {
+  gpuipc__stats_seg *s = calloc(1, sizeof *s);
+  ASSERT_NOT_NULL(s);
+  atomic_store(&s->magic, GPUIPC__STATS_MAGIC);
+  s->version = GPUIPC__STATS_VERSION;
+  s->size = (uint32_t)sizeof *s;
+  s->pid = pid;
+  s->uid = (uint32_t)geteuid();
+  s->start_time = start;
+  snprintf(s->command, sizeof s->command, "%s", command);
+  ASSERT_EQ(pwrite(fd, s, sizeof *s, 0), (ssize_t)sizeof *s);
+  free(s);
+}
+
+/* Runs `gpuipc ls [arg]` under timeout(1): 124 when it hung. */
+static int run_ls_bounded(const char *arg, char *out, size_t cap) {
+  char *argv[] = {"timeout", "20", GPUIPC_CLI_PATH, "ls", (char *)arg, NULL};
+  return harness_run(argv, NULL, out, cap);
+}
+
+/* A FIFO named like a segment: opening it for reading would wait for a
+ * writer that never comes. */
+TEST_IMPL(ls_fifo_in_place_of_segment) {
+  const char *dir = ls_dir();
+  char path[700];
+  snprintf(path, sizeof path, "%s/proc-999999-1.stats", dir);
+  ASSERT_EQ(mkfifo(path, 0600), 0);
+  static char out[1 << 16];
+  ASSERT_EQ(run_ls_bounded("--json", out, sizeof out), 0);
+  ASSERT(strstr(out, "\"pid\": 999999") == NULL);
+  ASSERT_EQ(run_ls_bounded(NULL, out, sizeof out), 0);
+  ASSERT_HAS(out, "no gpuipc process of this user");
+  struct stat st;
+  ASSERT_EQ(lstat(path, &st), 0); /* not ours to remove */
+  return 0;
+}
+
+/* A live process whose segment shrinks and grows again while ls reads it:
+ * a mapping of it would raise SIGBUS in ls. */
+TEST_IMPL(ls_segment_shrinking_while_read) {
+  const char *dir = ls_dir();
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    uint64_t start = gpuipc__process_start_time((int)getpid());
+    char path[700];
+    if (gpuipc__stats_path(path, sizeof path, dir, (int)getpid(), start) != 0)
+      _exit(1);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+      _exit(1);
+    forge_segment(fd, (int)getpid(), start, "shrinker");
+    if (write(ready[1], "r", 1) != 1)
+      _exit(1);
+    for (;;) {
+      if (ftruncate(fd, 0) != 0)
+        _exit(1);
+      forge_segment(fd, (int)getpid(), start, "shrinker");
+    }
+  }
+  close(ready[1]);
+  char c;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  close(ready[0]);
+  static char out[1 << 16];
+  int crashed = 0, runs = 0;
+  for (; runs < 300 && crashed == 0; runs++) {
+    int rc = run_ls_bounded("--json", out, sizeof out);
+    if (rc != 0) {
+      printf("# run %d: gpuipc ls exited with %d\n", runs, rc);
+      crashed++;
+    }
+  }
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  ASSERT_EQ(crashed, 0);
+  return 0;
+}
+
+/* A segment's command is the writer's to choose: terminal control
+ * sequences in it are not passed to the terminal of ls or top (they could
+ * clear the screen or rewrite the lines of other processes). */
+TEST_IMPL(ls_command_control_characters) {
+  const char *dir = ls_dir();
+  char path[700];
+  snprintf(path, sizeof path, "%s/proc-999997-5.stats", dir);
+  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  forge_segment(fd, 999997, 5, "evil\033[2J\033[Hfake\r\n12345 \xc2\x9b" "2Jx\x7f");
+  close(fd);
+  static char out[1 << 16];
+  ASSERT_EQ(run_ls_bounded(NULL, out, sizeof out), 0);
+  ASSERT_HAS(out, "999997");
+  ASSERT_HAS(out, "evil");
+  for (const char *p = out; *p; p++) {
+    unsigned char ch = (unsigned char)*p;
+    if ((ch < 0x20 && ch != '\n') || ch == 0x7f ||
+        (ch == 0xc2 && (unsigned char)p[1] >= 0x80 &&
+         (unsigned char)p[1] <= 0x9f))
+      harness_fail(__FILE__, __LINE__, "control byte 0x%02x at %zu in:\n%s",
+                   ch, (size_t)(p - out), out);
+  }
+  /* One line for the process: the newline in its command made none. */
+  const char *line = strstr(out, "999997");
+  ASSERT_NOT_NULL(line);
+  const char *end = strchr(line, '\n'), *later = strstr(line, "12345");
+  ASSERT(end != NULL && later != NULL && later < end);
   return 0;
 }

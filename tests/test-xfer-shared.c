@@ -14,6 +14,8 @@
 #include "tree.h"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -540,6 +542,77 @@ TEST_IMPL(xfer_shared_open_corrupt) {
     }
   }
   close(f);
+  ASSERT_OK(gpuipc_xfer_shared_close(good));
+  return 0;
+}
+
+/* The peer keeps its own writable mapping of the segment, so the header can
+ * change between the check and its use: what the segment is opened with
+ * must be what was checked. A thread stands in for the hostile peer,
+ * flipping the slot count and size between valid values and values that
+ * would put slots outside the file (or divide by zero) while the segment is
+ * opened and attached again and again. */
+struct header_flipper {
+  volatile uint32_t *nslots;
+  volatile uint64_t *slot_bytes;
+  _Atomic int stop;
+};
+
+static void *flip_header(void *arg) {
+  struct header_flipper *f = arg;
+  uint32_t good_n = *f->nslots;
+  uint64_t good_b = *f->slot_bytes;
+  for (unsigned k = 0; !atomic_load(&f->stop); k++) {
+    *f->nslots = (k & 1) ? 0 : good_n;
+    *f->slot_bytes = (k & 2) ? (uint64_t)1 << 40 : good_b;
+  }
+  *f->nslots = good_n;
+  *f->slot_bytes = good_b;
+  return NULL;
+}
+
+TEST_IMPL(xfer_shared_header_changed_after_check) {
+  gpuipc_xfer_shared *good = NULL;
+  ASSERT_OK(gpuipc_xfer_shared_create(8192, 3, &good));
+  int fd = gpuipc_xfer_shared_get_fd(good);
+  size_t slot_bytes = gpuipc_xfer_shared_get_slot_bytes(good);
+  struct stat st;
+  ASSERT_EQ(fstat(fd, &st), 0);
+  uint8_t *peer = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE,
+                       MAP_SHARED, fd, 0);
+  ASSERT(peer != MAP_FAILED);
+  struct header_flipper f = {(volatile uint32_t *)(peer + 12),
+                             (volatile uint64_t *)(peer + 16), 0};
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, flip_header, &f), 0);
+  long opened = 0, refused = 0, bad = 0;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (long it = 0; it < 400000; it++) {
+    gpuipc_xfer_shared *sh = NULL;
+    gpuipc_status s = gpuipc_xfer_shared_open(fd, &sh);
+    if (s == GPUIPC_OK) {
+      opened++;
+      if (gpuipc_xfer_shared_get_slots(sh) != 3 ||
+          gpuipc_xfer_shared_get_slot_bytes(sh) != slot_bytes)
+        bad++;
+      ASSERT_OK(gpuipc_xfer_shared_close(sh));
+    } else {
+      ASSERT_NULL(sh);
+      ASSERT_STATUS(s, GPUIPC_E_OUT_OF_RANGE);
+      refused++;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (t1.tv_sec - t0.tv_sec >= 4 && opened > 100 && refused > 100)
+      break;
+  }
+  atomic_store(&f.stop, 1);
+  ASSERT_EQ(pthread_join(t, NULL), 0);
+  printf("# %ld opened, %ld refused, %ld opened with a geometry that was "
+         "never checked\n", opened, refused, bad);
+  ASSERT_EQ(bad, 0);
+  ASSERT_GT(opened, 0);
+  munmap(peer, (size_t)st.st_size);
   ASSERT_OK(gpuipc_xfer_shared_close(good));
   return 0;
 }

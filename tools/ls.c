@@ -19,7 +19,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -62,21 +61,29 @@ static bool read_one(const char *dir, const char *name, ls_proc *p) {
       used == 0 || name[used] != '\0' || pid <= 0)
     return false;
   snprintf(p->path, sizeof p->path, "%s/%s", dir, name);
-  int fd = open(p->path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO in a segment's place would wait for a writer. The
+   * bytes are read, not mapped: a file that shrinks under a mapping raises
+   * SIGBUS in the reader; a short read is only a segment not listed. */
+  int fd = open(p->path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0)
     return false;
   struct stat st;
   bool ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
             st.st_uid == geteuid() &&
             (size_t)st.st_size >= sizeof(gpuipc__stats_seg);
-  void *m = ok ? mmap(NULL, sizeof(gpuipc__stats_seg), PROT_READ, MAP_SHARED,
-                      fd, 0)
-               : MAP_FAILED;
+  size_t got = 0;
+  while (ok && got < sizeof p->s) {
+    ssize_t r = pread(fd, (char *)&p->s + got, sizeof p->s - got, (off_t)got);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      ok = false;
+    else
+      got += (size_t)r;
+  }
   close(fd);
-  if (m == MAP_FAILED)
+  if (!ok)
     return false;
-  memcpy(&p->s, m, sizeof p->s);
-  munmap(m, sizeof(gpuipc__stats_seg));
   if (atomic_load(&p->s.magic) != GPUIPC__STATS_MAGIC ||
       p->s.version != GPUIPC__STATS_VERSION || p->s.pid != pid ||
       p->s.start_time != start || p->s.uid != (uint32_t)geteuid())
@@ -136,6 +143,26 @@ static void uuid_text(const ls_proc *p, int k, char text[64]) {
   gpuipc_uuid_format(&u, text);
 }
 
+/* A command as text for a terminal: it is the segment writer's to choose,
+ * so control characters (C0, DEL, and C1 in its UTF-8 form: they could move
+ * the cursor, clear the screen or fake other lines) are shown as '?'. */
+static void safe_text(char *out, size_t cap, const char *in) {
+  size_t k = 0;
+  for (size_t i = 0; in[i] && k + 1 < cap; i++) {
+    unsigned char ch = (unsigned char)in[i];
+    unsigned char next = (unsigned char)in[i + 1];
+    if (ch == 0xc2 && next >= 0x80 && next <= 0x9f) { /* U+0080..U+009F */
+      out[k++] = '?';
+      i++;
+    } else if (ch < 0x20 || ch == 0x7f) {
+      out[k++] = '?';
+    } else {
+      out[k++] = (char)ch;
+    }
+  }
+  out[k] = '\0';
+}
+
 static void print_text(FILE *f, const ls_proc *v, int n) {
   uint64_t now = gpuipc__stats_now();
   if (n == 0) {
@@ -144,9 +171,11 @@ static void print_text(FILE *f, const ls_proc *v, int n) {
   }
   for (int i = 0; i < n; i++) {
     const ls_proc *p = &v[i];
+    char command[sizeof p->s.command];
+    safe_text(command, sizeof command, p->s.command);
     fprintf(f, "%-7d %s%s\n", p->s.pid,
             p->alive ? "" : "(gone, entry removed) ",
-            p->s.command[0] ? p->s.command : "?");
+            command[0] ? command : "?");
     if (!p->alive)
       continue;
     for (int k = 0; k < GPUIPC__STATS_DEVICES; k++) {

@@ -529,8 +529,8 @@ static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
     conn_detach(c);
     Py_BEGIN_ALLOW_THREADS
     gpuipc_conn_close(gc);
-    Py_END_ALLOW_THREADS
     UNLOCK();
+    Py_END_ALLOW_THREADS
   }
   Py_RETURN_NONE;
 }

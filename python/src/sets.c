@@ -400,8 +400,8 @@ static gpuipc_status blocking_call(TSetObject *o, ConnObject *extra, tset_op op,
   for (size_t i = 0; i < nc; i++) gpuipc_conn_set_nonblocking(cs[i], 0);
   st = op(o, x);
   for (size_t i = 0; i < nc; i++) gpuipc_conn_set_nonblocking(cs[i], 1);
-  Py_END_ALLOW_THREADS
   UNLOCK();
+  Py_END_ALLOW_THREADS
   flush_decrefs();
   return st;
 }
@@ -529,8 +529,8 @@ static PyObject *TSet_copy_from(TSetObject *o, PyObject *args, PyObject *kw) {
   LOCK();
   Py_BEGIN_ALLOW_THREADS
   st = gpuipc_tset_copy_from(o->s, copy, p, S(stream));
-  Py_END_ALLOW_THREADS
   UNLOCK();
+  Py_END_ALLOW_THREADS
   PyMem_Free(p);
   if (st != GPUIPC_OK) return raise_st(st, "copy_from");
   Py_RETURN_NONE;
@@ -607,8 +607,8 @@ static void TSet_dealloc(TSetObject *o) {
     LOCK();
     Py_BEGIN_ALLOW_THREADS
     st = gpuipc_tset_destroy(o->s);
-    Py_END_ALLOW_THREADS
     UNLOCK();
+    Py_END_ALLOW_THREADS
     if (st != GPUIPC_OK) {
       /* consumers still hold it: its memory stays until this process ends
        * (better than freeing memory a peer reads) */
@@ -722,8 +722,8 @@ static void sub_close(TSubObject *o) {
   LOCK();
   Py_BEGIN_ALLOW_THREADS
   gpuipc_tset_sub_close(o->s);
-  Py_END_ALLOW_THREADS
   UNLOCK();
+  Py_END_ALLOW_THREADS
   o->s = NULL;
   for (TVerObject *v = o->held; v;) {
     TVerObject *n = v->next;
@@ -912,8 +912,8 @@ static PyObject *Ver_copy_into(TVerObject *v, PyObject *args, PyObject *kw) {
   LOCK();
   Py_BEGIN_ALLOW_THREADS
   st = gpuipc_tset_version_copy_into(v->v, p, S(stream));
-  Py_END_ALLOW_THREADS
   UNLOCK();
+  Py_END_ALLOW_THREADS
   PyMem_Free(p);
   if (st != GPUIPC_OK) return raise_st(st, "copy_into");
   Py_RETURN_NONE;

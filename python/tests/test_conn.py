@@ -1,6 +1,7 @@
 """Connections: making them, messages with fds, selectors, timeouts, the
 GIL released while waiting."""
 import os
+import sys
 import selectors
 import threading
 import time
@@ -167,3 +168,49 @@ def test_conn_pair_and_from_fd():
     with a, b:
         a.send_msg(b"hi")
         assert b.recv_msg() == b"hi"
+
+
+_CLOSE_RACE = r"""
+import threading, time, gpuipc
+
+def pair():
+    fa, fb = gpuipc.conn_pair()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", gpuipc.from_fd(fb)))
+    t.start()
+    a = gpuipc.from_fd(fa)
+    t.join()
+    return a, out["b"]
+
+busy, _other = pair()
+stop = []
+def spin():  # another thread's calls, each taking the module lock
+    while not stop:
+        busy.progress(0)
+th = threading.Thread(target=spin)
+th.start()
+n, end = 0, time.monotonic() + 3
+while time.monotonic() < end:
+    a, b = pair()
+    a.close()
+    b.close()
+    n += 1
+stop.append(1)
+th.join()
+print("closed", n)
+"""
+
+
+def test_close_while_another_thread_calls():
+    """close() waits for the device without the GIL and with the module
+    lock; it used to take the GIL back before letting the lock go, while a
+    thread that held the GIL waited for the lock: both waited for ever."""
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-c", _CLOSE_RACE], env=env, timeout=60,
+                           capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("close() and progress() in two threads deadlocked")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("closed ")

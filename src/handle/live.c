@@ -40,7 +40,7 @@ static atomic_uint_fast64_t generations;
  * descriptor, so nobody can claim the name before the exporter creates it),
  * slot (generation % GPUIPC__LIVE_SLOTS) holding the generation while the
  * allocation lives and generation | GPUIPC__LIVE_FREED_BIT once freed. An
- * importer of the same uid maps it read-only (once per exporter) and
+ * importer of the same uid reads it (opened for each lookup) and
  * refuses a descriptor whose slot says "freed" (GPUIPC_E_STALE). A slot
  * holding anything else (reused by a later allocation, never written)
  * means "cannot tell": the import proceeds, so the table never refuses
@@ -576,20 +576,60 @@ void gpuipc__generation_freed(uint64_t g) {
 
 /* ---- exporters' tables, read here ----------------------------------------------- */
 
-/* Exporters' tables mapped here, read-only, once per live exporter and
- * key. An entry goes (unmapped) once its process is gone, checked whenever
- * a new exporter is looked up: a long-running importer of many short-lived
- * exporters must not keep their (unlinked) tables' pages mapped forever.
- * Only tables that opened are kept, so made-up identities and keys in
- * hostile descriptors neither grow the list nor hide a real table. */
-typedef struct peer_table {
-  gpuipc__identity id;
-  uint64_t key;
-  live_map m;
-  struct peer_table *next;
-} peer_table;
-static peer_table *peers;
+/* Exporters' tables, read here with pread and never mapped: the exporter
+ * owns its table and can truncate it, which would turn an importer's next
+ * access to a mapping into SIGBUS; a read past the end is only a table
+ * this process cannot use. A table is opened for each lookup and closed
+ * after it (a few microseconds, on the descriptor path only; the handoff
+ * path reads no table): nothing of an exporter is kept here, however many
+ * exporters, made-up identities or keys descriptors name, and no fd stays
+ * open behind the caller's back. */
+typedef struct peer_map {
+  int fd;  /* -1: none */
+  bool v2; /* has export records */
+} peer_map;
+
 static bool peer_logged;
+
+static void peer_close(peer_map *m) {
+  if (m->fd >= 0)
+    close(m->fd);
+  m->fd = -1;
+}
+
+/* Reads n bytes at off of a peer's table; false when they are not all
+ * there (a table cut short). */
+static bool peer_read(const peer_map *m, size_t off, void *out, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = pread(m->fd, (char *)out + got, n - got, (off_t)(off + got));
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return false;
+    got += (size_t)r;
+  }
+  return true;
+}
+
+/* Slot i of a peer's table, read until two reads agree (a read is not one
+ * atomic load: a value being rewritten could come back torn). */
+static bool peer_slot(const peer_map *m, uint64_t i, uint64_t *out) {
+  size_t off = sizeof(live_header) + (size_t)i * sizeof(uint64_t);
+  uint64_t a, b;
+  if (!peer_read(m, off, &a, sizeof a))
+    return false;
+  for (int k = 0; k < 8; k++) {
+    if (!peer_read(m, off, &b, sizeof b))
+      return false;
+    if (a == b) {
+      *out = a;
+      return true;
+    }
+    a = b;
+  }
+  return false;
+}
 
 /* The key naming the table of a descriptor's exporter: false when the
  * exporter has none (a descriptor of this library with key 0); 0 for
@@ -603,12 +643,16 @@ static bool desc_table_key(const gpuipc__desc *d, uint64_t *key) {
   return true;
 }
 
-static bool peer_open(const gpuipc__identity *ex, uint64_t key, live_map *out) {
+static bool peer_open(const gpuipc__identity *ex, uint64_t key, peer_map *out) {
   char path[160];
   live_name(path, sizeof path, geteuid(), ex->pidns, ex->pid, ex->start_time,
             key);
-  memset(out, 0, sizeof *out);
-  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  out->fd = -1;
+  out->v2 = false;
+  /* O_NONBLOCK: the name comes from a descriptor and anyone may create a
+   * file in /dev/shm; a FIFO there would make open wait for a writer (with
+   * live_lock held: every import of this process with it). */
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     if (!peer_logged)
       GPUIPC__INFO("handle",
@@ -627,77 +671,35 @@ static bool peer_open(const gpuipc__identity *ex, uint64_t key, live_map *out) {
       (st.st_mode & 0077) == 0 &&
       ((size_t)st.st_size == LIVE_BYTES ||
        (size_t)st.st_size == LIVE_V1_BYTES)) {
-    size_t bytes = (size_t)st.st_size;
-    void *m = mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
-    if (m != MAP_FAILED) {
-      const live_header *h = m;
-      bool v2 = bytes == LIVE_BYTES;
-      if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == LIVE_MAGIC &&
-          h->slots == GPUIPC__LIVE_SLOTS &&
-          (v2 ? h->version == 2 && h->exports == GPUIPC__LIVE_EXPORTS
-              : h->version == 1)) {
-        out->base = m;
-        out->bytes = bytes;
-        out->slots = (uint64_t *)(h + 1);
-        out->exports =
-            v2 ? (live_export *)(out->slots + GPUIPC__LIVE_SLOTS) : NULL;
-      } else {
-        munmap(m, bytes);
-      }
+    bool v2 = (size_t)st.st_size == LIVE_BYTES;
+    peer_map m = {fd, v2};
+    live_header h;
+    if (peer_read(&m, 0, &h, sizeof h) && h.magic == LIVE_MAGIC &&
+        h.slots == GPUIPC__LIVE_SLOTS &&
+        (v2 ? h.version == 2 && h.exports == GPUIPC__LIVE_EXPORTS
+            : h.version == 1)) {
+      *out = m;
+      fd = -1;
     }
   }
-  close(fd);
-  if (out->base == NULL)
+  if (fd >= 0)
+    close(fd);
+  if (out->fd < 0)
     GPUIPC__INFO("handle",
                  "liveness table %s of pid %d is not usable (owner, mode, "
                  "size or format): imports from it proceed unchecked",
                  path, (int)ex->pid);
-  return out->base != NULL;
+  return out->fd >= 0;
 }
 
-/* The table of a descriptor's exporter (live_lock held). *temp: the
- * exporter is gone, so the mapping is not kept: the caller unmaps it. */
-static bool peer_get(const gpuipc__desc *d, live_map *out, bool *temp) {
-  const gpuipc__identity *ex = &d->exporter;
+/* Opens the table of a descriptor's exporter (live_lock held: the log
+ * flag); the caller closes it (peer_close). */
+static bool peer_get(const gpuipc__desc *d, peer_map *out) {
   uint64_t key;
-  *temp = false;
+  out->fd = -1;
   if (!desc_table_key(d, &key))
     return false;
-  for (peer_table *p = peers; p; p = p->next)
-    if (gpuipc__identity_eq(&p->id, ex) && p->key == key) {
-      *out = p->m;
-      return true;
-    }
-  /* Forget exporters that are gone. */
-  for (peer_table **pp = &peers; *pp;) {
-    peer_table *q = *pp;
-    if (identity_gone(&q->id)) {
-      *pp = q->next;
-      live_unmap(&q->m);
-      free(q);
-    } else {
-      pp = &q->next;
-    }
-  }
-  if (!peer_open(ex, key, out))
-    return false;
-  if (identity_gone(ex)) {
-    /* The exporter is gone (or, of another pid namespace, nothing here
-     * can tell): its table, still there, is read once. */
-    *temp = true;
-    return true;
-  }
-  peer_table *p = calloc(1, sizeof *p);
-  if (p == NULL) {
-    *temp = true;
-    return true;
-  }
-  p->id = *ex;
-  p->key = key;
-  p->m = *out;
-  p->next = peers;
-  peers = p;
-  return true;
+  return peer_open(&d->exporter, key, out);
 }
 
 gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d,
@@ -713,37 +715,34 @@ gpuipc__live_state gpuipc__generation_state(const gpuipc__desc *d,
     return via_state(via->table, g);
   gpuipc__live_state st = GPUIPC__LIVE_UNKNOWN;
   pthread_mutex_lock(&live_lock);
-  live_map m;
-  bool temp = false;
-  /* Read under the lock: a concurrent lookup may unmap a gone exporter's
-   * table. */
-  if (peer_get(d, &m, &temp)) {
-    uint64_t v =
-        __atomic_load_n(&m.slots[g % GPUIPC__LIVE_SLOTS], __ATOMIC_ACQUIRE);
-    if (v == g)
-      st = GPUIPC__LIVE_YES;
-    else if (v == (g | GPUIPC__LIVE_FREED_BIT))
-      st = GPUIPC__LIVE_FREED;
-    if (temp)
-      live_unmap(&m);
+  peer_map m;
+  if (peer_get(d, &m)) {
+    uint64_t v = 0;
+    if (peer_slot(&m, g % GPUIPC__LIVE_SLOTS, &v)) {
+      if (v == g)
+        st = GPUIPC__LIVE_YES;
+      else if (v == (g | GPUIPC__LIVE_FREED_BIT))
+        st = GPUIPC__LIVE_FREED;
+    }
+    peer_close(&m);
   }
   pthread_mutex_unlock(&live_lock);
   return st;
 }
 
-/* Reads export record fd of a table; false while it is being written. */
-static bool record_read(const live_export *r, live_export *out) {
+/* Reads export record fd of a peer's table; false while it is being
+ * written (or when the table is cut short). The record is a seqlock: read
+ * whole, and again, it holds when both reads agree and seq is even. */
+static bool record_read(const peer_map *m, int fd, live_export *out) {
+  size_t off = LIVE_V1_BYTES + (size_t)fd * sizeof(live_export);
   for (int i = 0; i < 64; i++) {
-    uint32_t s1 = __atomic_load_n(&r->seq, __ATOMIC_ACQUIRE);
-    if (s1 & 1u)
-      continue;
-    out->kind = __atomic_load_n(&r->kind, __ATOMIC_RELAXED);
-    out->tag = __atomic_load_n(&r->tag, __ATOMIC_RELAXED);
-    out->dev = __atomic_load_n(&r->dev, __ATOMIC_RELAXED);
-    out->ino = __atomic_load_n(&r->ino, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    if (__atomic_load_n(&r->seq, __ATOMIC_RELAXED) == s1)
+    live_export a, b;
+    if (!peer_read(m, off, &a, sizeof a) || !peer_read(m, off, &b, sizeof b))
+      return false;
+    if ((a.seq & 1u) == 0 && memcmp(&a, &b, sizeof a) == 0) {
+      *out = a;
       return true;
+    }
   }
   return false;
 }
@@ -768,19 +767,18 @@ gpuipc_status gpuipc__live_fetch_fd(const gpuipc__desc *d, uint64_t tag,
   live_export r;
   memset(&r, 0, sizeof r);
   pthread_mutex_lock(&live_lock);
-  live_map m;
-  bool temp = false;
-  if (!peer_get(d, &m, &temp))
+  peer_map m;
+  if (!peer_get(d, &m))
     why = "it has no liveness table this process can read (it exported "
           "nothing, or the descriptor is forged)";
-  else if (m.exports == NULL)
+  else if (!m.v2)
     why = "its liveness table records no exports (an older library)";
-  else if (d->exporter_fd >= (int)GPUIPC__LIVE_EXPORTS)
+  else if (d->exporter_fd < 0 || d->exporter_fd >= (int)GPUIPC__LIVE_EXPORTS)
     why = "the fd number is beyond its table's export records";
-  else if (!record_read(&m.exports[d->exporter_fd], &r))
-    why = "its record of that fd is being rewritten";
-  if (temp)
-    live_unmap(&m);
+  else if (!record_read(&m, d->exporter_fd, &r))
+    why = "its record of that fd is being rewritten (or its table was cut "
+          "short)";
+  peer_close(&m);
   pthread_mutex_unlock(&live_lock);
   if (why == NULL && (r.kind != d->kind || r.tag != tag))
     why = r.kind == 0 ? "it has not exported that fd"

@@ -93,9 +93,11 @@ static uint32_t gen_of(const gpuipc_xfer_shared *sh, uint64_t seq) {
   return (uint32_t)(seq / sh->nslots + 1);
 }
 
+/* h: the header as checked, a private copy: the peer can still write the
+ * shared one, so nothing of the geometry is read from there again. */
 static gpuipc_status shared_new(int fd, char *base, size_t total,
+                                const struct shared_header *h,
                                 gpuipc_xfer_shared **out) {
-  const struct shared_header *h = (const struct shared_header *)base;
   gpuipc_xfer_shared *sh = calloc(1, sizeof *sh);
   if (sh == NULL)
     return gpuipc__fail_errno(ENOMEM, "calloc", "shared segment");
@@ -161,7 +163,8 @@ gpuipc_status gpuipc_xfer_shared_create(size_t slot_bytes, int slots,
     s = gpuipc__fail_errno(errno, "fcntl(F_ADD_SEALS)", "shared segment");
     goto fail;
   }
-  s = shared_new(fd, base, total, out);
+  struct shared_header mine = *h;
+  s = shared_new(fd, base, total, &mine, out);
   if (s != GPUIPC_OK)
     goto fail;
   return GPUIPC_OK;
@@ -173,17 +176,24 @@ fail:
   return s;
 }
 
-/* The header is input from another process: check every field against the
- * real size before using any. exact: the segment is the whole mapping (a
- * memfd of ours) rather than the start of a larger buffer. */
-gpuipc_status gpuipc__xfer_shared_check_header(const void *mem, size_t avail,
-                                               int exact, const char *fn) {
+/* The header is input from another process: it is copied once, out of the
+ * peer's reach, and every field of the copy checked against the real size;
+ * the copy (*out) is what the segment is then opened with. The peer keeps
+ * a writable mapping, so reading the shared header again after the check
+ * would let it swap in a slot count of 0 or slots beyond the mapping.
+ * exact: the segment is the whole mapping (a memfd of ours) rather than
+ * the start of a larger buffer. */
+static gpuipc_status check_header(const void *mem, size_t avail, int exact,
+                                  const char *fn, struct shared_header *out) {
   const char *base = mem;
   size_t page = page_size();
   struct shared_header h;
   if (avail < sizeof h)
     return gpuipc__fail(GPUIPC_E_TRUNCATED, "%s: %zu bytes", fn, avail);
   memcpy(&h, base, sizeof h);
+  /* A compiler barrier: what follows uses the copy, never a re-load of
+   * the peer's bytes. */
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
   if (h.magic != SHARED_MAGIC)
     return gpuipc__fail(GPUIPC_E_BAD_MAGIC, "%s: magic 0x%08x", fn, h.magic);
   if (h.version != SHARED_VERSION || h.header_bytes != sizeof h)
@@ -201,7 +211,14 @@ gpuipc_status gpuipc__xfer_shared_check_header(const void *mem, size_t avail,
                         fn, h.nslots, (unsigned long long)h.slot_bytes,
                         (unsigned long long)h.data_offset,
                         (unsigned long long)h.total_bytes, avail);
+  *out = h;
   return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__xfer_shared_check_header(const void *mem, size_t avail,
+                                               int exact, const char *fn) {
+  struct shared_header h;
+  return check_header(mem, avail, exact, fn, &h);
 }
 
 gpuipc_status gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out) {
@@ -230,8 +247,8 @@ gpuipc_status gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out) {
   if (base == MAP_FAILED)
     return gpuipc__fail_errno(errno, "mmap", "shared segment of %zu bytes",
                               total);
-  s = gpuipc__xfer_shared_check_header(base, total, 1,
-                                       "gpuipc_xfer_shared_open");
+  struct shared_header h;
+  s = check_header(base, total, 1, "gpuipc_xfer_shared_open", &h);
   if (s != GPUIPC_OK)
     goto fail;
   myfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
@@ -239,7 +256,7 @@ gpuipc_status gpuipc_xfer_shared_open(int fd, gpuipc_xfer_shared **out) {
     s = gpuipc__fail_errno(errno, "fcntl(F_DUPFD_CLOEXEC)", "fd %d", fd);
     goto fail;
   }
-  s = shared_new(myfd, base, total, out);
+  s = shared_new(myfd, base, total, &h, out);
   if (s != GPUIPC_OK)
     goto fail;
   return GPUIPC_OK;
@@ -362,6 +379,7 @@ out:
  * process (in every process that maps it), and its address is also its
  * device address; only the event for GPUIPC_XFER_SYNC is ours. */
 static gpuipc_status over_buffer(gpuipc_buffer *buf, const char *fn,
+                                 const struct shared_header *h,
                                  gpuipc_xfer_shared **out) {
   gpuipc_uuid u;
   int ordinal = -1;
@@ -370,7 +388,7 @@ static gpuipc_status over_buffer(gpuipc_buffer *buf, const char *fn,
   GPUIPC__CHECK(gpuipc__driver());
   char *base = gpuipc_buffer_get_ptr(buf);
   gpuipc_xfer_shared *sh = NULL;
-  GPUIPC__CHECK(shared_new(-1, base, gpuipc_buffer_get_size(buf), &sh));
+  GPUIPC__CHECK(shared_new(-1, base, gpuipc_buffer_get_size(buf), h, &sh));
   sh->borrowed = 1;
   gpuipc__ctx_guard g;
   gpuipc_status s = gpuipc__ctx_enter(&g, ordinal);
@@ -440,16 +458,22 @@ gpuipc_status gpuipc_xfer_shared_format(gpuipc_buffer *buf, size_t slot_bytes,
                         data_off + slot_bytes * (size_t)slots, size);
   char *base = gpuipc_buffer_get_ptr(buf);
   memset(base, 0, data_off);
+  /* Our own copy of the geometry, not the shared bytes a peer may already
+   * be writing. */
+  struct shared_header mine = {SHARED_MAGIC,      SHARED_VERSION,
+                               sizeof mine,       (uint32_t)slots,
+                               slot_bytes,        data_off,
+                               data_off + slot_bytes * (size_t)slots};
   struct shared_header *h = (struct shared_header *)base;
-  h->version = SHARED_VERSION;
-  h->header_bytes = sizeof *h;
-  h->nslots = (uint32_t)slots;
-  h->slot_bytes = slot_bytes;
-  h->data_offset = data_off;
-  h->total_bytes = data_off + slot_bytes * (size_t)slots;
+  h->version = mine.version;
+  h->header_bytes = mine.header_bytes;
+  h->nslots = mine.nslots;
+  h->slot_bytes = mine.slot_bytes;
+  h->data_offset = mine.data_offset;
+  h->total_bytes = mine.total_bytes;
   /* The magic last: a half-written header never looks valid. */
   __atomic_store_n(&h->magic, SHARED_MAGIC, __ATOMIC_RELEASE);
-  return over_buffer(buf, fn, out);
+  return over_buffer(buf, fn, &mine, out);
 }
 
 gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
@@ -459,9 +483,10 @@ gpuipc_status gpuipc_xfer_shared_attach(gpuipc_buffer *buf,
   if (gpuipc_buffer_get_size(buf) < sizeof(struct shared_header))
     return gpuipc__fail(GPUIPC_E_TRUNCATED, "%s: %zu bytes", fn,
                         gpuipc_buffer_get_size(buf));
-  GPUIPC__CHECK(gpuipc__xfer_shared_check_header(
-      gpuipc_buffer_get_ptr(buf), gpuipc_buffer_get_size(buf), 0, fn));
-  return over_buffer(buf, fn, out);
+  struct shared_header h;
+  GPUIPC__CHECK(check_header(gpuipc_buffer_get_ptr(buf),
+                             gpuipc_buffer_get_size(buf), 0, fn, &h));
+  return over_buffer(buf, fn, &h, out);
 }
 
 /* ---- host side of the protocol ------------------------------------------- */
