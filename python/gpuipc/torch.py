@@ -304,7 +304,9 @@ class _Server:
             for key, _ in sel.select(timeout=0.5):
                 if key.data is None:
                     try:
-                        c = self.listener.accept(timeout=5)
+                        # Never waits: a client that connects and stays
+                        # silent must not hold up the others' requests.
+                        c = self.listener.accept(timeout=0)
                     except gpuipc.Error:
                         continue
                     self.conns[c.fileno()] = c

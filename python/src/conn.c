@@ -832,6 +832,10 @@ PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw) {
   gpuipc_listener *l = NULL;
   gpuipc_status st;
   co.o.timeout_ms = tmo < 0 ? -1 : tmo; /* bounds each handshake */
+  /* accept() waits here, on the listener's fd, for a handshake that
+   * completed: gpuipc_accept itself never waits, so a peer that connects
+   * and stays silent holds no call longer than its own timeout asks. */
+  co.o.nonblocking = 1;
   Py_BEGIN_ALLOW_THREADS
   st = gpuipc_listen(name, &co.o, &l);
   Py_END_ALLOW_THREADS

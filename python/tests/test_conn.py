@@ -55,6 +55,32 @@ def test_listener_path_and_accept_timeout():
             gpuipc.listen(nm)
 
 
+def test_silent_client_does_not_hold_accept():
+    """A client that connects and never says anything holds accept() no
+    longer than accept's own timeout (not the handshake's), and a client
+    that does complete its handshake is accepted meanwhile."""
+    import socket
+    nm = name()
+    with gpuipc.listen(nm, timeout=30) as lst:
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = lst.path
+        silent.connect("\0" + path[1:] if path.startswith("@") else path)
+        t0 = time.monotonic()
+        with pytest.raises((gpuipc.WouldBlockError, gpuipc.TimeoutError)):
+            lst.accept(timeout=0)
+        with pytest.raises(gpuipc.TimeoutError):
+            lst.accept(timeout=0.3)
+        assert time.monotonic() - t0 < 10, "accept waited for the silent peer's handshake"
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("c", gpuipc.connect(nm)))
+        t.start()
+        a = lst.accept(timeout=20)
+        t.join()
+        with a, out["c"]:
+            assert a.peer[0] == os.getpid()
+        silent.close()
+
+
 def test_messages_in_order_with_fds():
     a, c = pair()
     r, w = os.pipe()
