@@ -1436,6 +1436,10 @@ HELPER_IMPL(ho_send_one) {
   gpuipc_status st = gpuipc_conn_recv_msg(c, &x, 1, &len, NULL, NULL);
   ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
   gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  if (s)
+    ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
   return 0;
 }
 
