@@ -1108,7 +1108,8 @@ HELPER_IMPL(ho_forger) {
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   const char *what = argv[0];
   gpuipc__w_buf w = {1, 1, 0, 256, 0, 0, GPUIPC__BUF_ORDERED, 0};
-  if (strncmp(what, "buf_", 4) == 0 && strcmp(what, "buf_before_ctl") != 0) {
+  if ((strncmp(what, "buf_", 4) == 0 && strcmp(what, "buf_before_ctl") != 0) ||
+      strncmp(what, "bufs_", 5) == 0) {
     /* Kept until exit (the victim hangs up holding the block). */
     static gpuipc_arena *a;
     static gpuipc_block *b;
@@ -1155,6 +1156,49 @@ HELPER_IMPL(ho_forger) {
      * the first buffer's wait. */
     w.seq = GPUIPC__SEQ_LIMIT + ((uint64_t)1 << 63);
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strncmp(what, "bufs_", 5) == 0) {
+    /* A batch of three (each valid on its own unless the case breaks
+     * one): none of it may be delivered. */
+    struct {
+      gpuipc__w_bufs h;
+      gpuipc__w_buf e[3];
+      uint32_t meta[3];
+    } f;
+    memset(&f, 0, sizeof f);
+    f.h = (gpuipc__w_bufs){3, 2, 0, 0};
+    for (int i = 0; i < 3; i++) {
+      f.e[i] = w;
+      f.e[i].slot = 1 + (uint32_t)i;
+      f.e[i].seq = 100 + (uint64_t)i;
+      f.e[i].meta_len = 4;
+    }
+    size_t n = sizeof f;
+    /* The real block first comes back (so the victim received it). */
+    size_t out = 1;
+    for (int i = 0; i < 3000 && out > 0; i++) {
+      ASSERT_OK(gpuipc_conn_progress(c, 10));
+      ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+    }
+    ASSERT_EQ(out, 0);
+    if (strcmp(what, "bufs_dup_slot") == 0)
+      f.e[2].slot = 1;
+    else if (strcmp(what, "bufs_bad_entry") == 0)
+      f.e[1].off = (uint64_t)64 << 20;
+    else if (strcmp(what, "bufs_count") == 0)
+      f.h.count = 0;
+    else if (strcmp(what, "bufs_too_many") == 0)
+      f.h.count = 4;
+    else if (strcmp(what, "bufs_ready") == 0)
+      f.h.ready = 0;
+    else if (strcmp(what, "bufs_meta_total") == 0)
+      n -= 2;
+    else if (strcmp(what, "bufs_desc") == 0)
+      f.e[1].flags |= GPUIPC__BUF_DESC;
+    else if (strcmp(what, "bufs_seq_order") == 0)
+      f.e[2].seq = 100;
+    else if (strcmp(what, "bufs_seq_past_limit") == 0)
+      f.e[2].seq = GPUIPC__SEQ_LIMIT;
+    raw_frame(fd, GPUIPC__F_BUFS, &f, n);
   }
   /* Wait until the victim hangs up on us. */
   char b;
@@ -1178,6 +1222,15 @@ TEST_IMPL(handoff_rejects_forged_frames) {
       {"buf_meta_len", "metadata"},
       {"buf_unknown_chunk", "never sent"},
       {"buf_seq_past_limit", "past the limit"},
+      {"bufs_dup_slot", "busy"},
+      {"bufs_bad_entry", "outside the chunk"},
+      {"bufs_count", "entries"},
+      {"bufs_too_many", "entries"},
+      {"bufs_ready", "ready entry"},
+      {"bufs_meta_total", "metadata"},
+      {"bufs_desc", "refused"},
+      {"bufs_seq_order", "refused"},
+      {"bufs_seq_past_limit", "past the limit"},
   };
   CUstream s = mkstream();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -1185,12 +1238,19 @@ TEST_IMPL(handoff_rejects_forged_frames) {
     pid_t pid = spawn_helper("ho_forger", NULL, &fd, (char *)cases[i].what, NULL);
     gpuipc_conn *c = pair_conn(fd);
     gpuipc_status st = GPUIPC_OK;
+    int oks = 0;
     for (int k = 0; k < 3 && st == GPUIPC_OK; k++) {
       gpuipc_received r = GPUIPC_RECEIVED_INIT;
       st = gpuipc_conn_recv(c, (struct CUstream_st *)s, &r);
-      if (st == GPUIPC_OK)
+      if (st == GPUIPC_OK) {
+        oks++;
         ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+      }
     }
+    /* A forged batch is refused whole: only the real block came. */
+    if (strncmp(cases[i].what, "bufs_", 5) == 0 && oks != 1)
+      harness_fail(__FILE__, __LINE__, "case %s: %d buffers delivered",
+                   cases[i].what, oks);
     if (st != GPUIPC_E_PROTOCOL)
       harness_fail(__FILE__, __LINE__, "case %s: %s (%s)", cases[i].what,
                    gpuipc_status_name(st), gpuipc_last_error());
@@ -1844,5 +1904,386 @@ TEST_IMPL(handoff_watcher_unblocks_without_calls) {
                 GPUIPC_OK);
   gpuipc_conn_close(c);
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
+}
+
+/* ---- batches ------------------------------------------------------------------------------ */
+
+/* A batch consumer: receives argv[1] buffers, argv[2] = "batch" (up to 7
+ * at a time with gpuipc_conn_recv_batch, released together with
+ * gpuipc_conn_release_batch) or "single" (one by one), checks each
+ * against the pattern whose seed is in its metadata, reports "ok".
+ * argv[0]: "pair" or a name to connect to in the runtime dir argv[3]. */
+HELPER_IMPL(ho_batch_consumer) {
+  ASSERT(argc >= 3);
+  int count = atoi(argv[1]);
+  bool batch = strcmp(argv[2], "batch") == 0;
+  gpuipc_conn *c = NULL;
+  if (strcmp(argv[0], "pair") == 0) {
+    c = pair_conn(dup(harness_helper_fd()));
+  } else {
+    ASSERT(argc >= 4);
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.timeout_ms = 30000;
+    o.runtime_dir = argv[3];
+    ASSERT_OK(gpuipc_connect(argv[0], &o, &c));
+  }
+  CUstream s = mkstream();
+  enum { MAXB = 7 };
+  gpuipc_received rs[MAXB];
+  for (int got = 0; got < count;) {
+    size_t n = 0;
+    for (int i = 0; i < MAXB; i++)
+      rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    if (batch) {
+      size_t max = (size_t)(count - got) < MAXB ? (size_t)(count - got) : MAXB;
+      ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, max, &n));
+      ASSERT(n >= 1 && n <= max);
+    } else {
+      ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &rs[0]));
+      n = 1;
+    }
+    uint8_t *host[MAXB];
+    /* Every copy is queued right after the receive, ordered only by the
+     * waits it queued. */
+    for (size_t i = 0; i < n; i++) {
+      host[i] = malloc(rs[i].length);
+      ASSERT_NOT_NULL(host[i]);
+      ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(
+          host[i], (CUdeviceptr)(uintptr_t)rs[i].ptr, rs[i].length, s));
+    }
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    uint64_t ids[MAXB];
+    for (size_t i = 0; i < n; i++) {
+      ASSERT_EQ(rs[i].meta_len, sizeof(uint32_t));
+      uint32_t seed;
+      memcpy(&seed, rs[i].meta, sizeof seed);
+      check_pattern(host[i], rs[i].length, seed);
+      free(host[i]);
+      ids[i] = rs[i].id;
+    }
+    if (batch)
+      ASSERT_OK(gpuipc_conn_release_batch(c, ids, n, (struct CUstream_st *)s));
+    else
+      ASSERT_OK(gpuipc_conn_release(c, ids[0], (struct CUstream_st *)s));
+    got += (int)n;
+  }
+  size_t here = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  char buf[4];
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* Allocates a block of n bytes of a, fills it with the pattern of seed on
+ * s (asynchronously, from pinned memory the caller frees after a sync). */
+static gpuipc_block *filled_block(gpuipc_arena *a, CUstream s, size_t n,
+                                  uint32_t seed, uint8_t **pinned) {
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)pinned, n, 0));
+  pattern(*pinned, n, seed);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(
+      (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), *pinned, n, s));
+  return b;
+}
+
+/* Sends batches of nb blocks alternating between two arenas, of sizes
+ * from sizes[], every block freed after its send (the memory returns when
+ * the consumer released it). */
+static void send_batches(gpuipc_conn *c, gpuipc_arena *a1, gpuipc_arena *a2,
+                         CUstream s, int nb, int rounds, const size_t *sizes,
+                         int nsizes, uint32_t seed0) {
+  gpuipc_block **bs = calloc((size_t)nb, sizeof *bs);
+  uint8_t **pin = calloc((size_t)nb, sizeof *pin);
+  uint32_t *seeds = calloc((size_t)nb, sizeof *seeds);
+  const void **metas = calloc((size_t)nb, sizeof *metas);
+  size_t *lens = calloc((size_t)nb, sizeof *lens);
+  ASSERT(bs && pin && seeds && metas && lens);
+  for (int r = 0; r < rounds; r++) {
+    for (int i = 0; i < nb; i++) {
+      seeds[i] = seed0 + (uint32_t)(r * nb + i);
+      bs[i] = filled_block(i % 2 ? a2 : a1, s, sizes[(r + i) % nsizes],
+                           seeds[i], &pin[i]);
+      metas[i] = &seeds[i];
+      lens[i] = sizeof seeds[i];
+    }
+    ASSERT_OK(gpuipc_conn_send_batch(c, bs, (size_t)nb,
+                                     (struct CUstream_st *)s, metas, lens));
+    for (int i = 0; i < nb; i++) {
+      ASSERT_GE(gpuipc_block_get_holders(bs[i]), 1);
+      ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+    }
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    for (int i = 0; i < nb; i++)
+      ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin[i]));
+  }
+  free(bs);
+  free(pin);
+  free(seeds);
+  free(metas);
+  free(lens);
+}
+
+static void expect_ok_and_settled(gpuipc_conn *c, gpuipc_arena *a1,
+                                  gpuipc_arena *a2, pid_t pid) {
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  gpuipc_arena *as[2] = {a1, a2};
+  for (int i = 0; i < 2; i++) {
+    gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+    ASSERT_OK(gpuipc_arena_get_stats(as[i], &st));
+    ASSERT_EQ(st.blocks_allocated, 0);
+    ASSERT_EQ(st.leases, 0);
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+}
+
+/* Batches of 1, 16 and 256 blocks mixing two arenas and many sizes, to a
+ * consumer that receives them in pieces of up to 7 (batch mode) or one by
+ * one (single mode), with single sends in between. */
+TEST_IMPL(handoff_batch_mixed_arenas_and_sizes) {
+  REQUIRE_DEVICES(1);
+  static const size_t sizes[] = {1, 100, 4096, 5000, 65536, 300000, 512};
+  const char *modes[2] = {"batch", "single"};
+  for (int m = 0; m < 2; m++) {
+    int fd;
+    /* 1 + 3*16 + 256 + 2 single + 2*1 */
+    pid_t pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "309",
+                             (char *)modes[m], NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_arena *a1 = mkarena((size_t)1 << 20);
+    gpuipc_arena *a2 = mkarena((size_t)4 << 20);
+    CUstream s = mkstream();
+    send_batches(c, a1, a2, s, 1, 1, sizes, 7, 10);
+    send_batches(c, a1, a2, s, 16, 3, sizes, 7, 100);
+    send_pattern(c, a1, s, 777, 5000, NULL);
+    static const size_t small[] = {512, 64, 1024};
+    send_batches(c, a1, a2, s, 256, 1, small, 3, 1000);
+    send_pattern(c, a2, s, 3000, 5001, NULL);
+    send_batches(c, a1, a2, s, 1, 2, sizes, 7, 20000);
+    expect_ok_and_settled(c, a1, a2, pid);
+    gpuipc_conn_close(c);
+    ASSERT_OK(gpuipc_arena_destroy(a1));
+    ASSERT_OK(gpuipc_arena_destroy(a2));
+  }
+  return 0;
+}
+
+/* The producer's copies into every block of a batch are slow: the
+ * consumer's reads, queued right after its receive, must not overtake any
+ * of them (the batch's one ready write follows them all). */
+TEST_IMPL(handoff_batch_order_slow_producer) {
+  if (harness_on_emulator())
+    setenv("GPUIPC_EMU_COPY_DELAY_US", "30000", 1);
+  REQUIRE_DEVICES(1);
+  static const size_t sizes[] = {65536, 4096, 100000};
+  static char *no_delay[] = {"GPUIPC_EMU_COPY_DELAY_US=", NULL};
+  const char *modes[2] = {"batch", "single"};
+  for (int m = 0; m < 2; m++) {
+    int fd;
+    pid_t pid = spawn_helper("ho_batch_consumer", no_delay, &fd, "pair", "8",
+                             (char *)modes[m], NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_arena *a1 = mkarena((size_t)2 << 20);
+    gpuipc_arena *a2 = mkarena((size_t)2 << 20);
+    CUstream s = mkstream();
+    send_batches(c, a1, a2, s, 8, 1, sizes, 3, 4242);
+    expect_ok_and_settled(c, a1, a2, pid);
+    gpuipc_conn_close(c);
+    ASSERT_OK(gpuipc_arena_destroy(a1));
+    ASSERT_OK(gpuipc_arena_destroy(a2));
+  }
+  return 0;
+}
+
+/* A bad argument anywhere in a batch fails the whole batch: nothing of it
+ * was sent, the peer holds nothing, the slots stay free. */
+TEST_IMPL(handoff_batch_send_all_or_nothing) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "16",
+                           "batch", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  enum { N = 300 };
+  gpuipc_block *bs[N];
+  gpuipc_block *good = NULL, *freed = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &good));
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &freed));
+  ASSERT_OK(gpuipc_block_free(freed, (struct CUstream_st *)s));
+  /* freed is gone; its handle stays readable as freed until reused */
+  for (int i = 0; i < N; i++)
+    bs[i] = good;
+  static uint8_t big[GPUIPC_META_MAX + 1];
+  const void *metas[N];
+  size_t lens[N];
+  for (int i = 0; i < N; i++) {
+    metas[i] = big;
+    lens[i] = 4;
+  }
+  /* A NULL block in the middle. */
+  bs[5] = NULL;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 8, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  bs[5] = good;
+  /* Metadata too long in the middle. */
+  lens[3] = GPUIPC_META_MAX + 1;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 8, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "block 3");
+  lens[3] = 4;
+  /* Metadata without data. */
+  metas[2] = NULL;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 8, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  metas[2] = big;
+  /* More bytes than one frame. */
+  for (int i = 0; i < N; i++)
+    lens[i] = GPUIPC_META_MAX;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, N, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "bytes");
+  /* More blocks than slots (max_outstanding 256). */
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, N, (struct CUstream_st *)s,
+                                       NULL, NULL),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "slots");
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 0, (struct CUstream_st *)s,
+                                       NULL, NULL),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, GPUIPC_BATCH_MAX + 1,
+                                       (struct CUstream_st *)s, NULL, NULL),
+                GPUIPC_E_INVALID_ARG);
+  /* Nothing of it went out. */
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_EQ(gpuipc_block_get_holders(good), 0);
+  ASSERT_OK(gpuipc_block_free(good, (struct CUstream_st *)s));
+  /* The connection still works: the consumer gets exactly its 16. */
+  static const size_t sizes[] = {4096, 1, 70000};
+  send_batches(c, a, a, s, 16, 1, sizes, 3, 55);
+  expect_ok_and_settled(c, a, a, pid);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* A producer of batches: sends argv[0] batches of 8 blocks, then waits
+ * for "k" and checks that everything came back. */
+HELPER_IMPL(ho_batch_producer) {
+  int rounds = atoi(argv[0]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a1 = mkarena((size_t)1 << 20);
+  gpuipc_arena *a2 = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  static const size_t sizes[] = {4096, 256, 9000};
+  send_batches(c, a1, a2, s, 8, rounds, sizes, 3, 300);
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  size_t out = 1;
+  for (int i = 0; i < 1000 && out > 0; i++) {
+    ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+    if (out)
+      ASSERT_OK(gpuipc_conn_progress(c, 10));
+  }
+  ASSERT_EQ(out, 0);
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a1, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a1));
+  ASSERT_OK(gpuipc_arena_destroy(a2));
+  return 0;
+}
+
+/* Releasing a batch with a bad id (unknown, or named twice) releases
+ * none of it; partial receives of a batch work; every buffer's release is
+ * its own. */
+TEST_IMPL(handoff_batch_release_all_or_nothing) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_producer", NULL, &fd, "2", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_received rs[8];
+  for (int i = 0; i < 8; i++)
+    rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+  size_t n = 0;
+  /* Up to 3 of the first batch of 8 (one frame: all 8 are queued). */
+  ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, 3, &n));
+  ASSERT_EQ(n, 3);
+  size_t got = n;
+  while (got < 8) {
+    ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs + got,
+                                     8 - got, &n));
+    got += n;
+  }
+  ASSERT_EQ(got, 8);
+  for (int i = 0; i < 8; i++) {
+    uint32_t seed;
+    ASSERT_EQ(rs[i].meta_len, sizeof seed);
+    memcpy(&seed, rs[i].meta, sizeof seed);
+    ASSERT_EQ(seed, 300u + (uint32_t)i); /* in order */
+  }
+  uint64_t ids[8];
+  for (int i = 0; i < 8; i++)
+    ids[i] = rs[i].id;
+  size_t here = 0;
+  uint64_t bad[3] = {ids[0], ids[1] ^ ((uint64_t)1 << 40), ids[2]};
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, bad, 3, (struct CUstream_st *)s),
+                GPUIPC_E_NOT_FOUND);
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 8);
+  uint64_t twice[3] = {ids[3], ids[4], ids[3]};
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, twice, 3, (struct CUstream_st *)s),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "twice");
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 8);
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, ids, 0, (struct CUstream_st *)s),
+                GPUIPC_E_INVALID_ARG);
+  /* One on its own, the rest together. */
+  ASSERT_OK(gpuipc_conn_release(c, ids[7], (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_release_batch(c, ids, 7, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 0);
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, ids, 1, (struct CUstream_st *)s),
+                GPUIPC_E_NOT_FOUND);
+  /* The second batch, one by one. */
+  for (int i = 0; i < 8; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    uint32_t seed;
+    memcpy(&seed, r.meta, sizeof seed);
+    ASSERT_EQ(seed, 308u + (uint32_t)i);
+    ASSERT_OK(gpuipc_conn_release_batch(c, &r.id, 1, (struct CUstream_st *)s));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_conn_close(c);
   return 0;
 }

@@ -188,6 +188,12 @@ typedef struct gpuipc_block gpuipc_block;
 /* Largest user metadata that travels with one buffer (shape, dtype, a
  * request id...), in bytes. */
 #define GPUIPC_META_MAX 256
+/* Most buffers in one batch (gpuipc_conn_send_batch,
+ * gpuipc_conn_release_batch). */
+#define GPUIPC_BATCH_MAX 1024
+/* A batch travels as one frame: 48 bytes per buffer plus all their
+ * metadata must stay within this many bytes. */
+#define GPUIPC_BATCH_BYTES_MAX 65536
 /* Longest connection name (without the runtime directory). */
 #define GPUIPC_CONN_NAME_MAX 80
 
@@ -614,6 +620,59 @@ GPUIPC_API gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn,
  * gone, the lease is dropped locally and GPUIPC_OK returned. */
 GPUIPC_API gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
                                              struct CUstream_st *stream);
+
+/* ---- batches and broadcast ----------------------------------------------- */
+
+/* Sends n blocks (1 <= n <= GPUIPC_BATCH_MAX) as one operation: one frame
+ * and, in the default memop mode, one ready signal (a single
+ * cuStreamWriteValue64 after the work queued on `stream` before this call)
+ * for the whole batch. Each block is its own lease, with its own metadata
+ * (metas[i], meta_lens[i] bytes <= GPUIPC_META_MAX; both arrays may be
+ * NULL for none, metas[i] may be NULL when meta_lens[i] is 0) and its own
+ * release; the peer receives them in order with gpuipc_conn_recv or
+ * gpuipc_conn_recv_batch. Blocks may come from different arenas (of the
+ * connection's one device), have any sizes, and repeat.
+ * All or nothing: every argument is checked first (a freed block, a block
+ * on another device, metadata too long, 48 * n + the metadata's bytes
+ * over GPUIPC_BATCH_BYTES_MAX, n over the connection's max_outstanding:
+ * GPUIPC_E_INVALID_ARG), and the call waits (up to the timeout, making
+ * progress) until n slots are free; if anything fails, no block of the
+ * batch was sent and the peer holds none of them. GPUIPC_E_PEER_GONE once
+ * the peer is gone. */
+GPUIPC_API gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
+                                                gpuipc_block *const *blocks,
+                                                size_t n,
+                                                struct CUstream_st *stream,
+                                                const void *const *metas,
+                                                const size_t *meta_lens);
+
+/* Receives up to max buffers (max >= 1; out[i].size set for each, as
+ * GPUIPC_RECEIVED_INIT does): waits (up to the timeout) for the first,
+ * then takes every buffer already arrived, up to max, without waiting
+ * more; *n says how many. Ordering as gpuipc_conn_recv for each of them,
+ * at the cost of one stream wait per batch the producer sent (waits that
+ * an earlier wait on the same stream already covers are skipped). Each is
+ * released on its own (gpuipc_conn_release) or together
+ * (gpuipc_conn_release_batch). Errors as gpuipc_conn_recv; on an error
+ * nothing was received (*n is 0). */
+GPUIPC_API gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
+                                                struct CUstream_st *stream,
+                                                gpuipc_received *out /* OUT */,
+                                                size_t max,
+                                                size_t *n /* OUT */);
+
+/* Releases n received buffers (1 <= n <= GPUIPC_BATCH_MAX) as
+ * gpuipc_conn_release would each, ordered after the work queued on
+ * `stream` before this call, with the release frames of 64 buffers each
+ * and the flag-word writes enqueued together. All or nothing: an id not
+ * held, not yet received, or named twice fails the whole call
+ * (GPUIPC_E_NOT_FOUND, GPUIPC_E_INVALID_ARG) and releases none. Never
+ * blocks. If the exporter is gone, the leases are dropped locally and
+ * GPUIPC_OK returned. */
+GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
+                                                   const uint64_t *ids,
+                                                   size_t n,
+                                                   struct CUstream_st *stream);
 
 /* Buffers outstanding on this connection: *held_by_peer: our blocks the
  * peer holds now (sent, not released); *held_here: the peer's buffers we

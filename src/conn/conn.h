@@ -43,7 +43,8 @@ enum {
   GPUIPC__F_EVD = 11,   /* event mode: a slot's interprocess event */
   GPUIPC__F_ABANDON = 12, /* I end this connection on my own error: I
                            * still hold these; the rest is untouched */
-  GPUIPC__F_TYPE_MAX = 12
+  GPUIPC__F_BUFS = 13,    /* a batch of buffers, one ready signal */
+  GPUIPC__F_TYPE_MAX = 13
 };
 
 typedef struct gpuipc__frame_hdr {
@@ -122,6 +123,20 @@ typedef struct gpuipc__w_buf { /* BUF: + meta bytes */
   uint32_t meta_len;
 } gpuipc__w_buf;
 
+/* BUFS: this header, then `count` gpuipc__w_buf entries (arena blocks, as
+ * in BUF; GPUIPC__BUF_DESC is refused), then their metadata back to back
+ * (entry i's meta_len bytes, in entry order). In memop mode the sender
+ * writes one ready word for the whole batch: that of entry `ready` (its
+ * slot, its sequence number, the highest of the batch), after the work of
+ * every entry; each ORDERED entry is awaited on that word. The frame is
+ * applied whole or refused whole. */
+typedef struct gpuipc__w_bufs {
+  uint32_t count; /* 1 .. GPUIPC_BATCH_MAX */
+  uint32_t ready; /* index of the entry whose ready word signals the batch */
+  uint32_t flags; /* 0 */
+  uint32_t pad;   /* 0 */
+} gpuipc__w_bufs;
+
 typedef struct gpuipc__w_rel { /* REL: n of these */
   uint64_t seq;
   uint32_t slot;
@@ -132,6 +147,9 @@ _Static_assert(sizeof(gpuipc__w_chunk) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_buf) == 48, "wire layout");
 _Static_assert(sizeof(gpuipc__w_rel) == 16, "wire layout");
+_Static_assert(sizeof(gpuipc__w_bufs) == 16, "wire layout");
+/* Entries of one REL frame. */
+#define GPUIPC__REL_MAX 64
 
 /* What a connection holds of received user messages not yet taken
  * (messages, payload bytes, file descriptors), and whether it stopped

@@ -398,6 +398,150 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
   return GPUIPC_OK;
 }
 
+static bool have_free_slots(gpuipc_conn *c, void *arg) {
+  uint32_t n = *(const uint32_t *)arg;
+  return c->ho->lt->tx_nfree >= n;
+}
+
+gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
+                                     gpuipc_block *const *blocks, size_t n,
+                                     struct CUstream_st *stream,
+                                     const void *const *metas,
+                                     const size_t *meta_lens) {
+  if (conn == NULL || blocks == NULL || n == 0 || n > GPUIPC_BATCH_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_batch: NULL connection/blocks or "
+                        "%zu blocks (1 to %d)",
+                        n, GPUIPC_BATCH_MAX);
+  size_t bytes = n * sizeof(gpuipc__w_buf);
+  for (size_t i = 0; i < n; i++) {
+    size_t ml = meta_lens ? meta_lens[i] : 0;
+    if (blocks[i] == NULL || ml > GPUIPC_META_MAX ||
+        (ml > 0 && (metas == NULL || metas[i] == NULL)))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_send_batch: block %zu is NULL or has "
+                          "metadata of %zu bytes (max %d) without data",
+                          i, ml, GPUIPC_META_MAX);
+    if (!gpuipc__block_sendable(blocks[i]))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_send_batch: block %zu was freed", i);
+    bytes += ml;
+  }
+  if (bytes > GPUIPC_BATCH_BYTES_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_batch: %zu blocks with their "
+                        "metadata take %zu bytes (max %d in one batch)",
+                        n, bytes, GPUIPC_BATCH_BYTES_MAX);
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  GPUIPC__CHECK(gpuipc__driver());
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(ho_get(conn, &h));
+  uint64_t deadline = gpuipc__conn_deadline(conn);
+  if (h->lt == NULL)
+    GPUIPC__CHECK(setup_tx(conn, h, blocks[0]->arena->ordinal, deadline));
+  gpuipc__lease_table *lt = h->lt;
+  if (n > lt->nslots)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_batch: %zu blocks, the connection "
+                        "has %u slots (max_outstanding)",
+                        n, lt->nslots);
+  for (size_t i = 0; i < n; i++)
+    if (blocks[i]->arena->ordinal != lt->ordinal)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_send_batch: block %zu is on device %d, "
+                          "this connection's flag words on device %d (one "
+                          "device per connection)",
+                          i, blocks[i]->arena->ordinal, lt->ordinal);
+  for (size_t i = 0; i < n; i++)
+    GPUIPC__CHECK(
+        export_chunk(conn, h, blocks[i]->arena, blocks[i]->chunk, deadline));
+  uint32_t need = (uint32_t)n;
+  uint32_t slots[GPUIPC_BATCH_MAX];
+  if (!gpuipc__lease_free_slots(lt, need, slots)) {
+    /* Not enough slots free: wait for releases. */
+    GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slots, &need));
+    if (conn->ho != h || !gpuipc__lease_free_slots(lt, need, slots))
+      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slots after releases");
+  }
+  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
+  bool by_event = conn->order == GPUIPC_ORDER_EVENT;
+  size_t flen = sizeof(gpuipc__w_bufs) + bytes;
+  if (h->txcap < flen) {
+    unsigned char *nb = realloc(h->txbuf, GPUIPC__FRAME_MAX);
+    if (nb == NULL)
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "batch frame");
+    h->txbuf = nb;
+    h->txcap = GPUIPC__FRAME_MAX;
+  }
+  if (by_event) {
+    /* Each buffer has its own ready event (its slot's), as in one send. */
+    for (size_t i = 0; i < n; i++) {
+      gpuipc_event *ev = gpuipc__lease_ready_event(lt, slots[i]);
+      if (ev == NULL) {
+        GPUIPC__CHECK(make_event(conn, lt->ordinal, slots[i], 0, deadline, &ev));
+        gpuipc__lease_set_ready_event(lt, slots[i], ev);
+      }
+      GPUIPC__CHECK(gpuipc_event_record(ev, stream));
+    }
+  }
+  gpuipc__w_bufs hdr = {(uint32_t)n, (uint32_t)n - 1, 0, 0};
+  memcpy(h->txbuf, &hdr, sizeof hdr);
+  unsigned char *ent = h->txbuf + sizeof hdr;
+  unsigned char *meta = ent + n * sizeof(gpuipc__w_buf);
+  uint64_t seqs[GPUIPC_BATCH_MAX];
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_block *b = blocks[i];
+    seqs[i] = gpuipc__lease_new_seq(lt);
+    if (seqs[i] == 0)
+      return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
+                                          "are used up (2^62 buffers)");
+    size_t ml = meta_lens ? meta_lens[i] : 0;
+    gpuipc__w_buf w = {seqs[i],  b->arena->id, b->off, b->bytes, slots[i],
+                       b->chunk, 0,            (uint32_t)ml};
+    w.flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
+    w.flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+    memcpy(ent + i * sizeof w, &w, sizeof w);
+    if (ml)
+      memcpy(meta, metas[i], ml);
+    meta += ml;
+  }
+  if (conn->watch)
+    atomic_store(&conn->watch->tx_seq, seqs[n - 1]);
+  GPUIPC__CHECK(gpuipc__conn_send_frame(conn, GPUIPC__F_BUFS, h->txbuf, flen,
+                                        NULL, 0, NULL, 0, deadline));
+  /* The frame left: the slots are taken (nothing was enqueued before, so a
+   * failed frame left them free). */
+  for (size_t i = 0; i < n; i++)
+    gpuipc__lease_take_slot(lt, slots[i]);
+  if (ordered) {
+    /* One ready write for the batch, that of its newest entry, after the
+     * work queued on `stream`; the other entries' words are not written
+     * (the consumer waits on this one for all of them). Each slot records
+     * the batch's write as its own last one: a later write of the slot
+     * from another stream then waits for this lease's release (which
+     * follows the batch's write), and a dead peer's release words are
+     * forced for these slots too. */
+    struct CUstream_st *wst = stream;
+    gpuipc_status ws_status = ready_write(h, slots[n - 1], seqs[n - 1], &wst);
+    if (ws_status != GPUIPC_OK) {
+      gpuipc_status cause = ws_status;
+      char why[256];
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      (void)gpuipc__conn_break(conn, "the ready flag of batch ending with "
+                                     "buffer %llu could not be enqueued",
+                               (unsigned long long)seqs[n - 1]);
+      return gpuipc__fail(cause, "%s", why);
+    }
+    for (size_t i = 0; i < n; i++)
+      gpuipc__lease_written(lt, slots[i], seqs[i], wst);
+  }
+  for (size_t i = 0; i < n; i++)
+    gpuipc__lease_add(lt, slots[i], blocks[i], NULL, seqs[i], ordered,
+                      by_event);
+  return GPUIPC_OK;
+}
+
 gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
                                       struct CUstream_st *stream,
                                       const void *meta, size_t meta_len) {
@@ -609,6 +753,61 @@ static gpuipc_status on_ctl(gpuipc_conn *c, struct gpuipc__ho *h,
   return GPUIPC_OK;
 }
 
+/* Checks one arena-block entry of a BUF or BUFS frame against the state
+ * (what: the frame's name, for the message); *im_out: its chunk. */
+static gpuipc_status buf_check(struct gpuipc__ho *h, const gpuipc__w_buf *w,
+                               const char *what, gpuipc__imp **im_out) {
+  if (w->slot >= h->peer_nslots || h->rx[w->slot].held ||
+      w->seq == 0 || w->seq >= GPUIPC__SEQ_LIMIT ||
+      w->seq <= h->rx[w->slot].last_recv || w->seq <= h->rx[w->slot].last_rel)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame: slot %u (of %u) busy or sequence %llu "
+                        "not new or past the limit",
+                        what, w->slot, h->peer_nslots,
+                        (unsigned long long)w->seq);
+  gpuipc__imp *im = imp_find(h, w->arena_id, w->chunk);
+  if (im == NULL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame names chunk %u of arena %llu, never sent",
+                        what, w->chunk, (unsigned long long)w->arena_id);
+  if (w->len == 0 || w->off > im->size || w->len > im->size - w->off)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "%s frame: [%llu, +%llu) outside the chunk of %zu "
+                        "bytes",
+                        what, (unsigned long long)w->off,
+                        (unsigned long long)w->len, im->size);
+  if ((w->flags & GPUIPC__BUF_EVENT) && h->rx[w->slot].ready_ev == NULL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame ordered by an event never sent (slot %u)",
+                        what, w->slot);
+  *im_out = im;
+  return GPUIPC_OK;
+}
+
+/* Queues a checked arena-block entry, ordered by ready word (rslot, rseq). */
+static void buf_queue(gpuipc_conn *c, struct gpuipc__ho *h,
+                      const gpuipc__w_buf *w, const gpuipc__imp *im,
+                      const unsigned char *meta, uint32_t rslot,
+                      uint64_t rseq) {
+  /* The slot is taken from now on (queued counts as held). */
+  gpuipc__rxs *r = &h->rx[w->slot];
+  r->held = w->seq;
+  r->ptr = im->base + w->off;
+  r->len = (size_t)w->len;
+  r->ordered = (w->flags & GPUIPC__BUF_ORDERED) != 0;
+  r->by_event = (w->flags & GPUIPC__BUF_EVENT) != 0;
+  if (w->seq > h->rx_max_seq)
+    h->rx_max_seq = w->seq;
+  if (c->watch)
+    atomic_store(&c->watch->rx_max, h->rx_max_seq);
+  gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
+  q->w = *w;
+  q->rslot = rslot;
+  q->rseq = rseq;
+  memcpy(q->meta, meta, w->meta_len);
+  h->qlen++;
+}
+
 static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
                             const unsigned char *p, size_t len) {
   gpuipc__w_buf w;
@@ -620,46 +819,82 @@ static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
   if (w.meta_len > GPUIPC_META_MAX || w.meta_len != len - sizeof w)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame: metadata of %u bytes",
                         w.meta_len);
-  if (w.slot >= h->peer_nslots || h->rx[w.slot].held ||
-      w.seq >= GPUIPC__SEQ_LIMIT || w.seq <= h->rx[w.slot].last_recv ||
-      w.seq <= h->rx[w.slot].last_rel)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "BUF frame: slot %u (of %u) busy or sequence %llu "
-                        "not new or past the limit",
-                        w.slot, h->peer_nslots, (unsigned long long)w.seq);
-  gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
-  if (im == NULL)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "BUF frame names chunk %u of arena %llu, never sent",
-                        w.chunk, (unsigned long long)w.arena_id);
-  if (w.len == 0 || w.off > im->size || w.len > im->size - w.off)
-    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                        "BUF frame: [%llu, +%llu) outside the chunk of %zu "
-                        "bytes",
-                        (unsigned long long)w.off, (unsigned long long)w.len,
-                        im->size);
+  gpuipc__imp *im = NULL;
+  GPUIPC__CHECK(buf_check(h, &w, "BUF", &im));
   if (h->qlen == h->peer_nslots)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "more buffers than slots");
-  /* The slot is taken from now on (queued counts as held). */
-  h->rx[w.slot].held = w.seq;
-  h->rx[w.slot].ptr = im->base + w.off;
-  h->rx[w.slot].len = (size_t)w.len;
-  h->rx[w.slot].ordered = (w.flags & GPUIPC__BUF_ORDERED) != 0;
-  h->rx[w.slot].by_event = (w.flags & GPUIPC__BUF_EVENT) != 0;
-  if (h->rx[w.slot].by_event && h->rx[w.slot].ready_ev == NULL) {
-    h->rx[w.slot].held = 0;
+  buf_queue(c, h, &w, im, p + sizeof w, w.slot, w.seq);
+  return GPUIPC_OK;
+}
+
+/* BUFS: a batch of arena blocks, applied whole or refused whole. */
+static gpuipc_status on_bufs(gpuipc_conn *c, struct gpuipc__ho *h,
+                             const unsigned char *p, size_t len) {
+  gpuipc__w_bufs b;
+  if (len < sizeof b)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFS frame of %zu bytes", len);
+  memcpy(&b, p, sizeof b);
+  if (!h->have_peer_ctl)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFS frame before CTL");
+  if (b.count == 0 || b.count > GPUIPC_BATCH_MAX || b.flags != 0 ||
+      b.pad != 0 || b.ready != b.count - 1 ||
+      (uint64_t)b.count * sizeof(gpuipc__w_buf) > len - sizeof b)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "BUF frame ordered by an event never sent (slot %u)",
-                        w.slot);
+                        "BUFS frame: %u entries (ready entry %u) in %zu bytes",
+                        b.count, b.ready, len);
+  if (b.count > h->peer_nslots - h->qlen)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFS frame: %u buffers, %u slots not queued",
+                        b.count, h->peer_nslots - h->qlen);
+  const unsigned char *ents = p + sizeof b;
+  size_t meta_total = 0;
+  gpuipc_status s = GPUIPC_OK;
+  uint32_t marked = 0;
+  uint64_t prev_seq = 0;
+  /* Check every entry before any is queued; a slot named twice is found
+   * by marking each slot held while checking (undone below). */
+  for (; marked < b.count; marked++) {
+    gpuipc__w_buf w;
+    memcpy(&w, ents + (size_t)marked * sizeof w, sizeof w);
+    gpuipc__imp *im = NULL;
+    if (w.meta_len > GPUIPC_META_MAX || (w.flags & GPUIPC__BUF_DESC) ||
+        (w.flags & ~(GPUIPC__BUF_ORDERED | GPUIPC__BUF_EVENT)) ||
+        w.seq <= prev_seq) {
+      s = gpuipc__fail(GPUIPC_E_PROTOCOL,
+                       "BUFS frame: entry %u (flags 0x%x, metadata of %u "
+                       "bytes, sequence %llu) refused",
+                       marked, w.flags, w.meta_len, (unsigned long long)w.seq);
+      break;
+    }
+    s = buf_check(h, &w, "BUFS", &im);
+    if (s != GPUIPC_OK)
+      break;
+    prev_seq = w.seq;
+    meta_total += w.meta_len;
+    h->rx[w.slot].held = w.seq;
   }
-  if (w.seq > h->rx_max_seq)
-    h->rx_max_seq = w.seq;
-  if (c->watch)
-    atomic_store(&c->watch->rx_max, h->rx_max_seq);
-  gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
-  q->w = w;
-  memcpy(q->meta, p + sizeof w, w.meta_len);
-  h->qlen++;
+  for (uint32_t i = 0; i < marked; i++) {
+    gpuipc__w_buf w;
+    memcpy(&w, ents + (size_t)i * sizeof w, sizeof w);
+    h->rx[w.slot].held = 0;
+  }
+  if (s != GPUIPC_OK)
+    return s;
+  size_t fixed = sizeof b + (size_t)b.count * sizeof(gpuipc__w_buf);
+  if (meta_total != len - fixed)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFS frame: %zu bytes of metadata declared, %zu sent",
+                        meta_total, len - fixed);
+  gpuipc__w_buf last;
+  memcpy(&last, ents + (size_t)b.ready * sizeof last, sizeof last);
+  const unsigned char *meta = p + fixed;
+  for (uint32_t i = 0; i < b.count; i++) {
+    gpuipc__w_buf w;
+    memcpy(&w, ents + (size_t)i * sizeof w, sizeof w);
+    gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
+    buf_queue(c, h, &w, im, meta, last.slot, last.seq);
+    meta += w.meta_len;
+  }
   return GPUIPC_OK;
 }
 
@@ -736,6 +971,8 @@ static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
     atomic_store(&c->watch->rx_max, h->rx_max_seq);
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = w;
+  q->rslot = w.slot;
+  q->rseq = w.seq;
   memcpy(q->meta, p + sizeof w + sizeof dl + dl[0], w.meta_len);
   h->qlen++;
 out:
@@ -808,6 +1045,8 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
     return on_buf(c, h, p, len);
   case GPUIPC__F_BUFD:
     return on_bufd(c, h, p, len, fds, nfds);
+  case GPUIPC__F_BUFS:
+    return on_bufs(c, h, p, len);
   case GPUIPC__F_EVD:
     return on_evd(h, p, len);
   case GPUIPC__F_REL:
@@ -857,6 +1096,88 @@ static uint64_t make_id(uint32_t slot, uint64_t seq) {
   return ((uint64_t)slot << 44) | (seq & (((uint64_t)1 << 44) - 1));
 }
 
+/* Enqueues on `stream` the wait of the ordered buffers q[0..n) (entries
+ * of the receive queue, from its head, in order): one wait per distinct
+ * ready word and value (a batch shares one). Context of the peer's device
+ * entered here. */
+static gpuipc_status ready_waits(gpuipc_conn *conn, struct gpuipc__ho *h,
+                                 uint32_t n, struct CUstream_st *stream) {
+  bool any = false;
+  for (uint32_t i = 0; i < n && !any; i++)
+    any = h->rx[h->q[(h->qhead + i) % h->peer_nslots].w.slot].ordered;
+  if (!any)
+    return GPUIPC_OK;
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
+  /* The consumer's stream waits, on the GPU, for the producer's work. */
+  CUstream wst = NULL;
+  gpuipc_status ss = wait_stream(h, 1, stream, &wst);
+  if (ss != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    return ss;
+  }
+  CUresult cr = CUDA_SUCCESS;
+  uint32_t wslot = UINT32_MAX;
+  uint64_t wseq = 0;
+  const gpuipc__qbuf *bad = NULL;
+  for (uint32_t i = 0; i < n && cr == CUDA_SUCCESS; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    if (!h->rx[q->w.slot].ordered || (q->rslot == wslot && q->rseq == wseq))
+      continue;
+    cr = GPUIPC__CU(cuStreamWaitValue64, wst,
+                    (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, q->rslot),
+                    (cuuint64_t)q->rseq, CU_STREAM_WAIT_VALUE_GEQ);
+    wslot = q->rslot;
+    wseq = q->rseq;
+    bad = q;
+  }
+  if (cr == CUDA_SUCCESS)
+    cr = wait_done(h, 1, stream);
+  gpuipc__ctx_leave(&g);
+  if (cr != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(cr, "cuStreamWaitValue64",
+                             "ready flag of buffer %llu from pid %d",
+                             (unsigned long long)(bad ? bad->w.seq : 0),
+                             conn->peer_pid);
+  return GPUIPC_OK;
+}
+
+/* Receives the n buffers at the head of the queue into out[0..n). */
+static gpuipc_status recv_head(gpuipc_conn *conn, struct gpuipc__ho *h,
+                               uint32_t n, struct CUstream_st *stream,
+                               gpuipc_received *out) {
+  for (uint32_t i = 0; i < n; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    gpuipc__rxs *r = &h->rx[q->w.slot];
+    if (r->by_event) /* captures the producer's record made before its send */
+      GPUIPC__CHECK(gpuipc_event_wait(r->ready_ev, stream));
+  }
+  GPUIPC__CHECK(ready_waits(conn, h, n, stream));
+  for (uint32_t i = 0; i < n; i++) {
+    gpuipc__qbuf *q = &h->q[h->qhead];
+    gpuipc__rxs *r = &h->rx[q->w.slot];
+    if (r->by_event || r->ordered)
+      r->last_recv = q->w.seq;
+    if (r->ordered && h->rx[q->rslot].last_recv < q->rseq)
+      /* The batch's ready word was waited for: unblock_ready writes it
+       * should the producer die before writing it. */
+      h->rx[q->rslot].last_recv = q->rseq;
+    gpuipc_received *o = &out[i];
+    o->id = make_id(q->w.slot, q->w.seq);
+    o->ptr = (void *)(uintptr_t)r->ptr;
+    o->length = r->len;
+    o->device = h->peer_ordinal;
+    o->meta_len = q->w.meta_len;
+    memcpy(o->meta, q->meta, q->w.meta_len);
+    h->qhead = (h->qhead + 1) % h->peer_nslots;
+    h->qlen--;
+    h->rx_held++;
+  }
+  gpuipc__stats_conn_held_here(conn->stats_slot, (int)n);
+  return GPUIPC_OK;
+}
+
 gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
                                gpuipc_received *out) {
   if (conn == NULL || out == NULL || out->size < sizeof *out)
@@ -869,47 +1190,34 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
     GPUIPC__CHECK(
         gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL));
   }
-  struct gpuipc__ho *h = conn->ho;
-  gpuipc__qbuf *q = &h->q[h->qhead];
-  gpuipc__rxs *r = &h->rx[q->w.slot];
-  if (r->by_event) {
-    /* Captures the producer's record made before its send. */
-    GPUIPC__CHECK(gpuipc_event_wait(r->ready_ev, stream));
-    r->last_recv = q->w.seq;
-  } else if (r->ordered) {
-    GPUIPC__CHECK(gpuipc__driver());
-    gpuipc__ctx_guard g;
-    GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
-    /* The consumer's stream waits, on the GPU, for the producer's work. */
-    CUstream wst = NULL;
-    gpuipc_status ss = wait_stream(h, 1, stream, &wst);
-    if (ss != GPUIPC_OK) {
-      gpuipc__ctx_leave(&g);
-      return ss;
-    }
-    CUresult cr = GPUIPC__CU(
-        cuStreamWaitValue64, wst,
-        (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, q->w.slot),
-        (cuuint64_t)q->w.seq, CU_STREAM_WAIT_VALUE_GEQ);
-    if (cr == CUDA_SUCCESS)
-      cr = wait_done(h, 1, stream);
-    gpuipc__ctx_leave(&g);
-    if (cr != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(cr, "cuStreamWaitValue64",
-                               "ready flag of buffer %llu from pid %d",
-                               (unsigned long long)q->w.seq, conn->peer_pid);
-    r->last_recv = q->w.seq;
+  return recv_head(conn, conn->ho, 1, stream, out);
+}
+
+gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
+                                     struct CUstream_st *stream,
+                                     gpuipc_received *out, size_t max,
+                                     size_t *n) {
+  if (n)
+    *n = 0;
+  if (conn == NULL || out == NULL || n == NULL || max == 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_recv_batch: NULL argument or max 0");
+  for (size_t i = 0; i < max; i++)
+    if (out[i].size < sizeof out[i])
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_recv_batch: out[%zu].size not set "
+                          "(use GPUIPC_RECEIVED_INIT)",
+                          i);
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  if (!have_buf(conn, NULL)) {
+    GPUIPC__CHECK(
+        gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL));
   }
-  out->id = make_id(q->w.slot, q->w.seq);
-  out->ptr = (void *)(uintptr_t)r->ptr;
-  out->length = r->len;
-  out->device = h->peer_ordinal;
-  out->meta_len = q->w.meta_len;
-  memcpy(out->meta, q->meta, q->w.meta_len);
-  h->qhead = (h->qhead + 1) % h->peer_nslots;
-  h->qlen--;
-  h->rx_held++;
-  gpuipc__stats_conn_held_here(conn->stats_slot, 1);
+  struct gpuipc__ho *h = conn->ho;
+  uint32_t k = h->qlen < max ? h->qlen : (uint32_t)max;
+  GPUIPC__CHECK(recv_head(conn, h, k, stream, out));
+  *n = k;
   return GPUIPC_OK;
 }
 
@@ -1007,20 +1315,28 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
-                                  struct CUstream_st *stream) {
-  if (conn == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_release: NULL");
-  struct gpuipc__ho *h = conn->ho;
+/* The slot of a buffer id the caller holds (received, not released). */
+static gpuipc_status held_slot(const struct gpuipc__ho *h, uint64_t id,
+                               const char *fn, uint32_t *slot_out) {
   uint32_t slot = (uint32_t)(id >> 44);
   uint64_t seq_lo = id & (((uint64_t)1 << 44) - 1);
   if (h == NULL || h->rx == NULL || slot >= h->peer_nslots ||
       h->rx[slot].held == 0 ||
       (h->rx[slot].held & (((uint64_t)1 << 44) - 1)) != seq_lo)
     return gpuipc__fail(GPUIPC_E_NOT_FOUND,
-                        "gpuipc_conn_release: buffer id 0x%llx is not held on "
-                        "this connection",
-                        (unsigned long long)id);
+                        "%s: buffer id 0x%llx is not held on this connection",
+                        fn, (unsigned long long)id);
+  *slot_out = slot;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
+                                  struct CUstream_st *stream) {
+  if (conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_release: NULL");
+  struct gpuipc__ho *h = conn->ho;
+  uint32_t slot;
+  GPUIPC__CHECK(held_slot(h, id, "gpuipc_conn_release", &slot));
   /* Still queued (received by the library, not by the caller)? */
   for (uint32_t i = 0; i < h->qlen; i++)
     if (h->q[(h->qhead + i) % h->peer_nslots].w.slot == slot)
@@ -1038,6 +1354,152 @@ gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
                                             sizeof rel, NULL, 0, NULL, 0, 0);
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
     return GPUIPC_OK; /* the lease ended with the exporter */
+  return s;
+}
+
+/* The release words of the ordered slots[0..n) (held, received), written
+ * back to back on one stream, with one completion record for close (the
+ * newest record of a slot covers the writes before it on its stream, and
+ * a later release of any of these slots on another stream waits for the
+ * newest of them). *done: how many of them were written (all, unless an
+ * error is returned). */
+static gpuipc_status release_words(struct gpuipc__ho *h, const uint32_t *slots,
+                                   size_t n, struct CUstream_st *stream,
+                                   size_t *done) {
+  *done = 0;
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
+  CUstream ws = NULL;
+  gpuipc_status ss = write_stream(h, 1, stream, &ws);
+  if (ss != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    return ss;
+  }
+  CUresult cr = CUDA_SUCCESS;
+  size_t k = 0;
+  for (; k < n; k++) {
+    gpuipc__rxs *r = &h->rx[slots[k]];
+    CUdeviceptr word = (CUdeviceptr)gpuipc__released_word(
+        h->peer_ctl, h->peer_nslots, slots[k]);
+    if (r->last_rel != 0 && r->last_rel_stream != (struct CUstream_st *)ws)
+      cr = GPUIPC__CU(cuStreamWaitValue64, ws, word, (cuuint64_t)r->last_rel,
+                      CU_STREAM_WAIT_VALUE_GEQ);
+    if (cr == CUDA_SUCCESS)
+      cr = GPUIPC__CU(cuStreamWriteValue64, ws, word, (cuuint64_t)r->held, 0);
+    if (cr != CUDA_SUCCESS)
+      break;
+    r->last_rel_stream = (struct CUstream_st *)ws;
+  }
+  if (k > 0) {
+    gpuipc__rxs *r = &h->rx[slots[k - 1]];
+    CUresult er = CUDA_SUCCESS;
+    if (r->rel_done == NULL) {
+      CUevent ev;
+      er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+      if (er == CUDA_SUCCESS)
+        r->rel_done = (struct CUevent_st *)ev;
+    }
+    if (er == CUDA_SUCCESS)
+      er = GPUIPC__CU(cuEventRecord, (CUevent)r->rel_done, ws);
+    if (er != CUDA_SUCCESS)
+      h->rx_unknown = true;
+  }
+  gpuipc__ctx_leave(&g);
+  *done = k;
+  if (cr != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
+                             "release flag of buffer %llu",
+                             (unsigned long long)h->rx[slots[k]].held);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn, const uint64_t *ids,
+                                        size_t n, struct CUstream_st *stream) {
+  if (conn == NULL || ids == NULL || n == 0 || n > GPUIPC_BATCH_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_release_batch: NULL argument or %zu "
+                        "buffers (1 to %d)",
+                        n, GPUIPC_BATCH_MAX);
+  struct gpuipc__ho *h = conn->ho;
+  if (h == NULL || h->rx == NULL)
+    return gpuipc__fail(GPUIPC_E_NOT_FOUND,
+                        "gpuipc_conn_release_batch: buffer id 0x%llx is not "
+                        "held on this connection",
+                        (unsigned long long)ids[0]);
+  /* Check every id before releasing any: slots queued (not received yet)
+   * and slots named so far are marked in bitmaps. */
+  uint64_t queued[65536 / 64] = {0}, named[65536 / 64] = {0};
+  for (uint32_t i = 0; i < h->qlen; i++) {
+    uint32_t qs = h->q[(h->qhead + i) % h->peer_nslots].w.slot;
+    queued[qs / 64] |= (uint64_t)1 << (qs % 64);
+  }
+  uint32_t slots[GPUIPC_BATCH_MAX];
+  for (size_t i = 0; i < n; i++) {
+    uint32_t slot;
+    GPUIPC__CHECK(held_slot(h, ids[i], "gpuipc_conn_release_batch", &slot));
+    if (queued[slot / 64] >> (slot % 64) & 1)
+      return gpuipc__fail(GPUIPC_E_NOT_FOUND,
+                          "gpuipc_conn_release_batch: buffer id 0x%llx was "
+                          "not received yet",
+                          (unsigned long long)ids[i]);
+    if (named[slot / 64] >> (slot % 64) & 1)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_release_batch: buffer id 0x%llx named "
+                          "twice",
+                          (unsigned long long)ids[i]);
+    named[slot / 64] |= (uint64_t)1 << (slot % 64);
+    slots[i] = slot;
+  }
+  bool open = conn->state == GPUIPC__CONN_OPEN;
+  gpuipc_status s = GPUIPC_OK;
+  size_t nrel = 0;
+  gpuipc__w_rel rel[GPUIPC__REL_MAX];
+  /* In order, as runs: the ordered buffers' words together, each other
+   * buffer (event mode) on its own. */
+  for (size_t i = 0; i < n && s == GPUIPC_OK;) {
+    size_t j = i, done = 0;
+    if (open && h->rx[slots[i]].ordered) {
+      while (j < n && h->rx[slots[j]].ordered)
+        j++;
+      s = release_words(h, slots + i, j - i, stream, &done);
+    } else {
+      j = i + 1;
+      done = 1;
+    }
+    for (size_t k = i; k < i + done; k++) {
+      uint32_t slot = slots[k];
+      gpuipc__w_rel w = {h->rx[slot].held, slot, 0};
+      /* An ordered one's word was written above: the rest is bookkeeping. */
+      gpuipc_status rs =
+          release_slot(conn, h, slot, stream, open && !h->rx[slot].ordered);
+      if (rs != GPUIPC_OK) {
+        /* Still held, as after a failed gpuipc_conn_release (a word
+         * written already is written again, with the same value, by a
+         * later release). */
+        s = rs;
+        break;
+      }
+      if (!open)
+        continue;
+      rel[nrel++] = w;
+      if (nrel == GPUIPC__ARRAY_SIZE(rel)) {
+        gpuipc_status fs = gpuipc__conn_send_frame(
+            conn, GPUIPC__F_REL, rel, nrel * sizeof rel[0], NULL, 0, NULL, 0, 0);
+        nrel = 0;
+        if (fs == GPUIPC_E_PEER_GONE || fs == GPUIPC_E_CLOSED)
+          open = false; /* the leases end with the exporter */
+        else if (fs != GPUIPC_OK && s == GPUIPC_OK)
+          s = fs;
+      }
+    }
+    i = j;
+  }
+  if (open && nrel > 0) {
+    gpuipc_status fs = gpuipc__conn_send_frame(
+        conn, GPUIPC__F_REL, rel, nrel * sizeof rel[0], NULL, 0, NULL, 0, 0);
+    if (fs != GPUIPC_E_PEER_GONE && fs != GPUIPC_E_CLOSED && s == GPUIPC_OK)
+      s = fs;
+  }
   return s;
 }
 
@@ -1362,6 +1824,7 @@ static void ho_close(gpuipc_conn *c) {
   if (h->lt)
     free_lq(h, 0, h->lt->ordinal);
   gpuipc__lease_close(h->lt);
+  free(h->txbuf);
   free(h);
 }
 

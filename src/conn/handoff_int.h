@@ -45,6 +45,11 @@ typedef struct gpuipc__imp {
 /* A buffer that arrived and was not yet received by the caller. */
 typedef struct gpuipc__qbuf {
   gpuipc__w_buf w;
+  /* The ready word that orders it (memop mode): that of slot rslot at
+   * value rseq; its own slot and sequence number, or, for an entry of a
+   * batch (BUFS), the batch's one ready entry. */
+  uint32_t rslot;
+  uint64_t rseq;
   uint8_t meta[GPUIPC_META_MAX];
 } gpuipc__qbuf;
 
@@ -58,6 +63,8 @@ struct gpuipc__ho {
     uint64_t mask;
   } exp[8];
   int nexp;
+  unsigned char *txbuf; /* a batch's frame is built here (grown once) */
+  size_t txcap;
   /* Receiver. */
   gpuipc__imp *imp;
   int nimp, cimp;

@@ -220,6 +220,16 @@ bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt, uint32_t *slot) {
   return true;
 }
 
+bool gpuipc__lease_free_slots(const gpuipc__lease_table *lt, uint32_t n,
+                              uint32_t *slots) {
+  if (lt->tx_nfree < n)
+    return false;
+  /* From the top of the stack: gpuipc__lease_take_slot finds each first. */
+  for (uint32_t i = 0; i < n; i++)
+    slots[i] = lt->tx_free[lt->tx_nfree - 1 - i];
+  return true;
+}
+
 uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt) {
   if (lt->tx_seq + 1 >= GPUIPC__SEQ_LIMIT)
     return 0; /* a receiver would refuse it */

@@ -119,6 +119,9 @@ void gpuipc__lease_reap_orphans(void);
 /* A free slot for the next lease, or false when every slot is out. */
 bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt,
                              uint32_t *slot /* OUT */);
+/* n distinct free slots (not taken), or false when fewer are free. */
+bool gpuipc__lease_free_slots(const gpuipc__lease_table *lt, uint32_t n,
+                              uint32_t *slots /* OUT: n */);
 /* The next sequence number (used up by the call), or 0 when the
  * connection reached GPUIPC__SEQ_LIMIT. */
 uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt);
