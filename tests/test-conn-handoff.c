@@ -2120,11 +2120,8 @@ TEST_IMPL(handoff_batch_send_all_or_nothing) {
   CUstream s = mkstream();
   enum { N = 300 };
   gpuipc_block *bs[N];
-  gpuipc_block *good = NULL, *freed = NULL;
+  gpuipc_block *good = NULL;
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &good));
-  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &freed));
-  ASSERT_OK(gpuipc_block_free(freed, (struct CUstream_st *)s));
-  /* freed is gone; its handle stays readable as freed until reused */
   for (int i = 0; i < N; i++)
     bs[i] = good;
   static uint8_t big[GPUIPC_META_MAX + 1];
@@ -2285,5 +2282,294 @@ TEST_IMPL(handoff_batch_release_all_or_nothing) {
   ASSERT_EQ(wait_helper(pid, 60), 0);
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   gpuipc_conn_close(c);
+  return 0;
+}
+
+/* ---- broadcast ---------------------------------------------------------------------------- */
+
+/* The producer's copy is slow; 8 consumers read right after their
+ * receive: none may read before the producer's work. */
+TEST_IMPL(handoff_broadcast_order_slow_producer) {
+  if (harness_on_emulator())
+    setenv("GPUIPC_EMU_COPY_DELAY_US", "200000", 1);
+  REQUIRE_DEVICES(1);
+  enum { N = 8 };
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)64 << 20;
+  static char *no_delay[] = {"GPUIPC_EMU_COPY_DELAY_US=", NULL};
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  for (int i = 0; i < N; i++) {
+    int fd;
+    pids[i] = spawn_helper("ho_order", no_delay, &fd, "read", NULL);
+    cs[i] = pair_conn(fd);
+  }
+  gpuipc_arena *a = mkarena(n + ((size_t)1 << 20));
+  CUstream s = mkstream();
+  for (int i = 0; i < N; i++)
+    warm_up(cs[i], a, s);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                  0xEE, n));
+  uint8_t *host = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&host, n, 0));
+  pattern(host, n, 77);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                        host, n, s));
+  uint32_t seed = 77;
+  gpuipc_status st[N];
+  ASSERT_OK(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, st));
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(st[i]);
+  ASSERT_EQ(gpuipc_block_get_holders(b), N);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  for (int i = 0; i < N; i++) {
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_OK(gpuipc_conn_send_msg(cs[i], "k", 1, NULL, 0));
+  }
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(host));
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_EQ(as.leases, 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* 8 consumers copy the broadcast block out slowly and release it at once:
+ * the memory comes back only after all released, and its reuse waits on
+ * the GPU for every consumer's queued copy. */
+TEST_IMPL(handoff_broadcast_reuse_waits_for_all) {
+  REQUIRE_DEVICES(1);
+  enum { N = 8 };
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)64 << 20;
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  for (int i = 0; i < N; i++) {
+    int fd;
+    pids[i] = spawn_helper("ho_order", harness_on_emulator() ? delay_env : NULL,
+                           &fd, "reuse", NULL);
+    cs[i] = pair_conn(fd);
+  }
+  gpuipc_arena *a = mkarena(n + 8192);
+  CUstream s = mkstream();
+  for (int i = 0; i < N; i++)
+    warm_up(cs[i], a, s);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  void *first = gpuipc_block_get_ptr(b);
+  uint8_t *host = malloc(n);
+  pattern(host, n, 99);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)first, host, n, s));
+  uint32_t seed = 99;
+  ASSERT_OK(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, NULL));
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  char buf[16];
+  size_t len;
+  for (int i = 0; i < N; i++) {
+    /* While some still hold it, the memory is not handed out again. */
+    if (i < N - 1) {
+      gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+      ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+      ASSERT_EQ(as.blocks_deferred, 1);
+    }
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_EQ(len, 8);
+  }
+  for (int i = 0; i < N; i++) {
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[i], &out, NULL));
+    ASSERT_EQ(out, 0);
+  }
+  gpuipc_block *b2 = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b2));
+  ASSERT_PTR_EQ(gpuipc_block_get_ptr(b2), first);
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)first, 0x55, n, s));
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_conn_send_msg(cs[i], "overwritten", 11, NULL, 0));
+  for (int i = 0; i < N; i++) {
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_EQ(len, 2);
+    ASSERT_OK(gpuipc_conn_send_msg(cs[i], "k", 1, NULL, 0));
+  }
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  free(host);
+  ASSERT_OK(gpuipc_block_free(b2, (struct CUstream_st *)s));
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* One consumer of a broadcast is killed midway: the others get every
+ * buffer, the broadcast reports the dead one only, its leases come back. */
+TEST_IMPL(handoff_broadcast_consumer_killed) {
+  REQUIRE_DEVICES(1);
+  enum { N = 5, ROUNDS = 20, VICTIM = 2 };
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  char rounds[8];
+  snprintf(rounds, sizeof rounds, "%d", ROUNDS);
+  for (int i = 0; i < N; i++) {
+    int fd;
+    if (i == VICTIM)
+      pids[i] = spawn_helper("ho_victim", NULL, &fd, NULL);
+    else
+      pids[i] = spawn_helper("ho_consumer", NULL, &fd, "pair", rounds, NULL);
+    cs[i] = pair_conn(fd);
+  }
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  bool victim_failed = false;
+  for (int r = 0; r < ROUNDS; r++) {
+    if (r == ROUNDS / 2) {
+      kill(pids[VICTIM], SIGKILL);
+      wait_helper(pids[VICTIM], 60);
+    }
+    gpuipc_block *b = NULL;
+    size_t n = 4096 * (size_t)(1 + r % 5);
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+    uint8_t *host = malloc(n);
+    uint32_t seed = 500u + (uint32_t)r;
+    pattern(host, n, seed);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                          host, n, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    free(host);
+    gpuipc_status st[N];
+    gpuipc_status all = gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s,
+                                              &seed, sizeof seed, st);
+    for (int i = 0; i < N; i++) {
+      if (i != VICTIM) {
+        ASSERT_OK(st[i]);
+      } else if (st[i] != GPUIPC_OK) {
+        ASSERT(r >= ROUNDS / 2);
+        ASSERT(st[i] == GPUIPC_E_PEER_GONE || st[i] == GPUIPC_E_CLOSED);
+        ASSERT_STATUS(all, st[i]);
+        victim_failed = true;
+      }
+    }
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  }
+  ASSERT(victim_failed);
+  for (int i = 0; i < N; i++) {
+    if (i == VICTIM)
+      continue;
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[i], &out, NULL));
+    ASSERT_EQ(out, 0);
+  }
+  /* The victim's leases came back. */
+  size_t out = 1;
+  for (int k = 0; k < 1000 && out > 0; k++) {
+    (void)gpuipc_conn_progress(cs[VICTIM], 10);
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[VICTIM], &out, NULL));
+  }
+  ASSERT_EQ(out, 0);
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_EQ(as.leases, 0);
+  for (int i = 0; i < N; i++)
+    if (i != VICTIM)
+      ASSERT_OK(gpuipc_conn_send_msg(cs[i], "k", 1, NULL, 0));
+  for (int i = 0; i < N; i++)
+    if (i != VICTIM)
+      ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* 64 consumers of one broadcast, a few rounds; argument checks. */
+TEST_IMPL(handoff_broadcast_64_consumers) {
+  REQUIRE_DEVICES(1);
+  enum { N = 64, ROUNDS = 3 };
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 60000;
+  o.runtime_dir = rt_dir();
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("bcast", &o, &l));
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  char rounds[8];
+  snprintf(rounds, sizeof rounds, "%d", ROUNDS);
+  for (int i = 0; i < N; i++)
+    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "bcast", rounds,
+                           (char *)rt_dir(), NULL);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_accept(l, &cs[i]));
+  {
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 256, (struct CUstream_st *)s, &b));
+    gpuipc_conn *dup2[2] = {cs[0], cs[0]};
+    ASSERT_STATUS(gpuipc_conn_broadcast(dup2, 2, b, (struct CUstream_st *)s,
+                                        NULL, 0, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "same");
+    gpuipc_conn *withnull[2] = {cs[0], NULL};
+    ASSERT_STATUS(gpuipc_conn_broadcast(withnull, 2, b, (struct CUstream_st *)s,
+                                        NULL, 0, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STATUS(gpuipc_conn_broadcast(cs, 0, b, (struct CUstream_st *)s,
+                                        NULL, 0, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STATUS(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s,
+                                        NULL, GPUIPC_META_MAX + 1, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_EQ(gpuipc_block_get_holders(b), 0);
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  }
+  for (int r = 0; r < ROUNDS; r++) {
+    gpuipc_block *b = NULL;
+    size_t n = 65536;
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+    uint8_t *host = malloc(n);
+    uint32_t seed = 2000u + (uint32_t)r;
+    pattern(host, n, seed);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                          host, n, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    free(host);
+    ASSERT_OK(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s, &seed,
+                                    sizeof seed, NULL));
+    ASSERT_EQ(gpuipc_block_get_holders(b), N);
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  }
+  for (int i = 0; i < N; i++) {
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[i], &out, NULL));
+    ASSERT_EQ(out, 0);
+  }
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_EQ(st.leases, 0);
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_listener_close(l);
   return 0;
 }

@@ -194,6 +194,8 @@ typedef struct gpuipc_block gpuipc_block;
 /* A batch travels as one frame: 48 bytes per buffer plus all their
  * metadata must stay within this many bytes. */
 #define GPUIPC_BATCH_BYTES_MAX 65536
+/* Most connections one gpuipc_conn_broadcast sends to. */
+#define GPUIPC_BROADCAST_MAX 1024
 /* Longest connection name (without the runtime directory). */
 #define GPUIPC_CONN_NAME_MAX 80
 
@@ -673,6 +675,30 @@ GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
                                                    const uint64_t *ids,
                                                    size_t n,
                                                    struct CUstream_st *stream);
+
+/* Sends one block to n connections (1 <= n <= GPUIPC_BROADCAST_MAX, no
+ * connection twice) as one operation, ordered after the work queued on
+ * `stream` before this call, with the same metadata: each connection's
+ * peer holds its own lease and releases it on its own (as after n
+ * gpuipc_conn_send), and a block freed meanwhile returns to its arena
+ * only when every peer released it and the work each queued before its
+ * release completed. Every connection is first made ready (its slot, the
+ * block's chunk exported: this may wait, up to that connection's timeout,
+ * for a release), then the frames are written back to back, then the
+ * ready signals enqueued together, so the last consumer is not behind
+ * the others' full sends. (This version writes one flag word per
+ * connection, all in one run of stream memory operations on `stream`.)
+ * A connection that fails (its peer gone, its timeout, a bad connection)
+ * is left out and the others are not affected: statuses[i] (may be NULL)
+ * is connection i's status; the call returns GPUIPC_OK when all of them
+ * are, else the status of the first that failed. Bad arguments
+ * (GPUIPC_E_INVALID_ARG) send nothing. */
+GPUIPC_API gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns,
+                                               size_t n, gpuipc_block *block,
+                                               struct CUstream_st *stream,
+                                               const void *meta,
+                                               size_t meta_len,
+                                               gpuipc_status *statuses /* OUT: n */);
 
 /* Buffers outstanding on this connection: *held_by_peer: our blocks the
  * peer holds now (sent, not released); *held_here: the peer's buffers we

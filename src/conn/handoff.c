@@ -542,6 +542,153 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
   return GPUIPC_OK;
 }
 
+/* ---- sender: broadcast ------------------------------------------------------------- */
+
+/* Gets connection `c` ready to take a lease of `block` (flag words, the
+ * chunk exported, a free slot, event mode's record); *w is its frame. */
+static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
+                                struct CUstream_st *stream, size_t meta_len,
+                                gpuipc__w_buf *w) {
+  if (c->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(c);
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(ho_get(c, &h));
+  uint64_t deadline = gpuipc__conn_deadline(c);
+  gpuipc_arena *a = block->arena;
+  if (h->lt == NULL)
+    GPUIPC__CHECK(setup_tx(c, h, a->ordinal, deadline));
+  gpuipc__lease_table *lt = h->lt;
+  if (a->ordinal != lt->ordinal)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_broadcast: the block is on device %d, a "
+                        "connection's flag words on device %d (one device per "
+                        "connection)",
+                        a->ordinal, lt->ordinal);
+  GPUIPC__CHECK(export_chunk(c, h, a, block->chunk, deadline));
+  uint32_t slot;
+  if (!gpuipc__lease_free_slot(lt, &slot)) {
+    GPUIPC__CHECK(gpuipc__conn_pump(c, deadline, have_free_slot, NULL));
+    if (c->ho != h || !gpuipc__lease_free_slot(lt, &slot))
+      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slot after a release");
+  }
+  bool ordered = c->order == GPUIPC_ORDER_MEMOP;
+  bool by_event = c->order == GPUIPC_ORDER_EVENT;
+  if (by_event) {
+    gpuipc_event *ev = gpuipc__lease_ready_event(lt, slot);
+    if (ev == NULL) {
+      GPUIPC__CHECK(make_event(c, lt->ordinal, slot, 0, deadline, &ev));
+      gpuipc__lease_set_ready_event(lt, slot, ev);
+    }
+    GPUIPC__CHECK(gpuipc_event_record(ev, stream));
+  }
+  uint64_t seq = gpuipc__lease_new_seq(lt);
+  if (seq == 0)
+    return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
+                                        "are used up (2^62 buffers)");
+  *w = (gpuipc__w_buf){seq,         a->id, block->off, block->bytes, slot,
+                       block->chunk, 0,    (uint32_t)meta_len};
+  w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
+  w->flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
+                                    gpuipc_block *block,
+                                    struct CUstream_st *stream,
+                                    const void *meta, size_t meta_len,
+                                    gpuipc_status *statuses) {
+  if (conns == NULL || n == 0 || n > GPUIPC_BROADCAST_MAX || block == NULL ||
+      meta_len > GPUIPC_META_MAX || (meta_len > 0 && meta == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_broadcast: NULL connections/block, %zu "
+                        "connections (1 to %d), or metadata of %zu bytes "
+                        "(max %d)",
+                        n, GPUIPC_BROADCAST_MAX, meta_len, GPUIPC_META_MAX);
+  if (!gpuipc__block_sendable(block))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_broadcast: the block was freed");
+  for (size_t i = 0; i < n; i++) {
+    if (conns[i] == NULL)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_broadcast: connection %zu is NULL", i);
+    for (size_t k = 0; k < i; k++)
+      if (conns[k] == conns[i])
+        return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                            "gpuipc_conn_broadcast: connections %zu and %zu "
+                            "are the same",
+                            k, i);
+  }
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc__w_buf *ws = malloc(n * sizeof *ws);
+  gpuipc_status *st = statuses ? statuses : malloc(n * sizeof *st);
+  if (ws == NULL || st == NULL) {
+    free(ws);
+    if (st != statuses)
+      free(st);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_conn_broadcast");
+  }
+  /* 1: every connection made ready (a slot free, the chunk exported); a
+   * connection that fails is left out and the others go on. */
+  for (size_t i = 0; i < n; i++)
+    st[i] = bc_prepare(conns[i], block, stream, meta_len, &ws[i]);
+  /* 2: the frames, back to back. */
+  for (size_t i = 0; i < n; i++) {
+    if (st[i] != GPUIPC_OK)
+      continue;
+    gpuipc_conn *c = conns[i];
+    if (c->watch)
+      atomic_store(&c->watch->tx_seq, ws[i].seq);
+    st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
+                                    meta, meta_len, NULL, 0,
+                                    gpuipc__conn_deadline(c));
+    if (st[i] == GPUIPC_OK)
+      gpuipc__lease_take_slot(c->ho->lt, ws[i].slot);
+  }
+  /* 3: the ready writes, after the work queued on `stream` (memop mode),
+   * then the leases. */
+  for (size_t i = 0; i < n; i++) {
+    if (st[i] != GPUIPC_OK)
+      continue;
+    gpuipc_conn *c = conns[i];
+    struct gpuipc__ho *h = c->ho;
+    bool ordered = c->order == GPUIPC_ORDER_MEMOP;
+    if (ordered) {
+      struct CUstream_st *wst = stream;
+      gpuipc_status rs = ready_write(h, ws[i].slot, ws[i].seq, &wst);
+      if (rs != GPUIPC_OK) {
+        /* As in gpuipc_conn_send: this peer was told of a buffer whose
+         * ready word will never be written; its connection ends. */
+        char why[256];
+        snprintf(why, sizeof why, "%s", gpuipc_last_error());
+        (void)gpuipc__conn_break(c, "the ready flag of buffer %llu could "
+                                    "not be enqueued",
+                                 (unsigned long long)ws[i].seq);
+        st[i] = gpuipc__fail(rs, "%s", why);
+        continue;
+      }
+      gpuipc__lease_written(h->lt, ws[i].slot, ws[i].seq, wst);
+    }
+    gpuipc__lease_add(h->lt, ws[i].slot, block, NULL, ws[i].seq, ordered,
+                      c->order == GPUIPC_ORDER_EVENT);
+  }
+  gpuipc_status first = GPUIPC_OK;
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++)
+    if (st[i] != GPUIPC_OK && first == GPUIPC_OK) {
+      first = st[i];
+      bad = i;
+    }
+  free(ws);
+  if (st != statuses)
+    free(st);
+  if (first != GPUIPC_OK)
+    return gpuipc__fail(first,
+                        "gpuipc_conn_broadcast: connection %zu (the first "
+                        "that failed): %s",
+                        bad, gpuipc_status_name(first));
+  return GPUIPC_OK;
+}
+
 gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
                                       struct CUstream_st *stream,
                                       const void *meta, size_t meta_len) {
