@@ -140,8 +140,13 @@ typedef struct gpuipc__w_bufs {
 typedef struct gpuipc__w_rel { /* REL: n of these */
   uint64_t seq;
   uint32_t slot;
-  uint32_t flags;
+  uint32_t flags; /* GPUIPC__REL_* */
 } gpuipc__w_rel;
+/* REL flag: this lease's release word was not written; the release of the
+ * next entry of the frame signals it too (its word was written on the same
+ * stream after this release's work). Only between two ORDERED leases; the
+ * last entry of a frame never has it. */
+#define GPUIPC__REL_BY_NEXT 0x1u
 
 _Static_assert(sizeof(gpuipc__w_chunk) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");

@@ -254,11 +254,17 @@ static gpuipc_status ready_write(struct gpuipc__ho *h, uint32_t slot,
     return ss;
   }
   CUresult r = CUDA_SUCCESS;
-  if (last_seq != 0 && last_stream != (struct CUstream_st *)ws)
+  if (last_seq != 0 && last_stream != (struct CUstream_st *)ws) {
+    /* The release of the slot's last lease (signalled by its own word, or
+     * by a later slot's for a release of a batch). */
+    uint32_t rs;
+    uint64_t rv;
+    gpuipc__lease_last_release(lt, slot, &rs, &rv);
     r = GPUIPC__CU(cuStreamWaitValue64, ws,
                    (CUdeviceptr)gpuipc__released_word(lt->ctl->ptr, lt->nslots,
-                                                      slot),
-                   (cuuint64_t)last_seq, CU_STREAM_WAIT_VALUE_GEQ);
+                                                      rs),
+                   (cuuint64_t)rv, CU_STREAM_WAIT_VALUE_GEQ);
+  }
   if (r == CUDA_SUCCESS)
     r = GPUIPC__CU(cuStreamWriteValue64, ws,
                    (CUdeviceptr)gpuipc__ready_word(lt->ctl->ptr, slot),
@@ -1200,7 +1206,7 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
     if (len == 0 || len % sizeof(gpuipc__w_rel) || h->lt == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad REL frame of %zu bytes", len);
     {
-      gpuipc__w_rel rel[64];
+      gpuipc__w_rel rel[GPUIPC__REL_MAX];
       size_t n = len / sizeof rel[0];
       if (n > GPUIPC__ARRAY_SIZE(rel))
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "REL frame of %zu entries", n);
@@ -1392,12 +1398,18 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
       return ss;
     }
     CUresult cr = CUDA_SUCCESS;
-    if (r->last_rel != 0 && r->last_rel_stream != (struct CUstream_st *)ws)
-      cr = GPUIPC__CU(cuStreamWaitValue64, ws, word,
-                      (cuuint64_t)r->last_rel, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r->rel_wval != 0 && r->last_rel_stream != (struct CUstream_st *)ws)
+      cr = GPUIPC__CU(cuStreamWaitValue64, ws,
+                      (CUdeviceptr)gpuipc__released_word(
+                          h->peer_ctl, h->peer_nslots, r->rel_wslot),
+                      (cuuint64_t)r->rel_wval, CU_STREAM_WAIT_VALUE_GEQ);
     if (cr == CUDA_SUCCESS)
       cr = GPUIPC__CU(cuStreamWriteValue64, ws, word,
                       (cuuint64_t)r->held, 0);
+    if (cr == CUDA_SUCCESS) {
+      r->rel_wslot = slot;
+      r->rel_wval = r->held;
+    }
     if (cr == CUDA_SUCCESS) {
       /* What close waits for before it unmaps: the work queued on ws up
        * to this release (a later release of the slot, on any stream, is
@@ -1504,16 +1516,16 @@ gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
   return s;
 }
 
-/* The release words of the ordered slots[0..n) (held, received), written
- * back to back on one stream, with one completion record for close (the
- * newest record of a slot covers the writes before it on its stream, and
- * a later release of any of these slots on another stream waits for the
- * newest of them). *done: how many of them were written (all, unless an
- * error is returned). */
+/* The release of the ordered slots[0..n) (held, received) with ONE word
+ * write: that of the last of them, on one stream, after the work queued
+ * on `stream`; the others are announced as signalled by it
+ * (GPUIPC__REL_BY_NEXT). Before it, for a slot whose previous release was
+ * written on another stream, a wait for that release's word (so no word
+ * goes backwards). One completion record for close, on the last slot (a
+ * later release of any of these slots on another stream waits for this
+ * write first). Context of the peer's device entered here. */
 static gpuipc_status release_words(struct gpuipc__ho *h, const uint32_t *slots,
-                                   size_t n, struct CUstream_st *stream,
-                                   size_t *done) {
-  *done = 0;
+                                   size_t n, struct CUstream_st *stream) {
   gpuipc__ctx_guard g;
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
   CUstream ws = NULL;
@@ -1523,40 +1535,52 @@ static gpuipc_status release_words(struct gpuipc__ho *h, const uint32_t *slots,
     return ss;
   }
   CUresult cr = CUDA_SUCCESS;
-  size_t k = 0;
-  for (; k < n; k++) {
+  uint32_t pslot = UINT32_MAX;
+  uint64_t pval = 0;
+  for (size_t k = 0; k < n && cr == CUDA_SUCCESS; k++) {
     gpuipc__rxs *r = &h->rx[slots[k]];
-    CUdeviceptr word = (CUdeviceptr)gpuipc__released_word(
-        h->peer_ctl, h->peer_nslots, slots[k]);
-    if (r->last_rel != 0 && r->last_rel_stream != (struct CUstream_st *)ws)
-      cr = GPUIPC__CU(cuStreamWaitValue64, ws, word, (cuuint64_t)r->last_rel,
-                      CU_STREAM_WAIT_VALUE_GEQ);
-    if (cr == CUDA_SUCCESS)
-      cr = GPUIPC__CU(cuStreamWriteValue64, ws, word, (cuuint64_t)r->held, 0);
-    if (cr != CUDA_SUCCESS)
-      break;
-    r->last_rel_stream = (struct CUstream_st *)ws;
+    if (r->rel_wval == 0 || r->last_rel_stream == (struct CUstream_st *)ws ||
+        (r->rel_wslot == pslot && r->rel_wval == pval))
+      continue;
+    cr = GPUIPC__CU(cuStreamWaitValue64, ws,
+                    (CUdeviceptr)gpuipc__released_word(h->peer_ctl,
+                                                       h->peer_nslots,
+                                                       r->rel_wslot),
+                    (cuuint64_t)r->rel_wval, CU_STREAM_WAIT_VALUE_GEQ);
+    pslot = r->rel_wslot;
+    pval = r->rel_wval;
   }
-  if (k > 0) {
-    gpuipc__rxs *r = &h->rx[slots[k - 1]];
+  uint32_t last = slots[n - 1];
+  gpuipc__rxs *rl = &h->rx[last];
+  if (cr == CUDA_SUCCESS)
+    cr = GPUIPC__CU(cuStreamWriteValue64, ws,
+                    (CUdeviceptr)gpuipc__released_word(h->peer_ctl,
+                                                       h->peer_nslots, last),
+                    (cuuint64_t)rl->held, 0);
+  if (cr == CUDA_SUCCESS) {
     CUresult er = CUDA_SUCCESS;
-    if (r->rel_done == NULL) {
+    if (rl->rel_done == NULL) {
       CUevent ev;
       er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
       if (er == CUDA_SUCCESS)
-        r->rel_done = (struct CUevent_st *)ev;
+        rl->rel_done = (struct CUevent_st *)ev;
     }
     if (er == CUDA_SUCCESS)
-      er = GPUIPC__CU(cuEventRecord, (CUevent)r->rel_done, ws);
+      er = GPUIPC__CU(cuEventRecord, (CUevent)rl->rel_done, ws);
     if (er != CUDA_SUCCESS)
       h->rx_unknown = true;
+    for (size_t k = 0; k < n; k++) {
+      gpuipc__rxs *r = &h->rx[slots[k]];
+      r->rel_wslot = last;
+      r->rel_wval = rl->held;
+      r->last_rel_stream = (struct CUstream_st *)ws;
+    }
   }
   gpuipc__ctx_leave(&g);
-  *done = k;
   if (cr != CUDA_SUCCESS)
     return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
                              "release flag of buffer %llu",
-                             (unsigned long long)h->rx[slots[k]].held);
+                             (unsigned long long)rl->held);
   return GPUIPC_OK;
 }
 
@@ -1599,53 +1623,49 @@ gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn, const uint64_t *ids,
   }
   bool open = conn->state == GPUIPC__CONN_OPEN;
   gpuipc_status s = GPUIPC_OK;
-  size_t nrel = 0;
-  gpuipc__w_rel rel[GPUIPC__REL_MAX];
-  /* In order, as runs: the ordered buffers' words together, each other
-   * buffer (event mode) on its own. */
-  for (size_t i = 0; i < n && s == GPUIPC_OK;) {
-    size_t j = i, done = 0;
-    if (open && h->rx[slots[i]].ordered) {
-      while (j < n && h->rx[slots[j]].ordered)
-        j++;
-      s = release_words(h, slots + i, j - i, stream, &done);
-    } else {
-      j = i + 1;
-      done = 1;
-    }
-    for (size_t k = i; k < i + done; k++) {
-      uint32_t slot = slots[k];
-      gpuipc__w_rel w = {h->rx[slot].held, slot, 0};
-      /* An ordered one's word was written above: the rest is bookkeeping. */
-      gpuipc_status rs =
-          release_slot(conn, h, slot, stream, open && !h->rx[slot].ordered);
-      if (rs != GPUIPC_OK) {
-        /* Still held, as after a failed gpuipc_conn_release (a word
-         * written already is written again, with the same value, by a
-         * later release). */
-        s = rs;
-        break;
+  /* One REL frame per GPUIPC__REL_MAX buffers; within a frame, each run of
+   * ordered buffers (memop mode) is released by one word write, the
+   * others (event mode, buffers by descriptor, no ordering) one by one. */
+  for (size_t f = 0; f < n && s == GPUIPC_OK; f += GPUIPC__REL_MAX) {
+    size_t fe = n - f < GPUIPC__REL_MAX ? n : f + GPUIPC__REL_MAX;
+    gpuipc__w_rel rel[GPUIPC__REL_MAX];
+    size_t nrel = 0;
+    for (size_t i = f; i < fe && s == GPUIPC_OK;) {
+      size_t j = i + 1;
+      bool run = open && h->rx[slots[i]].ordered && h->rx[slots[i]].imp == NULL;
+      if (run) {
+        while (j < fe && h->rx[slots[j]].ordered && h->rx[slots[j]].imp == NULL)
+          j++;
+        s = release_words(h, slots + i, j - i, stream);
+        if (s != GPUIPC_OK)
+          break; /* none of the run released: all still held */
       }
-      if (!open)
-        continue;
-      rel[nrel++] = w;
-      if (nrel == GPUIPC__ARRAY_SIZE(rel)) {
-        gpuipc_status fs = gpuipc__conn_send_frame(
-            conn, GPUIPC__F_REL, rel, nrel * sizeof rel[0], NULL, 0, NULL, 0, 0);
-        nrel = 0;
-        if (fs == GPUIPC_E_PEER_GONE || fs == GPUIPC_E_CLOSED)
-          open = false; /* the leases end with the exporter */
-        else if (fs != GPUIPC_OK && s == GPUIPC_OK)
-          s = fs;
+      for (size_t k = i; k < j; k++) {
+        uint32_t slot = slots[k];
+        gpuipc__w_rel w = {h->rx[slot].held, slot,
+                           run && k + 1 < j ? GPUIPC__REL_BY_NEXT : 0u};
+        /* A run's word was written above: the rest is bookkeeping. */
+        gpuipc_status rs = release_slot(conn, h, slot, stream, open && !run);
+        if (rs != GPUIPC_OK) {
+          /* Still held, as after a failed gpuipc_conn_release (only a
+           * buffer released on its own can fail here: a run's bookkeeping
+           * cannot, so no entry announced points past this one). */
+          s = rs;
+          break;
+        }
+        rel[nrel++] = w;
       }
+      i = j;
     }
-    i = j;
-  }
-  if (open && nrel > 0) {
-    gpuipc_status fs = gpuipc__conn_send_frame(
-        conn, GPUIPC__F_REL, rel, nrel * sizeof rel[0], NULL, 0, NULL, 0, 0);
-    if (fs != GPUIPC_E_PEER_GONE && fs != GPUIPC_E_CLOSED && s == GPUIPC_OK)
-      s = fs;
+    if (open && nrel > 0) {
+      gpuipc_status fs =
+          gpuipc__conn_send_frame(conn, GPUIPC__F_REL, rel,
+                                  nrel * sizeof rel[0], NULL, 0, NULL, 0, 0);
+      if (fs == GPUIPC_E_PEER_GONE || fs == GPUIPC_E_CLOSED)
+        open = false; /* the leases end with the exporter */
+      else if (fs != GPUIPC_OK && s == GPUIPC_OK)
+        s = fs;
+    }
   }
   return s;
 }

@@ -16,6 +16,11 @@ typedef struct gpuipc__rxs {
   uint64_t last_recv; /* newest sequence number waited for */
   uint64_t last_rel;  /* newest released */
   struct CUstream_st *last_rel_stream;
+  /* The word that signals the newest release: released[rel_wslot] >=
+   * rel_wval (this slot's own, or a later slot's of the same batch of
+   * releases); rel_wval 0: none yet. */
+  uint32_t rel_wslot;
+  uint64_t rel_wval;
   uint64_t ptr;
   size_t len;
   bool ordered;
