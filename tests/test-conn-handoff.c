@@ -2573,3 +2573,360 @@ TEST_IMPL(handoff_broadcast_64_consumers) {
   gpuipc_listener_close(l);
   return 0;
 }
+
+/* ---- batches: driver calls and ordering of coalesced releases ------------------------------ */
+
+static atomic_int n_write_value, n_wait_value;
+static CUresult (*real_write_value)(CUstream, CUdeviceptr, cuuint64_t,
+                                    unsigned int);
+static CUresult (*real_wait_value)(CUstream, CUdeviceptr, cuuint64_t,
+                                   unsigned int);
+static CUresult counting_write(CUstream s, CUdeviceptr a, cuuint64_t v,
+                               unsigned int f) {
+  atomic_fetch_add(&n_write_value, 1);
+  return real_write_value(s, a, v, f);
+}
+static CUresult counting_wait(CUstream s, CUdeviceptr a, cuuint64_t v,
+                              unsigned int f) {
+  atomic_fetch_add(&n_wait_value, 1);
+  return real_wait_value(s, a, v, f);
+}
+/* Counts this process's stream memory operations from now on. */
+static void count_memops(void) {
+  if (real_write_value == NULL) {
+    real_write_value = gpuipc__cu.cuStreamWriteValue64;
+    real_wait_value = gpuipc__cu.cuStreamWaitValue64;
+    gpuipc__cu.cuStreamWriteValue64 = counting_write;
+    gpuipc__cu.cuStreamWaitValue64 = counting_wait;
+  }
+  atomic_store(&n_write_value, 0);
+  atomic_store(&n_wait_value, 0);
+}
+static void uncount_memops(void) {
+  if (real_write_value) {
+    gpuipc__cu.cuStreamWriteValue64 = real_write_value;
+    gpuipc__cu.cuStreamWaitValue64 = real_wait_value;
+    real_write_value = NULL;
+  }
+}
+
+/* A batch costs one ready write (producer), one wait (consumer, for the
+ * whole batch received at once), one release write (consumer), and a
+ * few reclaim waits (producer, one per release frame), not one of each
+ * per buffer. Memop mode only (event mode orders each buffer by its own
+ * events). */
+TEST_IMPL(handoff_batch_driver_calls) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("stream memory operations only");
+  /* Consumer side: the helper sends two batches of 8. */
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_producer", NULL, &fd, "2", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_received rs[8];
+  for (int round = 0; round < 2; round++) {
+    for (int i = 0; i < 8; i++)
+      rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    /* The batch's frame comes whole: its 8 buffers are queued together
+     * (one frame is read whole before recv returns). */
+    count_memops();
+    size_t n = 0;
+    ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, 8, &n));
+    ASSERT_EQ(n, 8);
+    ASSERT_EQ(atomic_load(&n_wait_value), 1);
+    uint64_t ids[8];
+    for (int i = 0; i < 8; i++)
+      ids[i] = rs[i].id;
+    count_memops();
+    ASSERT_OK(gpuipc_conn_release_batch(c, ids, 8, (struct CUstream_st *)s));
+    ASSERT_EQ(atomic_load(&n_write_value), 1);
+    uncount_memops();
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  char buf[4];
+  size_t len;
+  /* The producer saw every lease come back (it checks, then says ok). */
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_conn_close(c);
+
+  /* Producer side: a batch of 16 to a consumer that releases in batches
+   * of up to 7. */
+  pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "17", "batch",
+                     NULL);
+  c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  static const size_t sizes[] = {4096, 256};
+  send_batches(c, a, a, s, 1, 1, sizes, 2, 1); /* setup: flag words, chunks */
+  gpuipc_block *bs[16];
+  uint8_t *pin[16];
+  uint32_t seeds[16];
+  const void *metas[16];
+  size_t lens[16];
+  for (int i = 0; i < 16; i++) {
+    seeds[i] = 60 + (uint32_t)i;
+    bs[i] = filled_block(a, s, 4096, seeds[i], &pin[i]);
+    metas[i] = &seeds[i];
+    lens[i] = sizeof seeds[i];
+  }
+  count_memops();
+  ASSERT_OK(gpuipc_conn_send_batch(c, bs, 16, (struct CUstream_st *)s, metas,
+                                   lens));
+  ASSERT_EQ(atomic_load(&n_write_value), 1);
+  count_memops();
+  for (int i = 0; i < 16; i++)
+    wait_unheld(c, bs[i]);
+  /* 16 buffers released in at least 3 calls of at most 7: a reclaim wait
+   * per release frame at most. */
+  int waits = atomic_load(&n_wait_value);
+  uncount_memops();
+  if (waits < 1 || waits > 16 / 7 + 2)
+    harness_fail(__FILE__, __LINE__, "%d reclaim waits for 16 releases",
+                 waits);
+  for (int i = 0; i < 16; i++)
+    ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < 16; i++)
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin[i]));
+  expect_ok_and_settled(c, a, a, pid);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* Receives a batch of argv[0] buffers, copies each (slowly: the emulator's
+ * delay) into memory of its own, releases them all in one call, says
+ * "released", and once the producer has overwritten the memory, checks
+ * its copies. */
+HELPER_IMPL(ho_batch_reuse) {
+  int count = atoi(argv[0]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received *rs = calloc((size_t)count, sizeof *rs);
+  CUdeviceptr *priv = calloc((size_t)count, sizeof *priv);
+  ASSERT(rs && priv);
+  for (int i = 0; i < count; i++)
+    rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+  for (int got = 0; got < count;) {
+    size_t n = 0;
+    ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs + got,
+                                     (size_t)(count - got), &n));
+    got += (int)n;
+  }
+  uint64_t *ids = calloc((size_t)count, sizeof *ids);
+  for (int i = 0; i < count; i++) {
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv[i], rs[i].length));
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv[i], (CUdeviceptr)(uintptr_t)rs[i].ptr,
+                                          rs[i].length, s));
+    ids[i] = rs[i].id;
+  }
+  ASSERT_OK(gpuipc_conn_release_batch(c, ids, (size_t)count,
+                                      (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "released", 8, NULL, 0));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < count; i++) {
+    uint8_t *host = malloc(rs[i].length);
+    ASSERT_NOT_NULL(host);
+    d2h(host, (void *)(uintptr_t)priv[i], rs[i].length);
+    uint32_t seed;
+    memcpy(&seed, rs[i].meta, sizeof seed);
+    check_pattern(host, rs[i].length, seed);
+    free(host);
+    ASSERT_CU(gpuipc__cu.cuMemFree(priv[i]));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  free(rs);
+  free(priv);
+  free(ids);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* The consumer releases a batch of 8 with one flag word while its copies
+ * out of every buffer are still queued (slow): the producer's reuse of
+ * each buffer's memory, the first ones too, waits for them. */
+TEST_IMPL(handoff_batch_release_orders_reuse) {
+  REQUIRE_DEVICES(1);
+  enum { N = 8 };
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)64 << 20;
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_reuse", harness_on_emulator() ? delay_env : NULL,
+                           &fd, "8", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  /* Room for the flag words and exactly N blocks: the reuse below gets
+   * the same memory back. */
+  gpuipc_arena *a = mkarena(N * n + 8192);
+  CUstream s = mkstream();
+  gpuipc_block *bs[N];
+  uint8_t *pin[N];
+  uint32_t seeds[N];
+  const void *metas[N];
+  size_t lens[N];
+  void *ptrs[N];
+  for (int i = 0; i < N; i++) {
+    seeds[i] = 900 + (uint32_t)i;
+    bs[i] = filled_block(a, s, n, seeds[i], &pin[i]);
+    metas[i] = &seeds[i];
+    lens[i] = sizeof seeds[i];
+    ptrs[i] = gpuipc_block_get_ptr(bs[i]);
+  }
+  ASSERT_OK(gpuipc_conn_send_batch(c, bs, N, (struct CUstream_st *)s, metas,
+                                   lens));
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 8);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  /* Every block's memory back, overwritten at once on s (not synced). */
+  for (int i = 0; i < N; i++) {
+    gpuipc_block *b2 = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b2));
+    bool known = false;
+    for (int k = 0; k < N; k++)
+      known |= gpuipc_block_get_ptr(b2) == ptrs[k];
+    ASSERT(known);
+    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b2), 0x55, n, s));
+    bs[i] = b2;
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "overwritten", 11, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < N; i++) {
+    uint8_t probe[4];
+    d2h(probe, gpuipc_block_get_ptr(bs[i]), sizeof probe);
+    ASSERT_EQ(probe[0], 0x55);
+    ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin[i]));
+  }
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* Receives two buffers and gives them back with a forged REL frame
+ * (argv[0]: "last" flags the frame's last entry BY_NEXT, "unknown" sets a
+ * flag that does not exist); then waits to be hung up on. */
+HELPER_IMPL(ho_rel_forger) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received r[2] = {GPUIPC_RECEIVED_INIT, GPUIPC_RECEIVED_INIT};
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r[i]));
+  gpuipc__w_rel rel[2];
+  for (int i = 0; i < 2; i++) {
+    uint32_t slot = (uint32_t)(r[i].id >> 44);
+    /* The low 44 bits of the id are the sequence number (small here). */
+    rel[i] = (gpuipc__w_rel){r[i].id & (((uint64_t)1 << 44) - 1), slot, 0};
+  }
+  if (strcmp(argv[0], "last") == 0) {
+    rel[0].flags = GPUIPC__REL_BY_NEXT;
+    rel[1].flags = GPUIPC__REL_BY_NEXT;
+  } else {
+    rel[0].flags = 0x8;
+  }
+  raw_frame(gpuipc_conn_get_fd(c), GPUIPC__F_REL, rel, sizeof rel);
+  char b;
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, &b, 1, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_TIMEOUT);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(handoff_rejects_forged_release_flags) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("BY_NEXT is for stream memory operations");
+  const char *cases[2] = {"last", "unknown"};
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  for (int i = 0; i < 2; i++) {
+    int fd;
+    pid_t pid = spawn_helper("ho_rel_forger", NULL, &fd, (char *)cases[i], NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_block *b[2];
+    for (int k = 0; k < 2; k++) {
+      ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b[k]));
+      ASSERT_OK(gpuipc_conn_send(c, b[k], (struct CUstream_st *)s, NULL, 0));
+    }
+    gpuipc_status st = GPUIPC_OK;
+    for (int k = 0; k < 3000 && st == GPUIPC_OK; k++)
+      st = gpuipc_conn_progress(c, 10);
+    if (st != GPUIPC_E_PROTOCOL)
+      harness_fail(__FILE__, __LINE__, "case %s: %s (%s)", cases[i],
+                   gpuipc_status_name(st), gpuipc_last_error());
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "flags");
+    /* Nothing of the frame was applied: both leases stay until the
+     * forger is gone, then come back. */
+    ASSERT_EQ(gpuipc_block_get_holders(b[0]), 1);
+    ASSERT_EQ(gpuipc_block_get_holders(b[1]), 1);
+    ASSERT_EQ(wait_helper(pid, 60), 0);
+    size_t out = 1;
+    for (int k = 0; k < 1000 && out > 0; k++) {
+      (void)gpuipc_conn_progress(c, 10);
+      ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+    }
+    ASSERT_EQ(out, 0);
+    for (int k = 0; k < 2; k++)
+      ASSERT_OK(gpuipc_block_free(b[k], (struct CUstream_st *)s));
+    gpuipc_conn_close(c);
+  }
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* ---- batches and broadcast in event mode and on the legacy stream -------------------------- */
+
+TEST_IMPL(handoff_event_batch_mixed_arenas_and_sizes) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_batch_mixed_arenas_and_sizes();
+}
+
+TEST_IMPL(handoff_event_batch_order_slow_producer) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_batch_order_slow_producer();
+}
+
+TEST_IMPL(handoff_event_batch_release_orders_reuse) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_batch_release_orders_reuse();
+}
+
+TEST_IMPL(handoff_event_broadcast_reuse_waits_for_all) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_broadcast_reuse_waits_for_all();
+}
+
+TEST_IMPL(handoff_legacy_batch_order_slow_producer) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_batch_order_slow_producer();
+}
+
+TEST_IMPL(handoff_legacy_batch_release_orders_reuse) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_batch_release_orders_reuse();
+}
+
+TEST_IMPL(handoff_legacy_broadcast_order_slow_producer) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_broadcast_order_slow_producer();
+}

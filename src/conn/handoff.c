@@ -22,6 +22,16 @@
  * write landed and was consumed), the consumer waits for released[slot] >=
  * its previous release. With one stream per side (the common case) this
  * costs nothing.
+ *
+ * Batches. A batch of blocks (BUFS, gpuipc_conn_send_batch) has one ready
+ * write, that of its newest entry, which the consumer awaits for all of
+ * them (one wait when it receives them together); a batch of releases
+ * (gpuipc_conn_release_batch) writes the released word of the last buffer
+ * of each run only, and flags the others GPUIPC__REL_BY_NEXT, so that the
+ * producer waits for that word for all of them. Each side remembers, per
+ * slot, which word signals its newest release (for the guard above).
+ * Broadcast (gpuipc_conn_broadcast) prepares every connection, writes the
+ * BUF frames back to back, then enqueues every connection's ready write.
  */
 #include "handoff_int.h"
 
