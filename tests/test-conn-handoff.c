@@ -1109,7 +1109,7 @@ HELPER_IMPL(ho_forger) {
   const char *what = argv[0];
   gpuipc__w_buf w = {1, 1, 0, 256, 0, 0, GPUIPC__BUF_ORDERED, 0};
   if ((strncmp(what, "buf_", 4) == 0 && strcmp(what, "buf_before_ctl") != 0) ||
-      strncmp(what, "bufs_", 5) == 0) {
+      strncmp(what, "bufs_", 5) == 0 || strncmp(what, "bufw_", 5) == 0) {
     /* Kept until exit (the victim hangs up holding the block). */
     static gpuipc_arena *a;
     static gpuipc_block *b;
@@ -1156,6 +1156,35 @@ HELPER_IMPL(ho_forger) {
      * the first buffer's wait. */
     w.seq = GPUIPC__SEQ_LIMIT + ((uint64_t)1 << 63);
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strncmp(what, "bufw_", 5) == 0) {
+    /* A buffer ordered by a "broadcast word" in the flag-word chunk. */
+    struct {
+      gpuipc__w_buf b;
+      gpuipc__w_word w;
+    } f;
+    f.b = w;
+    f.w = (gpuipc__w_word){2, 4096, 0, 0, 5};
+    int frames = 1;
+    if (strcmp(what, "bufw_word_outside") == 0)
+      f.w.off = (uint64_t)64 << 20;
+    else if (strcmp(what, "bufw_misaligned") == 0)
+      f.w.off = 4100;
+    else if (strcmp(what, "bufw_value_zero") == 0)
+      f.w.value = 0;
+    else if (strcmp(what, "bufw_value_past_limit") == 0)
+      f.w.value = GPUIPC__SEQ_LIMIT;
+    else if (strcmp(what, "bufw_event_flag") == 0)
+      f.b.flags |= GPUIPC__BUF_EVENT;
+    else if (strcmp(what, "bufw_unknown_chunk") == 0)
+      f.w.chunk = 7;
+    else if (strcmp(what, "bufw_too_many_words") == 0)
+      frames = GPUIPC__BWORDS_MAX + 1;
+    for (int i = 0; i < frames; i++) {
+      f.b.slot = 1 + (uint32_t)i;
+      f.b.seq = 100 + (uint64_t)i;
+      f.w.off = frames > 1 ? 4096 + 8 * (uint64_t)i : f.w.off;
+      raw_frame(fd, GPUIPC__F_BUFW, &f, sizeof f);
+    }
   } else if (strncmp(what, "bufs_", 5) == 0) {
     /* A batch of three (each valid on its own unless the case breaks
      * one): none of it may be delivered. */
@@ -1231,6 +1260,13 @@ TEST_IMPL(handoff_rejects_forged_frames) {
       {"bufs_desc", "refused"},
       {"bufs_seq_order", "refused"},
       {"bufs_seq_past_limit", "past the limit"},
+      {"bufw_word_outside", "outside the peer's imported memory"},
+      {"bufw_misaligned", "misaligned"},
+      {"bufw_value_zero", "past the limit"},
+      {"bufw_value_past_limit", "past the limit"},
+      {"bufw_event_flag", "ORDERED only"},
+      {"bufw_unknown_chunk", "imported memory"},
+      {"bufw_too_many_words", "broadcast words"},
   };
   CUstream s = mkstream();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -1239,7 +1275,7 @@ TEST_IMPL(handoff_rejects_forged_frames) {
     gpuipc_conn *c = pair_conn(fd);
     gpuipc_status st = GPUIPC_OK;
     int oks = 0;
-    for (int k = 0; k < 3 && st == GPUIPC_OK; k++) {
+    for (int k = 0; k < 3 + GPUIPC__BWORDS_MAX && st == GPUIPC_OK; k++) {
       gpuipc_received r = GPUIPC_RECEIVED_INIT;
       st = gpuipc_conn_recv(c, (struct CUstream_st *)s, &r);
       if (st == GPUIPC_OK) {
@@ -2929,4 +2965,201 @@ TEST_IMPL(handoff_legacy_batch_release_orders_reuse) {
 TEST_IMPL(handoff_legacy_broadcast_order_slow_producer) {
   setenv("GPUIPC_TEST_STREAM", "legacy", 1);
   return test_handoff_broadcast_order_slow_producer();
+}
+
+/* ---- broadcast: the shared ready word --------------------------------------------------------- */
+
+/* A producer whose stream never gets past a wait broadcasts a block, then
+ * is killed: the consumer's stream, waiting on the broadcast word, is
+ * unblocked. */
+HELPER_IMPL(ho_doomed_broadcaster) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  uint8_t host[4096];
+  pattern(host, sizeof host, 6);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                    host, sizeof host));
+  CUdeviceptr never;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&never, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(never, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, never, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  uint32_t seed = 6;
+  ASSERT_OK(gpuipc_conn_broadcast(&c, 1, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "sent", 4, NULL, 0));
+  for (;;)
+    pause();
+  return 0;
+}
+
+TEST_IMPL(handoff_broadcast_exporter_killed) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_doomed_broadcaster", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, 4096));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        4096, s));
+  bool event = test_order() == GPUIPC_ORDER_EVENT;
+  if (!test_legacy())
+    ASSERT_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  ASSERT_STATUS(gpuipc_conn_progress(c, 0), GPUIPC_E_PEER_GONE);
+  bool stream_released = !event || harness_on_emulator();
+  signal(SIGALRM, on_alarm);
+  alarm(30);
+  if (stream_released)
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t host[4096];
+  d2h(host, r.ptr, sizeof host);
+  check_pattern(host, sizeof host, 6);
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  gpuipc_conn_close(c);
+  alarm(0);
+  if (stream_released)
+    ASSERT_CU(gpuipc__cu.cuMemFree(priv));
+  return 0;
+}
+
+/* Receives one broadcast buffer, queues a copy out of it (its stream waits
+ * for the producer, which is held back), and closes its connection at
+ * once (a short timeout): the close must not write the shared ready word,
+ * which another consumer waits on too. */
+HELPER_IMPL(ho_bc_closer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, r.length));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        r.length, s));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 200));
+  gpuipc_conn_close(c);
+  _exit(0); /* its stream still waits: no teardown that would wait too */
+}
+
+/* Receives one broadcast buffer and queues a copy out of it; says
+ * "waiting"; on "check" says whether its stream is still blocked; on
+ * "go" synchronizes and checks the data. */
+HELPER_IMPL(ho_bc_waiter) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, r.length));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        r.length, s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "waiting", 7, NULL, 0));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  bool blocked = gpuipc__cu.cuStreamQuery(s) == CUDA_ERROR_NOT_READY;
+  ASSERT_OK(gpuipc_conn_send_msg(c, blocked ? "blocked" : "early", blocked ? 7 : 5,
+                                 NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t *host = malloc(r.length);
+  ASSERT_NOT_NULL(host);
+  d2h(host, (void *)(uintptr_t)priv, r.length);
+  uint32_t seed;
+  memcpy(&seed, r.meta, sizeof seed);
+  check_pattern(host, r.length, seed);
+  free(host);
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* One consumer of a broadcast closes while the producer's work is still
+ * held back: the other consumer's stream stays blocked until the
+ * producer's work is done, then reads the producer's data. */
+TEST_IMPL(handoff_broadcast_consumer_close_keeps_others_ordered) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("the shared ready word is for stream memory operations");
+  int fa, fb;
+  pid_t pa = spawn_helper("ho_bc_closer", NULL, &fa, NULL);
+  pid_t pb = spawn_helper("ho_bc_waiter", NULL, &fb, NULL);
+  gpuipc_conn *cs[2] = {pair_conn(fa), pair_conn(fb)};
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  if (s == NULL)
+    SKIP("holds its own stream back");
+  size_t n = 4096;
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                  0xEE, n));
+  /* The producer's stream: held back, then the data. */
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  uint8_t *host = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&host, n, 0));
+  pattern(host, n, 31);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                        host, n, s));
+  uint32_t seed = 31;
+  ASSERT_OK(gpuipc_conn_broadcast(cs, 2, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, NULL));
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(cs[1], buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(wait_helper(pa, 60), 0); /* the closer is gone */
+  ASSERT_OK(gpuipc_conn_send_msg(cs[1], "check", 5, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(cs[1], buf, sizeof buf, &len, NULL, NULL));
+  buf[len < sizeof buf ? len : sizeof buf - 1] = '\0';
+  ASSERT_STR_EQ(buf, "blocked");
+  /* Open the gate (from another stream). */
+  CUstream o;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&o, CU_STREAM_NON_BLOCKING));
+  ASSERT_CU(gpuipc__cu.cuStreamWriteValue64(o, gate, 1, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(o));
+  ASSERT_OK(gpuipc_conn_send_msg(cs[1], "go", 2, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(cs[1], buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  ASSERT_OK(gpuipc_conn_send_msg(cs[1], "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pb, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(host));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(o));
+  /* Both leases came back (the closer's when its process was gone). */
+  for (int k = 0; k < 2; k++) {
+    size_t out = 1;
+    for (int i = 0; i < 1000 && out > 0; i++) {
+      (void)gpuipc_conn_progress(cs[k], 10);
+      ASSERT_OK(gpuipc_conn_get_outstanding(cs[k], &out, NULL));
+    }
+    ASSERT_EQ(out, 0);
+    gpuipc_conn_close(cs[k]);
+  }
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate));
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+TEST_IMPL(handoff_event_broadcast_exporter_killed) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_broadcast_exporter_killed();
 }

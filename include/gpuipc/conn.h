@@ -684,10 +684,21 @@ GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
  * only when every peer released it and the work each queued before its
  * release completed. Every connection is first made ready (its slot, the
  * block's chunk exported: this may wait, up to that connection's timeout,
- * for a release), then the frames are written back to back, then the
- * ready signals enqueued together, so the last consumer is not behind
- * the others' full sends. (This version writes one flag word per
- * connection, all in one run of stream memory operations on `stream`.)
+ * for a release); then ONE ready signal is enqueued on `stream` for all
+ * of them (in the default memop mode: a single cuStreamWriteValue64 of a
+ * per-device broadcast word in gpuipc's flag-word memory, which every
+ * consumer's stream waits on), then the frames are written back to back,
+ * so the last consumer is behind neither the others' sends nor their
+ * signals. (A connection in GPUIPC_ORDER_EVENT mode is ordered by its own
+ * slot's event as in gpuipc_conn_send.) Broadcasts of one device from
+ * different streams are ordered among themselves: one whose stream is
+ * not the previous broadcast's first waits, on the GPU, for that
+ * broadcast's signal. If the producer dies, a consumer writes the word
+ * (as it writes a dead producer's slot words) only once the producer's
+ * process is gone (other consumers wait on it too), in its next call on
+ * the connection or by its watcher; a consumer that closes while the
+ * producer lives leaves the word alone (its close waits, up to its
+ * timeout, for the producer's signal before it unmaps the memory).
  * A connection that fails (its peer gone, its timeout, a bad connection)
  * is left out and the others are not affected: statuses[i] (may be NULL)
  * is connection i's status; the call returns GPUIPC_OK when all of them

@@ -44,7 +44,8 @@ enum {
   GPUIPC__F_ABANDON = 12, /* I end this connection on my own error: I
                            * still hold these; the rest is untouched */
   GPUIPC__F_BUFS = 13,    /* a batch of buffers, one ready signal */
-  GPUIPC__F_TYPE_MAX = 13
+  GPUIPC__F_BUFW = 14,    /* one buffer ordered by a shared ready word */
+  GPUIPC__F_TYPE_MAX = 14
 };
 
 typedef struct gpuipc__frame_hdr {
@@ -137,6 +138,22 @@ typedef struct gpuipc__w_bufs {
   uint32_t pad;   /* 0 */
 } gpuipc__w_bufs;
 
+/* BUFW (a broadcast, gpuipc_conn_broadcast): a gpuipc__w_buf (ORDERED,
+ * arena block), then this, then the metadata. The buffer is ready once the
+ * 64-bit word at [off, off + 8) of the sender's chunk `chunk` of arena
+ * `arena_id` (exported before, like any chunk) holds `value` or more: a
+ * word the sender writes once for all the consumers of one broadcast, its
+ * values growing, each in [1, GPUIPC__SEQ_LIMIT). A receiver keeps at most
+ * GPUIPC__BWORDS_MAX such words per connection. */
+typedef struct gpuipc__w_word {
+  uint64_t arena_id;
+  uint64_t off;
+  uint32_t chunk;
+  uint32_t pad; /* 0 */
+  uint64_t value;
+} gpuipc__w_word;
+#define GPUIPC__BWORDS_MAX 8
+
 typedef struct gpuipc__w_rel { /* REL: n of these */
   uint64_t seq;
   uint32_t slot;
@@ -153,6 +170,7 @@ _Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_buf) == 48, "wire layout");
 _Static_assert(sizeof(gpuipc__w_rel) == 16, "wire layout");
 _Static_assert(sizeof(gpuipc__w_bufs) == 16, "wire layout");
+_Static_assert(sizeof(gpuipc__w_word) == 32, "wire layout");
 /* Entries of one REL frame. */
 #define GPUIPC__REL_MAX 64
 

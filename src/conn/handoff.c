@@ -30,11 +30,16 @@
  * of each run only, and flags the others GPUIPC__REL_BY_NEXT, so that the
  * producer waits for that word for all of them. Each side remembers, per
  * slot, which word signals its newest release (for the guard above).
- * Broadcast (gpuipc_conn_broadcast) prepares every connection, writes the
- * BUF frames back to back, then enqueues every connection's ready write.
+ * Broadcast (gpuipc_conn_broadcast) prepares every connection, enqueues
+ * ONE write of the device's broadcast word (a word of the flag-word arena
+ * shared by all connections, its values growing), then writes the BUFW
+ * frames back to back; each consumer waits on that word. A consumer
+ * writes a producer's broadcast word only once the producer's process is
+ * gone (its other consumers wait on it too).
  */
 #include "handoff_int.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -560,9 +565,97 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
 
 /* ---- sender: broadcast ------------------------------------------------------------- */
 
+/* The broadcast word of each device: one 64-bit flag word in the
+ * process's flag-word arena (never freed: its values only grow, so a late
+ * wait of a consumer still passes), written once per broadcast after the
+ * producer's work; every consumer of the broadcast (memop mode) waits on
+ * it. Writes go in value order (the lock), and one from a stream other
+ * than the last writer's first waits for the last value, so the word
+ * never goes backwards. */
+static pthread_mutex_t bw_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  gpuipc_block *blk;
+  uint64_t value;
+  struct CUstream_st *last;
+} bwords[64];
+
+/* Device `ordinal`'s broadcast word (made at the first call). */
+static gpuipc_status bword_get(int ordinal, gpuipc_block **out) {
+  if (ordinal < 0 || ordinal >= (int)GPUIPC__ARRAY_SIZE(bwords))
+    return gpuipc__fail(GPUIPC_E_NO_DEVICE, "device %d", ordinal);
+  pthread_mutex_lock(&bw_lock);
+  gpuipc_status s = GPUIPC_OK;
+  if (bwords[ordinal].blk == NULL) {
+    gpuipc_arena *a = NULL;
+    gpuipc_block *b = NULL;
+    s = gpuipc__ctl_arena(ordinal, &a);
+    if (s == GPUIPC_OK)
+      s = gpuipc__arena_take(a, 8, a->side, true, &b);
+    if (s == GPUIPC_OK) {
+      gpuipc__ctx_guard g;
+      s = gpuipc__ctx_enter(&g, ordinal);
+      if (s == GPUIPC_OK) {
+        CUresult r = GPUIPC__CU(cuMemsetD32Async, (CUdeviceptr)b->ptr, 0, 2,
+                                (CUstream)a->side);
+        if (r == CUDA_SUCCESS)
+          r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+        gpuipc__ctx_leave(&g);
+        if (r != CUDA_SUCCESS)
+          s = gpuipc__fail_cuda(r, "cuMemsetD32Async", "broadcast word");
+      }
+      if (s == GPUIPC_OK)
+        bwords[ordinal].blk = b; /* kept for the life of the process */
+    }
+  }
+  *out = bwords[ordinal].blk;
+  pthread_mutex_unlock(&bw_lock);
+  return s;
+}
+
+/* Enqueues the next value of device `ordinal`'s broadcast word after the
+ * work queued on `stream` (h: a connection whose legacy-stream relay may
+ * be used); *value: the value, *written: the stream that writes it. */
+static gpuipc_status bword_write(struct gpuipc__ho *h, int ordinal,
+                                 struct CUstream_st *stream, uint64_t *value,
+                                 struct CUstream_st **written) {
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, ordinal));
+  CUstream ws = NULL;
+  gpuipc_status s = write_stream(h, 0, stream, &ws);
+  if (s != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    return s;
+  }
+  pthread_mutex_lock(&bw_lock);
+  CUdeviceptr word = (CUdeviceptr)bwords[ordinal].blk->ptr;
+  uint64_t prev = bwords[ordinal].value;
+  CUresult r = CUDA_SUCCESS;
+  if (prev + 1 >= GPUIPC__SEQ_LIMIT)
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS && prev != 0 &&
+      bwords[ordinal].last != (struct CUstream_st *)ws)
+    r = GPUIPC__CU(cuStreamWaitValue64, ws, word, (cuuint64_t)prev,
+                   CU_STREAM_WAIT_VALUE_GEQ);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamWriteValue64, ws, word, (cuuint64_t)(prev + 1), 0);
+  if (r == CUDA_SUCCESS) {
+    bwords[ordinal].value = prev + 1;
+    bwords[ordinal].last = (struct CUstream_st *)ws;
+  }
+  pthread_mutex_unlock(&bw_lock);
+  gpuipc__ctx_leave(&g);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuStreamWriteValue64",
+                             "broadcast word of device %d", ordinal);
+  *value = prev + 1;
+  *written = (struct CUstream_st *)ws;
+  return GPUIPC_OK;
+}
+
 /* Gets connection `c` ready to take a lease of `block` (flag words, the
  * chunk exported, a free slot, event mode's record); *w is its frame. */
 static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
+                                gpuipc_block *bword,
                                 struct CUstream_st *stream, size_t meta_len,
                                 gpuipc__w_buf *w) {
   if (c->state != GPUIPC__CONN_OPEN)
@@ -581,13 +674,15 @@ static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
                         "connection)",
                         a->ordinal, lt->ordinal);
   GPUIPC__CHECK(export_chunk(c, h, a, block->chunk, deadline));
+  bool ordered = c->order == GPUIPC_ORDER_MEMOP;
+  if (ordered) /* the broadcast word's chunk */
+    GPUIPC__CHECK(export_chunk(c, h, bword->arena, bword->chunk, deadline));
   uint32_t slot;
   if (!gpuipc__lease_free_slot(lt, &slot)) {
     GPUIPC__CHECK(gpuipc__conn_pump(c, deadline, have_free_slot, NULL));
     if (c->ho != h || !gpuipc__lease_free_slot(lt, &slot))
       return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slot after a release");
   }
-  bool ordered = c->order == GPUIPC_ORDER_MEMOP;
   bool by_event = c->order == GPUIPC_ORDER_EVENT;
   if (by_event) {
     gpuipc_event *ev = gpuipc__lease_ready_event(lt, slot);
@@ -635,6 +730,13 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
                             k, i);
   }
   GPUIPC__CHECK(gpuipc__driver());
+  int ordinal = block->arena->ordinal;
+  gpuipc_block *bword = NULL;
+  bool any_memop = false;
+  for (size_t i = 0; i < n && !any_memop; i++)
+    any_memop = conns[i]->order == GPUIPC_ORDER_MEMOP;
+  if (any_memop)
+    GPUIPC__CHECK(bword_get(ordinal, &bword));
   gpuipc__w_buf *ws = malloc(n * sizeof *ws);
   gpuipc_status *st = statuses ? statuses : malloc(n * sizeof *st);
   if (ws == NULL || st == NULL) {
@@ -643,47 +745,61 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
       free(st);
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_conn_broadcast");
   }
-  /* 1: every connection made ready (a slot free, the chunk exported); a
-   * connection that fails is left out and the others go on. */
-  for (size_t i = 0; i < n; i++)
-    st[i] = bc_prepare(conns[i], block, stream, meta_len, &ws[i]);
-  /* 2: the frames, back to back. */
+  /* 1: every connection made ready (a slot free, the chunks exported,
+   * event mode's record); one that fails is left out, the others go on. */
+  struct gpuipc__ho *h0 = NULL; /* a memop connection that is ready */
+  for (size_t i = 0; i < n; i++) {
+    st[i] = bc_prepare(conns[i], block, bword, stream, meta_len, &ws[i]);
+    if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP &&
+        h0 == NULL)
+      h0 = conns[i]->ho;
+  }
+  /* 2: the one ready signal of the memop connections: the broadcast
+   * word's next value, after the work queued on `stream` (before the
+   * frames: its value travels in them). */
+  gpuipc__w_word word = {0, 0, 0, 0, 0};
+  struct CUstream_st *wst = NULL;
+  if (h0 != NULL) {
+    gpuipc_status bs = bword_write(h0, ordinal, stream, &word.value, &wst);
+    if (bs != GPUIPC_OK) {
+      for (size_t i = 0; i < n; i++)
+        if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP)
+          st[i] = bs; /* nothing was sent to them: their slots stay free */
+    }
+    word.arena_id = bword->arena->id;
+    word.off = bword->off;
+    word.chunk = bword->chunk;
+  }
+  /* 3: the frames, back to back. */
   for (size_t i = 0; i < n; i++) {
     if (st[i] != GPUIPC_OK)
       continue;
     gpuipc_conn *c = conns[i];
     if (c->watch)
       atomic_store(&c->watch->tx_seq, ws[i].seq);
-    st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
-                                    meta, meta_len, NULL, 0,
-                                    gpuipc__conn_deadline(c));
-    if (st[i] == GPUIPC_OK)
-      gpuipc__lease_take_slot(c->ho->lt, ws[i].slot);
-  }
-  /* 3: the ready writes, after the work queued on `stream` (memop mode),
-   * then the leases. */
-  for (size_t i = 0; i < n; i++) {
+    if (c->order == GPUIPC_ORDER_MEMOP) {
+      unsigned char p[sizeof ws[i] + sizeof word];
+      memcpy(p, &ws[i], sizeof ws[i]);
+      memcpy(p + sizeof ws[i], &word, sizeof word);
+      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUFW, p, sizeof p, meta,
+                                      meta_len, NULL, 0,
+                                      gpuipc__conn_deadline(c));
+    } else {
+      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
+                                      meta, meta_len, NULL, 0,
+                                      gpuipc__conn_deadline(c));
+    }
     if (st[i] != GPUIPC_OK)
       continue;
-    gpuipc_conn *c = conns[i];
     struct gpuipc__ho *h = c->ho;
     bool ordered = c->order == GPUIPC_ORDER_MEMOP;
-    if (ordered) {
-      struct CUstream_st *wst = stream;
-      gpuipc_status rs = ready_write(h, ws[i].slot, ws[i].seq, &wst);
-      if (rs != GPUIPC_OK) {
-        /* As in gpuipc_conn_send: this peer was told of a buffer whose
-         * ready word will never be written; its connection ends. */
-        char why[256];
-        snprintf(why, sizeof why, "%s", gpuipc_last_error());
-        (void)gpuipc__conn_break(c, "the ready flag of buffer %llu could "
-                                    "not be enqueued",
-                                 (unsigned long long)ws[i].seq);
-        st[i] = gpuipc__fail(rs, "%s", why);
-        continue;
-      }
+    gpuipc__lease_take_slot(h->lt, ws[i].slot);
+    if (ordered)
+      /* The slot's own ready word is not written: the broadcast word's
+       * write stands for it (a later write of the slot from another
+       * stream waits for this lease's release first; a dead peer's
+       * release words are forced for the slot). */
       gpuipc__lease_written(h->lt, ws[i].slot, ws[i].seq, wst);
-    }
     gpuipc__lease_add(h->lt, ws[i].slot, block, NULL, ws[i].seq, ordered,
                       c->order == GPUIPC_ORDER_EVENT);
   }
@@ -947,11 +1063,12 @@ static gpuipc_status buf_check(struct gpuipc__ho *h, const gpuipc__w_buf *w,
   return GPUIPC_OK;
 }
 
-/* Queues a checked arena-block entry, ordered by ready word (rslot, rseq). */
+/* Queues a checked arena-block entry, ordered by the ready word of slot
+ * rslot (or, rslot UINT32_MAX, the word at raddr) at value rseq. */
 static void buf_queue(gpuipc_conn *c, struct gpuipc__ho *h,
                       const gpuipc__w_buf *w, const gpuipc__imp *im,
                       const unsigned char *meta, uint32_t rslot,
-                      uint64_t rseq) {
+                      uint64_t raddr, uint64_t rseq) {
   /* The slot is taken from now on (queued counts as held). */
   gpuipc__rxs *r = &h->rx[w->slot];
   r->held = w->seq;
@@ -966,6 +1083,7 @@ static void buf_queue(gpuipc_conn *c, struct gpuipc__ho *h,
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = *w;
   q->rslot = rslot;
+  q->raddr = rslot == UINT32_MAX ? raddr : gpuipc__ready_word(h->peer_ctl, rslot);
   q->rseq = rseq;
   memcpy(q->meta, meta, w->meta_len);
   h->qlen++;
@@ -986,7 +1104,65 @@ static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
   GPUIPC__CHECK(buf_check(h, &w, "BUF", &im));
   if (h->qlen == h->peer_nslots)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "more buffers than slots");
-  buf_queue(c, h, &w, im, p + sizeof w, w.slot, w.seq);
+  buf_queue(c, h, &w, im, p + sizeof w, w.slot, 0, w.seq);
+  return GPUIPC_OK;
+}
+
+/* BUFW: one arena block ordered by one of the peer's broadcast words. */
+static gpuipc_status on_bufw(gpuipc_conn *c, struct gpuipc__ho *h,
+                             const unsigned char *p, size_t len) {
+  gpuipc__w_buf w;
+  gpuipc__w_word ww;
+  if (len < sizeof w + sizeof ww)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFW frame of %zu bytes", len);
+  memcpy(&w, p, sizeof w);
+  memcpy(&ww, p + sizeof w, sizeof ww);
+  if (!h->have_peer_ctl)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFW frame before CTL");
+  if (w.meta_len > GPUIPC_META_MAX ||
+      w.meta_len != len - sizeof w - sizeof ww)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFW frame: metadata of %u bytes",
+                        w.meta_len);
+  if (w.flags != GPUIPC__BUF_ORDERED)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFW frame: flags 0x%x refused (ORDERED only)",
+                        w.flags);
+  gpuipc__imp *im = NULL;
+  GPUIPC__CHECK(buf_check(h, &w, "BUFW", &im));
+  if (h->qlen == h->peer_nslots)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "more buffers than slots");
+  gpuipc__imp *wim = imp_find(h, ww.arena_id, ww.chunk);
+  if (wim == NULL || ww.pad != 0 || ww.off % 8 || wim->size < 8 ||
+      ww.off > wim->size - 8 || ww.value == 0 ||
+      ww.value >= GPUIPC__SEQ_LIMIT)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFW frame: ready word at %llu of chunk %u of arena "
+                        "%llu (value %llu) outside the peer's imported "
+                        "memory, misaligned, or past the limit",
+                        (unsigned long long)ww.off, ww.chunk,
+                        (unsigned long long)ww.arena_id,
+                        (unsigned long long)ww.value);
+  uint64_t addr = wim->base + ww.off;
+  int k = 0;
+  while (k < h->nbw && h->bw[k].addr != addr)
+    k++;
+  if (k == h->nbw) {
+    if (h->nbw == GPUIPC__BWORDS_MAX)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "BUFW frame: more than %d broadcast words",
+                          GPUIPC__BWORDS_MAX);
+    h->bw[h->nbw].addr = addr;
+    h->bw[h->nbw].max = 0;
+    h->nbw++;
+  }
+  if (ww.value > h->bw[k].max)
+    h->bw[k].max = ww.value;
+  if (c->watch) {
+    atomic_store(&c->watch->bw_max[k], h->bw[k].max);
+    atomic_store_explicit(&c->watch->bw_addr[k], addr, memory_order_release);
+  }
+  buf_queue(c, h, &w, im, p + sizeof w + sizeof ww, UINT32_MAX, addr,
+            ww.value);
   return GPUIPC_OK;
 }
 
@@ -1055,7 +1231,7 @@ static gpuipc_status on_bufs(gpuipc_conn *c, struct gpuipc__ho *h,
     gpuipc__w_buf w;
     memcpy(&w, ents + (size_t)i * sizeof w, sizeof w);
     gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
-    buf_queue(c, h, &w, im, meta, last.slot, last.seq);
+    buf_queue(c, h, &w, im, meta, last.slot, 0, last.seq);
     meta += w.meta_len;
   }
   return GPUIPC_OK;
@@ -1135,6 +1311,7 @@ static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = w;
   q->rslot = w.slot;
+  q->raddr = gpuipc__ready_word(h->peer_ctl, w.slot);
   q->rseq = w.seq;
   memcpy(q->meta, p + sizeof w + sizeof dl + dl[0], w.meta_len);
   h->qlen++;
@@ -1210,6 +1387,8 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
     return on_bufd(c, h, p, len, fds, nfds);
   case GPUIPC__F_BUFS:
     return on_bufs(c, h, p, len);
+  case GPUIPC__F_BUFW:
+    return on_bufw(c, h, p, len);
   case GPUIPC__F_EVD:
     return on_evd(h, p, len);
   case GPUIPC__F_REL:
@@ -1281,17 +1460,16 @@ static gpuipc_status ready_waits(gpuipc_conn *conn, struct gpuipc__ho *h,
     return ss;
   }
   CUresult cr = CUDA_SUCCESS;
-  uint32_t wslot = UINT32_MAX;
+  uint64_t waddr = 0;
   uint64_t wseq = 0;
   const gpuipc__qbuf *bad = NULL;
   for (uint32_t i = 0; i < n && cr == CUDA_SUCCESS; i++) {
     const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
-    if (!h->rx[q->w.slot].ordered || (q->rslot == wslot && q->rseq == wseq))
+    if (!h->rx[q->w.slot].ordered || (q->raddr == waddr && q->rseq == wseq))
       continue;
-    cr = GPUIPC__CU(cuStreamWaitValue64, wst,
-                    (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, q->rslot),
+    cr = GPUIPC__CU(cuStreamWaitValue64, wst, (CUdeviceptr)q->raddr,
                     (cuuint64_t)q->rseq, CU_STREAM_WAIT_VALUE_GEQ);
-    wslot = q->rslot;
+    waddr = q->raddr;
     wseq = q->rseq;
     bad = q;
   }
@@ -1322,7 +1500,8 @@ static gpuipc_status recv_head(gpuipc_conn *conn, struct gpuipc__ho *h,
     gpuipc__rxs *r = &h->rx[q->w.slot];
     if (r->by_event || r->ordered)
       r->last_recv = q->w.seq;
-    if (r->ordered && h->rx[q->rslot].last_recv < q->rseq)
+    if (r->ordered && q->rslot != UINT32_MAX &&
+        h->rx[q->rslot].last_recv < q->rseq)
       /* The batch's ready word was waited for: unblock_ready writes it
        * should the producer die before writing it. */
       h->rx[q->rslot].last_recv = q->rseq;
@@ -1726,6 +1905,37 @@ static void ho_breaking(gpuipc_conn *c) {
                                 NULL, 0, NULL, 0, 0);
 }
 
+/* The peer's broadcast words (see on_bufw): other consumers of the
+ * producer wait on them too, so they are written here only once its
+ * process is gone (no consumer can then be ahead of its work; a producer
+ * that lives wrote them before it sent the frames, or will). Called when
+ * the connection ended, again from ho_poll and close until done. */
+static void bw_force(gpuipc_conn *c, struct gpuipc__ho *h) {
+  if (h->bw_forced || h->nbw == 0 || !gpuipc__peer_gone(c->peer))
+    return;
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, h->peer_ordinal) != GPUIPC_OK)
+    return;
+  CUresult r = CUDA_SUCCESS;
+  if (h->unblock == NULL) {
+    CUstream st;
+    r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+    if (r == CUDA_SUCCESS)
+      h->unblock = (struct CUstream_st *)st;
+  }
+  for (int k = 0; r == CUDA_SUCCESS && k < h->nbw; k++)
+    r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)h->unblock,
+                   (CUdeviceptr)h->bw[k].addr, (cuuint64_t)h->bw[k].max, 0);
+  gpuipc__ctx_leave(&g);
+  if (r == CUDA_SUCCESS)
+    h->bw_forced = true;
+  else
+    GPUIPC__WARN("handoff",
+                 "could not unblock streams waiting on dead peer %d's "
+                 "broadcast words: %s",
+                 c->peer_pid, gpuipc__cuda_error_name(r));
+}
+
 /* Our streams may wait for ready words the producer will never write (it
  * died, or we close while its work before a send has not completed):
  * write them ourselves, into our own mapping of its memory (which stays
@@ -1774,6 +1984,7 @@ static void unblock_ready(gpuipc_conn *c, struct gpuipc__ho *h, bool dead) {
                        (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, s),
                        (cuuint64_t)h->rx_max_seq, 0);
       }
+
       if (r != CUDA_SUCCESS)
         GPUIPC__WARN("handoff",
                      "could not unblock streams waiting on peer %d: %s",
@@ -1808,8 +2019,10 @@ static void ho_poll(gpuipc_conn *c) {
   gpuipc__lease_reap_orphans();
   if (h == NULL || c->state == GPUIPC__CONN_OPEN)
     return;
-  /* The peer left: once its process is gone, what it held comes back. */
+  /* The peer left: once its process is gone, what it held comes back,
+   * and its broadcast words are written. */
   gpuipc__lease_poll(h->lt);
+  bw_force(c, h);
 }
 
 /* How long close waits for GPU work gpuipc queued: the connection's
@@ -1821,11 +2034,35 @@ static uint64_t close_deadline(const gpuipc_conn *c) {
   return gpuipc__now_ns() + (uint64_t)ms * 1000000ull;
 }
 
+/* True when each of the peer's broadcast words holds the newest value it
+ * named (read here through our mapping, on our private stream): no wait
+ * of ours on them is pending, so their memory may be unmapped. We never
+ * write them while the peer lives (its other consumers wait on them too).
+ * Context current. */
+static bool bw_reached(gpuipc_conn *c, struct gpuipc__ho *h) {
+  if (h->nbw == 0)
+    return true;
+  bw_force(c, h); /* when the peer is gone meanwhile */
+  if (h->unblock == NULL)
+    return false;
+  for (int k = 0; k < h->nbw; k++) {
+    uint64_t v = 0;
+    CUresult r = GPUIPC__CU(cuMemcpyDtoHAsync, &v, (CUdeviceptr)h->bw[k].addr,
+                            sizeof v, (CUstream)h->unblock);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuStreamSynchronize, (CUstream)h->unblock);
+    if (r != CUDA_SUCCESS || (int64_t)(v - h->bw[k].max) < 0)
+      return false;
+  }
+  return true;
+}
+
 /* Waits (polling, until deadline) for every slot's last release write,
- * the work queued so far on our private streams, and the closing imports'
- * events. True when all of it completed (an event that reports an error
- * counts as not complete). Context current. */
-static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
+ * the work queued so far on our private streams, the closing imports'
+ * events, and the peer's broadcast words. True when all of it completed
+ * (an event that reports an error counts as not complete). Context
+ * current. */
+static bool drain(gpuipc_conn *c, struct gpuipc__ho *h, uint64_t deadline) {
   if (h->rx_unknown)
     return false;
   CUevent own[2] = {NULL, NULL};
@@ -1852,6 +2089,8 @@ static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
     for (size_t i = 0; i < h->nclosing && done; i++)
       done = GPUIPC__CU(cuEventQuery, (CUevent)h->closing[i].ev) ==
              CUDA_SUCCESS;
+    if (done)
+      done = bw_reached(c, h);
     if (done || gpuipc__now_ns() >= deadline)
       break;
     usleep(200);
@@ -1939,7 +2178,7 @@ static void ho_close(gpuipc_conn *c) {
     bool drained = false;
     gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
-      drained = drain(h, close_deadline(c));
+      drained = drain(c, h, close_deadline(c));
       if (h->unblock)
         GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
       h->unblock = NULL;
@@ -1957,7 +2196,8 @@ static void ho_close(gpuipc_conn *c) {
     } else {
       GPUIPC__WARN("handoff",
                    "closing the connection to peer %d: GPU work queued "
-                   "before releases did not complete within the timeout; "
+                   "before releases (or the peer's broadcast signals) did "
+                   "not complete within the timeout; "
                    "%d imported chunk(s) and %zu buffer(s) stay mapped",
                    c->peer_pid, h->nimp, h->nclosing);
     }

@@ -50,10 +50,12 @@ typedef struct gpuipc__imp {
 /* A buffer that arrived and was not yet received by the caller. */
 typedef struct gpuipc__qbuf {
   gpuipc__w_buf w;
-  /* The ready word that orders it (memop mode): that of slot rslot at
-   * value rseq; its own slot and sequence number, or, for an entry of a
-   * batch (BUFS), the batch's one ready entry. */
+  /* The ready word that orders it (memop mode), at device address raddr,
+   * awaited for value rseq: its own slot's with its sequence number; for
+   * an entry of a batch (BUFS), that of the batch's one ready entry; for a
+   * broadcast (BUFW), the producer's broadcast word (rslot UINT32_MAX). */
   uint32_t rslot;
+  uint64_t raddr;
   uint64_t rseq;
   uint8_t meta[GPUIPC_META_MAX];
 } gpuipc__qbuf;
@@ -82,6 +84,14 @@ struct gpuipc__ho {
   uint32_t qhead, qlen;
   size_t rx_held;
   uint64_t rx_max_seq;
+  /* The peer's broadcast words named so far (BUFW) and the newest value
+   * named for each: written by us only once the peer is dead (other
+   * consumers wait on them too). */
+  struct {
+    uint64_t addr, max;
+  } bw[GPUIPC__BWORDS_MAX];
+  int nbw;
+  bool bw_forced; /* the peer died: we wrote them */
   bool rx_unblocked;
   /* Event mode: the peer died while our streams waited on records of its
    * events that will never complete (a real driver does not let a later

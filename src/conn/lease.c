@@ -805,6 +805,13 @@ static void watch_fire(struct gpuipc__watch *w) {
   if (rb && atomic_load(&w->rx_max) > 0)
     watch_write(atomic_load(&w->rx_ordinal), rb, atomic_load(&w->rx_nslots),
                 atomic_load(&w->rx_max));
+  /* The peer's broadcast words (it is dead: no consumer can be ahead of
+   * its work any more). */
+  for (int k = 0; rb && k < GPUIPC__BWORDS_MAX; k++) {
+    uint64_t a = atomic_load_explicit(&w->bw_addr[k], memory_order_acquire);
+    if (a)
+      watch_write(atomic_load(&w->rx_ordinal), a, 1, atomic_load(&w->bw_max[k]));
+  }
   uint64_t tb = atomic_load_explicit(&w->tx_base, memory_order_acquire);
   if (tb) {
     uint32_t n = atomic_load(&w->tx_nslots);

@@ -51,6 +51,8 @@ struct gpuipc__watch {
   _Atomic int rx_ordinal, tx_ordinal;
   _Atomic uint32_t rx_nslots, tx_nslots;
   _Atomic uint64_t rx_max, tx_seq;
+  /* The peer's broadcast words (see handoff.c) and their newest values. */
+  _Atomic uint64_t bw_addr[GPUIPC__BWORDS_MAX], bw_max[GPUIPC__BWORDS_MAX];
 };
 
 /* One slot (a flag-word pair). */
