@@ -1910,10 +1910,10 @@ TEST_IMPL(handoff_consumer_gives_up_tells_what_it_held) {
  * exporter that then dies gets its stream unblocked without any gpuipc
  * call: cuStreamSynchronize returns. (Without the watcher it would block
  * until some call on the connection: GPUIPC_TEST_NO_WATCH=1 shows it.) */
-TEST_IMPL(handoff_watcher_unblocks_without_calls) {
+static int watcher_unblocks(char *helper) {
   REQUIRE_DEVICES(1);
   int fd;
-  pid_t pid = spawn_helper("ho_stuck_producer", NULL, &fd, NULL);
+  pid_t pid = spawn_helper(helper, NULL, &fd, NULL);
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 30000;
   o.watch_peer = getenv("GPUIPC_TEST_NO_WATCH") == NULL;
@@ -1941,6 +1941,15 @@ TEST_IMPL(handoff_watcher_unblocks_without_calls) {
   gpuipc_conn_close(c);
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
   return 0;
+}
+
+TEST_IMPL(handoff_watcher_unblocks_without_calls) {
+  return watcher_unblocks("ho_stuck_producer");
+}
+
+/* The same for a buffer of a broadcast (the shared ready word). */
+TEST_IMPL(handoff_watcher_unblocks_broadcast_without_calls) {
+  return watcher_unblocks("ho_doomed_broadcaster");
 }
 
 /* ---- batches ------------------------------------------------------------------------------ */
