@@ -748,8 +748,14 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
   /* 1: every connection made ready (a slot free, the chunks exported,
    * event mode's record); one that fails is left out, the others go on. */
   struct gpuipc__ho *h0 = NULL; /* a memop connection that is ready */
+  char why[256] = "";
+  size_t bad = n; /* the first connection that failed, and why */
   for (size_t i = 0; i < n; i++) {
     st[i] = bc_prepare(conns[i], block, bword, stream, meta_len, &ws[i]);
+    if (st[i] != GPUIPC_OK && bad == n) {
+      bad = i;
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+    }
     if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP &&
         h0 == NULL)
       h0 = conns[i]->ho;
@@ -763,8 +769,13 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
     gpuipc_status bs = bword_write(h0, ordinal, stream, &word.value, &wst);
     if (bs != GPUIPC_OK) {
       for (size_t i = 0; i < n; i++)
-        if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP)
+        if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP) {
           st[i] = bs; /* nothing was sent to them: their slots stay free */
+          if (i < bad) {
+            bad = i;
+            snprintf(why, sizeof why, "%s", gpuipc_last_error());
+          }
+        }
     }
     word.arena_id = bword->arena->id;
     word.off = bword->off;
@@ -789,8 +800,13 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
                                       meta, meta_len, NULL, 0,
                                       gpuipc__conn_deadline(c));
     }
-    if (st[i] != GPUIPC_OK)
+    if (st[i] != GPUIPC_OK) {
+      if (i < bad) {
+        bad = i;
+        snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      }
       continue;
+    }
     struct gpuipc__ho *h = c->ho;
     bool ordered = c->order == GPUIPC_ORDER_MEMOP;
     gpuipc__lease_take_slot(h->lt, ws[i].slot);
@@ -803,13 +819,7 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
     gpuipc__lease_add(h->lt, ws[i].slot, block, NULL, ws[i].seq, ordered,
                       c->order == GPUIPC_ORDER_EVENT);
   }
-  gpuipc_status first = GPUIPC_OK;
-  size_t bad = 0;
-  for (size_t i = 0; i < n; i++)
-    if (st[i] != GPUIPC_OK && first == GPUIPC_OK) {
-      first = st[i];
-      bad = i;
-    }
+  gpuipc_status first = bad < n ? st[bad] : GPUIPC_OK;
   free(ws);
   if (st != statuses)
     free(st);
@@ -817,7 +827,7 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
     return gpuipc__fail(first,
                         "gpuipc_conn_broadcast: connection %zu (the first "
                         "that failed): %s",
-                        bad, gpuipc_status_name(first));
+                        bad, why);
   return GPUIPC_OK;
 }
 
