@@ -847,6 +847,12 @@ HELPER_IMPL(ho_write_fails) {
   CUstream s = mkstream();
   gpuipc_block *b = NULL;
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  /* Work still queued (slow sets, longer than the connection's setup,
+   * which waits for a slow set of its own): the send must write the ready
+   * word (an idle stream would need none). */
+  for (int i = 0; i < 4; i++)
+    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), 1, 4096, s));
   gpuipc_status st = gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0);
   ASSERT_STATUS(st, GPUIPC_E_DRIVER);
   ASSERT_NOT_NULL(strstr(gpuipc_last_error(), "cuStreamWriteValue64"));
@@ -860,7 +866,8 @@ HELPER_IMPL(ho_write_fails) {
 
 TEST_IMPL(handoff_ready_write_fails) {
   REQUIRE_EMULATOR("fault injection (GPUIPC_EMU_FAIL)");
-  char *env[] = {"GPUIPC_EMU_FAIL=cuStreamWriteValue64:*", NULL};
+  char *env[] = {"GPUIPC_EMU_FAIL=cuStreamWriteValue64:*",
+                 "GPUIPC_EMU_COPY_DELAY_US=200000", NULL};
   int fd;
   pid_t pid = spawn_helper("ho_write_fails", env, &fd, NULL);
   gpuipc_conn *c = pair_conn(fd);
@@ -1146,6 +1153,9 @@ HELPER_IMPL(ho_forger) {
   } else if (strcmp(what, "buf_meta_len") == 0) {
     w.meta_len = 200;
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strcmp(what, "buf_done_unordered") == 0) {
+    w.flags = GPUIPC__BUF_DONE;
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
   } else if (strcmp(what, "buf_unknown_chunk") == 0) {
     w.chunk = 5;
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
@@ -1250,6 +1260,7 @@ TEST_IMPL(handoff_rejects_forged_frames) {
       {"buf_slot", "slot"},
       {"buf_meta_len", "metadata"},
       {"buf_unknown_chunk", "never sent"},
+      {"buf_done_unordered", "DONE only with ORDERED"},
       {"buf_seq_past_limit", "past the limit"},
       {"bufs_dup_slot", "busy"},
       {"bufs_bad_entry", "outside the chunk"},
@@ -2041,6 +2052,9 @@ static gpuipc_block *filled_block(gpuipc_arena *a, CUstream s, size_t n,
 /* Sends batches of nb blocks alternating between two arenas, of sizes
  * from sizes[], every block freed after its send (the memory returns when
  * the consumer released it). */
+/* send_batches waits for its copies before each send (an idle stream). */
+static bool sync_before_send;
+
 static void send_batches(gpuipc_conn *c, gpuipc_arena *a1, gpuipc_arena *a2,
                          CUstream s, int nb, int rounds, const size_t *sizes,
                          int nsizes, uint32_t seed0) {
@@ -2058,6 +2072,8 @@ static void send_batches(gpuipc_conn *c, gpuipc_arena *a1, gpuipc_arena *a2,
       metas[i] = &seeds[i];
       lens[i] = sizeof seeds[i];
     }
+    if (sync_before_send)
+      ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
     ASSERT_OK(gpuipc_conn_send_batch(c, bs, (size_t)nb,
                                      (struct CUstream_st *)s, metas, lens));
     for (int i = 0; i < nb; i++) {
@@ -2232,6 +2248,7 @@ TEST_IMPL(handoff_batch_send_all_or_nothing) {
  * for "k" and checks that everything came back. */
 HELPER_IMPL(ho_batch_producer) {
   int rounds = atoi(argv[0]);
+  sync_before_send = argc >= 2 && strcmp(argv[1], "idle") == 0;
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   gpuipc_arena *a1 = mkarena((size_t)1 << 20);
   gpuipc_arena *a2 = mkarena((size_t)1 << 20);
@@ -2664,11 +2681,15 @@ TEST_IMPL(handoff_batch_driver_calls) {
   REQUIRE_DEVICES(1);
   if (test_order() != GPUIPC_ORDER_MEMOP)
     SKIP("stream memory operations only");
-  /* Consumer side: the helper sends two batches of 8. */
-  int fd;
-  pid_t pid = spawn_helper("ho_batch_producer", NULL, &fd, "2", NULL);
-  gpuipc_conn *c = pair_conn(fd);
+  /* Consumer side: the helper sends two batches of 8 from a stream whose
+   * work is done (so no wait at all), then two more from a stream that
+   * may still copy (at most one wait per batch). */
   CUstream s = mkstream();
+  for (int idle = 1; idle >= 0; idle--) {
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_producer", NULL, &fd, "2",
+                           idle ? "idle" : "busy", NULL);
+  gpuipc_conn *c = pair_conn(fd);
   gpuipc_received rs[8];
   for (int round = 0; round < 2; round++) {
     for (int i = 0; i < 8; i++)
@@ -2679,7 +2700,10 @@ TEST_IMPL(handoff_batch_driver_calls) {
     size_t n = 0;
     ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, 8, &n));
     ASSERT_EQ(n, 8);
-    ASSERT_EQ(atomic_load(&n_wait_value), 1);
+    if (idle)
+      ASSERT_EQ(atomic_load(&n_wait_value), 0);
+    else
+      ASSERT_LE(atomic_load(&n_wait_value), 1);
     uint64_t ids[8];
     for (int i = 0; i < 8; i++)
       ids[i] = rs[i].id;
@@ -2696,12 +2720,14 @@ TEST_IMPL(handoff_batch_driver_calls) {
   ASSERT_EQ(wait_helper(pid, 60), 0);
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   gpuipc_conn_close(c);
+  }
 
   /* Producer side: a batch of 16 to a consumer that releases in batches
-   * of up to 7. */
-  pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "17", "batch",
-                     NULL);
-  c = pair_conn(fd);
+   * of up to 7, sent while the stream is held back (one ready write). */
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "19",
+                           "batch", NULL);
+  gpuipc_conn *c = pair_conn(fd);
   gpuipc_arena *a = mkarena((size_t)4 << 20);
   static const size_t sizes[] = {4096, 256};
   send_batches(c, a, a, s, 1, 1, sizes, 2, 1); /* setup: flag words, chunks */
@@ -2716,10 +2742,20 @@ TEST_IMPL(handoff_batch_driver_calls) {
     metas[i] = &seeds[i];
     lens[i] = sizeof seeds[i];
   }
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 256));
+  if (s != NULL)
+    ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1, CU_STREAM_WAIT_VALUE_GEQ));
   count_memops();
   ASSERT_OK(gpuipc_conn_send_batch(c, bs, 16, (struct CUstream_st *)s, metas,
                                    lens));
   ASSERT_EQ(atomic_load(&n_write_value), 1);
+  CUstream o;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&o, CU_STREAM_NON_BLOCKING));
+  ASSERT_CU(real_write_value(o, gate, 1, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(o));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(o));
   count_memops();
   for (int i = 0; i < 16; i++)
     wait_unheld(c, bs[i]);
@@ -2735,6 +2771,27 @@ TEST_IMPL(handoff_batch_driver_calls) {
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   for (int i = 0; i < 16; i++)
     ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin[i]));
+  /* From an idle stream: no ready write at all, once the send after the
+   * busy one above did not ask (the backoff). */
+  for (int k = 0; k < 2; k++) {
+    uint8_t *p1 = NULL;
+    gpuipc_block *b1 = filled_block(a, s, 4096, 77, &p1);
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    uint32_t seed = 77;
+    const void *m1 = &seed;
+    size_t l1 = sizeof seed;
+    count_memops();
+    ASSERT_OK(gpuipc_conn_send_batch(c, &b1, 1, (struct CUstream_st *)s, &m1,
+                                     &l1));
+    int writes = atomic_load(&n_write_value);
+    uncount_memops();
+    if (s != NULL) /* the legacy stream is never asked */
+      ASSERT_EQ(writes, k == 0 ? 1 : 0);
+    wait_unheld(c, b1);
+    ASSERT_OK(gpuipc_block_free(b1, (struct CUstream_st *)s));
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(p1));
+  }
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate));
   expect_ok_and_settled(c, a, a, pid);
   gpuipc_conn_close(c);
   ASSERT_OK(gpuipc_arena_destroy(a));

@@ -554,7 +554,10 @@ GPUIPC_API gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
  * same one more than once. meta (meta_len <= GPUIPC_META_MAX bytes, may be
  * NULL/0) travels with it. The first send of a block of a given chunk on a
  * connection exports that chunk there (setup cost, once); after that a
- * send costs one stream memory operation and one small message.
+ * send costs one stream memory operation and one small message (none of
+ * the first, and no wait at the consumer, when `stream` is idle at the
+ * call: its work is then already complete; a stream found busy is not
+ * asked again for the next few sends).
  * Waits (up to the timeout) when max_outstanding buffers are out on this
  * connection, making progress meanwhile. GPUIPC_E_PEER_GONE once the peer
  * is gone. */

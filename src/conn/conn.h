@@ -96,6 +96,10 @@ typedef struct gpuipc__w_ctl { /* CTL */
 #define GPUIPC__BUF_ORDERED 0x1u
 #define GPUIPC__BUF_DESC 0x2u  /* BUFD: not an arena block */
 #define GPUIPC__BUF_EVENT 0x4u /* ordered by the slot's interprocess event */
+/* With ORDERED (BUF, BUFS): the sender's work before the send had
+ * completed when it sent the frame (its stream was idle), so no ready word
+ * is written for it and the receiver enqueues no wait. */
+#define GPUIPC__BUF_DONE 0x8u
 
 typedef struct gpuipc__w_evd { /* EVD: + event descriptor */
   uint32_t slot;

@@ -293,6 +293,35 @@ static gpuipc_status ready_write(struct gpuipc__ho *h, uint32_t slot,
   return GPUIPC_OK;
 }
 
+/* True when every piece of work queued on `stream` so far has completed
+ * (cuStreamQuery), so that a buffer sent now needs no GPU ordering: the
+ * consumer may use it at once (GPUIPC__BUF_DONE). The legacy stream is
+ * never asked (its implicit ordering with the other blocking streams is
+ * not what a query reports). A busy answer makes the next sends skip the
+ * question (1, 3, 7 .. 63 of them), so a producer whose stream is always
+ * busy pays for a query rarely. */
+static bool stream_idle(struct gpuipc__ho *h, int ordinal,
+                        struct CUstream_st *stream) {
+  if (gpuipc__is_legacy_stream(stream))
+    return false;
+  if (h->idle_skip > 0) {
+    h->idle_skip--;
+    return false;
+  }
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, ordinal) != GPUIPC_OK)
+    return false;
+  CUresult r = GPUIPC__CU(cuStreamQuery, (CUstream)stream);
+  gpuipc__ctx_leave(&g);
+  if (r == CUDA_SUCCESS) {
+    h->idle_backoff = 0;
+    return true;
+  }
+  h->idle_backoff = h->idle_backoff >= 32 ? 63 : 2 * h->idle_backoff + 1;
+  h->idle_skip = h->idle_backoff;
+  return false;
+}
+
 /* The common part of both sends: a free slot, the frame, then the
  * stream-ordered ready write. `desc` (with fds) is set for a descriptor buffer, else
  * the frame names the arena block in w. On success the slot's lease is
@@ -329,10 +358,14 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
                                         "are used up (2^62 buffers)");
   if (conn->watch)
     atomic_store(&conn->watch->tx_seq, seq);
+  /* An arena block whose work is already done needs no ready write, and
+   * the consumer no wait. */
+  bool done = ordered && desc == NULL && stream_idle(h, lt->ordinal, stream);
   w->seq = seq;
   w->slot = slot;
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
   w->flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+  w->flags |= done ? GPUIPC__BUF_DONE : 0u;
   w->meta_len = (uint32_t)meta_len;
   gpuipc_status s;
   if (desc == NULL) {
@@ -353,7 +386,12 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   if (s != GPUIPC_OK)
     return s; /* nothing was enqueued: the slot stays free */
   gpuipc__lease_take_slot(lt, slot);
-  if (ordered) {
+  if (done) {
+    /* No write: recorded as the slot's last one all the same, so that a
+     * later write from another stream first waits for this lease's
+     * release, and a dead peer's release word is forced. */
+    gpuipc__lease_written(lt, slot, seq, stream);
+  } else if (ordered) {
     /* The ready write is enqueued after the frame left: the consumer's
      * stream waits for it on the GPU anyway, and the consumer holds the
      * buffer sooner by the time of this enqueue (about a microsecond). It
@@ -506,6 +544,7 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
       GPUIPC__CHECK(gpuipc_event_record(ev, stream));
     }
   }
+  bool done = ordered && stream_idle(h, lt->ordinal, stream);
   gpuipc__w_bufs hdr = {(uint32_t)n, (uint32_t)n - 1, 0, 0};
   memcpy(h->txbuf, &hdr, sizeof hdr);
   unsigned char *ent = h->txbuf + sizeof hdr;
@@ -522,6 +561,7 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
                        b->chunk, 0,            (uint32_t)ml};
     w.flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
     w.flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+    w.flags |= done ? GPUIPC__BUF_DONE : 0u;
     memcpy(ent + i * sizeof w, &w, sizeof w);
     if (ml)
       memcpy(meta, metas[i], ml);
@@ -535,7 +575,12 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
    * failed frame left them free). */
   for (size_t i = 0; i < n; i++)
     gpuipc__lease_take_slot(lt, slots[i]);
-  if (ordered) {
+  if (done) {
+    /* The work before the batch had completed: no ready write (each slot
+     * records the send as its last write, as below). */
+    for (size_t i = 0; i < n; i++)
+      gpuipc__lease_written(lt, slots[i], seqs[i], stream);
+  } else if (ordered) {
     /* One ready write for the batch, that of its newest entry, after the
      * work queued on `stream`; the other entries' words are not written
      * (the consumer waits on this one for all of them). Each slot records
@@ -1065,6 +1110,13 @@ static gpuipc_status buf_check(struct gpuipc__ho *h, const gpuipc__w_buf *w,
                         "bytes",
                         what, (unsigned long long)w->off,
                         (unsigned long long)w->len, im->size);
+  if ((w->flags & GPUIPC__BUF_DONE) &&
+      (w->flags & (GPUIPC__BUF_ORDERED | GPUIPC__BUF_EVENT)) !=
+          GPUIPC__BUF_ORDERED)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame: flags 0x%x refused (DONE only with "
+                        "ORDERED)",
+                        what, w->flags);
   if ((w->flags & GPUIPC__BUF_EVENT) && h->rx[w->slot].ready_ev == NULL)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "%s frame ordered by an event never sent (slot %u)",
@@ -1095,6 +1147,7 @@ static void buf_queue(gpuipc_conn *c, struct gpuipc__ho *h,
   q->rslot = rslot;
   q->raddr = rslot == UINT32_MAX ? raddr : gpuipc__ready_word(h->peer_ctl, rslot);
   q->rseq = rseq;
+  q->nowait = (w->flags & GPUIPC__BUF_DONE) != 0;
   memcpy(q->meta, meta, w->meta_len);
   h->qlen++;
 }
@@ -1207,7 +1260,8 @@ static gpuipc_status on_bufs(gpuipc_conn *c, struct gpuipc__ho *h,
     memcpy(&w, ents + (size_t)marked * sizeof w, sizeof w);
     gpuipc__imp *im = NULL;
     if (w.meta_len > GPUIPC_META_MAX || (w.flags & GPUIPC__BUF_DESC) ||
-        (w.flags & ~(GPUIPC__BUF_ORDERED | GPUIPC__BUF_EVENT)) ||
+        (w.flags &
+         ~(GPUIPC__BUF_ORDERED | GPUIPC__BUF_EVENT | GPUIPC__BUF_DONE)) ||
         w.seq <= prev_seq) {
       s = gpuipc__fail(GPUIPC_E_PROTOCOL,
                        "BUFS frame: entry %u (flags 0x%x, metadata of %u "
@@ -1323,6 +1377,7 @@ static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
   q->rslot = w.slot;
   q->raddr = gpuipc__ready_word(h->peer_ctl, w.slot);
   q->rseq = w.seq;
+  q->nowait = false;
   memcpy(q->meta, p + sizeof w + sizeof dl + dl[0], w.meta_len);
   h->qlen++;
 out:
@@ -1455,8 +1510,10 @@ static uint64_t make_id(uint32_t slot, uint64_t seq) {
 static gpuipc_status ready_waits(gpuipc_conn *conn, struct gpuipc__ho *h,
                                  uint32_t n, struct CUstream_st *stream) {
   bool any = false;
-  for (uint32_t i = 0; i < n && !any; i++)
-    any = h->rx[h->q[(h->qhead + i) % h->peer_nslots].w.slot].ordered;
+  for (uint32_t i = 0; i < n && !any; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    any = h->rx[q->w.slot].ordered && !q->nowait;
+  }
   if (!any)
     return GPUIPC_OK;
   GPUIPC__CHECK(gpuipc__driver());
@@ -1475,7 +1532,8 @@ static gpuipc_status ready_waits(gpuipc_conn *conn, struct gpuipc__ho *h,
   const gpuipc__qbuf *bad = NULL;
   for (uint32_t i = 0; i < n && cr == CUDA_SUCCESS; i++) {
     const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
-    if (!h->rx[q->w.slot].ordered || (q->raddr == waddr && q->rseq == wseq))
+    if (!h->rx[q->w.slot].ordered || q->nowait ||
+        (q->raddr == waddr && q->rseq == wseq))
       continue;
     cr = GPUIPC__CU(cuStreamWaitValue64, wst, (CUdeviceptr)q->raddr,
                     (cuuint64_t)q->rseq, CU_STREAM_WAIT_VALUE_GEQ);

@@ -57,6 +57,7 @@ typedef struct gpuipc__qbuf {
   uint32_t rslot;
   uint64_t raddr;
   uint64_t rseq;
+  bool nowait; /* GPUIPC__BUF_DONE: the producer's work had completed */
   uint8_t meta[GPUIPC_META_MAX];
 } gpuipc__qbuf;
 
@@ -72,6 +73,9 @@ struct gpuipc__ho {
   int nexp;
   unsigned char *txbuf; /* a batch's frame is built here (grown once) */
   size_t txcap;
+  /* Idle streams (GPUIPC__BUF_DONE): after a query found the stream busy,
+   * the next idle_skip sends do not ask (the gap doubles, up to 64). */
+  uint32_t idle_skip, idle_backoff;
   /* Receiver. */
   gpuipc__imp *imp;
   int nimp, cimp;
