@@ -690,9 +690,9 @@ GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
  * for a release); then ONE ready signal is enqueued on `stream` for all
  * of them (in the default memop mode: a single cuStreamWriteValue64 of a
  * per-device broadcast word in gpuipc's flag-word memory, which every
- * consumer's stream waits on), then the frames are written back to back,
- * so the last consumer is behind neither the others' sends nor their
- * signals. (A connection in GPUIPC_ORDER_EVENT mode is ordered by its own
+ * consumer's stream waits on; none at all when `stream` is idle, as in
+ * gpuipc_conn_send), then the frames are written back to back, so the
+ * last consumer is behind neither the others' sends nor their signals. (A connection in GPUIPC_ORDER_EVENT mode is ordered by its own
  * slot's event as in gpuipc_conn_send.) Broadcasts of one device from
  * different streams are ordered among themselves: one whose stream is
  * not the previous broadcast's first waits, on the GPU, for that

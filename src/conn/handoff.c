@@ -809,8 +809,10 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
    * word's next value, after the work queued on `stream` (before the
    * frames: its value travels in them). */
   gpuipc__w_word word = {0, 0, 0, 0, 0};
-  struct CUstream_st *wst = NULL;
-  if (h0 != NULL) {
+  struct CUstream_st *wst = stream;
+  /* An idle stream: its work is done, no signal is needed (DONE). */
+  bool done = h0 != NULL && stream_idle(h0, ordinal, stream);
+  if (h0 != NULL && !done) {
     gpuipc_status bs = bword_write(h0, ordinal, stream, &word.value, &wst);
     if (bs != GPUIPC_OK) {
       for (size_t i = 0; i < n; i++)
@@ -833,7 +835,12 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
     gpuipc_conn *c = conns[i];
     if (c->watch)
       atomic_store(&c->watch->tx_seq, ws[i].seq);
-    if (c->order == GPUIPC_ORDER_MEMOP) {
+    if (c->order == GPUIPC_ORDER_MEMOP && done) {
+      ws[i].flags |= GPUIPC__BUF_DONE;
+      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
+                                      meta, meta_len, NULL, 0,
+                                      gpuipc__conn_deadline(c));
+    } else if (c->order == GPUIPC_ORDER_MEMOP) {
       unsigned char p[sizeof ws[i] + sizeof word];
       memcpy(p, &ws[i], sizeof ws[i]);
       memcpy(p + sizeof ws[i], &word, sizeof word);
