@@ -1223,6 +1223,7 @@ static gpuipc_status on_bufw(gpuipc_conn *c, struct gpuipc__ho *h,
                           GPUIPC__BWORDS_MAX);
     h->bw[h->nbw].addr = addr;
     h->bw[h->nbw].max = 0;
+    h->bw[h->nbw].waited = 0;
     h->nbw++;
   }
   if (ww.value > h->bw[k].max)
@@ -1551,6 +1552,16 @@ static gpuipc_status ready_waits(gpuipc_conn *conn, struct gpuipc__ho *h,
   if (cr == CUDA_SUCCESS)
     cr = wait_done(h, 1, stream);
   gpuipc__ctx_leave(&g);
+  /* What close must see written before it unmaps a broadcast word's
+   * memory: the values our streams wait for. */
+  for (uint32_t i = 0; i < n && cr == CUDA_SUCCESS; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    if (q->rslot != UINT32_MAX || q->nowait || !h->rx[q->w.slot].ordered)
+      continue;
+    for (int k = 0; k < h->nbw; k++)
+      if (h->bw[k].addr == q->raddr && h->bw[k].waited < q->rseq)
+        h->bw[k].waited = q->rseq;
+  }
   if (cr != CUDA_SUCCESS)
     return gpuipc__fail_cuda(cr, "cuStreamWaitValue64",
                              "ready flag of buffer %llu from pid %d",
@@ -2109,24 +2120,31 @@ static uint64_t close_deadline(const gpuipc_conn *c) {
   return gpuipc__now_ns() + (uint64_t)ms * 1000000ull;
 }
 
-/* True when each of the peer's broadcast words holds the newest value it
- * named (read here through our mapping, on our private stream): no wait
- * of ours on them is pending, so their memory may be unmapped. We never
- * write them while the peer lives (its other consumers wait on them too).
- * Context current. */
+/* True when each of the peer's broadcast words holds the newest value a
+ * stream of ours waits for (read here through our mapping, on our private
+ * stream): no wait of ours on them is pending, so their memory may be
+ * unmapped. We never write them while the peer lives (its other consumers
+ * wait on them too). Context current. */
 static bool bw_reached(gpuipc_conn *c, struct gpuipc__ho *h) {
   if (h->nbw == 0)
     return true;
   bw_force(c, h); /* when the peer is gone meanwhile */
+  bool any = false;
+  for (int k = 0; k < h->nbw; k++)
+    any |= h->bw[k].waited != 0;
+  if (!any)
+    return true; /* none was ever waited on */
   if (h->unblock == NULL)
     return false;
   for (int k = 0; k < h->nbw; k++) {
+    if (h->bw[k].waited == 0)
+      continue;
     uint64_t v = 0;
     CUresult r = GPUIPC__CU(cuMemcpyDtoHAsync, &v, (CUdeviceptr)h->bw[k].addr,
                             sizeof v, (CUstream)h->unblock);
     if (r == CUDA_SUCCESS)
       r = GPUIPC__CU(cuStreamSynchronize, (CUstream)h->unblock);
-    if (r != CUDA_SUCCESS || (int64_t)(v - h->bw[k].max) < 0)
+    if (r != CUDA_SUCCESS || (int64_t)(v - h->bw[k].waited) < 0)
       return false;
   }
   return true;

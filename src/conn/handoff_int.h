@@ -93,6 +93,7 @@ struct gpuipc__ho {
    * consumers wait on them too). */
   struct {
     uint64_t addr, max;
+    uint64_t waited; /* the newest value a stream of ours waits for */
   } bw[GPUIPC__BWORDS_MAX];
   int nbw;
   bool bw_forced; /* the peer died: we wrote them */
