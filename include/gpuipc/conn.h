@@ -701,7 +701,9 @@ GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
  * process is gone (other consumers wait on it too), in its next call on
  * the connection or by its watcher; a consumer that closes while the
  * producer lives leaves the word alone (its close waits, up to its
- * timeout, for the producer's signal before it unmaps the memory).
+ * timeout, for the producer's signal before it unmaps the memory; if the
+ * signal does not come in time, the producer's memory stays mapped, as
+ * when work queued before releases does not complete).
  * A connection that fails (its peer gone, its timeout, a bad connection)
  * is left out and the others are not affected: statuses[i] (may be NULL)
  * is connection i's status; the call returns GPUIPC_OK when all of them
