@@ -2730,7 +2730,11 @@ TEST_IMPL(handoff_batch_driver_calls) {
   gpuipc_conn *c = pair_conn(fd);
   gpuipc_arena *a = mkarena((size_t)4 << 20);
   static const size_t sizes[] = {4096, 256};
-  send_batches(c, a, a, s, 1, 1, sizes, 2, 1); /* setup: flag words, chunks */
+  /* Setup (flag words, chunks), from an idle stream: no busy answer
+   * before the one below. */
+  sync_before_send = true;
+  send_batches(c, a, a, s, 1, 1, sizes, 2, 1);
+  sync_before_send = false;
   gpuipc_block *bs[16];
   uint8_t *pin[16];
   uint32_t seeds[16];
