@@ -655,8 +655,10 @@ GPUIPC_API gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
  * GPUIPC_RECEIVED_INIT does): waits (up to the timeout) for the first,
  * then takes every buffer already arrived, up to max, without waiting
  * more; *n says how many. Ordering as gpuipc_conn_recv for each of them,
- * at the cost of one stream wait per batch the producer sent (waits that
- * an earlier wait on the same stream already covers are skipped). Each is
+ * at the cost of one stream wait per batch the producer sent among those
+ * taken (the buffers of one batch, or of one broadcast, share one wait;
+ * none for buffers sent from an idle stream). gpuipc_conn_recv of the
+ * buffers of a batch one by one waits once per buffer. Each is
  * released on its own (gpuipc_conn_release) or together
  * (gpuipc_conn_release_batch). Errors as gpuipc_conn_recv; on an error
  * nothing was received (*n is 0). */
