@@ -12,6 +12,13 @@
  *                     a ring of blocks in flight;
  *   both for 4 KiB .. 256 MiB and for 1 and 8 consumers (with 8, each
  *   buffer goes to every consumer for latency, round-robin for throughput);
+ *   fan-out          one 4 KiB buffer to 8, 16 and 64 consumers, sent to
+ *                     each in turn and by gpuipc_conn_broadcast: latency to
+ *                     the last consumer (per buffer, the latest arrival);
+ *   batches          throughput of gpuipc_conn_send_batch / recv_batch /
+ *                     release_batch cycles in batches of 1, 16 and 256;
+ *   flatness         throughput of single handoffs while 10 .. 100,000
+ *                     other buffers stay leased (held by two consumers);
  *   raw driver paths  legacy cuIpcGetMemHandle / Open / Close; pool pointer
  *                     cuMemPoolExportPointer / ImportPointer / free (and the
  *                     one-time pool import); the GPU round trip of the
@@ -38,9 +45,23 @@
 
 extern char **environ;
 
-#define MAXC 8
+#define MAXC 8   /* consumers of the handoff table */
+#define NCONS 64 /* consumers started (the fan-out rows use up to all) */
+#define BATCH_MAX 256
 
-enum { OP_LAT = 1, OP_TPUT, OP_LEGACY, OP_POOL, OP_MEMOP, OP_ECHO, OP_QUIT };
+enum {
+  OP_LAT = 1,
+  OP_TPUT,
+  OP_LEGACY,
+  OP_POOL,
+  OP_MEMOP,
+  OP_ECHO,
+  OP_QUIT,
+  OP_LATV,  /* OP_LAT, then every latency sent back (messages of doubles) */
+  OP_TPUTB, /* receive and release in batches */
+  OP_HOLD,  /* receive n buffers and keep them */
+  OP_UNHOLD /* release every buffer kept */
+};
 
 typedef struct cmd {
   uint32_t op;
@@ -130,6 +151,9 @@ static void spin_recv(gpuipc_conn *c, CUstream s, gpuipc_received *r) {
 
 /* ---- consumer ----------------------------------------------------------------- */
 
+static uint64_t *held; /* OP_HOLD: the buffers kept */
+static size_t nheld;
+
 static int consumer(int fd) {
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 120000;
@@ -156,7 +180,7 @@ static int consumer(int fd) {
     if (!v || !w || !x)
       DIE("out of memory");
     reply r = {0, 0, 0, 0};
-    if (m.op == OP_LAT || m.op == OP_TPUT) {
+    if (m.op == OP_LAT || m.op == OP_TPUT || m.op == OP_LATV) {
       OK(gpuipc_conn_set_nonblocking(c, 1));
       double t0 = 0;
       for (int i = 0; i < n; i++) {
@@ -172,10 +196,70 @@ static int consumer(int fd) {
         OK(gpuipc_conn_release(c, in.id, (struct CUstream_st *)s));
       }
       OK(gpuipc_conn_set_nonblocking(c, 0));
+      /* Before the percentiles sort them. */
+      if (m.op == OP_LATV)
+        for (int i = 0; i < n; i += 8000) {
+          int k = n - i < 8000 ? n - i : 8000;
+          OK(gpuipc_conn_send_msg(c, v + i, (size_t)k * sizeof *v, NULL, 0));
+        }
       r.a = pct(v, n, 0.5);
       r.b = pct(v, n, 0.9);
       r.c = now_us() - t0;
       r.d = pct(x, n, 0.5);
+    } else if (m.op == OP_TPUTB) {
+      /* Batches: receive whatever arrived (up to BATCH_MAX), release it
+       * all in one call. */
+      gpuipc_received *in = calloc(BATCH_MAX, sizeof *in);
+      uint64_t *ids = calloc(BATCH_MAX, sizeof *ids);
+      if (!in || !ids)
+        DIE("out of memory");
+      OK(gpuipc_conn_set_nonblocking(c, 1));
+      double t0 = 0;
+      for (int got = 0; got < n;) {
+        for (int i = 0; i < BATCH_MAX; i++)
+          in[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+        size_t k = 0;
+        gpuipc_status rs =
+            gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, in, BATCH_MAX, &k);
+        if (rs == GPUIPC_E_WOULD_BLOCK)
+          continue;
+        OK(rs);
+        if (got == 0)
+          t0 = now_us();
+        for (size_t i = 0; i < k; i++)
+          ids[i] = in[i].id;
+        OK(gpuipc_conn_release_batch(c, ids, k, (struct CUstream_st *)s));
+        got += (int)k;
+      }
+      OK(gpuipc_conn_set_nonblocking(c, 0));
+      r.c = now_us() - t0;
+      free(in);
+      free(ids);
+    } else if (m.op == OP_HOLD) {
+      uint64_t *nh = realloc(held, (nheld + (size_t)n) * sizeof *held);
+      if (nh == NULL)
+        DIE("out of memory");
+      held = nh;
+      gpuipc_received *in = calloc(BATCH_MAX, sizeof *in);
+      if (!in)
+        DIE("out of memory");
+      for (int got = 0; got < n;) {
+        for (int i = 0; i < BATCH_MAX; i++)
+          in[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+        size_t k = 0;
+        size_t want = (size_t)(n - got) < BATCH_MAX ? (size_t)(n - got) : BATCH_MAX;
+        OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, in, want, &k));
+        for (size_t i = 0; i < k; i++)
+          held[nheld++] = in[i].id;
+        got += (int)k;
+      }
+      free(in);
+    } else if (m.op == OP_UNHOLD) {
+      for (size_t i = 0; i < nheld; i += GPUIPC_BATCH_MAX) {
+        size_t k = nheld - i < GPUIPC_BATCH_MAX ? nheld - i : GPUIPC_BATCH_MAX;
+        OK(gpuipc_conn_release_batch(c, held + i, k, (struct CUstream_st *)s));
+      }
+      nheld = 0;
     } else if (m.op == OP_ECHO) {
       /* Echoes n small messages, polling for each like a consumer that
        * polls for buffers. */
@@ -271,7 +355,7 @@ static int consumer(int fd) {
 /* ---- producer ----------------------------------------------------------------- */
 
 typedef struct ctx {
-  gpuipc_conn *c[MAXC];
+  gpuipc_conn *c[NCONS];
   int nc;
   CUstream s;
   int iters;
@@ -346,6 +430,168 @@ static double run_tput(bctx *b, gpuipc_arena *a, size_t size, int nc,
     (void)get_reply(b->c[k]);
   for (int j = 0; j < ring; j++)
     OK(gpuipc_block_free(blk[j], (struct CUstream_st *)b->s));
+  return n / (dt / 1e6);
+}
+
+/* Fan-out: one buffer in flight to consumers 0..nc-1, by one
+ * gpuipc_conn_broadcast or by gpuipc_conn_send to each in turn, every
+ * consumer stamped with the same start time. *med_last / *p90_last: over
+ * the buffers, the latency of the consumer that got it last; *med_each:
+ * the consumers' medians, averaged; *call: median time of the send
+ * call(s) of one buffer. */
+static void run_fan(bctx *b, gpuipc_arena *a, size_t size, int nc, bool bcast,
+                    double *med_last, double *p90_last, double *med_each,
+                    double *call) {
+  gpuipc_block *blk;
+  OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk));
+  int n = b->iters;
+  double *sc = calloc((size_t)n, sizeof *sc);
+  double *last = calloc((size_t)n, sizeof *last);
+  double *lat = calloc((size_t)n, sizeof *lat);
+  if (sc == NULL || last == NULL || lat == NULL)
+    DIE("out of memory");
+  for (int k = 0; k < nc; k++)
+    send_cmd(b->c[k], OP_LATV, (uint32_t)n);
+  for (int i = 0; i < n; i++) {
+    double t = now_us();
+    if (bcast) {
+      OK(gpuipc_conn_broadcast(b->c, (size_t)nc, blk, (struct CUstream_st *)b->s,
+                               &t, sizeof t, NULL));
+    } else {
+      for (int k = 0; k < nc; k++)
+        OK(gpuipc_conn_send(b->c[k], blk, (struct CUstream_st *)b->s, &t,
+                            sizeof t));
+    }
+    sc[i] = now_us() - t;
+    while (gpuipc_block_get_holders(blk) > 0)
+      for (int k = 0; k < nc; k++)
+        OK(gpuipc_conn_progress(b->c[k], 0));
+  }
+  *call = pct(sc, n, 0.5);
+  *med_each = 0;
+  for (int k = 0; k < nc; k++) {
+    for (int i = 0; i < n; i += 8000) {
+      size_t len = 0;
+      int want = n - i < 8000 ? n - i : 8000;
+      OK(gpuipc_conn_recv_msg(b->c[k], lat + i, (size_t)want * sizeof *lat,
+                              &len, NULL, NULL));
+      if (len != (size_t)want * sizeof *lat)
+        DIE("consumer %d sent %zu bytes of latencies", k, len);
+    }
+    for (int i = 0; i < n; i++)
+      if (k == 0 || lat[i] > last[i])
+        last[i] = lat[i];
+    reply r = get_reply(b->c[k]);
+    *med_each += r.a / nc;
+  }
+  *med_last = pct(last, n, 0.5);
+  *p90_last = pct(last, n, 0.9);
+  free(sc);
+  free(last);
+  free(lat);
+  OK(gpuipc_block_free(blk, (struct CUstream_st *)b->s));
+}
+
+/* Batches of nb blocks to consumer 0 (two batches in flight), received
+ * and released in batches: buffers per second over the whole cycle;
+ * *call: median time inside gpuipc_conn_send_batch. */
+static double run_batch(bctx *b, gpuipc_arena *a, size_t size, int nb,
+                        double *call) {
+  gpuipc_block *blk[2 * BATCH_MAX];
+  const void *metas[BATCH_MAX];
+  size_t lens[BATCH_MAX];
+  double stamp = 0;
+  for (int j = 0; j < 2 * nb; j++)
+    OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk[j]));
+  for (int j = 0; j < nb; j++) {
+    metas[j] = &stamp;
+    lens[j] = sizeof stamp;
+  }
+  int batches = (b->iters * 4 + nb - 1) / nb;
+  if (batches < 4)
+    batches = 4;
+  double *sc = calloc((size_t)batches, sizeof *sc);
+  if (sc == NULL)
+    DIE("out of memory");
+  gpuipc_conn *c = b->c[0];
+  send_cmd(c, OP_TPUTB, (uint32_t)(batches * nb));
+  double t0 = now_us();
+  for (int i = 0; i < batches; i++) {
+    gpuipc_block **g = blk + (i % 2) * nb;
+    for (int j = 0; j < nb; j++)
+      while (gpuipc_block_get_holders(g[j]) > 0)
+        OK(gpuipc_conn_progress(c, 0));
+    double t = now_us();
+    stamp = t;
+    OK(gpuipc_conn_send_batch(c, g, (size_t)nb, (struct CUstream_st *)b->s,
+                              metas, lens));
+    sc[i] = now_us() - t;
+  }
+  for (int j = 0; j < 2 * nb; j++)
+    while (gpuipc_block_get_holders(blk[j]) > 0)
+      OK(gpuipc_conn_progress(c, 0));
+  double dt = now_us() - t0;
+  (void)get_reply(c);
+  *call = pct(sc, batches, 0.5);
+  free(sc);
+  for (int j = 0; j < 2 * nb; j++)
+    OK(gpuipc_block_free(blk[j], (struct CUstream_st *)b->s));
+  return (double)batches * nb / (dt / 1e6);
+}
+
+/* Flatness: `live` buffers stay leased (held by the last two consumers,
+ * sent in batches), while single handoffs cycle to the last consumer:
+ * its buffers per second. */
+static double run_flat(bctx *b, gpuipc_arena *a, long live) {
+  gpuipc_conn *x = b->c[NCONS - 2], *y = b->c[NCONS - 1];
+  long h1 = live / 2, h2 = live - h1;
+  gpuipc_block **blk = calloc((size_t)live, sizeof *blk);
+  if (blk == NULL)
+    DIE("out of memory");
+  for (long j = 0; j < live; j++)
+    OK(gpuipc_arena_alloc(a, 256, (struct CUstream_st *)b->s, &blk[j]));
+  send_cmd(x, OP_HOLD, (uint32_t)h1);
+  send_cmd(y, OP_HOLD, (uint32_t)h2);
+  for (int side = 0; side < 2; side++) {
+    long from = side ? h1 : 0, to = side ? live : h1;
+    for (long j = from; j < to; j += BATCH_MAX) {
+      long k = to - j < BATCH_MAX ? to - j : BATCH_MAX;
+      OK(gpuipc_conn_send_batch(side ? y : x, blk + j, (size_t)k,
+                                (struct CUstream_st *)b->s, NULL, NULL));
+    }
+  }
+  (void)get_reply(x);
+  (void)get_reply(y);
+  /* Single handoffs meanwhile, a ring of 32 blocks. */
+  gpuipc_block *ring[32];
+  for (int j = 0; j < 32; j++)
+    OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)b->s, &ring[j]));
+  int n = b->iters * 4;
+  send_cmd(y, OP_TPUT, (uint32_t)n);
+  double t0 = now_us();
+  for (int i = 0; i < n; i++) {
+    while (gpuipc_block_get_holders(ring[i % 32]) > 0)
+      OK(gpuipc_conn_progress(y, 0));
+    send_t(y, ring[i % 32], b->s);
+  }
+  for (int j = 0; j < 32; j++)
+    while (gpuipc_block_get_holders(ring[j]) > 0)
+      OK(gpuipc_conn_progress(y, 0));
+  double dt = now_us() - t0;
+  (void)get_reply(y);
+  send_cmd(x, OP_UNHOLD, 0);
+  send_cmd(y, OP_UNHOLD, 0);
+  (void)get_reply(x);
+  (void)get_reply(y);
+  for (long j = 0; j < live; j++) {
+    gpuipc_conn *c = j < h1 ? x : y;
+    while (gpuipc_block_get_holders(blk[j]) > 0)
+      OK(gpuipc_conn_progress(c, 0));
+    OK(gpuipc_block_free(blk[j], (struct CUstream_st *)b->s));
+  }
+  for (int j = 0; j < 32; j++)
+    OK(gpuipc_block_free(ring[j], (struct CUstream_st *)b->s));
+  free(blk);
   return n / (dt / 1e6);
 }
 
@@ -492,6 +738,9 @@ static void raw_floor(bctx *b, double out[3]) {
     v[i] = (now_us() - t0) / 2;
   }
   OK(gpuipc_conn_set_nonblocking(c, 0));
+  /* The consumer answers every command, this one too: take its reply, or
+   * every later reply read from this consumer is the one before. */
+  (void)get_reply(c);
   out[0] = pct(v, n, 0.5);
   CUdeviceptr w;
   CU(gpuipc__cu.cuMemAlloc(&w, 4096));
@@ -526,10 +775,14 @@ static void usage(FILE *f) {
              "[--emulator PATH]\n"
              "  handoff latency and throughput over a connection, 1 and %d "
              "consumers,\n"
+             "  fan-out to 8, 16 and %d consumers (each in turn and by "
+             "broadcast),\n"
+             "  batches of 1, 16 and 256, and throughput with 10 to 100000 "
+             "buffers leased,\n"
              "  next to the raw driver paths measured in the same run\n"
              "  --quick    %d iterations, 4 KiB and 1 MiB only\n"
              "  --iters N  iterations per figure (default 2000)\n",
-          MAXC, 200);
+          MAXC, NCONS, 200);
 }
 
 int gpuipc_bench_handoff(int argc, char **argv) {
@@ -565,8 +818,8 @@ int gpuipc_bench_handoff(int argc, char **argv) {
 
   /* The consumers start before this process touches CUDA. */
   bctx b = {{0}, MAXC, NULL, iters};
-  pid_t pids[MAXC];
-  for (int k = 0; k < MAXC; k++) {
+  pid_t pids[NCONS];
+  for (int k = 0; k < NCONS; k++) {
     int fds[2];
     OK(gpuipc_conn_pair(fds));
     posix_spawn_file_actions_t fa;
@@ -582,6 +835,9 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     }
     gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
     o.timeout_ms = 120000;
+    /* Room for two batches of 256 in flight; the last two consumers hold
+     * up to 50,000 buffers each in the flatness rows. */
+    o.max_outstanding = k >= NCONS - 2 ? 65536 : 1024;
     OK(gpuipc_conn_from_fd(fds[0], &o, &b.c[k]));
   }
   OK(gpuipc_init());
@@ -709,19 +965,117 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     }
   }
 
-  printf("\none pair, 4 KiB: median %.2f us (target <= 5), %.0f buffers/s "
-         "(target >= 200000)%s\n",
+  printf("\none pair, 4 KiB: median %.2f us (target <= 2), %.0f buffers/s "
+         "(target >= 400000)%s\n",
          pair_med, pair_tput,
          emu ? "; on the emulator these say little about a GPU" : "");
   gpuipc_bench_json_num("pair_4k_median_us", pair_med);
   gpuipc_bench_json_num("pair_4k_buffers_per_s", pair_tput);
 
-  for (int k = 0; k < MAXC; k++) {
+  /* Fan-out: one 4 KiB buffer to nc consumers. */
+  printf("\nfan-out, 4 KiB: send -> the LAST consumer holds the buffer "
+         "(per buffer, the latest of the consumers); each: the consumers' "
+         "medians, averaged;\ncall: median time inside the send call(s) of "
+         "one buffer\n");
+  printf("%-10s %9s %16s %13s %10s %10s\n", "mode", "consumers",
+         "median last us", "p90 last us", "each us", "call us");
+  {
+    int keep = b.iters;
+    b.iters = 20;
+    double m, p, e, cl;
+    run_fan(&b, a, 4096, NCONS, true, &m, &p, &e, &cl);
+    b.iters = keep;
+  }
+  double bc8_med = 0, bc8_p90 = 0;
+  static const int fan_n[3] = {8, 16, NCONS};
+  for (int fi = 0; fi < 3; fi++) {
+    for (int mode = 0; mode < 2; mode++) {
+      double ml, pl, me, cl;
+      run_fan(&b, a, 4096, fan_n[fi], mode == 1, &ml, &pl, &me, &cl);
+      const char *mn = mode ? "broadcast" : "each";
+      printf("%-10s %9d %16.2f %13.2f %10.2f %10.2f\n", mn, fan_n[fi], ml, pl,
+             me, cl);
+      fflush(stdout);
+      gpuipc_bench_json_row_begin("fanout");
+      gpuipc_bench_json_str("mode", mn);
+      gpuipc_bench_json_num("size_bytes", 4096);
+      gpuipc_bench_json_num("consumers", fan_n[fi]);
+      gpuipc_bench_json_num("median_last_us", ml);
+      gpuipc_bench_json_num("p90_last_us", pl);
+      gpuipc_bench_json_num("median_each_us", me);
+      gpuipc_bench_json_num("call_us", cl);
+      gpuipc_bench_json_row_end();
+      if (mode == 1 && fan_n[fi] == 8) {
+        bc8_med = ml;
+        bc8_p90 = pl;
+      }
+    }
+  }
+
+  /* Batches: send_batch / recv_batch / release_batch cycles. */
+  printf("\nbatches, 4 KiB blocks, one consumer, two batches in flight: full "
+         "cycle (send_batch, recv_batch, release_batch, the releases back);\n"
+         "call: median time inside gpuipc_conn_send_batch\n");
+  printf("%-6s %14s %16s %10s\n", "batch", "buffers/s", "per buffer us",
+         "call us");
+  double b16 = 0;
+  static const int batch_n[3] = {1, 16, BATCH_MAX};
+  for (int bi = 0; bi < 3; bi++) {
+    double cl = 0;
+    double rate = run_batch(&b, a, 4096, batch_n[bi], &cl);
+    printf("%-6d %14.0f %16.3f %10.2f\n", batch_n[bi], rate, 1e6 / rate, cl);
+    fflush(stdout);
+    gpuipc_bench_json_row_begin("batch");
+    gpuipc_bench_json_num("batch", batch_n[bi]);
+    gpuipc_bench_json_num("size_bytes", 4096);
+    gpuipc_bench_json_num("buffers_per_s", rate);
+    gpuipc_bench_json_num("per_buffer_us", 1e6 / rate);
+    gpuipc_bench_json_num("call_us", cl);
+    gpuipc_bench_json_row_end();
+    if (batch_n[bi] == 16)
+      b16 = rate;
+  }
+
+  /* Flatness: the cost of one handoff with many buffers leased. */
+  printf("\nflatness: single 4 KiB handoffs (full cycle) while other "
+         "buffers stay leased (held by two consumers)\n");
+  printf("%12s %14s %16s\n", "live leases", "buffers/s", "per buffer us");
+  {
+    gpuipc_arena_options fo = GPUIPC_ARENA_OPTIONS_INIT;
+    fo.chunk_bytes = (size_t)32 << 20;
+    gpuipc_arena *fa = NULL;
+    OK(gpuipc_arena_create(&fo, &fa));
+    static const long live_n[5] = {10, 100, 1000, 10000, 100000};
+    for (int li = 0; li < 5; li++) {
+      double rate = run_flat(&b, fa, live_n[li]);
+      printf("%12ld %14.0f %16.3f\n", live_n[li], rate, 1e6 / rate);
+      fflush(stdout);
+      gpuipc_bench_json_row_begin("flatness");
+      gpuipc_bench_json_num("live_leases", (double)live_n[li]);
+      gpuipc_bench_json_num("size_bytes", 4096);
+      gpuipc_bench_json_num("buffers_per_s", rate);
+      gpuipc_bench_json_num("per_buffer_us", 1e6 / rate);
+      gpuipc_bench_json_row_end();
+    }
+    CU(gpuipc__cu.cuStreamSynchronize(b.s));
+    OK(gpuipc_arena_destroy(fa));
+  }
+
+  printf("\nbroadcast to 8, 4 KiB, last consumer: median %.2f us (target <= "
+         "6), p90 %.2f us (target <= 15); batches of 16: %.0f buffers/s "
+         "(target >= 2000000)%s\n",
+         bc8_med, bc8_p90, b16,
+         emu ? "; on the emulator these say little about a GPU" : "");
+  gpuipc_bench_json_num("broadcast_8_median_last_us", bc8_med);
+  gpuipc_bench_json_num("broadcast_8_p90_last_us", bc8_p90);
+  gpuipc_bench_json_num("batch_16_buffers_per_s", b16);
+
+  for (int k = 0; k < NCONS; k++) {
     send_cmd(b.c[k], OP_QUIT, 0);
     gpuipc_conn_close(b.c[k]);
   }
   int rc = 0;
-  for (int k = 0; k < MAXC; k++) {
+  for (int k = 0; k < NCONS; k++) {
     int st = 0;
     waitpid(pids[k], &st, 0);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)

@@ -165,7 +165,12 @@ TEST_IMPL(bench_json_record_and_plot_check) {
       "\"handoff\": [",
       "{\"size_bytes\": 4096, \"consumers\": 1, \"median_us\": ",
       "{\"size_bytes\": 1048576, \"consumers\": 8, \"median_us\": ",
-      "\"pair_4k_median_us\": ",      want};
+      "\"pair_4k_median_us\": ",
+      "{\"mode\": \"broadcast\", \"size_bytes\": 4096, \"consumers\": 64, "
+      "\"median_last_us\": ",
+      "{\"batch\": 256, \"size_bytes\": 4096, \"buffers_per_s\": ",
+      "{\"live_leases\": 100000, \"size_bytes\": 4096, \"buffers_per_s\": ",
+      "\"batch_16_buffers_per_s\": ", want};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
     if (strstr(rec, keys[i]) == NULL)
       harness_fail(__FILE__, __LINE__, "record lacks %s:\n%s", keys[i], rec);

@@ -847,6 +847,12 @@ HELPER_IMPL(ho_write_fails) {
   CUstream s = mkstream();
   gpuipc_block *b = NULL;
   ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  /* Work still queued (slow sets, longer than the connection's setup,
+   * which waits for a slow set of its own): the send must write the ready
+   * word (an idle stream would need none). */
+  for (int i = 0; i < 4; i++)
+    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), 1, 4096, s));
   gpuipc_status st = gpuipc_conn_send(c, b, (struct CUstream_st *)s, NULL, 0);
   ASSERT_STATUS(st, GPUIPC_E_DRIVER);
   ASSERT_NOT_NULL(strstr(gpuipc_last_error(), "cuStreamWriteValue64"));
@@ -860,7 +866,8 @@ HELPER_IMPL(ho_write_fails) {
 
 TEST_IMPL(handoff_ready_write_fails) {
   REQUIRE_EMULATOR("fault injection (GPUIPC_EMU_FAIL)");
-  char *env[] = {"GPUIPC_EMU_FAIL=cuStreamWriteValue64:*", NULL};
+  char *env[] = {"GPUIPC_EMU_FAIL=cuStreamWriteValue64:*",
+                 "GPUIPC_EMU_COPY_DELAY_US=200000", NULL};
   int fd;
   pid_t pid = spawn_helper("ho_write_fails", env, &fd, NULL);
   gpuipc_conn *c = pair_conn(fd);
@@ -1108,7 +1115,8 @@ HELPER_IMPL(ho_forger) {
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   const char *what = argv[0];
   gpuipc__w_buf w = {1, 1, 0, 256, 0, 0, GPUIPC__BUF_ORDERED, 0};
-  if (strncmp(what, "buf_", 4) == 0 && strcmp(what, "buf_before_ctl") != 0) {
+  if ((strncmp(what, "buf_", 4) == 0 && strcmp(what, "buf_before_ctl") != 0) ||
+      strncmp(what, "bufs_", 5) == 0 || strncmp(what, "bufw_", 5) == 0) {
     /* Kept until exit (the victim hangs up holding the block). */
     static gpuipc_arena *a;
     static gpuipc_block *b;
@@ -1145,6 +1153,9 @@ HELPER_IMPL(ho_forger) {
   } else if (strcmp(what, "buf_meta_len") == 0) {
     w.meta_len = 200;
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strcmp(what, "buf_done_unordered") == 0) {
+    w.flags = GPUIPC__BUF_DONE;
+    raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
   } else if (strcmp(what, "buf_unknown_chunk") == 0) {
     w.chunk = 5;
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
@@ -1155,6 +1166,78 @@ HELPER_IMPL(ho_forger) {
      * the first buffer's wait. */
     w.seq = GPUIPC__SEQ_LIMIT + ((uint64_t)1 << 63);
     raw_frame(fd, GPUIPC__F_BUF, &w, sizeof w);
+  } else if (strncmp(what, "bufw_", 5) == 0) {
+    /* A buffer ordered by a "broadcast word" in the flag-word chunk. */
+    struct {
+      gpuipc__w_buf b;
+      gpuipc__w_word w;
+    } f;
+    f.b = w;
+    f.w = (gpuipc__w_word){2, 4096, 0, 0, 5};
+    int frames = 1;
+    if (strcmp(what, "bufw_word_outside") == 0)
+      f.w.off = (uint64_t)64 << 20;
+    else if (strcmp(what, "bufw_misaligned") == 0)
+      f.w.off = 4100;
+    else if (strcmp(what, "bufw_value_zero") == 0)
+      f.w.value = 0;
+    else if (strcmp(what, "bufw_value_past_limit") == 0)
+      f.w.value = GPUIPC__SEQ_LIMIT;
+    else if (strcmp(what, "bufw_event_flag") == 0)
+      f.b.flags |= GPUIPC__BUF_EVENT;
+    else if (strcmp(what, "bufw_unknown_chunk") == 0)
+      f.w.chunk = 7;
+    else if (strcmp(what, "bufw_too_many_words") == 0)
+      frames = GPUIPC__BWORDS_MAX + 1;
+    for (int i = 0; i < frames; i++) {
+      f.b.slot = 1 + (uint32_t)i;
+      f.b.seq = 100 + (uint64_t)i;
+      f.w.off = frames > 1 ? 4096 + 8 * (uint64_t)i : f.w.off;
+      raw_frame(fd, GPUIPC__F_BUFW, &f, sizeof f);
+    }
+  } else if (strncmp(what, "bufs_", 5) == 0) {
+    /* A batch of three (each valid on its own unless the case breaks
+     * one): none of it may be delivered. */
+    struct {
+      gpuipc__w_bufs h;
+      gpuipc__w_buf e[3];
+      uint32_t meta[3];
+    } f;
+    memset(&f, 0, sizeof f);
+    f.h = (gpuipc__w_bufs){3, 2, 0, 0};
+    for (int i = 0; i < 3; i++) {
+      f.e[i] = w;
+      f.e[i].slot = 1 + (uint32_t)i;
+      f.e[i].seq = 100 + (uint64_t)i;
+      f.e[i].meta_len = 4;
+    }
+    size_t n = sizeof f;
+    /* The real block first comes back (so the victim received it). */
+    size_t out = 1;
+    for (int i = 0; i < 3000 && out > 0; i++) {
+      ASSERT_OK(gpuipc_conn_progress(c, 10));
+      ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+    }
+    ASSERT_EQ(out, 0);
+    if (strcmp(what, "bufs_dup_slot") == 0)
+      f.e[2].slot = 1;
+    else if (strcmp(what, "bufs_bad_entry") == 0)
+      f.e[1].off = (uint64_t)64 << 20;
+    else if (strcmp(what, "bufs_count") == 0)
+      f.h.count = 0;
+    else if (strcmp(what, "bufs_too_many") == 0)
+      f.h.count = 4;
+    else if (strcmp(what, "bufs_ready") == 0)
+      f.h.ready = 0;
+    else if (strcmp(what, "bufs_meta_total") == 0)
+      n -= 2;
+    else if (strcmp(what, "bufs_desc") == 0)
+      f.e[1].flags |= GPUIPC__BUF_DESC;
+    else if (strcmp(what, "bufs_seq_order") == 0)
+      f.e[2].seq = 100;
+    else if (strcmp(what, "bufs_seq_past_limit") == 0)
+      f.e[2].seq = GPUIPC__SEQ_LIMIT;
+    raw_frame(fd, GPUIPC__F_BUFS, &f, n);
   }
   /* Wait until the victim hangs up on us. */
   char b;
@@ -1177,7 +1260,24 @@ TEST_IMPL(handoff_rejects_forged_frames) {
       {"buf_slot", "slot"},
       {"buf_meta_len", "metadata"},
       {"buf_unknown_chunk", "never sent"},
+      {"buf_done_unordered", "DONE only with ORDERED"},
       {"buf_seq_past_limit", "past the limit"},
+      {"bufs_dup_slot", "busy"},
+      {"bufs_bad_entry", "outside the chunk"},
+      {"bufs_count", "entries"},
+      {"bufs_too_many", "entries"},
+      {"bufs_ready", "ready entry"},
+      {"bufs_meta_total", "metadata"},
+      {"bufs_desc", "refused"},
+      {"bufs_seq_order", "refused"},
+      {"bufs_seq_past_limit", "past the limit"},
+      {"bufw_word_outside", "outside the peer's imported memory"},
+      {"bufw_misaligned", "misaligned"},
+      {"bufw_value_zero", "past the limit"},
+      {"bufw_value_past_limit", "past the limit"},
+      {"bufw_event_flag", "ORDERED only"},
+      {"bufw_unknown_chunk", "imported memory"},
+      {"bufw_too_many_words", "broadcast words"},
   };
   CUstream s = mkstream();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -1185,12 +1285,19 @@ TEST_IMPL(handoff_rejects_forged_frames) {
     pid_t pid = spawn_helper("ho_forger", NULL, &fd, (char *)cases[i].what, NULL);
     gpuipc_conn *c = pair_conn(fd);
     gpuipc_status st = GPUIPC_OK;
-    for (int k = 0; k < 3 && st == GPUIPC_OK; k++) {
+    int oks = 0;
+    for (int k = 0; k < 3 + GPUIPC__BWORDS_MAX && st == GPUIPC_OK; k++) {
       gpuipc_received r = GPUIPC_RECEIVED_INIT;
       st = gpuipc_conn_recv(c, (struct CUstream_st *)s, &r);
-      if (st == GPUIPC_OK)
+      if (st == GPUIPC_OK) {
+        oks++;
         ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+      }
     }
+    /* A forged batch is refused whole: only the real block came. */
+    if (strncmp(cases[i].what, "bufs_", 5) == 0 && oks != 1)
+      harness_fail(__FILE__, __LINE__, "case %s: %d buffers delivered",
+                   cases[i].what, oks);
     if (st != GPUIPC_E_PROTOCOL)
       harness_fail(__FILE__, __LINE__, "case %s: %s (%s)", cases[i].what,
                    gpuipc_status_name(st), gpuipc_last_error());
@@ -1874,10 +1981,10 @@ TEST_IMPL(handoff_consumer_gives_up_tells_what_it_held) {
  * exporter that then dies gets its stream unblocked without any gpuipc
  * call: cuStreamSynchronize returns. (Without the watcher it would block
  * until some call on the connection: GPUIPC_TEST_NO_WATCH=1 shows it.) */
-TEST_IMPL(handoff_watcher_unblocks_without_calls) {
+static int watcher_unblocks(char *helper) {
   REQUIRE_DEVICES(1);
   int fd;
-  pid_t pid = spawn_helper("ho_stuck_producer", NULL, &fd, NULL);
+  pid_t pid = spawn_helper(helper, NULL, &fd, NULL);
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 30000;
   o.watch_peer = getenv("GPUIPC_TEST_NO_WATCH") == NULL;
@@ -1905,4 +2012,1284 @@ TEST_IMPL(handoff_watcher_unblocks_without_calls) {
   gpuipc_conn_close(c);
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
   return 0;
+}
+
+TEST_IMPL(handoff_watcher_unblocks_without_calls) {
+  return watcher_unblocks("ho_stuck_producer");
+}
+
+/* The same for a buffer of a broadcast (the shared ready word). */
+TEST_IMPL(handoff_watcher_unblocks_broadcast_without_calls) {
+  return watcher_unblocks("ho_doomed_broadcaster");
+}
+
+/* ---- batches ------------------------------------------------------------------------------ */
+
+/* A batch consumer: receives argv[1] buffers, argv[2] = "batch" (up to 7
+ * at a time with gpuipc_conn_recv_batch, released together with
+ * gpuipc_conn_release_batch) or "single" (one by one), checks each
+ * against the pattern whose seed is in its metadata, reports "ok".
+ * argv[0]: "pair" or a name to connect to in the runtime dir argv[3]. */
+HELPER_IMPL(ho_batch_consumer) {
+  ASSERT(argc >= 3);
+  int count = atoi(argv[1]);
+  bool batch = strcmp(argv[2], "batch") == 0;
+  gpuipc_conn *c = NULL;
+  if (strcmp(argv[0], "pair") == 0) {
+    c = pair_conn(dup(harness_helper_fd()));
+  } else {
+    ASSERT(argc >= 4);
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.timeout_ms = 30000;
+    o.runtime_dir = argv[3];
+    ASSERT_OK(gpuipc_connect(argv[0], &o, &c));
+  }
+  CUstream s = mkstream();
+  enum { MAXB = 7 };
+  gpuipc_received rs[MAXB];
+  for (int got = 0; got < count;) {
+    size_t n = 0;
+    for (int i = 0; i < MAXB; i++)
+      rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    if (batch) {
+      size_t max = (size_t)(count - got) < MAXB ? (size_t)(count - got) : MAXB;
+      ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, max, &n));
+      ASSERT(n >= 1 && n <= max);
+    } else {
+      ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &rs[0]));
+      n = 1;
+    }
+    uint8_t *host[MAXB];
+    /* Every copy is queued right after the receive, ordered only by the
+     * waits it queued. */
+    for (size_t i = 0; i < n; i++) {
+      host[i] = malloc(rs[i].length);
+      ASSERT_NOT_NULL(host[i]);
+      ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(
+          host[i], (CUdeviceptr)(uintptr_t)rs[i].ptr, rs[i].length, s));
+    }
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    uint64_t ids[MAXB];
+    for (size_t i = 0; i < n; i++) {
+      ASSERT_EQ(rs[i].meta_len, sizeof(uint32_t));
+      uint32_t seed;
+      memcpy(&seed, rs[i].meta, sizeof seed);
+      check_pattern(host[i], rs[i].length, seed);
+      free(host[i]);
+      ids[i] = rs[i].id;
+    }
+    if (batch)
+      ASSERT_OK(gpuipc_conn_release_batch(c, ids, n, (struct CUstream_st *)s));
+    else
+      ASSERT_OK(gpuipc_conn_release(c, ids[0], (struct CUstream_st *)s));
+    got += (int)n;
+  }
+  size_t here = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  char buf[4];
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* Allocates a block of n bytes of a, fills it with the pattern of seed on
+ * s (asynchronously, from pinned memory the caller frees after a sync). */
+static gpuipc_block *filled_block(gpuipc_arena *a, CUstream s, size_t n,
+                                  uint32_t seed, uint8_t **pinned) {
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)pinned, n, 0));
+  pattern(*pinned, n, seed);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(
+      (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), *pinned, n, s));
+  return b;
+}
+
+/* Sends batches of nb blocks alternating between two arenas, of sizes
+ * from sizes[], every block freed after its send (the memory returns when
+ * the consumer released it). */
+/* send_batches waits for its copies before each send (an idle stream). */
+static bool sync_before_send;
+
+static void send_batches(gpuipc_conn *c, gpuipc_arena *a1, gpuipc_arena *a2,
+                         CUstream s, int nb, int rounds, const size_t *sizes,
+                         int nsizes, uint32_t seed0) {
+  gpuipc_block **bs = calloc((size_t)nb, sizeof *bs);
+  uint8_t **pin = calloc((size_t)nb, sizeof *pin);
+  uint32_t *seeds = calloc((size_t)nb, sizeof *seeds);
+  const void **metas = calloc((size_t)nb, sizeof *metas);
+  size_t *lens = calloc((size_t)nb, sizeof *lens);
+  ASSERT(bs && pin && seeds && metas && lens);
+  for (int r = 0; r < rounds; r++) {
+    for (int i = 0; i < nb; i++) {
+      seeds[i] = seed0 + (uint32_t)(r * nb + i);
+      bs[i] = filled_block(i % 2 ? a2 : a1, s, sizes[(r + i) % nsizes],
+                           seeds[i], &pin[i]);
+      metas[i] = &seeds[i];
+      lens[i] = sizeof seeds[i];
+    }
+    if (sync_before_send)
+      ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    ASSERT_OK(gpuipc_conn_send_batch(c, bs, (size_t)nb,
+                                     (struct CUstream_st *)s, metas, lens));
+    for (int i = 0; i < nb; i++) {
+      ASSERT_GE(gpuipc_block_get_holders(bs[i]), 1);
+      ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+    }
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    for (int i = 0; i < nb; i++)
+      ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin[i]));
+  }
+  free(bs);
+  free(pin);
+  free(seeds);
+  free(metas);
+  free(lens);
+}
+
+static void expect_ok_and_settled(gpuipc_conn *c, gpuipc_arena *a1,
+                                  gpuipc_arena *a2, pid_t pid) {
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  gpuipc_arena *as[2] = {a1, a2};
+  for (int i = 0; i < 2; i++) {
+    gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+    ASSERT_OK(gpuipc_arena_get_stats(as[i], &st));
+    ASSERT_EQ(st.blocks_allocated, 0);
+    ASSERT_EQ(st.leases, 0);
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+}
+
+/* Batches of 1, 16 and 256 blocks mixing two arenas and many sizes, to a
+ * consumer that receives them in pieces of up to 7 (batch mode) or one by
+ * one (single mode), with single sends in between. */
+TEST_IMPL(handoff_batch_mixed_arenas_and_sizes) {
+  REQUIRE_DEVICES(1);
+  static const size_t sizes[] = {1, 100, 4096, 5000, 65536, 300000, 512};
+  const char *modes[2] = {"batch", "single"};
+  for (int m = 0; m < 2; m++) {
+    int fd;
+    /* 1 + 3*16 + 256 + 2 single + 2*1 */
+    pid_t pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "309",
+                             (char *)modes[m], NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_arena *a1 = mkarena((size_t)1 << 20);
+    gpuipc_arena *a2 = mkarena((size_t)4 << 20);
+    CUstream s = mkstream();
+    send_batches(c, a1, a2, s, 1, 1, sizes, 7, 10);
+    send_batches(c, a1, a2, s, 16, 3, sizes, 7, 100);
+    send_pattern(c, a1, s, 777, 5000, NULL);
+    static const size_t small[] = {512, 64, 1024};
+    send_batches(c, a1, a2, s, 256, 1, small, 3, 1000);
+    send_pattern(c, a2, s, 3000, 5001, NULL);
+    send_batches(c, a1, a2, s, 1, 2, sizes, 7, 20000);
+    expect_ok_and_settled(c, a1, a2, pid);
+    gpuipc_conn_close(c);
+    ASSERT_OK(gpuipc_arena_destroy(a1));
+    ASSERT_OK(gpuipc_arena_destroy(a2));
+  }
+  return 0;
+}
+
+/* The producer's copies into every block of a batch are slow: the
+ * consumer's reads, queued right after its receive, must not overtake any
+ * of them (the batch's one ready write follows them all). */
+TEST_IMPL(handoff_batch_order_slow_producer) {
+  if (harness_on_emulator())
+    setenv("GPUIPC_EMU_COPY_DELAY_US", "30000", 1);
+  REQUIRE_DEVICES(1);
+  static const size_t sizes[] = {65536, 4096, 100000};
+  static char *no_delay[] = {"GPUIPC_EMU_COPY_DELAY_US=", NULL};
+  const char *modes[2] = {"batch", "single"};
+  for (int m = 0; m < 2; m++) {
+    int fd;
+    pid_t pid = spawn_helper("ho_batch_consumer", no_delay, &fd, "pair", "8",
+                             (char *)modes[m], NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_arena *a1 = mkarena((size_t)2 << 20);
+    gpuipc_arena *a2 = mkarena((size_t)2 << 20);
+    CUstream s = mkstream();
+    send_batches(c, a1, a2, s, 8, 1, sizes, 3, 4242);
+    expect_ok_and_settled(c, a1, a2, pid);
+    gpuipc_conn_close(c);
+    ASSERT_OK(gpuipc_arena_destroy(a1));
+    ASSERT_OK(gpuipc_arena_destroy(a2));
+  }
+  return 0;
+}
+
+/* A bad argument anywhere in a batch fails the whole batch: nothing of it
+ * was sent, the peer holds nothing, the slots stay free. */
+TEST_IMPL(handoff_batch_send_all_or_nothing) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "16",
+                           "batch", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  enum { N = 300 };
+  gpuipc_block *bs[N];
+  gpuipc_block *good = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &good));
+  for (int i = 0; i < N; i++)
+    bs[i] = good;
+  static uint8_t big[GPUIPC_META_MAX + 1];
+  const void *metas[N];
+  size_t lens[N];
+  for (int i = 0; i < N; i++) {
+    metas[i] = big;
+    lens[i] = 4;
+  }
+  /* A NULL block in the middle. */
+  bs[5] = NULL;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 8, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  bs[5] = good;
+  /* Metadata too long in the middle. */
+  lens[3] = GPUIPC_META_MAX + 1;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 8, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "block 3");
+  lens[3] = 4;
+  /* Metadata without data. */
+  metas[2] = NULL;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 8, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  metas[2] = big;
+  /* More bytes than one frame. */
+  for (int i = 0; i < N; i++)
+    lens[i] = GPUIPC_META_MAX;
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, N, (struct CUstream_st *)s,
+                                       metas, lens),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "bytes");
+  /* More blocks than slots (max_outstanding 256). */
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, N, (struct CUstream_st *)s,
+                                       NULL, NULL),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "slots");
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, 0, (struct CUstream_st *)s,
+                                       NULL, NULL),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_conn_send_batch(c, bs, GPUIPC_BATCH_MAX + 1,
+                                       (struct CUstream_st *)s, NULL, NULL),
+                GPUIPC_E_INVALID_ARG);
+  /* Nothing of it went out. */
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  ASSERT_EQ(gpuipc_block_get_holders(good), 0);
+  ASSERT_OK(gpuipc_block_free(good, (struct CUstream_st *)s));
+  /* The connection still works: the consumer gets exactly its 16. */
+  static const size_t sizes[] = {4096, 1, 70000};
+  send_batches(c, a, a, s, 16, 1, sizes, 3, 55);
+  expect_ok_and_settled(c, a, a, pid);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* A producer of batches: sends argv[0] batches of 8 blocks, then waits
+ * for "k" and checks that everything came back. */
+HELPER_IMPL(ho_batch_producer) {
+  int rounds = atoi(argv[0]);
+  sync_before_send = argc >= 2 && strcmp(argv[1], "idle") == 0;
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a1 = mkarena((size_t)1 << 20);
+  gpuipc_arena *a2 = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  static const size_t sizes[] = {4096, 256, 9000};
+  send_batches(c, a1, a2, s, 8, rounds, sizes, 3, 300);
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  size_t out = 1;
+  for (int i = 0; i < 1000 && out > 0; i++) {
+    ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+    if (out)
+      ASSERT_OK(gpuipc_conn_progress(c, 10));
+  }
+  ASSERT_EQ(out, 0);
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a1, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a1));
+  ASSERT_OK(gpuipc_arena_destroy(a2));
+  return 0;
+}
+
+/* Releasing a batch with a bad id (unknown, or named twice) releases
+ * none of it; partial receives of a batch work; every buffer's release is
+ * its own. */
+TEST_IMPL(handoff_batch_release_all_or_nothing) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_producer", NULL, &fd, "2", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_received rs[8];
+  for (int i = 0; i < 8; i++)
+    rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+  size_t n = 0;
+  /* Up to 3 of the first batch of 8 (one frame: all 8 are queued). */
+  ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, 3, &n));
+  ASSERT_EQ(n, 3);
+  size_t got = n;
+  while (got < 8) {
+    ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs + got,
+                                     8 - got, &n));
+    got += n;
+  }
+  ASSERT_EQ(got, 8);
+  for (int i = 0; i < 8; i++) {
+    uint32_t seed;
+    ASSERT_EQ(rs[i].meta_len, sizeof seed);
+    memcpy(&seed, rs[i].meta, sizeof seed);
+    ASSERT_EQ(seed, 300u + (uint32_t)i); /* in order */
+  }
+  uint64_t ids[8];
+  for (int i = 0; i < 8; i++)
+    ids[i] = rs[i].id;
+  size_t here = 0;
+  uint64_t bad[3] = {ids[0], ids[1] ^ ((uint64_t)1 << 40), ids[2]};
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, bad, 3, (struct CUstream_st *)s),
+                GPUIPC_E_NOT_FOUND);
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 8);
+  uint64_t twice[3] = {ids[3], ids[4], ids[3]};
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, twice, 3, (struct CUstream_st *)s),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "twice");
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 8);
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, ids, 0, (struct CUstream_st *)s),
+                GPUIPC_E_INVALID_ARG);
+  /* One on its own, the rest together. */
+  ASSERT_OK(gpuipc_conn_release(c, ids[7], (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_release_batch(c, ids, 7, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 0);
+  ASSERT_STATUS(gpuipc_conn_release_batch(c, ids, 1, (struct CUstream_st *)s),
+                GPUIPC_E_NOT_FOUND);
+  /* The second batch, one by one. */
+  for (int i = 0; i < 8; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    uint32_t seed;
+    memcpy(&seed, r.meta, sizeof seed);
+    ASSERT_EQ(seed, 308u + (uint32_t)i);
+    ASSERT_OK(gpuipc_conn_release_batch(c, &r.id, 1, (struct CUstream_st *)s));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* ---- broadcast ---------------------------------------------------------------------------- */
+
+/* The producer's copy is slow; 8 consumers read right after their
+ * receive: none may read before the producer's work. */
+TEST_IMPL(handoff_broadcast_order_slow_producer) {
+  if (harness_on_emulator())
+    setenv("GPUIPC_EMU_COPY_DELAY_US", "200000", 1);
+  REQUIRE_DEVICES(1);
+  enum { N = 8 };
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)64 << 20;
+  static char *no_delay[] = {"GPUIPC_EMU_COPY_DELAY_US=", NULL};
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  for (int i = 0; i < N; i++) {
+    int fd;
+    pids[i] = spawn_helper("ho_order", no_delay, &fd, "read", NULL);
+    cs[i] = pair_conn(fd);
+  }
+  gpuipc_arena *a = mkarena(n + ((size_t)1 << 20));
+  CUstream s = mkstream();
+  for (int i = 0; i < N; i++)
+    warm_up(cs[i], a, s);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                  0xEE, n));
+  uint8_t *host = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&host, n, 0));
+  pattern(host, n, 77);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                        host, n, s));
+  uint32_t seed = 77;
+  gpuipc_status st[N];
+  ASSERT_OK(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, st));
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(st[i]);
+  ASSERT_EQ(gpuipc_block_get_holders(b), N);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  for (int i = 0; i < N; i++) {
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_OK(gpuipc_conn_send_msg(cs[i], "k", 1, NULL, 0));
+  }
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(host));
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_EQ(as.leases, 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* 8 consumers copy the broadcast block out slowly and release it at once:
+ * the memory comes back only after all released, and its reuse waits on
+ * the GPU for every consumer's queued copy. */
+TEST_IMPL(handoff_broadcast_reuse_waits_for_all) {
+  REQUIRE_DEVICES(1);
+  enum { N = 8 };
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)64 << 20;
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  for (int i = 0; i < N; i++) {
+    int fd;
+    pids[i] = spawn_helper("ho_order", harness_on_emulator() ? delay_env : NULL,
+                           &fd, "reuse", NULL);
+    cs[i] = pair_conn(fd);
+  }
+  gpuipc_arena *a = mkarena(n + 8192);
+  CUstream s = mkstream();
+  for (int i = 0; i < N; i++)
+    warm_up(cs[i], a, s);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  void *first = gpuipc_block_get_ptr(b);
+  uint8_t *host = malloc(n);
+  pattern(host, n, 99);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)first, host, n, s));
+  uint32_t seed = 99;
+  ASSERT_OK(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, NULL));
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  char buf[16];
+  size_t len;
+  for (int i = 0; i < N; i++) {
+    /* While some still hold it, the memory is not handed out again. */
+    if (i < N - 1) {
+      gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+      ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+      ASSERT_EQ(as.blocks_deferred, 1);
+    }
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_EQ(len, 8);
+  }
+  for (int i = 0; i < N; i++) {
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[i], &out, NULL));
+    ASSERT_EQ(out, 0);
+  }
+  gpuipc_block *b2 = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b2));
+  ASSERT_PTR_EQ(gpuipc_block_get_ptr(b2), first);
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)first, 0x55, n, s));
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_conn_send_msg(cs[i], "overwritten", 11, NULL, 0));
+  for (int i = 0; i < N; i++) {
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_EQ(len, 2);
+    ASSERT_OK(gpuipc_conn_send_msg(cs[i], "k", 1, NULL, 0));
+  }
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  free(host);
+  ASSERT_OK(gpuipc_block_free(b2, (struct CUstream_st *)s));
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* One consumer of a broadcast is killed midway: the others get every
+ * buffer, the broadcast reports the dead one only, its leases come back. */
+TEST_IMPL(handoff_broadcast_consumer_killed) {
+  REQUIRE_DEVICES(1);
+  enum { N = 5, ROUNDS = 20, VICTIM = 2 };
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  char rounds[8];
+  snprintf(rounds, sizeof rounds, "%d", ROUNDS);
+  for (int i = 0; i < N; i++) {
+    int fd;
+    if (i == VICTIM)
+      pids[i] = spawn_helper("ho_victim", NULL, &fd, NULL);
+    else
+      pids[i] = spawn_helper("ho_consumer", NULL, &fd, "pair", rounds, NULL);
+    cs[i] = pair_conn(fd);
+  }
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  bool victim_failed = false;
+  for (int r = 0; r < ROUNDS; r++) {
+    if (r == ROUNDS / 2) {
+      kill(pids[VICTIM], SIGKILL);
+      wait_helper(pids[VICTIM], 60);
+    }
+    gpuipc_block *b = NULL;
+    size_t n = 4096 * (size_t)(1 + r % 5);
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+    uint8_t *host = malloc(n);
+    uint32_t seed = 500u + (uint32_t)r;
+    pattern(host, n, seed);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                          host, n, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    free(host);
+    gpuipc_status st[N];
+    gpuipc_status all = gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s,
+                                              &seed, sizeof seed, st);
+    for (int i = 0; i < N; i++) {
+      if (i != VICTIM) {
+        ASSERT_OK(st[i]);
+      } else if (st[i] != GPUIPC_OK) {
+        ASSERT(r >= ROUNDS / 2);
+        ASSERT(st[i] == GPUIPC_E_PEER_GONE || st[i] == GPUIPC_E_CLOSED);
+        ASSERT_STATUS(all, st[i]);
+        victim_failed = true;
+      }
+    }
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  }
+  ASSERT(victim_failed);
+  for (int i = 0; i < N; i++) {
+    if (i == VICTIM)
+      continue;
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[i], &out, NULL));
+    ASSERT_EQ(out, 0);
+  }
+  /* The victim's leases came back. */
+  size_t out = 1;
+  for (int k = 0; k < 1000 && out > 0; k++) {
+    (void)gpuipc_conn_progress(cs[VICTIM], 10);
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[VICTIM], &out, NULL));
+  }
+  ASSERT_EQ(out, 0);
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_EQ(as.leases, 0);
+  for (int i = 0; i < N; i++)
+    if (i != VICTIM)
+      ASSERT_OK(gpuipc_conn_send_msg(cs[i], "k", 1, NULL, 0));
+  for (int i = 0; i < N; i++)
+    if (i != VICTIM)
+      ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* 64 consumers of one broadcast, a few rounds; argument checks. */
+TEST_IMPL(handoff_broadcast_64_consumers) {
+  REQUIRE_DEVICES(1);
+  enum { N = 64, ROUNDS = 3 };
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 60000;
+  o.runtime_dir = rt_dir();
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("bcast", &o, &l));
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  char rounds[8];
+  snprintf(rounds, sizeof rounds, "%d", ROUNDS);
+  for (int i = 0; i < N; i++)
+    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "bcast", rounds,
+                           (char *)rt_dir(), NULL);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_accept(l, &cs[i]));
+  {
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 256, (struct CUstream_st *)s, &b));
+    gpuipc_conn *dup2[2] = {cs[0], cs[0]};
+    ASSERT_STATUS(gpuipc_conn_broadcast(dup2, 2, b, (struct CUstream_st *)s,
+                                        NULL, 0, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "same");
+    gpuipc_conn *withnull[2] = {cs[0], NULL};
+    ASSERT_STATUS(gpuipc_conn_broadcast(withnull, 2, b, (struct CUstream_st *)s,
+                                        NULL, 0, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STATUS(gpuipc_conn_broadcast(cs, 0, b, (struct CUstream_st *)s,
+                                        NULL, 0, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STATUS(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s,
+                                        NULL, GPUIPC_META_MAX + 1, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_EQ(gpuipc_block_get_holders(b), 0);
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  }
+  for (int r = 0; r < ROUNDS; r++) {
+    gpuipc_block *b = NULL;
+    size_t n = 65536;
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+    uint8_t *host = malloc(n);
+    uint32_t seed = 2000u + (uint32_t)r;
+    pattern(host, n, seed);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                          host, n, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    free(host);
+    ASSERT_OK(gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s, &seed,
+                                    sizeof seed, NULL));
+    ASSERT_EQ(gpuipc_block_get_holders(b), N);
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  }
+  for (int i = 0; i < N; i++) {
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    size_t out = 1;
+    ASSERT_OK(gpuipc_conn_get_outstanding(cs[i], &out, NULL));
+    ASSERT_EQ(out, 0);
+  }
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_EQ(st.leases, 0);
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_listener_close(l);
+  return 0;
+}
+
+/* ---- batches: driver calls and ordering of coalesced releases ------------------------------ */
+
+static atomic_int n_write_value, n_wait_value;
+static CUresult (*real_write_value)(CUstream, CUdeviceptr, cuuint64_t,
+                                    unsigned int);
+static CUresult (*real_wait_value)(CUstream, CUdeviceptr, cuuint64_t,
+                                   unsigned int);
+static CUresult counting_write(CUstream s, CUdeviceptr a, cuuint64_t v,
+                               unsigned int f) {
+  atomic_fetch_add(&n_write_value, 1);
+  return real_write_value(s, a, v, f);
+}
+static CUresult counting_wait(CUstream s, CUdeviceptr a, cuuint64_t v,
+                              unsigned int f) {
+  atomic_fetch_add(&n_wait_value, 1);
+  return real_wait_value(s, a, v, f);
+}
+/* Counts this process's stream memory operations from now on. */
+static void count_memops(void) {
+  if (real_write_value == NULL) {
+    real_write_value = gpuipc__cu.cuStreamWriteValue64;
+    real_wait_value = gpuipc__cu.cuStreamWaitValue64;
+    gpuipc__cu.cuStreamWriteValue64 = counting_write;
+    gpuipc__cu.cuStreamWaitValue64 = counting_wait;
+  }
+  atomic_store(&n_write_value, 0);
+  atomic_store(&n_wait_value, 0);
+}
+static void uncount_memops(void) {
+  if (real_write_value) {
+    gpuipc__cu.cuStreamWriteValue64 = real_write_value;
+    gpuipc__cu.cuStreamWaitValue64 = real_wait_value;
+    real_write_value = NULL;
+  }
+}
+
+/* A batch costs one ready write (producer), one wait (consumer, for the
+ * whole batch received at once), one release write (consumer), and a
+ * few reclaim waits (producer, one per release frame), not one of each
+ * per buffer. Memop mode only (event mode orders each buffer by its own
+ * events). */
+TEST_IMPL(handoff_batch_driver_calls) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("stream memory operations only");
+  /* Consumer side: the helper sends two batches of 8 from a stream whose
+   * work is done (so no wait at all), then two more from a stream that
+   * may still copy (at most one wait per batch). */
+  CUstream s = mkstream();
+  for (int idle = 1; idle >= 0; idle--) {
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_producer", NULL, &fd, "2",
+                           idle ? "idle" : "busy", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_received rs[8];
+  for (int round = 0; round < 2; round++) {
+    for (int i = 0; i < 8; i++)
+      rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    /* The batch's frame comes whole: its 8 buffers are queued together
+     * (one frame is read whole before recv returns). */
+    count_memops();
+    size_t n = 0;
+    ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, 8, &n));
+    ASSERT_EQ(n, 8);
+    if (idle)
+      ASSERT_EQ(atomic_load(&n_wait_value), 0);
+    else
+      ASSERT_LE(atomic_load(&n_wait_value), 1);
+    uint64_t ids[8];
+    for (int i = 0; i < 8; i++)
+      ids[i] = rs[i].id;
+    count_memops();
+    ASSERT_OK(gpuipc_conn_release_batch(c, ids, 8, (struct CUstream_st *)s));
+    ASSERT_EQ(atomic_load(&n_write_value), 1);
+    uncount_memops();
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  char buf[4];
+  size_t len;
+  /* The producer saw every lease come back (it checks, then says ok). */
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_conn_close(c);
+  }
+
+  /* Producer side: a batch of 16 to a consumer that releases in batches
+   * of up to 7, sent while the stream is held back (one ready write). */
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_consumer", NULL, &fd, "pair", "19",
+                           "batch", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  static const size_t sizes[] = {4096, 256};
+  /* Setup (flag words, chunks), from an idle stream: no busy answer
+   * before the one below. */
+  sync_before_send = true;
+  send_batches(c, a, a, s, 1, 1, sizes, 2, 1);
+  sync_before_send = false;
+  gpuipc_block *bs[16];
+  uint8_t *pin[16];
+  uint32_t seeds[16];
+  const void *metas[16];
+  size_t lens[16];
+  for (int i = 0; i < 16; i++) {
+    seeds[i] = 60 + (uint32_t)i;
+    bs[i] = filled_block(a, s, 4096, seeds[i], &pin[i]);
+    metas[i] = &seeds[i];
+    lens[i] = sizeof seeds[i];
+  }
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 256));
+  if (s != NULL)
+    ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  count_memops();
+  ASSERT_OK(gpuipc_conn_send_batch(c, bs, 16, (struct CUstream_st *)s, metas,
+                                   lens));
+  ASSERT_EQ(atomic_load(&n_write_value), 1);
+  CUstream o;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&o, CU_STREAM_NON_BLOCKING));
+  ASSERT_CU(real_write_value(o, gate, 1, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(o));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(o));
+  count_memops();
+  for (int i = 0; i < 16; i++)
+    wait_unheld(c, bs[i]);
+  /* 16 buffers released in at least 3 calls of at most 7: a reclaim wait
+   * per release frame at most. */
+  int waits = atomic_load(&n_wait_value);
+  uncount_memops();
+  if (waits < 1 || waits > 16 / 7 + 2)
+    harness_fail(__FILE__, __LINE__, "%d reclaim waits for 16 releases",
+                 waits);
+  for (int i = 0; i < 16; i++)
+    ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < 16; i++)
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin[i]));
+  /* From an idle stream: no ready write at all, once the send after the
+   * busy one above did not ask (the backoff). */
+  for (int k = 0; k < 2; k++) {
+    uint8_t *p1 = NULL;
+    gpuipc_block *b1 = filled_block(a, s, 4096, 77, &p1);
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    uint32_t seed = 77;
+    const void *m1 = &seed;
+    size_t l1 = sizeof seed;
+    count_memops();
+    ASSERT_OK(gpuipc_conn_send_batch(c, &b1, 1, (struct CUstream_st *)s, &m1,
+                                     &l1));
+    int writes = atomic_load(&n_write_value);
+    uncount_memops();
+    if (s != NULL) /* the legacy stream is never asked */
+      ASSERT_EQ(writes, k == 0 ? 1 : 0);
+    wait_unheld(c, b1);
+    ASSERT_OK(gpuipc_block_free(b1, (struct CUstream_st *)s));
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(p1));
+  }
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate));
+  expect_ok_and_settled(c, a, a, pid);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* Receives a batch of argv[0] buffers, copies each (slowly: the emulator's
+ * delay) into memory of its own, releases them all in one call, says
+ * "released", and once the producer has overwritten the memory, checks
+ * its copies. */
+HELPER_IMPL(ho_batch_reuse) {
+  int count = atoi(argv[0]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received *rs = calloc((size_t)count, sizeof *rs);
+  CUdeviceptr *priv = calloc((size_t)count, sizeof *priv);
+  ASSERT(rs && priv);
+  for (int i = 0; i < count; i++)
+    rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+  for (int got = 0; got < count;) {
+    size_t n = 0;
+    ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs + got,
+                                     (size_t)(count - got), &n));
+    got += (int)n;
+  }
+  uint64_t *ids = calloc((size_t)count, sizeof *ids);
+  for (int i = 0; i < count; i++) {
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv[i], rs[i].length));
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv[i], (CUdeviceptr)(uintptr_t)rs[i].ptr,
+                                          rs[i].length, s));
+    ids[i] = rs[i].id;
+  }
+  ASSERT_OK(gpuipc_conn_release_batch(c, ids, (size_t)count,
+                                      (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "released", 8, NULL, 0));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < count; i++) {
+    uint8_t *host = malloc(rs[i].length);
+    ASSERT_NOT_NULL(host);
+    d2h(host, (void *)(uintptr_t)priv[i], rs[i].length);
+    uint32_t seed;
+    memcpy(&seed, rs[i].meta, sizeof seed);
+    check_pattern(host, rs[i].length, seed);
+    free(host);
+    ASSERT_CU(gpuipc__cu.cuMemFree(priv[i]));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  free(rs);
+  free(priv);
+  free(ids);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* The consumer releases a batch of 8 with one flag word while its copies
+ * out of every buffer are still queued (slow): the producer's reuse of
+ * each buffer's memory, the first ones too, waits for them. */
+TEST_IMPL(handoff_batch_release_orders_reuse) {
+  REQUIRE_DEVICES(1);
+  enum { N = 8 };
+  size_t n = harness_on_emulator() ? (size_t)1 << 16 : (size_t)64 << 20;
+  int fd;
+  pid_t pid = spawn_helper("ho_batch_reuse", harness_on_emulator() ? delay_env : NULL,
+                           &fd, "8", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  /* Room for the flag words and exactly N blocks: the reuse below gets
+   * the same memory back. */
+  gpuipc_arena *a = mkarena(N * n + 8192);
+  CUstream s = mkstream();
+  gpuipc_block *bs[N];
+  uint8_t *pin[N];
+  uint32_t seeds[N];
+  const void *metas[N];
+  size_t lens[N];
+  void *ptrs[N];
+  for (int i = 0; i < N; i++) {
+    seeds[i] = 900 + (uint32_t)i;
+    bs[i] = filled_block(a, s, n, seeds[i], &pin[i]);
+    metas[i] = &seeds[i];
+    lens[i] = sizeof seeds[i];
+    ptrs[i] = gpuipc_block_get_ptr(bs[i]);
+  }
+  ASSERT_OK(gpuipc_conn_send_batch(c, bs, N, (struct CUstream_st *)s, metas,
+                                   lens));
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 8);
+  size_t out = 1;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+  ASSERT_EQ(out, 0);
+  /* Every block's memory back, overwritten at once on s (not synced). */
+  for (int i = 0; i < N; i++) {
+    gpuipc_block *b2 = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b2));
+    bool known = false;
+    for (int k = 0; k < N; k++)
+      known |= gpuipc_block_get_ptr(b2) == ptrs[k];
+    ASSERT(known);
+    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b2), 0x55, n, s));
+    bs[i] = b2;
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "overwritten", 11, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < N; i++) {
+    uint8_t probe[4];
+    d2h(probe, gpuipc_block_get_ptr(bs[i]), sizeof probe);
+    ASSERT_EQ(probe[0], 0x55);
+    ASSERT_OK(gpuipc_block_free(bs[i], (struct CUstream_st *)s));
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin[i]));
+  }
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* Receives two buffers and gives them back with a forged REL frame
+ * (argv[0]: "last" flags the frame's last entry BY_NEXT, "unknown" sets a
+ * flag that does not exist); then waits to be hung up on. */
+HELPER_IMPL(ho_rel_forger) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received r[2] = {GPUIPC_RECEIVED_INIT, GPUIPC_RECEIVED_INIT};
+  for (int i = 0; i < 2; i++)
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r[i]));
+  gpuipc__w_rel rel[2];
+  for (int i = 0; i < 2; i++) {
+    uint32_t slot = (uint32_t)(r[i].id >> 44);
+    /* The low 44 bits of the id are the sequence number (small here). */
+    rel[i] = (gpuipc__w_rel){r[i].id & (((uint64_t)1 << 44) - 1), slot, 0};
+  }
+  if (strcmp(argv[0], "last") == 0) {
+    rel[0].flags = GPUIPC__REL_BY_NEXT;
+    rel[1].flags = GPUIPC__REL_BY_NEXT;
+  } else {
+    rel[0].flags = 0x8;
+  }
+  raw_frame(gpuipc_conn_get_fd(c), GPUIPC__F_REL, rel, sizeof rel);
+  char b;
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, &b, 1, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_TIMEOUT);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+TEST_IMPL(handoff_rejects_forged_release_flags) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("BY_NEXT is for stream memory operations");
+  const char *cases[2] = {"last", "unknown"};
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  for (int i = 0; i < 2; i++) {
+    int fd;
+    pid_t pid = spawn_helper("ho_rel_forger", NULL, &fd, (char *)cases[i], NULL);
+    gpuipc_conn *c = pair_conn(fd);
+    gpuipc_block *b[2];
+    for (int k = 0; k < 2; k++) {
+      ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b[k]));
+      ASSERT_OK(gpuipc_conn_send(c, b[k], (struct CUstream_st *)s, NULL, 0));
+    }
+    gpuipc_status st = GPUIPC_OK;
+    for (int k = 0; k < 3000 && st == GPUIPC_OK; k++)
+      st = gpuipc_conn_progress(c, 10);
+    if (st != GPUIPC_E_PROTOCOL)
+      harness_fail(__FILE__, __LINE__, "case %s: %s (%s)", cases[i],
+                   gpuipc_status_name(st), gpuipc_last_error());
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "flags");
+    /* Nothing of the frame was applied: both leases stay until the
+     * forger is gone, then come back. */
+    ASSERT_EQ(gpuipc_block_get_holders(b[0]), 1);
+    ASSERT_EQ(gpuipc_block_get_holders(b[1]), 1);
+    ASSERT_EQ(wait_helper(pid, 60), 0);
+    size_t out = 1;
+    for (int k = 0; k < 1000 && out > 0; k++) {
+      (void)gpuipc_conn_progress(c, 10);
+      ASSERT_OK(gpuipc_conn_get_outstanding(c, &out, NULL));
+    }
+    ASSERT_EQ(out, 0);
+    for (int k = 0; k < 2; k++)
+      ASSERT_OK(gpuipc_block_free(b[k], (struct CUstream_st *)s));
+    gpuipc_conn_close(c);
+  }
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* ---- batches and broadcast in event mode and on the legacy stream -------------------------- */
+
+TEST_IMPL(handoff_event_batch_mixed_arenas_and_sizes) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_batch_mixed_arenas_and_sizes();
+}
+
+TEST_IMPL(handoff_event_batch_order_slow_producer) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_batch_order_slow_producer();
+}
+
+TEST_IMPL(handoff_event_batch_release_orders_reuse) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_batch_release_orders_reuse();
+}
+
+TEST_IMPL(handoff_event_broadcast_reuse_waits_for_all) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_broadcast_reuse_waits_for_all();
+}
+
+TEST_IMPL(handoff_legacy_batch_order_slow_producer) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_batch_order_slow_producer();
+}
+
+TEST_IMPL(handoff_legacy_batch_release_orders_reuse) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_batch_release_orders_reuse();
+}
+
+TEST_IMPL(handoff_legacy_broadcast_order_slow_producer) {
+  setenv("GPUIPC_TEST_STREAM", "legacy", 1);
+  return test_handoff_broadcast_order_slow_producer();
+}
+
+/* ---- broadcast: the shared ready word --------------------------------------------------------- */
+
+/* A producer whose stream never gets past a wait broadcasts a block, then
+ * is killed: the consumer's stream, waiting on the broadcast word, is
+ * unblocked. */
+HELPER_IMPL(ho_doomed_broadcaster) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  uint8_t host[4096];
+  pattern(host, sizeof host, 6);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                    host, sizeof host));
+  CUdeviceptr never;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&never, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(never, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, never, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  uint32_t seed = 6;
+  ASSERT_OK(gpuipc_conn_broadcast(&c, 1, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "sent", 4, NULL, 0));
+  for (;;)
+    pause();
+  return 0;
+}
+
+TEST_IMPL(handoff_broadcast_exporter_killed) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_doomed_broadcaster", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, 4096));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        4096, s));
+  bool event = test_order() == GPUIPC_ORDER_EVENT;
+  if (!test_legacy())
+    ASSERT_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  ASSERT_STATUS(gpuipc_conn_progress(c, 0), GPUIPC_E_PEER_GONE);
+  bool stream_released = !event || harness_on_emulator();
+  signal(SIGALRM, on_alarm);
+  alarm(30);
+  if (stream_released)
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t host[4096];
+  d2h(host, r.ptr, sizeof host);
+  check_pattern(host, sizeof host, 6);
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  gpuipc_conn_close(c);
+  alarm(0);
+  if (stream_released)
+    ASSERT_CU(gpuipc__cu.cuMemFree(priv));
+  return 0;
+}
+
+/* Receives one broadcast buffer, queues a copy out of it (its stream waits
+ * for the producer, which is held back), and closes its connection at
+ * once (a short timeout): the close must not write the shared ready word,
+ * which another consumer waits on too. */
+HELPER_IMPL(ho_bc_closer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, r.length));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        r.length, s));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 200));
+  gpuipc_conn_close(c);
+  _exit(0); /* its stream still waits: no teardown that would wait too */
+}
+
+/* Receives one broadcast buffer and queues a copy out of it; says
+ * "waiting"; on "check" says whether its stream is still blocked; on
+ * "go" synchronizes and checks the data. */
+HELPER_IMPL(ho_bc_waiter) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, r.length));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        r.length, s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "waiting", 7, NULL, 0));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  bool blocked = gpuipc__cu.cuStreamQuery(s) == CUDA_ERROR_NOT_READY;
+  ASSERT_OK(gpuipc_conn_send_msg(c, blocked ? "blocked" : "early", blocked ? 7 : 5,
+                                 NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint8_t *host = malloc(r.length);
+  ASSERT_NOT_NULL(host);
+  d2h(host, (void *)(uintptr_t)priv, r.length);
+  uint32_t seed;
+  memcpy(&seed, r.meta, sizeof seed);
+  check_pattern(host, r.length, seed);
+  free(host);
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* One consumer of a broadcast closes while the producer's work is still
+ * held back: the other consumer's stream stays blocked until the
+ * producer's work is done, then reads the producer's data. */
+TEST_IMPL(handoff_broadcast_consumer_close_keeps_others_ordered) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("the shared ready word is for stream memory operations");
+  int fa, fb;
+  pid_t pa = spawn_helper("ho_bc_closer", NULL, &fa, NULL);
+  pid_t pb = spawn_helper("ho_bc_waiter", NULL, &fb, NULL);
+  gpuipc_conn *cs[2] = {pair_conn(fa), pair_conn(fb)};
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  if (s == NULL)
+    SKIP("holds its own stream back");
+  size_t n = 4096;
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                  0xEE, n));
+  /* The producer's stream: held back, then the data. */
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  uint8_t *host = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&host, n, 0));
+  pattern(host, n, 31);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b),
+                                        host, n, s));
+  uint32_t seed = 31;
+  ASSERT_OK(gpuipc_conn_broadcast(cs, 2, b, (struct CUstream_st *)s, &seed,
+                                  sizeof seed, NULL));
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  char buf[16];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(cs[1], buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(wait_helper(pa, 60), 0); /* the closer is gone */
+  ASSERT_OK(gpuipc_conn_send_msg(cs[1], "check", 5, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(cs[1], buf, sizeof buf, &len, NULL, NULL));
+  buf[len < sizeof buf ? len : sizeof buf - 1] = '\0';
+  ASSERT_STR_EQ(buf, "blocked");
+  /* Open the gate (from another stream). */
+  CUstream o;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&o, CU_STREAM_NON_BLOCKING));
+  ASSERT_CU(gpuipc__cu.cuStreamWriteValue64(o, gate, 1, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(o));
+  ASSERT_OK(gpuipc_conn_send_msg(cs[1], "go", 2, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(cs[1], buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 2);
+  ASSERT_OK(gpuipc_conn_send_msg(cs[1], "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pb, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(host));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(o));
+  /* Both leases came back (the closer's when its process was gone). */
+  for (int k = 0; k < 2; k++) {
+    size_t out = 1;
+    for (int i = 0; i < 1000 && out > 0; i++) {
+      (void)gpuipc_conn_progress(cs[k], 10);
+      ASSERT_OK(gpuipc_conn_get_outstanding(cs[k], &out, NULL));
+    }
+    ASSERT_EQ(out, 0);
+    gpuipc_conn_close(cs[k]);
+  }
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+  ASSERT_EQ(st.blocks_allocated, 0);
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate));
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+TEST_IMPL(handoff_event_broadcast_exporter_killed) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_broadcast_exporter_killed();
 }

@@ -188,6 +188,14 @@ typedef struct gpuipc_block gpuipc_block;
 /* Largest user metadata that travels with one buffer (shape, dtype, a
  * request id...), in bytes. */
 #define GPUIPC_META_MAX 256
+/* Most buffers in one batch (gpuipc_conn_send_batch,
+ * gpuipc_conn_release_batch). */
+#define GPUIPC_BATCH_MAX 1024
+/* A batch travels as one frame: 48 bytes per buffer plus all their
+ * metadata must stay within this many bytes. */
+#define GPUIPC_BATCH_BYTES_MAX 65536
+/* Most connections one gpuipc_conn_broadcast sends to. */
+#define GPUIPC_BROADCAST_MAX 1024
 /* Longest connection name (without the runtime directory). */
 #define GPUIPC_CONN_NAME_MAX 80
 
@@ -564,7 +572,10 @@ GPUIPC_API gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
  * same one more than once. meta (meta_len <= GPUIPC_META_MAX bytes, may be
  * NULL/0) travels with it. The first send of a block of a given chunk on a
  * connection exports that chunk there (setup cost, once); after that a
- * send costs one stream memory operation and one small message.
+ * send costs one stream memory operation and one small message (none of
+ * the first, and no wait at the consumer, when `stream` is idle at the
+ * call: its work is then already complete; a stream found busy is not
+ * asked again for the next few sends).
  * Waits (up to the timeout) when max_outstanding buffers are out on this
  * connection, making progress meanwhile. GPUIPC_E_PEER_GONE once the peer
  * is gone. */
@@ -636,6 +647,98 @@ GPUIPC_API gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn,
  * gone, the lease is dropped locally and GPUIPC_OK returned. */
 GPUIPC_API gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
                                              struct CUstream_st *stream);
+
+/* ---- batches and broadcast ----------------------------------------------- */
+
+/* Sends n blocks (1 <= n <= GPUIPC_BATCH_MAX) as one operation: one frame
+ * and, in the default memop mode, one ready signal (a single
+ * cuStreamWriteValue64 after the work queued on `stream` before this call)
+ * for the whole batch. Each block is its own lease, with its own metadata
+ * (metas[i], meta_lens[i] bytes <= GPUIPC_META_MAX; both arrays may be
+ * NULL for none, metas[i] may be NULL when meta_lens[i] is 0) and its own
+ * release; the peer receives them in order with gpuipc_conn_recv or
+ * gpuipc_conn_recv_batch. Blocks may come from different arenas (of the
+ * connection's one device), have any sizes, and repeat.
+ * All or nothing: every argument is checked first (a freed block, a block
+ * on another device, metadata too long, 48 * n + the metadata's bytes
+ * over GPUIPC_BATCH_BYTES_MAX, n over the connection's max_outstanding:
+ * GPUIPC_E_INVALID_ARG), and the call waits (up to the timeout, making
+ * progress) until n slots are free; if anything fails, no block of the
+ * batch was sent and the peer holds none of them. GPUIPC_E_PEER_GONE once
+ * the peer is gone. */
+GPUIPC_API gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
+                                                gpuipc_block *const *blocks,
+                                                size_t n,
+                                                struct CUstream_st *stream,
+                                                const void *const *metas,
+                                                const size_t *meta_lens);
+
+/* Receives up to max buffers (max >= 1; out[i].size set for each, as
+ * GPUIPC_RECEIVED_INIT does): waits (up to the timeout) for the first,
+ * then takes every buffer already arrived, up to max, without waiting
+ * more; *n says how many. Ordering as gpuipc_conn_recv for each of them,
+ * at the cost of one stream wait per batch the producer sent among those
+ * taken (the buffers of one batch, or of one broadcast, share one wait;
+ * none for buffers sent from an idle stream). gpuipc_conn_recv of the
+ * buffers of a batch one by one waits once per buffer. Each is
+ * released on its own (gpuipc_conn_release) or together
+ * (gpuipc_conn_release_batch). Errors as gpuipc_conn_recv; on an error
+ * nothing was received (*n is 0). */
+GPUIPC_API gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
+                                                struct CUstream_st *stream,
+                                                gpuipc_received *out /* OUT */,
+                                                size_t max,
+                                                size_t *n /* OUT */);
+
+/* Releases n received buffers (1 <= n <= GPUIPC_BATCH_MAX) as
+ * gpuipc_conn_release would each, ordered after the work queued on
+ * `stream` before this call, with the release frames of 64 buffers each
+ * and the flag-word writes enqueued together. All or nothing: an id not
+ * held, not yet received, or named twice fails the whole call
+ * (GPUIPC_E_NOT_FOUND, GPUIPC_E_INVALID_ARG) and releases none. Never
+ * blocks. If the exporter is gone, the leases are dropped locally and
+ * GPUIPC_OK returned. */
+GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
+                                                   const uint64_t *ids,
+                                                   size_t n,
+                                                   struct CUstream_st *stream);
+
+/* Sends one block to n connections (1 <= n <= GPUIPC_BROADCAST_MAX, no
+ * connection twice) as one operation, ordered after the work queued on
+ * `stream` before this call, with the same metadata: each connection's
+ * peer holds its own lease and releases it on its own (as after n
+ * gpuipc_conn_send), and a block freed meanwhile returns to its arena
+ * only when every peer released it and the work each queued before its
+ * release completed. Every connection is first made ready (its slot, the
+ * block's chunk exported: this may wait, up to that connection's timeout,
+ * for a release); then ONE ready signal is enqueued on `stream` for all
+ * of them (in the default memop mode: a single cuStreamWriteValue64 of a
+ * per-device broadcast word in gpuipc's flag-word memory, which every
+ * consumer's stream waits on; none at all when `stream` is idle, as in
+ * gpuipc_conn_send), then the frames are written back to back, so the
+ * last consumer is behind neither the others' sends nor their signals. (A connection in GPUIPC_ORDER_EVENT mode is ordered by its own
+ * slot's event as in gpuipc_conn_send.) Broadcasts of one device from
+ * different streams are ordered among themselves: one whose stream is
+ * not the previous broadcast's first waits, on the GPU, for that
+ * broadcast's signal. If the producer dies, a consumer writes the word
+ * (as it writes a dead producer's slot words) only once the producer's
+ * process is gone (other consumers wait on it too), in its next call on
+ * the connection or by its watcher; a consumer that closes while the
+ * producer lives leaves the word alone (its close waits, up to its
+ * timeout, for the producer's signal before it unmaps the memory; if the
+ * signal does not come in time, the producer's memory stays mapped, as
+ * when work queued before releases does not complete).
+ * A connection that fails (its peer gone, its timeout, a bad connection)
+ * is left out and the others are not affected: statuses[i] (may be NULL)
+ * is connection i's status; the call returns GPUIPC_OK when all of them
+ * are, else the status of the first that failed. Bad arguments
+ * (GPUIPC_E_INVALID_ARG) send nothing. */
+GPUIPC_API gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns,
+                                               size_t n, gpuipc_block *block,
+                                               struct CUstream_st *stream,
+                                               const void *meta,
+                                               size_t meta_len,
+                                               gpuipc_status *statuses /* OUT: n */);
 
 /* Buffers outstanding on this connection: *held_by_peer: our blocks the
  * peer holds now (sent, not released); *held_here: the peer's buffers we

@@ -752,11 +752,16 @@ gpuipc_status gpuipc__arena_release(gpuipc_arena *a,
   gpuipc_status s = GPUIPC_OK;
   pthread_mutex_lock(&a->lock);
   bool any_ordered = false;
+  uint64_t prev_word = 0, prev_value = 0;
   for (int i = 0; i < n; i++) {
     any_ordered |= rel[i].ordered;
     if (dead)
       continue;
     CUresult r = CUDA_SUCCESS;
+    if (rel[i].word && rel[i].word == prev_word && rel[i].value == prev_value)
+      continue; /* the same wait as the one just queued (a batch's) */
+    prev_word = rel[i].word;
+    prev_value = rel[i].value;
     if (rel[i].word)
       /* Reuse waits, on the GPU, for the consumer's release write. */
       r = GPUIPC__CU(cuStreamWaitValue64, (CUstream)rc->stream,

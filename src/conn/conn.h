@@ -43,12 +43,14 @@ enum {
   GPUIPC__F_EVD = 11,   /* event mode: a slot's interprocess event */
   GPUIPC__F_ABANDON = 12, /* I end this connection on my own error: I
                            * still hold these; the rest is untouched */
-  GPUIPC__F_TYPE_MAX = 12,
+  GPUIPC__F_BUFS = 13,    /* a batch of buffers, one ready signal */
+  GPUIPC__F_BUFW = 14,    /* one buffer ordered by a shared ready word */
+  GPUIPC__F_TYPE_MAX = 14,
   /* Handshake only (after ACCEPT, when both HELLOs have
    * GPUIPC__HELLO_F_NS): my liveness table, u64 key + its fd (or key 0 and
    * no fd: I have none). Outside the handshake it ends the connection, as
    * every type above GPUIPC__F_TYPE_MAX does. */
-  GPUIPC__F_LIVE = 13
+  GPUIPC__F_LIVE = 15
 };
 
 typedef struct gpuipc__frame_hdr {
@@ -111,6 +113,10 @@ typedef struct gpuipc__w_ctl { /* CTL */
 #define GPUIPC__BUF_ORDERED 0x1u
 #define GPUIPC__BUF_DESC 0x2u  /* BUFD: not an arena block */
 #define GPUIPC__BUF_EVENT 0x4u /* ordered by the slot's interprocess event */
+/* With ORDERED (BUF, BUFS): the sender's work before the send had
+ * completed when it sent the frame (its stream was idle), so no ready word
+ * is written for it and the receiver enqueues no wait. */
+#define GPUIPC__BUF_DONE 0x8u
 
 typedef struct gpuipc__w_evd { /* EVD: + event descriptor */
   uint32_t slot;
@@ -139,16 +145,55 @@ typedef struct gpuipc__w_buf { /* BUF: + meta bytes */
   uint32_t meta_len;
 } gpuipc__w_buf;
 
+/* BUFS: this header, then `count` gpuipc__w_buf entries (arena blocks, as
+ * in BUF; GPUIPC__BUF_DESC is refused), then their metadata back to back
+ * (entry i's meta_len bytes, in entry order). In memop mode the sender
+ * writes one ready word for the whole batch: that of entry `ready` (its
+ * slot, its sequence number, the highest of the batch), after the work of
+ * every entry; each ORDERED entry is awaited on that word. The frame is
+ * applied whole or refused whole. */
+typedef struct gpuipc__w_bufs {
+  uint32_t count; /* 1 .. GPUIPC_BATCH_MAX */
+  uint32_t ready; /* index of the entry whose ready word signals the batch */
+  uint32_t flags; /* 0 */
+  uint32_t pad;   /* 0 */
+} gpuipc__w_bufs;
+
+/* BUFW (a broadcast, gpuipc_conn_broadcast): a gpuipc__w_buf (ORDERED,
+ * arena block), then this, then the metadata. The buffer is ready once the
+ * 64-bit word at [off, off + 8) of the sender's chunk `chunk` of arena
+ * `arena_id` (exported before, like any chunk) holds `value` or more: a
+ * word the sender writes once for all the consumers of one broadcast, its
+ * values growing, each in [1, GPUIPC__SEQ_LIMIT). A receiver keeps at most
+ * GPUIPC__BWORDS_MAX such words per connection. */
+typedef struct gpuipc__w_word {
+  uint64_t arena_id;
+  uint64_t off;
+  uint32_t chunk;
+  uint32_t pad; /* 0 */
+  uint64_t value;
+} gpuipc__w_word;
+#define GPUIPC__BWORDS_MAX 8
+
 typedef struct gpuipc__w_rel { /* REL: n of these */
   uint64_t seq;
   uint32_t slot;
-  uint32_t flags;
+  uint32_t flags; /* GPUIPC__REL_* */
 } gpuipc__w_rel;
+/* REL flag: this lease's release word was not written; the release of the
+ * next entry of the frame signals it too (its word was written on the same
+ * stream after this release's work). Only between two ORDERED leases; the
+ * last entry of a frame never has it. */
+#define GPUIPC__REL_BY_NEXT 0x1u
 
 _Static_assert(sizeof(gpuipc__w_chunk) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_buf) == 48, "wire layout");
 _Static_assert(sizeof(gpuipc__w_rel) == 16, "wire layout");
+_Static_assert(sizeof(gpuipc__w_bufs) == 16, "wire layout");
+_Static_assert(sizeof(gpuipc__w_word) == 32, "wire layout");
+/* Entries of one REL frame. */
+#define GPUIPC__REL_MAX 64
 
 /* What a connection holds of received user messages not yet taken
  * (messages, payload bytes, file descriptors), and whether it stopped

@@ -22,9 +22,24 @@
  * write landed and was consumed), the consumer waits for released[slot] >=
  * its previous release. With one stream per side (the common case) this
  * costs nothing.
+ *
+ * Batches. A batch of blocks (BUFS, gpuipc_conn_send_batch) has one ready
+ * write, that of its newest entry, which the consumer awaits for all of
+ * them (one wait when it receives them together); a batch of releases
+ * (gpuipc_conn_release_batch) writes the released word of the last buffer
+ * of each run only, and flags the others GPUIPC__REL_BY_NEXT, so that the
+ * producer waits for that word for all of them. Each side remembers, per
+ * slot, which word signals its newest release (for the guard above).
+ * Broadcast (gpuipc_conn_broadcast) prepares every connection, enqueues
+ * ONE write of the device's broadcast word (a word of the flag-word arena
+ * shared by all connections, its values growing), then writes the BUFW
+ * frames back to back; each consumer waits on that word. A consumer
+ * writes a producer's broadcast word only once the producer's process is
+ * gone (its other consumers wait on it too).
  */
 #include "handoff_int.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -254,11 +269,17 @@ static gpuipc_status ready_write(struct gpuipc__ho *h, uint32_t slot,
     return ss;
   }
   CUresult r = CUDA_SUCCESS;
-  if (last_seq != 0 && last_stream != (struct CUstream_st *)ws)
+  if (last_seq != 0 && last_stream != (struct CUstream_st *)ws) {
+    /* The release of the slot's last lease (signalled by its own word, or
+     * by a later slot's for a release of a batch). */
+    uint32_t rs;
+    uint64_t rv;
+    gpuipc__lease_last_release(lt, slot, &rs, &rv);
     r = GPUIPC__CU(cuStreamWaitValue64, ws,
                    (CUdeviceptr)gpuipc__released_word(lt->ctl->ptr, lt->nslots,
-                                                      slot),
-                   (cuuint64_t)last_seq, CU_STREAM_WAIT_VALUE_GEQ);
+                                                      rs),
+                   (cuuint64_t)rv, CU_STREAM_WAIT_VALUE_GEQ);
+  }
   if (r == CUDA_SUCCESS)
     r = GPUIPC__CU(cuStreamWriteValue64, ws,
                    (CUdeviceptr)gpuipc__ready_word(lt->ctl->ptr, slot),
@@ -270,6 +291,35 @@ static gpuipc_status ready_write(struct gpuipc__ho *h, uint32_t slot,
                              (unsigned long long)seq);
   *stream = (struct CUstream_st *)ws; /* the stream that wrote the word */
   return GPUIPC_OK;
+}
+
+/* True when every piece of work queued on `stream` so far has completed
+ * (cuStreamQuery), so that a buffer sent now needs no GPU ordering: the
+ * consumer may use it at once (GPUIPC__BUF_DONE). The legacy stream is
+ * never asked (its implicit ordering with the other blocking streams is
+ * not what a query reports). A busy answer makes the next sends skip the
+ * question (1, 3, 7 .. 63 of them), so a producer whose stream is always
+ * busy pays for a query rarely. */
+static bool stream_idle(struct gpuipc__ho *h, int ordinal,
+                        struct CUstream_st *stream) {
+  if (gpuipc__is_legacy_stream(stream))
+    return false;
+  if (h->idle_skip > 0) {
+    h->idle_skip--;
+    return false;
+  }
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, ordinal) != GPUIPC_OK)
+    return false;
+  CUresult r = GPUIPC__CU(cuStreamQuery, (CUstream)stream);
+  gpuipc__ctx_leave(&g);
+  if (r == CUDA_SUCCESS) {
+    h->idle_backoff = 0;
+    return true;
+  }
+  h->idle_backoff = h->idle_backoff >= 32 ? 63 : 2 * h->idle_backoff + 1;
+  h->idle_skip = h->idle_backoff;
+  return false;
 }
 
 /* The common part of both sends: a free slot, the frame, then the
@@ -308,10 +358,14 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
                                         "are used up (2^62 buffers)");
   if (conn->watch)
     atomic_store(&conn->watch->tx_seq, seq);
+  /* An arena block whose work is already done needs no ready write, and
+   * the consumer no wait. */
+  bool done = ordered && desc == NULL && stream_idle(h, lt->ordinal, stream);
   w->seq = seq;
   w->slot = slot;
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
   w->flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+  w->flags |= done ? GPUIPC__BUF_DONE : 0u;
   w->meta_len = (uint32_t)meta_len;
   gpuipc_status s;
   if (desc == NULL) {
@@ -332,7 +386,12 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   if (s != GPUIPC_OK)
     return s; /* nothing was enqueued: the slot stays free */
   gpuipc__lease_take_slot(lt, slot);
-  if (ordered) {
+  if (done) {
+    /* No write: recorded as the slot's last one all the same, so that a
+     * later write from another stream first waits for this lease's
+     * release, and a dead peer's release word is forced. */
+    gpuipc__lease_written(lt, slot, seq, stream);
+  } else if (ordered) {
     /* The ready write is enqueued after the frame left: the consumer's
      * stream waits for it on the GPU anyway, and the consumer holds the
      * buffer sooner by the time of this enqueue (about a microsecond). It
@@ -395,6 +454,432 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
   gpuipc__lease_add(h->lt, slot, block, NULL, seq,
                     conn->order == GPUIPC_ORDER_MEMOP,
                     conn->order == GPUIPC_ORDER_EVENT);
+  return GPUIPC_OK;
+}
+
+static bool have_free_slots(gpuipc_conn *c, void *arg) {
+  uint32_t n = *(const uint32_t *)arg;
+  return c->ho->lt->tx_nfree >= n;
+}
+
+gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
+                                     gpuipc_block *const *blocks, size_t n,
+                                     struct CUstream_st *stream,
+                                     const void *const *metas,
+                                     const size_t *meta_lens) {
+  if (conn == NULL || blocks == NULL || n == 0 || n > GPUIPC_BATCH_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_batch: NULL connection/blocks or "
+                        "%zu blocks (1 to %d)",
+                        n, GPUIPC_BATCH_MAX);
+  size_t bytes = n * sizeof(gpuipc__w_buf);
+  for (size_t i = 0; i < n; i++) {
+    size_t ml = meta_lens ? meta_lens[i] : 0;
+    if (blocks[i] == NULL || ml > GPUIPC_META_MAX ||
+        (ml > 0 && (metas == NULL || metas[i] == NULL)))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_send_batch: block %zu is NULL or has "
+                          "metadata of %zu bytes (max %d) without data",
+                          i, ml, GPUIPC_META_MAX);
+    if (!gpuipc__block_sendable(blocks[i]))
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_send_batch: block %zu was freed", i);
+    bytes += ml;
+  }
+  if (bytes > GPUIPC_BATCH_BYTES_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_batch: %zu blocks with their "
+                        "metadata take %zu bytes (max %d in one batch)",
+                        n, bytes, GPUIPC_BATCH_BYTES_MAX);
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  GPUIPC__CHECK(gpuipc__driver());
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(ho_get(conn, &h));
+  uint64_t deadline = gpuipc__conn_deadline(conn);
+  if (h->lt == NULL)
+    GPUIPC__CHECK(setup_tx(conn, h, blocks[0]->arena->ordinal, deadline));
+  gpuipc__lease_table *lt = h->lt;
+  if (n > lt->nslots)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_send_batch: %zu blocks, the connection "
+                        "has %u slots (max_outstanding)",
+                        n, lt->nslots);
+  for (size_t i = 0; i < n; i++)
+    if (blocks[i]->arena->ordinal != lt->ordinal)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_send_batch: block %zu is on device %d, "
+                          "this connection's flag words on device %d (one "
+                          "device per connection)",
+                          i, blocks[i]->arena->ordinal, lt->ordinal);
+  for (size_t i = 0; i < n; i++)
+    GPUIPC__CHECK(
+        export_chunk(conn, h, blocks[i]->arena, blocks[i]->chunk, deadline));
+  uint32_t need = (uint32_t)n;
+  uint32_t slots[GPUIPC_BATCH_MAX];
+  if (!gpuipc__lease_free_slots(lt, need, slots)) {
+    /* Not enough slots free: wait for releases. */
+    GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slots, &need));
+    if (conn->ho != h || !gpuipc__lease_free_slots(lt, need, slots))
+      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slots after releases");
+  }
+  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
+  bool by_event = conn->order == GPUIPC_ORDER_EVENT;
+  size_t flen = sizeof(gpuipc__w_bufs) + bytes;
+  if (h->txcap < flen) {
+    unsigned char *nb = realloc(h->txbuf, GPUIPC__FRAME_MAX);
+    if (nb == NULL)
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "batch frame");
+    h->txbuf = nb;
+    h->txcap = GPUIPC__FRAME_MAX;
+  }
+  if (by_event) {
+    /* Each buffer has its own ready event (its slot's), as in one send. */
+    for (size_t i = 0; i < n; i++) {
+      gpuipc_event *ev = gpuipc__lease_ready_event(lt, slots[i]);
+      if (ev == NULL) {
+        GPUIPC__CHECK(make_event(conn, lt->ordinal, slots[i], 0, deadline, &ev));
+        gpuipc__lease_set_ready_event(lt, slots[i], ev);
+      }
+      GPUIPC__CHECK(gpuipc_event_record(ev, stream));
+    }
+  }
+  bool done = ordered && stream_idle(h, lt->ordinal, stream);
+  gpuipc__w_bufs hdr = {(uint32_t)n, (uint32_t)n - 1, 0, 0};
+  memcpy(h->txbuf, &hdr, sizeof hdr);
+  unsigned char *ent = h->txbuf + sizeof hdr;
+  unsigned char *meta = ent + n * sizeof(gpuipc__w_buf);
+  uint64_t seqs[GPUIPC_BATCH_MAX];
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_block *b = blocks[i];
+    seqs[i] = gpuipc__lease_new_seq(lt);
+    if (seqs[i] == 0)
+      return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
+                                          "are used up (2^62 buffers)");
+    size_t ml = meta_lens ? meta_lens[i] : 0;
+    gpuipc__w_buf w = {seqs[i],  b->arena->id, b->off, b->bytes, slots[i],
+                       b->chunk, 0,            (uint32_t)ml};
+    w.flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
+    w.flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+    w.flags |= done ? GPUIPC__BUF_DONE : 0u;
+    memcpy(ent + i * sizeof w, &w, sizeof w);
+    if (ml)
+      memcpy(meta, metas[i], ml);
+    meta += ml;
+  }
+  if (conn->watch)
+    atomic_store(&conn->watch->tx_seq, seqs[n - 1]);
+  GPUIPC__CHECK(gpuipc__conn_send_frame(conn, GPUIPC__F_BUFS, h->txbuf, flen,
+                                        NULL, 0, NULL, 0, deadline));
+  /* The frame left: the slots are taken (nothing was enqueued before, so a
+   * failed frame left them free). */
+  for (size_t i = 0; i < n; i++)
+    gpuipc__lease_take_slot(lt, slots[i]);
+  if (done) {
+    /* The work before the batch had completed: no ready write (each slot
+     * records the send as its last write, as below). */
+    for (size_t i = 0; i < n; i++)
+      gpuipc__lease_written(lt, slots[i], seqs[i], stream);
+  } else if (ordered) {
+    /* One ready write for the batch, that of its newest entry, after the
+     * work queued on `stream`; the other entries' words are not written
+     * (the consumer waits on this one for all of them). Each slot records
+     * the batch's write as its own last one: a later write of the slot
+     * from another stream then waits for this lease's release (which
+     * follows the batch's write), and a dead peer's release words are
+     * forced for these slots too. */
+    struct CUstream_st *wst = stream;
+    gpuipc_status ws_status = ready_write(h, slots[n - 1], seqs[n - 1], &wst);
+    if (ws_status != GPUIPC_OK) {
+      gpuipc_status cause = ws_status;
+      char why[256];
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      (void)gpuipc__conn_break(conn, "the ready flag of batch ending with "
+                                     "buffer %llu could not be enqueued",
+                               (unsigned long long)seqs[n - 1]);
+      return gpuipc__fail(cause, "%s", why);
+    }
+    for (size_t i = 0; i < n; i++)
+      gpuipc__lease_written(lt, slots[i], seqs[i], wst);
+  }
+  for (size_t i = 0; i < n; i++)
+    gpuipc__lease_add(lt, slots[i], blocks[i], NULL, seqs[i], ordered,
+                      by_event);
+  return GPUIPC_OK;
+}
+
+/* ---- sender: broadcast ------------------------------------------------------------- */
+
+/* The broadcast word of each device: one 64-bit flag word in the
+ * process's flag-word arena (never freed: its values only grow, so a late
+ * wait of a consumer still passes), written once per broadcast after the
+ * producer's work; every consumer of the broadcast (memop mode) waits on
+ * it. Writes go in value order (the lock), and one from a stream other
+ * than the last writer's first waits for the last value, so the word
+ * never goes backwards. */
+static pthread_mutex_t bw_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  gpuipc_block *blk;
+  uint64_t value;
+  struct CUstream_st *last;
+} bwords[64];
+
+/* Device `ordinal`'s broadcast word (made at the first call). */
+static gpuipc_status bword_get(int ordinal, gpuipc_block **out) {
+  if (ordinal < 0 || ordinal >= (int)GPUIPC__ARRAY_SIZE(bwords))
+    return gpuipc__fail(GPUIPC_E_NO_DEVICE, "device %d", ordinal);
+  pthread_mutex_lock(&bw_lock);
+  gpuipc_status s = GPUIPC_OK;
+  if (bwords[ordinal].blk == NULL) {
+    gpuipc_arena *a = NULL;
+    gpuipc_block *b = NULL;
+    s = gpuipc__ctl_arena(ordinal, &a);
+    if (s == GPUIPC_OK)
+      s = gpuipc__arena_take(a, 8, a->side, true, &b);
+    if (s == GPUIPC_OK) {
+      gpuipc__ctx_guard g;
+      s = gpuipc__ctx_enter(&g, ordinal);
+      if (s == GPUIPC_OK) {
+        CUresult r = GPUIPC__CU(cuMemsetD32Async, (CUdeviceptr)b->ptr, 0, 2,
+                                (CUstream)a->side);
+        if (r == CUDA_SUCCESS)
+          r = GPUIPC__CU(cuStreamSynchronize, (CUstream)a->side);
+        gpuipc__ctx_leave(&g);
+        if (r != CUDA_SUCCESS)
+          s = gpuipc__fail_cuda(r, "cuMemsetD32Async", "broadcast word");
+      }
+      if (s == GPUIPC_OK)
+        bwords[ordinal].blk = b; /* kept for the life of the process */
+    }
+  }
+  *out = bwords[ordinal].blk;
+  pthread_mutex_unlock(&bw_lock);
+  return s;
+}
+
+/* Enqueues the next value of device `ordinal`'s broadcast word after the
+ * work queued on `stream` (h: a connection whose legacy-stream relay may
+ * be used); *value: the value, *written: the stream that writes it. */
+static gpuipc_status bword_write(struct gpuipc__ho *h, int ordinal,
+                                 struct CUstream_st *stream, uint64_t *value,
+                                 struct CUstream_st **written) {
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, ordinal));
+  CUstream ws = NULL;
+  gpuipc_status s = write_stream(h, 0, stream, &ws);
+  if (s != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    return s;
+  }
+  pthread_mutex_lock(&bw_lock);
+  CUdeviceptr word = (CUdeviceptr)bwords[ordinal].blk->ptr;
+  uint64_t prev = bwords[ordinal].value;
+  CUresult r = CUDA_SUCCESS;
+  if (prev + 1 >= GPUIPC__SEQ_LIMIT)
+    r = CUDA_ERROR_INVALID_VALUE;
+  if (r == CUDA_SUCCESS && prev != 0 &&
+      bwords[ordinal].last != (struct CUstream_st *)ws)
+    r = GPUIPC__CU(cuStreamWaitValue64, ws, word, (cuuint64_t)prev,
+                   CU_STREAM_WAIT_VALUE_GEQ);
+  if (r == CUDA_SUCCESS)
+    r = GPUIPC__CU(cuStreamWriteValue64, ws, word, (cuuint64_t)(prev + 1), 0);
+  if (r == CUDA_SUCCESS) {
+    bwords[ordinal].value = prev + 1;
+    bwords[ordinal].last = (struct CUstream_st *)ws;
+  }
+  pthread_mutex_unlock(&bw_lock);
+  gpuipc__ctx_leave(&g);
+  if (r != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(r, "cuStreamWriteValue64",
+                             "broadcast word of device %d", ordinal);
+  *value = prev + 1;
+  *written = (struct CUstream_st *)ws;
+  return GPUIPC_OK;
+}
+
+/* Gets connection `c` ready to take a lease of `block` (flag words, the
+ * chunk exported, a free slot, event mode's record); *w is its frame. */
+static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
+                                gpuipc_block *bword,
+                                struct CUstream_st *stream, size_t meta_len,
+                                gpuipc__w_buf *w) {
+  if (c->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(c);
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(ho_get(c, &h));
+  uint64_t deadline = gpuipc__conn_deadline(c);
+  gpuipc_arena *a = block->arena;
+  if (h->lt == NULL)
+    GPUIPC__CHECK(setup_tx(c, h, a->ordinal, deadline));
+  gpuipc__lease_table *lt = h->lt;
+  if (a->ordinal != lt->ordinal)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_broadcast: the block is on device %d, a "
+                        "connection's flag words on device %d (one device per "
+                        "connection)",
+                        a->ordinal, lt->ordinal);
+  GPUIPC__CHECK(export_chunk(c, h, a, block->chunk, deadline));
+  bool ordered = c->order == GPUIPC_ORDER_MEMOP;
+  if (ordered) /* the broadcast word's chunk */
+    GPUIPC__CHECK(export_chunk(c, h, bword->arena, bword->chunk, deadline));
+  uint32_t slot;
+  if (!gpuipc__lease_free_slot(lt, &slot)) {
+    GPUIPC__CHECK(gpuipc__conn_pump(c, deadline, have_free_slot, NULL));
+    if (c->ho != h || !gpuipc__lease_free_slot(lt, &slot))
+      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slot after a release");
+  }
+  bool by_event = c->order == GPUIPC_ORDER_EVENT;
+  if (by_event) {
+    gpuipc_event *ev = gpuipc__lease_ready_event(lt, slot);
+    if (ev == NULL) {
+      GPUIPC__CHECK(make_event(c, lt->ordinal, slot, 0, deadline, &ev));
+      gpuipc__lease_set_ready_event(lt, slot, ev);
+    }
+    GPUIPC__CHECK(gpuipc_event_record(ev, stream));
+  }
+  uint64_t seq = gpuipc__lease_new_seq(lt);
+  if (seq == 0)
+    return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
+                                        "are used up (2^62 buffers)");
+  *w = (gpuipc__w_buf){seq,         a->id, block->off, block->bytes, slot,
+                       block->chunk, 0,    (uint32_t)meta_len};
+  w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
+  w->flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
+                                    gpuipc_block *block,
+                                    struct CUstream_st *stream,
+                                    const void *meta, size_t meta_len,
+                                    gpuipc_status *statuses) {
+  if (conns == NULL || n == 0 || n > GPUIPC_BROADCAST_MAX || block == NULL ||
+      meta_len > GPUIPC_META_MAX || (meta_len > 0 && meta == NULL))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_broadcast: NULL connections/block, %zu "
+                        "connections (1 to %d), or metadata of %zu bytes "
+                        "(max %d)",
+                        n, GPUIPC_BROADCAST_MAX, meta_len, GPUIPC_META_MAX);
+  if (!gpuipc__block_sendable(block))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_broadcast: the block was freed");
+  for (size_t i = 0; i < n; i++) {
+    if (conns[i] == NULL)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_broadcast: connection %zu is NULL", i);
+    for (size_t k = 0; k < i; k++)
+      if (conns[k] == conns[i])
+        return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                            "gpuipc_conn_broadcast: connections %zu and %zu "
+                            "are the same",
+                            k, i);
+  }
+  GPUIPC__CHECK(gpuipc__driver());
+  int ordinal = block->arena->ordinal;
+  gpuipc_block *bword = NULL;
+  bool any_memop = false;
+  for (size_t i = 0; i < n && !any_memop; i++)
+    any_memop = conns[i]->order == GPUIPC_ORDER_MEMOP;
+  if (any_memop)
+    GPUIPC__CHECK(bword_get(ordinal, &bword));
+  gpuipc__w_buf *ws = malloc(n * sizeof *ws);
+  gpuipc_status *st = statuses ? statuses : malloc(n * sizeof *st);
+  if (ws == NULL || st == NULL) {
+    free(ws);
+    if (st != statuses)
+      free(st);
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_conn_broadcast");
+  }
+  /* 1: every connection made ready (a slot free, the chunks exported,
+   * event mode's record); one that fails is left out, the others go on. */
+  struct gpuipc__ho *h0 = NULL; /* a memop connection that is ready */
+  char why[256] = "";
+  size_t bad = n; /* the first connection that failed, and why */
+  for (size_t i = 0; i < n; i++) {
+    st[i] = bc_prepare(conns[i], block, bword, stream, meta_len, &ws[i]);
+    if (st[i] != GPUIPC_OK && bad == n) {
+      bad = i;
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+    }
+    if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP &&
+        h0 == NULL)
+      h0 = conns[i]->ho;
+  }
+  /* 2: the one ready signal of the memop connections: the broadcast
+   * word's next value, after the work queued on `stream` (before the
+   * frames: its value travels in them). */
+  gpuipc__w_word word = {0, 0, 0, 0, 0};
+  struct CUstream_st *wst = stream;
+  /* An idle stream: its work is done, no signal is needed (DONE). */
+  bool done = h0 != NULL && stream_idle(h0, ordinal, stream);
+  if (h0 != NULL && !done) {
+    gpuipc_status bs = bword_write(h0, ordinal, stream, &word.value, &wst);
+    if (bs != GPUIPC_OK) {
+      for (size_t i = 0; i < n; i++)
+        if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP) {
+          st[i] = bs; /* nothing was sent to them: their slots stay free */
+          if (i < bad) {
+            bad = i;
+            snprintf(why, sizeof why, "%s", gpuipc_last_error());
+          }
+        }
+    }
+    word.arena_id = bword->arena->id;
+    word.off = bword->off;
+    word.chunk = bword->chunk;
+  }
+  /* 3: the frames, back to back. */
+  for (size_t i = 0; i < n; i++) {
+    if (st[i] != GPUIPC_OK)
+      continue;
+    gpuipc_conn *c = conns[i];
+    if (c->watch)
+      atomic_store(&c->watch->tx_seq, ws[i].seq);
+    if (c->order == GPUIPC_ORDER_MEMOP && done) {
+      ws[i].flags |= GPUIPC__BUF_DONE;
+      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
+                                      meta, meta_len, NULL, 0,
+                                      gpuipc__conn_deadline(c));
+    } else if (c->order == GPUIPC_ORDER_MEMOP) {
+      unsigned char p[sizeof ws[i] + sizeof word];
+      memcpy(p, &ws[i], sizeof ws[i]);
+      memcpy(p + sizeof ws[i], &word, sizeof word);
+      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUFW, p, sizeof p, meta,
+                                      meta_len, NULL, 0,
+                                      gpuipc__conn_deadline(c));
+    } else {
+      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
+                                      meta, meta_len, NULL, 0,
+                                      gpuipc__conn_deadline(c));
+    }
+    if (st[i] != GPUIPC_OK) {
+      if (i < bad) {
+        bad = i;
+        snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      }
+      continue;
+    }
+    struct gpuipc__ho *h = c->ho;
+    bool ordered = c->order == GPUIPC_ORDER_MEMOP;
+    gpuipc__lease_take_slot(h->lt, ws[i].slot);
+    if (ordered)
+      /* The slot's own ready word is not written: the broadcast word's
+       * write stands for it (a later write of the slot from another
+       * stream waits for this lease's release first; a dead peer's
+       * release words are forced for the slot). */
+      gpuipc__lease_written(h->lt, ws[i].slot, ws[i].seq, wst);
+    gpuipc__lease_add(h->lt, ws[i].slot, block, NULL, ws[i].seq, ordered,
+                      c->order == GPUIPC_ORDER_EVENT);
+  }
+  gpuipc_status first = bad < n ? st[bad] : GPUIPC_OK;
+  free(ws);
+  if (st != statuses)
+    free(st);
+  if (first != GPUIPC_OK)
+    return gpuipc__fail(first,
+                        "gpuipc_conn_broadcast: connection %zu (the first "
+                        "that failed): %s",
+                        bad, why);
   return GPUIPC_OK;
 }
 
@@ -610,6 +1095,71 @@ static gpuipc_status on_ctl(gpuipc_conn *c, struct gpuipc__ho *h,
   return GPUIPC_OK;
 }
 
+/* Checks one arena-block entry of a BUF or BUFS frame against the state
+ * (what: the frame's name, for the message); *im_out: its chunk. */
+static gpuipc_status buf_check(struct gpuipc__ho *h, const gpuipc__w_buf *w,
+                               const char *what, gpuipc__imp **im_out) {
+  if (w->slot >= h->peer_nslots || h->rx[w->slot].held ||
+      w->seq == 0 || w->seq >= GPUIPC__SEQ_LIMIT ||
+      w->seq <= h->rx[w->slot].last_recv || w->seq <= h->rx[w->slot].last_rel)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame: slot %u (of %u) busy or sequence %llu "
+                        "not new or past the limit",
+                        what, w->slot, h->peer_nslots,
+                        (unsigned long long)w->seq);
+  gpuipc__imp *im = imp_find(h, w->arena_id, w->chunk);
+  if (im == NULL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame names chunk %u of arena %llu, never sent",
+                        what, w->chunk, (unsigned long long)w->arena_id);
+  if (w->len == 0 || w->off > im->size || w->len > im->size - w->off)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "%s frame: [%llu, +%llu) outside the chunk of %zu "
+                        "bytes",
+                        what, (unsigned long long)w->off,
+                        (unsigned long long)w->len, im->size);
+  if ((w->flags & GPUIPC__BUF_DONE) &&
+      (w->flags & (GPUIPC__BUF_ORDERED | GPUIPC__BUF_EVENT)) !=
+          GPUIPC__BUF_ORDERED)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame: flags 0x%x refused (DONE only with "
+                        "ORDERED)",
+                        what, w->flags);
+  if ((w->flags & GPUIPC__BUF_EVENT) && h->rx[w->slot].ready_ev == NULL)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "%s frame ordered by an event never sent (slot %u)",
+                        what, w->slot);
+  *im_out = im;
+  return GPUIPC_OK;
+}
+
+/* Queues a checked arena-block entry, ordered by the ready word of slot
+ * rslot (or, rslot UINT32_MAX, the word at raddr) at value rseq. */
+static void buf_queue(gpuipc_conn *c, struct gpuipc__ho *h,
+                      const gpuipc__w_buf *w, const gpuipc__imp *im,
+                      const unsigned char *meta, uint32_t rslot,
+                      uint64_t raddr, uint64_t rseq) {
+  /* The slot is taken from now on (queued counts as held). */
+  gpuipc__rxs *r = &h->rx[w->slot];
+  r->held = w->seq;
+  r->ptr = im->base + w->off;
+  r->len = (size_t)w->len;
+  r->ordered = (w->flags & GPUIPC__BUF_ORDERED) != 0;
+  r->by_event = (w->flags & GPUIPC__BUF_EVENT) != 0;
+  if (w->seq > h->rx_max_seq)
+    h->rx_max_seq = w->seq;
+  if (c->watch)
+    atomic_store(&c->watch->rx_max, h->rx_max_seq);
+  gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
+  q->w = *w;
+  q->rslot = rslot;
+  q->raddr = rslot == UINT32_MAX ? raddr : gpuipc__ready_word(h->peer_ctl, rslot);
+  q->rseq = rseq;
+  q->nowait = (w->flags & GPUIPC__BUF_DONE) != 0;
+  memcpy(q->meta, meta, w->meta_len);
+  h->qlen++;
+}
+
 static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
                             const unsigned char *p, size_t len) {
   gpuipc__w_buf w;
@@ -621,46 +1171,142 @@ static gpuipc_status on_buf(gpuipc_conn *c, struct gpuipc__ho *h,
   if (w.meta_len > GPUIPC_META_MAX || w.meta_len != len - sizeof w)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUF frame: metadata of %u bytes",
                         w.meta_len);
-  if (w.slot >= h->peer_nslots || h->rx[w.slot].held ||
-      w.seq >= GPUIPC__SEQ_LIMIT || w.seq <= h->rx[w.slot].last_recv ||
-      w.seq <= h->rx[w.slot].last_rel)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "BUF frame: slot %u (of %u) busy or sequence %llu "
-                        "not new or past the limit",
-                        w.slot, h->peer_nslots, (unsigned long long)w.seq);
-  gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
-  if (im == NULL)
-    return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "BUF frame names chunk %u of arena %llu, never sent",
-                        w.chunk, (unsigned long long)w.arena_id);
-  if (w.len == 0 || w.off > im->size || w.len > im->size - w.off)
-    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                        "BUF frame: [%llu, +%llu) outside the chunk of %zu "
-                        "bytes",
-                        (unsigned long long)w.off, (unsigned long long)w.len,
-                        im->size);
+  gpuipc__imp *im = NULL;
+  GPUIPC__CHECK(buf_check(h, &w, "BUF", &im));
   if (h->qlen == h->peer_nslots)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "more buffers than slots");
-  /* The slot is taken from now on (queued counts as held). */
-  h->rx[w.slot].held = w.seq;
-  h->rx[w.slot].ptr = im->base + w.off;
-  h->rx[w.slot].len = (size_t)w.len;
-  h->rx[w.slot].ordered = (w.flags & GPUIPC__BUF_ORDERED) != 0;
-  h->rx[w.slot].by_event = (w.flags & GPUIPC__BUF_EVENT) != 0;
-  if (h->rx[w.slot].by_event && h->rx[w.slot].ready_ev == NULL) {
-    h->rx[w.slot].held = 0;
+  buf_queue(c, h, &w, im, p + sizeof w, w.slot, 0, w.seq);
+  return GPUIPC_OK;
+}
+
+/* BUFW: one arena block ordered by one of the peer's broadcast words. */
+static gpuipc_status on_bufw(gpuipc_conn *c, struct gpuipc__ho *h,
+                             const unsigned char *p, size_t len) {
+  gpuipc__w_buf w;
+  gpuipc__w_word ww;
+  if (len < sizeof w + sizeof ww)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFW frame of %zu bytes", len);
+  memcpy(&w, p, sizeof w);
+  memcpy(&ww, p + sizeof w, sizeof ww);
+  if (!h->have_peer_ctl)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFW frame before CTL");
+  if (w.meta_len > GPUIPC_META_MAX ||
+      w.meta_len != len - sizeof w - sizeof ww)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFW frame: metadata of %u bytes",
+                        w.meta_len);
+  if (w.flags != GPUIPC__BUF_ORDERED)
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
-                        "BUF frame ordered by an event never sent (slot %u)",
-                        w.slot);
+                        "BUFW frame: flags 0x%x refused (ORDERED only)",
+                        w.flags);
+  gpuipc__imp *im = NULL;
+  GPUIPC__CHECK(buf_check(h, &w, "BUFW", &im));
+  if (h->qlen == h->peer_nslots)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "more buffers than slots");
+  gpuipc__imp *wim = imp_find(h, ww.arena_id, ww.chunk);
+  if (wim == NULL || ww.pad != 0 || ww.off % 8 || wim->size < 8 ||
+      ww.off > wim->size - 8 || ww.value == 0 ||
+      ww.value >= GPUIPC__SEQ_LIMIT)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFW frame: ready word at %llu of chunk %u of arena "
+                        "%llu (value %llu) outside the peer's imported "
+                        "memory, misaligned, or past the limit",
+                        (unsigned long long)ww.off, ww.chunk,
+                        (unsigned long long)ww.arena_id,
+                        (unsigned long long)ww.value);
+  uint64_t addr = wim->base + ww.off;
+  int k = 0;
+  while (k < h->nbw && h->bw[k].addr != addr)
+    k++;
+  if (k == h->nbw) {
+    if (h->nbw == GPUIPC__BWORDS_MAX)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "BUFW frame: more than %d broadcast words",
+                          GPUIPC__BWORDS_MAX);
+    h->bw[h->nbw].addr = addr;
+    h->bw[h->nbw].max = 0;
+    h->bw[h->nbw].waited = 0;
+    h->nbw++;
   }
-  if (w.seq > h->rx_max_seq)
-    h->rx_max_seq = w.seq;
-  if (c->watch)
-    atomic_store(&c->watch->rx_max, h->rx_max_seq);
-  gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
-  q->w = w;
-  memcpy(q->meta, p + sizeof w, w.meta_len);
-  h->qlen++;
+  if (ww.value > h->bw[k].max)
+    h->bw[k].max = ww.value;
+  if (c->watch) {
+    atomic_store(&c->watch->bw_max[k], h->bw[k].max);
+    atomic_store_explicit(&c->watch->bw_addr[k], addr, memory_order_release);
+  }
+  buf_queue(c, h, &w, im, p + sizeof w + sizeof ww, UINT32_MAX, addr,
+            ww.value);
+  return GPUIPC_OK;
+}
+
+/* BUFS: a batch of arena blocks, applied whole or refused whole. */
+static gpuipc_status on_bufs(gpuipc_conn *c, struct gpuipc__ho *h,
+                             const unsigned char *p, size_t len) {
+  gpuipc__w_bufs b;
+  if (len < sizeof b)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFS frame of %zu bytes", len);
+  memcpy(&b, p, sizeof b);
+  if (!h->have_peer_ctl)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "BUFS frame before CTL");
+  if (b.count == 0 || b.count > GPUIPC_BATCH_MAX || b.flags != 0 ||
+      b.pad != 0 || b.ready != b.count - 1 ||
+      (uint64_t)b.count * sizeof(gpuipc__w_buf) > len - sizeof b)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFS frame: %u entries (ready entry %u) in %zu bytes",
+                        b.count, b.ready, len);
+  if (b.count > h->peer_nslots - h->qlen)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFS frame: %u buffers, %u slots not queued",
+                        b.count, h->peer_nslots - h->qlen);
+  const unsigned char *ents = p + sizeof b;
+  size_t meta_total = 0;
+  gpuipc_status s = GPUIPC_OK;
+  uint32_t marked = 0;
+  uint64_t prev_seq = 0;
+  /* Check every entry before any is queued; a slot named twice is found
+   * by marking each slot held while checking (undone below). */
+  for (; marked < b.count; marked++) {
+    gpuipc__w_buf w;
+    memcpy(&w, ents + (size_t)marked * sizeof w, sizeof w);
+    gpuipc__imp *im = NULL;
+    if (w.meta_len > GPUIPC_META_MAX || (w.flags & GPUIPC__BUF_DESC) ||
+        (w.flags &
+         ~(GPUIPC__BUF_ORDERED | GPUIPC__BUF_EVENT | GPUIPC__BUF_DONE)) ||
+        w.seq <= prev_seq) {
+      s = gpuipc__fail(GPUIPC_E_PROTOCOL,
+                       "BUFS frame: entry %u (flags 0x%x, metadata of %u "
+                       "bytes, sequence %llu) refused",
+                       marked, w.flags, w.meta_len, (unsigned long long)w.seq);
+      break;
+    }
+    s = buf_check(h, &w, "BUFS", &im);
+    if (s != GPUIPC_OK)
+      break;
+    prev_seq = w.seq;
+    meta_total += w.meta_len;
+    h->rx[w.slot].held = w.seq;
+  }
+  for (uint32_t i = 0; i < marked; i++) {
+    gpuipc__w_buf w;
+    memcpy(&w, ents + (size_t)i * sizeof w, sizeof w);
+    h->rx[w.slot].held = 0;
+  }
+  if (s != GPUIPC_OK)
+    return s;
+  size_t fixed = sizeof b + (size_t)b.count * sizeof(gpuipc__w_buf);
+  if (meta_total != len - fixed)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFS frame: %zu bytes of metadata declared, %zu sent",
+                        meta_total, len - fixed);
+  gpuipc__w_buf last;
+  memcpy(&last, ents + (size_t)b.ready * sizeof last, sizeof last);
+  const unsigned char *meta = p + fixed;
+  for (uint32_t i = 0; i < b.count; i++) {
+    gpuipc__w_buf w;
+    memcpy(&w, ents + (size_t)i * sizeof w, sizeof w);
+    gpuipc__imp *im = imp_find(h, w.arena_id, w.chunk);
+    buf_queue(c, h, &w, im, meta, last.slot, 0, last.seq);
+    meta += w.meta_len;
+  }
   return GPUIPC_OK;
 }
 
@@ -737,6 +1383,10 @@ static gpuipc_status on_bufd(gpuipc_conn *c, struct gpuipc__ho *h,
     atomic_store(&c->watch->rx_max, h->rx_max_seq);
   gpuipc__qbuf *q = &h->q[(h->qhead + h->qlen) % h->peer_nslots];
   q->w = w;
+  q->rslot = w.slot;
+  q->raddr = gpuipc__ready_word(h->peer_ctl, w.slot);
+  q->rseq = w.seq;
+  q->nowait = false;
   memcpy(q->meta, p + sizeof w + sizeof dl + dl[0], w.meta_len);
   h->qlen++;
 out:
@@ -809,13 +1459,17 @@ static gpuipc_status ho_frame(gpuipc_conn *c, int type, const unsigned char *p,
     return on_buf(c, h, p, len);
   case GPUIPC__F_BUFD:
     return on_bufd(c, h, p, len, fds, nfds);
+  case GPUIPC__F_BUFS:
+    return on_bufs(c, h, p, len);
+  case GPUIPC__F_BUFW:
+    return on_bufw(c, h, p, len);
   case GPUIPC__F_EVD:
     return on_evd(h, p, len);
   case GPUIPC__F_REL:
     if (len == 0 || len % sizeof(gpuipc__w_rel) || h->lt == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad REL frame of %zu bytes", len);
     {
-      gpuipc__w_rel rel[64];
+      gpuipc__w_rel rel[GPUIPC__REL_MAX];
       size_t n = len / sizeof rel[0];
       if (n > GPUIPC__ARRAY_SIZE(rel))
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "REL frame of %zu entries", n);
@@ -858,6 +1512,105 @@ static uint64_t make_id(uint32_t slot, uint64_t seq) {
   return ((uint64_t)slot << 44) | (seq & (((uint64_t)1 << 44) - 1));
 }
 
+/* Enqueues on `stream` the wait of the ordered buffers q[0..n) (entries
+ * of the receive queue, from its head, in order): one wait per distinct
+ * ready word and value (a batch shares one). Context of the peer's device
+ * entered here. */
+static gpuipc_status ready_waits(gpuipc_conn *conn, struct gpuipc__ho *h,
+                                 uint32_t n, struct CUstream_st *stream) {
+  bool any = false;
+  for (uint32_t i = 0; i < n && !any; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    any = h->rx[q->w.slot].ordered && !q->nowait;
+  }
+  if (!any)
+    return GPUIPC_OK;
+  GPUIPC__CHECK(gpuipc__driver());
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
+  /* The consumer's stream waits, on the GPU, for the producer's work. */
+  CUstream wst = NULL;
+  gpuipc_status ss = wait_stream(h, 1, stream, &wst);
+  if (ss != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    return ss;
+  }
+  CUresult cr = CUDA_SUCCESS;
+  uint64_t waddr = 0;
+  uint64_t wseq = 0;
+  const gpuipc__qbuf *bad = NULL;
+  for (uint32_t i = 0; i < n && cr == CUDA_SUCCESS; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    if (!h->rx[q->w.slot].ordered || q->nowait ||
+        (q->raddr == waddr && q->rseq == wseq))
+      continue;
+    cr = GPUIPC__CU(cuStreamWaitValue64, wst, (CUdeviceptr)q->raddr,
+                    (cuuint64_t)q->rseq, CU_STREAM_WAIT_VALUE_GEQ);
+    waddr = q->raddr;
+    wseq = q->rseq;
+    bad = q;
+  }
+  if (cr == CUDA_SUCCESS)
+    cr = wait_done(h, 1, stream);
+  gpuipc__ctx_leave(&g);
+  /* What close must see written before it unmaps a broadcast word's
+   * memory: the values our streams wait for. */
+  for (uint32_t i = 0; i < n && cr == CUDA_SUCCESS; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    if (q->rslot != UINT32_MAX || q->nowait || !h->rx[q->w.slot].ordered)
+      continue;
+    for (int k = 0; k < h->nbw; k++)
+      if (h->bw[k].addr == q->raddr && h->bw[k].waited < q->rseq)
+        h->bw[k].waited = q->rseq;
+  }
+  if (cr != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(cr, "cuStreamWaitValue64",
+                             "ready flag of buffer %llu from pid %d",
+                             (unsigned long long)(bad ? bad->w.seq : 0),
+                             conn->peer_pid);
+  return GPUIPC_OK;
+}
+
+/* Receives the n buffers at the head of the queue into out[0..n). */
+static gpuipc_status recv_head(gpuipc_conn *conn, struct gpuipc__ho *h,
+                               uint32_t n, struct CUstream_st *stream,
+                               gpuipc_received *out) {
+  for (uint32_t i = 0; i < n; i++) {
+    const gpuipc__qbuf *q = &h->q[(h->qhead + i) % h->peer_nslots];
+    gpuipc__rxs *r = &h->rx[q->w.slot];
+    if (r->by_event) /* captures the producer's record made before its send */
+      GPUIPC__CHECK(gpuipc_event_wait(r->ready_ev, stream));
+  }
+  GPUIPC__CHECK(ready_waits(conn, h, n, stream));
+  for (uint32_t i = 0; i < n; i++) {
+    gpuipc__qbuf *q = &h->q[h->qhead];
+    gpuipc__rxs *r = &h->rx[q->w.slot];
+    if (r->by_event || r->ordered)
+      r->last_recv = q->w.seq;
+    /* A wait that reads the peer's flag words was queued on stream (one
+     * per batch: each buffer of it counts as waited there). */
+    r->waited = r->ordered && !q->nowait;
+    r->recv_stream = stream;
+    if (r->ordered && q->rslot != UINT32_MAX &&
+        h->rx[q->rslot].last_recv < q->rseq)
+      /* The batch's ready word was waited for: unblock_ready writes it
+       * should the producer die before writing it. */
+      h->rx[q->rslot].last_recv = q->rseq;
+    gpuipc_received *o = &out[i];
+    o->id = make_id(q->w.slot, q->w.seq);
+    o->ptr = (void *)(uintptr_t)r->ptr;
+    o->length = r->len;
+    o->device = h->peer_ordinal;
+    o->meta_len = q->w.meta_len;
+    memcpy(o->meta, q->meta, q->w.meta_len);
+    h->qhead = (h->qhead + 1) % h->peer_nslots;
+    h->qlen--;
+    h->rx_held++;
+  }
+  gpuipc__stats_conn_held_here(conn->stats_slot, (int)n);
+  return GPUIPC_OK;
+}
+
 gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
                                gpuipc_received *out) {
   if (conn == NULL || out == NULL || out->size < sizeof *out)
@@ -870,49 +1623,34 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
     GPUIPC__CHECK(
         gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL));
   }
-  struct gpuipc__ho *h = conn->ho;
-  gpuipc__qbuf *q = &h->q[h->qhead];
-  gpuipc__rxs *r = &h->rx[q->w.slot];
-  if (r->by_event) {
-    /* Captures the producer's record made before its send. */
-    GPUIPC__CHECK(gpuipc_event_wait(r->ready_ev, stream));
-    r->last_recv = q->w.seq;
-  } else if (r->ordered) {
-    GPUIPC__CHECK(gpuipc__driver());
-    gpuipc__ctx_guard g;
-    GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
-    /* The consumer's stream waits, on the GPU, for the producer's work. */
-    CUstream wst = NULL;
-    gpuipc_status ss = wait_stream(h, 1, stream, &wst);
-    if (ss != GPUIPC_OK) {
-      gpuipc__ctx_leave(&g);
-      return ss;
-    }
-    CUresult cr = GPUIPC__CU(
-        cuStreamWaitValue64, wst,
-        (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, q->w.slot),
-        (cuuint64_t)q->w.seq, CU_STREAM_WAIT_VALUE_GEQ);
-    if (cr == CUDA_SUCCESS)
-      cr = wait_done(h, 1, stream);
-    gpuipc__ctx_leave(&g);
-    if (cr != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(cr, "cuStreamWaitValue64",
-                               "ready flag of buffer %llu from pid %d",
-                               (unsigned long long)q->w.seq, conn->peer_pid);
-    r->last_recv = q->w.seq;
-    r->waited = true;
-    r->recv_stream = stream;
+  return recv_head(conn, conn->ho, 1, stream, out);
+}
+
+gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
+                                     struct CUstream_st *stream,
+                                     gpuipc_received *out, size_t max,
+                                     size_t *n) {
+  if (n)
+    *n = 0;
+  if (conn == NULL || out == NULL || n == NULL || max == 0)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_recv_batch: NULL argument or max 0");
+  for (size_t i = 0; i < max; i++)
+    if (out[i].size < sizeof out[i])
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_recv_batch: out[%zu].size not set "
+                          "(use GPUIPC_RECEIVED_INIT)",
+                          i);
+  if (conn->state != GPUIPC__CONN_OPEN)
+    return gpuipc__conn_ended(conn);
+  if (!have_buf(conn, NULL)) {
+    GPUIPC__CHECK(
+        gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL));
   }
-  out->id = make_id(q->w.slot, q->w.seq);
-  out->ptr = (void *)(uintptr_t)r->ptr;
-  out->length = r->len;
-  out->device = h->peer_ordinal;
-  out->meta_len = q->w.meta_len;
-  memcpy(out->meta, q->meta, q->w.meta_len);
-  h->qhead = (h->qhead + 1) % h->peer_nslots;
-  h->qlen--;
-  h->rx_held++;
-  gpuipc__stats_conn_held_here(conn->stats_slot, 1);
+  struct gpuipc__ho *h = conn->ho;
+  uint32_t k = h->qlen < max ? h->qlen : (uint32_t)max;
+  GPUIPC__CHECK(recv_head(conn, h, k, stream, out));
+  *n = k;
   return GPUIPC_OK;
 }
 
@@ -967,13 +1705,19 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
         goto forget;
       }
     }
-    if (write_flag && r->last_rel != 0 &&
+    if (write_flag && cr == CUDA_SUCCESS && r->rel_wval != 0 &&
         r->last_rel_stream != (struct CUstream_st *)ws)
-      cr = GPUIPC__CU(cuStreamWaitValue64, ws, word,
-                      (cuuint64_t)r->last_rel, CU_STREAM_WAIT_VALUE_GEQ);
+      cr = GPUIPC__CU(cuStreamWaitValue64, ws,
+                      (CUdeviceptr)gpuipc__released_word(
+                          h->peer_ctl, h->peer_nslots, r->rel_wslot),
+                      (cuuint64_t)r->rel_wval, CU_STREAM_WAIT_VALUE_GEQ);
     if (write_flag && cr == CUDA_SUCCESS)
       cr = GPUIPC__CU(cuStreamWriteValue64, ws, word,
                       (cuuint64_t)r->held, 0);
+    if (write_flag && cr == CUDA_SUCCESS) {
+      r->rel_wslot = slot;
+      r->rel_wval = r->held;
+    }
     if (cr == CUDA_SUCCESS) {
       /* What close waits for before it unmaps: the work queued on ws up
        * to this release, our wait on the recv stream included (a later
@@ -1042,20 +1786,28 @@ forget:
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
-                                  struct CUstream_st *stream) {
-  if (conn == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_release: NULL");
-  struct gpuipc__ho *h = conn->ho;
+/* The slot of a buffer id the caller holds (received, not released). */
+static gpuipc_status held_slot(const struct gpuipc__ho *h, uint64_t id,
+                               const char *fn, uint32_t *slot_out) {
   uint32_t slot = (uint32_t)(id >> 44);
   uint64_t seq_lo = id & (((uint64_t)1 << 44) - 1);
   if (h == NULL || h->rx == NULL || slot >= h->peer_nslots ||
       h->rx[slot].held == 0 ||
       (h->rx[slot].held & (((uint64_t)1 << 44) - 1)) != seq_lo)
     return gpuipc__fail(GPUIPC_E_NOT_FOUND,
-                        "gpuipc_conn_release: buffer id 0x%llx is not held on "
-                        "this connection",
-                        (unsigned long long)id);
+                        "%s: buffer id 0x%llx is not held on this connection",
+                        fn, (unsigned long long)id);
+  *slot_out = slot;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
+                                  struct CUstream_st *stream) {
+  if (conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_release: NULL");
+  struct gpuipc__ho *h = conn->ho;
+  uint32_t slot;
+  GPUIPC__CHECK(held_slot(h, id, "gpuipc_conn_release", &slot));
   /* Still queued (received by the library, not by the caller)? */
   for (uint32_t i = 0; i < h->qlen; i++)
     if (h->q[(h->qhead + i) % h->peer_nslots].w.slot == slot)
@@ -1073,6 +1825,188 @@ gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
                                             sizeof rel, NULL, 0, NULL, 0, 0);
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
     return GPUIPC_OK; /* the lease ended with the exporter */
+  return s;
+}
+
+/* The release of the ordered slots[0..n) (held, received) with ONE word
+ * write: that of the last of them, on one stream, after the work queued
+ * on `stream`; the others are announced as signalled by it
+ * (GPUIPC__REL_BY_NEXT). Before it, for a slot whose previous release was
+ * written on another stream, a wait for that release's word (so no word
+ * goes backwards). One completion record for close, on the last slot (a
+ * later release of any of these slots on another stream waits for this
+ * write first). Context of the peer's device entered here. */
+static gpuipc_status release_words(struct gpuipc__ho *h, const uint32_t *slots,
+                                   size_t n, struct CUstream_st *stream) {
+  gpuipc__ctx_guard g;
+  GPUIPC__CHECK(gpuipc__ctx_enter(&g, h->peer_ordinal));
+  CUstream ws = NULL;
+  gpuipc_status ss = write_stream(h, 1, stream, &ws);
+  if (ss != GPUIPC_OK) {
+    gpuipc__ctx_leave(&g);
+    return ss;
+  }
+  CUresult cr = CUDA_SUCCESS;
+  /* Buffers received on another stream: the word is written after our
+   * waits there (see gpuipc__rxs.waited), once per stream. */
+  struct CUstream_st *joined = stream;
+  for (size_t k = 0; k < n && cr == CUDA_SUCCESS; k++) {
+    gpuipc__rxs *r = &h->rx[slots[k]];
+    if (!r->waited || r->recv_stream == stream || r->recv_stream == joined)
+      continue;
+    if (r->join_ev == NULL) {
+      CUevent ev;
+      cr = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+      if (cr == CUDA_SUCCESS)
+        r->join_ev = (struct CUevent_st *)ev;
+    }
+    if (cr == CUDA_SUCCESS)
+      cr = GPUIPC__CU(cuEventRecord, (CUevent)r->join_ev,
+                      (CUstream)r->recv_stream);
+    if (cr == CUDA_SUCCESS)
+      cr = GPUIPC__CU(cuStreamWaitEvent, ws, (CUevent)r->join_ev, 0);
+    joined = r->recv_stream;
+  }
+  if (cr != CUDA_SUCCESS) {
+    gpuipc__ctx_leave(&g);
+    return gpuipc__fail_cuda(cr, "cuEventRecord/cuStreamWaitEvent",
+                             "ordering a batch of releases after the streams "
+                             "its buffers were received on (destroyed "
+                             "already?)");
+  }
+  uint32_t pslot = UINT32_MAX;
+  uint64_t pval = 0;
+  for (size_t k = 0; k < n && cr == CUDA_SUCCESS; k++) {
+    gpuipc__rxs *r = &h->rx[slots[k]];
+    if (r->rel_wval == 0 || r->last_rel_stream == (struct CUstream_st *)ws ||
+        (r->rel_wslot == pslot && r->rel_wval == pval))
+      continue;
+    cr = GPUIPC__CU(cuStreamWaitValue64, ws,
+                    (CUdeviceptr)gpuipc__released_word(h->peer_ctl,
+                                                       h->peer_nslots,
+                                                       r->rel_wslot),
+                    (cuuint64_t)r->rel_wval, CU_STREAM_WAIT_VALUE_GEQ);
+    pslot = r->rel_wslot;
+    pval = r->rel_wval;
+  }
+  uint32_t last = slots[n - 1];
+  gpuipc__rxs *rl = &h->rx[last];
+  if (cr == CUDA_SUCCESS)
+    cr = GPUIPC__CU(cuStreamWriteValue64, ws,
+                    (CUdeviceptr)gpuipc__released_word(h->peer_ctl,
+                                                       h->peer_nslots, last),
+                    (cuuint64_t)rl->held, 0);
+  if (cr == CUDA_SUCCESS) {
+    CUresult er = CUDA_SUCCESS;
+    if (rl->rel_done == NULL) {
+      CUevent ev;
+      er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+      if (er == CUDA_SUCCESS)
+        rl->rel_done = (struct CUevent_st *)ev;
+    }
+    if (er == CUDA_SUCCESS)
+      er = GPUIPC__CU(cuEventRecord, (CUevent)rl->rel_done, ws);
+    if (er != CUDA_SUCCESS)
+      h->rx_unknown = true;
+    for (size_t k = 0; k < n; k++) {
+      gpuipc__rxs *r = &h->rx[slots[k]];
+      r->rel_wslot = last;
+      r->rel_wval = rl->held;
+      r->last_rel_stream = (struct CUstream_st *)ws;
+      r->waited = false; /* the last one's rel_done covers the run */
+    }
+  }
+  gpuipc__ctx_leave(&g);
+  if (cr != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(cr, "cuStreamWriteValue64",
+                             "release flag of buffer %llu",
+                             (unsigned long long)rl->held);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn, const uint64_t *ids,
+                                        size_t n, struct CUstream_st *stream) {
+  if (conn == NULL || ids == NULL || n == 0 || n > GPUIPC_BATCH_MAX)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_release_batch: NULL argument or %zu "
+                        "buffers (1 to %d)",
+                        n, GPUIPC_BATCH_MAX);
+  struct gpuipc__ho *h = conn->ho;
+  if (h == NULL || h->rx == NULL)
+    return gpuipc__fail(GPUIPC_E_NOT_FOUND,
+                        "gpuipc_conn_release_batch: buffer id 0x%llx is not "
+                        "held on this connection",
+                        (unsigned long long)ids[0]);
+  /* Check every id before releasing any: slots queued (not received yet)
+   * and slots named so far are marked in bitmaps. */
+  uint64_t queued[65536 / 64] = {0}, named[65536 / 64] = {0};
+  for (uint32_t i = 0; i < h->qlen; i++) {
+    uint32_t qs = h->q[(h->qhead + i) % h->peer_nslots].w.slot;
+    queued[qs / 64] |= (uint64_t)1 << (qs % 64);
+  }
+  uint32_t slots[GPUIPC_BATCH_MAX];
+  for (size_t i = 0; i < n; i++) {
+    uint32_t slot;
+    GPUIPC__CHECK(held_slot(h, ids[i], "gpuipc_conn_release_batch", &slot));
+    if (queued[slot / 64] >> (slot % 64) & 1)
+      return gpuipc__fail(GPUIPC_E_NOT_FOUND,
+                          "gpuipc_conn_release_batch: buffer id 0x%llx was "
+                          "not received yet",
+                          (unsigned long long)ids[i]);
+    if (named[slot / 64] >> (slot % 64) & 1)
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "gpuipc_conn_release_batch: buffer id 0x%llx named "
+                          "twice",
+                          (unsigned long long)ids[i]);
+    named[slot / 64] |= (uint64_t)1 << (slot % 64);
+    slots[i] = slot;
+  }
+  bool open = conn->state == GPUIPC__CONN_OPEN;
+  gpuipc_status s = GPUIPC_OK;
+  /* One REL frame per GPUIPC__REL_MAX buffers; within a frame, each run of
+   * ordered buffers (memop mode) is released by one word write, the
+   * others (event mode, buffers by descriptor, no ordering) one by one. */
+  for (size_t f = 0; f < n && s == GPUIPC_OK; f += GPUIPC__REL_MAX) {
+    size_t fe = n - f < GPUIPC__REL_MAX ? n : f + GPUIPC__REL_MAX;
+    gpuipc__w_rel rel[GPUIPC__REL_MAX];
+    size_t nrel = 0;
+    for (size_t i = f; i < fe && s == GPUIPC_OK;) {
+      size_t j = i + 1;
+      bool run = open && h->rx[slots[i]].ordered && h->rx[slots[i]].imp == NULL;
+      if (run) {
+        while (j < fe && h->rx[slots[j]].ordered && h->rx[slots[j]].imp == NULL)
+          j++;
+        s = release_words(h, slots + i, j - i, stream);
+        if (s != GPUIPC_OK)
+          break; /* none of the run released: all still held */
+      }
+      for (size_t k = i; k < j; k++) {
+        uint32_t slot = slots[k];
+        gpuipc__w_rel w = {h->rx[slot].held, slot,
+                           run && k + 1 < j ? GPUIPC__REL_BY_NEXT : 0u};
+        /* A run's word was written above: the rest is bookkeeping. */
+        gpuipc_status rs = release_slot(conn, h, slot, stream, open && !run);
+        if (rs != GPUIPC_OK) {
+          /* Still held, as after a failed gpuipc_conn_release (only a
+           * buffer released on its own can fail here: a run's bookkeeping
+           * cannot, so no entry announced points past this one). */
+          s = rs;
+          break;
+        }
+        rel[nrel++] = w;
+      }
+      i = j;
+    }
+    if (open && nrel > 0) {
+      gpuipc_status fs =
+          gpuipc__conn_send_frame(conn, GPUIPC__F_REL, rel,
+                                  nrel * sizeof rel[0], NULL, 0, NULL, 0, 0);
+      if (fs == GPUIPC_E_PEER_GONE || fs == GPUIPC_E_CLOSED)
+        open = false; /* the leases end with the exporter */
+      else if (fs != GPUIPC_OK && s == GPUIPC_OK)
+        s = fs;
+    }
+  }
   return s;
 }
 
@@ -1120,6 +2054,37 @@ static void ho_breaking(gpuipc_conn *c) {
   }
   (void)gpuipc__conn_send_frame(c, GPUIPC__F_ABANDON, held, n * sizeof *held,
                                 NULL, 0, NULL, 0, 0);
+}
+
+/* The peer's broadcast words (see on_bufw): other consumers of the
+ * producer wait on them too, so they are written here only once its
+ * process is gone (no consumer can then be ahead of its work; a producer
+ * that lives wrote them before it sent the frames, or will). Called when
+ * the connection ended, again from ho_poll and close until done. */
+static void bw_force(gpuipc_conn *c, struct gpuipc__ho *h) {
+  if (h->bw_forced || h->nbw == 0 || !gpuipc__peer_gone(c->peer))
+    return;
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, h->peer_ordinal) != GPUIPC_OK)
+    return;
+  CUresult r = CUDA_SUCCESS;
+  if (h->unblock == NULL) {
+    CUstream st;
+    r = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+    if (r == CUDA_SUCCESS)
+      h->unblock = (struct CUstream_st *)st;
+  }
+  for (int k = 0; r == CUDA_SUCCESS && k < h->nbw; k++)
+    r = GPUIPC__CU(cuStreamWriteValue64, (CUstream)h->unblock,
+                   (CUdeviceptr)h->bw[k].addr, (cuuint64_t)h->bw[k].max, 0);
+  gpuipc__ctx_leave(&g);
+  if (r == CUDA_SUCCESS)
+    h->bw_forced = true;
+  else
+    GPUIPC__WARN("handoff",
+                 "could not unblock streams waiting on dead peer %d's "
+                 "broadcast words: %s",
+                 c->peer_pid, gpuipc__cuda_error_name(r));
 }
 
 /* Our streams may wait for ready words the producer will never write (it
@@ -1170,6 +2135,7 @@ static void unblock_ready(gpuipc_conn *c, struct gpuipc__ho *h, bool dead) {
                        (CUdeviceptr)gpuipc__ready_word(h->peer_ctl, s),
                        (cuuint64_t)h->rx_max_seq, 0);
       }
+
       if (r != CUDA_SUCCESS)
         GPUIPC__WARN("handoff",
                      "could not unblock streams waiting on peer %d: %s",
@@ -1204,8 +2170,10 @@ static void ho_poll(gpuipc_conn *c) {
   gpuipc__lease_reap_orphans();
   if (h == NULL || c->state == GPUIPC__CONN_OPEN)
     return;
-  /* The peer left: once its process is gone, what it held comes back. */
+  /* The peer left: once its process is gone, what it held comes back,
+   * and its broadcast words are written. */
   gpuipc__lease_poll(h->lt);
+  bw_force(c, h);
 }
 
 /* How long close waits for GPU work gpuipc queued: the connection's
@@ -1217,11 +2185,42 @@ static uint64_t close_deadline(const gpuipc_conn *c) {
   return gpuipc__now_ns() + (uint64_t)ms * 1000000ull;
 }
 
+/* True when each of the peer's broadcast words holds the newest value a
+ * stream of ours waits for (read here through our mapping, on our private
+ * stream): no wait of ours on them is pending, so their memory may be
+ * unmapped. We never write them while the peer lives (its other consumers
+ * wait on them too). Context current. */
+static bool bw_reached(gpuipc_conn *c, struct gpuipc__ho *h) {
+  if (h->nbw == 0)
+    return true;
+  bw_force(c, h); /* when the peer is gone meanwhile */
+  bool any = false;
+  for (int k = 0; k < h->nbw; k++)
+    any |= h->bw[k].waited != 0;
+  if (!any)
+    return true; /* none was ever waited on */
+  if (h->unblock == NULL)
+    return false;
+  for (int k = 0; k < h->nbw; k++) {
+    if (h->bw[k].waited == 0)
+      continue;
+    uint64_t v = 0;
+    CUresult r = GPUIPC__CU(cuMemcpyDtoHAsync, &v, (CUdeviceptr)h->bw[k].addr,
+                            sizeof v, (CUstream)h->unblock);
+    if (r == CUDA_SUCCESS)
+      r = GPUIPC__CU(cuStreamSynchronize, (CUstream)h->unblock);
+    if (r != CUDA_SUCCESS || (int64_t)(v - h->bw[k].waited) < 0)
+      return false;
+  }
+  return true;
+}
+
 /* Waits (polling, until deadline) for every slot's last release write,
- * the work queued so far on our private streams, and the closing imports'
- * events. True when all of it completed (an event that reports an error
- * counts as not complete). Context current. */
-static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
+ * the work queued so far on our private streams, the closing imports'
+ * events, and the peer's broadcast words. True when all of it completed
+ * (an event that reports an error counts as not complete). Context
+ * current. */
+static bool drain(gpuipc_conn *c, struct gpuipc__ho *h, uint64_t deadline) {
   if (h->rx_unknown)
     return false;
   CUevent own[2] = {NULL, NULL};
@@ -1248,6 +2247,8 @@ static bool drain(struct gpuipc__ho *h, uint64_t deadline) {
     for (size_t i = 0; i < h->nclosing && done; i++)
       done = GPUIPC__CU(cuEventQuery, (CUevent)h->closing[i].ev) ==
              CUDA_SUCCESS;
+    if (done)
+      done = bw_reached(c, h);
     if (done || gpuipc__now_ns() >= deadline)
       break;
     usleep(200);
@@ -1341,7 +2342,7 @@ static void ho_close(gpuipc_conn *c) {
     bool drained = false;
     gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
-      drained = drain(h, close_deadline(c));
+      drained = drain(c, h, close_deadline(c));
       if (h->unblock)
         GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
       h->unblock = NULL;
@@ -1359,7 +2360,8 @@ static void ho_close(gpuipc_conn *c) {
     } else {
       GPUIPC__WARN("handoff",
                    "closing the connection to peer %d: GPU work queued "
-                   "before releases did not complete within the timeout; "
+                   "before releases (or the peer's broadcast signals) did "
+                   "not complete within the timeout; "
                    "%d imported chunk(s) and %zu buffer(s) stay mapped",
                    c->peer_pid, h->nimp, h->nclosing);
     }
@@ -1406,6 +2408,7 @@ static void ho_close(gpuipc_conn *c) {
   if (h->lt)
     free_lq(h, 0, h->lt->ordinal);
   gpuipc__lease_close(h->lt);
+  free(h->txbuf);
   free(h);
 }
 

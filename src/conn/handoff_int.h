@@ -16,6 +16,11 @@ typedef struct gpuipc__rxs {
   uint64_t last_recv; /* newest sequence number waited for */
   uint64_t last_rel;  /* newest released */
   struct CUstream_st *last_rel_stream;
+  /* The word that signals the newest release: released[rel_wslot] >=
+   * rel_wval (this slot's own, or a later slot's of the same batch of
+   * releases); rel_wval 0: none yet. */
+  uint32_t rel_wslot;
+  uint64_t rel_wval;
   uint64_t ptr;
   size_t len;
   bool ordered;
@@ -53,6 +58,14 @@ typedef struct gpuipc__imp {
 /* A buffer that arrived and was not yet received by the caller. */
 typedef struct gpuipc__qbuf {
   gpuipc__w_buf w;
+  /* The ready word that orders it (memop mode), at device address raddr,
+   * awaited for value rseq: its own slot's with its sequence number; for
+   * an entry of a batch (BUFS), that of the batch's one ready entry; for a
+   * broadcast (BUFW), the producer's broadcast word (rslot UINT32_MAX). */
+  uint32_t rslot;
+  uint64_t raddr;
+  uint64_t rseq;
+  bool nowait; /* GPUIPC__BUF_DONE: the producer's work had completed */
   uint8_t meta[GPUIPC_META_MAX];
 } gpuipc__qbuf;
 
@@ -66,6 +79,11 @@ struct gpuipc__ho {
     uint64_t mask;
   } exp[8];
   int nexp;
+  unsigned char *txbuf; /* a batch's frame is built here (grown once) */
+  size_t txcap;
+  /* Idle streams (GPUIPC__BUF_DONE): after a query found the stream busy,
+   * the next idle_skip sends do not ask (the gap doubles, up to 64). */
+  uint32_t idle_skip, idle_backoff;
   /* Receiver. */
   gpuipc__imp *imp;
   int nimp, cimp;
@@ -78,6 +96,15 @@ struct gpuipc__ho {
   uint32_t qhead, qlen;
   size_t rx_held;
   uint64_t rx_max_seq;
+  /* The peer's broadcast words named so far (BUFW) and the newest value
+   * named for each: written by us only once the peer is dead (other
+   * consumers wait on them too). */
+  struct {
+    uint64_t addr, max;
+    uint64_t waited; /* the newest value a stream of ours waits for */
+  } bw[GPUIPC__BWORDS_MAX];
+  int nbw;
+  bool bw_forced; /* the peer died: we wrote them */
   bool rx_unblocked;
   /* Event mode: the peer died while our streams waited on records of its
    * events that will never complete (a real driver does not let a later

@@ -238,6 +238,16 @@ bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt, uint32_t *slot) {
   return true;
 }
 
+bool gpuipc__lease_free_slots(const gpuipc__lease_table *lt, uint32_t n,
+                              uint32_t *slots) {
+  if (lt->tx_nfree < n)
+    return false;
+  /* From the top of the stack: gpuipc__lease_take_slot finds each first. */
+  for (uint32_t i = 0; i < n; i++)
+    slots[i] = lt->tx_free[lt->tx_nfree - 1 - i];
+  return true;
+}
+
 uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt) {
   if (lt->tx_seq + 1 >= GPUIPC__SEQ_LIMIT)
     return 0; /* a receiver would refuse it */
@@ -263,6 +273,7 @@ void gpuipc__lease_add(gpuipc__lease_table *lt, uint32_t slot,
   t->seq = seq;
   t->ordered = ordered;
   t->by_event = by_event;
+  t->rel_seq = 0; /* known at its release */
   lt->tx_out++;
   gpuipc__stats_lease_begin(lt->stats_slot, slot);
 }
@@ -271,6 +282,13 @@ void gpuipc__lease_last_write(const gpuipc__lease_table *lt, uint32_t slot,
                               uint64_t *seq, struct CUstream_st **stream) {
   *seq = lt->tx[slot].last_seq;
   *stream = lt->tx[slot].last_stream;
+}
+
+void gpuipc__lease_last_release(const gpuipc__lease_table *lt, uint32_t slot,
+                                uint32_t *word_slot, uint64_t *value) {
+  const gpuipc__txs *t = &lt->tx[slot];
+  *word_slot = t->rel_seq ? t->rel_slot : slot;
+  *value = t->rel_seq ? t->rel_seq : t->last_seq;
 }
 
 void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
@@ -340,7 +358,8 @@ size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
  * gpuipc_conn_buffer_wait, which needs this release's word (or, in event
  * mode, a local event that completes after the peer's release record).
  * Context current. */
-static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot) {
+static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot,
+                                    uint32_t wslot, uint64_t wseq) {
   gpuipc__txs *t = &lt->tx[slot];
   gpuipc_status s = GPUIPC_OK;
   struct CUevent_st *local = NULL;
@@ -385,7 +404,7 @@ static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot) {
       }
     }
     if (lt->nrel < lt->caprel)
-      lt->rel[lt->nrel++] = (gpuipc__relrec){t->buf, slot, t->seq, local};
+      lt->rel[lt->nrel++] = (gpuipc__relrec){t->buf, wslot, wseq, local};
     else if (local)
       GPUIPC__CU(cuEventDestroy, (CUevent)local);
   }
@@ -412,6 +431,29 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
     if (lt->tx[rel[i].slot].by_event && lt->tx[rel[i].slot].rel_ev == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u without its event", rel[i].slot);
+    if ((rel[i].flags & ~GPUIPC__REL_BY_NEXT) ||
+        ((rel[i].flags & GPUIPC__REL_BY_NEXT) &&
+         (i + 1 == n || !lt->tx[rel[i].slot].ordered ||
+          rel[i + 1].slot >= lt->nslots || !lt->tx[rel[i + 1].slot].ordered)))
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "release of slot %u: flags 0x%x refused (BY_NEXT "
+                          "only between two ordered leases, never last)",
+                          rel[i].slot, rel[i].flags);
+  }
+  /* The word that signals each release: its own, or that of the end of
+   * its chain of BY_NEXT entries. */
+  uint32_t wslot[GPUIPC__REL_MAX];
+  uint64_t wseq[GPUIPC__REL_MAX];
+  if (n > GPUIPC__REL_MAX)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "REL frame of %zu entries", n);
+  for (size_t i = n; i-- > 0;) {
+    bool chained = (rel[i].flags & GPUIPC__REL_BY_NEXT) != 0;
+    wslot[i] = chained ? wslot[i + 1] : rel[i].slot;
+    wseq[i] = chained ? wseq[i + 1] : rel[i].seq;
+    if (lt->tx[rel[i].slot].ordered) {
+      lt->tx[rel[i].slot].rel_slot = wslot[i];
+      lt->tx[rel[i].slot].rel_seq = wseq[i];
+    }
   }
   gpuipc__ctx_guard g;
   GPUIPC__CHECK(gpuipc__ctx_enter(&g, lt->ordinal));
@@ -422,7 +464,7 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
   while (i < n) {
     gpuipc__txs *t0 = &lt->tx[rel[i].slot];
     if (t0->buf) {
-      gpuipc_status bs = release_buffer(lt, rel[i].slot);
+      gpuipc_status bs = release_buffer(lt, rel[i].slot, wslot[i], wseq[i]);
       if (bs != GPUIPC_OK && s == GPUIPC_OK)
         s = bs;
       i++;
@@ -437,9 +479,11 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
       gpuipc__release *r = &rs[nb++];
       *r = (gpuipc__release){t->block, 0, 0, NULL, t->ordered || t->by_event};
       if (t->ordered) {
-        /* Reuse waits, on the GPU, for the consumer's release write. */
-        r->word = gpuipc__released_word(lt->ctl->ptr, lt->nslots, slot);
-        r->value = t->seq;
+        /* Reuse waits, on the GPU, for the consumer's release write (a
+         * chain's entries all for its end's: the arena queues that wait
+         * once). */
+        r->word = gpuipc__released_word(lt->ctl->ptr, lt->nslots, wslot[i]);
+        r->value = wseq[i];
       } else if (t->by_event) {
         /* The same with the consumer's release event; the wait captures
          * its record now, before the slot can be used again. */
@@ -588,10 +632,13 @@ static bool words_settled(gpuipc__lease_table *lt) {
             lt->ctl_arena, gpuipc__released_word(lt->ctl->ptr, lt->nslots, 0),
             lt->nslots, w) == GPUIPC_OK) {
       settled = true;
-      for (uint32_t s = 0; s < lt->nslots && settled; s++)
-        if (lt->tx[s].last_seq != 0 &&
-            (int64_t)(w[s] - lt->tx[s].last_seq) < 0)
+      for (uint32_t s = 0; s < lt->nslots && settled; s++) {
+        uint32_t ws;
+        uint64_t v;
+        gpuipc__lease_last_release(lt, s, &ws, &v);
+        if (lt->tx[s].last_seq != 0 && (int64_t)(w[ws] - v) < 0)
           settled = false;
+      }
     }
     gpuipc__ctx_leave(&g);
   }
@@ -776,6 +823,13 @@ static void watch_fire(struct gpuipc__watch *w) {
   if (rb && atomic_load(&w->rx_max) > 0)
     watch_write(atomic_load(&w->rx_ordinal), rb, atomic_load(&w->rx_nslots),
                 atomic_load(&w->rx_max));
+  /* The peer's broadcast words (it is dead: no consumer can be ahead of
+   * its work any more). */
+  for (int k = 0; rb && k < GPUIPC__BWORDS_MAX; k++) {
+    uint64_t a = atomic_load_explicit(&w->bw_addr[k], memory_order_acquire);
+    if (a)
+      watch_write(atomic_load(&w->rx_ordinal), a, 1, atomic_load(&w->bw_max[k]));
+  }
   uint64_t tb = atomic_load_explicit(&w->tx_base, memory_order_acquire);
   if (tb) {
     uint32_t n = atomic_load(&w->tx_nslots);

@@ -51,6 +51,8 @@ struct gpuipc__watch {
   _Atomic int rx_ordinal, tx_ordinal;
   _Atomic uint32_t rx_nslots, tx_nslots;
   _Atomic uint64_t rx_max, tx_seq;
+  /* The peer's broadcast words (see handoff.c) and their newest values. */
+  _Atomic uint64_t bw_addr[GPUIPC__BWORDS_MAX], bw_max[GPUIPC__BWORDS_MAX];
 };
 
 /* One slot (a flag-word pair). */
@@ -60,6 +62,12 @@ typedef struct gpuipc__txs {
   uint64_t seq;        /* its lease's sequence number */
   uint64_t last_seq;   /* last value written to the ready word */
   struct CUstream_st *last_stream; /* the stream that wrote it */
+  /* The word that signals the newest release of this slot's current or
+   * last lease: released[rel_slot] >= rel_seq (its own, or, for a release
+   * of a batch, that of a later slot of the batch); rel_seq 0: not known
+   * (then released[slot] >= last_seq). */
+  uint32_t rel_slot;
+  uint64_t rel_seq;
   bool ordered;
   bool by_event;          /* event mode */
   gpuipc_event *ready_ev; /* event mode: ours, recorded at send */
@@ -119,6 +127,9 @@ void gpuipc__lease_reap_orphans(void);
 /* A free slot for the next lease, or false when every slot is out. */
 bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt,
                              uint32_t *slot /* OUT */);
+/* n distinct free slots (not taken), or false when fewer are free. */
+bool gpuipc__lease_free_slots(const gpuipc__lease_table *lt, uint32_t n,
+                              uint32_t *slots /* OUT: n */);
 /* The next sequence number (used up by the call), or 0 when the
  * connection reached GPUIPC__SEQ_LIMIT. */
 uint64_t gpuipc__lease_new_seq(gpuipc__lease_table *lt);
@@ -133,6 +144,11 @@ void gpuipc__lease_add(gpuipc__lease_table *lt, uint32_t slot,
 void gpuipc__lease_last_write(const gpuipc__lease_table *lt, uint32_t slot,
                               uint64_t *seq /* OUT */,
                               struct CUstream_st **stream /* OUT */);
+/* The word and value that signal the release of slot's last lease (what a
+ * write of its ready word from another stream waits for first). */
+void gpuipc__lease_last_release(const gpuipc__lease_table *lt, uint32_t slot,
+                                uint32_t *word_slot /* OUT */,
+                                uint64_t *value /* OUT */);
 /* The ready word of slot was written with seq on stream. */
 void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
                            uint64_t seq, struct CUstream_st *stream);
@@ -148,7 +164,9 @@ bool gpuipc__lease_wants_release_event(const gpuipc__lease_table *lt,
 void gpuipc__lease_set_release_event(gpuipc__lease_table *lt, uint32_t slot,
                                      gpuipc_event *ev);
 /* A REL frame: the peer gave these back. A non-OK status is a protocol
- * violation (unknown slot or sequence number); nothing is applied then. */
+ * violation (unknown slot or sequence number, a bad flag); nothing is
+ * applied then. An entry flagged GPUIPC__REL_BY_NEXT is awaited on the
+ * word of the first later entry without the flag. */
 gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
                                      const gpuipc__w_rel *rel, size_t n);
 /* An ABANDON frame: the peer ends the connection and still holds only the

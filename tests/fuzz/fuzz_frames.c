@@ -1,7 +1,7 @@
 /*
  * fuzz_frames.c: libFuzzer target for the connection's frame decoder (and
- * the fast-path handlers behind it: CHUNK, CTL, BUF, BUFD, EVD, REL, BYE,
- * MSG). The peer completes a valid handshake, then sends the input as its
+ * the fast-path handlers behind it: CHUNK, CTL, BUF, BUFD, BUFS, BUFW,
+ * EVD, REL, BYE, MSG). The peer completes a valid handshake, then sends the input as its
  * byte stream; the connection is driven with zero timeouts until it stops.
  * It must end cleanly or keep working: no crash, no hang, no leaked memory
  * (LeakSanitizer) or descriptor.

@@ -107,7 +107,7 @@ def main():
 
 FRAME_MAGIC = 0x43504947
 F = dict(HELLO=1, ACCEPT=2, REFUSE=3, MSG=4, CHUNK=5, CTL=6, BUF=7, REL=8,
-         BYE=9, BUFD=10, EVD=11)
+         BYE=9, BUFD=10, EVD=11, ABANDON=12, BUFS=13, BUFW=14)
 
 
 def frame(type_, payload=b"", nfds=0, magic=FRAME_MAGIC, version=1,
@@ -138,6 +138,16 @@ def w_buf(seq=1, arena=1, off=0, length=256, slot=0, chunk=0, flags=1, meta=b"")
 
 def w_rel(seq=1, slot=0, flags=0):
     return struct.pack("<QII", seq, slot, flags)
+
+
+def w_bufs(entries, metas=b"", ready=None, flags=0, pad=0):
+    n = len(entries)
+    return (struct.pack("<IIII", n, n - 1 if ready is None else ready, flags,
+                        pad) + b"".join(entries) + metas)
+
+
+def w_word(arena=1, off=0, chunk=0, value=5, pad=0):
+    return struct.pack("<QQIIQ", arena, off, chunk, pad, value)
 
 
 def w_evd(slot=0, which=0, d=b""):
@@ -177,6 +187,25 @@ def frames_corpus():
         "real-then-buf-reused-slot": b"\xc0" + frame(F["BUF"], w_buf(seq=1, slot=0)),
         "real-then-buf-outside": b"\xc0" + frame(F["BUF"], w_buf(seq=3, slot=2, off=1 << 20)),
         "real-then-rel": b"\xc0" + frame(F["REL"], w_rel(1, 0)),
+        "real-then-rel-by-next": b"\xc0" + frame(F["REL"], w_rel(1, 0, 1)),
+        "real-then-buf-done": b"\xc0" + frame(F["BUF"], w_buf(seq=3, slot=2, off=8192, flags=9)),
+        "real-then-buf-done-unordered": b"\xc0" + frame(F["BUF"], w_buf(seq=3, slot=2, flags=8)),
+        "real-then-bufs": b"\xc0" + frame(F["BUFS"], w_bufs(
+            [w_buf(seq=3, slot=2, off=8192, meta=b"")[:44] + struct.pack("<I", 2),
+             w_buf(seq=4, slot=3, off=12288, flags=9)], metas=b"ab")),
+        "real-then-bufs-dup-slot": b"\xc0" + frame(F["BUFS"], w_bufs(
+            [w_buf(seq=3, slot=2), w_buf(seq=4, slot=2)])),
+        "real-then-bufs-second-outside": b"\xc0" + frame(F["BUFS"], w_bufs(
+            [w_buf(seq=3, slot=2), w_buf(seq=4, slot=3, off=1 << 20)])),
+        "real-then-bufs-count-0": b"\xc0" + frame(F["BUFS"], struct.pack("<IIII", 0, 0, 0, 0)),
+        "real-then-bufs-count-huge": b"\xc0" + frame(F["BUFS"], struct.pack("<IIII", 0xFFFFFFFF, 0xFFFFFFFE, 0, 0)),
+        "real-then-bufs-meta-short": b"\xc0" + frame(F["BUFS"], w_bufs(
+            [w_buf(seq=3, slot=2, meta=b"")[:44] + struct.pack("<I", 9)], metas=b"x")),
+        "real-then-bufw": b"\xc0" + frame(F["BUFW"], w_buf(seq=3, slot=2, off=8192) + w_word(off=64)),
+        "real-then-bufw-outside": b"\xc0" + frame(F["BUFW"], w_buf(seq=3, slot=2) + w_word(off=1 << 20)),
+        "real-then-bufw-misaligned": b"\xc0" + frame(F["BUFW"], w_buf(seq=3, slot=2) + w_word(off=3)),
+        "real-then-bufw-many-words": b"\xc0" + b"".join(
+            frame(F["BUFW"], w_buf(seq=3 + i, slot=2 + i) + w_word(off=8 * i)) for i in range(9)),
         "real-then-ctl-again": b"\xc0" + ctl,
         "real-then-bye": b"\xc0" + frame(F["BYE"]),
         "msg-open-partial": b"\x40" + frame(F["MSG"], b"partial")[:12],
