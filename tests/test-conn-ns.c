@@ -1038,3 +1038,35 @@ TEST_IMPL(ns_hostile_table_truncated) {
   ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }
+
+/* A peer of another protocol version is refused (GPUIPC_E_BAD_VERSION)
+ * with both numbers, not
+ * misread (a version-1 peer would take a buffer sent without signals for
+ * an ordered one and wait for ever). Needs no namespace. */
+TEST_IMPL(conn_refuses_another_protocol_version) {
+  static const uint32_t versions[] = {1, GPUIPC__PROTO_VERSION + 1};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(versions); i++) {
+    int sv[2];
+    ASSERT_OK(gpuipc_conn_pair(sv));
+    gpuipc__hello me;
+    memset(&me, 0, sizeof me);
+    me.proto = versions[i];
+    me.pid = getpid();
+    me.uid = geteuid();
+    me.gid = getegid();
+    me.max_outstanding = 16;
+    me.start_time = gpuipc__process_start_time(getpid());
+    ASSERT_OK(gpuipc__boot_id(me.boot_id));
+    raw_frame(sv[1], GPUIPC__F_HELLO, &me, sizeof me, NULL, 0);
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.timeout_ms = 5000;
+    gpuipc_conn *c = NULL;
+    ASSERT_STATUS(gpuipc_conn_from_fd(sv[0], &o, &c), GPUIPC_E_BAD_VERSION);
+    ASSERT_NULL(c);
+    char want[64];
+    snprintf(want, sizeof want, "protocol version %u", versions[i]);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), want);
+    close(sv[1]);
+  }
+  return 0;
+}

@@ -27,7 +27,12 @@
 #define GPUIPC__FRAME_VERSION 1
 #define GPUIPC__FRAME_MAX (GPUIPC_CONN_MSG_MAX + 1024)
 #define GPUIPC__FRAME_FDS_MAX 16
-#define GPUIPC__PROTO_VERSION 1
+/* 2: batches (BUFS), broadcast (BUFW), sends without signals (BUF DONE),
+ * releases signalled by the next (REL BY_NEXT), the HELLO's pid namespace
+ * and the LIVE frame. A peer of version 1 would take a DONE buffer for an
+ * ordered one and wait for a signal that never comes: versions must match,
+ * and a peer of another one is refused with both numbers. */
+#define GPUIPC__PROTO_VERSION 2
 
 enum {
   GPUIPC__F_HELLO = 1,  /* handshake: who I am */

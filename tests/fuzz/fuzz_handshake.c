@@ -10,8 +10,8 @@
  *
  * Each input runs twice: as it is, and with its first frame made to look
  * right where a checksum-like field would stop every mutation (header
- * check; the HELLO's pid, uid and gid set to this process's, which the
- * kernel's credentials must match). The second pass also sends
+ * check; the HELLO's protocol version set to ours, its pid, uid and gid
+ * to this process's, which the kernel's credentials must match). The second pass also sends
  * descriptors, for a LIVE frame (see live_fds).
  */
 #include "fuzz_conn.h"
@@ -166,6 +166,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   live_split(copy, size, &first, &end);
   fuzz_fix_checks(copy, end); /* not the table's bytes after a LIVE frame */
   const size_t id_off = sizeof(gpuipc__frame_hdr) + 8; /* pid, uid, gid */
+  if (size >= sizeof(gpuipc__frame_hdr) + 4) {
+    uint32_t proto = GPUIPC__PROTO_VERSION;
+    memcpy(copy + sizeof(gpuipc__frame_hdr), &proto, 4);
+  }
   if (size >= id_off + 12) {
     int32_t pid = getpid();
     uint32_t uid = geteuid(), gid = getegid();

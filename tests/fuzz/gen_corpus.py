@@ -118,7 +118,7 @@ def frame(type_, payload=b"", nfds=0, magic=FRAME_MAGIC, version=1,
     return struct.pack("<IBBHII", magic, version, type_, nfds, n, check) + payload
 
 
-def hello(pid=4242, uid=1000, gid=1000, proto=1, max_outstanding=256):
+def hello(pid=4242, uid=1000, gid=1000, proto=2, max_outstanding=256):
     return struct.pack("<IIiIIIQ16s", proto, 0, pid, uid, gid,
                        max_outstanding, 123456, bytes([0xB0] * 16))
 
@@ -250,7 +250,8 @@ def handshake_corpus():
         "refuse-first": frame(F["REFUSE"], b"go away"),
         "hello-short": frame(F["HELLO"], hello()[:20]),
         "hello-long": frame(F["HELLO"], hello() + bytes(64)) + acc,
-        "hello-proto-2": frame(F["HELLO"], hello(proto=2)) + acc,
+        "hello-proto-1": frame(F["HELLO"], hello(proto=1)) + acc,
+        "hello-proto-3": frame(F["HELLO"], hello(proto=3)) + acc,
         "hello-max-out-0": frame(F["HELLO"], hello(max_outstanding=0)) + acc,
         "hello-max-out-huge": frame(F["HELLO"], hello(max_outstanding=0xFFFFFFFF)) + acc,
         "hello-513": frame(F["HELLO"], bytes(513)),
