@@ -262,6 +262,8 @@ PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_conn_pair(PyObject *m, PyObject *u);
 PyObject *mod_spawn_connection(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_release_batch(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw);
 
 /* arena.c */
 BlockObject *block_find(void *p, size_t n);
