@@ -134,6 +134,7 @@ def batch_echo(conn, n, max=64):
         rxs = conn.recv_batch(max, timeout=60)
         got += len(rxs)
         gpuipc.release_batch(rxs)
+        del rxs  # released, and gone
     _report(conn, got=got, counters=gpuipc._gpuipc.counters())
     conn.recv_msg(timeout=30)
 
@@ -168,3 +169,14 @@ def batch_producer(conn, plan):
         conn.progress(0.05)
     _report(conn, leases=a.stats()["leases"], blocks=a.stats()["blocks_allocated"])
     conn.recv_msg(timeout=30)
+
+
+def sender_batches(conn, n, k):
+    """Sends n blocks in batches of k, block i with meta b"%d" % i."""
+    a = gpuipc.Arena(chunk_bytes=1 << 20)
+    blocks = [a.alloc(256) for _ in range(2 * k)]
+    for i in range(0, n, k):
+        m = min(k, n - i)
+        half = (i // k) % 2 * k
+        conn.send_batch(blocks[half:half + m], metas=[b"%d" % (i + j) for j in range(m)])
+    conn.recv_msg(timeout=60)
