@@ -180,3 +180,18 @@ def sender_batches(conn, n, k):
         half = (i // k) % 2 * k
         conn.send_batch(blocks[half:half + m], metas=[b"%d" % (i + j) for j in range(m)])
     conn.recv_msg(timeout=60)
+
+
+def release_one_later(conn, n, delay):
+    """Receives n buffers and keeps them (its connection then has no free
+    slot at the producer), says so, releases one after delay seconds, then
+    receives one more and reports its meta."""
+    held = [conn.recv(timeout=30) for _ in range(n)]
+    _report(conn, holding=len(held))
+    time.sleep(delay)
+    held.pop(0).release()
+    rx = conn.recv(timeout=30)
+    _report(conn, meta=rx.meta.hex())
+    rx.release()
+    gpuipc.release_batch(held)
+    conn.recv_msg(timeout=30)

@@ -372,3 +372,68 @@ def test_no_leak_receiving_batches():
         assert calls < n  # batches were taken together
         p.conn.send_msg(b"go")
         assert p.join(60) == 0
+
+
+def counting_while(fn, seconds=0.3):
+    """Runs fn in a thread; counts in this one meanwhile. -> (result, count
+    over `seconds`, whether fn was still running then)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["r"] = fn()
+        except BaseException as e:  # noqa: BLE001 reported to the caller
+            out["e"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.05)
+    count, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        count += 1
+    running = t.is_alive()
+    return t, out, count, running
+
+
+def test_recv_batch_waits_without_the_gil():
+    with gpuipc.spawn(peers.batch_producer, [3]) as p:
+        t, out, count, running = counting_while(lambda: p.conn.recv_batch(8, timeout=20))
+        assert running, out
+        # Holding the GIL the whole wait would leave the loop nearly frozen.
+        assert count > 10000, count
+        p.conn.send_msg(b"next")
+        t.join(20)
+        rxs = out["r"]
+        while len(rxs) < 3:
+            rxs += p.conn.recv_batch(8, timeout=20)
+        assert [rx.meta for rx in rxs] == [b"0", b"1", b"2"]
+        gpuipc.release_batch(rxs)
+        p.conn.send_msg(b"done")
+        assert report(p.conn) == {"leases": 0, "blocks": 0}
+        p.conn.send_msg(b"go")
+        assert p.join(30) == 0
+
+
+def test_broadcast_waits_for_a_slot_without_the_gil(arena):
+    """A full connection gets the broadcast once its peer releases a
+    buffer; meanwhile other threads run."""
+    n = 256
+    with gpuipc.spawn(peers.release_one_later, n, 1.0) as p:
+        blocks = [arena.alloc(64) for _ in range(64)]
+        for i in range(n):
+            p.conn.send(blocks[i % 64])
+        assert report(p.conn) == {"holding": n}
+        b = arena.alloc(64)
+        t0 = time.monotonic()
+        t, out, count, running = counting_while(
+            lambda: gpuipc.broadcast([p.conn], b, meta=b"late", timeout=20))
+        assert running, out
+        assert count > 10000, count
+        t.join(20)
+        assert out.get("r") == [None], out
+        assert time.monotonic() - t0 >= 0.9  # it waited for the release
+        assert report(p.conn) == {"meta": b"late".hex()}
+        assert settle(p.conn, lambda: arena.stats()["leases"] == 0)
+        p.conn.send_msg(b"go")
+        assert p.join(30) == 0
