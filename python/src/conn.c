@@ -7,7 +7,8 @@
  * released it, or, after the connection closed, until the peer process is
  * gone. Batches (send_batch, recv_batch, release_batch) and broadcast
  * carry arena blocks only, so that each stays one library call: all or
- * nothing for a batch, one signal for a broadcast.
+ * nothing for a batch, one ready signal for the connections of a
+ * broadcast that are ready (one that is not gets its own when it is).
  */
 #include "ext.h"
 
@@ -827,9 +828,16 @@ PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
   int tmo = 0, have_tmo = tmo_o != NULL;
   if (parse_stream(stream_o, &stream) < 0 || (have_tmo && parse_timeout(tmo_o, 0, &tmo) < 0))
     return NULL;
-  PyObject *seq = PySequence_Fast(conns_o, "broadcast: conns must be a sequence of "
-                                  "Connections");
-  if (!seq) return NULL;
+  /* A tuple of them: the caller's list may change while this call waits
+   * without the GIL. */
+  PyObject *seq = PySequence_Tuple(conns_o);
+  if (!seq) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_TypeError, "broadcast: conns must be a sequence of Connections");
+    }
+    return NULL;
+  }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   ConnObject **cs = (ConnObject **)PySequence_Fast_ITEMS(seq);
   PyObject *list = NULL, *ret = NULL;
@@ -1390,8 +1398,9 @@ PyTypeObject ReceivedType = {
     .tp_dealloc = (destructor)Rx_dealloc,
     .tp_repr = (reprfunc)Rx_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A buffer received from a peer; released when released explicitly, when "
-              "its context ends, or when the last view of it is gone.",
+    .tp_doc = "A buffer received from a peer; released when released explicitly "
+              "(release(), gpuipc.release_batch), when its context ends, or when the last "
+              "view of it is gone.",
     .tp_methods = Rx_methods,
     .tp_getset = Rx_getset,
 };
