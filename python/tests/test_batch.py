@@ -114,6 +114,11 @@ def test_send_batch_is_all_or_nothing(arena):
         # the library says so, and nothing went
         with pytest.raises(gpuipc.InvalidArgError, match="bytes"):
             p.conn.send_batch([good[0]] * 256, metas=[b"m" * 200] * 256)
+        # more than the connection's slots (max_outstanding 256) at once
+        many = [arena.alloc(64) for _ in range(300)]
+        with pytest.raises(gpuipc.InvalidArgError, match="slots"):
+            p.conn.send_batch(many)
+        del many
         p.conn.send_batch([], metas=[])  # nothing to send
         assert p.conn.outstanding() == (0, 0) and arena.stats()["leases"] == 0
         assert all(b.holders == 0 for b in good)
@@ -298,6 +303,10 @@ def test_broadcast_waits_for_a_slot_up_to_the_timeout(arena):
         assert "conns[0] not ready" in str(res[0])
         assert report(other.conn)["nbytes"] == 64
         assert holder.conn.outstanding()[0] == n  # nothing more went to the holder
+        # a batch waits for free slots up to its timeout, then sends nothing
+        with pytest.raises(gpuipc.TimeoutError):
+            holder.conn.send_batch([b, blocks[0]], timeout=0.2)
+        assert holder.conn.outstanding()[0] == n
         other.conn.send_msg(b"go")
         assert other.join(30) == 0
     finally:
