@@ -360,7 +360,11 @@ static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stre
   meta_decode(rx->meta, rx->meta_len, rx->length, &r->meta, &u, &ul);
   r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
   g_count.live_received++;
-  if (!r->user) { Py_DECREF(r); return NULL; } /* released by its dealloc */
+  if (!r->user) {
+    if (!release_on_fail) r->held = 0; /* the caller's to release */
+    Py_DECREF(r); /* else released by its dealloc */
+    return NULL;
+  }
   return (PyObject *)r;
 }
 

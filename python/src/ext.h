@@ -9,7 +9,7 @@
  *             views (CUDA Array Interface v3, DLPack capsules), reading
  *             foreign arrays (torch, CuPy, cuda.core objects)
  *   conn.c    Listener, Connection, Received; buffers kept while peers
- *             hold them
+ *             hold them; batches and broadcast
  *   arena.c   Arena, Block, and the registry of live blocks
  *   buffer.c  Pool, Buffer, share/open, Event
  *   proc.c    Child: the spawn helper

@@ -366,7 +366,8 @@ static PyMethodDef mod_methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))mod_broadcast, METH_VARARGS | METH_KEYWORDS,
      "broadcast(conns, block, *, stream=None, meta=None, timeout=...) -> list: send one "
      "arena block (a Block, or an array inside one) to every connection as one "
-     "operation (one ready signal for all), each peer holding its own lease. Returns, "
+     "operation (one ready signal for those ready), each peer holding its own lease. "
+     "Returns, "
      "per connection, None (sent) or the gpuipc.Error it failed with (PeerGoneError, "
      "TimeoutError, ClosedError...): a failing connection does not stop the others. A "
      "connection not ready (no free slot) is waited for, up to timeout (default: its "
