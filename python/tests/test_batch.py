@@ -238,6 +238,7 @@ def test_broadcast_to_three_one_killed_beforehand(arena):
         assert isinstance(res[1], gpuipc.PeerGoneError), res
         assert isinstance(res[1], gpuipc.Error) and res[1].status_name == "GPUIPC_E_PEER_GONE"
         assert "conns[1]" in str(res[1])
+        b.free()  # back to the arena once both peers released it
         for i in (0, 2):
             r = report(procs[i].conn)
             assert r["shape"] == [8, 8] and r["dtype"] == "float32"
@@ -247,6 +248,7 @@ def test_broadcast_to_three_one_killed_beforehand(arena):
             procs[2].conn.progress(0)
             return arena.stats()["leases"] == 0
         assert settle(procs[0].conn, back)
+        assert arena.stats()["blocks_allocated"] == 0
         for i in (0, 2):
             procs[i].conn.send_msg(b"go")
             assert procs[i].join(30) == 0
