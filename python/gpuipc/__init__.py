@@ -13,8 +13,11 @@ The objects mirror the C API (include/gpuipc.h): Listener, Connection,
 Arena, Block, Pool, Buffer, Event, Received; tensor sets (many named
 tensors as one versioned object) are TensorSet and its Subscriber. Errors are gpuipc.Error
 subclasses named after the status codes (TimeoutError, PeerGoneError, ...).
-Every call that may wait releases the GIL and takes ``timeout=`` in seconds
-(None: forever).
+Many buffers go as one operation with Connection.send_batch, recv_batch
+and gpuipc.release_batch (all or nothing), and one block to many
+connections with gpuipc.broadcast (a result per connection). Every call
+that may wait releases the GIL and takes ``timeout=`` in seconds (None:
+forever).
 """
 from . import _gpuipc
 from ._gpuipc import *  # noqa: F401,F403  the objects, functions and errors
@@ -41,5 +44,6 @@ __all__ = [
     "Arena", "Block", "Buffer", "Child", "Connection", "Error", "Event", "Listener",
     "Pool", "Process", "Received", "Shared", "connect", "conn_pair", "device_count",
     "device_uuid", "empty", "from_fd", "init", "listen", "open", "share", "spawn",
+    "broadcast", "release_batch", "BATCH_MAX", "BATCH_BYTES_MAX", "BROADCAST_MAX",
     "spawn_workers", "version", "TensorSet", "Subscriber", "Version",
 ]

@@ -5,7 +5,10 @@
  * tensor, a CuPy array) is wrapped (gpuipc_buffer_wrap) per send; the
  * wrapper and the Python object owning the memory are kept until the peer
  * released it, or, after the connection closed, until the peer process is
- * gone.
+ * gone. Batches (send_batch, recv_batch, release_batch) and broadcast
+ * carry arena blocks only, so that each stays one library call: all or
+ * nothing for a batch, one ready signal for the connections of a
+ * broadcast that are ready (one that is not gets its own when it is).
  */
 #include "ext.h"
 
@@ -323,10 +326,47 @@ typedef struct {
   int device;
   uintptr_t stream;
   int held;
+  int mark; /* release_batch: named in the list being checked */
   ArrMeta meta;
   PyObject *user; /* bytes */
 } ReceivedObject;
 
+
+/* A Received for what gpuipc_conn_recv(_batch) handed over on stream.
+ * On failure (out of memory) the lease is released here when
+ * release_on_fail is set, else left to the caller. */
+static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stream,
+                        int release_on_fail) {
+  ReceivedObject *r = PyObject_New(ReceivedObject, &ReceivedType);
+  if (!r) {
+    if (release_on_fail) {
+      LOCK();
+      if (c->c) gpuipc_conn_release(c->c, rx->id, S(stream));
+      UNLOCK();
+    }
+    return NULL;
+  }
+  Py_INCREF(c);
+  r->conn = c;
+  r->id = rx->id;
+  r->ptr = rx->ptr;
+  r->length = rx->length;
+  r->device = rx->device;
+  r->stream = stream;
+  r->held = 1;
+  r->mark = 0;
+  const uint8_t *u;
+  size_t ul;
+  meta_decode(rx->meta, rx->meta_len, rx->length, &r->meta, &u, &ul);
+  r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
+  g_count.live_received++;
+  if (!r->user) {
+    if (!release_on_fail) r->held = 0; /* the caller's to release */
+    Py_DECREF(r); /* else released by its dealloc */
+    return NULL;
+  }
+  return (PyObject *)r;
+}
 
 typedef struct {
   uintptr_t stream;
@@ -351,28 +391,632 @@ static PyObject *Conn_recv(ConnObject *c, PyObject *args, PyObject *kw) {
   gpuipc_status st;
   if (conn_run(c, tmo, 0, op_recv, &x, &st) < 0) return NULL;
   if (st != GPUIPC_OK) return conn_status(st, "recv", tmo);
-  ReceivedObject *r = PyObject_New(ReceivedObject, &ReceivedType);
-  if (!r) {
-    LOCK();
-    if (c->c) gpuipc_conn_release(c->c, x.rx.id, S(x.stream));
-    UNLOCK();
+  return rx_new(c, &x.rx, x.stream, 1);
+}
+
+/* --- batches and broadcast ------------------------------------------------ */
+
+/* One buffer of a batch or a broadcast: an arena Block, or an array whose
+ * memory lies in a live Block of this process (found as conn.send finds
+ * it). Other memory has no place in them: a wrapped buffer goes by
+ * descriptor, one frame and one signal of its own, which would break the
+ * batch's all-or-nothing promise. */
+typedef struct {
+  BlockObject *blk; /* strong reference */
+  ArrMeta meta;     /* the array, offset from the block's start */
+  uintptr_t from;   /* the stream its data is ordered on */
+  int has_from;
+} ArenaItem;
+
+/* The pending TypeError/ValueError again, with "where: " in front (other
+ * exceptions, gpuipc's own with their status, pass unchanged). */
+static void item_error(const char *where) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *exc = PyErr_GetRaisedException();
+#else
+  PyObject *t, *exc, *tb;
+  PyErr_Fetch(&t, &exc, &tb);
+  PyErr_NormalizeException(&t, &exc, &tb);
+#endif
+  PyObject *et = exc ? (PyObject *)Py_TYPE(exc) : NULL;
+  PyObject *m = NULL;
+  if (et && !PyObject_IsSubclass(et, ErrorBase) &&
+      (PyErr_GivenExceptionMatches(et, PyExc_TypeError) ||
+       PyErr_GivenExceptionMatches(et, PyExc_ValueError)))
+    m = PyObject_Str(exc);
+  if (m) {
+    PyErr_Format(et, "%s: %U", where, m);
+    Py_DECREF(m);
+#if PY_VERSION_HEX >= 0x030C0000
+    Py_DECREF(exc);
+#else
+    Py_XDECREF(t);
+    Py_XDECREF(exc);
+    Py_XDECREF(tb);
+#endif
+    return;
+  }
+  PyErr_Clear();
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(exc);
+#else
+  PyErr_Restore(t, exc, tb);
+#endif
+}
+
+/* Finds the arena block under obj (where: "send_batch: item 3" for the
+ * messages). 0, or -1 with an exception. */
+static int arena_item(PyObject *obj, uintptr_t stream, const char *where, ArenaItem *it) {
+  memset(it, 0, sizeof *it);
+  if (Py_TYPE(obj) == &BlockType) {
+    BlockObject *b = (BlockObject *)obj;
+    if (!b->b) {
+      raise_msg(GPUIPC_E_INVALID_ARG, where, "block was freed");
+      return -1;
+    }
+    Py_INCREF(b);
+    it->blk = b;
+    it->meta = b->meta;
+    it->from = b->stream;
+    it->has_from = 1;
+    return 0;
+  }
+  if (Py_TYPE(obj) == &BufferType) {
+    PyErr_Format(PyExc_TypeError, "%s is a Buffer, not arena memory: batches and "
+                 "broadcasts carry arena blocks only (send it with conn.send)", where);
+    return -1;
+  }
+  Foreign f;
+  if (foreign_get(obj, stream, &f) < 0) {
+    item_error(where);
+    return -1;
+  }
+  int rc = -1;
+  BlockObject *b = f.nbytes ? block_find(f.ptr, f.nbytes) : NULL;
+  if (f.nbytes == 0) {
+    PyErr_Format(PyExc_ValueError, "%s: an empty array has no memory to send", where);
+  } else if (!b) {
+    PyErr_Format(PyExc_TypeError, "%s (%.80s) is not arena memory (a Block, or an array "
+                 "inside one): batches and broadcasts carry arena blocks only (send it "
+                 "with conn.send)", where, Py_TYPE(obj)->tp_name);
+  } else {
+    Py_INCREF(b);
+    it->blk = b;
+    it->meta = f.meta;
+    it->meta.offset = (uint64_t)((char *)f.ptr - (char *)b->ptr);
+    it->from = f.stream;
+    it->has_from = f.has_stream;
+    rc = 0;
+  }
+  Py_XDECREF(f.owner);
+  return rc;
+}
+
+/* Orders `stream` after the stream of each item (each distinct one once). */
+static int order_items(const ArenaItem *it, size_t n, uintptr_t stream) {
+  for (size_t i = 0; i < n; i++) {
+    if (!it[i].has_from || it[i].from == stream) continue;
+    size_t k = 0;
+    while (k < i && !(it[k].has_from && it[k].from == it[i].from &&
+                      it[k].blk->device == it[i].blk->device))
+      k++;
+    if (k == i && order_streams(it[i].blk->device, it[i].from, stream) < 0) return -1;
+  }
+  return 0;
+}
+
+/* The exception raise_msg raises, as an object (a result in a list). */
+static PyObject *exc_obj(gpuipc_status st, const char *what, const char *detail) {
+  raise_msg(st, what, detail);
+#if PY_VERSION_HEX >= 0x030C0000
+  return PyErr_GetRaisedException();
+#else
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (v && tb) PyException_SetTraceback(v, tb);
+  Py_XDECREF(t);
+  Py_XDECREF(tb);
+  return v;
+#endif
+}
+
+typedef struct {
+  ArenaItem *it;
+  gpuipc_block **blocks;
+  const void **metas;
+  size_t *lens;
+  size_t n;
+  uintptr_t stream;
+  Py_ssize_t freed; /* an item whose block was freed while the call waited */
+} BatchCtx;
+
+static gpuipc_status op_send_batch(ConnObject *c, void *v) {
+  BatchCtx *x = v;
+  /* Another thread may free a block while this call waits (with neither
+   * the GIL nor the lock): looked at again before each try. */
+  for (size_t i = 0; i < x->n; i++) {
+    if (!x->it[i].blk->b) {
+      x->freed = (Py_ssize_t)i;
+      return GPUIPC_E_INVALID_ARG;
+    }
+    x->blocks[i] = x->it[i].blk->b;
+  }
+  return gpuipc_conn_send_batch(c->c, x->blocks, x->n, S(x->stream), x->metas, x->lens);
+}
+
+static PyObject *Conn_send_batch(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"objs", "stream", "metas", "timeout", NULL};
+  PyObject *objs, *stream_o = Py_None, *metas_o = Py_None, *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO", kwl, &objs, &stream_o, &metas_o, &tmo_o))
+    return NULL;
+  if (!conn_ok(c)) return NULL;
+  uintptr_t stream;
+  int tmo;
+  if (parse_stream(stream_o, &stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+    return NULL;
+  PyObject *seq = PySequence_Fast(objs, "send_batch: objs must be a sequence of arena "
+                                  "blocks (or arrays inside them)");
+  if (!seq) return NULL;
+  PyObject *mseq = NULL, *ret = NULL;
+  BatchCtx x = {0};
+  x.freed = -1;
+  x.stream = stream;
+  uint8_t *wire = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), done = 0;
+  if (n == 0) { /* nothing to send */
+    ret = Py_None;
+    Py_INCREF(ret);
+    goto out;
+  }
+  if (n > GPUIPC_BATCH_MAX) {
+    PyErr_Format(PyExc_ValueError, "send_batch: %zd buffers, at most %d in one batch", n,
+                 GPUIPC_BATCH_MAX);
+    goto out;
+  }
+  if (metas_o != Py_None) {
+    mseq = PySequence_Fast(metas_o, "send_batch: metas must be a sequence (one bytes "
+                           "object or None per buffer)");
+    if (!mseq) goto out;
+    if (PySequence_Fast_GET_SIZE(mseq) != n) {
+      PyErr_Format(PyExc_ValueError, "send_batch: %zd metas for %zd buffers",
+                   PySequence_Fast_GET_SIZE(mseq), n);
+      goto out;
+    }
+  }
+  x.n = (size_t)n;
+  x.it = PyMem_Calloc(x.n, sizeof *x.it);
+  x.blocks = PyMem_Calloc(x.n, sizeof *x.blocks);
+  x.metas = PyMem_Calloc(x.n, sizeof *x.metas);
+  x.lens = PyMem_Calloc(x.n, sizeof *x.lens);
+  wire = PyMem_Malloc(x.n * GPUIPC_META_MAX);
+  if (!x.it || !x.blocks || !x.metas || !x.lens || !wire) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  for (; done < n; done++) {
+    char where[64];
+    snprintf(where, sizeof where, "send_batch: item %zd", done);
+    if (arena_item(PySequence_Fast_GET_ITEM(seq, done), stream, where, &x.it[done]) < 0)
+      goto out;
+    Py_buffer um;
+    if (get_user_meta(mseq ? PySequence_Fast_GET_ITEM(mseq, done) : NULL, &um) < 0) {
+      item_error(where);
+      goto out;
+    }
+    uint8_t *w = wire + (size_t)done * GPUIPC_META_MAX;
+    int rc = meta_encode(&x.it[done].meta, um.buf, um.len, w, &x.lens[done]);
+    if (um.obj) PyBuffer_Release(&um);
+    if (rc < 0) {
+      item_error(where);
+      goto out;
+    }
+    x.metas[done] = w;
+  }
+  if (order_items(x.it, x.n, stream) < 0) goto out;
+  gpuipc_status st;
+  if (conn_run(c, tmo, 1, op_send_batch, &x, &st) < 0) goto out;
+  if (x.freed >= 0) {
+    char d[80];
+    snprintf(d, sizeof d, "item %zd: its block was freed meanwhile", x.freed);
+    raise_msg(GPUIPC_E_INVALID_ARG, "send_batch", d);
+    goto out;
+  }
+  if (st != GPUIPC_OK) { conn_status(st, "send_batch", tmo); goto out; }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  for (size_t i = 0; x.it && i < x.n; i++) Py_XDECREF(x.it[i].blk);
+  PyMem_Free(x.it);
+  PyMem_Free(x.blocks);
+  PyMem_Free(x.metas);
+  PyMem_Free(x.lens);
+  PyMem_Free(wire);
+  Py_XDECREF(mseq);
+  Py_DECREF(seq);
+  return ret;
+}
+
+typedef struct {
+  uintptr_t stream;
+  gpuipc_received *rx;
+  size_t max, n;
+} RecvBatchCtx;
+
+static gpuipc_status op_recv_batch(ConnObject *c, void *v) {
+  RecvBatchCtx *x = v;
+  return gpuipc_conn_recv_batch(c->c, S(x->stream), x->rx, x->max, &x->n);
+}
+
+static PyObject *Conn_recv_batch(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"max", "stream", "timeout", NULL};
+  Py_ssize_t max;
+  PyObject *stream_o = Py_None, *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "n|$OO", kwl, &max, &stream_o, &tmo_o))
+    return NULL;
+  if (max < 1) {
+    PyErr_Format(PyExc_ValueError, "recv_batch: max must be >= 1, not %zd", max);
     return NULL;
   }
-  Py_INCREF(c);
-  r->conn = c;
-  r->id = x.rx.id;
-  r->ptr = x.rx.ptr;
-  r->length = x.rx.length;
-  r->device = x.rx.device;
-  r->stream = x.stream;
-  r->held = 1;
-  const uint8_t *u;
-  size_t ul;
-  meta_decode(x.rx.meta, x.rx.meta_len, x.rx.length, &r->meta, &u, &ul);
-  r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
-  g_count.live_received++;
-  if (!r->user) { Py_DECREF(r); return NULL; }
-  return (PyObject *)r;
+  RecvBatchCtx x = {0};
+  int tmo;
+  if (parse_stream(stream_o, &x.stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+    return NULL;
+  if (!conn_ok(c)) return NULL;
+  /* No more can be queued than a peer may have outstanding (at most 65536). */
+  x.max = max > 65536 ? 65536 : (size_t)max;
+  x.rx = PyMem_Malloc(x.max * sizeof *x.rx);
+  if (!x.rx) return PyErr_NoMemory();
+  for (size_t i = 0; i < x.max; i++) x.rx[i].size = sizeof x.rx[i];
+  PyObject *list = NULL;
+  gpuipc_status st;
+  if (conn_run(c, tmo, 0, op_recv_batch, &x, &st) < 0) goto out;
+  if (st != GPUIPC_OK) { conn_status(st, "recv_batch", tmo); goto out; }
+  list = PyList_New((Py_ssize_t)x.n);
+  size_t i = 0;
+  for (; list && i < x.n; i++) {
+    PyObject *r = rx_new(c, &x.rx[i], x.stream, 0);
+    if (!r) break;
+    PyList_SET_ITEM(list, (Py_ssize_t)i, r);
+  }
+  if (i < x.n) {
+    /* Out of memory: what has no Received yet goes back here, those made
+     * go with the list. */
+    uint64_t ids[GPUIPC_BATCH_MAX];
+    LOCK();
+    while (c->c && i < x.n) {
+      size_t k = 0;
+      for (; k < GPUIPC_BATCH_MAX && i < x.n; k++, i++) ids[k] = x.rx[i].id;
+      gpuipc_conn_release_batch(c->c, ids, k, S(x.stream));
+    }
+    UNLOCK();
+    Py_CLEAR(list);
+  }
+out:
+  PyMem_Free(x.rx);
+  return list;
+}
+
+/* release_batch of a sequence of Received (only: those of this connection
+ * alone, or NULL for any). Everything is checked before anything is
+ * released; then each connection's buffers go in one
+ * gpuipc_conn_release_batch per GPUIPC_BATCH_MAX of them. stream_o NULL:
+ * each buffer's own receive stream, as Received.release(). */
+static PyObject *release_list(PyObject *items, PyObject *stream_o, ConnObject *only,
+                              const char *what) {
+  uintptr_t stream = 0;
+  if (stream_o && parse_stream(stream_o, &stream) < 0) return NULL;
+  PyObject *seq = PySequence_Fast(items, "release_batch: give a sequence of Received");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), marked = 0;
+  PyObject **v = PySequence_Fast_ITEMS(seq);
+  PyObject *ret = NULL;
+  Py_ssize_t *ord = NULL;
+  char *taken = NULL;
+  /* 1: every item checked (marks find one named twice) */
+  for (; marked < n; marked++) {
+    if (Py_TYPE(v[marked]) != &ReceivedType) {
+      PyErr_Format(PyExc_TypeError, "%s: item %zd is not a Received (%.80s); nothing "
+                   "was released", what, marked, Py_TYPE(v[marked])->tp_name);
+      goto out;
+    }
+    ReceivedObject *r = (ReceivedObject *)v[marked];
+    if (!r->held) {
+      PyErr_Format(PyExc_ValueError, "%s: item %zd was released already; nothing was "
+                   "released", what, marked);
+      goto out;
+    }
+    if (only && r->conn != only) {
+      PyErr_Format(PyExc_ValueError, "%s: item %zd came over another connection; "
+                   "nothing was released", what, marked);
+      goto out;
+    }
+    if (r->mark) {
+      PyErr_Format(PyExc_ValueError, "%s: item %zd is item %d again; nothing was "
+                   "released", what, marked, r->mark - 1);
+      goto out;
+    }
+    r->mark = (int)marked + 1;
+  }
+  if (n == 0) {
+    ret = Py_None;
+    Py_INCREF(ret);
+    goto out;
+  }
+  /* 2: the items of each connection together, in the order of the list */
+  ord = PyMem_Malloc((size_t)n * sizeof *ord);
+  taken = PyMem_Calloc((size_t)n, 1);
+  if (!ord || !taken) { PyErr_NoMemory(); goto out; }
+  Py_ssize_t k = 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (taken[i]) continue;
+    ConnObject *c = ((ReceivedObject *)v[i])->conn;
+    for (Py_ssize_t j = i; j < n; j++)
+      if (!taken[j] && ((ReceivedObject *)v[j])->conn == c) {
+        taken[j] = 1;
+        ord[k++] = j;
+      }
+  }
+  /* 3: by default each group goes on its first buffer's stream, after the
+   * work queued on the others' (what each Received.release() would wait
+   * for) */
+  if (!stream_o) {
+    for (Py_ssize_t g = 0; g < n;) {
+      ReceivedObject *r0 = (ReceivedObject *)v[ord[g]];
+      Py_ssize_t e = g + 1;
+      while (e < n && ((ReceivedObject *)v[ord[e]])->conn == r0->conn) e++;
+      for (Py_ssize_t i = g + 1; i < e; i++) {
+        ReceivedObject *r = (ReceivedObject *)v[ord[i]];
+        Py_ssize_t j = g;
+        while (j < i && ((ReceivedObject *)v[ord[j]])->stream != r->stream) j++;
+        if (j == i && order_streams(r->device, r->stream, r0->stream) < 0) goto out;
+      }
+      g = e;
+    }
+  }
+  /* 4: the releases */
+  uint64_t ids[GPUIPC_BATCH_MAX];
+  for (Py_ssize_t g = 0; g < n;) {
+    ReceivedObject *r0 = (ReceivedObject *)v[ord[g]];
+    uintptr_t s = stream_o ? stream : r0->stream;
+    Py_ssize_t e = g;
+    size_t m = 0;
+    while (e < n && m < GPUIPC_BATCH_MAX && ((ReceivedObject *)v[ord[e]])->conn == r0->conn)
+      ids[m++] = ((ReceivedObject *)v[ord[e++]])->id;
+    gpuipc_status st = GPUIPC_OK;
+    LOCK();
+    /* A connection closed here dropped its leases: nothing to release. */
+    if (r0->conn->c) st = gpuipc_conn_release_batch(r0->conn->c, ids, m, S(s));
+    UNLOCK();
+    if (st != GPUIPC_OK) { raise_st(st, what); goto out; }
+    for (Py_ssize_t i = g; i < e; i++) ((ReceivedObject *)v[ord[i]])->held = 0;
+    g = e;
+  }
+  ret = Py_None;
+  Py_INCREF(ret);
+out:
+  for (Py_ssize_t i = 0; i < marked; i++) ((ReceivedObject *)v[i])->mark = 0;
+  PyMem_Free(ord);
+  PyMem_Free(taken);
+  Py_DECREF(seq);
+  return ret;
+}
+
+static PyObject *Conn_release_batch(ConnObject *c, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"received", "stream", NULL};
+  PyObject *items, *stream_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwl, &items, &stream_o)) return NULL;
+  return release_list(items, stream_o, c, "release_batch");
+}
+
+PyObject *mod_release_batch(PyObject *m, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"received", "stream", NULL};
+  PyObject *items, *stream_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwl, &items, &stream_o)) return NULL;
+  return release_list(items, stream_o, NULL, "release_batch");
+}
+
+/* broadcast(conns, block, ...): the connections are non-blocking, so
+ * gpuipc_conn_broadcast says WOULD_BLOCK for one that is not ready (no
+ * free slot, no room in its socket, its setup waiting for the peer): those
+ * are tried again, in a broadcast of their own, once their sockets say
+ * something changed, until each one's timeout. The others are not held
+ * back: a connection's failure is its entry in the list. */
+PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"conns", "block", "stream", "meta", "timeout", NULL};
+  PyObject *conns_o, *block_o, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|$OOO", kwl, &conns_o, &block_o, &stream_o,
+                                   &meta_o, &tmo_o))
+    return NULL;
+  uintptr_t stream;
+  int tmo = 0, have_tmo = tmo_o != NULL;
+  if (parse_stream(stream_o, &stream) < 0 || (have_tmo && parse_timeout(tmo_o, 0, &tmo) < 0))
+    return NULL;
+  /* A tuple of them: the caller's list may change while this call waits
+   * without the GIL. */
+  PyObject *seq = PySequence_Tuple(conns_o);
+  if (!seq) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_TypeError, "broadcast: conns must be a sequence of Connections");
+    }
+    return NULL;
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  ConnObject **cs = (ConnObject **)PySequence_Fast_ITEMS(seq);
+  PyObject *list = NULL, *ret = NULL;
+  ArenaItem it = {0};
+  Py_buffer um = {0};
+  gpuipc_conn **gc = NULL;
+  Py_ssize_t *pend = NULL, *idx = NULL;
+  gpuipc_status *sts = NULL;
+  int64_t *deadline = NULL;
+  struct pollfd *pfd = NULL;
+  if (n > GPUIPC_BROADCAST_MAX) {
+    PyErr_Format(PyExc_ValueError, "broadcast: %zd connections, at most %d", n,
+                 GPUIPC_BROADCAST_MAX);
+    goto out;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (Py_TYPE(cs[i]) != &ConnType) {
+      PyErr_Format(PyExc_TypeError, "broadcast: conns[%zd] is not a Connection (%.80s)", i,
+                   Py_TYPE(cs[i])->tp_name);
+      goto out;
+    }
+    for (Py_ssize_t k = 0; k < i; k++)
+      if (cs[k] == cs[i]) {
+        PyErr_Format(PyExc_ValueError, "broadcast: conns[%zd] and conns[%zd] are the same "
+                     "connection", k, i);
+        goto out;
+      }
+  }
+  if (arena_item(block_o, stream, "broadcast: the block", &it) < 0) goto out;
+  if (get_user_meta(meta_o, &um) < 0) goto out;
+  uint8_t wire[GPUIPC_META_MAX];
+  size_t wlen = 0;
+  if (meta_encode(&it.meta, um.buf, um.len, wire, &wlen) < 0) goto out;
+  list = PyList_New(n);
+  if (!list) goto out;
+  if (n == 0) goto done;
+  if (order_items(&it, 1, stream) < 0) goto out;
+  size_t un = (size_t)n;
+  gc = PyMem_Malloc(un * sizeof *gc);
+  pend = PyMem_Malloc(un * sizeof *pend);
+  idx = PyMem_Malloc(un * sizeof *idx);
+  sts = PyMem_Malloc(un * sizeof *sts);
+  deadline = PyMem_Malloc(un * sizeof *deadline);
+  pfd = PyMem_Malloc(un * sizeof *pfd);
+  if (!gc || !pend || !idx || !sts || !deadline || !pfd) { PyErr_NoMemory(); goto out; }
+  Py_ssize_t np = 0;
+  int64_t t0 = now_ms();
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int t = have_tmo ? tmo : cs[i]->timeout_ms;
+    deadline[i] = t < 0 ? -1 : t0 + t;
+    pend[np++] = i;
+  }
+  int want_out = 1, pass = 0;
+  while (np > 0) {
+    /* 1: one broadcast to every connection still pending */
+    Py_ssize_t k = 0, closed_here = 0;
+    gpuipc_status whole = GPUIPC_OK;
+    char why[512] = "";
+    int freed = 0;
+    LOCK();
+    for (Py_ssize_t j = 0; j < np; j++) {
+      ConnObject *c = cs[pend[j]];
+      if (!c->c) {
+        pend[closed_here++] = pend[j]; /* answered below, after the lock */
+        continue;
+      }
+      conn_reap(c, 0);
+      idx[k] = pend[j];
+      gc[k++] = c->c;
+    }
+    if (k > 0 && !it.blk->b) {
+      freed = 1;
+    } else if (k > 0) {
+      for (Py_ssize_t j = 0; j < k; j++) sts[j] = GPUIPC__STATUS_END; /* not set */
+      whole = gpuipc_conn_broadcast(gc, (size_t)k, it.blk->b, S(stream), wire, wlen, sts);
+      if (whole != GPUIPC_OK) snprintf(why, sizeof why, "%s", gpuipc_last_error());
+    }
+    for (Py_ssize_t j = 0; j < k; j++) pfd[j].fd = gpuipc_conn_get_fd(gc[j]);
+    UNLOCK();
+    flush_decrefs();
+    for (Py_ssize_t j = 0; j < closed_here; j++) {
+      PyObject *e = exc_obj(GPUIPC_E_CLOSED, "broadcast", "connection closed here");
+      if (!e) goto out;
+      PyList_SET_ITEM(list, pend[j], e);
+    }
+    if (freed || (whole != GPUIPC_OK && k > 0 && sts[0] == GPUIPC__STATUS_END)) {
+      /* The call failed as a whole: nothing was sent in this pass. */
+      gpuipc_status st = freed ? GPUIPC_E_INVALID_ARG : whole;
+      const char *d = freed ? "the block was freed meanwhile" : why;
+      if (pass == 0) { raise_msg(st, "broadcast", d); goto out; }
+      for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *e = exc_obj(st, "broadcast", d);
+        if (!e) goto out;
+        PyList_SET_ITEM(list, idx[j], e);
+      }
+      break;
+    }
+    /* 2: the answers. The library's message tells of the first connection
+     * that failed (after "(the first that failed): "). */
+    Py_ssize_t fj = 0;
+    while (fj < k && sts[fj] == GPUIPC_OK) fj++;
+    const char *first = strstr(why, "(the first that failed): ");
+    first = first ? first + strlen("(the first that failed): ") : why;
+    np = 0;
+    int64_t now = now_ms(), soonest = -1;
+    for (Py_ssize_t j = 0; j < k; j++) {
+      Py_ssize_t i = idx[j];
+      gpuipc_status s = sts[j];
+      if (s == GPUIPC_E_WOULD_BLOCK && !(deadline[i] >= 0 && now >= deadline[i])) {
+        pfd[np].fd = pfd[j].fd;
+        pend[np++] = i;
+        if (deadline[i] >= 0 && (soonest < 0 || deadline[i] < soonest)) soonest = deadline[i];
+        continue;
+      }
+      PyObject *e;
+      if (s == GPUIPC_OK) {
+        e = Py_None;
+        Py_INCREF(e);
+      } else {
+        char d[640];
+        if (s == GPUIPC_E_WOULD_BLOCK) {
+          snprintf(d, sizeof d, "conns[%zd] not ready within %d ms: no free slot, or no "
+                   "room in its socket", i, have_tmo ? tmo : cs[i]->timeout_ms);
+          s = GPUIPC_E_TIMEOUT;
+        } else if (j == fj) {
+          snprintf(d, sizeof d, "conns[%zd]: %s", i, first);
+        } else {
+          snprintf(d, sizeof d, "conns[%zd], peer pid %d", i, cs[i]->peer_pid);
+        }
+        e = exc_obj(s, "broadcast", d);
+        if (!e) goto out;
+      }
+      PyList_SET_ITEM(list, i, e);
+    }
+    if (np == 0) break;
+    /* 3: wait until a pending connection's socket has news, or a timeout */
+    int left = -1;
+    if (soonest >= 0) left = soonest - now > 0 ? (int)(soonest - now) : 0;
+    if (!want_out && (left < 0 || left > 1)) left = 1; /* POLLOUT alone did not help */
+    for (Py_ssize_t j = 0; j < np; j++) {
+      pfd[j].events = (short)(POLLIN | (want_out ? POLLOUT : 0));
+      pfd[j].revents = 0;
+    }
+    int r, err;
+    Py_BEGIN_ALLOW_THREADS
+    r = poll(pfd, (nfds_t)np, left);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    if (r < 0 && err != EINTR) {
+      errno = err;
+      PyErr_SetFromErrno(PyExc_OSError);
+      goto out;
+    }
+    if (r < 0 && PyErr_CheckSignals() < 0) goto out;
+    int in = 0;
+    for (Py_ssize_t j = 0; r > 0 && j < np; j++)
+      in |= (pfd[j].revents & (POLLIN | POLLHUP | POLLERR)) != 0;
+    want_out = !(r > 0 && !in);
+    pass++;
+  }
+done:
+  ret = list;
+  list = NULL;
+out:
+  Py_XDECREF(list);
+  Py_XDECREF(it.blk);
+  if (um.obj) PyBuffer_Release(&um);
+  PyMem_Free(gc);
+  PyMem_Free(pend);
+  PyMem_Free(idx);
+  PyMem_Free(sts);
+  PyMem_Free(deadline);
+  PyMem_Free(pfd);
+  Py_DECREF(seq);
+  return ret;
 }
 
 /* --- messages -------------------------------------------------------------- */
@@ -578,6 +1222,24 @@ static PyMethodDef Conn_methods[] = {
      "send(obj, *, stream=None, meta=None, timeout=...): hand a buffer to the peer"},
     {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_VARARGS | METH_KEYWORDS,
      "recv(*, stream=None, timeout=...) -> Received"},
+    {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_VARARGS | METH_KEYWORDS,
+     "send_batch(objs, *, stream=None, metas=None, timeout=...): hand many arena buffers "
+     "to the peer as one operation (one frame, one signal). objs: Blocks, or arrays "
+     "inside arena blocks, each with its array metadata as send() encodes it; metas: "
+     "None or one bytes object (or None) per buffer. All or nothing: an item that is "
+     "not arena memory (TypeError naming its index: send it with send()), a freed "
+     "block, metadata too long, more than BATCH_MAX buffers or BATCH_BYTES_MAX bytes "
+     "of frame (48 per buffer plus its encoded metadata), more than max_outstanding, "
+     "a timeout while waiting for free slots: nothing was sent. An empty sequence "
+     "sends nothing."},
+    {"recv_batch", (PyCFunction)(void (*)(void))Conn_recv_batch, METH_VARARGS | METH_KEYWORDS,
+     "recv_batch(max, *, stream=None, timeout=...) -> [Received]: waits for the first "
+     "buffer, then takes every one already arrived, up to max (one stream wait per "
+     "batch the producer sent among them)"},
+    {"release_batch", (PyCFunction)(void (*)(void))Conn_release_batch,
+     METH_VARARGS | METH_KEYWORDS,
+     "release_batch(received, stream=<each one's receive stream>): give back many "
+     "buffers of this connection at once, as gpuipc.release_batch"},
     {"send_msg", (PyCFunction)(void (*)(void))Conn_send_msg, METH_VARARGS | METH_KEYWORDS,
      "send_msg(data, fds=(), *, timeout=...)"},
     {"recv_msg", (PyCFunction)(void (*)(void))Conn_recv_msg, METH_VARARGS | METH_KEYWORDS,
@@ -740,8 +1402,9 @@ PyTypeObject ReceivedType = {
     .tp_dealloc = (destructor)Rx_dealloc,
     .tp_repr = (reprfunc)Rx_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A buffer received from a peer; released when released explicitly, when "
-              "its context ends, or when the last view of it is gone.",
+    .tp_doc = "A buffer received from a peer; released when released explicitly "
+              "(release(), gpuipc.release_batch), when its context ends, or when the last "
+              "view of it is gone.",
     .tp_methods = Rx_methods,
     .tp_getset = Rx_getset,
 };

@@ -9,7 +9,7 @@
  *             views (CUDA Array Interface v3, DLPack capsules), reading
  *             foreign arrays (torch, CuPy, cuda.core objects)
  *   conn.c    Listener, Connection, Received; buffers kept while peers
- *             hold them
+ *             hold them; batches and broadcast
  *   arena.c   Arena, Block, and the registry of live blocks
  *   buffer.c  Pool, Buffer, share/open, Event
  *   proc.c    Child: the spawn helper
@@ -262,6 +262,8 @@ PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_conn_pair(PyObject *m, PyObject *u);
 PyObject *mod_spawn_connection(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_release_batch(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw);
 
 /* arena.c */
 BlockObject *block_find(void *p, size_t n);

@@ -352,6 +352,28 @@ static PyMethodDef mod_methods[] = {
      METH_VARARGS | METH_KEYWORDS, "in a spawned child: -> (Connection, n_pools, n_buffers)"},
     {"spawn_child", (PyCFunction)(void (*)(void))mod_spawn, METH_VARARGS | METH_KEYWORDS,
      "spawn_child(path, argv, *, env_add=None, timeout=30, search_path=False) -> Child"},
+    {"release_batch", (PyCFunction)(void (*)(void))mod_release_batch,
+     METH_VARARGS | METH_KEYWORDS,
+     "release_batch(received, stream=<each one's receive stream>): give back many "
+     "Received at once (gpuipc_conn_release_batch per connection, BATCH_MAX at a "
+     "time), after the work queued on stream, by default on each connection's first "
+     "buffer's receive stream ordered after the others' (what each .release() waits "
+     "for). All or nothing: an item that is not a Received, was released already, "
+     "is named twice (TypeError/ValueError naming its index) releases nothing; on "
+     "success each one is released (held False, its views invalid). A library error "
+     "(rare: the driver) stops at that connection: what was released before is "
+     "released, the rest still held (see .held)."},
+    {"broadcast", (PyCFunction)(void (*)(void))mod_broadcast, METH_VARARGS | METH_KEYWORDS,
+     "broadcast(conns, block, *, stream=None, meta=None, timeout=...) -> list: send one "
+     "arena block (a Block, or an array inside one) to every connection as one "
+     "operation (one ready signal for those ready), each peer holding its own lease. "
+     "Returns, "
+     "per connection, None (sent) or the gpuipc.Error it failed with (PeerGoneError, "
+     "TimeoutError, ClosedError...): a failing connection does not stop the others. A "
+     "connection not ready (no free slot) is waited for, up to timeout (default: its "
+     "own timeout), and sent to when ready. Raises only when nothing can be sent to "
+     "any (bad arguments: not Connections, one twice, a block that is not arena "
+     "memory or was freed)."},
     {"share", (PyCFunction)(void (*)(void))mod_share, METH_VARARGS | METH_KEYWORDS,
      "share(obj) -> Shared (desc bytes + fds)"},
     {"open", (PyCFunction)(void (*)(void))mod_open, METH_VARARGS | METH_KEYWORDS,
@@ -432,6 +454,9 @@ PyMODINIT_FUNC PyInit__gpuipc(void) {
   PyModule_AddIntConstant(m, "META_MAX", GPUIPC_META_MAX);
   PyModule_AddIntConstant(m, "MSG_MAX", GPUIPC_CONN_MSG_MAX);
   PyModule_AddIntConstant(m, "FDS_MAX", GPUIPC_CONN_FDS_MAX);
+  PyModule_AddIntConstant(m, "BATCH_MAX", GPUIPC_BATCH_MAX);
+  PyModule_AddIntConstant(m, "BATCH_BYTES_MAX", GPUIPC_BATCH_BYTES_MAX);
+  PyModule_AddIntConstant(m, "BROADCAST_MAX", GPUIPC_BROADCAST_MAX);
   PyModule_AddIntConstant(m, "TSET_NAME_MAX", GPUIPC_TSET_NAME_MAX);
   PyModule_AddIntConstant(m, "TSET_NDIM_MAX", GPUIPC_TSET_NDIM_MAX);
   PyModule_AddIntConstant(m, "TSET_ENTRIES_MAX", GPUIPC_TSET_ENTRIES_MAX);

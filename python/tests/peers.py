@@ -107,3 +107,91 @@ def cai_stream_producer(conn, announce):
     conn.send(View())
     conn.recv_msg(timeout=30)
     drv().sync(s)  # the copy lands before the block is freed at exit
+
+
+def batch_consumer(conn, n, max=64):
+    """Receives n buffers with recv_batch (max at a time), reports each
+    (shape, dtype, meta, data) and how many each call took, releases them
+    with release_batch."""
+    got, calls = [], []
+    while len(got) < n:
+        rxs = conn.recv_batch(max, timeout=30)
+        calls.append(len(rxs))
+        got += [describe(rx) for rx in rxs]
+        conn.release_batch(rxs)
+        assert all(not rx.held for rx in rxs)
+    _report(conn, calls=calls, n=len(got))
+    for d in got:
+        _report(conn, **d)
+    conn.recv_msg(timeout=30)
+
+
+def batch_echo(conn, n, max=64):
+    """Receives n buffers with recv_batch and releases each batch at once
+    (release_batch); reports the count and its counters."""
+    got = 0
+    while got < n:
+        rxs = conn.recv_batch(max, timeout=60)
+        got += len(rxs)
+        gpuipc.release_batch(rxs)
+        del rxs  # released, and gone
+    _report(conn, got=got, counters=gpuipc._gpuipc.counters())
+    conn.recv_msg(timeout=30)
+
+
+def batch_producer(conn, plan):
+    """For each entry of plan, waits for a message from the parent, then
+    sends: an int k, one batch of k blocks; "one", a single send. Block i
+    holds pattern(64, i) and meta b"%d" % i (numbered across the plan).
+    After the plan, a message "done" makes it wait for every release and
+    report its arena's leases."""
+    from cudrv import pattern
+    a = gpuipc.Arena(chunk_bytes=1 << 20)
+    blocks, i = [], 0
+    for step in plan:
+        conn.recv_msg(timeout=30)
+        k = 1 if step == "one" else step
+        bs = [a.alloc(64) for _ in range(k)]
+        for j, b in enumerate(bs):
+            drv().htod(b.ptr, pattern(64, i + j))
+        metas = [b"%d" % (i + j) for j in range(k)]
+        if step == "one":
+            conn.send(bs[0], meta=metas[0])
+        else:
+            conn.send_batch(bs, metas=metas)
+        blocks += bs
+        i += k
+    conn.recv_msg(timeout=30)
+    for b in blocks:
+        b.free()
+    end = time.monotonic() + 20
+    while a.stats()["leases"] and time.monotonic() < end:
+        conn.progress(0.05)
+    _report(conn, leases=a.stats()["leases"], blocks=a.stats()["blocks_allocated"])
+    conn.recv_msg(timeout=30)
+
+
+def sender_batches(conn, n, k):
+    """Sends n blocks in batches of k, block i with meta b"%d" % i."""
+    a = gpuipc.Arena(chunk_bytes=1 << 20)
+    blocks = [a.alloc(256) for _ in range(2 * k)]
+    for i in range(0, n, k):
+        m = min(k, n - i)
+        half = (i // k) % 2 * k
+        conn.send_batch(blocks[half:half + m], metas=[b"%d" % (i + j) for j in range(m)])
+    conn.recv_msg(timeout=60)
+
+
+def release_one_later(conn, n, delay):
+    """Receives n buffers and keeps them (its connection then has no free
+    slot at the producer), says so, releases one after delay seconds, then
+    receives one more and reports its meta."""
+    held = [conn.recv(timeout=30) for _ in range(n)]
+    _report(conn, holding=len(held))
+    time.sleep(delay)
+    held.pop(0).release()
+    rx = conn.recv(timeout=30)
+    _report(conn, meta=rx.meta.hex())
+    rx.release()
+    gpuipc.release_batch(held)
+    conn.recv_msg(timeout=30)
