@@ -2061,12 +2061,12 @@ static void ho_breaking(gpuipc_conn *c) {
  * process is gone (no consumer can then be ahead of its work; a producer
  * that lives wrote them before it sent the frames, or will). Called when
  * the connection ended, again from ho_poll and close until done. */
-static void bw_force(gpuipc_conn *c, struct gpuipc__ho *h) {
+static bool bw_force(gpuipc_conn *c, struct gpuipc__ho *h) {
   if (h->bw_forced || h->nbw == 0 || !gpuipc__peer_gone(c->peer))
-    return;
+    return false;
   gpuipc__ctx_guard g;
   if (gpuipc__ctx_enter(&g, h->peer_ordinal) != GPUIPC_OK)
-    return;
+    return false;
   CUresult r = CUDA_SUCCESS;
   if (h->unblock == NULL) {
     CUstream st;
@@ -2085,6 +2085,7 @@ static void bw_force(gpuipc_conn *c, struct gpuipc__ho *h) {
                  "could not unblock streams waiting on dead peer %d's "
                  "broadcast words: %s",
                  c->peer_pid, gpuipc__cuda_error_name(r));
+  return true; /* writes were queued on h->unblock (some, at least) */
 }
 
 /* Our streams may wait for ready words the producer will never write (it
@@ -2191,9 +2192,9 @@ static uint64_t close_deadline(const gpuipc_conn *c) {
  * unmapped. We never write them while the peer lives (its other consumers
  * wait on them too). Context current. */
 static bool bw_reached(gpuipc_conn *c, struct gpuipc__ho *h) {
+  (void)c;
   if (h->nbw == 0)
     return true;
-  bw_force(c, h); /* when the peer is gone meanwhile */
   bool any = false;
   for (int k = 0; k < h->nbw; k++)
     any |= h->bw[k].waited != 0;
@@ -2237,6 +2238,20 @@ static bool drain(gpuipc_conn *c, struct gpuipc__ho *h, uint64_t deadline) {
   }
   bool done = false;
   while (ok) {
+    /* A producer that dies while we wait: its broadcast words are ours
+     * to write from then on, which lets the waits queued on them (and
+     * everything queued after those) complete. Those writes go into the
+     * memory unmapped after us: what is waited for covers them too. */
+    if (bw_force(c, h) && h->unblock != NULL) {
+      if (own[0] == NULL)
+        ok = GPUIPC__CU(cuEventCreate, &own[0], CU_EVENT_DISABLE_TIMING) ==
+             CUDA_SUCCESS;
+      if (ok)
+        ok = GPUIPC__CU(cuEventRecord, own[0], (CUstream)h->unblock) ==
+             CUDA_SUCCESS;
+      if (!ok)
+        break;
+    }
     done = true;
     for (int i = 0; i < 2 && done; i++)
       done = own[i] == NULL || GPUIPC__CU(cuEventQuery, own[i]) == CUDA_SUCCESS;
