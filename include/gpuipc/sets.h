@@ -179,10 +179,29 @@ typedef struct gpuipc_tset_options {
   /* Longest wait of begin, unsubscribe and destroy for consumers' releases
    * (ms; -1: forever). Default 10000. */
   int timeout_ms;
+  /* Hold limit (ms; -1: none): a copy that consumers still hold this long
+   * after the version they got in it was published no longer holds up the
+   * producer. Owned sets: begin retires it (its memory stays the holders'
+   * until they release it or die, then returns to the arena) and writes a
+   * fresh copy, announced to the consumers (REPLACE, docs/sets.md).
+   * Wrapped sets (the memory cannot be set aside): its holders are dropped
+   * from the set (below) and the copy is written; their views of it are no
+   * longer protected. It also bounds how long unsubscribe and destroy wait
+   * for a consumer of an owned set. 0: never wait. Default 10000. */
+  int hold_ms;
+  /* Most retired copies an owned set keeps for holders at once (0 to 64).
+   * The retirement that fills the cap drops, from the set, every
+   * subscriber that holds a retired copy: the producer ends its
+   * subscription (its gpuipc_tset_recv returns GPUIPC_E_CANCELED, saying
+   * why) and sends it nothing more, so a consumer that never releases
+   * costs at most this many copies of memory. begin fails with
+   * GPUIPC_E_BUSY only when a copy must be retired and the cap is full of
+   * copies that dropped consumers still hold. Default 1. */
+  int retired_max;
 } gpuipc_tset_options;
 
 #define GPUIPC_TSET_OPTIONS_INIT                                               \
-  {sizeof(gpuipc_tset_options), 1, NULL, NULL, 256, 10000}
+  {sizeof(gpuipc_tset_options), 1, NULL, NULL, 256, 10000, 10000, 1}
 
 /* ---- the producer's side ------------------------------------------------ */
 
