@@ -179,29 +179,32 @@ typedef struct gpuipc_tset_options {
   /* Longest wait of begin, unsubscribe and destroy for consumers' releases
    * (ms; -1: forever). Default 10000. */
   int timeout_ms;
-  /* Hold limit (ms; -1: none): a copy that consumers still hold this long
+  /* Hold limit (ms; -1: none). A copy that consumers still hold this long
    * after the version they got in it was published no longer holds up the
-   * producer. Owned sets: begin retires it (its memory stays the holders'
-   * until they release it or die, then returns to the arena) and writes a
-   * fresh copy, announced to the consumers (REPLACE, docs/sets.md).
-   * Wrapped sets (the memory cannot be set aside): its holders are dropped
-   * from the set (below) and the copy is written; their views of it are no
-   * longer protected. It also bounds how long unsubscribe and destroy wait
-   * for a consumer of an owned set. 0: never wait. Default 10000. */
+   * producer: begin drops its holders from the set (the producer ends their
+   * subscriptions: their gpuipc_tset_recv returns GPUIPC_E_CANCELED, saying
+   * why, after the versions already sent; they are sent nothing more) and
+   * writes a fresh copy instead. Owned sets: the held copy is retired (its
+   * memory stays the holders' until they release it or die, then returns
+   * to the arena; nothing else is written there meanwhile) and a new piece
+   * is announced to the other consumers (docs/sets.md, REPLACE). Wrapped
+   * sets (the memory is the producer's own and cannot be set aside): the
+   * copy is written in place, and the dropped consumers' views of it are
+   * no longer protected. Also the longest unsubscribe and destroy of an
+   * owned set wait for a consumer's releases before they let go of it.
+   * Default 10000. */
   int hold_ms;
-  /* Most retired copies an owned set keeps for holders at once (0 to 64).
-   * The retirement that fills the cap drops, from the set, every
-   * subscriber that holds a retired copy: the producer ends its
-   * subscription (its gpuipc_tset_recv returns GPUIPC_E_CANCELED, saying
-   * why) and sends it nothing more, so a consumer that never releases
-   * costs at most this many copies of memory. begin fails with
-   * GPUIPC_E_BUSY only when a copy must be retired and the cap is full of
-   * copies that dropped consumers still hold. Default 1. */
+  /* Most retired copies an owned set keeps at once for consumers that
+   * still hold them (0 to 64): memory beyond the set's copies is at most
+   * this many copies. When a copy must be retired and the cap is full of
+   * copies still held, begin drops the holders all the same and fails
+   * with GPUIPC_E_BUSY. Default 2 (a consumer that stops releasing holds
+   * at most one version per copy). */
   int retired_max;
 } gpuipc_tset_options;
 
 #define GPUIPC_TSET_OPTIONS_INIT                                               \
-  {sizeof(gpuipc_tset_options), 1, NULL, NULL, 256, 10000, 10000, 1}
+  {sizeof(gpuipc_tset_options), 1, NULL, NULL, 256, 10000, 10000, 2}
 
 /* ---- the producer's side ------------------------------------------------ */
 

@@ -27,10 +27,10 @@
  * reuse until the holders' GPU work is done) and begin writes a fresh
  * piece and token instead, announced to every subscriber (REPLACE) before
  * the version in it. A wrapped set's memory cannot be set aside: its
- * token is replaced and the holders are dropped. At most retired_max
- * owned copies are set aside: the retirement that fills the cap drops
- * every subscriber holding one (END, why: held), so that a stuck consumer
- * gets no more versions and holds no more memory. Unsubscribe and destroy
+ * token is replaced. Either way the holders are dropped from the set
+ * (END, why: held): a stuck consumer gets no more versions, so it holds
+ * at most one copy per copy of the set. At most retired_max owned copies
+ * are set aside at once; beyond that begin fails. Unsubscribe and destroy
  * of an owned set wait for a consumer's releases at most hold_ms, then let
  * go of its connection (what it holds stays leased in the connection
  * layer and comes back when it releases or dies). Consumers that release
@@ -696,15 +696,6 @@ static size_t drop_holders(gpuipc_tset *set, gpuipc_block *const *blks,
  * subscribers on stream. */
 static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
   unsigned holders = gpuipc_block_get_holders(set->token[c]);
-  if (!set->wrapped && retired_owned(set) >= (size_t)set->retired_max) {
-    size_t d = drop_holders(set, &set->token[c], 1);
-    return gpuipc__fail(GPUIPC_E_BUSY, "gpuipc_tset_begin: copy %d is held by "
-                        "%u consumer(s) past the hold limit (%d ms), and the "
-                        "set keeps %zu retired copies already, still held "
-                        "(retired_max %d)%s", c, holders, set->hold_ms,
-                        retired_owned(set), set->retired_max,
-                        d ? ": its holders were dropped from the set" : "");
-  }
   if (set->nretired == set->retired_cap) {
     size_t cap = set->retired_cap ? 2 * set->retired_cap : 4;
     gpuipc__tset_retired *r = realloc(set->retired, cap * sizeof *r);
@@ -734,12 +725,12 @@ static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
       (gpuipc__tset_retired){set->wrapped ? NULL : set->piece_blk[c], old_token};
   set->token[c] = token;
   set->gen[c]++;
-  if (set->wrapped) {
-    /* The memory is the producer's: its holders' views are not protected
-     * any more, so they are told and get nothing more. */
-    (void)drop_holders(set, &old_token, 1);
+  /* Its holders get nothing more (so hold nothing more than what they
+   * have: at most one version per copy). A wrapped set's memory is the
+   * producer's: their views of it are not protected any more. */
+  (void)drop_holders(set, &old_token, 1);
+  if (set->wrapped)
     return GPUIPC_OK;
-  }
   set->piece_blk[c] = piece;
   set->piece_ptr[c] = (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(piece);
   uint32_t total = (uint32_t)set->copies;
@@ -768,13 +759,6 @@ static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
     }
     i++;
   }
-  /* The cap is full: whoever holds a retired copy gets nothing more (so
-   * holds nothing more). */
-  if (retired_owned(set) >= (size_t)set->retired_max) {
-    for (size_t k = 0; k < set->nretired; k++)
-      if (set->retired[k].piece)
-        (void)drop_holders(set, &set->retired[k].token, 1);
-  }
   return GPUIPC_OK;
 }
 
@@ -787,20 +771,39 @@ gpuipc_status gpuipc_tset_begin(gpuipc_tset *set, struct CUstream_st *stream,
                         "begun already (publish it first)", set->writing);
   int c = set->copies == 1 ? 0 : (set->latest + 1) % set->copies;
   uint64_t deadline = deadline_of(set->timeout_ms);
+  bool full = false;
   for (;;) {
     peers_progress(set);
     if (gpuipc_block_get_holders(set->token[c]) == 0)
       break;
     if (held_too_long(set, set->pub_ns[c])) {
-      GPUIPC__CHECK(retire(set, c, (CUstream)stream));
-      *copy = c;
-      set->writing = c;
-      return GPUIPC_OK; /* a fresh copy: nothing to wait for */
+      if (set->wrapped || retired_owned(set) < (size_t)set->retired_max) {
+        GPUIPC__CHECK(retire(set, c, (CUstream)stream));
+        *copy = c;
+        set->writing = c;
+        return GPUIPC_OK; /* a fresh copy: nothing to wait for */
+      }
+      /* No room to set it aside: its holders get nothing more, and begin
+       * waits for a release (theirs, or of a retired copy). */
+      if (!full) {
+        (void)drop_holders(set, &set->token[c], 1);
+        full = true;
+      }
     }
-    if (past(deadline))
+    if (past(deadline)) {
+      if (full)
+        return gpuipc__fail(GPUIPC_E_BUSY, "gpuipc_tset_begin: copy %d is "
+                            "held by %u consumer(s) past the hold limit (%d "
+                            "ms), and the set keeps %zu retired copies "
+                            "already, still held (retired_max %d): its "
+                            "holders were dropped from the set", c,
+                            gpuipc_block_get_holders(set->token[c]),
+                            set->hold_ms, retired_owned(set),
+                            set->retired_max);
       return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_begin: copy %d is "
                           "still held by %u consumer(s)", c,
                           gpuipc_block_get_holders(set->token[c]));
+    }
     peers_wait(set, 1);
   }
   GPUIPC__CHECK(gpuipc_block_wait(set->token[c], stream));
