@@ -42,6 +42,7 @@
 #include "conn/conn.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,6 +56,49 @@ static uint64_t new_layout_id(void) {
   static _Atomic uint32_t counter;
   uint32_t n = atomic_fetch_add(&counter, 1) + 1;
   return (uint64_t)(uint32_t)getpid() << 32 | n;
+}
+
+/* ---- arenas of destroyed sets ------------------------------------------------------- */
+
+/* A set's own arena whose blocks consumers still held when the set was
+ * destroyed waits here, and goes in a later create or destroy once they
+ * are all back. */
+static pthread_mutex_t grave_lock = PTHREAD_MUTEX_INITIALIZER;
+static gpuipc_arena **grave;
+static size_t ngrave, grave_cap;
+
+static void grave_reap(void) {
+  pthread_mutex_lock(&grave_lock);
+  for (size_t i = 0; i < ngrave;) {
+    gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+    if (gpuipc_arena_get_stats(grave[i], &st) == GPUIPC_OK &&
+        st.blocks_allocated == 0 && gpuipc_arena_destroy(grave[i]) == GPUIPC_OK) {
+      grave[i] = grave[--ngrave];
+      continue;
+    }
+    i++;
+  }
+  pthread_mutex_unlock(&grave_lock);
+}
+
+/* Keeps an arena for grave_reap; false when there is no room. */
+static bool grave_add(gpuipc_arena *a) {
+  pthread_mutex_lock(&grave_lock);
+  bool ok = true;
+  if (ngrave == grave_cap) {
+    size_t cap = grave_cap ? 2 * grave_cap : 8;
+    gpuipc_arena **g = realloc(grave, cap * sizeof *g);
+    if (g) {
+      grave = g;
+      grave_cap = cap;
+    } else {
+      ok = false;
+    }
+  }
+  if (ok)
+    grave[ngrave++] = a;
+  pthread_mutex_unlock(&grave_lock);
+  return ok;
 }
 
 /* ---- peers -------------------------------------------------------------------- */
@@ -363,6 +407,7 @@ gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors, size_t n,
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: align %zu "
                         "(a power of two, 16 to 1 MiB)", o.align);
   GPUIPC__CHECK(gpuipc__driver());
+  grave_reap();
   gpuipc_tset *set = calloc(1, sizeof *set);
   if (set == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
@@ -498,9 +543,18 @@ gpuipc_status gpuipc_tset_destroy(gpuipc_tset *set) {
     for (uint32_t p = 0; p < set->tab.n_pieces; p++)
       gpuipc_buffer_free(set->piece_buf[p], NULL);
   gpuipc_status s = gpuipc_arena_destroy(set->own_arena);
-  if (s != GPUIPC_OK)
-    GPUIPC__WARN(MOD, "set %llx: its arena: %s",
-                 (unsigned long long)set->tab.layout_id, gpuipc_last_error());
+  if (s != GPUIPC_OK) {
+    /* Consumers still hold some of it (or their GPUs have not written
+     * their releases yet): it goes later. */
+    if (grave_add(set->own_arena))
+      GPUIPC__DEBUG(MOD, "set %llx: its arena goes later: %s",
+                    (unsigned long long)set->tab.layout_id,
+                    gpuipc_last_error());
+    else
+      GPUIPC__WARN(MOD, "set %llx: its arena: %s",
+                   (unsigned long long)set->tab.layout_id, gpuipc_last_error());
+  }
+  grave_reap();
   free(set->piece_buf);
   free(set->piece_ptr);
   free(set->peers);
