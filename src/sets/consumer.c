@@ -349,10 +349,9 @@ static gpuipc_status on_replace(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m
                         (unsigned long long)m->a, lay->tab.copies, m->b,
                         lay->npieces);
   uint32_t c = (uint32_t)m->a;
-  if (m->c != lay->gen[c] + 1)
+  if (m->c <= lay->gen[c])
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "a new piece for copy %u of "
-                        "generation %u where %u was due", c, m->c,
-                        lay->gen[c] + 1);
+                        "generation %u, not after %u", c, m->c, lay->gen[c]);
   if (r->length < lay->tab.piece_len[0])
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "a new piece for copy %u of %zu "
                         "bytes, the table says %llu", c, r->length,
@@ -365,7 +364,7 @@ static gpuipc_status on_replace(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m
   cp->n = 1;
   gpuipc__tset_held *old = lay->copy[c];
   lay->copy[c] = cp;
-  lay->gen[c]++;
+  lay->gen[c] = m->c;
   *keep = true;
   copy_unref(sub, old, stream); /* goes now, or with its last version */
   return GPUIPC_OK;

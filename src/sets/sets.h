@@ -60,7 +60,8 @@ typedef struct gpuipc__tset_meta {
   uint32_t b; /* PIECE, REPLACE: pieces in all copies; VERSION: copy;
                  END: why (GPUIPC__TSET_END_*) */
   uint32_t c; /* PIECE: the table's length; REPLACE: the copy's new
-                 generation (1, 2, ...); else 0 */
+                 generation (the producer's count of its retirements: later
+                 ones are larger); else 0 */
 } gpuipc__tset_meta;
 
 /* The byte extent of a tensor: 0 when any size is 0, else

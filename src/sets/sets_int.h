@@ -71,7 +71,7 @@ typedef struct gpuipc__tset_layout {
   uint32_t npieces;      /* copies * n_pieces */
   uint32_t got;          /* pieces received so far */
   gpuipc__tset_held **copy; /* tab.copies */
-  uint32_t gen[2];       /* REPLACEs taken per copy */
+  uint32_t gen[2];       /* the last REPLACE's generation, per copy */
   size_t refs;           /* versions held */
   bool retired;          /* superseded or ended: goes with its last version */
   struct gpuipc__tset_layout *next; /* retired ones still referenced */
