@@ -783,8 +783,8 @@ static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
    * have: at most one version per copy). A wrapped set's memory is the
    * producer's: their views of it are not protected any more. */
   (void)drop_holders(set, &old_token, 1);
-  if (set->wrapped)
-    return GPUIPC_OK;
+  if (set->wrapped) /* written in place: after those who did release it */
+    return gpuipc_block_wait(old_token, (struct CUstream_st *)stream);
   set->piece_blk[c] = piece;
   set->piece_ptr[c] = (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(piece);
   uint32_t total = (uint32_t)set->copies;
