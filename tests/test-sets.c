@@ -4,7 +4,9 @@
  * entries, wrapped allocations, late joiners, a layout change), ordering
  * in both directions (the producer's writes before publish; a consumer's
  * reads before the producer overwrites a double-buffered copy), a consumer
- * killed mid-read, a producer killed mid-publish, and a hostile producer.
+ * killed mid-read, a producer killed mid-publish, a hostile producer, and
+ * consumers that stop releasing (the producer and the other consumers go
+ * on; the held memory is kept for them, and capped).
  *
  * The producer and consumer agree on a set through a spec name: both build
  * the same tensor list (spec()), and the data of tensor i in version v is
@@ -1028,6 +1030,405 @@ TEST_IMPL(sets_producer_killed_mid_publish) {
   gpuipc_conn_close(c);
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
   ASSERT_EQ(harness_count_fds(), fds0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* ---- consumers that stop releasing ------------------------------------------------------- */
+
+/* A consumer that stops releasing: it takes version 1, checks it, says
+ * "got" and holds it; on "check" it checks version 1's data again (no one
+ * may have written there meanwhile) and says "same". Mode "release": it
+ * then releases it, takes what else was sent to it (whole versions) until
+ * the producer's END, which must say it was dropped for holding, and says
+ * "released". Mode "die": it waits to be killed. Mode "wrapped": as
+ * "release", without the second check (a wrapped set's memory is written
+ * in place once its holder is dropped). */
+HELPER_IMPL(ts_stuck) {
+  ASSERT(argc >= 1);
+  const char *mode = argv[0];
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  gpuipc_tset_version *v1 = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v1));
+  ASSERT_UEQ(gpuipc_tset_version_get_number(v1), 1);
+  check_version(v1, &sp, s);
+  say(c, "got");
+  hear(c, "check");
+  if (strcmp(mode, "wrapped") != 0)
+    check_version(v1, &sp, s);
+  say(c, "same");
+  if (strcmp(mode, "die") == 0)
+    for (;;)
+      pause();
+  ASSERT_OK(gpuipc_tset_version_release(v1, (struct CUstream_st *)s));
+  gpuipc_status st;
+  uint64_t last = 1;
+  for (;;) {
+    gpuipc_tset_version *v = NULL;
+    st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+    if (st != GPUIPC_OK)
+      break;
+    ASSERT_GT(gpuipc_tset_version_get_number(v), last);
+    last = gpuipc_tset_version_get_number(v);
+    check_version(v, &sp, s);
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  }
+  ASSERT_STATUS(st, GPUIPC_E_CANCELED);
+  if (strstr(gpuipc_last_error(), "hold limit") == NULL)
+    harness_fail(__FILE__, __LINE__, "the END does not say why: %s",
+                 gpuipc_last_error());
+  say(c, "released");
+  gpuipc_tset_version *none = NULL;
+  st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &none);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
+}
+
+static size_t arena_blocks(gpuipc_arena *a, size_t *deferred) {
+  gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &st));
+  if (deferred)
+    *deferred = st.blocks_deferred;
+  return st.blocks_allocated;
+}
+
+/* An honest consumer and one that stops releasing after version 1: the
+ * producer publishes 6 versions without stalling; the honest one gets
+ * every version, in order, data checked; the stuck one is dropped and
+ * its copies retired (one per copy of the set: 2 blocks each), its
+ * version 1 left as it was; its memory returns once it releases. */
+static int run_stuck(int copies) {
+  REQUIRE_DEVICES(1);
+  int fdh, fds;
+  pid_t ph = spawn_helper("ts_consumer", NULL, &fdh, "small", "6", "check", NULL);
+  pid_t ps = spawn_helper("ts_stuck", NULL, &fds, "release", NULL);
+  gpuipc_conn *ch = pair_conn(fdh), *cs = pair_conn(fds);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.copies = copies;
+  o.arena = a;
+  o.timeout_ms = 30000;
+  o.hold_ms = 500;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  size_t base = arena_blocks(a, NULL); /* pieces, tokens, the END block */
+  ASSERT_EQ(base, 2 * (size_t)copies + 1);
+  ASSERT_OK(gpuipc_tset_subscribe(set, ch, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_tset_subscribe(set, cs, (struct CUstream_st *)s));
+  produce(set, NULL, 1, s);
+  hear(cs, "got");
+  uint64_t t0 = gpuipc__now_ns();
+  produce(set, NULL, 5, s); /* would time out after 30 s if it stalled */
+  uint64_t ms = (gpuipc__now_ns() - t0) / 1000000u;
+  if (ms > 10000)
+    harness_fail(__FILE__, __LINE__, "5 versions took %llu ms",
+                 (unsigned long long)ms);
+  hear(ch, "ok");
+  ASSERT_EQ(arena_blocks(a, NULL), base + 2 * (size_t)copies);
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, ch));
+  say(cs, "check");
+  hear(cs, "same");
+  hear(cs, "released");
+  /* Its releases come in with the set's next calls; the retired copies
+   * go back. */
+  for (int i = 0; i < 500 && arena_blocks(a, NULL) != base; i++) {
+    produce(set, NULL, 1, s);
+    usleep(10000);
+  }
+  ASSERT_EQ(arena_blocks(a, NULL), base);
+  gpuipc_status st = gpuipc_tset_unsubscribe(set, cs);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_NOT_FOUND);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  gpuipc_conn_close(ch);
+  gpuipc_conn_close(cs);
+  ASSERT_EQ(wait_helper(ph, 120), 0);
+  ASSERT_EQ(wait_helper(ps, 120), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+TEST_IMPL(sets_stuck_consumer_does_not_stall) {
+  return run_stuck(1);
+}
+
+TEST_IMPL(sets_stuck_consumer_double_buffered) {
+  return run_stuck(2);
+}
+
+/* The cap: with retired_max 0 a copy held past the hold limit cannot be
+ * set aside: begin drops the holder, waits out its timeout for a release
+ * and fails with GPUIPC_E_BUSY naming the cap; the copy is not written.
+ * Then unsubscribe completes (within the hold limit, the END being sent
+ * already) though the consumer still holds version 1, and the memory
+ * comes back when the consumer dies. */
+TEST_IMPL(sets_stuck_consumer_cap_and_unsubscribe) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_stuck", NULL, &fd, "die", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.arena = a;
+  o.timeout_ms = 1000;
+  o.hold_ms = 200;
+  o.retired_max = 0;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, NULL, 1, s);
+  hear(c, "got");
+  int copy = -1;
+  ASSERT_STATUS(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy),
+                GPUIPC_E_BUSY);
+  if (strstr(gpuipc_last_error(), "retired_max") == NULL)
+    harness_fail(__FILE__, __LINE__, "begin's error does not name the cap: %s",
+                 gpuipc_last_error());
+  ASSERT_EQ(arena_blocks(a, NULL), 3); /* nothing set aside */
+  say(c, "check");
+  hear(c, "same");
+  uint64_t t0 = gpuipc__now_ns();
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, c));
+  ASSERT_LT((long long)((gpuipc__now_ns() - t0) / 1000000u), 900);
+  ASSERT_EQ(gpuipc_tset_get_subscribers(set), 0);
+  /* The copy is still held, and the cap leaves no room to set it aside. */
+  ASSERT_STATUS(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy),
+                GPUIPC_E_BUSY);
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  size_t deferred = 0;
+  ASSERT_GT(arena_blocks(a, &deferred), 0);
+  ASSERT_GT(deferred, 0);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  for (int i = 0; i < 1000 && arena_blocks(a, NULL) != 0; i++)
+    (void)gpuipc_conn_progress(c, 10);
+  arena_empty(a);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+/* destroy with a subscriber that holds version 1: it completes after the
+ * hold limit; the memory is not reused while held (a block allocated
+ * after it and written does not show in the consumer's version 1); it
+ * comes back when the consumer dies. */
+TEST_IMPL(sets_stuck_consumer_destroy) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_stuck", NULL, &fd, "die", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.arena = a;
+  o.timeout_ms = 30000;
+  o.hold_ms = 300;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  size_t piece = owned_bytes(set);
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, NULL, 1, s);
+  hear(c, "got");
+  uint64_t t0 = gpuipc__now_ns();
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  ASSERT_LT((long long)((gpuipc__now_ns() - t0) / 1000000u), 10000);
+  size_t deferred = 0;
+  ASSERT_GT(arena_blocks(a, &deferred), 0);
+  ASSERT_GT(deferred, 0);
+  gpuipc_block *b[4];
+  for (int i = 0; i < 4; i++) {
+    ASSERT_OK(gpuipc_arena_alloc(a, piece, (struct CUstream_st *)s, &b[i]));
+    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b[i]), 0xEE, piece, s));
+  }
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  say(c, "check");
+  hear(c, "same");
+  for (int i = 0; i < 4; i++)
+    ASSERT_OK(gpuipc_block_free(b[i], NULL));
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  for (int i = 0; i < 1000 && arena_blocks(a, NULL) != 0; i++)
+    (void)gpuipc_conn_progress(c, 10);
+  arena_empty(a);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+/* A wrapped set (each tensor its own allocation) with an honest consumer
+ * and one that stops releasing: begin does not wait past the hold limit,
+ * the stuck one is dropped (told why), the honest one gets both versions;
+ * once the stuck one released, unsubscribe and destroy complete. */
+TEST_IMPL(sets_stuck_consumer_wrapped) {
+  REQUIRE_DEVICES(1);
+  int fdh, fds;
+  pid_t ph = spawn_helper("ts_consumer", NULL, &fdh, "small", "2", "check", NULL);
+  pid_t ps = spawn_helper("ts_stuck", NULL, &fds, "wrapped", NULL);
+  gpuipc_conn *ch = pair_conn(fdh), *cs = pair_conn(fds);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  CUdeviceptr mem[3];
+  uint8_t *host = malloc(4096);
+  ASSERT_NOT_NULL(host);
+  for (size_t i = 0; i < sp.n; i++) {
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&mem[i], 4096));
+    sp.t[i].ptr = (void *)(uintptr_t)mem[i];
+  }
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  o.hold_ms = 300;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, ch, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_tset_subscribe(set, cs, (struct CUstream_st *)s));
+  for (uint64_t v = 1; v <= 2; v++) {
+    int copy = -1;
+    uint64_t t0 = gpuipc__now_ns();
+    ASSERT_OK(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy));
+    ASSERT_LT((long long)((gpuipc__now_ns() - t0) / 1000000u), 10000);
+    for (size_t i = 0; i < sp.n; i++) {
+      gpuipc_tensor t;
+      ASSERT_OK(gpuipc_tset_get_tensor(set, 0, i, &t));
+      for (size_t k = 0; k < t.nbytes; k++)
+        host[k] = fill(i, v, k);
+      ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(mem[i], host, t.nbytes, s));
+      ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    }
+    ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+    if (v == 1)
+      hear(cs, "got");
+  }
+  hear(ch, "ok");
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, ch));
+  say(cs, "check");
+  hear(cs, "same");
+  hear(cs, "released");
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, cs));
+  ASSERT_EQ(gpuipc_tset_get_subscribers(set), 0);
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(ch);
+  gpuipc_conn_close(cs);
+  ASSERT_EQ(wait_helper(ph, 120), 0);
+  ASSERT_EQ(wait_helper(ps, 120), 0);
+  for (size_t i = 0; i < sp.n; i++)
+    ASSERT_CU(gpuipc__cu.cuMemFree(mem[i]));
+  free(host);
+  spec_free(&sp);
+  return 0;
+}
+
+/* A producer whose "new piece" messages (REPLACE) lie, after an honest
+ * set's version 1: each is refused, then an honest version 2 comes. */
+HELPER_IMPL(ts_replace_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.arena = a;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, NULL, 1, s);
+  hear(c, "v1");
+  uint64_t lid = gpuipc_tset_get_layout(set);
+  gpuipc_block *big = NULL, *small = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, owned_bytes(set) + 4096, NULL, &big));
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, NULL, &small));
+  struct { uint16_t kind; uint64_t lid, a; uint32_t b, c; bool short_piece; } bad[] = {
+      {GPUIPC__TSET_REPLACE, 0, 0, 1, 1, false},   /* another layout */
+      {GPUIPC__TSET_REPLACE, 1, 1, 1, 1, false},   /* copy 1 of 1 */
+      {GPUIPC__TSET_REPLACE, 1, 0, 2, 1, false},   /* 2 pieces in all */
+      {GPUIPC__TSET_REPLACE, 1, 0, 1, 0, false},   /* generation 0 */
+      {GPUIPC__TSET_REPLACE, 1, 0, 1, 1, true},    /* shorter than the piece */
+      {GPUIPC__TSET_REPLACE + 1, 1, 0, 1, 1, false}, /* an unknown kind */
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    uint8_t meta[GPUIPC__TSET_META_LEN];
+    gpuipc__tset_meta m = {bad[i].kind, bad[i].lid ? lid : lid + 1, bad[i].a,
+                           bad[i].b, bad[i].c};
+    gpuipc__tset_meta_encode(&m, meta);
+    ASSERT_OK(gpuipc_conn_send(c, bad[i].short_piece ? small : big,
+                               (struct CUstream_st *)s, meta, sizeof meta));
+  }
+  produce(set, NULL, 1, s);
+  hear(c, "ok");
+  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(big) ||
+                               gpuipc_block_get_holders(small)); i++)
+    ASSERT_OK(gpuipc_conn_progress(c, 1));
+  ASSERT_EQ(gpuipc_block_get_holders(big), 0);
+  ASSERT_EQ(gpuipc_block_get_holders(small), 0);
+  ASSERT_OK(gpuipc_block_free(big, NULL));
+  ASSERT_OK(gpuipc_block_free(small, NULL));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+TEST_IMPL(sets_hostile_replace_refused) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_replace_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset_version *v = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  check_version(v, &sp, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "v1");
+  for (int i = 0; i < 6; i++) {
+    v = NULL;
+    gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+    if (st != GPUIPC_E_PROTOCOL)
+      harness_fail(__FILE__, __LINE__, "hostile REPLACE %d: %s (%s), want "
+                   "GPUIPC_E_PROTOCOL", i, gpuipc_status_name(st),
+                   gpuipc_last_error());
+    ASSERT_NULL(v);
+    size_t here = 99;
+    ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+    ASSERT_EQ(here, 1); /* the layout's piece only: nothing of it kept */
+  }
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  ASSERT_UEQ(gpuipc_tset_version_get_number(v), 2);
+  check_version(v, &sp, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "ok");
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
   spec_free(&sp);
   return 0;
 }

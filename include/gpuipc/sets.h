@@ -58,6 +58,20 @@
  * With one copy, the producer's begin waits for every consumer to release
  * the latest version; with two, only for the one before it.
  *
+ * Consumers that stop releasing. No consumer can stall the producer, and
+ * through it the others, for longer than the hold limit
+ * (gpuipc_tset_options.hold_ms, default 10 s after the version was
+ * published): begin then drops the consumers that still hold the copy it
+ * needs (their recv returns GPUIPC_E_CANCELED, saying so, once the
+ * versions sent before are taken) and writes a fresh copy instead. An
+ * owned set's held copy is set aside, not written, until its holders
+ * released it or died (their views stay whole), at most retired_max
+ * copies at a time; the other consumers get the fresh copy's piece before
+ * the version in it (no driver call on their fast path: only when it
+ * happens). A wrapped set's memory is the producer's own: it is written
+ * in place, and a dropped consumer's views of it are not protected any
+ * more. Consumers that release within the limit see no change.
+ *
  * Connections. A connection subscribed to a set carries that set's traffic
  * and nothing else (no other buffers or user messages) while subscribed,
  * one set at a time: to change the layout, unsubscribe the old set and
@@ -179,10 +193,32 @@ typedef struct gpuipc_tset_options {
   /* Longest wait of begin, unsubscribe and destroy for consumers' releases
    * (ms; -1: forever). Default 10000. */
   int timeout_ms;
+  /* Hold limit (ms; -1: none). A copy that consumers still hold this long
+   * after the version they got in it was published no longer holds up the
+   * producer: begin drops its holders from the set (the producer ends their
+   * subscriptions: their gpuipc_tset_recv returns GPUIPC_E_CANCELED, saying
+   * why, after the versions already sent; they are sent nothing more) and
+   * writes a fresh copy instead. Owned sets: the held copy is retired (its
+   * memory stays the holders' until they release it or die, then returns
+   * to the arena; nothing else is written there meanwhile) and a new piece
+   * is announced to the other consumers (docs/sets.md, REPLACE). Wrapped
+   * sets (the memory is the producer's own and cannot be set aside): the
+   * copy is written in place, and the dropped consumers' views of it are
+   * no longer protected. Also the longest unsubscribe and destroy of an
+   * owned set wait for a consumer's releases before they let go of it.
+   * Default 10000. */
+  int hold_ms;
+  /* Most retired copies an owned set keeps at once for consumers that
+   * still hold them (0 to 64): memory beyond the set's copies is at most
+   * this many copies. When a copy must be retired and the cap is full of
+   * copies still held, begin drops the holders all the same and fails
+   * with GPUIPC_E_BUSY. Default 2 (a consumer that stops releasing holds
+   * at most one version per copy). */
+  int retired_max;
 } gpuipc_tset_options;
 
 #define GPUIPC_TSET_OPTIONS_INIT                                               \
-  {sizeof(gpuipc_tset_options), 1, NULL, NULL, 256, 10000}
+  {sizeof(gpuipc_tset_options), 1, NULL, NULL, 256, 10000, 10000, 2}
 
 /* ---- the producer's side ------------------------------------------------ */
 
@@ -200,9 +236,16 @@ GPUIPC_API gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors,
                                             gpuipc_tset **out /* OUT */);
 
 /* Ends every subscription (as gpuipc_tset_unsubscribe) and frees the
- * set's memory. GPUIPC_E_BUSY when a consumer still holds a version or
- * piece after the set's timeout (the set stays valid: try again). A
- * wrapped set's memory stays the caller's. NULL is a no-op. */
+ * set's memory. An owned set lets go of consumers that still hold
+ * versions or pieces once the hold limit has passed since their END: what
+ * they hold is freed when they release it or die (the arena defers it:
+ * the caller's arena must outlive that; the set's own arena goes then, in
+ * a later gpuipc_tset_create or gpuipc_tset_destroy of this process).
+ * GPUIPC_E_BUSY when a consumer still holds something after the set's
+ * timeout, before the hold limit, or for a wrapped set (whose memory
+ * stays the caller's, and must stay allocated while consumers map it:
+ * until they released it or died); the set stays valid: try again. NULL
+ * is a no-op. */
 GPUIPC_API gpuipc_status gpuipc_tset_destroy(gpuipc_tset *set);
 
 /* Number of tensors; copies; the id of the set's layout (what consumers
@@ -229,8 +272,15 @@ GPUIPC_API gpuipc_status gpuipc_tset_find(const gpuipc_tset *set,
  * then orders `stream` after the GPU work consumers queued before their
  * releases of it. *copy gets its index. Write the tensors of that copy on
  * `stream` (or streams ordered before it), then gpuipc_tset_publish.
- * Consumers found gone are dropped from the set. GPUIPC_E_TIMEOUT when a
- * consumer still holds it; GPUIPC_E_INVALID_ARG inside a begin already. */
+ * Consumers found gone are dropped from the set. A copy held for the hold
+ * limit since its version's publish is not waited for: its holders are
+ * dropped from the set, and an owned set writes a fresh copy (the held
+ * one is retired; see gpuipc_tset_options). GPUIPC_E_TIMEOUT when a
+ * consumer still holds it after the timeout (no hold limit, or a longer
+ * one); GPUIPC_E_BUSY when it is held past the hold limit and
+ * retired_max copies are retired and held already (or a fresh copy could
+ * not be allocated: that status); GPUIPC_E_INVALID_ARG inside a begin
+ * already. */
 GPUIPC_API gpuipc_status gpuipc_tset_begin(gpuipc_tset *set,
                                            struct CUstream_st *stream,
                                            int *copy /* OUT */);
@@ -262,8 +312,13 @@ GPUIPC_API gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set,
 
 /* Ends a subscription: tells the consumer, then waits (up to the timeout,
  * making progress) until it released everything of the set. GPUIPC_OK:
- * the set no longer uses conn. GPUIPC_E_TIMEOUT: the consumer still holds
- * something; the set keeps making progress on conn in its later calls
+ * the set no longer uses conn. An owned set lets go of a consumer that
+ * still holds something once the hold limit has passed since its END
+ * (GPUIPC_OK): what it holds comes back when it releases it (on conn, while
+ * conn is open and makes progress) or dies, and a copy it holds is retired
+ * by the next begin that needs it. GPUIPC_E_TIMEOUT: the consumer still
+ * holds something after the timeout (before the hold limit, or for a
+ * wrapped set); the set keeps making progress on conn in its later calls
  * (call again, or destroy the set, before closing conn). A consumer that is
  * gone counts as released. GPUIPC_E_NOT_FOUND when not subscribed. */
 GPUIPC_API gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set,
@@ -299,7 +354,8 @@ GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
  * writes queued before its publish; the version's tensors are readable
  * until gpuipc_tset_version_release. GPUIPC_E_CANCELED once when the
  * producer ended the subscription (gpuipc_tset_unsubscribe, or it
- * destroyed the set): the layout's pieces are released as soon as no
+ * destroyed the set, or it dropped this consumer for holding a version
+ * past its hold limit: the message says which): the layout's pieces are released as soon as no
  * version held uses them, and the versions of a set the producer
  * subscribes this connection to next come with later calls (a layout
  * change). The consumer sees the end, and so releases what the producer

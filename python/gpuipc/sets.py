@@ -77,27 +77,36 @@ class TensorSet:
     where they are) or empty (the set allocates, copies=2 for double
     buffering)."""
 
-    def __init__(self, entries, *, copies=1, align=256, device=None, timeout=10.0):
+    def __init__(self, entries, *, copies=1, align=256, device=None, timeout=10.0,
+                 hold=10.0, retired_max=2):
         self._c = _gpuipc.TensorSetC(entries, copies=copies, align=align, device=device,
-                                     timeout=timeout)
+                                     timeout=timeout, hold=hold, retired_max=retired_max)
         self._names = self._c.names()
         self._index = {n: i for i, n in enumerate(self._names)}
         self._copy = None  # the copy begun, until publish
 
     @classmethod
-    def from_dict(cls, tensors, *, device=None, timeout=10.0):
+    def from_dict(cls, tensors, *, device=None, timeout=10.0, hold=10.0):
         """A wrapped set over ``tensors`` ({name: array}; arrays exposing
         __cuda_array_interface__ or __dlpack__: torch, CuPy, gpuipc's own
         buffers and blocks): consumers read the producer's memory itself.
-        The set keeps the arrays alive."""
+        The set keeps the arrays alive. A consumer still holding a version
+        ``hold`` seconds after its publish is dropped from the set and the
+        memory written all the same (None: no limit)."""
         names = _names_of(tensors)
-        return cls([(n, tensors[n]) for n in names], device=device, timeout=timeout)
+        return cls([(n, tensors[n]) for n in names], device=device, timeout=timeout,
+                   hold=hold)
 
     @classmethod
-    def empty(cls, spec, *, copies=1, align=256, device=None, timeout=10.0):
+    def empty(cls, spec, *, copies=1, align=256, device=None, timeout=10.0, hold=10.0,
+              retired_max=2):
         """An owned set of ``spec`` ({name: (shape, dtype)}): the set
         allocates ``copies`` copies (2: double buffering) in shared
-        memory; contents undefined until written."""
+        memory; contents undefined until written. A copy a consumer still
+        holds ``hold`` seconds after its publish (None: no limit) does not
+        hold up begin: that consumer is dropped from the set and begin
+        writes a fresh copy, the held one kept for it until it releases it
+        or dies (at most ``retired_max`` such copies at once)."""
         names = _names_of(spec)
         entries = []
         for n in names:
@@ -106,7 +115,8 @@ class TensorSet:
             except (TypeError, ValueError):
                 raise TypeError(f"{n!r}: give (shape, dtype)") from None
             entries.append((n, tuple(shape), dtype))
-        return cls(entries, copies=copies, align=align, device=device, timeout=timeout)
+        return cls(entries, copies=copies, align=align, device=device, timeout=timeout,
+                   hold=hold, retired_max=retired_max)
 
     # --- what it is
     names = property(lambda self: list(self._names), doc="the names, in order")

@@ -192,19 +192,22 @@ fail:
 /* Producer: TensorSetC                                                     */
 /* ------------------------------------------------------------------------ */
 
-/* TensorSetC(entries, *, copies=1, align=256, device=None, timeout=10)
- * entries: a sequence of (name, array) (wrapped: the set shares the
+/* TensorSetC(entries, *, copies=1, align=256, device=None, timeout=10,
+ *            hold=10, retired_max=2)
+ * hold: the hold limit in seconds (None: none); entries: a sequence of (name, array) (wrapped: the set shares the
  * arrays' memory) or of (name, shape, dtype) (owned: the set allocates). */
 static PyObject *TSet_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"entries", "copies", "align", "device", "timeout", NULL};
-  PyObject *entries, *dev_o = Py_None, *tmo_o = NULL;
-  int copies = 1;
+  static char *kwl[] = {"entries", "copies", "align", "device", "timeout", "hold",
+                        "retired_max", NULL};
+  PyObject *entries, *dev_o = Py_None, *tmo_o = NULL, *hold_o = NULL;
+  int copies = 1, retired_max = 2;
   Py_ssize_t align = 256;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$inOO", kwl, &entries, &copies, &align,
-                                   &dev_o, &tmo_o))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$inOOOi", kwl, &entries, &copies, &align,
+                                   &dev_o, &tmo_o, &hold_o, &retired_max))
     return NULL;
-  int tmo;
+  int tmo, hold;
   if (parse_timeout(tmo_o, 10000, &tmo) < 0) return NULL;
+  if (parse_timeout(hold_o, 10000, &hold) < 0) return NULL;
   gpuipc_uuid uuid;
   int have_uuid = 0;
   if (parse_uuid(dev_o, &uuid, &have_uuid) < 0) return NULL;
@@ -287,6 +290,8 @@ static PyObject *TSet_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   opts.align = (size_t)align;
   opts.device = have_uuid ? &uuid : NULL;
   opts.timeout_ms = 0; /* waits happen in this file */
+  opts.hold_ms = hold;
+  opts.retired_max = retired_max;
   if (have_uuid) dev = ordinal_of(&uuid);
   gpuipc_tset *s = NULL;
   gpuipc_status rc;
@@ -669,7 +674,7 @@ PyTypeObject TSetType = {
     .tp_basicsize = sizeof(TSetObject),
     .tp_dealloc = (destructor)TSet_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "TensorSetC(entries, *, copies=1, align=256, device=None, timeout=10): the "
+    .tp_doc = "TensorSetC(entries, *, copies=1, align=256, device=None, timeout=10, hold=10, retired_max=2): the "
               "producer's tensor set (gpuipc_tset)",
     .tp_methods = TSet_methods,
     .tp_getset = TSet_getset,

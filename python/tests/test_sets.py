@@ -1,7 +1,8 @@
 """Tensor sets (gpuipc.TensorSet): round trips of many dtypes and shapes,
 owned and wrapped sets, 1,000+ entries, copy_into, versions in order,
 double buffering (a held copy is never overwritten), a consumer killed
-while it holds a version, and input the library refuses."""
+while it holds a version, one that never releases (the hold limit), and
+input the library refuses."""
 import gc
 import hashlib
 import json
@@ -224,6 +225,42 @@ def test_consumer_killed_while_holding_gives_the_copy_back():
         peer.lst.close()
     # the connection is the caller's again
     peer.sc.close()
+
+
+def test_hold_limit_lets_the_producer_past_a_consumer_that_never_releases():
+    ts = gpuipc.TensorSet.empty({"w": ((4096,), "float32")}, copies=1, hold=0.2)
+    peer = Peer(sets_peers.hold_forever)
+    try:
+        ts.subscribe(peer.sc)
+        ts.begin()
+        d = fill(ts, 0, 5)
+        ts.publish()
+        assert report(peer.p.conn)["digest"] == d
+        t0 = time.monotonic()
+        assert ts.begin(timeout=30) == 0  # a fresh copy: the held one is set aside
+        assert time.monotonic() - t0 < 10
+        fill(ts, 0, 6)
+        ts.publish()
+        ts.unsubscribe(peer.sc, timeout=30)  # completes: it still holds version 1
+        assert ts.subscribers == 0
+        ts.destroy(timeout=30)
+    finally:
+        peer.p.kill()
+        peer.p.join(30)
+        peer.p.close()
+        peer.lst.close()
+    peer.sc.close()
+
+
+def test_hold_arguments_are_checked():
+    with pytest.raises(gpuipc.InvalidArgError):
+        gpuipc.TensorSet.empty({"a": ((4,), "float32")}, retired_max=65)
+    with pytest.raises(gpuipc.InvalidArgError):
+        gpuipc.TensorSet.empty({"a": ((4,), "float32")}, retired_max=-1)
+    with pytest.raises(ValueError):
+        gpuipc.TensorSet.empty({"a": ((4,), "float32")}, hold=-1)
+    ts = gpuipc.TensorSet.empty({"a": ((4,), "float32")}, hold=None, retired_max=0)
+    ts.destroy()
 
 
 def test_connection_stays_open_while_a_set_uses_it():

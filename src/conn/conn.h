@@ -206,6 +206,12 @@ _Static_assert(sizeof(gpuipc__w_word) == 32, "wire layout");
 void gpuipc__conn_queued(const struct gpuipc_conn *c, size_t *msgs,
                          size_t *bytes, size_t *fds, bool *paused);
 
+/* Leases the peer of conn holds on block now (no progress is made: call
+ * after a call that made some). A scan of the connection's slots: for
+ * decisions off the fast path. */
+unsigned gpuipc__conn_block_holders(gpuipc_conn *conn,
+                                    const gpuipc_block *block);
+
 /* Chunks (device allocations) held by all arenas of this process. */
 size_t gpuipc__arena_chunks_live(void);
 

@@ -987,6 +987,13 @@ unsigned gpuipc_conn_get_buffer_holders(gpuipc_conn *conn,
   return gpuipc__lease_buffer_holders(h->lt, buf);
 }
 
+unsigned gpuipc__conn_block_holders(gpuipc_conn *conn,
+                                    const gpuipc_block *block) {
+  if (conn == NULL || block == NULL || conn->ho == NULL || conn->ho->lt == NULL)
+    return 0;
+  return gpuipc__lease_block_holders(conn->ho->lt, block);
+}
+
 /* ---- receiver: frames ---------------------------------------------------------------- */
 
 static gpuipc__imp *imp_find(struct gpuipc__ho *h, uint64_t arena_id,

@@ -338,6 +338,14 @@ unsigned gpuipc__lease_buffer_holders(const gpuipc__lease_table *lt,
   return n;
 }
 
+unsigned gpuipc__lease_block_holders(const gpuipc__lease_table *lt,
+                                     const gpuipc_block *block) {
+  unsigned n = 0;
+  for (uint32_t i = 0; i < lt->nslots; i++)
+    n += lt->tx[i].block == block;
+  return n;
+}
+
 size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
                                    const gpuipc_buffer *buf,
                                    gpuipc__relrec *out, size_t cap) {

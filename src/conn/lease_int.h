@@ -183,6 +183,9 @@ size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
 /* Leases the peer holds on buf; leases it holds in all. */
 unsigned gpuipc__lease_buffer_holders(const gpuipc__lease_table *lt,
                                       const gpuipc_buffer *buf);
+/* Leases the peer holds on an arena block. */
+unsigned gpuipc__lease_block_holders(const gpuipc__lease_table *lt,
+                                     const gpuipc_block *block);
 size_t gpuipc__lease_outstanding(const gpuipc__lease_table *lt);
 
 #endif /* GPUIPC_LEASE_INT_H */

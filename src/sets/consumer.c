@@ -13,6 +13,12 @@
  * consumer never builds a view of a refused table, and a version is only
  * ever one of a complete layout. A view costs no driver call and no work
  * per tensor (get_tensor computes the address on demand).
+ *
+ * A REPLACE (a producer set aside a copy some consumer held too long)
+ * brings a new piece for one copy of the current layout: versions already
+ * held keep the old piece (each version holds its copy's pieces), later
+ * ones use the new piece, and the old piece's lease is released with the
+ * last version in it. It is validated like everything else.
  */
 #include "sets_int.h"
 
@@ -37,21 +43,49 @@ gpuipc_status gpuipc_tset_sub_open(gpuipc_conn *conn, gpuipc_tset_sub **out) {
 
 /* ---- layouts ------------------------------------------------------------------------- */
 
+static gpuipc__tset_held *copy_new(uint32_t n) {
+  gpuipc__tset_held *cp = calloc(1, sizeof *cp);
+  if (cp == NULL)
+    return NULL;
+  cp->refs = 1;
+  cp->piece_id = calloc(n ? n : 1, sizeof *cp->piece_id);
+  cp->piece_ptr = calloc(n ? n : 1, sizeof *cp->piece_ptr);
+  if (!cp->piece_id || !cp->piece_ptr) {
+    free(cp->piece_id);
+    free(cp->piece_ptr);
+    free(cp);
+    return NULL;
+  }
+  return cp;
+}
+
+/* Drops a reference to a copy's pieces: the last one releases them. */
+static void copy_unref(gpuipc_tset_sub *sub, gpuipc__tset_held *cp,
+                       CUstream stream) {
+  if (cp == NULL || --cp->refs > 0)
+    return;
+  for (uint32_t i = 0; i < cp->n; i++)
+    (void)gpuipc_conn_release(sub->conn, cp->piece_id[i],
+                              (struct CUstream_st *)stream);
+  free(cp->piece_id);
+  free(cp->piece_ptr);
+  free(cp);
+}
+
 static void layout_free(gpuipc_tset_sub *sub, gpuipc__tset_layout *lay,
                         CUstream stream) {
   if (lay == NULL)
     return;
-  for (uint32_t i = 0; i < lay->got; i++)
-    (void)gpuipc_conn_release(sub->conn, lay->piece_id[i],
-                              (struct CUstream_st *)stream);
+  if (lay->copy)
+    for (uint32_t c = 0; c < lay->tab.copies; c++)
+      copy_unref(sub, lay->copy[c], stream);
   for (gpuipc__tset_layout **p = &sub->retired; *p; p = &(*p)->next)
     if (*p == lay) {
       *p = lay->next;
       break;
     }
   gpuipc__tset_table_free(&lay->tab);
-  free(lay->piece_id);
-  free(lay->piece_ptr);
+  free(lay->copy);
   free(lay);
 }
 
@@ -233,9 +267,11 @@ static gpuipc_status start_layout(gpuipc_tset_sub *sub,
                      lay->tab.copies, m->b);
   if (s == GPUIPC_OK) {
     lay->npieces = lay->tab.n_pieces * lay->tab.copies;
-    lay->piece_id = calloc(lay->npieces, sizeof *lay->piece_id);
-    lay->piece_ptr = calloc(lay->npieces, sizeof *lay->piece_ptr);
-    if (!lay->piece_id || !lay->piece_ptr)
+    lay->copy = calloc(lay->tab.copies, sizeof *lay->copy);
+    for (uint32_t c = 0; lay->copy && c < lay->tab.copies; c++)
+      if ((lay->copy[c] = copy_new(lay->tab.n_pieces)) == NULL)
+        break;
+    if (!lay->copy || !lay->copy[lay->tab.copies - 1])
       s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "tensor-set layout of %u pieces",
                        lay->npieces);
   }
@@ -280,8 +316,10 @@ static gpuipc_status on_piece(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m,
                   gpuipc__fail(GPUIPC_E_OUT_OF_RANGE, "piece %u: %zu bytes, "
                                "the table says %llu", lay->got, r->length,
                                (unsigned long long)need));
-  lay->piece_id[lay->got] = r->id;
-  lay->piece_ptr[lay->got] = (CUdeviceptr)(uintptr_t)r->ptr;
+  gpuipc__tset_held *cp = lay->copy[lay->got / lay->tab.n_pieces];
+  cp->piece_id[cp->n] = r->id;
+  cp->piece_ptr[cp->n] = (CUdeviceptr)(uintptr_t)r->ptr;
+  cp->n++;
   lay->got++;
   *keep = true;
   if (lay->got == lay->npieces) {
@@ -289,6 +327,46 @@ static gpuipc_status on_piece(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m,
     sub->cur = lay;
     sub->pending = NULL;
   }
+  return GPUIPC_OK;
+}
+
+/* A new piece for one copy of the current layout. */
+static gpuipc_status on_replace(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m,
+                                const gpuipc_received *r, CUstream stream,
+                                bool *keep) {
+  gpuipc__tset_layout *lay = sub->cur;
+  if (lay == NULL || lay->tab.layout_id != m->layout_id)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "a new piece for layout %llx: no "
+                        "such layout received", (unsigned long long)m->layout_id);
+  if (lay->tab.n_pieces != 1)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "a new piece for layout %llx, whose "
+                        "copies have %u pieces (only copies of one piece are "
+                        "replaced)", (unsigned long long)m->layout_id,
+                        lay->tab.n_pieces);
+  if (m->a >= lay->tab.copies || m->b != lay->npieces)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "a new piece for copy %llu of %u "
+                        "(%u pieces in all, the layout has %u)",
+                        (unsigned long long)m->a, lay->tab.copies, m->b,
+                        lay->npieces);
+  uint32_t c = (uint32_t)m->a;
+  if (m->c <= lay->gen[c])
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "a new piece for copy %u of "
+                        "generation %u, not after %u", c, m->c, lay->gen[c]);
+  if (r->length < lay->tab.piece_len[0])
+    return gpuipc__fail(GPUIPC_E_PROTOCOL, "a new piece for copy %u of %zu "
+                        "bytes, the table says %llu", c, r->length,
+                        (unsigned long long)lay->tab.piece_len[0]);
+  gpuipc__tset_held *cp = copy_new(1);
+  if (cp == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "a new piece of a tensor set");
+  cp->piece_id[0] = r->id;
+  cp->piece_ptr[0] = (CUdeviceptr)(uintptr_t)r->ptr;
+  cp->n = 1;
+  gpuipc__tset_held *old = lay->copy[c];
+  lay->copy[c] = cp;
+  lay->gen[c] = m->c;
+  *keep = true;
+  copy_unref(sub, old, stream); /* goes now, or with its last version */
   return GPUIPC_OK;
 }
 
@@ -334,11 +412,24 @@ gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
         return s;
       continue;
     }
+    if (m.kind == GPUIPC__TSET_REPLACE) {
+      s = on_replace(sub, &m, &r, (CUstream)stream, &keep);
+      if (!keep)
+        (void)gpuipc_conn_release(sub->conn, r.id, stream);
+      if (s != GPUIPC_OK)
+        return s;
+      continue;
+    }
     if (m.kind == GPUIPC__TSET_END) {
       (void)gpuipc_conn_release(sub->conn, r.id, stream);
       if (sub->cur && sub->cur->tab.layout_id == m.layout_id) {
         layout_retire(sub, sub->cur, (CUstream)stream);
         sub->cur = NULL;
+        if (m.b == GPUIPC__TSET_END_HELD)
+          return gpuipc__fail(GPUIPC_E_CANCELED, "the producer dropped this "
+                              "subscriber from layout %llx: it held a version "
+                              "past the producer's hold limit",
+                              (unsigned long long)m.layout_id);
         return gpuipc__fail(GPUIPC_E_CANCELED, "the producer ended the "
                             "subscription to layout %llx",
                             (unsigned long long)m.layout_id);
@@ -361,6 +452,8 @@ gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
     }
     v->sub = sub;
     v->lay = lay;
+    v->cp = lay->copy[m.b];
+    v->cp->refs++;
     v->token_id = r.id;
     v->number = m.a;
     v->copy = (int)m.b;
@@ -387,6 +480,7 @@ gpuipc_status gpuipc_tset_version_release(gpuipc_tset_version *v,
     sub->held = v->next;
   if (v->next)
     v->next->prev = v->prev;
+  copy_unref(sub, v->cp, (CUstream)stream);
   gpuipc__tset_layout *lay = v->lay;
   if (--lay->refs == 0 && lay->retired)
     layout_free(sub, lay, (CUstream)stream);
@@ -424,9 +518,7 @@ size_t gpuipc_tset_version_get_count(const gpuipc_tset_version *v) {
 
 static CUdeviceptr addr_of(const gpuipc_tset_version *v,
                            const gpuipc__tset_entry *e) {
-  const gpuipc__tset_layout *lay = v->lay;
-  return lay->piece_ptr[(size_t)v->copy * lay->tab.n_pieces + e->piece] +
-         e->offset;
+  return v->cp->piece_ptr[e->piece] + e->offset;
 }
 
 gpuipc_status gpuipc_tset_version_get_tensor(const gpuipc_tset_version *v,

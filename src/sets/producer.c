@@ -19,10 +19,30 @@
  * Consumers that die are reclaimed by the connection layer (their leases
  * go once the process is gone); each call that waits makes progress on
  * every subscribed connection and drops those whose peer is gone.
+ *
+ * Why a consumer that never releases cannot stall the producer: a copy
+ * still held hold_ms after its version was published is retired (owned
+ * sets): its piece and token are set aside (kept, so no one else gets the
+ * memory, until no holder is left; then freed, the arena deferring the
+ * reuse until the holders' GPU work is done) and begin writes a fresh
+ * piece and token instead, announced to every subscriber (REPLACE) before
+ * the version in it. A wrapped set's memory cannot be set aside: its
+ * token is replaced. Either way the holders are dropped from the set
+ * (END, why: held): a stuck consumer gets no more versions, so it holds
+ * at most one copy per copy of the set. At most retired_max owned copies
+ * are set aside at once; beyond that begin fails. Unsubscribe and destroy
+ * of an owned set wait for a consumer's releases at most hold_ms, then let
+ * go of its connection (what it holds stays leased in the connection
+ * layer and comes back when it releases or dies). Consumers that release
+ * promptly see none of this: the fast path reads a clock at publish and
+ * scans an empty list in each progress call.
  */
 #include "sets_int.h"
 
+#include "conn/conn.h"
+
 #include <poll.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +58,49 @@ static uint64_t new_layout_id(void) {
   return (uint64_t)(uint32_t)getpid() << 32 | n;
 }
 
+/* ---- arenas of destroyed sets ------------------------------------------------------- */
+
+/* A set's own arena whose blocks consumers still held when the set was
+ * destroyed waits here, and goes in a later create or destroy once they
+ * are all back. */
+static pthread_mutex_t grave_lock = PTHREAD_MUTEX_INITIALIZER;
+static gpuipc_arena **grave;
+static size_t ngrave, grave_cap;
+
+static void grave_reap(void) {
+  pthread_mutex_lock(&grave_lock);
+  for (size_t i = 0; i < ngrave;) {
+    gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
+    if (gpuipc_arena_get_stats(grave[i], &st) == GPUIPC_OK &&
+        st.blocks_allocated == 0 && gpuipc_arena_destroy(grave[i]) == GPUIPC_OK) {
+      grave[i] = grave[--ngrave];
+      continue;
+    }
+    i++;
+  }
+  pthread_mutex_unlock(&grave_lock);
+}
+
+/* Keeps an arena for grave_reap; false when there is no room. */
+static bool grave_add(gpuipc_arena *a) {
+  pthread_mutex_lock(&grave_lock);
+  bool ok = true;
+  if (ngrave == grave_cap) {
+    size_t cap = grave_cap ? 2 * grave_cap : 8;
+    gpuipc_arena **g = realloc(grave, cap * sizeof *g);
+    if (g) {
+      grave = g;
+      grave_cap = cap;
+    } else {
+      ok = false;
+    }
+  }
+  if (ok)
+    grave[ngrave++] = a;
+  pthread_mutex_unlock(&grave_lock);
+  return ok;
+}
+
 /* ---- peers -------------------------------------------------------------------- */
 
 static long peer_find(const gpuipc_tset *set, const gpuipc_conn *conn) {
@@ -51,8 +114,34 @@ static void peer_drop(gpuipc_tset *set, size_t i) {
   set->peers[i] = set->peers[--set->npeers];
 }
 
+/* Frees the retired copies no one holds any more. */
+static void retired_reap(gpuipc_tset *set) {
+  for (size_t i = 0; i < set->nretired;) {
+    gpuipc__tset_retired *r = &set->retired[i];
+    if (gpuipc_block_get_holders(r->token) == 0 &&
+        gpuipc_block_get_holders(r->piece) == 0) {
+      GPUIPC__DEBUG(MOD, "set %llx: a retired copy is free again",
+                    (unsigned long long)set->tab.layout_id);
+      gpuipc_block_free(r->piece, NULL);
+      gpuipc_block_free(r->token, NULL);
+      set->retired[i] = set->retired[--set->nretired];
+      continue;
+    }
+    i++;
+  }
+}
+
+/* Retired copies of an owned set (pieces set aside), held still. */
+static size_t retired_owned(const gpuipc_tset *set) {
+  size_t n = 0;
+  for (size_t i = 0; i < set->nretired; i++)
+    n += set->retired[i].piece != NULL;
+  return n;
+}
+
 /* Makes progress on every peer without waiting; drops the gone and the
- * ended ones that hold nothing of ours any more. */
+ * ended ones that hold nothing of ours any more; frees retired copies no
+ * one holds. */
 static void peers_progress(gpuipc_tset *set) {
   for (size_t i = 0; i < set->npeers;) {
     gpuipc_conn *c = set->peers[i].conn;
@@ -74,6 +163,8 @@ static void peers_progress(gpuipc_tset *set) {
     }
     i++;
   }
+  if (set->nretired)
+    retired_reap(set);
 }
 
 /* Waits up to ms for any peer's socket to become readable (or sleeps that
@@ -101,6 +192,12 @@ static bool past(uint64_t deadline) {
 static uint64_t deadline_of(int timeout_ms) {
   return timeout_ms < 0 ? UINT64_MAX
                         : gpuipc__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+
+/* Whether `since` (ns) is hold_ms ago or more; never without a limit. */
+static bool held_too_long(const gpuipc_tset *set, uint64_t since) {
+  return set->hold_ms >= 0 &&
+         gpuipc__now_ns() - since >= (uint64_t)set->hold_ms * 1000000ull;
 }
 
 /* ---- creating ------------------------------------------------------------------- */
@@ -302,10 +399,15 @@ gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors, size_t n,
   if (o.copies < 1 || o.copies > 2 || (wrapped && o.copies != 1))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: %d copies "
                         "(1 or 2; a wrapped set has 1)", o.copies);
+  if (o.hold_ms < -1 || o.retired_max < 0 || o.retired_max > 64)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: hold_ms %d "
+                        "(-1 or more), retired_max %d (0 to 64)", o.hold_ms,
+                        o.retired_max);
   if (o.align < 16 || (o.align & (o.align - 1)) || o.align > ((size_t)1 << 20))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_create: align %zu "
                         "(a power of two, 16 to 1 MiB)", o.align);
   GPUIPC__CHECK(gpuipc__driver());
+  grave_reap();
   gpuipc_tset *set = calloc(1, sizeof *set);
   if (set == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_create");
@@ -314,6 +416,8 @@ gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors, size_t n,
   set->latest = -1;
   set->writing = -1;
   set->timeout_ms = o.timeout_ms;
+  set->hold_ms = o.hold_ms;
+  set->retired_max = o.retired_max;
   set->tab.copies = (uint32_t)o.copies;
   set->tab.layout_id = new_layout_id();
   gpuipc_status s = fill_entries(set, tensors, n);
@@ -384,11 +488,12 @@ fail:
 
 /* ---- destroying ---------------------------------------------------------------------- */
 
-static void send_end(gpuipc_tset *set, gpuipc__tset_peer *p) {
-  gpuipc__tset_meta m = {GPUIPC__TSET_END, set->tab.layout_id, 0, 0, 0};
+static void send_end(gpuipc_tset *set, gpuipc__tset_peer *p, uint32_t why) {
+  gpuipc__tset_meta m = {GPUIPC__TSET_END, set->tab.layout_id, 0, why, 0};
   uint8_t meta[GPUIPC__TSET_META_LEN];
   gpuipc__tset_meta_encode(&m, meta);
   p->ended = true;
+  p->ended_ns = gpuipc__now_ns();
   gpuipc_status s = gpuipc_conn_send(p->conn, set->ctl, NULL, meta, sizeof meta);
   if (s != GPUIPC_OK && s != GPUIPC_E_PEER_GONE && s != GPUIPC_E_CLOSED)
     GPUIPC__WARN(MOD, "set %llx: telling a subscriber it ended: %s",
@@ -400,12 +505,24 @@ gpuipc_status gpuipc_tset_destroy(gpuipc_tset *set) {
     return GPUIPC_OK;
   for (size_t i = 0; i < set->npeers; i++)
     if (!set->peers[i].ended)
-      send_end(set, &set->peers[i]);
+      send_end(set, &set->peers[i], GPUIPC__TSET_END_UNSUBSCRIBED);
   uint64_t deadline = deadline_of(set->timeout_ms);
   for (;;) {
     peers_progress(set);
     if (set->npeers == 0)
       break;
+    /* An owned set lets go of consumers that held on past the hold limit:
+     * what they hold stays leased (the frees below are deferred). */
+    bool all_late = !set->wrapped;
+    for (size_t i = 0; i < set->npeers && all_late; i++)
+      all_late = held_too_long(set, set->peers[i].ended_ns);
+    if (all_late) {
+      GPUIPC__DEBUG(MOD, "set %llx: destroyed while %zu consumer(s) still "
+                    "hold parts of it (freed when they release or die)",
+                    (unsigned long long)set->tab.layout_id, set->npeers);
+      set->npeers = 0;
+      break;
+    }
     if (past(deadline))
       return gpuipc__fail(GPUIPC_E_BUSY, "gpuipc_tset_destroy: %zu "
                           "subscriber(s) still hold versions or pieces of the "
@@ -417,13 +534,27 @@ gpuipc_status gpuipc_tset_destroy(gpuipc_tset *set) {
     gpuipc_block_free(set->token[c], NULL);
   }
   gpuipc_block_free(set->ctl, NULL);
+  for (size_t i = 0; i < set->nretired; i++) {
+    gpuipc_block_free(set->retired[i].piece, NULL);
+    gpuipc_block_free(set->retired[i].token, NULL);
+  }
+  free(set->retired);
   if (set->piece_buf)
     for (uint32_t p = 0; p < set->tab.n_pieces; p++)
       gpuipc_buffer_free(set->piece_buf[p], NULL);
   gpuipc_status s = gpuipc_arena_destroy(set->own_arena);
-  if (s != GPUIPC_OK)
-    GPUIPC__WARN(MOD, "set %llx: its arena: %s",
-                 (unsigned long long)set->tab.layout_id, gpuipc_last_error());
+  if (s != GPUIPC_OK) {
+    /* Consumers still hold some of it (or their GPUs have not written
+     * their releases yet): it goes later. */
+    if (grave_add(set->own_arena))
+      GPUIPC__DEBUG(MOD, "set %llx: its arena goes later: %s",
+                    (unsigned long long)set->tab.layout_id,
+                    gpuipc_last_error());
+    else
+      GPUIPC__WARN(MOD, "set %llx: its arena: %s",
+                   (unsigned long long)set->tab.layout_id, gpuipc_last_error());
+  }
+  grave_reap();
   free(set->piece_buf);
   free(set->piece_ptr);
   free(set->peers);
@@ -552,7 +683,8 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
     return s;
   /* Whatever was sent must drain before the set lets go of conn. */
-  set->peers[set->npeers++] = (gpuipc__tset_peer){conn, s != GPUIPC_OK};
+  set->peers[set->npeers++] =
+      (gpuipc__tset_peer){conn, s != GPUIPC_OK, gpuipc__now_ns()};
   return s;
 }
 
@@ -564,12 +696,24 @@ gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set, gpuipc_conn *conn) {
     return gpuipc__fail(GPUIPC_E_NOT_FOUND, "gpuipc_tset_unsubscribe: "
                         "connection not subscribed");
   if (!set->peers[i].ended)
-    send_end(set, &set->peers[i]);
+    send_end(set, &set->peers[i], GPUIPC__TSET_END_UNSUBSCRIBED);
   uint64_t deadline = deadline_of(set->timeout_ms);
   for (;;) {
     peers_progress(set);
-    if (peer_find(set, conn) < 0)
+    i = peer_find(set, conn);
+    if (i < 0)
       return GPUIPC_OK;
+    if (!set->wrapped && held_too_long(set, set->peers[i].ended_ns)) {
+      /* Past the hold limit: the set lets go of conn. What the consumer
+       * holds stays leased on conn (and on its orphaned table once conn
+       * closes) until it releases or dies; a copy it holds is retired by
+       * the next begin that needs it. */
+      GPUIPC__DEBUG(MOD, "set %llx: a consumer unsubscribed while it still "
+                    "holds parts of the set", (unsigned long long)
+                    set->tab.layout_id);
+      peer_drop(set, (size_t)i);
+      return GPUIPC_OK;
+    }
     if (past(deadline))
       return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_unsubscribe: the "
                           "consumer still holds versions or pieces of the set");
@@ -578,6 +722,99 @@ gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set, gpuipc_conn *conn) {
 }
 
 /* ---- versions ------------------------------------------------------------------------------- */
+
+/* Ends the subscriptions (END, why: held) of every subscriber holding any
+ * of the n blocks; returns how many. */
+static size_t drop_holders(gpuipc_tset *set, gpuipc_block *const *blks,
+                           size_t n) {
+  size_t dropped = 0;
+  for (size_t i = 0; i < set->npeers; i++) {
+    gpuipc__tset_peer *p = &set->peers[i];
+    if (p->ended)
+      continue;
+    for (size_t k = 0; k < n; k++)
+      if (gpuipc__conn_block_holders(p->conn, blks[k]) > 0) {
+        GPUIPC__DEBUG(MOD, "set %llx: a subscriber held a copy past the hold "
+                      "limit (%d ms): dropped",
+                      (unsigned long long)set->tab.layout_id, set->hold_ms);
+        send_end(set, p, GPUIPC__TSET_END_HELD);
+        dropped++;
+        break;
+      }
+  }
+  return dropped;
+}
+
+/* Copy c is held past the hold limit: sets it aside and puts a fresh one
+ * (owned: piece and token; wrapped: token) in its place, announced to the
+ * subscribers on stream. */
+static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
+  unsigned holders = gpuipc_block_get_holders(set->token[c]);
+  if (set->nretired == set->retired_cap) {
+    size_t cap = set->retired_cap ? 2 * set->retired_cap : 4;
+    gpuipc__tset_retired *r = realloc(set->retired, cap * sizeof *r);
+    if (r == NULL)
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_begin");
+    set->retired = r;
+    set->retired_cap = cap;
+  }
+  gpuipc_block *piece = NULL, *token = NULL;
+  gpuipc_status s = gpuipc_arena_alloc(set->arena, 256,
+                                       (struct CUstream_st *)stream, &token);
+  if (s == GPUIPC_OK && !set->wrapped)
+    s = gpuipc_arena_alloc(set->arena, (size_t)set->tab.piece_len[0],
+                           (struct CUstream_st *)stream, &piece);
+  if (s != GPUIPC_OK) {
+    gpuipc_block_free(token, NULL);
+    return gpuipc__fail(s, "gpuipc_tset_begin: copy %d is held by %u "
+                        "consumer(s) past the hold limit (%d ms), and a fresh "
+                        "copy could not be made: %s", c, holders, set->hold_ms,
+                        gpuipc_last_error());
+  }
+  GPUIPC__DEBUG(MOD, "set %llx: copy %d held by %u consumer(s) past the hold "
+                "limit: retired", (unsigned long long)set->tab.layout_id, c,
+                holders);
+  gpuipc_block *old_token = set->token[c];
+  set->retired[set->nretired++] =
+      (gpuipc__tset_retired){set->wrapped ? NULL : set->piece_blk[c], old_token};
+  set->token[c] = token;
+  set->gen[c]++;
+  /* Its holders get nothing more (so hold nothing more than what they
+   * have: at most one version per copy). A wrapped set's memory is the
+   * producer's: their views of it are not protected any more. */
+  (void)drop_holders(set, &old_token, 1);
+  if (set->wrapped) /* written in place: after those who did release it */
+    return gpuipc_block_wait(old_token, (struct CUstream_st *)stream);
+  set->piece_blk[c] = piece;
+  set->piece_ptr[c] = (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(piece);
+  uint32_t total = (uint32_t)set->copies;
+  gpuipc__tset_meta m = {GPUIPC__TSET_REPLACE, set->tab.layout_id,
+                         (uint64_t)c, total, set->gen[c]};
+  uint8_t meta[GPUIPC__TSET_META_LEN];
+  gpuipc__tset_meta_encode(&m, meta);
+  for (size_t i = 0; i < set->npeers;) {
+    gpuipc__tset_peer *p = &set->peers[i];
+    if (p->ended) {
+      i++;
+      continue;
+    }
+    s = gpuipc_conn_send(p->conn, piece, (struct CUstream_st *)stream, meta,
+                         sizeof meta);
+    if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED) {
+      peer_drop(set, i);
+      continue;
+    }
+    if (s != GPUIPC_OK) {
+      /* It would read later versions of copy c in the old piece. */
+      GPUIPC__WARN(MOD, "set %llx: announcing copy %d's new piece: %s (the "
+                   "subscriber is dropped)", (unsigned long long)
+                   set->tab.layout_id, c, gpuipc_last_error());
+      send_end(set, p, GPUIPC__TSET_END_HELD);
+    }
+    i++;
+  }
+  return GPUIPC_OK;
+}
 
 gpuipc_status gpuipc_tset_begin(gpuipc_tset *set, struct CUstream_st *stream,
                                 int *copy) {
@@ -588,14 +825,39 @@ gpuipc_status gpuipc_tset_begin(gpuipc_tset *set, struct CUstream_st *stream,
                         "begun already (publish it first)", set->writing);
   int c = set->copies == 1 ? 0 : (set->latest + 1) % set->copies;
   uint64_t deadline = deadline_of(set->timeout_ms);
+  bool full = false;
   for (;;) {
     peers_progress(set);
     if (gpuipc_block_get_holders(set->token[c]) == 0)
       break;
-    if (past(deadline))
+    if (held_too_long(set, set->pub_ns[c])) {
+      if (set->wrapped || retired_owned(set) < (size_t)set->retired_max) {
+        GPUIPC__CHECK(retire(set, c, (CUstream)stream));
+        *copy = c;
+        set->writing = c;
+        return GPUIPC_OK; /* a fresh copy: nothing to wait for */
+      }
+      /* No room to set it aside: its holders get nothing more, and begin
+       * waits for a release (theirs, or of a retired copy). */
+      if (!full) {
+        (void)drop_holders(set, &set->token[c], 1);
+        full = true;
+      }
+    }
+    if (past(deadline)) {
+      if (full)
+        return gpuipc__fail(GPUIPC_E_BUSY, "gpuipc_tset_begin: copy %d is "
+                            "held by %u consumer(s) past the hold limit (%d "
+                            "ms), and the set keeps %zu retired copies "
+                            "already, still held (retired_max %d): its "
+                            "holders were dropped from the set", c,
+                            gpuipc_block_get_holders(set->token[c]),
+                            set->hold_ms, retired_owned(set),
+                            set->retired_max);
       return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_begin: copy %d is "
                           "still held by %u consumer(s)", c,
                           gpuipc_block_get_holders(set->token[c]));
+    }
     peers_wait(set, 1);
   }
   GPUIPC__CHECK(gpuipc_block_wait(set->token[c], stream));
@@ -643,6 +905,7 @@ gpuipc_status gpuipc_tset_publish(gpuipc_tset *set, struct CUstream_st *stream) 
   set->version++;
   set->latest = set->writing;
   set->writing = -1;
+  set->pub_ns[set->latest] = gpuipc__now_ns();
   gpuipc_status first = GPUIPC_OK;
   char why[256] = "";
   for (size_t i = 0; i < set->npeers;) {

@@ -23,7 +23,9 @@
 #define GPUIPC__TSET_META_MAGIC 0x42535447u  /* "GTSB" */
 #define GPUIPC__TSET_META_LEN 32
 enum { GPUIPC__TSET_PIECE = 1, GPUIPC__TSET_VERSION_TOKEN = 2,
-       GPUIPC__TSET_END = 3 };
+       GPUIPC__TSET_END = 3, GPUIPC__TSET_REPLACE = 4 };
+/* Why an END: the `b` of its meta. */
+enum { GPUIPC__TSET_END_UNSUBSCRIBED = 0, GPUIPC__TSET_END_HELD = 1 };
 
 typedef struct gpuipc__tset_entry {
   uint32_t name_off; /* into the table's names (NUL-terminated) */
@@ -54,9 +56,12 @@ typedef struct gpuipc__tset_table {
 typedef struct gpuipc__tset_meta {
   uint16_t kind;
   uint64_t layout_id;
-  uint64_t a; /* PIECE: index; VERSION: number; END: 0 */
-  uint32_t b; /* PIECE: pieces in all copies; VERSION: copy; END: 0 */
-  uint32_t c; /* PIECE: the table's length; else 0 */
+  uint64_t a; /* PIECE: index; VERSION: number; END: 0; REPLACE: copy */
+  uint32_t b; /* PIECE, REPLACE: pieces in all copies; VERSION: copy;
+                 END: why (GPUIPC__TSET_END_*) */
+  uint32_t c; /* PIECE: the table's length; REPLACE: the copy's new
+                 generation (the producer's count of its retirements: later
+                 ones are larger); else 0 */
 } gpuipc__tset_meta;
 
 /* The byte extent of a tensor: 0 when any size is 0, else

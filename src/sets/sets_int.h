@@ -14,8 +14,17 @@
 /* One connection a producer set feeds. */
 typedef struct gpuipc__tset_peer {
   gpuipc_conn *conn;
-  bool ended; /* END sent; kept until it released everything */
+  bool ended;        /* END sent; kept until it released everything */
+  uint64_t ended_ns; /* when */
 } gpuipc__tset_peer;
+
+/* An owned copy set aside because consumers held it past the hold limit:
+ * kept until no one holds it, then freed (the arena defers the reuse
+ * until the holders' GPU work is done). */
+typedef struct gpuipc__tset_retired {
+  gpuipc_block *piece; /* NULL for a wrapped set (its token only) */
+  gpuipc_block *token;
+} gpuipc__tset_retired;
 
 struct gpuipc_tset {
   gpuipc__tset_table tab;
@@ -37,15 +46,32 @@ struct gpuipc_tset {
   int latest;                 /* its copy; -1: none */
   int writing;                /* copy between begin and publish; -1 */
   int timeout_ms;
+  int hold_ms;                /* -1: none */
+  int retired_max;
+  uint64_t pub_ns[2];         /* when copy c last got a version */
+  uint32_t gen[2];            /* copy c's generation: retirements so far */
+  gpuipc__tset_retired *retired;
+  size_t nretired, retired_cap;
 };
+
+/* The pieces of one copy of a layout as a subscriber holds them: the
+ * layout's current ones, and the versions received in that copy, share
+ * it; a REPLACE puts a new one in the layout, the old one goes with the
+ * last version in it. */
+typedef struct gpuipc__tset_held {
+  size_t refs;           /* the layout's (while current) + versions' */
+  uint32_t n;            /* pieces received (of the layout's n_pieces) */
+  uint64_t *piece_id;    /* the leases, for gpuipc_conn_release */
+  CUdeviceptr *piece_ptr;
+} gpuipc__tset_held;
 
 /* A layout a subscriber knows: the table and the pieces it holds. */
 typedef struct gpuipc__tset_layout {
   gpuipc__tset_table tab;
   uint32_t npieces;      /* copies * n_pieces */
   uint32_t got;          /* pieces received so far */
-  uint64_t *piece_id;    /* the leases, for gpuipc_conn_release */
-  CUdeviceptr *piece_ptr;
+  gpuipc__tset_held **copy; /* tab.copies */
+  uint32_t gen[2];       /* the last REPLACE's generation, per copy */
   size_t refs;           /* versions held */
   bool retired;          /* superseded or ended: goes with its last version */
   struct gpuipc__tset_layout *next; /* retired ones still referenced */
@@ -72,6 +98,7 @@ struct gpuipc_tset_sub {
 struct gpuipc_tset_version {
   gpuipc_tset_sub *sub;
   gpuipc__tset_layout *lay;
+  gpuipc__tset_held *cp; /* the pieces of its copy */
   uint64_t token_id;
   uint64_t number;
   int copy;

@@ -472,7 +472,7 @@ gpuipc_status gpuipc__tset_meta_decode(const uint8_t *in, size_t len,
   m->b = gpuipc__get_le32(in + 24);
   m->c = gpuipc__get_le32(in + 28);
   if (gpuipc__get_le16(in + 6) != 0 || m->kind < GPUIPC__TSET_PIECE ||
-      m->kind > GPUIPC__TSET_END)
+      m->kind > GPUIPC__TSET_REPLACE)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "tensor-set buffer of kind %u",
                         m->kind);
   return GPUIPC_OK;
