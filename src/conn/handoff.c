@@ -322,16 +322,12 @@ static bool stream_idle(struct gpuipc__ho *h, int ordinal,
   return false;
 }
 
-/* The common part of both sends: a free slot, the frame, then the
- * stream-ordered ready write. `desc` (with fds) is set for a descriptor buffer, else
- * the frame names the arena block in w. On success the slot's lease is
- * recorded by the caller through *slot_out / *seq_out. */
-static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
-                               struct CUstream_st *stream, gpuipc__w_buf *w,
-                               const uint8_t *desc, uint32_t desc_len,
-                               const int *fds, int nfds, const void *meta,
-                               size_t meta_len, uint64_t deadline,
-                               uint32_t *slot_out, uint64_t *seq_out) {
+/* A free slot (waiting up to deadline for a release when every slot is
+ * out), event mode's record of its ready event on stream, and the next
+ * sequence number: what every send of one buffer starts with. */
+static gpuipc_status take_lease(gpuipc_conn *conn, struct gpuipc__ho *h,
+                                struct CUstream_st *stream, uint64_t deadline,
+                                uint32_t *slot_out, uint64_t *seq_out) {
   gpuipc__lease_table *lt = h->lt;
   uint32_t slot;
   if (!gpuipc__lease_free_slot(lt, &slot)) {
@@ -340,9 +336,7 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
     if (conn->ho != h || !gpuipc__lease_free_slot(lt, &slot))
       return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slot after a release");
   }
-  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
-  bool by_event = conn->order == GPUIPC_ORDER_EVENT;
-  if (by_event) {
+  if (conn->order == GPUIPC_ORDER_EVENT) {
     gpuipc_event *ev = gpuipc__lease_ready_event(lt, slot);
     if (ev == NULL) {
       GPUIPC__CHECK(make_event(conn, lt->ordinal, slot, 0, deadline, &ev));
@@ -356,6 +350,27 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   if (seq == 0)
     return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
                                         "are used up (2^62 buffers)");
+  *slot_out = slot;
+  *seq_out = seq;
+  return GPUIPC_OK;
+}
+
+/* The common part of both sends: a free slot, the frame, then the
+ * stream-ordered ready write. `desc` (with fds) is set for a descriptor buffer, else
+ * the frame names the arena block in w. On success the slot's lease is
+ * recorded by the caller through *slot_out / *seq_out. */
+static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
+                               struct CUstream_st *stream, gpuipc__w_buf *w,
+                               const uint8_t *desc, uint32_t desc_len,
+                               const int *fds, int nfds, const void *meta,
+                               size_t meta_len, uint64_t deadline,
+                               uint32_t *slot_out, uint64_t *seq_out) {
+  gpuipc__lease_table *lt = h->lt;
+  uint32_t slot;
+  uint64_t seq;
+  GPUIPC__CHECK(take_lease(conn, h, stream, deadline, &slot, &seq));
+  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
+  bool by_event = conn->order == GPUIPC_ORDER_EVENT;
   if (conn->watch)
     atomic_store(&conn->watch->tx_seq, seq);
   /* An arena block whose work is already done needs no ready write, and
@@ -723,24 +738,9 @@ static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
   if (ordered) /* the broadcast word's chunk */
     GPUIPC__CHECK(export_chunk(c, h, bword->arena, bword->chunk, deadline));
   uint32_t slot;
-  if (!gpuipc__lease_free_slot(lt, &slot)) {
-    GPUIPC__CHECK(gpuipc__conn_pump(c, deadline, have_free_slot, NULL));
-    if (c->ho != h || !gpuipc__lease_free_slot(lt, &slot))
-      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slot after a release");
-  }
+  uint64_t seq;
+  GPUIPC__CHECK(take_lease(c, h, stream, deadline, &slot, &seq));
   bool by_event = c->order == GPUIPC_ORDER_EVENT;
-  if (by_event) {
-    gpuipc_event *ev = gpuipc__lease_ready_event(lt, slot);
-    if (ev == NULL) {
-      GPUIPC__CHECK(make_event(c, lt->ordinal, slot, 0, deadline, &ev));
-      gpuipc__lease_set_ready_event(lt, slot, ev);
-    }
-    GPUIPC__CHECK(gpuipc_event_record(ev, stream));
-  }
-  uint64_t seq = gpuipc__lease_new_seq(lt);
-  if (seq == 0)
-    return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
-                                        "are used up (2^62 buffers)");
   *w = (gpuipc__w_buf){seq,         a->id, block->off, block->bytes, slot,
                        block->chunk, 0,    (uint32_t)meta_len};
   w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
