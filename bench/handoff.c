@@ -359,6 +359,7 @@ typedef struct ctx {
   int nc;
   CUstream s;
   int iters;
+  int ncons; /* consumers started: NCONS, 16 with --quick */
 } bctx;
 
 static void wait_free(bctx *b, gpuipc_block *blk) {
@@ -543,7 +544,7 @@ static double run_batch(bctx *b, gpuipc_arena *a, size_t size, int nb,
  * sent in batches), while single handoffs cycle to the last consumer:
  * its buffers per second. */
 static double run_flat(bctx *b, gpuipc_arena *a, long live) {
-  gpuipc_conn *x = b->c[NCONS - 2], *y = b->c[NCONS - 1];
+  gpuipc_conn *x = b->c[b->ncons - 2], *y = b->c[b->ncons - 1];
   long h1 = live / 2, h2 = live - h1;
   gpuipc_block **blk = calloc((size_t)live, sizeof *blk);
   if (blk == NULL)
@@ -780,7 +781,9 @@ static void usage(FILE *f) {
              "  batches of 1, 16 and 256, and throughput with 10 to 100000 "
              "buffers leased,\n"
              "  next to the raw driver paths measured in the same run\n"
-             "  --quick    %d iterations, 4 KiB and 1 MiB only\n"
+             "  --quick    %d iterations, 4 KiB and 1 MiB only, 16 consumers "
+             "(fan-out to 8 and 16,\n"
+             "             flatness to 10000 leases)\n"
              "  --iters N  iterations per figure (default 2000)\n",
           MAXC, NCONS, 200);
 }
@@ -817,9 +820,11 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     iters = quick ? 200 : 2000;
 
   /* The consumers start before this process touches CUDA. */
-  bctx b = {{0}, MAXC, NULL, iters};
+  /* --quick starts 16 consumers (fan-out rows to 8 and 16, flatness to
+   * 10,000 leases): a smoke run that a slow build (sanitizers) finishes. */
+  bctx b = {{0}, MAXC, NULL, iters, quick ? 16 : NCONS};
   pid_t pids[NCONS];
-  for (int k = 0; k < NCONS; k++) {
+  for (int k = 0; k < b.ncons; k++) {
     int fds[2];
     OK(gpuipc_conn_pair(fds));
     posix_spawn_file_actions_t fa;
@@ -837,7 +842,7 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     o.timeout_ms = 120000;
     /* Room for two batches of 256 in flight; the last two consumers hold
      * up to 50,000 buffers each in the flatness rows. */
-    o.max_outstanding = k >= NCONS - 2 ? 65536 : 1024;
+    o.max_outstanding = k >= b.ncons - 2 ? 65536 : 1024;
     OK(gpuipc_conn_from_fd(fds[0], &o, &b.c[k]));
   }
   OK(gpuipc_init());
@@ -983,12 +988,13 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     int keep = b.iters;
     b.iters = 20;
     double m, p, e, cl;
-    run_fan(&b, a, 4096, NCONS, true, &m, &p, &e, &cl);
+    run_fan(&b, a, 4096, b.ncons, true, &m, &p, &e, &cl);
     b.iters = keep;
   }
   double bc8_med = 0, bc8_p90 = 0;
   static const int fan_n[3] = {8, 16, NCONS};
-  for (int fi = 0; fi < 3; fi++) {
+  int nfan = b.ncons == NCONS ? 3 : 2;
+  for (int fi = 0; fi < nfan; fi++) {
     for (int mode = 0; mode < 2; mode++) {
       double ml, pl, me, cl;
       run_fan(&b, a, 4096, fan_n[fi], mode == 1, &ml, &pl, &me, &cl);
@@ -1046,7 +1052,7 @@ int gpuipc_bench_handoff(int argc, char **argv) {
     gpuipc_arena *fa = NULL;
     OK(gpuipc_arena_create(&fo, &fa));
     static const long live_n[5] = {10, 100, 1000, 10000, 100000};
-    for (int li = 0; li < 5; li++) {
+    for (int li = 0; li < (quick ? 4 : 5); li++) {
       double rate = run_flat(&b, fa, live_n[li]);
       printf("%12ld %14.0f %16.3f\n", live_n[li], rate, 1e6 / rate);
       fflush(stdout);
@@ -1070,12 +1076,12 @@ int gpuipc_bench_handoff(int argc, char **argv) {
   gpuipc_bench_json_num("broadcast_8_p90_last_us", bc8_p90);
   gpuipc_bench_json_num("batch_16_buffers_per_s", b16);
 
-  for (int k = 0; k < NCONS; k++) {
+  for (int k = 0; k < b.ncons; k++) {
     send_cmd(b.c[k], OP_QUIT, 0);
     gpuipc_conn_close(b.c[k]);
   }
   int rc = 0;
-  for (int k = 0; k < NCONS; k++) {
+  for (int k = 0; k < b.ncons; k++) {
     int st = 0;
     waitpid(pids[k], &st, 0);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)

@@ -1573,7 +1573,13 @@ static void *open_gate_later(void *arg) {
   (void)arg;
   ctx_current();
   usleep(100000);
-  ASSERT_CU(gpuipc__cu.cuMemsetD32(gate_word, 1, 1));
+  /* A stream memory operation (as the wait it releases): a plain memset
+   * is no atomic store on the emulator (a data race for TSan). */
+  CUstream w;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&w, CU_STREAM_NON_BLOCKING));
+  ASSERT_CU(gpuipc__cu.cuStreamWriteValue32(w, gate_word, 1, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(w));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(w));
   return NULL;
 }
 
