@@ -1070,3 +1070,32 @@ TEST_IMPL(conn_refuses_another_protocol_version) {
   }
   return 0;
 }
+
+/* A peer in our pid namespace that says it is of another one is refused
+ * (/proc shows its namespace): it could otherwise pose as a process of
+ * another container. Needs no namespace. */
+TEST_IMPL(conn_refuses_a_false_pid_namespace) {
+  int sv[2];
+  ASSERT_OK(gpuipc_conn_pair(sv));
+  gpuipc__hello me;
+  memset(&me, 0, sizeof me);
+  me.proto = GPUIPC__PROTO_VERSION;
+  me.flags = GPUIPC__HELLO_F_NS;
+  me.pid = getpid();
+  me.uid = geteuid();
+  me.gid = getegid();
+  me.max_outstanding = 16;
+  me.start_time = gpuipc__process_start_time(getpid());
+  ASSERT_OK(gpuipc__boot_id(me.boot_id));
+  me.pidns = gpuipc__pid_namespace() + 1;
+  raw_frame(sv[1], GPUIPC__F_HELLO, &me, sizeof me, NULL, 0);
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 5000;
+  gpuipc_conn *c = NULL;
+  ASSERT_STATUS(gpuipc_conn_from_fd(sv[0], &o, &c), GPUIPC_E_PEER_REFUSED);
+  ASSERT_NULL(c);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "which /proc does not show");
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "pid namespace");
+  close(sv[1]);
+  return 0;
+}

@@ -832,6 +832,7 @@ typedef struct hs {
   int stage;
   bool hello_failed; /* our HELLO did not leave: the peer closed */
   bool peer_ns;      /* the peer's HELLO has GPUIPC__HELLO_F_NS */
+  bool foreign;      /* it is of another pid namespace (watched once done) */
   unsigned char buf[sizeof(gpuipc__frame_hdr) + HS_PAYLOAD_MAX];
   size_t got, want;
   struct ucred cred; /* with the frame's first byte */
@@ -1148,6 +1149,11 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
        * read (they would also split reads at every sender change). */
       int zero = 0;
       (void)setsockopt(c->fd, SOL_SOCKET, SO_PASSCRED, &zero, sizeof zero);
+      /* Only a peer that completed its handshake is watched: one that
+       * failed half-way leaves nothing behind (no pidfd kept for it). */
+      if (x->foreign)
+        gpuipc__live_watch_identity(&c->via.peer,
+                                    gpuipc__peer_pidfd(c->peer));
       GPUIPC__DEBUG("conn", "connected to pid %d uid %u", c->peer_pid,
                     c->peer_uid);
       return GPUIPC_OK;
@@ -1219,6 +1225,17 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
       c->peer_start_time = gpuipc__process_start_time(cred.pid);
       if (c->peer_start_time == 0)
         c->peer_start_time = peer.start_time;
+      /* A peer we see that says it is of another pid namespace: /proc
+       * must show that namespace (else it could pose as a process of
+       * another container, whose liveness its own pidfd would then
+       * answer for). */
+      if (foreign && gpuipc__proc_pid_namespace(cred.pid) != peer.pidns) {
+        refuse(c->fd, "pid namespace does not match", wdeadline);
+        return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
+                            "handshake: the peer (pid %d here) claims pid "
+                            "namespace %llu, which /proc does not show",
+                            (int)cred.pid, (unsigned long long)peer.pidns);
+      }
       if (foreign && !foreign_pid_matches(cred.pid, peer.pid,
                                           c->peer_start_time,
                                           peer.start_time)) {
@@ -1255,9 +1272,7 @@ static gpuipc_status hs_step(hs *x, uint64_t wdeadline) {
     c->via.peer.pidns = x->peer_ns ? peer.pidns : my_ns;
     c->via.peer.pid = foreign ? peer.pid : cred.pid;
     c->via.peer.start_time = foreign ? peer.start_time : c->peer_start_time;
-    if (foreign)
-      gpuipc__live_watch_identity(&c->via.peer,
-                                  gpuipc__peer_pidfd(c->peer));
+    x->foreign = foreign; /* its identity is watched once the handshake is done */
     c->peer_max_outstanding = peer.max_outstanding;
     c->stats_slot = gpuipc__stats_conn_open(c->peer_pid, c->peer_start_time,
                                             (int)c->order);

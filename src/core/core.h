@@ -176,6 +176,9 @@ uint64_t gpuipc__now_ns(void); /* CLOCK_MONOTONIC */
 gpuipc_status gpuipc__boot_id(uint8_t out[16]);
 /* Inode of /proc/self/ns/pid (0 when unavailable). */
 uint64_t gpuipc__pid_namespace(void);
+/* The inode of the pid namespace of process `pid` (a pid of ours), or 0
+ * when /proc does not say (no such process, or not ours to look at). */
+uint64_t gpuipc__proc_pid_namespace(int pid);
 /* Start time of process pid in clock ticks since boot (field 22 of
  * /proc/pid/stat); 0 when unavailable. Together with pid it names a process
  * even after pid reuse. */

@@ -70,6 +70,15 @@ uint64_t gpuipc__pid_namespace(void) {
   return (uint64_t)st.st_ino;
 }
 
+uint64_t gpuipc__proc_pid_namespace(int pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/ns/pid", pid);
+  struct stat st;
+  if (pid <= 0 || stat(path, &st) != 0)
+    return 0;
+  return (uint64_t)st.st_ino;
+}
+
 gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time) {
   char path[64], buf[1024];
   snprintf(path, sizeof path, "/proc/%d/stat", pid);

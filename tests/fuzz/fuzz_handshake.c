@@ -10,8 +10,9 @@
  *
  * Each input runs twice: as it is, and with its first frame made to look
  * right where a checksum-like field would stop every mutation (header
- * check; the HELLO's protocol version set to ours, its pid, uid and gid
- * to this process's, which the kernel's credentials must match). The second pass also sends
+ * check; the HELLO's protocol version set to ours, its pid, uid, gid,
+ * start time and boot id to this process's, which the kernel's
+ * credentials and /proc must confirm). The second pass also sends
  * descriptors, for a LIVE frame (see live_fds).
  */
 #include "fuzz_conn.h"
@@ -176,6 +177,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(copy + id_off, &pid, 4);
     memcpy(copy + id_off + 4, &uid, 4);
     memcpy(copy + id_off + 8, &gid, 4);
+  }
+  /* ... and its start time and boot id, which /proc must confirm. */
+  const size_t st_off = sizeof(gpuipc__frame_hdr) + offsetof(gpuipc__hello, start_time);
+  if (size >= st_off + 8 + 16) {
+    uint64_t st = gpuipc__process_start_time(getpid());
+    uint8_t boot[16];
+    memcpy(copy + st_off, &st, 8);
+    if (gpuipc__boot_id(boot) == GPUIPC_OK)
+      memcpy(copy + st_off + 8, boot, 16);
   }
   via_listener(copy, size);
   fuzz_check_fds("fuzz-handshake (listener, made right)");
