@@ -1661,6 +1661,42 @@ gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
   return GPUIPC_OK;
 }
 
+/* Orders ws after the work queued so far on the stream slot r was received
+ * on (its wait for the producer reads the peer's flag words). Context
+ * current. */
+static CUresult join_recv_stream(gpuipc__rxs *r, CUstream ws) {
+  CUresult cr = CUDA_SUCCESS;
+  if (r->join_ev == NULL) {
+    CUevent ev;
+    cr = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+    if (cr == CUDA_SUCCESS)
+      r->join_ev = (struct CUevent_st *)ev;
+  }
+  if (cr == CUDA_SUCCESS)
+    cr = GPUIPC__CU(cuEventRecord, (CUevent)r->join_ev,
+                    (CUstream)r->recv_stream);
+  if (cr == CUDA_SUCCESS)
+    cr = GPUIPC__CU(cuStreamWaitEvent, ws, (CUevent)r->join_ev, 0);
+  return cr;
+}
+
+/* Records r->rel_done on ws after a release there: what close waits for
+ * before it unmaps (rx_unknown when it cannot be recorded). Context
+ * current. */
+static void record_rel_done(struct gpuipc__ho *h, gpuipc__rxs *r, CUstream ws) {
+  CUresult er = CUDA_SUCCESS;
+  if (r->rel_done == NULL) {
+    CUevent ev;
+    er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+    if (er == CUDA_SUCCESS)
+      r->rel_done = (struct CUevent_st *)ev;
+  }
+  if (er == CUDA_SUCCESS)
+    er = GPUIPC__CU(cuEventRecord, (CUevent)r->rel_done, ws);
+  if (er != CUDA_SUCCESS)
+    h->rx_unknown = true;
+}
+
 /* Writes the release flag of a held slot on stream (ordered mode) and
  * forgets the lease locally. */
 static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
@@ -1689,17 +1725,7 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
       /* Released on another stream than it was received on: the release
        * (and close's unmapping, which waits for rel_done) comes after our
        * wait on the recv stream, which reads the peer's flag words. */
-      if (r->join_ev == NULL) {
-        CUevent ev;
-        cr = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
-        if (cr == CUDA_SUCCESS)
-          r->join_ev = (struct CUevent_st *)ev;
-      }
-      if (cr == CUDA_SUCCESS)
-        cr = GPUIPC__CU(cuEventRecord, (CUevent)r->join_ev,
-                        (CUstream)r->recv_stream);
-      if (cr == CUDA_SUCCESS)
-        cr = GPUIPC__CU(cuStreamWaitEvent, ws, (CUevent)r->join_ev, 0);
+      cr = join_recv_stream(r, ws);
       if (cr != CUDA_SUCCESS) {
         gpuipc__ctx_leave(&g);
         if (write_flag)
@@ -1730,17 +1756,7 @@ static gpuipc_status release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
        * to this release, our wait on the recv stream included (a later
        * release of the slot, on any stream, is ordered after this one, so
        * the newest record covers all). */
-      CUresult er = CUDA_SUCCESS;
-      if (r->rel_done == NULL) {
-        CUevent ev;
-        er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
-        if (er == CUDA_SUCCESS)
-          r->rel_done = (struct CUevent_st *)ev;
-      }
-      if (er == CUDA_SUCCESS)
-        er = GPUIPC__CU(cuEventRecord, (CUevent)r->rel_done, ws);
-      if (er != CUDA_SUCCESS)
-        h->rx_unknown = true;
+      record_rel_done(h, r, ws);
     }
     gpuipc__ctx_leave(&g);
     if (cr != CUDA_SUCCESS)
@@ -1861,17 +1877,7 @@ static gpuipc_status release_words(struct gpuipc__ho *h, const uint32_t *slots,
     gpuipc__rxs *r = &h->rx[slots[k]];
     if (!r->waited || r->recv_stream == stream || r->recv_stream == joined)
       continue;
-    if (r->join_ev == NULL) {
-      CUevent ev;
-      cr = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
-      if (cr == CUDA_SUCCESS)
-        r->join_ev = (struct CUevent_st *)ev;
-    }
-    if (cr == CUDA_SUCCESS)
-      cr = GPUIPC__CU(cuEventRecord, (CUevent)r->join_ev,
-                      (CUstream)r->recv_stream);
-    if (cr == CUDA_SUCCESS)
-      cr = GPUIPC__CU(cuStreamWaitEvent, ws, (CUevent)r->join_ev, 0);
+    cr = join_recv_stream(r, ws);
     joined = r->recv_stream;
   }
   if (cr != CUDA_SUCCESS) {
@@ -1904,17 +1910,7 @@ static gpuipc_status release_words(struct gpuipc__ho *h, const uint32_t *slots,
                                                        h->peer_nslots, last),
                     (cuuint64_t)rl->held, 0);
   if (cr == CUDA_SUCCESS) {
-    CUresult er = CUDA_SUCCESS;
-    if (rl->rel_done == NULL) {
-      CUevent ev;
-      er = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
-      if (er == CUDA_SUCCESS)
-        rl->rel_done = (struct CUevent_st *)ev;
-    }
-    if (er == CUDA_SUCCESS)
-      er = GPUIPC__CU(cuEventRecord, (CUevent)rl->rel_done, ws);
-    if (er != CUDA_SUCCESS)
-      h->rx_unknown = true;
+    record_rel_done(h, rl, ws);
     for (size_t k = 0; k < n; k++) {
       gpuipc__rxs *r = &h->rx[slots[k]];
       r->rel_wslot = last;
