@@ -45,6 +45,18 @@ foreach(src ${GPUIPC_TEST_SOURCES})
   endforeach()
 endforeach()
 
+# Tests that start dozens of processes on the GPU: each process is a CUDA
+# context (device memory of its own, and its creation delays the other
+# processes' CUDA start). Two of them at once, under ctest -j 16, starved
+# the rest of the suite on an H200 (contexts failed for want of device
+# memory, helpers took over 30 s to start): they run one at a time and
+# take 8 of ctest's slots each.
+foreach(t handoff_64_consumers handoff_broadcast_64_consumers)
+  if(TEST ${t})
+    set_tests_properties(${t} PROPERTIES RESOURCE_LOCK gpu_process_crowd PROCESSORS 8)
+  endif()
+endforeach()
+
 # The Python package's pytest suite (python/tests), built against this
 # build's static library; it skips (77) without python3, pytest and the C
 # headers. Not in sanitizer builds: their library cannot be loaded into an
@@ -52,8 +64,9 @@ endforeach()
 if(NOT GPUIPC_ASAN AND NOT GPUIPC_TSAN AND EXISTS ${PROJECT_SOURCE_DIR}/python/tests/run-pytest.sh)
   add_test(NAME python_pytest
     COMMAND sh ${PROJECT_SOURCE_DIR}/python/tests/run-pytest.sh ${PROJECT_BINARY_DIR})
+  # COST: the longest case, started first under ctest -j.
   set_tests_properties(python_pytest PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 1800
-    LABELS python ENVIRONMENT "${GPUIPC_TEST_ENV}")
+    COST 10000 LABELS python ENVIRONMENT "${GPUIPC_TEST_ENV}")
 endif()
 
 # libFuzzer targets and their corpus replay live under tests/fuzz.

@@ -572,6 +572,18 @@ static int foreign_from_dlpack(PyObject *obj, uintptr_t stream, Foreign *f) {
   return 0;
 }
 
+/* Whether a CAI's typestr is an opaque one ("<V2": raw bytes, which torch
+ * gives for bfloat16), which says nothing of the dtype: DLPack does. */
+static int cai_opaque(PyObject *d) {
+  PyObject *ts = PyDict_Check(d) ? PyDict_GetItemString(d, "typestr") : NULL;
+  const char *t = ts && PyUnicode_Check(ts) ? PyUnicode_AsUTF8(ts) : NULL;
+  if (!t) {
+    PyErr_Clear();
+    return 0;
+  }
+  return t[0] && t[1] == 'V';
+}
+
 /* Reads an object's array protocol. stream: where the caller will use it
  * (passed to __dlpack__, whose exporter orders it after its work); for CAI
  * the caller orders it after f->stream when has_stream is set, once it
@@ -579,12 +591,19 @@ static int foreign_from_dlpack(PyObject *obj, uintptr_t stream, Foreign *f) {
 int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f) {
   memset(f, 0, sizeof *f);
   PyObject *d = PyObject_GetAttrString(obj, "__cuda_array_interface__");
-  if (d) {
+  if (d && !cai_opaque(d)) {
     int rc = foreign_from_cai(obj, d, f);
     Py_DECREF(d);
     return rc; /* the caller orders `stream` after f->stream (has_stream) */
   }
-  /* No CAI, or one that refuses this array (torch: bfloat16): DLPack. */
+  if (d) { /* a typestr that names no dtype (torch: bfloat16 as "<V2") */
+    int rc = PyObject_HasAttrString(obj, "__dlpack__")
+                 ? foreign_from_dlpack(obj, stream, f)
+                 : foreign_from_cai(obj, d, f); /* says which typestr it cannot take */
+    Py_DECREF(d);
+    return rc;
+  }
+  /* No CAI, or one that refuses this array (older torch: bfloat16): DLPack. */
   int no_cai = PyErr_ExceptionMatches(PyExc_AttributeError);
 #if PY_VERSION_HEX >= 0x030C0000
   PyObject *exc = PyErr_GetRaisedException();

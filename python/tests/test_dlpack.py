@@ -183,6 +183,44 @@ def test_cuda_array_interface(block):
         block.__dlpack__()
 
 
+def test_opaque_cai_typestr_is_read_through_dlpack():
+    """torch gives bfloat16 a CAI whose typestr is "<V2" (two raw bytes):
+    such an array is read through __dlpack__, which names the dtype; one
+    with that typestr and no DLPack is refused with the typestr named."""
+    a = gpuipc.Arena(chunk_bytes=1 << 20)
+    bf = a.alloc(shape=(4, 2), dtype="bfloat16")
+    drv().htod(bf.ptr, pattern(bf.nbytes, 9))
+
+    class Bf16Like:
+        dl = True
+
+        @property
+        def __cuda_array_interface__(self):
+            return {"shape": (4, 2), "typestr": "<V2", "data": (bf.ptr, False),
+                    "strides": None, "version": 3}
+
+        def __dlpack__(self, **kw):
+            if not self.dl:
+                raise AssertionError("unreachable")
+            return bf.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return bf.__dlpack_device__()
+
+    ts = gpuipc.TensorSet.from_dict({"w": Bf16Like()})
+    v = ts.tensors()["w"]
+    assert v.dtype == "bfloat16" and v.shape == (4, 2) and v.ptr == bf.ptr
+    ts.destroy()
+
+    class OpaqueOnly:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<V2",
+                                    "data": (bf.ptr, False), "version": 3}
+
+    with pytest.raises(TypeError, match="typestr <V2"):
+        gpuipc.TensorSet.from_dict({"w": OpaqueOnly()})
+    bf.free()
+
+
 def test_numpy_reads_pinned_host_buffer_through_dlpack():
     np = pytest.importorskip("numpy")
     if not hasattr(np, "from_dlpack"):
