@@ -332,6 +332,12 @@ gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
   return arena_create(opts, GPUIPC_POOL_MEMPOOL, out);
 }
 
+gpuipc_status gpuipc__arena_create_kind(const gpuipc_arena_options *opts,
+                                        gpuipc_pool_kind kind,
+                                        gpuipc_arena **out) {
+  return arena_create(opts, kind, out);
+}
+
 static gpuipc_status arena_create(const gpuipc_arena_options *opts,
                                   gpuipc_pool_kind kind, gpuipc_arena **out) {
   if (out == NULL)

@@ -215,4 +215,10 @@ unsigned gpuipc__conn_block_holders(gpuipc_conn *conn,
 /* Chunks (device allocations) held by all arenas of this process. */
 size_t gpuipc__arena_chunks_live(void);
 
+/* An arena whose chunks are allocations of `kind` (gpuipc_arena_create's
+ * are mempool allocations): VMM or MEMPOOL. */
+gpuipc_status gpuipc__arena_create_kind(const gpuipc_arena_options *opts,
+                                        gpuipc_pool_kind kind,
+                                        gpuipc_arena **out);
+
 #endif /* GPUIPC_CONN_LAYER_H */

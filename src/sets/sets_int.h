@@ -11,6 +11,10 @@
 #include "core/core.h"
 #include "handle/handle.h"
 
+/* The largest piece an owned set keeps in mempool memory (its own arena);
+ * above it, VMM memory. */
+#define GPUIPC__SETS_MEMPOOL_MAX ((size_t)4 << 30)
+
 /* One connection a producer set feeds. */
 typedef struct gpuipc__tset_peer {
   gpuipc_conn *conn;
