@@ -1665,8 +1665,8 @@ HELPER_IMPL(ts_huge) {
 
 /* An owned set of 5 GiB (its own arena, one piece) reaches a consumer
  * process whole. A mempool allocation that large did not import in
- * another process on an H200 (the driver call did not return): the set
- * keeps such a piece in VMM memory. GPU only: on the emulator device
+ * another process on an H200 (the driver call did not return): an arena
+ * keeps such a chunk in VMM memory. GPU only: on the emulator device
  * memory is this machine's host memory. */
 TEST_IMPL(sets_owned_piece_above_4gib) {
   REQUIRE_DEVICES(1);
@@ -1708,5 +1708,41 @@ TEST_IMPL(sets_owned_piece_above_4gib) {
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   ASSERT_OK(gpuipc_tset_destroy(set));
   gpuipc_conn_close(c);
+  return 0;
+}
+
+/* The mechanism behind it, at a limit lowered to 1 MiB (so that it runs on
+ * the emulator too): an arena's chunk within the limit is mempool memory,
+ * the chunk a 2 MiB piece needs is VMM memory, and the set's versions reach
+ * a consumer process whole, data checked. */
+TEST_IMPL(sets_piece_above_the_mempool_limit_is_vmm) {
+  REQUIRE_DEVICES(1);
+  size_t saved = gpuipc__arena_mempool_max;
+  gpuipc__arena_mempool_max = (size_t)1 << 20;
+  int fd;
+  pid_t pid = spawn_helper("ts_consumer", NULL, &fd, "big", "2", "check", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("big", &sp);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.arena = a;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  ASSERT_EQ(gpuipc__arena_chunk_kind(a, 0), GPUIPC_POOL_MEMPOOL);
+  ASSERT_EQ(gpuipc__arena_chunk_kind(a, 1), GPUIPC_POOL_VMM);
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 2, s);
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, c));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  gpuipc__arena_mempool_max = saved;
   return 0;
 }

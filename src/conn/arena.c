@@ -292,6 +292,34 @@ static void coalesce(gpuipc_arena *a) {
   }
 }
 
+size_t gpuipc__arena_mempool_max = (size_t)4 << 30;
+
+/* A chunk of a mempool arena above gpuipc__arena_mempool_max is VMM
+ * memory: on an H200 (driver 580) another process's cuMemPoolImportPointer
+ * of a 6 GiB pool allocation did not return (4.5 GiB imported), see
+ * docs/driver-behaviour.md. Makes the VMM pool at the first such chunk;
+ * without VMM, such chunks stay mempool memory. */
+static gpuipc_status big_pool(gpuipc_arena *a, size_t bytes) {
+  if (a->kind != GPUIPC_POOL_MEMPOOL || bytes <= gpuipc__arena_mempool_max ||
+      a->big_pool != NULL)
+    return GPUIPC_OK;
+  gpuipc_uuid u;
+  GPUIPC__CHECK(gpuipc_device_uuid(a->ordinal, &u));
+  gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+  po.kind = GPUIPC_POOL_VMM;
+  po.device = &u;
+  gpuipc_status s = gpuipc_pool_create(&po, &a->big_pool);
+  if (s == GPUIPC_E_NOT_SUPPORTED) {
+    GPUIPC__WARN("arena", "arena %llu: a chunk of %zu bytes stays mempool "
+                          "memory (no VMM: %s); another process may fail to "
+                          "import it",
+                 (unsigned long long)a->id, bytes, gpuipc_last_error());
+    a->big_pool = NULL;
+    return GPUIPC_OK;
+  }
+  return s;
+}
+
 static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
   if (a->nchunks >= GPUIPC__ARENA_MAX_CHUNKS)
     return gpuipc__fail(GPUIPC_E_OUT_OF_DEVICE_MEMORY,
@@ -301,8 +329,11 @@ static gpuipc_status add_chunk(gpuipc_arena *a, size_t bytes) {
     return gpuipc__fail(GPUIPC_E_OUT_OF_DEVICE_MEMORY,
                         "arena %llu: %zu more bytes would exceed max_bytes %zu",
                         (unsigned long long)a->id, bytes, a->max_bytes);
+  GPUIPC__CHECK(big_pool(a, bytes));
   gpuipc_buffer *buf = NULL;
-  GPUIPC__CHECK(gpuipc__pool_chunk_alloc(a->pool, bytes, &buf));
+  GPUIPC__CHECK(gpuipc__pool_chunk_alloc(
+      a->big_pool && bytes > gpuipc__arena_mempool_max ? a->big_pool : a->pool,
+      bytes, &buf));
   uint32_t i = a->nchunks;
   a->chunks[i].buf = buf;
   a->chunks[i].base = (uint64_t)(uintptr_t)gpuipc_buffer_get_ptr(buf);
@@ -330,12 +361,6 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
 gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
                                   gpuipc_arena **out) {
   return arena_create(opts, GPUIPC_POOL_MEMPOOL, out);
-}
-
-gpuipc_status gpuipc__arena_create_kind(const gpuipc_arena_options *opts,
-                                        gpuipc_pool_kind kind,
-                                        gpuipc_arena **out) {
-  return arena_create(opts, kind, out);
 }
 
 static gpuipc_status arena_create(const gpuipc_arena_options *opts,
@@ -371,6 +396,7 @@ static gpuipc_status arena_create(const gpuipc_arena_options *opts,
   po.kind = kind;
   po.device = o.device; /* NULL: local device 0 */
   GPUIPC__CHECK_GOTO(gpuipc_pool_create(&po, &a->pool), s, fail);
+  a->kind = kind;
   a->ordinal = gpuipc__pool_ordinal(a->pool);
   GPUIPC__CHECK_GOTO(gpuipc__ctx_enter(&g, a->ordinal), s, fail);
   entered = true;
@@ -390,6 +416,8 @@ fail:
   if (entered)
     gpuipc__ctx_leave(&g);
   gpuipc_pool_destroy(a->pool);
+  if (a->big_pool)
+    gpuipc_pool_destroy(a->big_pool);
   pthread_mutex_destroy(&a->lock);
   free(a);
   return s;
@@ -464,6 +492,11 @@ gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a, bool *pending) {
   }
   gpuipc__ctx_leave(&g);
   s = gpuipc_pool_destroy(a->pool);
+  if (a->big_pool) {
+    gpuipc_status sb = gpuipc_pool_destroy(a->big_pool);
+    if (s == GPUIPC_OK)
+      s = sb;
+  }
   pthread_mutex_unlock(&a->lock);
   pthread_mutex_destroy(&a->lock);
   gpuipc__stats_add(GPUIPC__ST_ARENAS, -1);
@@ -886,4 +919,12 @@ gpuipc_status gpuipc__arena_get_stats(gpuipc_arena *a, gpuipc_arena_stats *st) {
   memcpy(st, &s, n);
   st->size = n;
   return GPUIPC_OK;
+}
+
+gpuipc_pool_kind gpuipc__arena_chunk_kind(gpuipc_arena *a, uint32_t i) {
+  pthread_mutex_lock(&a->lock);
+  gpuipc_pool_kind k = i < a->nchunks ? gpuipc_buffer_get_kind(a->chunks[i].buf)
+                                      : GPUIPC_POOL_AUTO;
+  pthread_mutex_unlock(&a->lock);
+  return k;
 }

@@ -76,6 +76,10 @@ struct gpuipc_arena {
   int ordinal;
   uint64_t id;                 /* process-unique, travels in frames */
   gpuipc_pool *pool;
+  gpuipc_pool_kind kind;
+  /* VMM, for the chunks of a mempool arena above gpuipc__arena_mempool_max;
+   * made at the first such chunk (under lock). */
+  gpuipc_pool *big_pool;
   size_t chunk_bytes, max_bytes;
   gpuipc__reclaimer own;    /* orders reuse after the owner's frees */
   struct CUstream_st *side; /* non-blocking: writes that unblock */

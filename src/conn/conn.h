@@ -215,10 +215,11 @@ unsigned gpuipc__conn_block_holders(gpuipc_conn *conn,
 /* Chunks (device allocations) held by all arenas of this process. */
 size_t gpuipc__arena_chunks_live(void);
 
-/* An arena whose chunks are allocations of `kind` (gpuipc_arena_create's
- * are mempool allocations): VMM or MEMPOOL. */
-gpuipc_status gpuipc__arena_create_kind(const gpuipc_arena_options *opts,
-                                        gpuipc_pool_kind kind,
-                                        gpuipc_arena **out);
+/* The largest chunk a mempool arena keeps in mempool memory; larger chunks
+ * are VMM memory (see arena.c). A variable, so that tests can lower it. */
+extern size_t gpuipc__arena_mempool_max;
+/* The kind of memory of an arena's chunk i (GPUIPC_POOL_AUTO: no such
+ * chunk). */
+gpuipc_pool_kind gpuipc__arena_chunk_kind(gpuipc_arena *a, uint32_t i);
 
 #endif /* GPUIPC_CONN_LAYER_H */

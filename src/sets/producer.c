@@ -449,16 +449,8 @@ gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors, size_t n,
     ao.device = &dev;
     ao.chunk_bytes = wrapped ? (size_t)1 << 20
                              : (size_t)set->tab.piece_len[0] + ((size_t)1 << 20);
-    /* A piece above 4 GiB is VMM memory: another process's import of a
-     * mempool allocation of 6 GiB did not return on an H200 (driver 580;
-     * 4.5 GiB did), see docs/driver-behaviour.md. */
-    if (ao.chunk_bytes > GPUIPC__SETS_MEMPOOL_MAX) {
-      s = gpuipc__arena_create_kind(&ao, GPUIPC_POOL_VMM, &set->own_arena);
-      if (s == GPUIPC_E_NOT_SUPPORTED)
-        s = gpuipc_arena_create(&ao, &set->own_arena);
-    } else {
-      s = gpuipc_arena_create(&ao, &set->own_arena);
-    }
+    /* (a piece above 4 GiB: a VMM chunk, see gpuipc__arena_mempool_max) */
+    s = gpuipc_arena_create(&ao, &set->own_arena);
     if (s != GPUIPC_OK)
       goto fail;
     set->arena = set->own_arena;

@@ -11,12 +11,6 @@
 #include "core/core.h"
 #include "handle/handle.h"
 
-/* The largest piece an owned set keeps in mempool memory (its own arena);
- * above it, VMM memory. */
-#ifndef GPUIPC__SETS_MEMPOOL_MAX /* a build may set it, to test without it */
-#define GPUIPC__SETS_MEMPOOL_MAX ((size_t)4 << 30)
-#endif
-
 /* One connection a producer set feeds. */
 typedef struct gpuipc__tset_peer {
   gpuipc_conn *conn;
