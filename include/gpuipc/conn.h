@@ -495,7 +495,10 @@ typedef struct gpuipc_arena_options {
   {sizeof(gpuipc_arena_options), NULL, (size_t)64 << 20, 0}
 
 /* Creates an arena and allocates its first chunk of IPC-capable device
- * memory (a stream-ordered memory pool with POSIX file-descriptor export).
+ * memory (a stream-ordered memory pool with POSIX file-descriptor export;
+ * a chunk above 4 GiB is VMM memory instead, where the device has VMM:
+ * another process could not import a pool allocation of 6 GiB on an H200,
+ * docs/driver-behaviour.md).
  * Needs CUDA. The arena may feed any number of connections. */
 GPUIPC_API gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
                                              gpuipc_arena **out /* OUT */);
