@@ -112,12 +112,21 @@ static int gather(const char *dir, ls_proc **out) {
     closedir(d);
     return -1;
   }
-  int n = 0;
+  int n = 0, more = 0;
   struct dirent *e;
-  while (n < LS_MAX && (e = readdir(d)) != NULL)
+  while ((e = readdir(d)) != NULL) {
+    if (n == LS_MAX) { /* counted, not read: said below */
+      more += strncmp(e->d_name, "proc-", 5) == 0;
+      continue;
+    }
     if (read_one(dir, e->d_name, &v[n]))
       n++;
+  }
   closedir(d);
+  static bool said; /* once: top gathers again at every refresh */
+  if (more && !said && (said = true))
+    fprintf(stderr, "gpuipc: %d more segment file(s) in %s not read (at most %d "
+                    "are)\n", more, dir, LS_MAX);
   qsort(v, (size_t)n, sizeof *v, by_pid);
   for (int i = 0; i < n; i++)
     if (!v[i].alive)
