@@ -1,6 +1,8 @@
 #!/bin/sh
 # Runs the Python package's pytest suite (python/tests) against the library
-# of one build directory: builds the extension into BUILD_DIR/python first,
+# of one build directory: builds the extension into BUILD_DIR/python first
+# (always whole: a few seconds; setuptools' timestamp check missed a source
+# changed within the second of the last build),
 # so that every build (build/, build-gpu/) tests its own library and the
 # source tree stays clean. The CTest case python_pytest runs it, with the
 # suite's environment (GPUIPC_TEST_MODE, GPUIPC_CUDA_DRIVER for the emulator).
@@ -44,7 +46,7 @@ if [ -z "$PY" ]; then
 fi
 out="$build/python"
 echo "python: building the extension with $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')) into $out/lib"
-(cd "$pkg" && GPUIPC_BUILD_DIR="$build" "$PY" setup.py -q build --build-lib "$out/lib" \
+(cd "$pkg" && GPUIPC_BUILD_DIR="$build" "$PY" setup.py -q build --force --build-lib "$out/lib" \
    --build-temp "$out/tmp" >"$out.log" 2>&1) || { cat "$out.log"; echo "FAIL: building the extension"; exit 1; }
 cd "$here" || exit 1
 GPUIPC_PKG_DIR="$out/lib" exec "$PY" -m pytest -p no:cacheprovider -q -rs --durations=12 "$@" "$here"
