@@ -1187,6 +1187,8 @@ HELPER_IMPL(ho_forger) {
       f.b.flags |= GPUIPC__BUF_EVENT;
     else if (strcmp(what, "bufw_unknown_chunk") == 0)
       f.w.chunk = 7;
+    else if (strcmp(what, "bufw_word_is_a_flag_word") == 0)
+      f.w.off = 8; /* slot 1's ready word: close writes it itself */
     else if (strcmp(what, "bufw_too_many_words") == 0)
       frames = GPUIPC__BWORDS_MAX + 1;
     for (int i = 0; i < frames; i++) {
@@ -1288,6 +1290,7 @@ TEST_IMPL(handoff_rejects_forged_frames) {
       {"bufw_value_past_limit", "past the limit"},
       {"bufw_event_flag", "ORDERED only"},
       {"bufw_unknown_chunk", "imported memory"},
+      {"bufw_word_is_a_flag_word", "one of the connection's flag words"},
       {"bufw_too_many_words", "broadcast words"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -3316,4 +3319,74 @@ TEST_IMPL(handoff_broadcast_consumer_close_keeps_others_ordered) {
 TEST_IMPL(handoff_event_broadcast_exporter_killed) {
   setenv("GPUIPC_TEST_ORDER", "event", 1);
   return test_handoff_broadcast_exporter_killed();
+}
+
+/* ---- a close that cannot unmap yet ---------------------------------------------------------- */
+
+/* The producer of handoff_close_kept_imports_*: broadcasts one block from
+ * a stream held back for good (its ready word is never written), then
+ * waits to be killed. */
+HELPER_IMPL(ho_bc_stuck_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  gpuipc_conn *cs[1] = {c};
+  ASSERT_OK(gpuipc_conn_broadcast(cs, 1, b, (struct CUstream_st *)s, NULL, 0,
+                                  NULL));
+  for (;;)
+    (void)gpuipc_conn_progress(c, 1000);
+}
+
+/* A consumer closes while its stream waits on a live producer's broadcast
+ * word (which close may not write: other consumers wait on it too). The
+ * imports stay mapped, kept, not lost: once the producer is gone its words
+ * are ours to write, and the next progress call finishes the close (the
+ * stream completes, the imports are unmapped). Before, they stayed mapped
+ * for the life of the process. */
+TEST_IMPL(handoff_close_kept_imports_released_when_the_producer_dies) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("the shared ready word is for stream memory operations");
+  ctx_current();
+  ASSERT_EQ(gpuipc__handoff_held_poll(), 0);
+  int fd;
+  pid_t pid = spawn_helper("ho_bc_stuck_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  CUdeviceptr priv;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&priv, r.length));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoDAsync(priv, (CUdeviceptr)(uintptr_t)r.ptr,
+                                        r.length, s));
+  size_t pools0 = gpuipc__cache_pools_held();
+  ASSERT_GT(pools0, 0);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 200));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(gpuipc__handoff_held_poll(), 1); /* kept: the stream still waits */
+  ASSERT_EQ(gpuipc__cache_pools_held(), pools0);
+  ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  size_t kept = 1;
+  for (int i = 0; i < 10000 && kept > 0; i++) {
+    kept = gpuipc__handoff_held_poll();
+    if (kept)
+      usleep(1000);
+  }
+  ASSERT_EQ(kept, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_LT(gpuipc__cache_pools_held(), pools0);
+  ASSERT_CU(gpuipc__cu.cuMemFree(priv));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
 }

@@ -390,8 +390,10 @@ GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
  * unmapping, close waits for the GPU work gpuipc queued (on the streams
  * releases were written on, and its own), up to the connection's timeout
  * (1 s when it is 0); work that does not complete by then leaves the
- * imported memory mapped (leaked, with a warning) rather than unmapped
- * under it. In GPUIPC_ORDER_EVENT mode, when the exporter died with an
+ * imported memory mapped (with a warning) rather than unmapped under it,
+ * until a later close or progress call of any connection finds that work
+ * completed, or the peer's process gone (a peer whose broadcast word never
+ * comes holds its own memory mapped here only while it lives). In GPUIPC_ORDER_EVENT mode, when the exporter died with an
  * event record pending, close does not wait and leaves the imported memory
  * mapped. Buffers the peer holds from us stay leased; they are reclaimed
  * when the peer process is gone (we can no longer hear its releases).

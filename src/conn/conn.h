@@ -222,4 +222,9 @@ extern size_t gpuipc__arena_mempool_max;
  * chunk). */
 gpuipc_pool_kind gpuipc__arena_chunk_kind(gpuipc_arena *a, uint32_t i);
 
+/* Finishes the connections closed before GPU work on their imports
+ * completed, whose work has completed since (or whose peer is gone);
+ * returns how many stay kept. Every close and progress call does this. */
+size_t gpuipc__handoff_held_poll(void);
+
 #endif /* GPUIPC_CONN_LAYER_H */

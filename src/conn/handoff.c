@@ -1221,6 +1221,14 @@ static gpuipc_status on_bufw(gpuipc_conn *c, struct gpuipc__ho *h,
                         (unsigned long long)ww.arena_id,
                         (unsigned long long)ww.value);
   uint64_t addr = wim->base + ww.off;
+  /* Not one of this connection's flag words: close writes those itself
+   * (unblock_ready), and a lower value written there would hold our own
+   * waits on the broadcast word. */
+  if (addr + 8 > h->peer_ctl &&
+      addr < h->peer_ctl + 16u * (uint64_t)h->peer_nslots)
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "BUFW frame: its ready word is one of the "
+                        "connection's flag words");
   int k = 0;
   while (k < h->nbw && h->bw[k].addr != addr)
     k++;
@@ -2064,8 +2072,8 @@ static void ho_breaking(gpuipc_conn *c) {
  * process is gone (no consumer can then be ahead of its work; a producer
  * that lives wrote them before it sent the frames, or will). Called when
  * the connection ended, again from ho_poll and close until done. */
-static bool bw_force(gpuipc_conn *c, struct gpuipc__ho *h) {
-  if (h->bw_forced || h->nbw == 0 || !gpuipc__peer_gone(c->peer))
+static bool bw_force(const gpuipc__peer *peer, struct gpuipc__ho *h) {
+  if (h->bw_forced || h->nbw == 0 || !gpuipc__peer_gone(peer))
     return false;
   gpuipc__ctx_guard g;
   if (gpuipc__ctx_enter(&g, h->peer_ordinal) != GPUIPC_OK)
@@ -2087,7 +2095,7 @@ static bool bw_force(gpuipc_conn *c, struct gpuipc__ho *h) {
     GPUIPC__WARN("handoff",
                  "could not unblock streams waiting on dead peer %d's "
                  "broadcast words: %s",
-                 c->peer_pid, gpuipc__cuda_error_name(r));
+                 h->peer_pid, gpuipc__cuda_error_name(r));
   return true; /* writes were queued on h->unblock (some, at least) */
 }
 
@@ -2172,12 +2180,13 @@ static void ho_peer_gone(gpuipc_conn *c) {
 static void ho_poll(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   gpuipc__lease_reap_orphans();
+  (void)gpuipc__handoff_held_poll();
   if (h == NULL || c->state == GPUIPC__CONN_OPEN)
     return;
   /* The peer left: once its process is gone, what it held comes back,
    * and its broadcast words are written. */
   gpuipc__lease_poll(h->lt);
-  bw_force(c, h);
+  bw_force(c->peer, h);
 }
 
 /* How long close waits for GPU work gpuipc queued: the connection's
@@ -2194,8 +2203,7 @@ static uint64_t close_deadline(const gpuipc_conn *c) {
  * stream): no wait of ours on them is pending, so their memory may be
  * unmapped. We never write them while the peer lives (its other consumers
  * wait on them too). Context current. */
-static bool bw_reached(gpuipc_conn *c, struct gpuipc__ho *h) {
-  (void)c;
+static bool bw_reached(struct gpuipc__ho *h) {
   if (h->nbw == 0)
     return true;
   bool any = false;
@@ -2224,7 +2232,8 @@ static bool bw_reached(gpuipc_conn *c, struct gpuipc__ho *h) {
  * events, and the peer's broadcast words. True when all of it completed
  * (an event that reports an error counts as not complete). Context
  * current. */
-static bool drain(gpuipc_conn *c, struct gpuipc__ho *h, uint64_t deadline) {
+static bool drain(const gpuipc__peer *peer, struct gpuipc__ho *h,
+                  uint64_t deadline) {
   if (h->rx_unknown)
     return false;
   CUevent own[2] = {NULL, NULL};
@@ -2245,7 +2254,7 @@ static bool drain(gpuipc_conn *c, struct gpuipc__ho *h, uint64_t deadline) {
      * to write from then on, which lets the waits queued on them (and
      * everything queued after those) complete. Those writes go into the
      * memory unmapped after us: what is waited for covers them too. */
-    if (bw_force(c, h) && h->unblock != NULL) {
+    if (bw_force(peer, h) && h->unblock != NULL) {
       if (own[0] == NULL)
         ok = GPUIPC__CU(cuEventCreate, &own[0], CU_EVENT_DISABLE_TIMING) ==
              CUDA_SUCCESS;
@@ -2266,7 +2275,7 @@ static bool drain(gpuipc_conn *c, struct gpuipc__ho *h, uint64_t deadline) {
       done = GPUIPC__CU(cuEventQuery, (CUevent)h->closing[i].ev) ==
              CUDA_SUCCESS;
     if (done)
-      done = bw_reached(c, h);
+      done = bw_reached(h);
     if (done || gpuipc__now_ns() >= deadline)
       break;
     usleep(200);
@@ -2277,9 +2286,126 @@ static bool drain(gpuipc_conn *c, struct gpuipc__ho *h, uint64_t deadline) {
   return done;
 }
 
+/* The receiver side's own resources: the relay stream, the events, the
+ * tables (the imports closed or handed on before). */
+static void rx_free(struct gpuipc__ho *h) {
+  /* The receiver's relay stream: its queued work finishes on its own
+   * (cuStreamDestroy lets it), and its writes target memory of ours or
+   * mappings of the peer that stay until the work is done (the device was
+   * synchronized above whenever something is unmapped). */
+  free_lq(h, 1, h->peer_ordinal);
+  free(h->closing);
+  h->closing = NULL;
+  if (h->rx)
+    for (uint32_t s = 0; s < h->peer_nslots; s++) {
+      gpuipc_event_destroy(h->rx[s].ready_ev);
+      gpuipc_event_destroy(h->rx[s].rel_ev);
+      if (h->rx[s].rel_done || h->rx[s].join_ev) {
+        gpuipc__ctx_guard g;
+        if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
+          if (h->rx[s].rel_done)
+            GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].rel_done);
+          if (h->rx[s].join_ev)
+            GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].join_ev);
+          gpuipc__ctx_leave(&g);
+        }
+      }
+    }
+  free(h->imp);
+  free(h->rx);
+  free(h->q);
+  h->imp = NULL;
+  h->rx = NULL;
+  h->q = NULL;
+}
+
+/* ---- imports kept past a close ----------------------------------------------------- */
+
+/* A connection closed before GPU work on its imports completed (the
+ * peer's broadcast words not reached, or work of ours still queued, at
+ * the close's deadline) keeps its receiver side here, imports mapped: a
+ * later close or progress of any connection finishes it once that work
+ * completed, or once the peer is gone (its broadcast words are then ours
+ * to write). So a peer that never signals keeps its own memory mapped
+ * here for as long as it lives, and no longer. */
+typedef struct held_ho {
+  struct gpuipc__ho *h;
+  gpuipc__peer *peer;
+  struct held_ho *next;
+} held_ho;
+static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
+static held_ho *held_list;
+static atomic_int held_count;
+
+static void held_add(struct gpuipc__ho *h, gpuipc__peer *peer) {
+  held_ho *e = malloc(sizeof *e);
+  if (e == NULL) {
+    rx_free(h); /* the imports stay mapped, for the life of the process */
+    free(h);
+    return;
+  }
+  e->h = h;
+  e->peer = gpuipc__peer_ref(peer);
+  pthread_mutex_lock(&held_lock);
+  e->next = held_list;
+  held_list = e;
+  atomic_fetch_add(&held_count, 1);
+  pthread_mutex_unlock(&held_lock);
+}
+
+/* Finishes the kept connections whose work completed (none waits). */
+size_t gpuipc__handoff_held_poll(void) {
+  if (atomic_load(&held_count) == 0)
+    return 0;
+  held_ho *done = NULL;
+  pthread_mutex_lock(&held_lock);
+  for (held_ho **pp = &held_list; *pp;) {
+    held_ho *e = *pp;
+    struct gpuipc__ho *h = e->h;
+    gpuipc__ctx_guard g;
+    bool ok = false;
+    if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
+      ok = drain(e->peer, h, 0);
+      if (ok) {
+        if (h->unblock)
+          GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
+        h->unblock = NULL;
+        poll_closing(h, true);
+      }
+      gpuipc__ctx_leave(&g);
+    }
+    if (ok) {
+      *pp = e->next;
+      e->next = done;
+      done = e;
+      atomic_fetch_sub(&held_count, 1);
+    } else {
+      pp = &e->next;
+    }
+  }
+  size_t left = (size_t)atomic_load(&held_count);
+  pthread_mutex_unlock(&held_lock);
+  while (done) {
+    held_ho *e = done;
+    done = e->next;
+    GPUIPC__DEBUG("handoff", "unmapped %d chunk(s) kept since the close of "
+                             "the connection to peer %d",
+                  e->h->nimp, e->h->peer_pid);
+    for (int i = 0; i < e->h->nimp; i++)
+      gpuipc_buffer_close(e->h->imp[i].buf);
+    e->h->nimp = 0;
+    rx_free(e->h);
+    free(e->h);
+    gpuipc__peer_unref(e->peer);
+    free(e);
+  }
+  return left;
+}
+
 static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;
+  (void)gpuipc__handoff_held_poll();
   /* The watcher writes into memory unmapped below: it stops first. */
   gpuipc__watch_remove(c);
   /* Receiver side: give back what we hold, ordered after the legacy
@@ -2345,6 +2471,7 @@ static void ho_close(gpuipc_conn *c) {
     h->nimp = 0;
     h->nclosing = 0;
   }
+  bool keep = false;
   if (h->nimp > 0 || h->nclosing > 0) {
     /* The imported memory is unmapped below; GPU work of ours that may
      * still use it (the release writes just queued, and the work the
@@ -2360,60 +2487,36 @@ static void ho_close(gpuipc_conn *c) {
     bool drained = false;
     gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
-      drained = drain(c, h, close_deadline(c));
-      if (h->unblock)
-        GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
-      h->unblock = NULL;
+      drained = drain(c->peer, h, close_deadline(c));
       if (drained) {
+        if (h->unblock)
+          GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
+        h->unblock = NULL;
         poll_closing(h, true);
-      } else {
-        for (size_t i = 0; i < h->nclosing; i++)
-          GPUIPC__CU(cuEventDestroy, (CUevent)h->closing[i].ev);
       }
       gpuipc__ctx_leave(&g);
     }
     if (drained) {
       for (int i = 0; i < h->nimp; i++)
         gpuipc_buffer_close(h->imp[i].buf);
+      h->nimp = 0;
+      h->nclosing = 0;
     } else {
+      /* Not unmapped under work that may still read it: kept, and
+       * finished by a later call once that work completed, or once the
+       * peer is gone (its broadcast words are then ours to write). */
       GPUIPC__WARN("handoff",
                    "closing the connection to peer %d: GPU work queued "
                    "before releases (or the peer's broadcast signals) did "
-                   "not complete within the timeout; "
-                   "%d imported chunk(s) and %zu buffer(s) stay mapped",
+                   "not complete within the timeout; %d imported chunk(s) "
+                   "and %zu buffer(s) stay mapped until it does or the "
+                   "peer is gone",
                    c->peer_pid, h->nimp, h->nclosing);
+      keep = true;
     }
-    h->nimp = 0;
-    h->nclosing = 0;
   }
-  /* The receiver's relay stream: its queued work finishes on its own
-   * (cuStreamDestroy lets it), and its writes target memory of ours or
-   * mappings of the peer that stay until the work is done (the device was
-   * synchronized above whenever something is unmapped). */
-  free_lq(h, 1, h->peer_ordinal);
-  free(h->closing);
-  h->closing = NULL;
-  if (h->rx)
-    for (uint32_t s = 0; s < h->peer_nslots; s++) {
-      gpuipc_event_destroy(h->rx[s].ready_ev);
-      gpuipc_event_destroy(h->rx[s].rel_ev);
-      if (h->rx[s].rel_done || h->rx[s].join_ev) {
-        gpuipc__ctx_guard g;
-        if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
-          if (h->rx[s].rel_done)
-            GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].rel_done);
-          if (h->rx[s].join_ev)
-            GPUIPC__CU(cuEventDestroy, (CUevent)h->rx[s].join_ev);
-          gpuipc__ctx_leave(&g);
-        }
-      }
-    }
-  free(h->imp);
-  free(h->rx);
-  free(h->q);
-  h->imp = NULL;
-  h->rx = NULL;
-  h->q = NULL;
+  if (!keep)
+    rx_free(h);
   /* Sender side. */
   if (h->lt && gpuipc__lease_outstanding(h->lt) > 0 &&
       c->state == GPUIPC__CONN_OPEN) {
@@ -2426,8 +2529,13 @@ static void ho_close(gpuipc_conn *c) {
   if (h->lt)
     free_lq(h, 0, h->lt->ordinal);
   gpuipc__lease_close(h->lt);
+  h->lt = NULL;
   free(h->txbuf);
-  free(h);
+  h->txbuf = NULL;
+  if (keep)
+    held_add(h, c->peer);
+  else
+    free(h);
 }
 
 const gpuipc__conn_hooks gpuipc__handoff_hooks = {

@@ -26,6 +26,10 @@
  *
  * FUZZ_FRAMES_STALL=1 in the environment leaves the exporter's flag words
  * unwritten (see signal_bufs): an input with a forged BUF then hangs.
+ *
+ * After the close, the legacy stream (the one this harness receives and
+ * releases on) must drain, and a close that had to keep its imports
+ * mapped must be finished once the words its waits read are written.
  */
 #include "fuzz_conn.h"
 
@@ -195,6 +199,17 @@ static gpuipc_buffer *flag_words;
 static CUdeviceptr ready_base;
 static uint32_t ready_slots;
 static uint64_t ready_saved[65536];
+/* The flag words' chunk (where a forged BUFW may name a broadcast word
+ * that a wait of the connection then reads), and the broadcast words the
+ * harness wrote for an input, with their values before. */
+static uint64_t flag_arena, flag_size;
+static uint32_t flag_chunk;
+static CUdeviceptr flag_base;
+static struct {
+  CUdeviceptr addr;
+  uint64_t old;
+} bw_saved[64];
+static int nbw_saved;
 
 /* Plays the exporter: the input's BUF/BUFD sequence numbers, in order.
  * Written by the host straight into the mapping: the emulator's device
@@ -216,11 +231,33 @@ static void signal_bufs(const uint8_t *p, size_t len) {
         __atomic_store_n((uint64_t *)(uintptr_t)(ready_base + 8u * w.slot),
                          w.seq, __ATOMIC_SEQ_CST);
     }
+    /* A broadcast word in the flag words' chunk: the newest value named
+     * (the exporter's GPU writes it after its work). */
+    if (h.type == GPUIPC__F_BUFW &&
+        h.len >= sizeof(gpuipc__w_buf) + sizeof(gpuipc__w_word)) {
+      gpuipc__w_word ww;
+      memcpy(&ww, p + off + sizeof h + sizeof(gpuipc__w_buf), sizeof ww);
+      if (ww.arena_id == flag_arena && ww.chunk == flag_chunk &&
+          ww.off % 8 == 0 && flag_size >= 8 && ww.off <= flag_size - 8 &&
+          nbw_saved < (int)(sizeof bw_saved / sizeof bw_saved[0])) {
+        uint64_t *word = (uint64_t *)(uintptr_t)(flag_base + ww.off);
+        uint64_t cur = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+        bw_saved[nbw_saved].addr = flag_base + ww.off;
+        bw_saved[nbw_saved++].old = cur;
+        if (ww.value > cur)
+          __atomic_store_n(word, ww.value, __ATOMIC_SEQ_CST);
+      }
+    }
     off += sizeof h + h.len;
   }
 }
 
 static void restore_ready_words(void) {
+  while (nbw_saved > 0) { /* the last first: the oldest value wins */
+    nbw_saved--;
+    __atomic_store_n((uint64_t *)(uintptr_t)bw_saved[nbw_saved].addr,
+                     bw_saved[nbw_saved].old, __ATOMIC_SEQ_CST);
+  }
   for (uint32_t i = 0; i < ready_slots; i++)
     __atomic_store_n((uint64_t *)(uintptr_t)(ready_base + 8u * i),
                      ready_saved[i], __ATOMIC_SEQ_CST);
@@ -253,7 +290,11 @@ static void find_flag_words(void) {
         recf[i].nfds, NULL, &flag_words);
     if (s != GPUIPC_OK)
       fuzz_die("import of the exporter's flag words", s);
-    ready_base = (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(flag_words) + w.off;
+    flag_arena = w.arena_id;
+    flag_chunk = w.chunk;
+    flag_base = (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(flag_words);
+    flag_size = gpuipc_buffer_get_size(flag_words);
+    ready_base = flag_base + w.off;
     ready_slots = w.nslots;
     /* What the exporter's GPU writes for its two sends (perhaps not yet):
      * each recorded BUF frame's sequence number in its slot. */
@@ -281,6 +322,17 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   fuzz_conn_init();
   find_flag_words();
   return 0;
+}
+
+/* Whether the legacy stream's work completes within ms milliseconds. */
+static bool drain_legacy(int ms) {
+  for (int i = 0; i < ms; i++) {
+    CUresult r = gpuipc__cu.cuStreamQuery(NULL);
+    if (r != CUDA_ERROR_NOT_READY)
+      return true;
+    usleep(1000);
+  }
+  return false;
 }
 
 /* Sends the recorded frames: those with descriptors each on its own. */
@@ -324,6 +376,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!(ctl & 0x40))
     shutdown(sv[1], SHUT_WR);
 
+  size_t held_before = gpuipc__handoff_held_poll();
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.nonblocking = 1;
   o.timeout_ms = 1000;
@@ -338,6 +391,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (play)
     signal_bufs(stream, n);
   gpuipc_conn_close(c);
+  /* What close unblocked must pass: the legacy stream (the one this
+   * harness receives and releases on) drains. Before the exporter's words
+   * are put back: a wait still pending then would see a rewound word and
+   * hold the legacy stream, and every later input's work on it, for good
+   * (as a hostile exporter could, which only stalls the streams that
+   * received from it). Event mode is left out: its documented limit. */
+  if (!drain_legacy(2000) && o.order != GPUIPC_ORDER_EVENT)
+    fuzz_die("the legacy stream is still blocked 2 s after close", GPUIPC_OK);
+  /* A close that could not unmap yet (the peer's words not written when
+   * it ran) is finished by a later call: here, now that they are. */
+  size_t kept = gpuipc__handoff_held_poll();
+  for (int i = 0; i < 2000 && kept > held_before; i++) {
+    usleep(1000);
+    kept = gpuipc__handoff_held_poll();
+  }
+  if (kept > held_before && o.order != GPUIPC_ORDER_EVENT)
+    fuzz_die("a closed connection's imports stay mapped after its words were "
+             "written", GPUIPC_OK);
   if (play)
     restore_ready_words();
   close(sv[1]);
