@@ -15,6 +15,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -3341,8 +3342,12 @@ HELPER_IMPL(ho_bc_stuck_producer) {
   gpuipc_conn *cs[1] = {c};
   ASSERT_OK(gpuipc_conn_broadcast(cs, 1, b, (struct CUstream_st *)s, NULL, 0,
                                   NULL));
+  /* Alive, doing nothing, until killed (or its test is gone). */
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() == 1)
+    _exit(1);
   for (;;)
-    (void)gpuipc_conn_progress(c, 1000);
+    pause();
 }
 
 /* A consumer closes while its stream waits on a live producer's broadcast
