@@ -2319,6 +2319,18 @@ static void rx_free(struct gpuipc__ho *h) {
   h->q = NULL;
 }
 
+/* After drain() said so: unmaps what the receiver side imported (its
+ * private stream, the closing imports, the chunks). Context current. */
+static void unmap_drained(struct gpuipc__ho *h) {
+  if (h->unblock)
+    GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
+  h->unblock = NULL;
+  poll_closing(h, true);
+  for (int i = 0; i < h->nimp; i++)
+    gpuipc_buffer_close(h->imp[i].buf);
+  h->nimp = 0;
+}
+
 /* ---- imports kept past a close ----------------------------------------------------- */
 
 /* A connection closed before GPU work on its imports completed (the
@@ -2366,12 +2378,8 @@ size_t gpuipc__handoff_held_poll(void) {
     bool ok = false;
     if (gpuipc__ctx_enter(&g, h->peer_ordinal) == GPUIPC_OK) {
       ok = drain(e->peer, h, 0);
-      if (ok) {
-        if (h->unblock)
-          GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
-        h->unblock = NULL;
-        poll_closing(h, true);
-      }
+      if (ok)
+        unmap_drained(h);
       gpuipc__ctx_leave(&g);
     }
     if (ok) {
@@ -2388,12 +2396,9 @@ size_t gpuipc__handoff_held_poll(void) {
   while (done) {
     held_ho *e = done;
     done = e->next;
-    GPUIPC__DEBUG("handoff", "unmapped %d chunk(s) kept since the close of "
-                             "the connection to peer %d",
-                  e->h->nimp, e->h->peer_pid);
-    for (int i = 0; i < e->h->nimp; i++)
-      gpuipc_buffer_close(e->h->imp[i].buf);
-    e->h->nimp = 0;
+    GPUIPC__DEBUG("handoff", "unmapped what the connection to peer %d "
+                             "kept since its close",
+                  e->h->peer_pid);
     rx_free(e->h);
     free(e->h);
     gpuipc__peer_unref(e->peer);
@@ -2488,20 +2493,11 @@ static void ho_close(gpuipc_conn *c) {
     gpuipc__ctx_guard g;
     if (gpuipc__ctx_enter(&g, sync_ordinal) == GPUIPC_OK) {
       drained = drain(c->peer, h, close_deadline(c));
-      if (drained) {
-        if (h->unblock)
-          GPUIPC__CU(cuStreamDestroy, (CUstream)h->unblock);
-        h->unblock = NULL;
-        poll_closing(h, true);
-      }
+      if (drained)
+        unmap_drained(h);
       gpuipc__ctx_leave(&g);
     }
-    if (drained) {
-      for (int i = 0; i < h->nimp; i++)
-        gpuipc_buffer_close(h->imp[i].buf);
-      h->nimp = 0;
-      h->nclosing = 0;
-    } else {
+    if (!drained) {
       /* Not unmapped under work that may still read it: kept, and
        * finished by a later call once that work completed, or once the
        * peer is gone (its broadcast words are then ours to write). */
