@@ -83,7 +83,10 @@ static gpuipc__stats_seg *make_segment(void) {
   if (gpuipc__private_dir(dir, NULL, 0) != GPUIPC_OK ||
       gpuipc__stats_path(path, sizeof path, dir, (int)getpid(), start) != 0)
     return NULL;
-  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC,
+  /* O_EXCL: a file of that name is another process's (pid 1 of a sibling
+   * pid namespace started in the same tick has our name): truncating it
+   * would kill that process with SIGBUS; we go without one instead. */
+  int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                 0600);
   if (fd < 0) {
     GPUIPC__DEBUG("stats", "stats segment %s: %s (counters stay private)",
