@@ -8,8 +8,10 @@
  *                    the default runtime directory, the stats segment
  *   handle/handle.h  descriptors (decode, encode, identity), buffer info,
  *                    liveness-table constants
- *   conn/conn.h      the connection frame format (docs/protocol.md),
- *                    arena chunk counters
+ *   conn/conn.h      queued messages, block holders, arena chunk
+ *                    counters, imports kept past a close
+ *   conn/wire.h      the connection frame format (docs/protocol.md), for
+ *                    the tests and fuzzers that play a peer
  *   sets/sets.h      the tensor-set table codec (docs/sets.md) and the
  *                    meta of a set's buffers
  *   xfer/xfer.h      copy-engine leak counters, host copy helpers, the
@@ -23,6 +25,7 @@
 #include "core/core.h"
 #include "handle/handle.h"
 #include "conn/conn.h"
+#include "conn/wire.h"
 #include "sets/sets.h"
 #include "xfer/xfer.h"
 

@@ -1,14 +1,18 @@
 /*
- * conn_int.h: the connection object and the transport's entry points
- * (conn.c), as the fast path (handoff.c) uses them, and the hooks through
- * which the transport calls the fast path (src/conn/ only). Arenas, leases
- * and the fast path's own state have their own private headers
+ * conn_int.h: the connection object and the frame layer's entry points
+ * (frames.c), as the handshake, the listener and the fast path use them;
+ * the handshake's entry points for the listener (handshake.c); and the
+ * hooks through which the frame layer calls the fast path, which the fast
+ * path installs (src/conn/ only). The carrier under the frames has its own
+ * header (carrier.h), as have arenas, leases and the fast path's own state
  * (arena_int.h, lease_int.h, handoff_int.h).
  */
 #ifndef GPUIPC_CONN_INT_H
 #define GPUIPC_CONN_INT_H
 
+#include "carrier.h"
 #include "conn.h"
+#include "wire.h"
 
 #include <stdatomic.h>
 
@@ -35,8 +39,13 @@ struct gpuipc__peer;       /* the peer process, lease.c */
 struct gpuipc__watch;      /* the peer watcher's record, lease.c */
 struct gpuipc__conn_hooks; /* below */
 
+/* Who writes what: frames.c the transport's fields (carrier, state, rx,
+ * tx, the message queue); handshake.c the peer's identity and the limits it
+ * announced (peer_*, via, stats_*, hs_fd); lease.c `watch`; the fast path
+ * `ho`, `peer_said_bye` and, through gpuipc__conn_fast, `hooks`. */
 struct gpuipc_conn {
-  int fd;
+  /* The carrier of the frames (carrier.h); k.fd is the socket. */
+  gpuipc__carrier k;
   gpuipc__conn_state state;
   gpuipc_status broken_status; /* why it broke (E_PROTOCOL ...) */
   char broken_why[200];
@@ -83,15 +92,25 @@ struct gpuipc_conn {
   size_t msg_fds;
   size_t q_max_msgs, q_max_bytes, q_max_fds;
   bool rx_paused;
-  /* The fast path: its hooks (NULL until first used) and its state
-   * (owned by handoff.c). */
+  /* The fast path: the hooks it installed when the connection was made
+   * (gpuipc__handoff_install), those in use (NULL until the fast path is
+   * first used: then `fast`), and its state (owned by the fast path). */
+  const struct gpuipc__conn_hooks *fast;
   const struct gpuipc__conn_hooks *hooks;
   struct gpuipc__ho *ho;
   int stats_slot; /* this connection in the stats segment (0: none) */
   bool stats_open; /* counted in the stats segment (closed in conn_free) */
 };
 
-/* ---- transport (conn.c) --------------------------------------------------- */
+/* ---- the frame layer (frames.c) ---------------------------------------------- */
+
+/* A connection on the connected, non-blocking Unix stream socket fd (owned
+ * from now on: closed also when this returns NULL), carried by the socket,
+ * with the options' limits; no handshake yet. NULL without memory. */
+gpuipc_conn *gpuipc__conn_new(int fd, const gpuipc_conn_options *o);
+/* Frees a connection that the caller never got (a failed or dropped
+ * handshake) or that gpuipc_conn_close finished with. */
+void gpuipc__conn_free(gpuipc_conn *c);
 
 /* A deadline for the calls of one API call: from the connection's timeout
  * (UINT64_MAX: none; 0: do not wait). */
@@ -179,13 +198,55 @@ typedef struct gpuipc__conn_hooks {
   void (*close)(gpuipc_conn *c);
 } gpuipc__conn_hooks;
 
-extern const gpuipc__conn_hooks gpuipc__handoff_hooks; /* handoff.c */
+/* Installs the fast path's hooks into a new connection (c->fast), before
+ * its handshake: the code that makes connections calls it, so that the
+ * frame layer never names the code above it. */
+void gpuipc__handoff_install(gpuipc_conn *c);
 
-/* The hooks, set on first use. */
+/* The hooks in use from now on (the fast path is used: a buffer sent, or a
+ * fast-path frame arrived); NULL when none were installed. */
 static inline const gpuipc__conn_hooks *gpuipc__conn_fast(gpuipc_conn *c) {
   if (c->hooks == NULL)
-    c->hooks = &gpuipc__handoff_hooks;
+    c->hooks = c->fast;
   return c->hooks;
 }
+
+/* ---- the handshake (handshake.c), for the listener (listen.c) ---------------- */
+
+struct ucred;
+typedef struct gpuipc__hs gpuipc__hs;
+
+/* True when a peer of this uid and gid may connect under these options
+ * (our own uid, or an entry of an allow-list). */
+bool gpuipc__peer_allowed(const gpuipc_conn_options *o, uint32_t uid,
+                          uint32_t gid);
+/* Writes one handshake frame whole on the socket fd (REFUSE with its
+ * reason, to a peer refused before its handshake began). */
+gpuipc_status gpuipc__hs_write(int fd, int type, const void *p, size_t n,
+                               uint64_t deadline);
+/* A handshake of the accepting side on the accepted socket fd (owned from
+ * now on), whose peer the kernel recorded as *pre: makes the connection
+ * and sends our HELLO (its writes bounded by wdeadline). GPUIPC_OK with
+ * *out, or why it could not start (fd closed; E_PEER_GONE: the peer left
+ * already). */
+gpuipc_status gpuipc__hs_accepted(int fd, const gpuipc_conn_options *o,
+                                  const struct ucred *pre, uint64_t wdeadline,
+                                  gpuipc__hs **out);
+/* Moves the handshake on with what has arrived, never waiting for the
+ * peer. GPUIPC_OK when complete, GPUIPC_E_WOULD_BLOCK while it waits for
+ * the peer, else why it failed. */
+gpuipc_status gpuipc__hs_step(gpuipc__hs *x, uint64_t wdeadline);
+/* How far the handshake has come (it changes when the peer answered). */
+int gpuipc__hs_stage(const gpuipc__hs *x);
+/* The connection of a handshake (its socket: c->k.fd). */
+gpuipc_conn *gpuipc__hs_conn(const gpuipc__hs *x);
+/* Ends the handshake's record and returns its connection (the caller
+ * frees it or hands it out). */
+gpuipc_conn *gpuipc__hs_end(gpuipc__hs *x);
+/* The connecting side's handshake (connect, from_fd) on fd (owned from now
+ * on), waited for up to the options' timeout; *pre: the listener as the
+ * kernel recorded it, or NULL. */
+gpuipc_status gpuipc__hs_connect(int fd, const gpuipc_conn_options *o,
+                                 const struct ucred *pre, gpuipc_conn **out);
 
 #endif /* GPUIPC_CONN_INT_H */

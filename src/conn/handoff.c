@@ -2534,5 +2534,7 @@ static void ho_close(gpuipc_conn *c) {
     free(h);
 }
 
-const gpuipc__conn_hooks gpuipc__handoff_hooks = {
+static const gpuipc__conn_hooks handoff_hooks = {
     ho_frame, ho_peer_gone, ho_poll, ho_breaking, ho_close};
+
+void gpuipc__handoff_install(gpuipc_conn *c) { c->fast = &handoff_hooks; }

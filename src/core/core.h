@@ -169,6 +169,15 @@ gpuipc_status gpuipc__sock_recv(int fd, void *buf, size_t cap, int flags,
                                 struct ucred *cred, bool *have_cred,
                                 size_t *got /* OUT */);
 
+/* A deadline timeout_ms from now (gpuipc__now_ns; -1: UINT64_MAX, none;
+ * 0: 0, do not wait). */
+uint64_t gpuipc__deadline_ms(int timeout_ms);
+/* Milliseconds poll() may wait until the deadline (-1: forever). */
+int gpuipc__poll_ms(uint64_t deadline);
+/* Waits for events on fd until the deadline; returns revents (0 on
+ * timeout), -1 with errno on failure. EINTR restarts with the time left. */
+int gpuipc__wait_fd(int fd, short events, uint64_t deadline);
+
 /* ---- small utilities (util.c) ------------------------------------------- */
 
 uint64_t gpuipc__now_ns(void); /* CLOCK_MONOTONIC */

@@ -13,10 +13,15 @@
  *   descriptor left (EMFILE/ENFILE) the kernel dropped the peer's
  *   descriptors and that is our limit (GPUIPC_E_LIMIT), otherwise the peer
  *   sent more than any message carries (GPUIPC_E_PROTOCOL).
+ *
+ * The bounded wait on a socket (poll until a deadline, EINTR only
+ * shortening one round) is here too, for the carriers, the handshake and
+ * the listener alike.
  */
 #include "core_int.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -163,4 +168,38 @@ gpuipc_status gpuipc__sock_recv(int fd, void *buf, size_t cap, int flags,
                         "recvmsg: %d unexpected file descriptor%s (closed)",
                         extra, extra == 1 ? "" : "s");
   return GPUIPC_OK;
+}
+
+uint64_t gpuipc__deadline_ms(int timeout_ms) {
+  if (timeout_ms < 0)
+    return UINT64_MAX;
+  if (timeout_ms == 0)
+    return 0;
+  return gpuipc__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+}
+
+int gpuipc__poll_ms(uint64_t deadline) {
+  if (deadline == UINT64_MAX)
+    return -1;
+  uint64_t now = gpuipc__now_ns();
+  if (now >= deadline)
+    return 0;
+  uint64_t ms = (deadline - now + 999999) / 1000000;
+  return ms > 1000000 ? 1000000 : (int)ms;
+}
+
+int gpuipc__wait_fd(int fd, short events, uint64_t deadline) {
+  for (;;) {
+    struct pollfd p = {fd, events, 0};
+    int ms = gpuipc__poll_ms(deadline);
+    int r = poll(&p, 1, ms);
+    if (r > 0)
+      return p.revents;
+    if (r == 0)
+      return 0;
+    if (errno != EINTR)
+      return -1;
+    if (deadline != UINT64_MAX && gpuipc__now_ns() >= deadline)
+      return 0;
+  }
 }

@@ -11,7 +11,7 @@ frames, handshake, xfer-header: inputs of fuzz_frames.c, fuzz_handshake.c
 and fuzz_xfer_header.c (see their opening comments for the input format),
 replayed by tests/test-fuzz-corpus.c, which checks that each one runs
 through the target's harness without a crash or leak. Frame layout:
-docs/protocol.md and src/conn/conn.h.
+docs/protocol.md and src/conn/wire.h.
 
 Run: python3 tests/fuzz/gen_corpus.py (rewrites the seeds, keeps the rest)
 """

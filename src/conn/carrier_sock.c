@@ -1,0 +1,54 @@
+/*
+ * carrier_sock.c: the socket carrier: a connection's frames go over its
+ * Unix stream socket, through the core socket helpers (the one
+ * sendmsg/recvmsg of the library, core/sock.c). The socket is always
+ * O_NONBLOCK; waiting is poll(2) bounded by the caller's deadline.
+ */
+#include "carrier.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+static gpuipc_status sock_write(gpuipc__carrier *k, const struct iovec *iov,
+                                int niov, const int *fds, int nfds,
+                                size_t *written) {
+  if (k->fd < 0)
+    return GPUIPC_E_PEER_GONE;
+  return gpuipc__sock_send(k->fd, iov, niov, fds, nfds, false, MSG_DONTWAIT,
+                           written);
+}
+
+static gpuipc_status sock_read(gpuipc__carrier *k, unsigned char *buf,
+                               size_t cap, int *fds, int fcap, int *nfds,
+                               size_t *got) {
+  *nfds = 0;
+  if (k->fd < 0)
+    return GPUIPC_E_PEER_GONE;
+  return gpuipc__sock_recv(k->fd, buf, cap, MSG_DONTWAIT, fds, fcap, nfds,
+                           NULL, NULL, got);
+}
+
+static int sock_wait(gpuipc__carrier *k, short events, uint64_t deadline) {
+  return gpuipc__wait_fd(k->fd, events, deadline);
+}
+
+static void sock_wake(gpuipc__carrier *k) { (void)k; }
+
+static int sock_fd(const gpuipc__carrier *k) { return k->fd; }
+
+static void sock_hangup(gpuipc__carrier *k) {
+  if (k->fd >= 0) {
+    close(k->fd);
+    k->fd = -1;
+  }
+}
+
+static const gpuipc__carrier_ops sock_ops = {
+    "socket", sock_write, sock_read, sock_wait, sock_wake, sock_fd,
+    sock_hangup};
+
+void gpuipc__carrier_sock_init(gpuipc__carrier *k, int fd) {
+  k->ops = &sock_ops;
+  k->fd = fd;
+  k->impl = NULL;
+}
