@@ -5,8 +5,9 @@
  * the process's flag-word arenas) carved into blocks with a first-fit
  * allocator, and the stream-ordered reuse of memory that consumers held.
  * The arena's lock is taken only here. The public gpuipc_arena_alloc,
- * _get_stats and _destroy enter through lease.c (which first reclaims what
- * orphaned leases of departed peers held) and come here.
+ * _get_stats and _destroy first reclaim what orphaned leases of departed
+ * peers held, through the reaper lease.c sets (gpuipc__arena_set_reaper),
+ * so that this file never calls the lease tables above it.
  *
  * Reuse. A block a consumer held may be handed out again only after the
  * consumer's GPU work on it is done. The consumer says so on the GPU: its
@@ -30,6 +31,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static atomic_uint_fast64_t arena_ids;
 /* Device allocations (chunks) the arenas of this process hold, flag-word
@@ -423,7 +425,7 @@ fail:
   return s;
 }
 
-gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a, bool *pending) {
+static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending) {
   if (pending)
     *pending = false;
   if (a == NULL)
@@ -601,9 +603,9 @@ out:
   return s;
 }
 
-gpuipc_status gpuipc__arena_alloc_block(gpuipc_arena *arena, size_t bytes,
-                                        struct CUstream_st *stream,
-                                        gpuipc_block **out) {
+static gpuipc_status arena_alloc_block(gpuipc_arena *arena, size_t bytes,
+                                       struct CUstream_st *stream,
+                                       gpuipc_block **out) {
   if (arena == NULL || out == NULL || bytes == 0)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_arena_alloc: NULL arena/out or 0 bytes");
@@ -897,7 +899,7 @@ gpuipc_status gpuipc__arena_force_words(gpuipc_arena *a, const uint64_t *words,
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc__arena_get_stats(gpuipc_arena *a, gpuipc_arena_stats *st) {
+static gpuipc_status arena_get_stats(gpuipc_arena *a, gpuipc_arena_stats *st) {
   if (a == NULL || st == NULL ||
       st->size < offsetof(gpuipc_arena_stats, leases) + sizeof(size_t))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -927,4 +929,49 @@ gpuipc_pool_kind gpuipc__arena_chunk_kind(gpuipc_arena *a, uint32_t i) {
                                       : GPUIPC_POOL_AUTO;
   pthread_mutex_unlock(&a->lock);
   return k;
+}
+
+/* ---- the public calls whose answer depends on orphans -------------------------- */
+
+static void (*_Atomic reaper)(void);
+
+void gpuipc__arena_set_reaper(void (*reap)(void)) {
+  atomic_store_explicit(&reaper, reap, memory_order_release);
+}
+
+static void reap_orphans(void) {
+  void (*reap)(void) = atomic_load_explicit(&reaper, memory_order_acquire);
+  if (reap)
+    reap();
+}
+
+gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
+                                 struct CUstream_st *stream,
+                                 gpuipc_block **out) {
+  reap_orphans();
+  return arena_alloc_block(arena, bytes, stream, out);
+}
+
+gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
+                                     gpuipc_arena_stats *st) {
+  reap_orphans();
+  return arena_get_stats(arena, st);
+}
+
+/* Destroy waits up to this long for GPU-side releases that the reuse of
+ * the arena's memory still waits for (see gpuipc_arena_destroy). */
+#define DESTROY_WAIT_MS 2000
+
+gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
+  if (arena == NULL)
+    return GPUIPC_OK;
+  uint64_t deadline = gpuipc__now_ns() + DESTROY_WAIT_MS * 1000000ull;
+  for (;;) {
+    reap_orphans();
+    bool pending = false;
+    gpuipc_status s = arena_destroy(arena, &pending);
+    if (!pending || gpuipc__now_ns() >= deadline)
+      return s;
+    usleep(1000);
+  }
 }

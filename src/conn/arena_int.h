@@ -111,17 +111,11 @@ struct gpuipc_block {
   gpuipc__tags tags; /* what its reuse waits for (releases, the free) */
 };
 
-/* gpuipc_arena_alloc, _get_stats and _destroy after lease.c reclaimed what
- * orphans of departed peers held (see there). */
-gpuipc_status gpuipc__arena_alloc_block(gpuipc_arena *arena, size_t bytes,
-                                        struct CUstream_st *stream,
-                                        gpuipc_block **out /* OUT */);
-gpuipc_status gpuipc__arena_get_stats(gpuipc_arena *a,
-                                      gpuipc_arena_stats *st /* IN/OUT */);
-/* *pending (may be NULL): the arena could not be destroyed only because
- * GPU work that its memory's reuse waits for is not complete yet (then
- * GPUIPC_E_BUSY; the caller may try again). Never waits. */
-gpuipc_status gpuipc__arena_destroy(gpuipc_arena *a, bool *pending /* OUT */);
+/* The function the public gpuipc_arena_alloc, _get_stats and _destroy call
+ * first, to reclaim what orphaned leases of departed peers held: set by
+ * lease.c once it keeps an orphan (until then there is nothing to
+ * reclaim); setting it again changes nothing. */
+void gpuipc__arena_set_reaper(void (*reap)(void));
 /* The process's arena for connection flag words on a device. */
 gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out);
 /* Allocates a block (internal: connection flag words, not counted in the

@@ -690,6 +690,10 @@ static void orphan_add(gpuipc__lease_table *lt) {
   orphans = lt;
   atomic_fetch_add(&n_orphans, 1);
   pthread_mutex_unlock(&orphan_lock);
+  /* From now on the arenas' public calls reclaim first what orphans of
+   * departed peers held, so that an allocation can reuse it and the
+   * statistics and destroy see it. */
+  gpuipc__arena_set_reaper(gpuipc__lease_reap_orphans);
 }
 
 void gpuipc__lease_reap_orphans(void) {
@@ -732,43 +736,6 @@ void gpuipc__lease_reap_orphans(void) {
     keep_tail->next_orphan = orphans;
     orphans = keep;
     pthread_mutex_unlock(&orphan_lock);
-  }
-}
-
-/* ---- the public arena calls whose answer depends on orphans ------------------------ */
-
-/* These enter here rather than in arena.c: what orphans hold comes back
- * first (when their peers are gone), so that an allocation can reuse it
- * and the statistics and destroy see it. */
-
-gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
-                                 struct CUstream_st *stream,
-                                 gpuipc_block **out) {
-  gpuipc__lease_reap_orphans();
-  return gpuipc__arena_alloc_block(arena, bytes, stream, out);
-}
-
-gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
-                                     gpuipc_arena_stats *st) {
-  gpuipc__lease_reap_orphans();
-  return gpuipc__arena_get_stats(arena, st);
-}
-
-/* Destroy waits up to this long for GPU-side releases that the reuse of
- * the arena's memory still waits for (see gpuipc_arena_destroy). */
-#define DESTROY_WAIT_MS 2000
-
-gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
-  if (arena == NULL)
-    return GPUIPC_OK;
-  uint64_t deadline = gpuipc__now_ns() + DESTROY_WAIT_MS * 1000000ull;
-  for (;;) {
-    gpuipc__lease_reap_orphans();
-    bool pending = false;
-    gpuipc_status s = gpuipc__arena_destroy(arena, &pending);
-    if (!pending || gpuipc__now_ns() >= deadline)
-      return s;
-    usleep(1000);
   }
 }
 
