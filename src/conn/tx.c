@@ -93,10 +93,9 @@ static gpuipc_status setup_tx(gpuipc_conn *c, struct gpuipc__ho *h,
 
 /* ---- sender: send ------------------------------------------------------------------ */
 
-static bool have_free_slot(gpuipc_conn *c, void *arg) {
-  (void)arg;
-  uint32_t slot;
-  return gpuipc__lease_free_slot(c->ho->lt, &slot);
+static bool have_free_slots(gpuipc_conn *c, void *arg) {
+  uint32_t n = *(const uint32_t *)arg;
+  return c->ho->lt->tx_nfree >= n;
 }
 
 /* The stream-ordered ready write of buffer `seq` in `slot` (memop mode),
@@ -170,56 +169,150 @@ static bool stream_idle(struct gpuipc__ho *h, int ordinal,
   return false;
 }
 
-/* A free slot (waiting up to deadline for a release when every slot is
- * out), event mode's record of its ready event on stream, and the next
- * sequence number: what every send of one buffer starts with. */
-static gpuipc_status take_lease(gpuipc_conn *conn, struct gpuipc__ho *h,
-                                struct CUstream_st *stream, uint64_t deadline,
-                                uint32_t *slot_out, uint64_t *seq_out) {
-  gpuipc__lease_table *lt = h->lt;
-  uint32_t slot;
-  if (!gpuipc__lease_free_slot(lt, &slot)) {
-    /* Every slot is out: wait for a release. */
-    GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slot, NULL));
-    if (conn->ho != h || !gpuipc__lease_free_slot(lt, &slot))
-      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slot after a release");
-  }
-  if (conn->order == GPUIPC_ORDER_EVENT) {
-    gpuipc_event *ev = gpuipc__lease_ready_event(lt, slot);
-    if (ev == NULL) {
-      GPUIPC__CHECK(
-          gpuipc__ho_make_event(conn, lt->ordinal, slot, 0, deadline, &ev));
-      gpuipc__lease_set_ready_event(lt, slot, ev);
-    }
-    /* The consumer's wait (at recv) captures this record; the slot's event
-     * is recorded again only after the consumer released this lease. */
-    GPUIPC__CHECK(gpuipc_event_record(ev, stream));
-  }
-  uint64_t seq = gpuipc__lease_new_seq(lt);
-  if (seq == 0)
-    return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
-                                        "are used up (2^62 buffers)");
-  *slot_out = slot;
-  *seq_out = seq;
+/* Gets c ready to send from device `ordinal`: its fast-path state, the
+ * deadline of this call, and at its first send the lease table (flag
+ * words on that device) with the peer told where they are. What every
+ * send starts with. */
+static gpuipc_status tx_open(gpuipc_conn *c, int ordinal,
+                             struct gpuipc__ho **h_out, uint64_t *deadline) {
+  struct gpuipc__ho *h = NULL;
+  GPUIPC__CHECK(gpuipc__ho_get(c, &h));
+  *deadline = gpuipc__conn_deadline(c);
+  if (h->lt == NULL)
+    GPUIPC__CHECK(setup_tx(c, h, ordinal, *deadline));
+  *h_out = h;
   return GPUIPC_OK;
 }
 
-/* The common part of both sends: a free slot, the frame, then the
- * stream-ordered ready write. `desc` (with fds) is set for a descriptor buffer, else
- * the frame names the arena block in w. On success the slot's lease is
- * recorded by the caller through *slot_out / *seq_out. */
+/* n free slots (waiting up to deadline for releases when fewer are free),
+ * event mode's record of each one's ready event on stream, and the next n
+ * sequence numbers: what every send of one buffer, a batch or a broadcast
+ * takes before its frame (`batch`: say so in a message). Nothing is
+ * taken yet: the slots stay free until the frame left. */
+static gpuipc_status take_leases(gpuipc_conn *conn, struct gpuipc__ho *h,
+                                 struct CUstream_st *stream, uint64_t deadline,
+                                 uint32_t n, bool batch, uint32_t *slots,
+                                 uint64_t *seqs) {
+  gpuipc__lease_table *lt = h->lt;
+  if (!gpuipc__lease_free_slots(lt, n, slots)) {
+    /* Every slot is out (not enough slots free): wait for releases. */
+    GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slots, &n));
+    if (conn->ho != h || !gpuipc__lease_free_slots(lt, n, slots))
+      return gpuipc__fail(GPUIPC_E_INTERNAL,
+                          batch ? "no free slots after releases"
+                                : "no free slot after a release");
+  }
+  if (conn->order == GPUIPC_ORDER_EVENT) {
+    /* Each buffer has its own ready event (its slot's), as in one send. */
+    for (uint32_t i = 0; i < n; i++) {
+      gpuipc_event *ev = gpuipc__lease_ready_event(lt, slots[i]);
+      if (ev == NULL) {
+        GPUIPC__CHECK(gpuipc__ho_make_event(conn, lt->ordinal, slots[i], 0,
+                                            deadline, &ev));
+        gpuipc__lease_set_ready_event(lt, slots[i], ev);
+      }
+      /* The consumer's wait (at recv) captures this record; the slot's
+       * event is recorded again only after the consumer released this
+       * lease. */
+      GPUIPC__CHECK(gpuipc_event_record(ev, stream));
+    }
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    seqs[i] = gpuipc__lease_new_seq(lt);
+    if (seqs[i] == 0)
+      return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
+                                          "are used up (2^62 buffers)");
+  }
+  return GPUIPC_OK;
+}
+
+/* The ordering flags of a buffer sent on c (`done`: GPUIPC__BUF_DONE). */
+static uint32_t buf_flags(const gpuipc_conn *c, bool done) {
+  uint32_t f = 0;
+  f |= c->order == GPUIPC_ORDER_MEMOP ? GPUIPC__BUF_ORDERED : 0u;
+  f |= c->order == GPUIPC_ORDER_EVENT ? GPUIPC__BUF_EVENT : 0u;
+  f |= done ? GPUIPC__BUF_DONE : 0u;
+  return f;
+}
+
+/* What every send does once its frame of n buffers (slots[i], seqs[i];
+ * blocks[i], or the descriptor buffer buf) left: the slots taken, the ready
+ * signal, the leases recorded. The ready signal (memop mode) is one write,
+ * that of the newest entry (slots[n - 1]), after the work queued on
+ * `stream`; `signalled`: none is written here (DONE: the work before the
+ * send had completed; a broadcast: the broadcast word's write on `stream`
+ * stands for it). `batch`: say so in a message. */
+static gpuipc_status tx_commit(gpuipc_conn *conn, struct gpuipc__ho *h,
+                               uint32_t n, const uint32_t *slots,
+                               const uint64_t *seqs,
+                               gpuipc_block *const *blocks, gpuipc_buffer *buf,
+                               struct CUstream_st *stream, bool signalled,
+                               bool batch) {
+  gpuipc__lease_table *lt = h->lt;
+  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
+  /* The frame left: the slots are taken (nothing was enqueued before, so a
+   * failed frame left them free). */
+  for (uint32_t i = 0; i < n; i++)
+    gpuipc__lease_take_slot(lt, slots[i]);
+  if (signalled) {
+    /* No write: recorded as each slot's last one all the same, so that a
+     * later write from another stream first waits for this lease's
+     * release, and a dead peer's release word is forced. */
+    for (uint32_t i = 0; i < n; i++)
+      gpuipc__lease_written(lt, slots[i], seqs[i], stream);
+  } else if (ordered) {
+    /* The ready write is enqueued after the frame left: the consumer's
+     * stream waits for it on the GPU anyway, and the consumer holds the
+     * buffer sooner by the time of this enqueue (about a microsecond). It
+     * still follows exactly the work queued on `stream` before this call.
+     * A batch has one ready write, that of its newest entry; the other
+     * entries' words are not written (the consumer waits on this one for
+     * all of them). Each slot records the batch's write as its own last
+     * one: a later write of the slot from another stream then waits for
+     * this lease's release (which follows the batch's write), and a dead
+     * peer's release words are forced for these slots too. */
+    struct CUstream_st *wst = stream;
+    gpuipc_status ws_status = ready_write(h, slots[n - 1], seqs[n - 1], &wst);
+    if (ws_status != GPUIPC_OK) {
+      /* The peer was told of a buffer whose ready word will never be
+       * written: end the connection, so that it treats the buffer as from
+       * a dead producer (its streams are unblocked, its next call says
+       * the peer is gone), and never reuse the slot (it stays taken). */
+      gpuipc_status cause = ws_status;
+      char why[256];
+      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+      (void)gpuipc__conn_break(conn,
+                               batch ? "the ready flag of batch ending with "
+                                       "buffer %llu could not be enqueued"
+                                     : "the ready flag of buffer %llu could "
+                                       "not be enqueued",
+                               (unsigned long long)seqs[n - 1]);
+      return gpuipc__fail(cause, "%s", why);
+    }
+    for (uint32_t i = 0; i < n; i++)
+      gpuipc__lease_written(lt, slots[i], seqs[i], wst);
+  }
+  for (uint32_t i = 0; i < n; i++)
+    gpuipc__lease_add(lt, slots[i], blocks[i], buf, seqs[i], ordered,
+                      conn->order == GPUIPC_ORDER_EVENT);
+  return GPUIPC_OK;
+}
+
+/* The common part of both sends of one buffer: a free slot, the frame,
+ * then the stream-ordered ready write and the lease. `desc` (with fds) is
+ * set for a descriptor buffer (buf), else the frame names the arena block
+ * (block) in w. */
 static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
                                struct CUstream_st *stream, gpuipc__w_buf *w,
                                const uint8_t *desc, uint32_t desc_len,
                                const int *fds, int nfds, const void *meta,
                                size_t meta_len, uint64_t deadline,
-                               uint32_t *slot_out, uint64_t *seq_out) {
+                               gpuipc_block *block, gpuipc_buffer *buf) {
   gpuipc__lease_table *lt = h->lt;
   uint32_t slot;
   uint64_t seq;
-  GPUIPC__CHECK(take_lease(conn, h, stream, deadline, &slot, &seq));
+  GPUIPC__CHECK(take_leases(conn, h, stream, deadline, 1, false, &slot, &seq));
   bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
-  bool by_event = conn->order == GPUIPC_ORDER_EVENT;
   if (conn->watch)
     atomic_store(&conn->watch->tx_seq, seq);
   /* An arena block whose work is already done needs no ready write, and
@@ -227,9 +320,7 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   bool done = ordered && desc == NULL && stream_idle(h, lt->ordinal, stream);
   w->seq = seq;
   w->slot = slot;
-  w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
-  w->flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
-  w->flags |= done ? GPUIPC__BUF_DONE : 0u;
+  w->flags |= buf_flags(conn, done);
   w->meta_len = (uint32_t)meta_len;
   gpuipc_status s;
   if (desc == NULL) {
@@ -249,36 +340,7 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   }
   if (s != GPUIPC_OK)
     return s; /* nothing was enqueued: the slot stays free */
-  gpuipc__lease_take_slot(lt, slot);
-  if (done) {
-    /* No write: recorded as the slot's last one all the same, so that a
-     * later write from another stream first waits for this lease's
-     * release, and a dead peer's release word is forced. */
-    gpuipc__lease_written(lt, slot, seq, stream);
-  } else if (ordered) {
-    /* The ready write is enqueued after the frame left: the consumer's
-     * stream waits for it on the GPU anyway, and the consumer holds the
-     * buffer sooner by the time of this enqueue (about a microsecond). It
-     * still follows exactly the work queued on `stream` before this call. */
-    gpuipc_status ws_status = ready_write(h, slot, seq, &stream);
-    if (ws_status != GPUIPC_OK) {
-      /* The peer was told of a buffer whose ready word will never be
-       * written: end the connection, so that it treats the buffer as from
-       * a dead producer (its streams are unblocked, its next call says
-       * the peer is gone), and never reuse the slot (it stays taken). */
-      gpuipc_status cause = ws_status;
-      char why[256];
-      snprintf(why, sizeof why, "%s", gpuipc_last_error());
-      (void)gpuipc__conn_break(conn, "the ready flag of buffer %llu could "
-                                     "not be enqueued",
-                               (unsigned long long)seq);
-      return gpuipc__fail(cause, "%s", why);
-    }
-    gpuipc__lease_written(lt, slot, seq, stream);
-  }
-  *slot_out = slot;
-  *seq_out = seq;
-  return GPUIPC_OK;
+  return tx_commit(conn, h, 1, &slot, &seq, &block, buf, stream, done, false);
 }
 
 gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
@@ -297,11 +359,9 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
     return gpuipc__conn_ended(conn);
   GPUIPC__CHECK(gpuipc__driver());
   struct gpuipc__ho *h = NULL;
-  GPUIPC__CHECK(gpuipc__ho_get(conn, &h));
-  uint64_t deadline = gpuipc__conn_deadline(conn);
+  uint64_t deadline = 0;
   gpuipc_arena *a = block->arena;
-  if (h->lt == NULL)
-    GPUIPC__CHECK(setup_tx(conn, h, a->ordinal, deadline));
+  GPUIPC__CHECK(tx_open(conn, a->ordinal, &h, &deadline));
   if (a->ordinal != h->lt->ordinal)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_conn_send: the block is on device %d, this "
@@ -311,19 +371,8 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
   GPUIPC__CHECK(export_chunk(conn, h, a, block->chunk, deadline));
   gpuipc__w_buf w = {0,          a->id, block->off, block->bytes, 0,
                      block->chunk, 0,     0};
-  uint32_t slot;
-  uint64_t seq;
-  GPUIPC__CHECK(send_core(conn, h, stream, &w, NULL, 0, NULL, 0, meta,
-                          meta_len, deadline, &slot, &seq));
-  gpuipc__lease_add(h->lt, slot, block, NULL, seq,
-                    conn->order == GPUIPC_ORDER_MEMOP,
-                    conn->order == GPUIPC_ORDER_EVENT);
-  return GPUIPC_OK;
-}
-
-static bool have_free_slots(gpuipc_conn *c, void *arg) {
-  uint32_t n = *(const uint32_t *)arg;
-  return c->ho->lt->tx_nfree >= n;
+  return send_core(conn, h, stream, &w, NULL, 0, NULL, 0, meta, meta_len,
+                   deadline, block, NULL);
 }
 
 gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
@@ -359,10 +408,8 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
     return gpuipc__conn_ended(conn);
   GPUIPC__CHECK(gpuipc__driver());
   struct gpuipc__ho *h = NULL;
-  GPUIPC__CHECK(gpuipc__ho_get(conn, &h));
-  uint64_t deadline = gpuipc__conn_deadline(conn);
-  if (h->lt == NULL)
-    GPUIPC__CHECK(setup_tx(conn, h, blocks[0]->arena->ordinal, deadline));
+  uint64_t deadline = 0;
+  GPUIPC__CHECK(tx_open(conn, blocks[0]->arena->ordinal, &h, &deadline));
   gpuipc__lease_table *lt = h->lt;
   if (n > lt->nslots)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -379,16 +426,8 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
   for (size_t i = 0; i < n; i++)
     GPUIPC__CHECK(
         export_chunk(conn, h, blocks[i]->arena, blocks[i]->chunk, deadline));
-  uint32_t need = (uint32_t)n;
-  uint32_t slots[GPUIPC_BATCH_MAX];
-  if (!gpuipc__lease_free_slots(lt, need, slots)) {
-    /* Not enough slots free: wait for releases. */
-    GPUIPC__CHECK(gpuipc__conn_pump(conn, deadline, have_free_slots, &need));
-    if (conn->ho != h || !gpuipc__lease_free_slots(lt, need, slots))
-      return gpuipc__fail(GPUIPC_E_INTERNAL, "no free slots after releases");
-  }
-  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
-  bool by_event = conn->order == GPUIPC_ORDER_EVENT;
+  /* The frame's buffer (before any slot is waited for: a failure here
+   * leaves nothing done). */
   size_t flen = sizeof(gpuipc__w_bufs) + bytes;
   if (h->txcap < flen) {
     unsigned char *nb = realloc(h->txbuf, GPUIPC__FRAME_MAX);
@@ -397,36 +436,22 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
     h->txbuf = nb;
     h->txcap = GPUIPC__FRAME_MAX;
   }
-  if (by_event) {
-    /* Each buffer has its own ready event (its slot's), as in one send. */
-    for (size_t i = 0; i < n; i++) {
-      gpuipc_event *ev = gpuipc__lease_ready_event(lt, slots[i]);
-      if (ev == NULL) {
-        GPUIPC__CHECK(gpuipc__ho_make_event(conn, lt->ordinal, slots[i], 0,
-                                            deadline, &ev));
-        gpuipc__lease_set_ready_event(lt, slots[i], ev);
-      }
-      GPUIPC__CHECK(gpuipc_event_record(ev, stream));
-    }
-  }
+  uint32_t slots[GPUIPC_BATCH_MAX];
+  uint64_t seqs[GPUIPC_BATCH_MAX];
+  GPUIPC__CHECK(
+      take_leases(conn, h, stream, deadline, (uint32_t)n, true, slots, seqs));
+  bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
   bool done = ordered && stream_idle(h, lt->ordinal, stream);
   gpuipc__w_bufs hdr = {(uint32_t)n, (uint32_t)n - 1, 0, 0};
   memcpy(h->txbuf, &hdr, sizeof hdr);
   unsigned char *ent = h->txbuf + sizeof hdr;
   unsigned char *meta = ent + n * sizeof(gpuipc__w_buf);
-  uint64_t seqs[GPUIPC_BATCH_MAX];
   for (size_t i = 0; i < n; i++) {
     gpuipc_block *b = blocks[i];
-    seqs[i] = gpuipc__lease_new_seq(lt);
-    if (seqs[i] == 0)
-      return gpuipc__fail(GPUIPC_E_LIMIT, "the connection's sequence numbers "
-                                          "are used up (2^62 buffers)");
     size_t ml = meta_lens ? meta_lens[i] : 0;
     gpuipc__w_buf w = {seqs[i],  b->arena->id, b->off, b->bytes, slots[i],
                        b->chunk, 0,            (uint32_t)ml};
-    w.flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
-    w.flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
-    w.flags |= done ? GPUIPC__BUF_DONE : 0u;
+    w.flags |= buf_flags(conn, done);
     memcpy(ent + i * sizeof w, &w, sizeof w);
     if (ml)
       memcpy(meta, metas[i], ml);
@@ -436,41 +461,10 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
     atomic_store(&conn->watch->tx_seq, seqs[n - 1]);
   GPUIPC__CHECK(gpuipc__conn_send_frame(conn, GPUIPC__F_BUFS, h->txbuf, flen,
                                         NULL, 0, NULL, 0, deadline));
-  /* The frame left: the slots are taken (nothing was enqueued before, so a
-   * failed frame left them free). */
-  for (size_t i = 0; i < n; i++)
-    gpuipc__lease_take_slot(lt, slots[i]);
-  if (done) {
-    /* The work before the batch had completed: no ready write (each slot
-     * records the send as its last write, as below). */
-    for (size_t i = 0; i < n; i++)
-      gpuipc__lease_written(lt, slots[i], seqs[i], stream);
-  } else if (ordered) {
-    /* One ready write for the batch, that of its newest entry, after the
-     * work queued on `stream`; the other entries' words are not written
-     * (the consumer waits on this one for all of them). Each slot records
-     * the batch's write as its own last one: a later write of the slot
-     * from another stream then waits for this lease's release (which
-     * follows the batch's write), and a dead peer's release words are
-     * forced for these slots too. */
-    struct CUstream_st *wst = stream;
-    gpuipc_status ws_status = ready_write(h, slots[n - 1], seqs[n - 1], &wst);
-    if (ws_status != GPUIPC_OK) {
-      gpuipc_status cause = ws_status;
-      char why[256];
-      snprintf(why, sizeof why, "%s", gpuipc_last_error());
-      (void)gpuipc__conn_break(conn, "the ready flag of batch ending with "
-                                     "buffer %llu could not be enqueued",
-                               (unsigned long long)seqs[n - 1]);
-      return gpuipc__fail(cause, "%s", why);
-    }
-    for (size_t i = 0; i < n; i++)
-      gpuipc__lease_written(lt, slots[i], seqs[i], wst);
-  }
-  for (size_t i = 0; i < n; i++)
-    gpuipc__lease_add(lt, slots[i], blocks[i], NULL, seqs[i], ordered,
-                      by_event);
-  return GPUIPC_OK;
+  /* One ready write for the batch (none when the work before it had
+   * completed). */
+  return tx_commit(conn, h, (uint32_t)n, slots, seqs, blocks, NULL, stream,
+                   done, true);
 }
 
 /* ---- sender: broadcast ------------------------------------------------------------- */
@@ -571,11 +565,9 @@ static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
   struct gpuipc__ho *h = NULL;
-  GPUIPC__CHECK(gpuipc__ho_get(c, &h));
-  uint64_t deadline = gpuipc__conn_deadline(c);
+  uint64_t deadline = 0;
   gpuipc_arena *a = block->arena;
-  if (h->lt == NULL)
-    GPUIPC__CHECK(setup_tx(c, h, a->ordinal, deadline));
+  GPUIPC__CHECK(tx_open(c, a->ordinal, &h, &deadline));
   gpuipc__lease_table *lt = h->lt;
   if (a->ordinal != lt->ordinal)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -589,12 +581,10 @@ static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
     GPUIPC__CHECK(export_chunk(c, h, bword->arena, bword->chunk, deadline));
   uint32_t slot;
   uint64_t seq;
-  GPUIPC__CHECK(take_lease(c, h, stream, deadline, &slot, &seq));
-  bool by_event = c->order == GPUIPC_ORDER_EVENT;
+  GPUIPC__CHECK(take_leases(c, h, stream, deadline, 1, false, &slot, &seq));
   *w = (gpuipc__w_buf){seq,         a->id, block->off, block->bytes, slot,
                        block->chunk, 0,    (uint32_t)meta_len};
-  w->flags |= ordered ? GPUIPC__BUF_ORDERED : 0u;
-  w->flags |= by_event ? GPUIPC__BUF_EVENT : 0u;
+  w->flags |= buf_flags(c, false);
   return GPUIPC_OK;
 }
 
@@ -709,17 +699,13 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
       }
       continue;
     }
-    struct gpuipc__ho *h = c->ho;
-    bool ordered = c->order == GPUIPC_ORDER_MEMOP;
-    gpuipc__lease_take_slot(h->lt, ws[i].slot);
-    if (ordered)
-      /* The slot's own ready word is not written: the broadcast word's
-       * write stands for it (a later write of the slot from another
-       * stream waits for this lease's release first; a dead peer's
-       * release words are forced for the slot). */
-      gpuipc__lease_written(h->lt, ws[i].slot, ws[i].seq, wst);
-    gpuipc__lease_add(h->lt, ws[i].slot, block, NULL, ws[i].seq, ordered,
-                      c->order == GPUIPC_ORDER_EVENT);
+    /* The slot's own ready word is not written: the broadcast word's
+     * write stands for it (a later write of the slot from another
+     * stream waits for this lease's release first; a dead peer's
+     * release words are forced for the slot). No ready write is made
+     * here, so this cannot fail. */
+    (void)tx_commit(c, c->ho, 1, &ws[i].slot, &ws[i].seq, &block, NULL, wst,
+                    c->order == GPUIPC_ORDER_MEMOP, false);
   }
   gpuipc_status first = bad < n ? st[bad] : GPUIPC_OK;
   free(ws);
@@ -748,10 +734,8 @@ gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
   gpuipc__buffer_info bi;
   GPUIPC__CHECK(gpuipc__buffer_info_get(buf, &bi));
   struct gpuipc__ho *h = NULL;
-  GPUIPC__CHECK(gpuipc__ho_get(conn, &h));
-  uint64_t deadline = gpuipc__conn_deadline(conn);
-  if (h->lt == NULL)
-    GPUIPC__CHECK(setup_tx(conn, h, bi.ordinal, deadline));
+  uint64_t deadline = 0;
+  GPUIPC__CHECK(tx_open(conn, bi.ordinal, &h, &deadline));
   /* The descriptor is made once per buffer by the handle layer (later
    * exports reuse the driver handle); the peer's import cache makes its
    * second and later receipts of this buffer free of driver calls. */
@@ -761,18 +745,11 @@ gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
   int nfds = GPUIPC_DESC_MAX_FDS;
   GPUIPC__CHECK(gpuipc_buffer_export(buf, desc, sizeof desc, &dlen, fds, &nfds));
   gpuipc__w_buf w = {0, 0, 0, bi.size, 0, UINT32_MAX, GPUIPC__BUF_DESC, 0};
-  uint32_t slot;
-  uint64_t seq;
   gpuipc_status s = send_core(conn, h, stream, &w, desc, (uint32_t)dlen, fds,
-                              nfds, meta, meta_len, deadline, &slot, &seq);
+                              nfds, meta, meta_len, deadline, NULL, buf);
   for (int i = 0; i < nfds; i++)
     close(fds[i]);
-  if (s != GPUIPC_OK)
-    return s;
-  gpuipc__lease_add(h->lt, slot, NULL, buf, seq,
-                    conn->order == GPUIPC_ORDER_MEMOP,
-                    conn->order == GPUIPC_ORDER_EVENT);
-  return GPUIPC_OK;
+  return s;
 }
 
 gpuipc_status gpuipc_conn_buffer_wait(gpuipc_conn *conn,
