@@ -135,7 +135,7 @@ TEST_IMPL(conn_hostile_buf_close_is_bounded) {
     harness_fail(__FILE__, __LINE__,
                  "after a live peer's unsignalled BUF frame, receive + close "
                  "did not return within 15 s (gpuipc_conn_close waits in "
-                 "cuCtxSynchronize, src/conn/handoff.c gpuipc__ho_close, for "
+                 "cuCtxSynchronize, src/conn/depart.c ho_close, for "
                  "a stream wait on a flag word the peer never writes)");
   }
   ASSERT(WIFEXITED(status));

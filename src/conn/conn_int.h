@@ -34,7 +34,7 @@ typedef enum gpuipc__conn_state {
   GPUIPC__CONN_BROKEN     /* we disconnected it (protocol error) */
 } gpuipc__conn_state;
 
-struct gpuipc__ho;         /* the fast path's state, handoff.c */
+struct gpuipc__ho;         /* the fast path's state, handoff_int.h */
 struct gpuipc__peer;       /* the peer process, lease.c */
 struct gpuipc__watch;      /* the peer watcher's record, lease.c */
 struct gpuipc__conn_hooks; /* below */
@@ -172,10 +172,12 @@ void gpuipc__watch_remove(gpuipc_conn *c);
 
 /* ---- the fast path's hooks ---------------------------------------------------- */
 
-/* What the transport calls in the fast path (handoff.c), as libuv's loop
- * calls into its streams: set on first use of the fast path (a buffer sent,
- * or a fast-path frame arrived). This is the one place where the transport
- * calls up into the code that calls it. c->ho may be NULL in every hook. */
+/* What the frame layer calls in the fast path (depart.c's table), as
+ * libuv's loop calls into its streams: installed when the connection is
+ * made, in use from the first use of the fast path (a buffer sent, or a
+ * fast-path frame arrived). This is the one place where the frame layer
+ * calls up into the code that calls it, through a pointer it was given.
+ * c->ho may be NULL in every hook. */
 typedef struct gpuipc__conn_hooks {
   /* A fast-path frame (CHUNK, CTL, BUF, BUFD, EVD, REL, BYE). The fds
    * belong to the callee (it closes what it does not keep). A non-OK

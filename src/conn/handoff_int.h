@@ -1,5 +1,6 @@
 /*
- * handoff_int.h: the fast path's state per connection (handoff.c only):
+ * handoff_int.h: the fast path's state per connection (handoff.c, tx.c,
+ * rx.c and depart.c only, with the calls between those files):
  * what this side sends (its lease table, owned by lease.c, and the arena
  * chunks exported so far) and what it receives (the peer's chunks and flag
  * words, the buffers held and queued, imports waiting to be closed).
@@ -129,5 +130,42 @@ struct gpuipc__ho {
 static inline bool gpuipc__is_legacy_stream(const struct CUstream_st *s) {
   return s == NULL || (uintptr_t)s == 0x1;
 }
+
+/* ---- the base both directions share (handoff.c) -------------------------------- */
+
+/* c's fast-path state, made at first use (the transport's hooks set). */
+gpuipc_status gpuipc__ho_get(gpuipc_conn *c, struct gpuipc__ho **out);
+/* The stream for a write ordered after the work queued on `user` (side i:
+ * 0 sender, 1 receiver; the legacy stream goes through the relay). */
+gpuipc_status gpuipc__ho_write_stream(struct gpuipc__ho *h, int i,
+                                      struct CUstream_st *user, CUstream *out);
+/* The stream for a wait that `user` must be ordered after (then call
+ * gpuipc__ho_wait_done). */
+gpuipc_status gpuipc__ho_wait_stream(struct gpuipc__ho *h, int i,
+                                     struct CUstream_st *user, CUstream *out);
+/* Orders `user` after the wait enqueued on gpuipc__ho_wait_stream's. */
+CUresult gpuipc__ho_wait_done(struct gpuipc__ho *h, int i,
+                              struct CUstream_st *user);
+/* Destroys side i's relay stream and event (context of device `ordinal`). */
+void gpuipc__ho_free_lq(struct gpuipc__ho *h, int i, int ordinal);
+/* Event mode: a new interprocess event on device `ordinal`, its descriptor
+ * sent to the peer for `slot` (which: 0 ready, 1 release). */
+gpuipc_status gpuipc__ho_make_event(gpuipc_conn *conn, int ordinal,
+                                    uint32_t slot, uint32_t which,
+                                    uint64_t deadline, gpuipc_event **out);
+
+/* ---- the receiver, as departure uses it (rx.c) ----------------------------------- */
+
+/* The hook for a fast-path frame (gpuipc__conn_hooks.frame). */
+gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type,
+                               const unsigned char *p, size_t len, int *fds,
+                               int nfds);
+/* Releases held slot `slot` on stream (the flag written when write_flag)
+ * and forgets it locally; an import is closed once its GPU work is done. */
+gpuipc_status gpuipc__ho_release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
+                                      uint32_t slot, struct CUstream_st *stream,
+                                      bool write_flag);
+/* Closes the imports whose release's GPU work completed (all when `all`). */
+void gpuipc__ho_poll_closing(struct gpuipc__ho *h, bool all);
 
 #endif /* GPUIPC_HANDOFF_INT_H */

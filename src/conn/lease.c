@@ -231,13 +231,6 @@ fail:
   return s;
 }
 
-bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt, uint32_t *slot) {
-  if (lt->tx_nfree == 0)
-    return false;
-  *slot = lt->tx_free[lt->tx_nfree - 1];
-  return true;
-}
-
 bool gpuipc__lease_free_slots(const gpuipc__lease_table *lt, uint32_t n,
                               uint32_t *slots) {
   if (lt->tx_nfree < n)

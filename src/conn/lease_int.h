@@ -3,7 +3,7 @@
  * its flag words, which of our blocks and buffers the peer holds in each
  * slot, the releases a buffer's owner has yet to wait for, and what an
  * orphan keeps after its connection closed. lease.c owns every field;
- * handoff.c reads the fields marked immutable and changes the rest through
+ * the fast path (tx.c, rx.c, depart.c) reads the fields marked immutable and changes the rest through
  * the functions below.
  */
 #ifndef GPUIPC_LEASE_INT_H
@@ -40,7 +40,7 @@ bool gpuipc__peer_gone(const gpuipc__peer *p);
 
 /* A watched peer (gpuipc_conn_options.watch_peer; see lease.c): where the
  * flag words are that our streams may wait for, published by the
- * connection's thread (handoff.c) through the atomics. */
+ * connection's thread (the fast path) through the atomics. */
 struct gpuipc__watch {
   struct gpuipc__watch *next;
   int pidfd; /* ours (a dup of the peer's) */
@@ -51,7 +51,7 @@ struct gpuipc__watch {
   _Atomic int rx_ordinal, tx_ordinal;
   _Atomic uint32_t rx_nslots, tx_nslots;
   _Atomic uint64_t rx_max, tx_seq;
-  /* The peer's broadcast words (see handoff.c) and their newest values. */
+  /* The peer's broadcast words (see tx.c) and their newest values. */
   _Atomic uint64_t bw_addr[GPUIPC__BWORDS_MAX], bw_max[GPUIPC__BWORDS_MAX];
 };
 
@@ -124,9 +124,6 @@ void gpuipc__lease_poll(gpuipc__lease_table *lt);
  * few milliseconds. */
 void gpuipc__lease_reap_orphans(void);
 
-/* A free slot for the next lease, or false when every slot is out. */
-bool gpuipc__lease_free_slot(const gpuipc__lease_table *lt,
-                             uint32_t *slot /* OUT */);
 /* n distinct free slots (not taken), or false when fewer are free. */
 bool gpuipc__lease_free_slots(const gpuipc__lease_table *lt, uint32_t n,
                               uint32_t *slots /* OUT: n */);
