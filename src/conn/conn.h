@@ -17,6 +17,10 @@
 void gpuipc__conn_queued(const struct gpuipc_conn *c, size_t *msgs,
                          size_t *bytes, size_t *fds, bool *paused);
 
+/* The name of the carrier that carries conn's frames now ("socket";
+ * "ring" once a shared-memory ring carries its fast-path frames). */
+const char *gpuipc__conn_carrier_name(const struct gpuipc_conn *c);
+
 /* Leases the peer of conn holds on block now (no progress is made: call
  * after a call that made some). A scan of the connection's slots: for
  * decisions off the fast path. */

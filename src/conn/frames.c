@@ -69,6 +69,10 @@ static void free_msgs(gpuipc_conn *c) {
   c->msg_count = c->msg_bytes = c->msg_fds = 0;
 }
 
+const char *gpuipc__conn_carrier_name(const gpuipc_conn *c) {
+  return c->k.ops->name;
+}
+
 void gpuipc__conn_queued(const gpuipc_conn *c, size_t *msgs, size_t *bytes,
                          size_t *fds, bool *paused) {
   if (msgs)
