@@ -42,6 +42,15 @@ foreach(src ${GPUIPC_TEST_SOURCES})
     endif()
     set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 300
       LABELS "${labels}" ENVIRONMENT "${GPUIPC_TEST_ENV}")
+    # The connection and handoff tests run once per carrier: by default
+    # over the ring (what two gpuipc processes negotiate), and again with
+    # the socket carrying every frame (GPUIPC_CARRIER=socket).
+    if(base MATCHES "^test-conn" AND NOT base STREQUAL "test-conn-carrier")
+      add_test(NAME ${name}_on_socket COMMAND gpuipc-tests ${name})
+      set_tests_properties(${name}_on_socket PROPERTIES SKIP_RETURN_CODE 77
+        TIMEOUT 300 LABELS "${labels};socket"
+        ENVIRONMENT "${GPUIPC_TEST_ENV};GPUIPC_CARRIER=socket")
+    endif()
   endforeach()
 endforeach()
 
@@ -51,7 +60,8 @@ endforeach()
 # the rest of the suite on an H200 (contexts failed for want of device
 # memory, helpers took over 30 s to start): they run one at a time and
 # take 8 of ctest's slots each.
-foreach(t handoff_64_consumers handoff_broadcast_64_consumers)
+foreach(t handoff_64_consumers handoff_broadcast_64_consumers
+          handoff_64_consumers_on_socket handoff_broadcast_64_consumers_on_socket)
   if(TEST ${t})
     set_tests_properties(${t} PROPERTIES RESOURCE_LOCK gpu_process_crowd PROCESSORS 8)
   endif()

@@ -306,12 +306,30 @@ typedef struct gpuipc_conn_options {
    * nothing else). Needs pidfds (Linux 5.3): GPUIPC_E_NOT_SUPPORTED
    * otherwise. Default 0: no background progress (see "Progress"). */
   int watch_peer;
+  /* What carries the frames (see "Carriers"): GPUIPC_CARRIER_AUTO (the
+   * default: a shared-memory ring beside the socket where the peer
+   * supports it, else the socket alone), GPUIPC_CARRIER_SOCKET, or
+   * GPUIPC_CARRIER_RING (a peer without the ring is refused). AUTO defers
+   * to the environment variable GPUIPC_CARRIER (auto, socket, ring). */
+  int carrier;
+  /* Ring carrier: a call that waits looks at the ring for up to this many
+   * microseconds (the peer then needs to send no wake-up) before it sleeps
+   * in poll(). Default 0: sleeps at once. At most 1000000. */
+  int spin_us;
+  /* Ring carrier: as gpuipc_conn_set_polling. Default 0. */
+  int polling;
 } gpuipc_conn_options;
+
+/* gpuipc_conn_options.carrier */
+#define GPUIPC_CARRIER_AUTO 0
+#define GPUIPC_CARRIER_SOCKET 1
+#define GPUIPC_CARRIER_RING 2
 
 #define GPUIPC_CONN_OPTIONS_INIT                                               \
   {sizeof(gpuipc_conn_options), 10000, 0, 0, NULL, NULL, 0, NULL, 0, 256,      \
    GPUIPC_ORDER_MEMOP, GPUIPC_CONN_QUEUE_MSGS, GPUIPC_CONN_QUEUE_FDS,          \
-   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS, 0}
+   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS, 0,              \
+   GPUIPC_CARRIER_AUTO, 0, 0}
 
 /* ------------------------------------------------------------------------ */
 /* Making connections                                                        */
@@ -411,6 +429,16 @@ GPUIPC_API gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn,
 /* Switches non-blocking mode on (nonzero) or off. */
 GPUIPC_API gpuipc_status gpuipc_conn_set_nonblocking(gpuipc_conn *conn,
                                                      int nonblocking);
+/* Ring carrier: nonzero says the application calls into this connection
+ * (recv, progress, a send) often and does not sleep on gpuipc_conn_get_fd
+ * while polling is on; then the peer sends no wake-up message with its
+ * buffers, and a buffer reaches a polling consumer in about the ring's
+ * one-way latency. Switch it off before sleeping on the fd: while it is on,
+ * a buffer the peer sends makes the fd readable only at the next call.
+ * Calls that wait inside gpuipc sleep safely either way. Default off. No
+ * effect on the socket carrier. */
+GPUIPC_API gpuipc_status gpuipc_conn_set_polling(gpuipc_conn *conn,
+                                                 int polling);
 
 /* Who is on the other end, as the kernel vouched for it at handshake. pid
  * is the peer's pid as this process sees it: 0 when the peer lives in a

@@ -14,27 +14,31 @@
  * carries descriptors and credentials, the wake of a sleeping peer and the
  * sign of its death), and gpuipc_conn_get_fd is the carrier's pollable fd.
  *
- * Carriers: the socket itself (carrier_sock.c). A shared-memory ring for
- * the fast-path frames (docs/ring.md) is the planned second one.
+ * Carriers: the socket itself (carrier_sock.c), and the socket with a
+ * shared-memory ring per direction for the fast-path frames
+ * (carrier_ring.c, docs/ring.md), chosen at the handshake.
  */
 #ifndef GPUIPC_CONN_CARRIER_H
 #define GPUIPC_CONN_CARRIER_H
 
 #include "core/core.h"
 
+#include <stdbool.h>
+
 struct iovec;
 struct gpuipc__carrier;
 
 typedef struct gpuipc__carrier_ops {
-  const char *name; /* "socket" */
-  /* Writes as much of the bytes of iov as goes without waiting, the fds
-   * (0..GPUIPC__SOCK_FDS_MAX) with the first byte. GPUIPC_OK with
-   * *written bytes (maybe fewer than given; never 0), GPUIPC_E_WOULD_BLOCK
-   * when nothing went, GPUIPC_E_PEER_GONE, or the system error's status. */
+  const char *name; /* "socket", "ring" */
+  /* Writes as much of the bytes of iov to the socket as goes without
+   * waiting, the fds (0..GPUIPC__SOCK_FDS_MAX) with the first byte.
+   * GPUIPC_OK with *written bytes (maybe fewer than given; never 0),
+   * GPUIPC_E_WOULD_BLOCK when nothing went, GPUIPC_E_PEER_GONE, or the
+   * system error's status. */
   gpuipc_status (*write)(struct gpuipc__carrier *k, const struct iovec *iov,
                          int niov, const int *fds, int nfds,
                          size_t *written /* OUT */);
-  /* Reads what is there without waiting: bytes of frames into
+  /* Reads what the socket has without waiting: bytes of frames into
    * buf[0..cap), up to fcap descriptors that came with them into fds.
    * GPUIPC_OK with *got bytes (0: the peer's orderly end of stream),
    * GPUIPC_E_WOULD_BLOCK when nothing is there, GPUIPC_E_PEER_GONE (reset);
@@ -44,19 +48,41 @@ typedef struct gpuipc__carrier_ops {
   gpuipc_status (*read)(struct gpuipc__carrier *k, unsigned char *buf,
                         size_t cap, int *fds, int fcap, int *nfds /* OUT */,
                         size_t *got /* OUT */);
-  /* Waits until the carrier is readable (POLLIN), writable (POLLOUT) or
-   * hung up, or the deadline (gpuipc__now_ns; UINT64_MAX: none) passes.
-   * The poll(2) revents, 0 at the deadline, -1 with errno. */
+  /* Waits until there is something to read (POLLIN: on the socket or, for
+   * a carrier with records, a record), the socket is writable (POLLOUT)
+   * or hung up, or the deadline (gpuipc__now_ns; UINT64_MAX: none)
+   * passes. The poll(2) revents, 0 at the deadline, -1 with errno. */
   int (*wait)(struct gpuipc__carrier *k, short events, uint64_t deadline);
-  /* After frames were written: makes a peer that sleeps on its pollable fd
-   * look at them (the socket needs nothing: its bytes wake the peer). */
-  void (*wake)(struct gpuipc__carrier *k);
-  /* The fd a caller polls for this connection: readable when something
-   * arrived or the peer left (-1 once hung up). */
+  /* The fd a caller polls for this connection: the socket, readable when
+   * something arrived or the peer left (-1 once hung up). */
   int (*fd)(const struct gpuipc__carrier *k);
   /* Ends the carrier on our side (idempotent): the peer sees the end of
-   * the stream; later writes and reads say GPUIPC_E_PEER_GONE. */
+   * the socket's stream; later writes say GPUIPC_E_PEER_GONE, reads and
+   * records find nothing. */
   void (*hangup)(struct gpuipc__carrier *k);
+  /* Hangs up and frees what the carrier holds. */
+  void (*release)(struct gpuipc__carrier *k);
+
+  /* A carrier of records beside the socket (NULL in the socket carrier):
+   * whole frames without descriptors, each with the number of socket
+   * frames its writer had written whole before it (the barrier). */
+  /* Publishes one record of `len` bytes (iov) whole, or nothing:
+   * GPUIPC_OK, GPUIPC_E_WOULD_BLOCK when it does not fit now (send it on
+   * the socket), GPUIPC_E_PROTOCOL when the peer's indices lie. */
+  gpuipc_status (*put)(struct gpuipc__carrier *k, const struct iovec *iov,
+                       int niov, size_t len, uint64_t barrier);
+  /* After a put: true when the peer may sleep and has not been woken for
+   * this sleep yet (the frame layer then sends it a WAKE frame). */
+  bool (*wake)(struct gpuipc__carrier *k);
+  /* Takes the next record into buf[0..cap) (private memory): GPUIPC_OK
+   * with *len and *barrier, GPUIPC_E_WOULD_BLOCK when there is none,
+   * GPUIPC_E_PROTOCOL (reason recorded) when the peer's ring lies. */
+  gpuipc_status (*get)(struct gpuipc__carrier *k, unsigned char *buf,
+                       size_t cap, size_t *len /* OUT */,
+                       uint64_t *barrier /* OUT */);
+  /* The application says it calls into the connection often and never
+   * sleeps on the fd without telling (on), or no longer (off). */
+  void (*set_polling)(struct gpuipc__carrier *k, bool on);
 } gpuipc__carrier_ops;
 
 /* A connection's carrier: its operations, the socket every carrier keeps
@@ -71,5 +97,22 @@ typedef struct gpuipc__carrier {
 /* The socket carrier on the connected Unix stream socket fd (owned from
  * now on; O_NONBLOCK). */
 void gpuipc__carrier_sock_init(gpuipc__carrier *k, int fd);
+
+/* ---- the ring carrier (carrier_ring.c) ------------------------------------------ */
+
+/* Makes the memfd of the ring this side writes (size bytes, a power of
+ * two), sealed against shrinking and growing, and maps it read-write. */
+gpuipc_status gpuipc__ring_make(size_t size, int *fd /* OUT */,
+                                void **map /* OUT */);
+void gpuipc__ring_unmake(void *map, size_t size);
+/* Checks the peer's memfd (a sealed memfd of exactly the size, with a
+ * ring header that says so) and maps it read-only. */
+gpuipc_status gpuipc__ring_open_peer(int fd, size_t size,
+                                     const void **map /* OUT */);
+/* Makes k (whose socket is k->fd) a ring carrier over our mapping and the
+ * peer's (both owned from now on). */
+gpuipc_status gpuipc__carrier_ring_init(gpuipc__carrier *k, void *mine,
+                                        const void *peer, size_t size,
+                                        bool polling, int spin_us);
 
 #endif /* GPUIPC_CONN_CARRIER_H */

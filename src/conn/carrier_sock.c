@@ -32,8 +32,6 @@ static int sock_wait(gpuipc__carrier *k, short events, uint64_t deadline) {
   return gpuipc__wait_fd(k->fd, events, deadline);
 }
 
-static void sock_wake(gpuipc__carrier *k) { (void)k; }
-
 static int sock_fd(const gpuipc__carrier *k) { return k->fd; }
 
 static void sock_hangup(gpuipc__carrier *k) {
@@ -44,8 +42,14 @@ static void sock_hangup(gpuipc__carrier *k) {
 }
 
 static const gpuipc__carrier_ops sock_ops = {
-    "socket", sock_write, sock_read, sock_wait, sock_wake, sock_fd,
-    sock_hangup};
+    .name = "socket",
+    .write = sock_write,
+    .read = sock_read,
+    .wait = sock_wait,
+    .fd = sock_fd,
+    .hangup = sock_hangup,
+    .release = sock_hangup,
+};
 
 void gpuipc__carrier_sock_init(gpuipc__carrier *k, int fd) {
   k->ops = &sock_ops;

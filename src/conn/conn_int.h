@@ -82,6 +82,19 @@ struct gpuipc_conn {
    * oldest frame already went out, with its descriptors). */
   unsigned char *tx;
   size_t tx_off, tx_len, tx_cap;
+  /* The order of the socket and a carrier's records: socket frames written
+   * whole (each record names this many as its barrier; records are put
+   * only while nothing is queued, so the count is exact then), frames in
+   * the transmit queue (whole once it drains), socket frames dispatched,
+   * records dispatched, and a record taken that waits for socket frames
+   * (rec_have; its barrier and bytes). */
+  uint64_t tx_frames, tx_qframes, rx_frames, rx_records;
+  bool rec_have;
+  uint64_t rec_barrier;
+  size_t rec_len;
+  unsigned char *rec; /* GPUIPC__RING_FRAME_MAX bytes, made on first use */
+  bool polling;       /* gpuipc_conn_set_polling */
+  uint64_t hup_checked; /* when a record's sender last looked for hang-up */
   /* User messages received, oldest first, and what they hold together
    * (bounded by q_max_*: a message that does not fit waits in rx, and
    * rx_paused stops reading the socket until the application takes

@@ -88,7 +88,8 @@ void gpuipc__conn_queued(const gpuipc_conn *c, size_t *msgs, size_t *bytes,
 void gpuipc__conn_free(gpuipc_conn *c) {
   if (c->stats_open)
     gpuipc__stats_conn_close(c->stats_slot);
-  c->k.ops->hangup(&c->k);
+  c->k.ops->release(&c->k);
+  free(c->rec);
   if (c->hs_fd >= 0)
     close(c->hs_fd);
   gpuipc__live_peer_close(c->peer_table);
@@ -209,9 +210,11 @@ static gpuipc_status flush_tx(gpuipc_conn *c) {
     if (s != GPUIPC_OK)
       return s;
     c->tx_off += w;
-    c->k.ops->wake(&c->k);
   }
   c->tx_off = c->tx_len = 0;
+  /* Every queued frame is out whole now (see tx_frames). */
+  c->tx_frames += c->tx_qframes;
+  c->tx_qframes = 0;
   return GPUIPC_OK;
 }
 
@@ -260,6 +263,52 @@ static void tx_append(gpuipc_conn *c, const struct iovec *iov, int niov,
 
 static gpuipc_status pump_once(gpuipc_conn *c);
 
+/* The frames a carrier of records takes: the fast path's, which carry no
+ * descriptors and need nothing of the socket's order beyond the barrier. */
+static bool ring_type(int type) {
+  return type == GPUIPC__F_BUF || type == GPUIPC__F_BUFS ||
+         type == GPUIPC__F_BUFW || type == GPUIPC__F_REL;
+}
+
+/* Puts the frame (iov, total bytes) into the carrier's records when it can
+ * go there now: GPUIPC_OK when it went (and the peer was woken if it
+ * sleeps), GPUIPC_E_WOULD_BLOCK when it must go on the socket. */
+static gpuipc_status put_record(gpuipc_conn *c, int type,
+                                const struct iovec *iov, int niov,
+                                size_t total) {
+  /* Only behind a socket whose frames all went out whole: the barrier
+   * counts them, and a frame still queued would be overtaken. */
+  if (c->k.ops->put == NULL || !ring_type(type) || c->tx_len != c->tx_off ||
+      total > GPUIPC__RING_FRAME_MAX)
+    return GPUIPC_E_WOULD_BLOCK;
+  /* A record reaches a dead peer as well as a live one: look at the
+   * socket for its hang-up now and then (at most once a millisecond), as
+   * a write to it would have told. */
+  uint64_t now = gpuipc__now_ns();
+  if (now - c->hup_checked > 1000000) {
+    c->hup_checked = now;
+    struct pollfd p = {c->k.fd, 0, 0};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR))) {
+      (void)pump_once(c); /* what it sent before it left, then its end */
+      if (c->state != GPUIPC__CONN_OPEN)
+        return gpuipc__conn_ended(c);
+    }
+  }
+  gpuipc_status s = c->k.ops->put(&c->k, iov, niov, total, c->tx_frames);
+  if (s == GPUIPC_E_PROTOCOL) {
+    char why[sizeof c->broken_why];
+    snprintf(why, sizeof why, "%s", gpuipc_last_error());
+    return gpuipc__conn_break(c, "%s", why);
+  }
+  if (s != GPUIPC_OK)
+    return s == GPUIPC_E_PEER_GONE ? GPUIPC_E_WOULD_BLOCK : s;
+  if (c->k.ops->wake(&c->k))
+    /* Never waits: a full socket queues it, and is readable anyway. */
+    GPUIPC__CHECK(gpuipc__conn_send_frame(c, GPUIPC__F_WAKE, NULL, 0, NULL, 0,
+                                          NULL, 0, 0));
+  return GPUIPC_OK;
+}
+
 gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
                                       size_t n1, const void *p2, size_t n2,
                                       const int *fds, int nfds,
@@ -277,6 +326,9 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
   int niov = 1 + (n1 > 0) + (n2 > 0);
   if (n1 == 0 && n2 > 0)
     iov[1] = iov[2];
+  gpuipc_status rs = put_record(c, type, iov, niov, sizeof h + len);
+  if (rs != GPUIPC_E_WOULD_BLOCK)
+    return rs;
 
   for (;;) {
     /* Older frames first: the stream's order is the send order. */
@@ -289,11 +341,14 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
       size_t w = 0;
       gpuipc_status s = c->k.ops->write(&c->k, iov, niov, fds, nfds, &w);
       if (s == GPUIPC_OK) {
-        if (w < sizeof h + len)
+        if (w < sizeof h + len) {
           /* The descriptors went with the first byte; the rest is plain
            * bytes, flushed by later calls. */
           tx_append(c, iov, niov, w);
-        c->k.ops->wake(&c->k);
+          c->tx_qframes++;
+        } else {
+          c->tx_frames++;
+        }
         return GPUIPC_OK;
       }
       if (s == GPUIPC_E_PEER_GONE) {
@@ -309,6 +364,7 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
     if (nfds == 0 && c->tx_len - c->tx_off + sizeof h + len <= TX_QUEUE_MAX) {
       GPUIPC__CHECK(tx_reserve(c, sizeof h + len));
       tx_append(c, iov, niov, 0);
+      c->tx_qframes++;
       return GPUIPC_OK;
     }
     if (deadline == 0)
@@ -363,7 +419,87 @@ static bool queue_has_room(const gpuipc_conn *c, size_t len, int nfds) {
          c->msg_fds + (size_t)nfds <= c->q_max_fds;
 }
 
-/* Parses and dispatches every complete frame in rx. */
+/* Hands a fast-path frame to the hooks the fast path installed; its
+ * failure breaks the connection (with the reason it gave). */
+static gpuipc_status fast_frame(gpuipc_conn *c, int type,
+                                const unsigned char *p, size_t len, int *fds,
+                                int nfds) {
+  const gpuipc__conn_hooks *fast = gpuipc__conn_fast(c);
+  if (fast == NULL) {
+    for (int i = 0; i < nfds; i++)
+      close(fds[i]);
+    return gpuipc__conn_break(c, "fast-path frame type %d on a connection "
+                                 "without a fast path",
+                              type);
+  }
+  gpuipc_status s = fast->frame(c, type, p, len, fds, nfds);
+  if (s != GPUIPC_OK && c->state == GPUIPC__CONN_OPEN) {
+    char why[sizeof c->broken_why];
+    snprintf(why, sizeof why, "%s", gpuipc_last_error());
+    gpuipc_status s2 = gpuipc__conn_break(c, "%s", why);
+    if (s == GPUIPC_E_NO_MEMORY)
+      return s;
+    return s2;
+  }
+  return s;
+}
+
+/* One record of the carrier, decoded as a frame from the socket is (the
+ * same checks), of the types a record may carry only. */
+static gpuipc_status record_frame(gpuipc_conn *c, const unsigned char *b,
+                                  size_t len) {
+  gpuipc__frame_hdr h;
+  if (len < sizeof h)
+    return gpuipc__conn_break(c, "ring record of %zu bytes", len);
+  memcpy(&h, b, sizeof h);
+  if (h.magic != GPUIPC__FRAME_MAGIC || h.version != GPUIPC__FRAME_VERSION ||
+      h.check != gpuipc__frame_check(&h) || h.len != len - sizeof h ||
+      h.nfds != 0 || !ring_type(h.type))
+    return gpuipc__conn_break(c, "ring record of %zu bytes is not a "
+                                 "fast-path frame (type %u, %u bytes, %u "
+                                 "fds)",
+                              len, h.type, h.len, h.nfds);
+  return fast_frame(c, h.type, b + sizeof h, h.len, NULL, 0);
+}
+
+/* The carrier's records whose barrier the socket frames dispatched so far
+ * meet, in order (at most the ring's worth per call: a peer that keeps
+ * publishing cannot hold the caller). A record whose barrier is not met
+ * yet waits in c->rec until enough socket frames were dispatched. */
+static gpuipc_status drain_records(gpuipc_conn *c) {
+  if (c->k.ops->get == NULL)
+    return GPUIPC_OK;
+  for (size_t n = 0; n < GPUIPC__RING_SIZE / 32 &&
+                     c->state == GPUIPC__CONN_OPEN;
+       n++) {
+    if (!c->rec_have) {
+      if (c->rec == NULL) {
+        c->rec = malloc(GPUIPC__RING_FRAME_MAX);
+        if (c->rec == NULL)
+          return gpuipc__fail(GPUIPC_E_NO_MEMORY, "ring record buffer");
+      }
+      gpuipc_status s = c->k.ops->get(&c->k, c->rec, GPUIPC__RING_FRAME_MAX,
+                                      &c->rec_len, &c->rec_barrier);
+      if (s == GPUIPC_E_WOULD_BLOCK)
+        return GPUIPC_OK;
+      if (s != GPUIPC_OK) {
+        char why[sizeof c->broken_why];
+        snprintf(why, sizeof why, "%s", gpuipc_last_error());
+        return gpuipc__conn_break(c, "%s", why);
+      }
+      c->rec_have = true;
+    }
+    if (c->rec_barrier > c->rx_frames)
+      return GPUIPC_OK; /* socket frames it follows are still to come */
+    c->rec_have = false;
+    c->rx_records++;
+    GPUIPC__CHECK(record_frame(c, c->rec, c->rec_len));
+  }
+  return GPUIPC_OK;
+}
+
+/* Parses and dispatches every complete frame in rx, and before each the
+ * carrier's records that precede it. */
 static gpuipc_status parse_rx(gpuipc_conn *c) {
   size_t off = 0;
   gpuipc_status s = GPUIPC_OK;
@@ -384,7 +520,8 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
     if (h.len > GPUIPC__FRAME_MAX)
       return gpuipc__conn_break(c, "frame length %u exceeds the maximum %u",
                                 h.len, (unsigned)GPUIPC__FRAME_MAX);
-    if (h.type < GPUIPC__F_MSG || h.type > GPUIPC__F_TYPE_MAX)
+    if ((h.type < GPUIPC__F_MSG || h.type > GPUIPC__F_TYPE_MAX) &&
+        !(h.type == GPUIPC__F_WAKE && c->k.ops->get != NULL && h.len == 0))
       return gpuipc__conn_break(c, "unexpected frame type %u", h.type);
     if (h.nfds > GPUIPC__FRAME_FDS_MAX || h.nfds > c->rx_nfds)
       return gpuipc__conn_break(c,
@@ -410,6 +547,14 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
         break;
       }
     }
+    /* Records published before this frame was sent come first. */
+    s = drain_records(c);
+    if (s != GPUIPC_OK) {
+      free(m);
+      if (c->state != GPUIPC__CONN_OPEN)
+        return s;
+      break;
+    }
     int fds[GPUIPC__FRAME_FDS_MAX];
     int nfds = h.nfds;
     memcpy(fds, c->rx_fds, sizeof(int) * (size_t)nfds);
@@ -418,7 +563,10 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
     c->rx_nfds -= nfds;
     const unsigned char *p = c->rx + off + sizeof h;
     off += sizeof h + h.len;
-    if (h.type == GPUIPC__F_MSG) {
+    c->rx_frames++;
+    if (h.type == GPUIPC__F_WAKE) {
+      /* It only made our fd readable. */
+    } else if (h.type == GPUIPC__F_MSG) {
       if (h.len > GPUIPC_CONN_MSG_MAX) {
         for (int i = 0; i < nfds; i++)
           close(fds[i]);
@@ -427,27 +575,13 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
       }
       queue_msg(c, m, p, h.len, fds, nfds);
     } else {
-      const gpuipc__conn_hooks *fast = gpuipc__conn_fast(c);
-      if (fast == NULL) {
-        for (int i = 0; i < nfds; i++)
-          close(fds[i]);
-        return gpuipc__conn_break(c, "fast-path frame type %u on a "
-                                     "connection without a fast path",
-                                  h.type);
-      }
-      s = fast->frame(c, h.type, p, h.len, fds, nfds);
-      if (s != GPUIPC_OK && c->state == GPUIPC__CONN_OPEN) {
-        char why[sizeof c->broken_why];
-        snprintf(why, sizeof why, "%s", gpuipc_last_error());
-        gpuipc_status s2 = gpuipc__conn_break(c, "%s", why);
-        if (s == GPUIPC_E_NO_MEMORY)
-          return s;
-        return s2;
-      }
+      s = fast_frame(c, h.type, p, h.len, fds, nfds);
     }
     if (s != GPUIPC_OK)
       return s;
   }
+  if (s == GPUIPC_OK && !c->rx_paused)
+    s = drain_records(c);
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
   /* What was dispatched leaves rx, also when the loop stopped early. */
@@ -465,9 +599,24 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
 
 /* One read of what is available (no waiting), then parsing. Returns OK
  * also when nothing was there; the end of the connection as a status. */
+/* A record waits for socket frames that have not been dispatched. */
+static bool record_waits(const gpuipc_conn *c) {
+  return c->rec_have && c->rec_barrier > c->rx_frames;
+}
+
 static gpuipc_status pump_once(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
+  if (c->k.ops->get != NULL && !c->rx_paused &&
+      c->rx_len < sizeof(gpuipc__frame_hdr)) {
+    /* The records first: when they brought something and wait for no
+     * socket frame, the socket is not read this pass (no system call on
+     * the fast path); it is on the next. */
+    uint64_t before = c->rx_records;
+    GPUIPC__CHECK(drain_records(c));
+    if (c->rx_records != before && !record_waits(c))
+      return GPUIPC_OK;
+  }
   if (c->rx_paused || c->rx_len >= sizeof(gpuipc__frame_hdr)) {
     /* Complete frames may wait in rx: a message for room in the queue
      * (then nothing more is read while it still does not fit), or a frame
@@ -493,8 +642,17 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
     int tmp[GPUIPC__FRAME_FDS_MAX], k = 0;
     gpuipc_status s = c->k.ops->read(&c->k, c->rx + c->rx_len, room, tmp,
                                      GPUIPC__FRAME_FDS_MAX, &k, &r);
-    if (s == GPUIPC_E_WOULD_BLOCK)
+    if (s == GPUIPC_E_WOULD_BLOCK) {
+      /* The socket frames a record names were written whole before the
+       * record was published, and it was taken before this read: they
+       * would be here. */
+      if (record_waits(c) && !c->rx_paused)
+        return gpuipc__conn_break(
+            c, "a ring record follows %llu socket frames, and %llu came",
+            (unsigned long long)c->rec_barrier,
+            (unsigned long long)c->rx_frames);
       return GPUIPC_OK;
+    }
     if (s == GPUIPC_E_PEER_GONE) {
       peer_gone(c);
       return gpuipc__conn_ended(c);
@@ -550,7 +708,7 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
      * A read that brought descriptors may have stopped at a message
      * boundary the kernel keeps; read on then. Anything that arrives later
      * makes the socket readable again for the caller's poll. */
-    if (r < room && k == 0)
+    if (r < room && k == 0 && !record_waits(c))
       return GPUIPC_OK;
   }
   return GPUIPC_OK;
@@ -643,6 +801,15 @@ gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn, int timeout_ms) {
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_conn_set_timeout: bad argument");
   conn->timeout_ms = timeout_ms;
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_conn_set_polling(gpuipc_conn *conn, int polling) {
+  if (conn == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_set_polling: NULL");
+  conn->polling = polling != 0;
+  if (conn->k.ops->set_polling)
+    conn->k.ops->set_polling(&conn->k, conn->polling);
   return GPUIPC_OK;
 }
 

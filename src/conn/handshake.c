@@ -44,7 +44,10 @@ bool gpuipc__peer_allowed(const gpuipc_conn_options *o, uint32_t uid,
  * the frame machinery, so nothing after the handshake is consumed here.
  * `pre` carries SO_PEERCRED for sockets made by connect/accept (the
  * kernel's record of the peer at connect time). */
-enum { HS_HELLO = 0, HS_VERDICT = 1, HS_LIVE = 2 };
+enum { HS_HELLO = 0, HS_VERDICT = 1, HS_LIVE = 2, HS_RING = 3 };
+
+/* What this side says of the ring carrier in its HELLO. */
+enum { RING_NO = 0, RING_OFFER = 1, RING_REQUIRE = 2 };
 
 #define HS_PAYLOAD_MAX 512
 
@@ -61,8 +64,37 @@ struct gpuipc__hs {
   size_t got, want;
   struct ucred cred; /* with the frame's first byte */
   bool have_cred;
+  /* The ring carrier: what we said (RING_*), whether both sides offered
+   * it, and our ring (its memfd and mapping, ours until the carrier takes
+   * them). */
+  int ring_say;
+  bool ring;
+  int ring_fd;
+  void *ring_map;
 };
 typedef gpuipc__hs hs;
+
+/* What this side offers: the options' carrier, or for AUTO the
+ * environment's GPUIPC_CARRIER (auto, socket or ring). */
+static gpuipc_status ring_wanted(const gpuipc_conn_options *o, int *out) {
+  int carrier = o->carrier;
+  if (carrier == GPUIPC_CARRIER_AUTO) {
+    const char *e = gpuipc__getenv("GPUIPC_CARRIER");
+    if (e == NULL || *e == '\0' || strcmp(e, "auto") == 0)
+      carrier = GPUIPC_CARRIER_AUTO;
+    else if (strcmp(e, "socket") == 0)
+      carrier = GPUIPC_CARRIER_SOCKET;
+    else if (strcmp(e, "ring") == 0)
+      carrier = GPUIPC_CARRIER_RING;
+    else
+      return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                          "GPUIPC_CARRIER=%s: auto, socket or ring", e);
+  }
+  *out = carrier == GPUIPC_CARRIER_SOCKET ? RING_NO
+         : carrier == GPUIPC_CARRIER_RING ? RING_REQUIRE
+                                          : RING_OFFER;
+  return GPUIPC_OK;
+}
 
 /* Writes one handshake frame whole (the socket is empty at this point, so
  * it fits; the loop covers EINTR and a peer that is slow to drain), with
@@ -165,7 +197,8 @@ static gpuipc_status hs_read_some(hs *x, gpuipc__frame_hdr *h) {
                             "handshake: frame version %u, this library "
                             "speaks %u",
                             h->version, GPUIPC__FRAME_VERSION);
-      bool with_fd = h->type == GPUIPC__F_LIVE && x->stage == HS_LIVE;
+      bool with_fd = (h->type == GPUIPC__F_LIVE && x->stage == HS_LIVE) ||
+                     (h->type == GPUIPC__F_RING && x->stage == HS_RING);
       if (h->len > HS_PAYLOAD_MAX || h->nfds > (with_fd ? 1 : 0) ||
           h->nfds != (x->c->hs_fd >= 0 ? 1 : 0))
         return gpuipc__fail(GPUIPC_E_PROTOCOL,
@@ -291,6 +324,9 @@ static gpuipc_status hs_start(hs *x, uint64_t wdeadline) {
     memset(me.boot_id, 0, sizeof me.boot_id);
   me.pidns = gpuipc__pid_namespace();
   me.flags = GPUIPC__HELLO_F_NS;
+  GPUIPC__CHECK(ring_wanted(&x->o, &x->ring_say));
+  if (x->ring_say != RING_NO)
+    me.flags |= GPUIPC__HELLO_F_RING;
   x->stage = HS_HELLO;
   x->got = 0;
   x->want = sizeof(gpuipc__frame_hdr);
@@ -338,6 +374,67 @@ static gpuipc_status hs_on_live(hs *x, const gpuipc__frame_hdr *h,
       return ts;
     c->via.table = c->peer_table;
   }
+  return GPUIPC_OK;
+}
+
+/* RING (the ring the peer writes, after its ACCEPT and LIVE): checked and
+ * mapped read-only, and the connection's carrier becomes the ring carrier
+ * over it and ours. */
+static gpuipc_status hs_on_ring(hs *x, const gpuipc__frame_hdr *h,
+                                const unsigned char *p) {
+  gpuipc_conn *c = x->c;
+  int rfd = c->hs_fd;
+  c->hs_fd = -1;
+  gpuipc__w_ring w;
+  if (h->type != GPUIPC__F_RING || h->len != sizeof w) {
+    if (rfd >= 0)
+      close(rfd);
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "handshake: expected RING, got frame type %u of %u "
+                        "bytes",
+                        h->type, h->len);
+  }
+  memcpy(&w, p, sizeof w);
+  if (w.size == 0 && rfd < 0 && w.version == 1 && w.pad == 0) {
+    /* The peer could not make its ring: the socket carries everything. */
+    if (x->ring_say == RING_REQUIRE)
+      return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                          "handshake: the ring carrier is required here, and "
+                          "the peer could not make its ring");
+    GPUIPC__WARN("conn", "the socket carries the frames to pid %d: the peer "
+                         "could not make its ring",
+                 c->peer_pid);
+    return GPUIPC_OK;
+  }
+  if (w.size != GPUIPC__RING_SIZE || w.version != 1 || w.pad != 0 ||
+      rfd < 0) {
+    if (rfd >= 0)
+      close(rfd);
+    close(rfd);
+    return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                        "handshake: the peer's ring is of %llu bytes, version "
+                        "%u (this side: %zu, version 1)",
+                        (unsigned long long)w.size, w.version,
+                        GPUIPC__RING_SIZE);
+  }
+  const void *peer = NULL;
+  gpuipc_status s = gpuipc__ring_open_peer(rfd, GPUIPC__RING_SIZE, &peer);
+  close(rfd);
+  if (s != GPUIPC_OK)
+    return s;
+  if (x->ring_map == NULL) {
+    /* We declined ours: the socket it is, on both sides. */
+    gpuipc__ring_unmake((void *)peer, GPUIPC__RING_SIZE);
+    return GPUIPC_OK;
+  }
+  s = gpuipc__carrier_ring_init(&c->k, x->ring_map, peer, GPUIPC__RING_SIZE,
+                                x->o.polling != 0, x->o.spin_us);
+  if (s != GPUIPC_OK) {
+    gpuipc__ring_unmake((void *)peer, GPUIPC__RING_SIZE);
+    return s;
+  }
+  x->ring_map = NULL; /* the carrier's now */
+  c->polling = x->o.polling != 0;
   return GPUIPC_OK;
 }
 
@@ -504,6 +601,29 @@ static gpuipc_status hs_on_hello(hs *x, const gpuipc__frame_hdr *h,
   uint64_t my_ns = gpuipc__pid_namespace();
   bool foreign = x->peer_ns && peer.pidns != my_ns;
   GPUIPC__CHECK(hs_check_hello(x, &peer, foreign, wdeadline));
+  bool peer_ring = (peer.flags & GPUIPC__HELLO_F_RING) != 0;
+  if (x->ring_say == RING_REQUIRE && !peer_ring) {
+    refuse(c->k.fd, "this side requires the ring carrier", wdeadline);
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "handshake: the ring carrier is required here "
+                        "(GPUIPC_CARRIER=ring or the carrier option), and the "
+                        "peer does not offer it");
+  }
+  x->ring = x->ring_say != RING_NO && peer_ring;
+  if (x->ring) {
+    /* Made only now that both offered it (a pending handshake holds no
+     * memfd). One that cannot be made is declined in the RING frame, and
+     * both sides stay on the socket. */
+    gpuipc_status rs =
+        gpuipc__ring_make(GPUIPC__RING_SIZE, &x->ring_fd, &x->ring_map);
+    if (rs != GPUIPC_OK && x->ring_say == RING_REQUIRE) {
+      refuse(c->k.fd, "this side could not make its ring", wdeadline);
+      return rs;
+    }
+    if (rs != GPUIPC_OK)
+      GPUIPC__WARN("conn", "the socket carries the frames to pid %d: %s",
+                   (int)x->cred.pid, gpuipc_last_error());
+  }
   GPUIPC__CHECK(hs_identify(x, &peer, foreign, my_ns, wdeadline));
   c->peer_max_outstanding = peer.max_outstanding;
   c->stats_slot = gpuipc__stats_conn_open(c->peer_pid, c->peer_start_time,
@@ -513,6 +633,18 @@ static gpuipc_status hs_on_hello(hs *x, const gpuipc__frame_hdr *h,
       gpuipc__hs_write(c->k.fd, GPUIPC__F_ACCEPT, NULL, 0, wdeadline));
   if (x->peer_ns)
     GPUIPC__CHECK(send_live(c->k.fd, wdeadline));
+  if (x->ring) {
+    /* Size 0 and no memfd: declined. */
+    bool have = x->ring_map != NULL;
+    gpuipc__w_ring w = {have ? GPUIPC__RING_SIZE : 0, 1, 0};
+    GPUIPC__CHECK(hs_write_fds(c->k.fd, GPUIPC__F_RING, &w, sizeof w,
+                               have ? &x->ring_fd : NULL, have ? 1 : 0,
+                               wdeadline));
+    if (have) {
+      close(x->ring_fd); /* the mapping is what we keep */
+      x->ring_fd = -1;
+    }
+  }
   return GPUIPC_OK;
 }
 
@@ -521,7 +653,9 @@ static gpuipc_status hs_on_hello(hs *x, const gpuipc__frame_hdr *h,
  * complete, GPUIPC_E_WOULD_BLOCK while it waits for the peer, else the
  * reason it failed. The stages: HS_HELLO (the peer's HELLO is awaited),
  * HS_VERDICT (its ACCEPT), HS_LIVE (its LIVE, after an ACCEPT from a peer
- * that speaks of pid namespaces). A REFUSE ends it at any stage. */
+ * that speaks of pid namespaces), HS_RING (its RING, after its ACCEPT and
+ * LIVE when both sides offered the ring carrier). A REFUSE ends it at any
+ * stage. */
 gpuipc_status gpuipc__hs_step(hs *x, uint64_t wdeadline) {
   for (;;) {
     gpuipc__frame_hdr h;
@@ -552,9 +686,22 @@ gpuipc_status gpuipc__hs_step(hs *x, uint64_t wdeadline) {
         x->stage = HS_LIVE;
         continue;
       }
+      if (h.type == GPUIPC__F_ACCEPT && x->ring) {
+        x->stage = HS_RING;
+        continue;
+      }
       return hs_on_verdict(x, &h);
-    default: /* HS_LIVE: the verdict, ACCEPT, was read before */
+    case HS_LIVE: /* the verdict, ACCEPT, was read before */
       GPUIPC__CHECK(hs_on_live(x, &h, p));
+      if (x->ring) {
+        x->stage = HS_RING;
+        continue;
+      }
+      x->stage = HS_VERDICT;
+      h.type = GPUIPC__F_ACCEPT;
+      return hs_on_verdict(x, &h);
+    default: /* HS_RING: ACCEPT (and LIVE) were read before */
+      GPUIPC__CHECK(hs_on_ring(x, &h, p));
       x->stage = HS_VERDICT;
       h.type = GPUIPC__F_ACCEPT;
       return hs_on_verdict(x, &h);
@@ -579,6 +726,7 @@ static hs *hs_new(int fd, const gpuipc_conn_options *o,
   gpuipc__handoff_install(c);
   x->c = c;
   x->o = *o;
+  x->ring_fd = -1;
   if (pre) {
     x->pre = *pre;
     x->have_pre = true;
@@ -608,6 +756,9 @@ gpuipc_conn *gpuipc__hs_conn(const gpuipc__hs *x) { return x->c; }
 
 gpuipc_conn *gpuipc__hs_end(gpuipc__hs *x) {
   gpuipc_conn *c = x->c;
+  if (x->ring_fd >= 0)
+    close(x->ring_fd);
+  gpuipc__ring_unmake(x->ring_map, GPUIPC__RING_SIZE);
   free(x);
   return c;
 }

@@ -99,6 +99,13 @@ static gpuipc_status read_opts(const gpuipc_conn_options *in, copts *out) {
                         "handshake_timeout_ms %d: 1 to %d (0: the default)",
                         out->o.handshake_timeout_ms,
                         GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP);
+  if (out->o.carrier < GPUIPC_CARRIER_AUTO ||
+      out->o.carrier > GPUIPC_CARRIER_RING)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "unknown carrier %d",
+                        out->o.carrier);
+  if (out->o.spin_us < 0 || out->o.spin_us > 1000000)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "spin_us %d: 0 to 1000000",
+                        out->o.spin_us);
   if (out->o.order != GPUIPC_ORDER_MEMOP && out->o.order != GPUIPC_ORDER_NONE &&
       out->o.order != GPUIPC_ORDER_EVENT)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "unknown order mode %d",

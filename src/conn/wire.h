@@ -54,7 +54,15 @@ enum {
    * GPUIPC__HELLO_F_NS): my liveness table, u64 key + its fd (or key 0 and
    * no fd: I have none). Outside the handshake it ends the connection, as
    * every type above GPUIPC__F_TYPE_MAX does. */
-  GPUIPC__F_LIVE = 15
+  GPUIPC__F_LIVE = 15,
+  /* With the ring carrier only: a sender published a record while our
+   * sleep word said we may sleep; it makes our fd readable, and nothing
+   * else (no payload). */
+  GPUIPC__F_WAKE = 16,
+  /* Handshake only (after ACCEPT and LIVE, when both HELLOs have
+   * GPUIPC__HELLO_F_RING): the ring this side writes, a gpuipc__w_ring +
+   * its memfd. */
+  GPUIPC__F_RING = 17
 };
 
 typedef struct gpuipc__frame_hdr {
@@ -92,7 +100,44 @@ typedef struct gpuipc__hello {
 /* pidns is set, and a LIVE frame follows this side's ACCEPT when the
  * peer's HELLO has this flag too. */
 #define GPUIPC__HELLO_F_NS 0x1u
+/* This side carries fast-path frames on a shared-memory ring, and sends a
+ * RING frame after its ACCEPT (and LIVE) when the peer's HELLO has the flag
+ * too (docs/ring.md). */
+#define GPUIPC__HELLO_F_RING 0x2u
 _Static_assert(sizeof(gpuipc__hello) == 56, "wire layout");
+
+/* A ring's memfd (docs/ring.md), as its writer lays it out: this page,
+ * then the ring's bytes. Each word on a cache line of its own; the peer
+ * maps it read-only. A record in the ring: u32 len (the frame's bytes,
+ * header included), u32 0, u64 barrier (socket frames written whole before
+ * it), the frame, padding to 16 bytes; it may wrap around the ring's end. */
+#define GPUIPC__RING_MAGIC 0x474e4952u /* "RING" */
+#define GPUIPC__RING_VERSION 1
+#define GPUIPC__RING_HDR 4096
+/* Bytes of each direction's ring (the RING frame says it; both sides must
+ * agree), and the largest frame a record carries (larger ones go on the
+ * socket). */
+#define GPUIPC__RING_SIZE ((size_t)128 << 10)
+#define GPUIPC__RING_FRAME_MAX (GPUIPC__RING_SIZE / 4 - 32)
+typedef struct gpuipc__w_ring_page {
+  uint32_t magic, version;
+  uint64_t size; /* bytes of the ring (a power of two) */
+  unsigned char pad0[48];
+  _Atomic uint64_t head; /* bytes of this side's ring published */
+  unsigned char pad1[56];
+  _Atomic uint64_t tail; /* bytes of the peer's ring consumed */
+  unsigned char pad2[56];
+  _Atomic uint64_t sleep; /* odd: the writer of this page may sleep */
+} gpuipc__w_ring_page;
+_Static_assert(sizeof(gpuipc__w_ring_page) <= GPUIPC__RING_HDR, "ring page");
+
+/* RING payload (+ the memfd): the ring's bytes (GPUIPC__RING_SIZE). */
+typedef struct gpuipc__w_ring {
+  uint64_t size;
+  uint32_t version; /* 1 */
+  uint32_t pad;     /* 0 */
+} gpuipc__w_ring;
+_Static_assert(sizeof(gpuipc__w_ring) == 16, "wire layout");
 
 /* LIVE payload (+ the table's fd when key is not 0). */
 typedef struct gpuipc__w_live {
