@@ -682,14 +682,16 @@ TEST_IMPL(conn_ring_full_falls_back_to_the_socket) {
 
 /* ---- wakes -------------------------------------------------------------------------- */
 
-/* A producer: after the test's "go", sends argv[0] buffers, 50 ms apart,
+/* A producer: ready (its CUDA started: on a loaded GPU machine that takes
+ * seconds), then after the test's "go" sends argv[0] buffers, 50 ms apart,
  * then waits for the test's end. */
 HELPER_IMPL(ring_producer) {
   ASSERT(argc >= 1);
   int n = atoi(argv[0]);
   gpuipc_conn *c = conn_with(dup(harness_helper_fd()), GPUIPC_CARRIER_RING);
   gpuipc_arena *a = mkarena((size_t)1 << 20);
-  char go[4];
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ready", 5, NULL, 0));
+  char go[8];
   size_t len;
   ASSERT_OK(gpuipc_conn_recv_msg(c, go, sizeof go, &len, NULL, NULL));
   for (int i = 0; i < n; i++) {
@@ -703,6 +705,17 @@ HELPER_IMPL(ring_producer) {
                 GPUIPC_E_PEER_GONE);
   gpuipc_conn_close(c);
   return 0;
+}
+
+/* Waits for the producer's "ready", then says "go". */
+static void producer_ready(gpuipc_conn *c) {
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(len, 5);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
 }
 
 /* A consumer asleep inside gpuipc_conn_recv, and one asleep in its own
@@ -721,7 +734,7 @@ TEST_IMPL(conn_ring_sleeping_consumer_woken) {
     gpuipc_conn *c = NULL;
     ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
     ASSERT_STR_EQ(gpuipc__conn_carrier_name(c), "ring");
-    ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
+    producer_ready(c);
     for (int i = 0; i < 3; i++) {
       gpuipc_received r = GPUIPC_RECEIVED_INIT;
       if (round < 2) {
@@ -732,7 +745,7 @@ TEST_IMPL(conn_ring_sleeping_consumer_woken) {
         gpuipc_status s;
         while ((s = gpuipc_conn_recv(c, NULL, &r)) == GPUIPC_E_WOULD_BLOCK) {
           struct pollfd p = {gpuipc_conn_get_fd(c), POLLIN, 0};
-          ASSERT_EQ(poll(&p, 1, 5000), 1);
+          ASSERT_EQ(poll(&p, 1, 30000), 1);
         }
         ASSERT_OK(s);
       }
@@ -753,9 +766,9 @@ TEST_IMPL(conn_ring_polling_consumer) {
   int fd;
   pid_t pid = spawn_helper("ring_producer", NULL, &fd, "3", NULL);
   gpuipc_conn *c = conn_with(fd, GPUIPC_CARRIER_RING);
+  producer_ready(c);
   ASSERT_OK(gpuipc_conn_set_polling(c, 1));
   ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
-  ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
   for (int i = 0; i < 3; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     gpuipc_status s;
