@@ -25,6 +25,9 @@
  *                      idle      nothing queued on the producer's stream:
  *                                the library's query finds it idle and
  *                                sends a DONE frame (no write, no wait);
+ *                      complete  nothing queued, and the send says so
+ *                                (gpuipc_conn_send_ex with
+ *                                GPUIPC_SEND_COMPLETE): no query either;
  *                    and once per carrier asked for (GPUIPC_CARRIER=socket
  *                    and =ring in both processes' environments), each row
  *                    naming the carrier that carried it. A probe before
@@ -499,10 +502,6 @@ static int consumer(int fd) {
 
 /* ---- producer: paths, the gate, sending --------------------------------------- */
 
-/* 1 once gpuipc_conn_send_ex and GPUIPC_SEND_COMPLETE are in the library:
- * then the one-pair table has the asserted-complete rows. */
-#define HAVE_SEND_COMPLETE 0
-
 typedef enum { P_ORDERED, P_IDLE, P_COMPLETE } path_id;
 static const struct {
   const char *key, *text;
@@ -512,8 +511,9 @@ static const struct {
                 "recv)"},
     {"idle", "idle producer stream: the library's query finds it idle and "
              "sends a DONE frame (no ready write, no consumer wait)"},
-    {"complete", "asserted complete: GPUIPC_SEND_COMPLETE (no query, no "
-                 "write, no wait)"},
+    {"complete", "asserted complete: gpuipc_conn_send_ex with "
+                 "GPUIPC_SEND_COMPLETE (no query, no ready write, no "
+                 "consumer wait)"},
 };
 
 static const char *const carrier_ask[NCARRIER] = {"socket", "ring"};
@@ -539,7 +539,7 @@ typedef struct bctx {
 
 /* What the summary lines and the record's info report. */
 typedef struct summary {
-  double pair_med, pair_p90, pair_tput, idle_med;
+  double pair_med, pair_p90, pair_tput, idle_med, complete_med;
   const char *pair_carrier;
   double bc8_med, bc8_p90, b16;
 } summary;
@@ -570,15 +570,8 @@ static void gate_open(bctx *b, path_id p) {
 
 static void send_path(bctx *b, gpuipc_conn *c, gpuipc_block *blk, path_id p,
                       const double *t) {
-#if HAVE_SEND_COMPLETE
-  if (p == P_COMPLETE) {
-    OK(gpuipc_conn_send_ex(c, blk, (struct CUstream_st *)b->s, t, sizeof *t,
-                           GPUIPC_SEND_COMPLETE));
-    return;
-  }
-#endif
-  (void)p;
-  OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)b->s, t, sizeof *t));
+  OK(gpuipc_conn_send_ex(c, blk, (struct CUstream_st *)b->s, t, sizeof *t,
+                         p == P_COMPLETE ? GPUIPC_SEND_COMPLETE : 0));
 }
 
 /* One send stamped with its start; returns the time inside the call. */
@@ -1148,6 +1141,8 @@ static void pair_row(bctx *b, gpuipc_arena *a, int ci, const char *carrier,
   }
   if (ci == 0 && p == P_IDLE)
     sum->idle_med = f.med;
+  if (ci == 0 && p == P_COMPLETE)
+    sum->complete_med = f.med;
 }
 
 static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
@@ -1179,12 +1174,8 @@ static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
     run_lat(b, &b->pair[ci], 1, a, 4096, P_IDLE, &w);
     b->iters = keep;
     for (int i = 0; i < 3; i++)
-      if (order[i] != P_COMPLETE || HAVE_SEND_COMPLETE)
-        pair_row(b, a, ci, carrier, order[i], sum);
+      pair_row(b, a, ci, carrier, order[i], sum);
   }
-  if (!HAVE_SEND_COMPLETE)
-    printf("(no complete rows: gpuipc_conn_send_ex with GPUIPC_SEND_COMPLETE "
-           "is not in this build)\n");
 }
 
 static void size_rows(bctx *b, gpuipc_arena *a) {
@@ -1356,9 +1347,10 @@ static void summary_rows(const bctx *b, const summary *s) {
   const char *emu =
       b->emu ? "; on the emulator these say little about a GPU" : "";
   printf("\none pair, 4 KiB: median %.2f us, path ordered, carrier %s "
-         "(target <= 2; idle stream: %.2f us), %.0f buffers/s (target >= "
-         "400000)%s\n",
-         s->pair_med, s->pair_carrier, s->idle_med, s->pair_tput, emu);
+         "(target <= 2; idle stream: %.2f us, asserted complete: %.2f us), "
+         "%.0f buffers/s (target >= 400000)%s\n",
+         s->pair_med, s->pair_carrier, s->idle_med, s->complete_med,
+         s->pair_tput, emu);
   printf("broadcast to 8 sleeping consumers, 4 KiB, last consumer: median "
          "%.2f us (target <= 6), p90 %.2f us (target <= 15); batches of "
          "16: %.0f buffers/s (target >= 2000000)%s\n",
@@ -1369,6 +1361,7 @@ static void summary_rows(const bctx *b, const summary *s) {
   gpuipc_bench_json_str("pair_4k_path", PATHS[P_ORDERED].key);
   gpuipc_bench_json_str("pair_4k_carrier", s->pair_carrier);
   gpuipc_bench_json_num("pair_4k_idle_median_us", s->idle_med);
+  gpuipc_bench_json_num("pair_4k_complete_median_us", s->complete_med);
   gpuipc_bench_json_num("broadcast_8_median_last_us", s->bc8_med);
   gpuipc_bench_json_num("broadcast_8_p90_last_us", s->bc8_p90);
   gpuipc_bench_json_str("broadcast_8_wait", "sleep");
@@ -1460,7 +1453,8 @@ static void usage(FILE *f) {
   fprintf(f, "usage: gpuipc bench handoff [--quick] [--iters N] [--json FILE] "
              "[--emulator PATH]\n"
              "  one pair, 4 KiB: the stream-ordered path (a busy producer "
-             "stream) and the idle-stream path,\n"
+             "stream), the idle-stream path\n"
+             "    and the asserted-complete send (GPUIPC_SEND_COMPLETE),\n"
              "    each with GPUIPC_CARRIER=socket and =ring, labelled with "
              "the carrier that carried it;\n"
              "  handoff latency and throughput for 4 KiB to 256 MiB, 1 and "
