@@ -542,6 +542,7 @@ typedef struct summary {
   double pair_med, pair_p90, pair_tput, idle_med, complete_med;
   const char *pair_carrier;
   double bc8_med, bc8_p90, b16;
+  double msg, write_enq, wait_enq; /* the raw parts, same run */
 } summary;
 
 static void gate_make(bctx *b) {
@@ -1041,7 +1042,7 @@ static void carrier_of(gpuipc_conn *c, char *out, size_t cap) {
     snprintf(out, cap, "%s here, %s at the consumer", here, peer);
 }
 
-static void raw_rows(bctx *b) {
+static void raw_rows(bctx *b, summary *sum) {
   /* The raw driver paths first: short, and the comparison the handoff
    * numbers are read against (a long run cut off still shows them). */
   double leg[3], pool[4], fl[3];
@@ -1052,6 +1053,9 @@ static void raw_rows(bctx *b) {
   char carrier[160];
   carrier_of(b->pair[0], carrier, sizeof carrier);
   raw_floor(b, b->pair[0], fl);
+  sum->msg = fl[0];
+  sum->write_enq = fl[1];
+  sum->wait_enq = fl[2];
   printf("\nraw parts, same run (medians, us; 1 MiB allocations):\n");
   printf("  legacy   cuIpcGetMemHandle %.2f | cuIpcOpenMemHandle %.2f | "
          "cuIpcCloseMemHandle %.2f | per buffer %.2f\n",
@@ -1176,6 +1180,12 @@ static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
     for (int i = 0; i < 3; i++)
       pair_row(b, a, ci, carrier, order[i], sum);
   }
+  printf("raw parts beside them (same run): one small message one way %.2f "
+         "| consumer's cuStreamWaitValue64 enqueue %.2f | producer's "
+         "cuStreamWriteValue64 enqueue %.2f\n(ordered: about message + wait "
+         "enqueue = %.2f, the write after the message; idle and complete: "
+         "about the message)\n",
+         sum->msg, sum->wait_enq, sum->write_enq, sum->msg + sum->wait_enq);
 }
 
 static void size_rows(bctx *b, gpuipc_arena *a) {
@@ -1544,7 +1554,7 @@ int gpuipc_bench_handoff(int argc, char **argv) {
   gpuipc_arena *a = NULL;
   OK(gpuipc_arena_create(&ao, &a));
   summary sum = {0};
-  raw_rows(&b);
+  raw_rows(&b, &sum);
   pair_rows(&b, a, &sum);
   size_rows(&b, a);
   fan_rows(&b, a, &sum);
