@@ -1,33 +1,58 @@
 /*
  * handoff.c: `gpuipc bench handoff`: what handing a GPU buffer to another
- * process costs over a gpuipc connection, next to the raw driver paths
- * measured in the same run.
+ * process costs over a gpuipc connection, next to the raw parts measured in
+ * the same run. Every row says which path of the library it measured, and
+ * every row times the same work in each of its iterations:
  *
- *   handoff latency   from the producer's gpuipc_conn_send to the consumer
- *                     holding a usable, stream-ordered buffer (its
- *                     gpuipc_conn_recv returned; the consumer polls in
- *                     non-blocking mode), one buffer in flight;
- *   throughput        buffers per second through the whole cycle (send,
- *                     recv, release, the release back at the producer),
- *                     a ring of blocks in flight;
- *   both for 4 KiB .. 256 MiB and for 1 and 8 consumers (with 8, each
- *   buffer goes to every consumer for latency, round-robin for throughput);
- *   fan-out          one 4 KiB buffer to 8, 16 and 64 consumers, sent to
- *                     each in turn and by gpuipc_conn_broadcast: latency to
- *                     the last consumer (per buffer, the latest arrival);
- *   batches          throughput of gpuipc_conn_send_batch / recv_batch /
- *                     release_batch cycles in batches of 1, 16 and 256;
- *   flatness         throughput of single handoffs while 10 .. 100,000
- *                     other buffers stay leased (held by two consumers);
- *   raw driver paths  legacy cuIpcGetMemHandle / Open / Close; pool pointer
- *                     cuMemPoolExportPointer / ImportPointer / free (and the
- *                     one-time pool import); the GPU round trip of the
- *                     ordering mechanism itself (stream write/wait value on
- *                     shared memory, ping-pong between two processes' streams,
- *                     no host in the loop).
+ *   raw parts        legacy cuIpcGetMemHandle / Open / Close; pool pointer
+ *                    cuMemPoolExportPointer / ImportPointer / free (and the
+ *                    one-time pool import); the GPU round trip of the
+ *                    ordering mechanism (stream write/wait value between
+ *                    two processes' streams, no host in the loop); one
+ *                    small message one way; the cuStreamWriteValue64 and
+ *                    cuStreamWaitValue64 enqueues a handoff is made of;
+ *   one pair         4 KiB, from the producer's gpuipc_conn_send to the
+ *                    consumer holding a usable buffer (its gpuipc_conn_recv
+ *                    returned, its stream wait enqueued; the consumer
+ *                    polls), one buffer in flight, and the full cycle's
+ *                    buffers per second, once per path:
+ *                      ordered   the producer's stream is busy at the send
+ *                                (a cuStreamWaitValue32 on a word in pinned
+ *                                host memory, queued before the send, which
+ *                                the producer's host writes right after the
+ *                                send returns): the ready write and the
+ *                                consumer's wait, the stream-ordered path;
+ *                      idle      nothing queued on the producer's stream:
+ *                                the library's query finds it idle and
+ *                                sends a DONE frame (no write, no wait);
+ *                      complete  nothing queued, and the send says so
+ *                                (gpuipc_conn_send_ex with
+ *                                GPUIPC_SEND_COMPLETE): no query either;
+ *                    and once per carrier asked for (GPUIPC_CARRIER=socket
+ *                    and =ring in both processes' environments), each row
+ *                    naming the carrier that carried it. A probe before
+ *                    each row checks the path: with the producer's stream
+ *                    held, the consumer's stream must be waiting after its
+ *                    recv on the ordered path, and idle on the others;
+ *   sizes            the ordered path for 4 KiB .. 256 MiB, 1 and 8
+ *                    consumers (with 8, each buffer goes to every consumer
+ *                    for latency, round-robin for throughput);
+ *   fan-out          one 4 KiB buffer (ordered path) to 8, 16 and 64
+ *                    consumers, to each in turn and by gpuipc_conn_broadcast:
+ *                    the latency to the last consumer. Sleeping: consumers
+ *                    wait in poll() on gpuipc_conn_get_fd between receives
+ *                    and the producer waits for the releases in poll();
+ *                    spinning: both poll the library without sleeping,
+ *                    labelled with the processes and CPUs it ran on;
+ *   batches          the full cycle of gpuipc_conn_send_batch / recv_batch /
+ *                    release_batch in batches of 1, 16 and 256 (ordered);
+ *   flatness         the full cycle of single handoffs (ordered) while 10 ..
+ *                    100,000 other buffers stay leased, held by two
+ *                    consumers over two connections (a connection allows at
+ *                    most 65536 outstanding).
  *
- * The raw paths run and print first. --quick: 200 iterations, 4 KiB and
- * 1 MiB only (well under 30 s on a GPU; the full run takes minutes).
+ * --quick: 200 iterations, 4 KiB and 1 MiB only, 16 consumers (fan-out to
+ * 8 and 16, flatness to 10,000 leases): seconds on the emulator.
  *
  * Consumers are this program re-executed (/proc/self/exe) with a hidden
  * argument, started before the producer initializes CUDA. Times are
@@ -36,6 +61,9 @@
 #include "cli.h"
 #include "tree.h"
 
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,27 +73,35 @@
 
 extern char **environ;
 
-#define MAXC 8   /* consumers of the handoff table */
+#define MAXC 8   /* consumers of the sizes table */
 #define NCONS 64 /* consumers started (the fan-out rows use up to all) */
 #define BATCH_MAX 256
+#define NCARRIER 2 /* the carriers asked for in the one-pair rows */
+#define VEC_CHUNK 8000 /* latencies per message sent back */
 
 enum {
-  OP_LAT = 1,
-  OP_TPUT,
+  OP_LAT = 1, /* receive n buffers, release each; latencies in the reply */
+  OP_TPUT,    /* the same, timed as a whole */
   OP_LEGACY,
   OP_POOL,
   OP_MEMOP,
   OP_ECHO,
   OP_QUIT,
-  OP_LATV,  /* OP_LAT, then every latency sent back (messages of doubles) */
-  OP_TPUTB, /* receive and release in batches */
-  OP_HOLD,  /* receive n buffers and keep them */
-  OP_UNHOLD /* release every buffer kept */
+  OP_TPUTB,  /* receive and release in batches */
+  OP_HOLD,   /* receive n buffers and keep them */
+  OP_UNHOLD, /* release every buffer kept */
+  OP_PROBE,  /* receive one buffer: is our stream waiting for the producer? */
+  OP_CARRIER /* send back the name of our end's carrier */
+};
+enum {
+  FL_SLEEP = 1,   /* wait in poll() between receives (else poll the library) */
+  FL_SENDBACK = 2 /* send every latency back (messages of doubles) */
 };
 
 typedef struct cmd {
   uint32_t op;
   uint32_t n;
+  uint32_t flags;
 } cmd;
 
 typedef struct reply {
@@ -104,15 +140,26 @@ static double now_us(void) { return (double)gpuipc__now_ns() / 1000.0; }
       DIE("%s: %s", #expr, gpuipc__cuda_error_name(r_));                       \
   } while (0)
 
+static void *xcalloc(size_t n, size_t size) {
+  void *p = calloc(n ? n : 1, size);
+  if (p == NULL)
+    DIE("out of memory");
+  return p;
+}
+
 static void current(void) {
   CUcontext c;
   OK(gpuipc__primary_ctx(0, &c));
   CU(gpuipc__cu.cuCtxSetCurrent(c));
 }
 
-static void send_cmd(gpuipc_conn *c, uint32_t op, uint32_t n) {
-  cmd m = {op, n};
+static void send_cmd_fl(gpuipc_conn *c, uint32_t op, uint32_t n,
+                        uint32_t flags) {
+  cmd m = {op, n, flags};
   OK(gpuipc_conn_send_msg(c, &m, sizeof m, NULL, 0));
+}
+static void send_cmd(gpuipc_conn *c, uint32_t op, uint32_t n) {
+  send_cmd_fl(c, op, n, 0);
 }
 static void send_reply(gpuipc_conn *c, reply r) {
   OK(gpuipc_conn_send_msg(c, &r, sizeof r, NULL, 0));
@@ -124,11 +171,21 @@ static reply get_reply(gpuipc_conn *c) {
   return r;
 }
 
+/* ---- consumer ----------------------------------------------------------------- */
+
+typedef struct cons {
+  gpuipc_conn *c;
+  CUstream s;
+  CUdevice dev;
+  uint64_t *held; /* OP_HOLD: the buffers kept */
+  size_t nheld;
+} cons;
+
+static double last_call_start; /* start of the recv call that succeeded */
+
 /* Receives, polling (non-blocking) for up to 200 us, then blocking: the
  * latency a polling consumer sees, without starving the producer of CPU
  * when consumers outnumber cores. */
-static double last_call_start; /* start of the recv call that succeeded */
-
 static void spin_recv(gpuipc_conn *c, CUstream s, gpuipc_received *r) {
   uint64_t until = gpuipc__now_ns() + 200000;
   for (;;) {
@@ -149,331 +206,535 @@ static void spin_recv(gpuipc_conn *c, CUstream s, gpuipc_received *r) {
   }
 }
 
-/* ---- consumer ----------------------------------------------------------------- */
+/* Receives, sleeping in poll() on the connection's fd whenever nothing is
+ * there: a consumer that never spins. */
+static void sleep_recv(gpuipc_conn *c, CUstream s, gpuipc_received *r) {
+  for (;;) {
+    last_call_start = now_us();
+    gpuipc_status st = gpuipc_conn_recv(c, (struct CUstream_st *)s, r);
+    if (st == GPUIPC_OK)
+      return;
+    if (st != GPUIPC_E_WOULD_BLOCK)
+      DIE("gpuipc_conn_recv: %s", gpuipc_strerror(st));
+    struct pollfd p = {gpuipc_conn_get_fd(c), POLLIN, 0};
+    if (poll(&p, 1, 120000) <= 0)
+      DIE("sleeping consumer: no buffer within 120 s");
+  }
+}
 
-static uint64_t *held; /* OP_HOLD: the buffers kept */
-static size_t nheld;
+/* OP_LAT / OP_TPUT: n buffers, each released at once. Reply: median and
+ * p90 latency (send to recv returned), the whole run, the median time
+ * inside the recv call that returned. */
+static reply op_lat(cons *k, const cmd *m) {
+  int n = (int)m->n;
+  double *v = xcalloc((size_t)n, sizeof *v);
+  double *x = xcalloc((size_t)n, sizeof *x);
+  OK(gpuipc_conn_set_nonblocking(k->c, 1));
+  double t0 = 0;
+  for (int i = 0; i < n; i++) {
+    gpuipc_received in = GPUIPC_RECEIVED_INIT;
+    if (m->flags & FL_SLEEP)
+      sleep_recv(k->c, k->s, &in);
+    else
+      spin_recv(k->c, k->s, &in);
+    double t = now_us();
+    x[i] = t - last_call_start;
+    if (i == 0)
+      t0 = t;
+    double sent;
+    memcpy(&sent, in.meta, sizeof sent);
+    v[i] = t - sent;
+    OK(gpuipc_conn_release(k->c, in.id, (struct CUstream_st *)k->s));
+  }
+  OK(gpuipc_conn_set_nonblocking(k->c, 0));
+  /* Before the percentiles sort them. */
+  if (m->flags & FL_SENDBACK)
+    for (int i = 0; i < n; i += VEC_CHUNK) {
+      int c = n - i < VEC_CHUNK ? n - i : VEC_CHUNK;
+      OK(gpuipc_conn_send_msg(k->c, v + i, (size_t)c * sizeof *v, NULL, 0));
+    }
+  reply r = {pct(v, n, 0.5), pct(v, n, 0.9), now_us() - t0, pct(x, n, 0.5)};
+  free(v);
+  free(x);
+  return r;
+}
+
+/* OP_TPUTB: receive whatever arrived (up to BATCH_MAX), release it all in
+ * one call. */
+static reply op_tputb(cons *k, const cmd *m) {
+  gpuipc_received *in = xcalloc(BATCH_MAX, sizeof *in);
+  uint64_t *ids = xcalloc(BATCH_MAX, sizeof *ids);
+  OK(gpuipc_conn_set_nonblocking(k->c, 1));
+  double t0 = 0;
+  for (int got = 0; got < (int)m->n;) {
+    for (int i = 0; i < BATCH_MAX; i++)
+      in[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    size_t n = 0;
+    gpuipc_status rs = gpuipc_conn_recv_batch(k->c, (struct CUstream_st *)k->s,
+                                              in, BATCH_MAX, &n);
+    if (rs == GPUIPC_E_WOULD_BLOCK)
+      continue;
+    OK(rs);
+    if (got == 0)
+      t0 = now_us();
+    for (size_t i = 0; i < n; i++)
+      ids[i] = in[i].id;
+    OK(gpuipc_conn_release_batch(k->c, ids, n, (struct CUstream_st *)k->s));
+    got += (int)n;
+  }
+  OK(gpuipc_conn_set_nonblocking(k->c, 0));
+  reply r = {0, 0, now_us() - t0, 0};
+  free(in);
+  free(ids);
+  return r;
+}
+
+/* OP_HOLD: receive n buffers and keep them (the flatness rows). */
+static void op_hold(cons *k, int n) {
+  uint64_t *nh = realloc(k->held, (k->nheld + (size_t)n) * sizeof *nh);
+  if (nh == NULL)
+    DIE("out of memory");
+  k->held = nh;
+  gpuipc_received *in = xcalloc(BATCH_MAX, sizeof *in);
+  for (int got = 0; got < n;) {
+    for (int i = 0; i < BATCH_MAX; i++)
+      in[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+    size_t g = 0;
+    size_t want = (size_t)(n - got) < BATCH_MAX ? (size_t)(n - got) : BATCH_MAX;
+    OK(gpuipc_conn_recv_batch(k->c, (struct CUstream_st *)k->s, in, want, &g));
+    for (size_t i = 0; i < g; i++)
+      k->held[k->nheld++] = in[i].id;
+    got += (int)g;
+  }
+  free(in);
+}
+
+static void op_unhold(cons *k) {
+  for (size_t i = 0; i < k->nheld; i += GPUIPC_BATCH_MAX) {
+    size_t n = k->nheld - i < GPUIPC_BATCH_MAX ? k->nheld - i : GPUIPC_BATCH_MAX;
+    OK(gpuipc_conn_release_batch(k->c, k->held + i, n,
+                                 (struct CUstream_st *)k->s));
+  }
+  k->nheld = 0;
+}
+
+/* OP_ECHO: echoes n small messages, polling for each like a consumer that
+ * polls for buffers. */
+static void op_echo(cons *k, int n) {
+  OK(gpuipc_conn_set_nonblocking(k->c, 1));
+  for (int i = 0; i < n; i++) {
+    char e[16];
+    size_t len = 0;
+    for (;;) {
+      gpuipc_status es =
+          gpuipc_conn_recv_msg(k->c, e, sizeof e, &len, NULL, NULL);
+      if (es == GPUIPC_OK)
+        break;
+      if (es != GPUIPC_E_WOULD_BLOCK)
+        DIE("echo: %s", gpuipc_strerror(es));
+    }
+    OK(gpuipc_conn_send_msg(k->c, e, len, NULL, 0));
+  }
+  OK(gpuipc_conn_set_nonblocking(k->c, 0));
+}
+
+static reply op_legacy(cons *k, int n) {
+  double *v = xcalloc((size_t)n, sizeof *v), *w = xcalloc((size_t)n, sizeof *w);
+  for (int i = 0; i < n; i++) {
+    CUipcMemHandle h;
+    size_t len = 0;
+    OK(gpuipc_conn_recv_msg(k->c, &h, sizeof h, &len, NULL, NULL));
+    CUdeviceptr p;
+    double t0 = now_us();
+    CU(gpuipc__cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+    double t1 = now_us();
+    CU(gpuipc__cu.cuIpcCloseMemHandle(p));
+    double t2 = now_us();
+    v[i] = t1 - t0;
+    w[i] = t2 - t1;
+    OK(gpuipc_conn_send_msg(k->c, "k", 1, NULL, 0));
+  }
+  reply r = {pct(v, n, 0.5), pct(w, n, 0.5), 0, 0};
+  free(v);
+  free(w);
+  return r;
+}
+
+static reply op_pool(cons *k, int n) {
+  int pfd = -1, nf = 1;
+  char b;
+  size_t len = 0;
+  OK(gpuipc_conn_recv_msg(k->c, &b, 1, &len, &pfd, &nf));
+  if (nf != 1)
+    DIE("pool fd missing");
+  CUmemoryPool pool;
+  double t0 = now_us();
+  CU(gpuipc__cu.cuMemPoolImportFromShareableHandle(
+      &pool, (void *)(uintptr_t)pfd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  CUmemAccessDesc ad = {{CU_MEM_LOCATION_TYPE_DEVICE, (int)k->dev},
+                        CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CU(gpuipc__cu.cuMemPoolSetAccess(pool, &ad, 1));
+  reply r = {0, 0, now_us() - t0, 0};
+  close(pfd);
+  OK(gpuipc_conn_send_msg(k->c, "k", 1, NULL, 0));
+  double *v = xcalloc((size_t)n, sizeof *v), *w = xcalloc((size_t)n, sizeof *w);
+  for (int i = 0; i < n; i++) {
+    CUmemPoolPtrExportData d;
+    OK(gpuipc_conn_recv_msg(k->c, &d, sizeof d, &len, NULL, NULL));
+    CUdeviceptr p;
+    double t1 = now_us();
+    CU(gpuipc__cu.cuMemPoolImportPointer(&p, pool, &d));
+    double t2 = now_us();
+    CU(gpuipc__cu.cuMemFree(p));
+    double t3 = now_us();
+    v[i] = t2 - t1;
+    w[i] = t3 - t2;
+    OK(gpuipc_conn_send_msg(k->c, "k", 1, NULL, 0));
+  }
+  r.a = pct(v, n, 0.5);
+  r.b = pct(w, n, 0.5);
+  free(v);
+  free(w);
+  return r;
+}
+
+/* The flag words (cuMemAlloc memory: stream memory operations refuse pool
+ * memory) arrive as a legacy handle: A (producer writes) at 0, B (we
+ * write) at 256. Enqueue the whole ping-pong, then say so. */
+static void op_memop(cons *k, int n) {
+  CUipcMemHandle hd;
+  size_t len = 0;
+  OK(gpuipc_conn_recv_msg(k->c, &hd, sizeof hd, &len, NULL, NULL));
+  CUdeviceptr A;
+  CU(gpuipc__cu.cuIpcOpenMemHandle(&A, hd, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+  CUdeviceptr B = A + 256;
+  for (int i = 1; i <= n; i++) {
+    CU(gpuipc__cu.cuStreamWaitValue64(k->s, A, (cuuint64_t)i, CU_STREAM_WAIT_VALUE_GEQ));
+    CU(gpuipc__cu.cuStreamWriteValue64(k->s, B, (cuuint64_t)i, 0));
+  }
+  OK(gpuipc_conn_send_msg(k->c, "k", 1, NULL, 0));
+  CU(gpuipc__cu.cuStreamSynchronize(k->s));
+  CU(gpuipc__cu.cuIpcCloseMemHandle(A));
+}
+
+/* OP_PROBE: one buffer on an idle stream of ours; r.a = 1 when, after the
+ * recv, our stream waits for the producer (the producer holds its stream
+ * until it has this reply), 0 when our stream has nothing pending. */
+static reply op_probe(cons *k) {
+  CU(gpuipc__cu.cuStreamSynchronize(k->s));
+  gpuipc_received in = GPUIPC_RECEIVED_INIT;
+  OK(gpuipc_conn_recv(k->c, (struct CUstream_st *)k->s, &in));
+  CUresult q = gpuipc__cu.cuStreamQuery(k->s);
+  if (q != CUDA_SUCCESS && q != CUDA_ERROR_NOT_READY)
+    DIE("cuStreamQuery: %s", gpuipc__cuda_error_name(q));
+  OK(gpuipc_conn_release(k->c, in.id, (struct CUstream_st *)k->s));
+  reply r = {q == CUDA_ERROR_NOT_READY, 0, 0, 0};
+  return r;
+}
+
+static void consumer_op(cons *k, const cmd *m) {
+  reply r = {0, 0, 0, 0};
+  int n = (int)m->n;
+  switch (m->op) {
+  case OP_LAT:
+  case OP_TPUT:
+    r = op_lat(k, m);
+    break;
+  case OP_TPUTB:
+    r = op_tputb(k, m);
+    break;
+  case OP_HOLD:
+    op_hold(k, n);
+    break;
+  case OP_UNHOLD:
+    op_unhold(k);
+    break;
+  case OP_ECHO:
+    op_echo(k, n);
+    break;
+  case OP_LEGACY:
+    r = op_legacy(k, n);
+    break;
+  case OP_POOL:
+    r = op_pool(k, n);
+    break;
+  case OP_MEMOP:
+    op_memop(k, n);
+    break;
+  case OP_PROBE:
+    r = op_probe(k);
+    break;
+  case OP_CARRIER: {
+    const char *name = gpuipc__conn_carrier_name(k->c);
+    OK(gpuipc_conn_send_msg(k->c, name, strlen(name) + 1, NULL, 0));
+    return; /* the name is the reply */
+  }
+  default:
+    DIE("unknown command %u", m->op);
+  }
+  send_reply(k->c, r);
+}
 
 static int consumer(int fd) {
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 120000;
-  gpuipc_conn *c = NULL;
-  OK(gpuipc_conn_from_fd(fd, &o, &c));
+  cons k = {0};
+  OK(gpuipc_conn_from_fd(fd, &o, &k.c));
   OK(gpuipc_init());
   current();
-  CUstream s;
-  CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
-  CUdevice dev;
-  CU(gpuipc__cu.cuDeviceGet(&dev, 0));
+  CU(gpuipc__cu.cuStreamCreate(&k.s, CU_STREAM_NON_BLOCKING));
+  CU(gpuipc__cu.cuDeviceGet(&k.dev, 0));
   for (;;) {
     cmd m;
     size_t len = 0;
-    OK(gpuipc_conn_set_nonblocking(c, 0));
-    gpuipc_status st = gpuipc_conn_recv_msg(c, &m, sizeof m, &len, NULL, NULL);
+    OK(gpuipc_conn_set_nonblocking(k.c, 0));
+    gpuipc_status st = gpuipc_conn_recv_msg(k.c, &m, sizeof m, &len, NULL, NULL);
     if (st == GPUIPC_E_PEER_GONE || (st == GPUIPC_OK && m.op == OP_QUIT))
       break;
     OK(st);
-    int n = (int)m.n;
-    double *v = calloc((size_t)n + 1, sizeof *v);
-    double *w = calloc((size_t)n + 1, sizeof *w);
-    double *x = calloc((size_t)n + 1, sizeof *x);
-    if (!v || !w || !x)
-      DIE("out of memory");
-    reply r = {0, 0, 0, 0};
-    if (m.op == OP_LAT || m.op == OP_TPUT || m.op == OP_LATV) {
-      OK(gpuipc_conn_set_nonblocking(c, 1));
-      double t0 = 0;
-      for (int i = 0; i < n; i++) {
-        gpuipc_received in = GPUIPC_RECEIVED_INIT;
-        spin_recv(c, s, &in);
-        double t = now_us();
-        x[i] = t - last_call_start;
-        if (i == 0)
-          t0 = t;
-        double sent;
-        memcpy(&sent, in.meta, sizeof sent);
-        v[i] = t - sent;
-        OK(gpuipc_conn_release(c, in.id, (struct CUstream_st *)s));
-      }
-      OK(gpuipc_conn_set_nonblocking(c, 0));
-      /* Before the percentiles sort them. */
-      if (m.op == OP_LATV)
-        for (int i = 0; i < n; i += 8000) {
-          int k = n - i < 8000 ? n - i : 8000;
-          OK(gpuipc_conn_send_msg(c, v + i, (size_t)k * sizeof *v, NULL, 0));
-        }
-      r.a = pct(v, n, 0.5);
-      r.b = pct(v, n, 0.9);
-      r.c = now_us() - t0;
-      r.d = pct(x, n, 0.5);
-    } else if (m.op == OP_TPUTB) {
-      /* Batches: receive whatever arrived (up to BATCH_MAX), release it
-       * all in one call. */
-      gpuipc_received *in = calloc(BATCH_MAX, sizeof *in);
-      uint64_t *ids = calloc(BATCH_MAX, sizeof *ids);
-      if (!in || !ids)
-        DIE("out of memory");
-      OK(gpuipc_conn_set_nonblocking(c, 1));
-      double t0 = 0;
-      for (int got = 0; got < n;) {
-        for (int i = 0; i < BATCH_MAX; i++)
-          in[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
-        size_t k = 0;
-        gpuipc_status rs =
-            gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, in, BATCH_MAX, &k);
-        if (rs == GPUIPC_E_WOULD_BLOCK)
-          continue;
-        OK(rs);
-        if (got == 0)
-          t0 = now_us();
-        for (size_t i = 0; i < k; i++)
-          ids[i] = in[i].id;
-        OK(gpuipc_conn_release_batch(c, ids, k, (struct CUstream_st *)s));
-        got += (int)k;
-      }
-      OK(gpuipc_conn_set_nonblocking(c, 0));
-      r.c = now_us() - t0;
-      free(in);
-      free(ids);
-    } else if (m.op == OP_HOLD) {
-      uint64_t *nh = realloc(held, (nheld + (size_t)n) * sizeof *held);
-      if (nh == NULL)
-        DIE("out of memory");
-      held = nh;
-      gpuipc_received *in = calloc(BATCH_MAX, sizeof *in);
-      if (!in)
-        DIE("out of memory");
-      for (int got = 0; got < n;) {
-        for (int i = 0; i < BATCH_MAX; i++)
-          in[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
-        size_t k = 0;
-        size_t want = (size_t)(n - got) < BATCH_MAX ? (size_t)(n - got) : BATCH_MAX;
-        OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, in, want, &k));
-        for (size_t i = 0; i < k; i++)
-          held[nheld++] = in[i].id;
-        got += (int)k;
-      }
-      free(in);
-    } else if (m.op == OP_UNHOLD) {
-      for (size_t i = 0; i < nheld; i += GPUIPC_BATCH_MAX) {
-        size_t k = nheld - i < GPUIPC_BATCH_MAX ? nheld - i : GPUIPC_BATCH_MAX;
-        OK(gpuipc_conn_release_batch(c, held + i, k, (struct CUstream_st *)s));
-      }
-      nheld = 0;
-    } else if (m.op == OP_ECHO) {
-      /* Echoes n small messages, polling for each like a consumer that
-       * polls for buffers. */
-      OK(gpuipc_conn_set_nonblocking(c, 1));
-      for (int i = 0; i < n; i++) {
-        char e[16];
-        for (;;) {
-          gpuipc_status es =
-              gpuipc_conn_recv_msg(c, e, sizeof e, &len, NULL, NULL);
-          if (es == GPUIPC_OK)
-            break;
-          if (es != GPUIPC_E_WOULD_BLOCK)
-            DIE("echo: %s", gpuipc_strerror(es));
-        }
-        OK(gpuipc_conn_send_msg(c, e, len, NULL, 0));
-      }
-      OK(gpuipc_conn_set_nonblocking(c, 0));
-    } else if (m.op == OP_LEGACY) {
-      for (int i = 0; i < n; i++) {
-        CUipcMemHandle h;
-        OK(gpuipc_conn_recv_msg(c, &h, sizeof h, &len, NULL, NULL));
-        CUdeviceptr p;
-        double t0 = now_us();
-        CU(gpuipc__cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
-        double t1 = now_us();
-        CU(gpuipc__cu.cuIpcCloseMemHandle(p));
-        double t2 = now_us();
-        v[i] = t1 - t0;
-        w[i] = t2 - t1;
-        OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
-      }
-      r.a = pct(v, n, 0.5);
-      r.b = pct(w, n, 0.5);
-    } else if (m.op == OP_POOL) {
-      int pfd = -1, nf = 1;
-      char b;
-      OK(gpuipc_conn_recv_msg(c, &b, 1, &len, &pfd, &nf));
-      if (nf != 1)
-        DIE("pool fd missing");
-      CUmemoryPool pool;
-      double t0 = now_us();
-      CU(gpuipc__cu.cuMemPoolImportFromShareableHandle(
-          &pool, (void *)(uintptr_t)pfd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-      CUmemAccessDesc ad = {{CU_MEM_LOCATION_TYPE_DEVICE, (int)dev},
-                            CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-      CU(gpuipc__cu.cuMemPoolSetAccess(pool, &ad, 1));
-      r.c = now_us() - t0;
-      close(pfd);
-      OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
-      for (int i = 0; i < n; i++) {
-        CUmemPoolPtrExportData d;
-        OK(gpuipc_conn_recv_msg(c, &d, sizeof d, &len, NULL, NULL));
-        CUdeviceptr p;
-        double t1 = now_us();
-        CU(gpuipc__cu.cuMemPoolImportPointer(&p, pool, &d));
-        double t2 = now_us();
-        CU(gpuipc__cu.cuMemFree(p));
-        double t3 = now_us();
-        v[i] = t2 - t1;
-        w[i] = t3 - t2;
-        OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
-      }
-      r.a = pct(v, n, 0.5);
-      r.b = pct(w, n, 0.5);
-    } else if (m.op == OP_MEMOP) {
-      /* The flag words (cuMemAlloc memory: stream memory operations
-       * refuse pool memory) arrive as a legacy handle: A (producer writes)
-       * at 0, B (we write) at 256. Enqueue the whole ping-pong, then say
-       * so. */
-      CUipcMemHandle hd;
-      OK(gpuipc_conn_recv_msg(c, &hd, sizeof hd, &len, NULL, NULL));
-      CUdeviceptr A;
-      CU(gpuipc__cu.cuIpcOpenMemHandle(&A, hd, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
-      CUdeviceptr B = A + 256;
-      for (int i = 1; i <= n; i++) {
-        CU(gpuipc__cu.cuStreamWaitValue64(s, A, (cuuint64_t)i, CU_STREAM_WAIT_VALUE_GEQ));
-        CU(gpuipc__cu.cuStreamWriteValue64(s, B, (cuuint64_t)i, 0));
-      }
-      OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
-      CU(gpuipc__cu.cuStreamSynchronize(s));
-      CU(gpuipc__cu.cuIpcCloseMemHandle(A));
-    }
-    free(v);
-    free(w);
-    free(x);
-    send_reply(c, r);
+    consumer_op(&k, &m);
   }
-  CU(gpuipc__cu.cuStreamSynchronize(s));
-  gpuipc_conn_close(c);
+  CU(gpuipc__cu.cuStreamSynchronize(k.s));
+  gpuipc_conn_close(k.c);
+  free(k.held);
   return 0;
 }
 
-/* ---- producer ----------------------------------------------------------------- */
+/* ---- producer: paths, the gate, sending --------------------------------------- */
 
-typedef struct ctx {
-  gpuipc_conn *c[NCONS];
-  int nc;
+typedef enum { P_ORDERED, P_IDLE, P_COMPLETE } path_id;
+static const struct {
+  const char *key, *text;
+} PATHS[] = {
+    {"ordered", "stream-ordered: the producer's stream is busy at the send "
+                "(ready write after the frame, the consumer's wait in its "
+                "recv)"},
+    {"idle", "idle producer stream: the library's query finds it idle and "
+             "sends a DONE frame (no ready write, no consumer wait)"},
+    {"complete", "asserted complete: gpuipc_conn_send_ex with "
+                 "GPUIPC_SEND_COMPLETE (no query, no ready write, no "
+                 "consumer wait)"},
+};
+
+static const char *const carrier_ask[NCARRIER] = {"socket", "ring"};
+
+typedef struct bctx {
+  gpuipc_conn *c[NCONS]; /* consumers for the sizes, fan-out, batch and
+                            flatness rows (the environment's carrier) */
+  pid_t pid[NCONS];
+  int ncons; /* consumers started: NCONS, 16 with --quick */
+  gpuipc_conn *pair[NCARRIER]; /* the one-pair rows, one per carrier asked */
+  pid_t pair_pid[NCARRIER];
   CUstream s;
   int iters;
-  int ncons; /* consumers started: NCONS, 16 with --quick */
+  bool quick;
+  int emu;
+  int cpus; /* CPUs this process may run on */
+  /* The gate that keeps the producer's stream busy on the ordered path: a
+   * word in pinned host memory that the stream waits for. */
+  uint32_t *gate_h;
+  CUdeviceptr gate_d;
+  uint32_t gate_seq;
 } bctx;
 
-static void wait_free(bctx *b, gpuipc_block *blk) {
-  while (gpuipc_block_get_holders(blk) > 0)
-    for (int k = 0; k < b->nc; k++)
-      OK(gpuipc_conn_progress(b->c[k], 0));
+/* What the summary lines and the record's info report. */
+typedef struct summary {
+  double pair_med, pair_p90, pair_tput, idle_med, complete_med;
+  const char *pair_carrier;
+  double bc8_med, bc8_p90, b16;
+  double msg, write_enq, wait_enq; /* the raw parts, same run */
+} summary;
+
+static void gate_make(bctx *b) {
+  void *h = NULL;
+  CU(gpuipc__cu.cuMemHostAlloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP |
+                                              CU_MEMHOSTALLOC_PORTABLE));
+  memset(h, 0, 4096);
+  b->gate_h = h;
+  CU(gpuipc__cu.cuMemHostGetDevicePointer(&b->gate_d, h, 0));
 }
 
-static double send_t(gpuipc_conn *c, gpuipc_block *blk, CUstream s) {
+/* Before the send of the ordered path: the stream waits for the gate, so
+ * the send finds it busy (outside the timed window). */
+static void gate_close(bctx *b, path_id p) {
+  if (p != P_ORDERED)
+    return;
+  b->gate_seq++;
+  CU(gpuipc__cu.cuStreamWaitValue32(b->s, b->gate_d, b->gate_seq,
+                                    CU_STREAM_WAIT_VALUE_GEQ));
+}
+/* Right after the send returns: the host lets the stream run on. */
+static void gate_open(bctx *b, path_id p) {
+  if (p == P_ORDERED)
+    __atomic_store_n(b->gate_h, b->gate_seq, __ATOMIC_RELEASE);
+}
+
+static void send_path(bctx *b, gpuipc_conn *c, gpuipc_block *blk, path_id p,
+                      const double *t) {
+  OK(gpuipc_conn_send_ex(c, blk, (struct CUstream_st *)b->s, t, sizeof *t,
+                         p == P_COMPLETE ? GPUIPC_SEND_COMPLETE : 0));
+}
+
+/* One send stamped with its start; returns the time inside the call. */
+static double send_t(bctx *b, gpuipc_conn *c, gpuipc_block *blk, path_id p) {
   double t = now_us();
-  OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, &t, sizeof t));
+  send_path(b, c, blk, p, &t);
   return now_us() - t;
 }
 
-/* Latency: one buffer in flight, to each of nc consumers. */
-static void run_lat(bctx *b, gpuipc_arena *a, size_t size, int nc,
-                    double *med, double *p90, double *send_call,
-                    double *recv_call) {
+/* Waits for blk's leases to come back, polling the connections. */
+static void wait_free(gpuipc_conn *const *cs, int nc, gpuipc_block *blk) {
+  while (gpuipc_block_get_holders(blk) > 0)
+    for (int k = 0; k < nc; k++)
+      OK(gpuipc_conn_progress(cs[k], 0));
+}
+
+/* The same, sleeping in poll() on the connections' fds in between. */
+static void wait_free_sleep(gpuipc_conn *const *cs, int nc,
+                            gpuipc_block *blk) {
+  struct pollfd p[NCONS];
+  while (gpuipc_block_get_holders(blk) > 0) {
+    for (int k = 0; k < nc; k++)
+      p[k] = (struct pollfd){gpuipc_conn_get_fd(cs[k]), POLLIN, 0};
+    int r = poll(p, (nfds_t)nc, 1000);
+    if (r < 0)
+      DIE("poll: %s", strerror(errno));
+    for (int k = 0; k < nc; k++)
+      if (r == 0 || p[k].revents)
+        OK(gpuipc_conn_progress(cs[k], 0));
+  }
+}
+
+/* ---- producer: the measurements ----------------------------------------------- */
+
+typedef struct lat_fig {
+  double med, p90, send, recv;
+} lat_fig;
+
+/* Latency: one buffer in flight, to each of nc consumers in turn. */
+static void run_lat(bctx *b, gpuipc_conn *const *cs, int nc, gpuipc_arena *a,
+                    size_t size, path_id p, lat_fig *f) {
   gpuipc_block *blk;
   OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk));
   int n = b->iters;
-  double *sc = calloc((size_t)n * (size_t)nc, sizeof *sc);
-  if (sc == NULL)
-    DIE("out of memory");
+  double *sc = xcalloc((size_t)n * (size_t)nc, sizeof *sc);
   for (int k = 0; k < nc; k++)
-    send_cmd(b->c[k], OP_LAT, (uint32_t)n);
+    send_cmd(cs[k], OP_LAT, (uint32_t)n);
   for (int i = 0; i < n; i++) {
+    gate_close(b, p);
     for (int k = 0; k < nc; k++)
-      sc[i * nc + k] = send_t(b->c[k], blk, b->s);
-    wait_free(b, blk);
+      sc[i * nc + k] = send_t(b, cs[k], blk, p);
+    gate_open(b, p);
+    wait_free(cs, nc, blk);
   }
-  *send_call = pct(sc, n * nc, 0.5);
+  f->send = pct(sc, n * nc, 0.5);
   free(sc);
-  *med = 0;
-  *p90 = 0;
-  *recv_call = 0;
+  f->med = f->p90 = f->recv = 0;
   for (int k = 0; k < nc; k++) {
-    reply r = get_reply(b->c[k]);
-    *med += r.a / nc;
-    *recv_call += r.d / nc;
-    if (r.b > *p90)
-      *p90 = r.b;
+    reply r = get_reply(cs[k]);
+    f->med += r.a / nc;
+    f->recv += r.d / nc;
+    if (r.b > f->p90)
+      f->p90 = r.b;
   }
   OK(gpuipc_block_free(blk, (struct CUstream_st *)b->s));
 }
 
 /* Throughput: a ring of blocks in flight, round-robin over nc consumers. */
-static double run_tput(bctx *b, gpuipc_arena *a, size_t size, int nc,
-                       int ring) {
+static double run_tput(bctx *b, gpuipc_conn *const *cs, int nc,
+                       gpuipc_arena *a, size_t size, int ring, path_id p) {
   gpuipc_block *blk[64];
   for (int j = 0; j < ring; j++)
     OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk[j]));
   int n = b->iters * 4;
   n -= n % nc;
   for (int k = 0; k < nc; k++)
-    send_cmd(b->c[k], OP_TPUT, (uint32_t)(n / nc));
+    send_cmd(cs[k], OP_TPUT, (uint32_t)(n / nc));
   double t0 = now_us();
   for (int i = 0; i < n; i++) {
     gpuipc_block *x = blk[i % ring];
-    gpuipc_conn *c = b->c[i % nc];
+    /* x went last to the consumer of send i - ring. */
+    gpuipc_conn *prev = cs[i >= ring ? (i - ring) % nc : 0];
     while (gpuipc_block_get_holders(x) > 0)
-      OK(gpuipc_conn_progress(b->c[(i - ring) % nc >= 0 ? (i - ring) % nc : 0], 0));
-    send_t(c, x, b->s);
+      OK(gpuipc_conn_progress(prev, 0));
+    gate_close(b, p);
+    send_t(b, cs[i % nc], x, p);
+    gate_open(b, p);
   }
   for (int j = 0; j < ring; j++)
-    wait_free(b, blk[j]);
+    wait_free(cs, nc, blk[j]);
   double dt = now_us() - t0;
   for (int k = 0; k < nc; k++)
-    (void)get_reply(b->c[k]);
+    (void)get_reply(cs[k]);
   for (int j = 0; j < ring; j++)
     OK(gpuipc_block_free(blk[j], (struct CUstream_st *)b->s));
   return n / (dt / 1e6);
 }
 
-/* Fan-out: one buffer in flight to consumers 0..nc-1, by one
- * gpuipc_conn_broadcast or by gpuipc_conn_send to each in turn, every
- * consumer stamped with the same start time. *med_last / *p90_last: over
- * the buffers, the latency of the consumer that got it last; *med_each:
- * the consumers' medians, averaged; *call: median time of the send
- * call(s) of one buffer. */
-static void run_fan(bctx *b, gpuipc_arena *a, size_t size, int nc, bool bcast,
-                    double *med_last, double *p90_last, double *med_each,
-                    double *call) {
+/* Which path a send on c took, seen from the consumer: one buffer, the
+ * gate (on the ordered path) held until the consumer has answered. 1: the
+ * consumer's stream waited for ours after its recv; 0: it had nothing
+ * pending. */
+static int probe(bctx *b, gpuipc_conn *c, gpuipc_arena *a, path_id p) {
   gpuipc_block *blk;
-  OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk));
+  OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)b->s, &blk));
+  CU(gpuipc__cu.cuStreamSynchronize(b->s));
+  send_cmd(c, OP_PROBE, 1);
+  gate_close(b, p);
+  double t = now_us();
+  send_path(b, c, blk, p, &t);
+  reply r = get_reply(c);
+  gate_open(b, p);
+  wait_free(&c, 1, blk);
+  OK(gpuipc_block_free(blk, (struct CUstream_st *)b->s));
+  return r.a != 0;
+}
+
+typedef struct fan_fig {
+  double med_last, p90_last, med_each, call;
+} fan_fig;
+
+/* Fan-out: one buffer in flight to consumers 0..nc-1 (ordered path), by one
+ * gpuipc_conn_broadcast or by gpuipc_conn_send to each in turn, every
+ * consumer stamped with the same start time. Sleeping: the consumers wait
+ * in poll() between receives and the producer in poll() for the releases;
+ * else both poll the library. med_last / p90_last: over the buffers, the
+ * latency of the consumer that got it last; med_each: the consumers'
+ * medians, averaged; call: median time of the send call(s) of one
+ * buffer. */
+static void run_fan(bctx *b, gpuipc_arena *a, int nc, bool bcast, bool sleep,
+                    fan_fig *f) {
+  gpuipc_block *blk;
+  OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)b->s, &blk));
   int n = b->iters;
-  double *sc = calloc((size_t)n, sizeof *sc);
-  double *last = calloc((size_t)n, sizeof *last);
-  double *lat = calloc((size_t)n, sizeof *lat);
-  if (sc == NULL || last == NULL || lat == NULL)
-    DIE("out of memory");
+  double *sc = xcalloc((size_t)n, sizeof *sc);
+  double *last = xcalloc((size_t)n, sizeof *last);
+  double *lat = xcalloc((size_t)n, sizeof *lat);
   for (int k = 0; k < nc; k++)
-    send_cmd(b->c[k], OP_LATV, (uint32_t)n);
+    send_cmd_fl(b->c[k], OP_LAT, (uint32_t)n,
+                FL_SENDBACK | (sleep ? FL_SLEEP : 0));
   for (int i = 0; i < n; i++) {
+    gate_close(b, P_ORDERED);
     double t = now_us();
-    if (bcast) {
+    if (bcast)
       OK(gpuipc_conn_broadcast(b->c, (size_t)nc, blk, (struct CUstream_st *)b->s,
                                &t, sizeof t, NULL));
-    } else {
+    else
       for (int k = 0; k < nc; k++)
-        OK(gpuipc_conn_send(b->c[k], blk, (struct CUstream_st *)b->s, &t,
-                            sizeof t));
-    }
+        send_path(b, b->c[k], blk, P_ORDERED, &t);
     sc[i] = now_us() - t;
-    while (gpuipc_block_get_holders(blk) > 0)
-      for (int k = 0; k < nc; k++)
-        OK(gpuipc_conn_progress(b->c[k], 0));
+    gate_open(b, P_ORDERED);
+    if (sleep)
+      wait_free_sleep(b->c, nc, blk);
+    else
+      wait_free(b->c, nc, blk);
   }
-  *call = pct(sc, n, 0.5);
-  *med_each = 0;
+  f->call = pct(sc, n, 0.5);
+  f->med_each = 0;
   for (int k = 0; k < nc; k++) {
-    for (int i = 0; i < n; i += 8000) {
+    for (int i = 0; i < n; i += VEC_CHUNK) {
       size_t len = 0;
-      int want = n - i < 8000 ? n - i : 8000;
+      int want = n - i < VEC_CHUNK ? n - i : VEC_CHUNK;
       OK(gpuipc_conn_recv_msg(b->c[k], lat + i, (size_t)want * sizeof *lat,
                               &len, NULL, NULL));
       if (len != (size_t)want * sizeof *lat)
@@ -482,28 +743,26 @@ static void run_fan(bctx *b, gpuipc_arena *a, size_t size, int nc, bool bcast,
     for (int i = 0; i < n; i++)
       if (k == 0 || lat[i] > last[i])
         last[i] = lat[i];
-    reply r = get_reply(b->c[k]);
-    *med_each += r.a / nc;
+    f->med_each += get_reply(b->c[k]).a / nc;
   }
-  *med_last = pct(last, n, 0.5);
-  *p90_last = pct(last, n, 0.9);
+  f->med_last = pct(last, n, 0.5);
+  f->p90_last = pct(last, n, 0.9);
   free(sc);
   free(last);
   free(lat);
   OK(gpuipc_block_free(blk, (struct CUstream_st *)b->s));
 }
 
-/* Batches of nb blocks to consumer 0 (two batches in flight), received
- * and released in batches: buffers per second over the whole cycle;
- * *call: median time inside gpuipc_conn_send_batch. */
-static double run_batch(bctx *b, gpuipc_arena *a, size_t size, int nb,
-                        double *call) {
+/* Batches of nb blocks to consumer 0 (ordered, two batches in flight),
+ * received and released in batches: buffers per second over the whole
+ * cycle; *call: median time inside gpuipc_conn_send_batch. */
+static double run_batch(bctx *b, gpuipc_arena *a, int nb, double *call) {
   gpuipc_block *blk[2 * BATCH_MAX];
   const void *metas[BATCH_MAX];
   size_t lens[BATCH_MAX];
   double stamp = 0;
   for (int j = 0; j < 2 * nb; j++)
-    OK(gpuipc_arena_alloc(a, size, (struct CUstream_st *)b->s, &blk[j]));
+    OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)b->s, &blk[j]));
   for (int j = 0; j < nb; j++) {
     metas[j] = &stamp;
     lens[j] = sizeof stamp;
@@ -511,26 +770,24 @@ static double run_batch(bctx *b, gpuipc_arena *a, size_t size, int nb,
   int batches = (b->iters * 4 + nb - 1) / nb;
   if (batches < 4)
     batches = 4;
-  double *sc = calloc((size_t)batches, sizeof *sc);
-  if (sc == NULL)
-    DIE("out of memory");
+  double *sc = xcalloc((size_t)batches, sizeof *sc);
   gpuipc_conn *c = b->c[0];
   send_cmd(c, OP_TPUTB, (uint32_t)(batches * nb));
   double t0 = now_us();
   for (int i = 0; i < batches; i++) {
     gpuipc_block **g = blk + (i % 2) * nb;
     for (int j = 0; j < nb; j++)
-      while (gpuipc_block_get_holders(g[j]) > 0)
-        OK(gpuipc_conn_progress(c, 0));
+      wait_free(&c, 1, g[j]);
+    gate_close(b, P_ORDERED);
     double t = now_us();
     stamp = t;
     OK(gpuipc_conn_send_batch(c, g, (size_t)nb, (struct CUstream_st *)b->s,
                               metas, lens));
     sc[i] = now_us() - t;
+    gate_open(b, P_ORDERED);
   }
   for (int j = 0; j < 2 * nb; j++)
-    while (gpuipc_block_get_holders(blk[j]) > 0)
-      OK(gpuipc_conn_progress(c, 0));
+    wait_free(&c, 1, blk[j]);
   double dt = now_us() - t0;
   (void)get_reply(c);
   *call = pct(sc, batches, 0.5);
@@ -540,19 +797,18 @@ static double run_batch(bctx *b, gpuipc_arena *a, size_t size, int nb,
   return (double)batches * nb / (dt / 1e6);
 }
 
-/* Flatness: `live` buffers stay leased (held by the last two consumers,
- * sent in batches), while single handoffs cycle to the last consumer:
- * its buffers per second. */
+/* Flatness: `live` buffers stay leased, half held by each of the last two
+ * consumers (a connection allows at most 65536 outstanding), sent in
+ * batches, while single handoffs (ordered) cycle to the last one: its
+ * buffers per second. */
 static double run_flat(bctx *b, gpuipc_arena *a, long live) {
   gpuipc_conn *x = b->c[b->ncons - 2], *y = b->c[b->ncons - 1];
-  long h1 = live / 2, h2 = live - h1;
-  gpuipc_block **blk = calloc((size_t)live, sizeof *blk);
-  if (blk == NULL)
-    DIE("out of memory");
+  long h1 = live / 2;
+  gpuipc_block **blk = xcalloc((size_t)live, sizeof *blk);
   for (long j = 0; j < live; j++)
     OK(gpuipc_arena_alloc(a, 256, (struct CUstream_st *)b->s, &blk[j]));
   send_cmd(x, OP_HOLD, (uint32_t)h1);
-  send_cmd(y, OP_HOLD, (uint32_t)h2);
+  send_cmd(y, OP_HOLD, (uint32_t)(live - h1));
   for (int side = 0; side < 2; side++) {
     long from = side ? h1 : 0, to = side ? live : h1;
     for (long j = from; j < to; j += BATCH_MAX) {
@@ -571,13 +827,13 @@ static double run_flat(bctx *b, gpuipc_arena *a, long live) {
   send_cmd(y, OP_TPUT, (uint32_t)n);
   double t0 = now_us();
   for (int i = 0; i < n; i++) {
-    while (gpuipc_block_get_holders(ring[i % 32]) > 0)
-      OK(gpuipc_conn_progress(y, 0));
-    send_t(y, ring[i % 32], b->s);
+    wait_free(&y, 1, ring[i % 32]);
+    gate_close(b, P_ORDERED);
+    send_t(b, y, ring[i % 32], P_ORDERED);
+    gate_open(b, P_ORDERED);
   }
   for (int j = 0; j < 32; j++)
-    while (gpuipc_block_get_holders(ring[j]) > 0)
-      OK(gpuipc_conn_progress(y, 0));
+    wait_free(&y, 1, ring[j]);
   double dt = now_us() - t0;
   (void)get_reply(y);
   send_cmd(x, OP_UNHOLD, 0);
@@ -586,8 +842,7 @@ static double run_flat(bctx *b, gpuipc_arena *a, long live) {
   (void)get_reply(y);
   for (long j = 0; j < live; j++) {
     gpuipc_conn *c = j < h1 ? x : y;
-    while (gpuipc_block_get_holders(blk[j]) > 0)
-      OK(gpuipc_conn_progress(c, 0));
+    wait_free(&c, 1, blk[j]);
     OK(gpuipc_block_free(blk[j], (struct CUstream_st *)b->s));
   }
   for (int j = 0; j < 32; j++)
@@ -596,12 +851,14 @@ static double run_flat(bctx *b, gpuipc_arena *a, long live) {
   return n / (dt / 1e6);
 }
 
+/* ---- the raw parts ------------------------------------------------------------ */
+
 static void raw_legacy(bctx *b, double out[3]) {
   gpuipc_conn *c = b->c[0];
   int n = b->iters < 200 ? b->iters : 200;
   CUdeviceptr p;
   CU(gpuipc__cu.cuMemAlloc(&p, (size_t)1 << 20));
-  double *v = calloc((size_t)n, sizeof *v);
+  double *v = xcalloc((size_t)n, sizeof *v);
   send_cmd(c, OP_LEGACY, (uint32_t)n);
   for (int i = 0; i < n; i++) {
     CUipcMemHandle h;
@@ -643,7 +900,7 @@ static void raw_pool(bctx *b, double out[4]) {
   char k;
   size_t len;
   OK(gpuipc_conn_recv_msg(c, &k, 1, &len, NULL, NULL));
-  double *v = calloc((size_t)n, sizeof *v);
+  double *v = xcalloc((size_t)n, sizeof *v);
   for (int i = 0; i < n; i++) {
     CUdeviceptr p;
     CU(gpuipc__cu.cuMemAllocFromPoolAsync(&p, (size_t)1 << 20, pool, b->s));
@@ -716,12 +973,9 @@ static double raw_memop(bctx *b) {
  * of the wait (consumer). out: message one way (half a polled ping-pong),
  * cuStreamWriteValue64 and cuStreamWaitValue64 (satisfied) enqueue times,
  * medians in us. */
-static void raw_floor(bctx *b, double out[3]) {
-  gpuipc_conn *c = b->c[0];
+static void raw_floor(bctx *b, gpuipc_conn *c, double out[3]) {
   int n = b->iters;
-  double *v = calloc((size_t)n, sizeof *v);
-  if (v == NULL)
-    DIE("out of memory");
+  double *v = xcalloc((size_t)n, sizeof *v);
   send_cmd(c, OP_ECHO, (uint32_t)n);
   OK(gpuipc_conn_set_nonblocking(c, 1));
   for (int i = 0; i < n; i++) {
@@ -763,6 +1017,8 @@ static void raw_floor(bctx *b, double out[3]) {
   free(v);
 }
 
+/* ---- the rows, as printed and recorded ---------------------------------------- */
+
 static const char *size_name(size_t s, char *buf) {
   if (s >= ((size_t)1 << 20))
     sprintf(buf, "%zu MiB", s >> 20);
@@ -771,16 +1027,453 @@ static const char *size_name(size_t s, char *buf) {
   return buf;
 }
 
+/* The carrier c's frames go by, as this end and the consumer's end name it:
+ * "socket", or "socket here, ring at the consumer" when they differ. */
+static void carrier_of(gpuipc_conn *c, char *out, size_t cap) {
+  char peer[64] = "";
+  size_t len = 0;
+  send_cmd(c, OP_CARRIER, 0);
+  OK(gpuipc_conn_recv_msg(c, peer, sizeof peer - 1, &len, NULL, NULL));
+  peer[sizeof peer - 1] = '\0';
+  const char *here = gpuipc__conn_carrier_name(c);
+  if (strcmp(here, peer) == 0)
+    snprintf(out, cap, "%s", here);
+  else
+    snprintf(out, cap, "%s here, %s at the consumer", here, peer);
+}
+
+static void raw_rows(bctx *b, summary *sum) {
+  /* The raw driver paths first: short, and the comparison the handoff
+   * numbers are read against (a long run cut off still shows them). */
+  double leg[3], pool[4], fl[3];
+  raw_legacy(b, leg);
+  raw_pool(b, pool);
+  double rt = raw_memop(b);
+  /* The message one way goes over the pair whose socket was asked for. */
+  char carrier[160];
+  carrier_of(b->pair[0], carrier, sizeof carrier);
+  raw_floor(b, b->pair[0], fl);
+  sum->msg = fl[0];
+  sum->write_enq = fl[1];
+  sum->wait_enq = fl[2];
+  printf("\nraw parts, same run (medians, us; 1 MiB allocations):\n");
+  printf("  legacy   cuIpcGetMemHandle %.2f | cuIpcOpenMemHandle %.2f | "
+         "cuIpcCloseMemHandle %.2f | per buffer %.2f\n",
+         leg[0], leg[1], leg[2], leg[0] + leg[1] + leg[2]);
+  printf("  mempool  cuMemPoolExportPointer %.2f | cuMemPoolImportPointer "
+         "%.2f | free %.2f | per buffer %.2f (pool import + access, once: "
+         "%.1f)\n",
+         pool[0], pool[1], pool[2], pool[0] + pool[1] + pool[2], pool[3]);
+  printf("  ordering GPU round trip, stream write+wait value across two "
+         "processes: %.2f us\n",
+         rt);
+  printf("  parts    one small message one way (carrier: %s) %.2f | "
+         "cuStreamWriteValue64 enqueue %.2f | cuStreamWaitValue64 enqueue "
+         "%.2f\n           (the ordered path is a message, then the "
+         "consumer's wait enqueue, with the producer's write after the "
+         "message;\n           a full cycle also costs each side a write "
+         "enqueue and a message back)\n",
+         carrier, fl[0], fl[1], fl[2]);
+  fflush(stdout);
+  /* The same figures, one row per path; per_buffer_us is what one
+   * buffer handed over that way costs (the line the charts draw). */
+  gpuipc_bench_json_row_begin("raw");
+  gpuipc_bench_json_str("path", "legacy");
+  gpuipc_bench_json_num("get_us", leg[0]);
+  gpuipc_bench_json_num("open_us", leg[1]);
+  gpuipc_bench_json_num("close_us", leg[2]);
+  gpuipc_bench_json_num("per_buffer_us", leg[0] + leg[1] + leg[2]);
+  gpuipc_bench_json_row_end();
+  gpuipc_bench_json_row_begin("raw");
+  gpuipc_bench_json_str("path", "mempool");
+  gpuipc_bench_json_num("export_us", pool[0]);
+  gpuipc_bench_json_num("import_us", pool[1]);
+  gpuipc_bench_json_num("free_us", pool[2]);
+  gpuipc_bench_json_num("per_buffer_us", pool[0] + pool[1] + pool[2]);
+  gpuipc_bench_json_num("pool_import_once_us", pool[3]);
+  gpuipc_bench_json_row_end();
+  gpuipc_bench_json_row_begin("raw");
+  gpuipc_bench_json_str("path", "memop_round_trip");
+  gpuipc_bench_json_num("per_buffer_us", rt);
+  gpuipc_bench_json_row_end();
+  gpuipc_bench_json_row_begin("raw");
+  gpuipc_bench_json_str("path", "message");
+  gpuipc_bench_json_num("per_buffer_us", fl[0]);
+  gpuipc_bench_json_num("write_value_enqueue_us", fl[1]);
+  gpuipc_bench_json_num("wait_value_enqueue_us", fl[2]);
+  gpuipc_bench_json_str("carrier", carrier);
+  gpuipc_bench_json_row_end();
+}
+
+/* One row of the one-pair table: probe the path, then its latency and
+ * throughput on the pair of carrier ci. */
+static void pair_row(bctx *b, gpuipc_arena *a, int ci, const char *carrier,
+                     path_id p, summary *sum) {
+  gpuipc_conn *c = b->pair[ci];
+  int waited = probe(b, c, a, p);
+  bool confirmed = waited == (p == P_ORDERED);
+  lat_fig f;
+  run_lat(b, &c, 1, a, 4096, p, &f);
+  double tput = run_tput(b, &c, 1, a, 4096, 32, p);
+  bool asked = strcmp(carrier, carrier_ask[ci]) == 0;
+  printf("%-9s %-7s %-8s %10.2f %9.2f %12.0f %10.2f %10.2f  %s%s\n",
+         PATHS[p].key, carrier_ask[ci], carrier, f.med, f.p90, tput, f.send,
+         f.recv, waited ? "waited" : "idle",
+         confirmed ? "" : " (NOT the path named: read this row as the other)");
+  if (!asked)
+    printf("%-17s ^ %s was asked for and %s carried it: a %s figure, not a "
+           "%s one\n",
+           "", carrier_ask[ci], carrier, carrier, carrier_ask[ci]);
+  fflush(stdout);
+  gpuipc_bench_json_row_begin("pair");
+  gpuipc_bench_json_str("path", PATHS[p].key);
+  gpuipc_bench_json_str("carrier_asked", carrier_ask[ci]);
+  gpuipc_bench_json_str("carrier", carrier);
+  gpuipc_bench_json_num("size_bytes", 4096);
+  gpuipc_bench_json_num("median_us", f.med);
+  gpuipc_bench_json_num("p90_us", f.p90);
+  gpuipc_bench_json_num("buffers_per_s", tput);
+  gpuipc_bench_json_num("send_us", f.send);
+  gpuipc_bench_json_num("recv_us", f.recv);
+  gpuipc_bench_json_num("probe_consumer_waited", waited);
+  gpuipc_bench_json_num("path_confirmed", confirmed);
+  gpuipc_bench_json_row_end();
+  if (ci == 0 && p == P_ORDERED) {
+    sum->pair_med = f.med;
+    sum->pair_p90 = f.p90;
+    sum->pair_tput = tput;
+  }
+  if (ci == 0 && p == P_IDLE)
+    sum->idle_med = f.med;
+  if (ci == 0 && p == P_COMPLETE)
+    sum->complete_med = f.med;
+}
+
+static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
+  printf("\none pair, 4 KiB, consumer polls: send -> the consumer holds a "
+         "usable buffer (its recv returned, its stream wait enqueued);\n"
+         "buffers/s: full cycle (send, recv, release, the release back), 32 "
+         "blocks in flight; send()/recv(): median time inside\n"
+         "gpuipc_conn_send / the gpuipc_conn_recv call that returned the "
+         "buffer. Paths:\n");
+  for (int p = 0; p < 3; p++)
+    printf("  %-9s %s\n", PATHS[p].key, PATHS[p].text);
+  printf("asked: GPUIPC_CARRIER in both processes; carrier: what carried the "
+         "frames (gpuipc__conn_carrier_name); probe: before the row, one\n"
+         "buffer with the producer's stream held: the consumer's stream "
+         "waited (the ordered path) or was idle (the others)\n");
+  printf("%-9s %-7s %-8s %10s %9s %12s %10s %10s  %s\n", "path", "asked",
+         "carrier", "median us", "p90 us", "buffers/s", "send() us",
+         "recv() us", "probe");
+  static const path_id order[] = {P_IDLE, P_COMPLETE, P_ORDERED};
+  for (int ci = 0; ci < NCARRIER; ci++) {
+    char carrier[160];
+    carrier_of(b->pair[ci], carrier, sizeof carrier);
+    if (ci == 0)
+      sum->pair_carrier = strdup(carrier);
+    /* Warm-up: the consumer imports the arena and the flag words. */
+    int keep = b->iters;
+    b->iters = 70;
+    lat_fig w;
+    run_lat(b, &b->pair[ci], 1, a, 4096, P_IDLE, &w);
+    b->iters = keep;
+    for (int i = 0; i < 3; i++)
+      pair_row(b, a, ci, carrier, order[i], sum);
+  }
+  printf("raw parts beside them (same run): one small message one way %.2f "
+         "| consumer's cuStreamWaitValue64 enqueue %.2f | producer's "
+         "cuStreamWriteValue64 enqueue %.2f\n(ordered: about message + wait "
+         "enqueue = %.2f, the write after the message; idle and complete: "
+         "about the message)\n",
+         sum->msg, sum->wait_enq, sum->write_enq, sum->msg + sum->wait_enq);
+}
+
+static void size_rows(bctx *b, gpuipc_arena *a) {
+  static const size_t sizes_full[] = {(size_t)4 << 10, (size_t)64 << 10,
+                                      (size_t)1 << 20, (size_t)16 << 20,
+                                      (size_t)256 << 20};
+  /* --quick: a GPU run well under 30 s (the full run takes minutes). */
+  static const size_t sizes_quick[] = {(size_t)4 << 10, (size_t)1 << 20};
+  const size_t *sizes = b->quick ? sizes_quick : sizes_full;
+  int nsizes = b->quick ? 2 : 5;
+  char carrier[160];
+  carrier_of(b->c[0], carrier, sizeof carrier);
+  printf("\nsizes, path ordered (the producer's stream busy at each send), "
+         "carrier %s, consumers poll; with %d consumers each buffer goes\n"
+         "to every consumer in turn (latency: the consumers' medians "
+         "averaged) or round-robin (throughput)\n",
+         carrier, MAXC);
+  printf("%-9s %9s %11s %10s %14s %10s %10s\n", "size", "consumers",
+         "median us", "p90 us", "buffers/s", "send() us", "recv() us");
+  {
+    int keep = b->iters;
+    b->iters = 20;
+    lat_fig w;
+    run_lat(b, b->c, MAXC, a, 4096, P_ORDERED, &w);
+    b->iters = keep;
+  }
+  for (int si = 0; si < nsizes; si++) {
+    size_t sz = sizes[si];
+    int ring = sz >= ((size_t)64 << 20) ? 4 : 32;
+    static const int ncs[2] = {1, MAXC};
+    for (int ci = 0; ci < 2; ci++) {
+      lat_fig f;
+      run_lat(b, b->c, ncs[ci], a, sz, P_ORDERED, &f);
+      double tput = run_tput(b, b->c, ncs[ci], a, sz, ring, P_ORDERED);
+      char sn[32];
+      printf("%-9s %9d %11.2f %10.2f %14.0f %10.2f %10.2f\n", size_name(sz, sn),
+             ncs[ci], f.med, f.p90, tput, f.send, f.recv);
+      fflush(stdout);
+      gpuipc_bench_json_row_begin("handoff");
+      gpuipc_bench_json_num("size_bytes", (double)sz);
+      gpuipc_bench_json_num("consumers", ncs[ci]);
+      gpuipc_bench_json_num("median_us", f.med);
+      gpuipc_bench_json_num("p90_us", f.p90);
+      gpuipc_bench_json_num("buffers_per_s", tput);
+      gpuipc_bench_json_num("send_us", f.send);
+      gpuipc_bench_json_num("recv_us", f.recv);
+      gpuipc_bench_json_str("path", PATHS[P_ORDERED].key);
+      gpuipc_bench_json_str("carrier", carrier);
+      gpuipc_bench_json_row_end();
+    }
+  }
+}
+
+static void fan_rows(bctx *b, gpuipc_arena *a, summary *sum) {
+  static const int fan_n[3] = {8, 16, NCONS};
+  int nfan = b->ncons == NCONS ? 3 : 2;
+  printf("\nfan-out, 4 KiB, path ordered: send -> the LAST consumer holds the "
+         "buffer (per buffer, the latest of the consumers); each: the\n"
+         "consumers' medians, averaged; call: median time inside the send "
+         "call(s) of one buffer. sleeping: consumers wait in poll() on\n"
+         "gpuipc_conn_get_fd between receives, the producer in poll() for "
+         "the releases; spinning: both poll the library%s\n",
+         nfan < 3 ? "\n(--quick: fan-out to 8 and 16 consumers only)" : "");
+  printf("%-10s %9s %16s %13s %10s %10s  %s\n", "mode", "consumers",
+         "median last us", "p90 last us", "each us", "call us", "wait");
+  {
+    int keep = b->iters;
+    b->iters = 20;
+    fan_fig w;
+    run_fan(b, a, b->ncons, true, false, &w);
+    b->iters = keep;
+  }
+  for (int sleep = 1; sleep >= 0; sleep--)
+    for (int fi = 0; fi < nfan; fi++)
+      for (int mode = 0; mode < 2; mode++) {
+        int nc = fan_n[fi];
+        fan_fig f;
+        run_fan(b, a, nc, mode == 1, sleep, &f);
+        const char *mn = mode ? "broadcast" : "each";
+        char how[128];
+        snprintf(how, sizeof how, "%s (%d processes on %d CPUs%s)",
+                 sleep ? "sleeping" : "spinning", nc + 1, b->cpus,
+                 !sleep && nc + 1 > b->cpus ? ": oversubscribed" : "");
+        printf("%-10s %9d %16.2f %13.2f %10.2f %10.2f  %s\n", mn, nc,
+               f.med_last, f.p90_last, f.med_each, f.call, how);
+        fflush(stdout);
+        gpuipc_bench_json_row_begin("fanout");
+        gpuipc_bench_json_str("mode", mn);
+        gpuipc_bench_json_num("size_bytes", 4096);
+        gpuipc_bench_json_num("consumers", nc);
+        gpuipc_bench_json_num("median_last_us", f.med_last);
+        gpuipc_bench_json_num("p90_last_us", f.p90_last);
+        gpuipc_bench_json_num("median_each_us", f.med_each);
+        gpuipc_bench_json_num("call_us", f.call);
+        gpuipc_bench_json_str("wait", sleep ? "sleep" : "spin");
+        gpuipc_bench_json_num("processes", nc + 1);
+        gpuipc_bench_json_num("cpus", b->cpus);
+        gpuipc_bench_json_num("oversubscribed", !sleep && nc + 1 > b->cpus);
+        gpuipc_bench_json_str("path", PATHS[P_ORDERED].key);
+        gpuipc_bench_json_row_end();
+        if (sleep && mode == 1 && nc == 8) {
+          sum->bc8_med = f.med_last;
+          sum->bc8_p90 = f.p90_last;
+        }
+      }
+}
+
+static void batch_rows(bctx *b, gpuipc_arena *a, summary *sum) {
+  printf("\nbatches, 4 KiB blocks, path ordered (one busy-stream gate per "
+         "batch), one consumer, two batches in flight: full cycle\n"
+         "(send_batch, recv_batch, release_batch, the releases back); call: "
+         "median time inside gpuipc_conn_send_batch\n");
+  printf("%-6s %14s %16s %10s\n", "batch", "buffers/s", "per buffer us",
+         "call us");
+  static const int batch_n[3] = {1, 16, BATCH_MAX};
+  for (int bi = 0; bi < 3; bi++) {
+    double cl = 0;
+    double rate = run_batch(b, a, batch_n[bi], &cl);
+    printf("%-6d %14.0f %16.3f %10.2f\n", batch_n[bi], rate, 1e6 / rate, cl);
+    fflush(stdout);
+    gpuipc_bench_json_row_begin("batch");
+    gpuipc_bench_json_num("batch", batch_n[bi]);
+    gpuipc_bench_json_num("size_bytes", 4096);
+    gpuipc_bench_json_num("buffers_per_s", rate);
+    gpuipc_bench_json_num("per_buffer_us", 1e6 / rate);
+    gpuipc_bench_json_num("call_us", cl);
+    gpuipc_bench_json_str("path", PATHS[P_ORDERED].key);
+    gpuipc_bench_json_row_end();
+    if (batch_n[bi] == 16)
+      sum->b16 = rate;
+  }
+}
+
+static void flat_rows(bctx *b) {
+  printf("\nflatness: single 4 KiB handoffs (full cycle, path ordered) while "
+         "other buffers stay leased: half held by each of two consumers,\n"
+         "one connection each (a connection allows at most 65536 "
+         "outstanding); the handoffs go to the second, which holds the "
+         "other half%s\n",
+         b->quick ? "\n(--quick: up to 10000 leases)" : "");
+  printf("%12s %14s %16s %14s\n", "live leases", "buffers/s", "per buffer us",
+         "on that conn");
+  gpuipc_arena_options fo = GPUIPC_ARENA_OPTIONS_INIT;
+  fo.chunk_bytes = (size_t)32 << 20;
+  gpuipc_arena *fa = NULL;
+  OK(gpuipc_arena_create(&fo, &fa));
+  static const long live_n[4] = {10, 1000, 10000, 100000};
+  for (int li = 0; li < (b->quick ? 3 : 4); li++) {
+    long live = live_n[li];
+    double rate = run_flat(b, fa, live);
+    printf("%12ld %14.0f %16.3f %14ld\n", live, rate, 1e6 / rate,
+           live - live / 2);
+    fflush(stdout);
+    gpuipc_bench_json_row_begin("flatness");
+    gpuipc_bench_json_num("live_leases", (double)live);
+    gpuipc_bench_json_num("size_bytes", 4096);
+    gpuipc_bench_json_num("buffers_per_s", rate);
+    gpuipc_bench_json_num("per_buffer_us", 1e6 / rate);
+    gpuipc_bench_json_num("connections", 2);
+    gpuipc_bench_json_num("leases_on_measured_conn", (double)(live - live / 2));
+    gpuipc_bench_json_str("path", PATHS[P_ORDERED].key);
+    gpuipc_bench_json_row_end();
+  }
+  CU(gpuipc__cu.cuStreamSynchronize(b->s));
+  OK(gpuipc_arena_destroy(fa));
+}
+
+static void summary_rows(const bctx *b, const summary *s) {
+  const char *emu =
+      b->emu ? "; on the emulator these say little about a GPU" : "";
+  printf("\none pair, 4 KiB: median %.2f us, path ordered, carrier %s "
+         "(target <= 2; idle stream: %.2f us, asserted complete: %.2f us), "
+         "%.0f buffers/s (target >= 400000)%s\n",
+         s->pair_med, s->pair_carrier, s->idle_med, s->complete_med,
+         s->pair_tput, emu);
+  printf("broadcast to 8 sleeping consumers, 4 KiB, last consumer: median "
+         "%.2f us (target <= 6), p90 %.2f us (target <= 15); batches of "
+         "16: %.0f buffers/s (target >= 2000000)%s\n",
+         s->bc8_med, s->bc8_p90, s->b16, emu);
+  gpuipc_bench_json_num("pair_4k_median_us", s->pair_med);
+  gpuipc_bench_json_num("pair_4k_p90_us", s->pair_p90);
+  gpuipc_bench_json_num("pair_4k_buffers_per_s", s->pair_tput);
+  gpuipc_bench_json_str("pair_4k_path", PATHS[P_ORDERED].key);
+  gpuipc_bench_json_str("pair_4k_carrier", s->pair_carrier);
+  gpuipc_bench_json_num("pair_4k_idle_median_us", s->idle_med);
+  gpuipc_bench_json_num("pair_4k_complete_median_us", s->complete_med);
+  gpuipc_bench_json_num("broadcast_8_median_last_us", s->bc8_med);
+  gpuipc_bench_json_num("broadcast_8_p90_last_us", s->bc8_p90);
+  gpuipc_bench_json_str("broadcast_8_wait", "sleep");
+  gpuipc_bench_json_num("batch_16_buffers_per_s", s->b16);
+}
+
+/* ---- starting and stopping the consumers -------------------------------------- */
+
+/* environ with GPUIPC_CARRIER set to carrier (environ itself for NULL). */
+static char **env_with(const char *carrier, char *entry, size_t cap) {
+  if (carrier == NULL)
+    return environ;
+  size_t n = 0;
+  while (environ[n])
+    n++;
+  char **e = xcalloc(n + 2, sizeof *e);
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++)
+    if (strncmp(environ[i], "GPUIPC_CARRIER=", 15) != 0)
+      e[k++] = environ[i];
+  snprintf(entry, cap, "GPUIPC_CARRIER=%s", carrier);
+  e[k] = entry;
+  return e;
+}
+
+/* Starts one consumer, with GPUIPC_CARRIER=carrier in both processes'
+ * environments while they connect (carrier NULL: the environment as it
+ * is). */
+static void spawn_consumer(const char *carrier, uint32_t max_outstanding,
+                           pid_t *pid, gpuipc_conn **out) {
+  int fds[2];
+  OK(gpuipc_conn_pair(fds));
+  char entry[64];
+  char **env = env_with(carrier, entry, sizeof entry);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 3);
+  char *args[] = {"gpuipc", "bench", "handoff", "--child", "3", NULL};
+  int err = posix_spawn(pid, "/proc/self/exe", &fa, NULL, args, env);
+  posix_spawn_file_actions_destroy(&fa);
+  if (env != environ)
+    free(env);
+  close(fds[1]);
+  if (err != 0)
+    DIE("spawn: %s", strerror(err));
+  char *old = getenv("GPUIPC_CARRIER") ? strdup(getenv("GPUIPC_CARRIER")) : NULL;
+  if (carrier)
+    setenv("GPUIPC_CARRIER", carrier, 1);
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 120000;
+  o.max_outstanding = max_outstanding;
+  OK(gpuipc_conn_from_fd(fds[0], &o, out));
+  if (old)
+    setenv("GPUIPC_CARRIER", old, 1);
+  else
+    unsetenv("GPUIPC_CARRIER");
+  free(old);
+}
+
+/* The consumers start before this process touches CUDA. */
+static void start_consumers(bctx *b) {
+  for (int ci = 0; ci < NCARRIER; ci++)
+    spawn_consumer(carrier_ask[ci], 1024, &b->pair_pid[ci], &b->pair[ci]);
+  for (int k = 0; k < b->ncons; k++)
+    /* Room for two batches of 256 in flight; the last two consumers hold
+     * up to 50,000 buffers each in the flatness rows. */
+    spawn_consumer(NULL, k >= b->ncons - 2 ? 65536 : 1024, &b->pid[k],
+                   &b->c[k]);
+}
+
+static int stop_one(gpuipc_conn *c, pid_t pid) {
+  send_cmd(c, OP_QUIT, 0);
+  gpuipc_conn_close(c);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
+}
+
+static int stop_consumers(bctx *b) {
+  int rc = 0;
+  for (int ci = 0; ci < NCARRIER; ci++)
+    rc |= stop_one(b->pair[ci], b->pair_pid[ci]);
+  for (int k = 0; k < b->ncons; k++)
+    rc |= stop_one(b->c[k], b->pid[k]);
+  return rc;
+}
+
 static void usage(FILE *f) {
   fprintf(f, "usage: gpuipc bench handoff [--quick] [--iters N] [--json FILE] "
              "[--emulator PATH]\n"
-             "  handoff latency and throughput over a connection, 1 and %d "
-             "consumers,\n"
+             "  one pair, 4 KiB: the stream-ordered path (a busy producer "
+             "stream), the idle-stream path\n"
+             "    and the asserted-complete send (GPUIPC_SEND_COMPLETE),\n"
+             "    each with GPUIPC_CARRIER=socket and =ring, labelled with "
+             "the carrier that carried it;\n"
+             "  handoff latency and throughput for 4 KiB to 256 MiB, 1 and "
+             "%d consumers;\n"
              "  fan-out to 8, 16 and %d consumers (each in turn and by "
-             "broadcast),\n"
+             "broadcast), sleeping and spinning;\n"
              "  batches of 1, 16 and 256, and throughput with 10 to 100000 "
              "buffers leased,\n"
-             "  next to the raw driver paths measured in the same run\n"
+             "  next to the raw parts measured in the same run\n"
              "  --quick    %d iterations, 4 KiB and 1 MiB only, 16 consumers "
              "(fan-out to 8 and 16,\n"
              "             flatness to 10000 leases)\n"
@@ -788,24 +1481,15 @@ static void usage(FILE *f) {
           MAXC, NCONS, 200);
 }
 
-int gpuipc_bench_handoff(int argc, char **argv) {
-  for (int i = 1; i < argc; i++)
-    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-      usage(stdout);
-      return 0;
-    }
-  int emu = gpuipc_cli_pick_driver(&argc, argv, "bench handoff");
-  if (emu < 0)
-    return 1;
-  bool quick = false;
-  int iters = 0;
+/* -1: go on (the producer); else the exit status. */
+static int parse_args(int argc, char **argv, bctx *b) {
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--child") == 0 && i + 1 < argc)
       return consumer(atoi(argv[i + 1]));
     else if (strcmp(argv[i], "--quick") == 0)
-      quick = true;
+      b->quick = true;
     else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc)
-      iters = atoi(argv[++i]);
+      b->iters = atoi(argv[++i]);
     else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       usage(stdout);
       return 0;
@@ -816,278 +1500,72 @@ int gpuipc_bench_handoff(int argc, char **argv) {
       return 2;
     }
   }
-  if (iters <= 0)
-    iters = quick ? 200 : 2000;
+  if (b->iters <= 0)
+    b->iters = b->quick ? 200 : 2000;
+  return -1;
+}
 
-  /* The consumers start before this process touches CUDA. */
+static int cpus_here(void) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    return CPU_COUNT(&set);
+  return (int)sysconf(_SC_NPROCESSORS_ONLN);
+}
+
+int gpuipc_bench_handoff(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    }
+  static bctx b;
+  b.emu = gpuipc_cli_pick_driver(&argc, argv, "bench handoff");
+  if (b.emu < 0)
+    return 1;
+  int rc = parse_args(argc, argv, &b);
+  if (rc >= 0)
+    return rc;
   /* --quick starts 16 consumers (fan-out rows to 8 and 16, flatness to
    * 10,000 leases): a smoke run that a slow build (sanitizers) finishes. */
-  bctx b = {{0}, MAXC, NULL, iters, quick ? 16 : NCONS};
-  pid_t pids[NCONS];
-  for (int k = 0; k < b.ncons; k++) {
-    int fds[2];
-    OK(gpuipc_conn_pair(fds));
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, fds[1], 3);
-    char *args[] = {"gpuipc", "bench", "handoff", "--child", "3", NULL};
-    int err = posix_spawn(&pids[k], "/proc/self/exe", &fa, NULL, args, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(fds[1]);
-    if (err != 0) {
-      fprintf(stderr, "gpuipc bench handoff: spawn: %s\n", strerror(err));
-      return 1;
-    }
-    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
-    o.timeout_ms = 120000;
-    /* Room for two batches of 256 in flight; the last two consumers hold
-     * up to 50,000 buffers each in the flatness rows. */
-    o.max_outstanding = k >= b.ncons - 2 ? 65536 : 1024;
-    OK(gpuipc_conn_from_fd(fds[0], &o, &b.c[k]));
-  }
+  b.ncons = b.quick ? 16 : NCONS;
+  b.cpus = cpus_here();
+  start_consumers(&b);
   OK(gpuipc_init());
   current();
   CU(gpuipc__cu.cuStreamCreate(&b.s, CU_STREAM_NON_BLOCKING));
+  gate_make(&b);
   char name[128] = "?";
   CUdevice dev;
   CU(gpuipc__cu.cuDeviceGet(&dev, 0));
   CU(gpuipc__cu.cuDeviceGetName(name, (int)sizeof name, dev));
-  printf("gpuipc bench handoff: %s%s, %d iterations%s\n", name,
-         emu ? " (emulated: times are the emulator's, not a GPU's)" : "",
-         iters, quick ? " (--quick)" : "");
+  printf("gpuipc bench handoff: %s%s, %d iterations, %d CPUs%s\n", name,
+         b.emu ? " (emulated: times are the emulator's, not a GPU's)" : "",
+         b.iters, b.cpus, b.quick ? " (--quick)" : "");
   gpuipc_bench_json_str("device", name);
-  gpuipc_bench_json_num("iterations", iters);
-  gpuipc_bench_json_num("quick", quick);
+  gpuipc_bench_json_num("iterations", b.iters);
+  gpuipc_bench_json_num("quick", b.quick);
   gpuipc_bench_json_num("consumers_max", MAXC);
+  gpuipc_bench_json_num("fanout_consumers_max", b.ncons);
+  gpuipc_bench_json_num("cpus", b.cpus);
 
-  size_t sizes_full[] = {(size_t)4 << 10, (size_t)64 << 10, (size_t)1 << 20,
-                         (size_t)16 << 20, (size_t)256 << 20};
-  /* --quick: a GPU run well under 30 s (the full run takes minutes). */
-  size_t sizes_quick[] = {(size_t)4 << 10, (size_t)1 << 20};
-  size_t *sizes = quick ? sizes_quick : sizes_full;
-  int nsizes = quick ? 2 : 5;
   gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
-  ao.chunk_bytes = quick ? (size_t)128 << 20 : (size_t)1100 << 20;
+  ao.chunk_bytes = b.quick ? (size_t)128 << 20 : (size_t)1100 << 20;
   gpuipc_arena *a = NULL;
   OK(gpuipc_arena_create(&ao, &a));
+  summary sum = {0};
+  raw_rows(&b, &sum);
+  pair_rows(&b, a, &sum);
+  size_rows(&b, a);
+  fan_rows(&b, a, &sum);
+  batch_rows(&b, a, &sum);
+  flat_rows(&b);
+  summary_rows(&b, &sum);
 
-  {
-    /* The raw driver paths first: short, and the comparison the handoff
-     * numbers are read against (a long run cut off still shows them). */
-    double leg[3], pool[4];
-    raw_legacy(&b, leg);
-    raw_pool(&b, pool);
-    double rt = raw_memop(&b);
-    double fl[3];
-    raw_floor(&b, fl);
-    printf("\nraw driver paths, same run (medians, us; 1 MiB allocations):\n");
-    printf("  legacy   cuIpcGetMemHandle %.2f | cuIpcOpenMemHandle %.2f | "
-           "cuIpcCloseMemHandle %.2f | per buffer %.2f\n",
-           leg[0], leg[1], leg[2], leg[0] + leg[1] + leg[2]);
-    printf("  mempool  cuMemPoolExportPointer %.2f | cuMemPoolImportPointer "
-           "%.2f | free %.2f | per buffer %.2f (pool import + access, once: "
-           "%.1f)\n",
-           pool[0], pool[1], pool[2], pool[0] + pool[1] + pool[2], pool[3]);
-    printf("  ordering GPU round trip, stream write+wait value across two "
-           "processes: %.2f us\n",
-           rt);
-    printf("  parts    one small message between the processes %.2f | "
-           "cuStreamWriteValue64 enqueue %.2f | cuStreamWaitValue64 enqueue "
-           "%.2f (a handoff is a message, then the consumer's wait enqueue; "
-           "a full cycle also costs each side a write enqueue and a message "
-           "back)\n",
-           fl[0], fl[1], fl[2]);
-    fflush(stdout);
-    /* The same figures, one row per path; per_buffer_us is what one
-     * buffer handed over that way costs (the line the charts draw). */
-    gpuipc_bench_json_row_begin("raw");
-    gpuipc_bench_json_str("path", "legacy");
-    gpuipc_bench_json_num("get_us", leg[0]);
-    gpuipc_bench_json_num("open_us", leg[1]);
-    gpuipc_bench_json_num("close_us", leg[2]);
-    gpuipc_bench_json_num("per_buffer_us", leg[0] + leg[1] + leg[2]);
-    gpuipc_bench_json_row_end();
-    gpuipc_bench_json_row_begin("raw");
-    gpuipc_bench_json_str("path", "mempool");
-    gpuipc_bench_json_num("export_us", pool[0]);
-    gpuipc_bench_json_num("import_us", pool[1]);
-    gpuipc_bench_json_num("free_us", pool[2]);
-    gpuipc_bench_json_num("per_buffer_us", pool[0] + pool[1] + pool[2]);
-    gpuipc_bench_json_num("pool_import_once_us", pool[3]);
-    gpuipc_bench_json_row_end();
-    gpuipc_bench_json_row_begin("raw");
-    gpuipc_bench_json_str("path", "memop_round_trip");
-    gpuipc_bench_json_num("per_buffer_us", rt);
-    gpuipc_bench_json_row_end();
-    gpuipc_bench_json_row_begin("raw");
-    gpuipc_bench_json_str("path", "message");
-    gpuipc_bench_json_num("per_buffer_us", fl[0]);
-    gpuipc_bench_json_num("write_value_enqueue_us", fl[1]);
-    gpuipc_bench_json_num("wait_value_enqueue_us", fl[2]);
-    gpuipc_bench_json_row_end();
-  }
-
-  printf("\nhandoff: send -> consumer holds an ordered, usable buffer (consumer "
-         "polls); throughput: full cycle incl. release;\nsend()/recv(): "
-         "median time inside gpuipc_conn_send / the gpuipc_conn_recv call that "
-         "returned the buffer\n");
-  printf("%-9s %9s %11s %10s %14s %10s %10s\n", "size", "consumers",
-         "median us", "p90 us", "buffers/s", "send() us", "recv() us");
-  double pair_med = 0, pair_tput = 0;
-  {
-    /* Warm-up: every consumer imports the arena and the flag words. */
-    int keep = b.iters;
-    b.iters = 20;
-    double m, p, sc, rc;
-    run_lat(&b, a, 4096, MAXC, &m, &p, &sc, &rc);
-    b.iters = keep;
-  }
-  for (int si = 0; si < nsizes; si++) {
-    size_t sz = sizes[si];
-    int ring = sz >= ((size_t)64 << 20) ? 4 : 32;
-    int ncs[2] = {1, MAXC};
-    for (int ci = 0; ci < 2; ci++) {
-      double med, p90, sc, rc;
-      run_lat(&b, a, sz, ncs[ci], &med, &p90, &sc, &rc);
-      double tput = run_tput(&b, a, sz, ncs[ci], ring);
-      char sn[32];
-      printf("%-9s %9d %11.2f %10.2f %14.0f %10.2f %10.2f\n", size_name(sz, sn),
-             ncs[ci], med, p90, tput, sc, rc);
-      fflush(stdout);
-      gpuipc_bench_json_row_begin("handoff");
-      gpuipc_bench_json_num("size_bytes", (double)sz);
-      gpuipc_bench_json_num("consumers", ncs[ci]);
-      gpuipc_bench_json_num("median_us", med);
-      gpuipc_bench_json_num("p90_us", p90);
-      gpuipc_bench_json_num("buffers_per_s", tput);
-      gpuipc_bench_json_num("send_us", sc);
-      gpuipc_bench_json_num("recv_us", rc);
-      gpuipc_bench_json_row_end();
-      if (ncs[ci] == 1 && si == 0) {
-        pair_med = med;
-        pair_tput = tput;
-      }
-    }
-  }
-
-  printf("\none pair, 4 KiB: median %.2f us (target <= 2), %.0f buffers/s "
-         "(target >= 400000)%s\n",
-         pair_med, pair_tput,
-         emu ? "; on the emulator these say little about a GPU" : "");
-  gpuipc_bench_json_num("pair_4k_median_us", pair_med);
-  gpuipc_bench_json_num("pair_4k_buffers_per_s", pair_tput);
-
-  /* Fan-out: one 4 KiB buffer to nc consumers. */
-  printf("\nfan-out, 4 KiB: send -> the LAST consumer holds the buffer "
-         "(per buffer, the latest of the consumers); each: the consumers' "
-         "medians, averaged;\ncall: median time inside the send call(s) of "
-         "one buffer\n");
-  printf("%-10s %9s %16s %13s %10s %10s\n", "mode", "consumers",
-         "median last us", "p90 last us", "each us", "call us");
-  {
-    int keep = b.iters;
-    b.iters = 20;
-    double m, p, e, cl;
-    run_fan(&b, a, 4096, b.ncons, true, &m, &p, &e, &cl);
-    b.iters = keep;
-  }
-  double bc8_med = 0, bc8_p90 = 0;
-  static const int fan_n[3] = {8, 16, NCONS};
-  int nfan = b.ncons == NCONS ? 3 : 2;
-  for (int fi = 0; fi < nfan; fi++) {
-    for (int mode = 0; mode < 2; mode++) {
-      double ml, pl, me, cl;
-      run_fan(&b, a, 4096, fan_n[fi], mode == 1, &ml, &pl, &me, &cl);
-      const char *mn = mode ? "broadcast" : "each";
-      printf("%-10s %9d %16.2f %13.2f %10.2f %10.2f\n", mn, fan_n[fi], ml, pl,
-             me, cl);
-      fflush(stdout);
-      gpuipc_bench_json_row_begin("fanout");
-      gpuipc_bench_json_str("mode", mn);
-      gpuipc_bench_json_num("size_bytes", 4096);
-      gpuipc_bench_json_num("consumers", fan_n[fi]);
-      gpuipc_bench_json_num("median_last_us", ml);
-      gpuipc_bench_json_num("p90_last_us", pl);
-      gpuipc_bench_json_num("median_each_us", me);
-      gpuipc_bench_json_num("call_us", cl);
-      gpuipc_bench_json_row_end();
-      if (mode == 1 && fan_n[fi] == 8) {
-        bc8_med = ml;
-        bc8_p90 = pl;
-      }
-    }
-  }
-
-  /* Batches: send_batch / recv_batch / release_batch cycles. */
-  printf("\nbatches, 4 KiB blocks, one consumer, two batches in flight: full "
-         "cycle (send_batch, recv_batch, release_batch, the releases back);\n"
-         "call: median time inside gpuipc_conn_send_batch\n");
-  printf("%-6s %14s %16s %10s\n", "batch", "buffers/s", "per buffer us",
-         "call us");
-  double b16 = 0;
-  static const int batch_n[3] = {1, 16, BATCH_MAX};
-  for (int bi = 0; bi < 3; bi++) {
-    double cl = 0;
-    double rate = run_batch(&b, a, 4096, batch_n[bi], &cl);
-    printf("%-6d %14.0f %16.3f %10.2f\n", batch_n[bi], rate, 1e6 / rate, cl);
-    fflush(stdout);
-    gpuipc_bench_json_row_begin("batch");
-    gpuipc_bench_json_num("batch", batch_n[bi]);
-    gpuipc_bench_json_num("size_bytes", 4096);
-    gpuipc_bench_json_num("buffers_per_s", rate);
-    gpuipc_bench_json_num("per_buffer_us", 1e6 / rate);
-    gpuipc_bench_json_num("call_us", cl);
-    gpuipc_bench_json_row_end();
-    if (batch_n[bi] == 16)
-      b16 = rate;
-  }
-
-  /* Flatness: the cost of one handoff with many buffers leased. */
-  printf("\nflatness: single 4 KiB handoffs (full cycle) while other "
-         "buffers stay leased (held by two consumers)\n");
-  printf("%12s %14s %16s\n", "live leases", "buffers/s", "per buffer us");
-  {
-    gpuipc_arena_options fo = GPUIPC_ARENA_OPTIONS_INIT;
-    fo.chunk_bytes = (size_t)32 << 20;
-    gpuipc_arena *fa = NULL;
-    OK(gpuipc_arena_create(&fo, &fa));
-    static const long live_n[5] = {10, 100, 1000, 10000, 100000};
-    for (int li = 0; li < (quick ? 4 : 5); li++) {
-      double rate = run_flat(&b, fa, live_n[li]);
-      printf("%12ld %14.0f %16.3f\n", live_n[li], rate, 1e6 / rate);
-      fflush(stdout);
-      gpuipc_bench_json_row_begin("flatness");
-      gpuipc_bench_json_num("live_leases", (double)live_n[li]);
-      gpuipc_bench_json_num("size_bytes", 4096);
-      gpuipc_bench_json_num("buffers_per_s", rate);
-      gpuipc_bench_json_num("per_buffer_us", 1e6 / rate);
-      gpuipc_bench_json_row_end();
-    }
-    CU(gpuipc__cu.cuStreamSynchronize(b.s));
-    OK(gpuipc_arena_destroy(fa));
-  }
-
-  printf("\nbroadcast to 8, 4 KiB, last consumer: median %.2f us (target <= "
-         "6), p90 %.2f us (target <= 15); batches of 16: %.0f buffers/s "
-         "(target >= 2000000)%s\n",
-         bc8_med, bc8_p90, b16,
-         emu ? "; on the emulator these say little about a GPU" : "");
-  gpuipc_bench_json_num("broadcast_8_median_last_us", bc8_med);
-  gpuipc_bench_json_num("broadcast_8_p90_last_us", bc8_p90);
-  gpuipc_bench_json_num("batch_16_buffers_per_s", b16);
-
-  for (int k = 0; k < b.ncons; k++) {
-    send_cmd(b.c[k], OP_QUIT, 0);
-    gpuipc_conn_close(b.c[k]);
-  }
-  int rc = 0;
-  for (int k = 0; k < b.ncons; k++) {
-    int st = 0;
-    waitpid(pids[k], &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
-      rc = 1;
-  }
+  rc = stop_consumers(&b);
   CU(gpuipc__cu.cuStreamSynchronize(b.s));
   OK(gpuipc_arena_destroy(a));
+  CU(gpuipc__cu.cuMemFreeHost(b.gate_h));
+  free((void *)sum.pair_carrier);
   return rc;
 }

@@ -7,6 +7,7 @@
 #include "test-conn-handoff.h"
 
 #include <signal.h>
+#include <stdatomic.h>
 #include <unistd.h>
 
 /* ---- small tools --------------------------------------------------------------------- */
@@ -238,12 +239,98 @@ void send_batches(gpuipc_conn *c, gpuipc_arena *a1, gpuipc_arena *a2,
   free(lens);
 }
 
+/* ---- driver calls, counted ----------------------------------------------------------- */
+
+static atomic_int n_calls[DC_N];
+static bool counting;
+static CUresult (*real_write)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+static CUresult (*real_wait)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+static CUresult (*real_query)(CUstream);
+static CUresult (*real_record)(CUevent, CUstream);
+static CUresult (*real_wait_event)(CUstream, CUevent, unsigned int);
+
+static CUresult counting_write(CUstream s, CUdeviceptr a, cuuint64_t v,
+                               unsigned int f) {
+  atomic_fetch_add(&n_calls[DC_WRITE], 1);
+  return real_write(s, a, v, f);
+}
+
+static CUresult counting_wait(CUstream s, CUdeviceptr a, cuuint64_t v,
+                              unsigned int f) {
+  atomic_fetch_add(&n_calls[DC_WAIT], 1);
+  return real_wait(s, a, v, f);
+}
+
+static CUresult counting_query(CUstream s) {
+  atomic_fetch_add(&n_calls[DC_QUERY], 1);
+  return real_query(s);
+}
+
+static CUresult counting_record(CUevent e, CUstream s) {
+  atomic_fetch_add(&n_calls[DC_RECORD], 1);
+  return real_record(e, s);
+}
+
+static CUresult counting_wait_event(CUstream s, CUevent e, unsigned int f) {
+  atomic_fetch_add(&n_calls[DC_WAIT_EVENT], 1);
+  return real_wait_event(s, e, f);
+}
+
+void count_calls(void) {
+  if (!counting) {
+    real_write = gpuipc__cu.cuStreamWriteValue64;
+    real_wait = gpuipc__cu.cuStreamWaitValue64;
+    real_query = gpuipc__cu.cuStreamQuery;
+    real_record = gpuipc__cu.cuEventRecord;
+    real_wait_event = gpuipc__cu.cuStreamWaitEvent;
+    gpuipc__cu.cuStreamWriteValue64 = counting_write;
+    gpuipc__cu.cuStreamWaitValue64 = counting_wait;
+    gpuipc__cu.cuStreamQuery = counting_query;
+    gpuipc__cu.cuEventRecord = counting_record;
+    gpuipc__cu.cuStreamWaitEvent = counting_wait_event;
+    counting = true;
+  }
+  for (int i = 0; i < DC_N; i++)
+    atomic_store(&n_calls[i], 0);
+}
+
+int counted(int which) { return atomic_load(&n_calls[which]); }
+
+int counted_all(void) {
+  int n = 0;
+  for (int i = 0; i < DC_N; i++)
+    n += counted(i);
+  return n;
+}
+
+void uncount_calls(void) {
+  if (!counting)
+    return;
+  gpuipc__cu.cuStreamWriteValue64 = real_write;
+  gpuipc__cu.cuStreamWaitValue64 = real_wait;
+  gpuipc__cu.cuStreamQuery = real_query;
+  gpuipc__cu.cuEventRecord = real_record;
+  gpuipc__cu.cuStreamWaitEvent = real_wait_event;
+  counting = false;
+}
+
+void open_gate(CUdeviceptr gate) {
+  CUstream o;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&o, CU_STREAM_NON_BLOCKING));
+  ASSERT_CU((counting ? real_write : gpuipc__cu.cuStreamWriteValue64)(o, gate,
+                                                                     1, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(o));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(o));
+}
+
 /* ---- helper processes that tests of several files start ------------------------------ */
 
 /* A consumer: receives `count` buffers, checks each against the pattern
  * whose seed is in its metadata, releases it, and reports "ok". Then (if
- * argv[1] is "swap") it becomes the producer and sends one buffer back.
- * argv[0]: "pair" or a name to connect to in the runtime dir argv[2]. */
+ * argv[3] is "swap") it becomes the producer and sends one buffer back;
+ * (if argv[3] is "count") it reports, in a second message, how many stream
+ * waits its receives enqueued. argv[0]: "pair" or a name to connect to in
+ * the runtime dir argv[2]. */
 HELPER_IMPL(ho_consumer) {
   ASSERT(argc >= 2);
   int count = atoi(argv[1]);
@@ -258,9 +345,17 @@ HELPER_IMPL(ho_consumer) {
     ASSERT_OK(gpuipc_connect(argv[0], &o, &c));
   }
   CUstream s = mkstream();
+  bool count_waits = argc >= 4 && strcmp(argv[3], "count") == 0;
+  int waits = 0;
   for (int i = 0; i < count; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    if (count_waits)
+      count_calls();
     ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    if (count_waits) {
+      waits += counted(DC_WAIT) + counted(DC_WAIT_EVENT);
+      uncount_calls();
+    }
     ASSERT_EQ(r.meta_len, sizeof(uint32_t));
     uint32_t seed;
     memcpy(&seed, r.meta, sizeof seed);
@@ -275,6 +370,11 @@ HELPER_IMPL(ho_consumer) {
     ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
   }
   ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  if (count_waits) {
+    char msg[16];
+    int n = snprintf(msg, sizeof msg, "%d", waits);
+    ASSERT_OK(gpuipc_conn_send_msg(c, msg, (size_t)n, NULL, 0));
+  }
   if (argc >= 2 && argc >= 4 && strcmp(argv[3], "swap") == 0) {
     gpuipc_arena *a = mkarena((size_t)1 << 20);
     gpuipc_block *b = NULL;

@@ -59,4 +59,24 @@ void send_batches(gpuipc_conn *c, gpuipc_arena *a1, gpuipc_arena *a2,
                   CUstream s, int nb, int rounds, const size_t *sizes,
                   int nsizes, uint32_t seed0);
 
+/* Driver calls of this process, counted from count_calls() on (through
+ * the library's entry-point table, so the test's own calls made through
+ * gpuipc__cu count too: count around library calls only). */
+enum {
+  DC_WRITE,      /* cuStreamWriteValue64 */
+  DC_WAIT,       /* cuStreamWaitValue64 */
+  DC_QUERY,      /* cuStreamQuery */
+  DC_RECORD,     /* cuEventRecord */
+  DC_WAIT_EVENT, /* cuStreamWaitEvent */
+  DC_N
+};
+void count_calls(void);
+int counted(int which);
+/* All of them (those above). */
+int counted_all(void);
+void uncount_calls(void);
+/* Writes 1 into the word at gate (device memory) from a stream of its
+ * own, and waits for it: streams waiting for it go on (not counted). */
+void open_gate(CUdeviceptr gate);
+
 #endif

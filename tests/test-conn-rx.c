@@ -38,7 +38,17 @@ TEST_IMPL(handoff_api_checks) {
   ASSERT_OK(gpuipc_conn_set_timeout(c, 100));
   ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_TIMEOUT);
   ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
-  ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_WOULD_BLOCK);
+  /* A miss replaces the message before it, and one formatted on top of
+   * it reads it (it is kept unformatted until asked). */
+  for (int i = 0; i < 3; i++) {
+    ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_WOULD_BLOCK);
+    if (i < 2)
+      ASSERT_STR_EQ(gpuipc_last_error(), "receive would block");
+    ASSERT_EQ(gpuipc_last_cuda_error(), 0);
+    ASSERT_EQ(gpuipc_last_errno(), 0);
+  }
+  ASSERT_STATUS(gpuipc_conn_release(c, 12345, NULL), GPUIPC_E_NOT_FOUND);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "is not held");
   gpuipc_received small = GPUIPC_RECEIVED_INIT;
   small.size = 8;
   ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &small), GPUIPC_E_INVALID_ARG);

@@ -779,46 +779,6 @@ TEST_IMPL(handoff_broadcast_64_consumers) {
 
 /* ---- batches: driver calls ----------------------------------------------------------- */
 
-static atomic_int n_write_value, n_wait_value;
-
-static CUresult (*real_write_value)(CUstream, CUdeviceptr, cuuint64_t,
-                                    unsigned int);
-
-static CUresult (*real_wait_value)(CUstream, CUdeviceptr, cuuint64_t,
-                                   unsigned int);
-
-static CUresult counting_write(CUstream s, CUdeviceptr a, cuuint64_t v,
-                               unsigned int f) {
-  atomic_fetch_add(&n_write_value, 1);
-  return real_write_value(s, a, v, f);
-}
-
-static CUresult counting_wait(CUstream s, CUdeviceptr a, cuuint64_t v,
-                              unsigned int f) {
-  atomic_fetch_add(&n_wait_value, 1);
-  return real_wait_value(s, a, v, f);
-}
-
-/* Counts this process's stream memory operations from now on. */
-static void count_memops(void) {
-  if (real_write_value == NULL) {
-    real_write_value = gpuipc__cu.cuStreamWriteValue64;
-    real_wait_value = gpuipc__cu.cuStreamWaitValue64;
-    gpuipc__cu.cuStreamWriteValue64 = counting_write;
-    gpuipc__cu.cuStreamWaitValue64 = counting_wait;
-  }
-  atomic_store(&n_write_value, 0);
-  atomic_store(&n_wait_value, 0);
-}
-
-static void uncount_memops(void) {
-  if (real_write_value) {
-    gpuipc__cu.cuStreamWriteValue64 = real_write_value;
-    gpuipc__cu.cuStreamWaitValue64 = real_wait_value;
-    real_write_value = NULL;
-  }
-}
-
 /* A batch costs one ready write (producer), one wait (consumer, for the
  * whole batch received at once), one release write (consumer), and a
  * few reclaim waits (producer, one per release frame), not one of each
@@ -843,21 +803,21 @@ TEST_IMPL(handoff_batch_driver_calls) {
       rs[i] = (gpuipc_received)GPUIPC_RECEIVED_INIT;
     /* The batch's frame comes whole: its 8 buffers are queued together
      * (one frame is read whole before recv returns). */
-    count_memops();
+    count_calls();
     size_t n = 0;
     ASSERT_OK(gpuipc_conn_recv_batch(c, (struct CUstream_st *)s, rs, 8, &n));
     ASSERT_EQ(n, 8);
     if (idle)
-      ASSERT_EQ(atomic_load(&n_wait_value), 0);
+      ASSERT_EQ(counted(DC_WAIT), 0);
     else
-      ASSERT_LE(atomic_load(&n_wait_value), 1);
+      ASSERT_LE(counted(DC_WAIT), 1);
     uint64_t ids[8];
     for (int i = 0; i < 8; i++)
       ids[i] = rs[i].id;
-    count_memops();
+    count_calls();
     ASSERT_OK(gpuipc_conn_release_batch(c, ids, 8, (struct CUstream_st *)s));
-    ASSERT_EQ(atomic_load(&n_write_value), 1);
-    uncount_memops();
+    ASSERT_EQ(counted(DC_WRITE), 1);
+    uncount_calls();
   }
   ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
   char buf[4];
@@ -898,22 +858,18 @@ TEST_IMPL(handoff_batch_driver_calls) {
   ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 256));
   if (s != NULL)
     ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1, CU_STREAM_WAIT_VALUE_GEQ));
-  count_memops();
+  count_calls();
   ASSERT_OK(gpuipc_conn_send_batch(c, bs, 16, (struct CUstream_st *)s, metas,
                                    lens));
-  ASSERT_EQ(atomic_load(&n_write_value), 1);
-  CUstream o;
-  ASSERT_CU(gpuipc__cu.cuStreamCreate(&o, CU_STREAM_NON_BLOCKING));
-  ASSERT_CU(real_write_value(o, gate, 1, 0));
-  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(o));
-  ASSERT_CU(gpuipc__cu.cuStreamDestroy(o));
-  count_memops();
+  ASSERT_EQ(counted(DC_WRITE), 1);
+  open_gate(gate);
+  count_calls();
   for (int i = 0; i < 16; i++)
     wait_unheld(c, bs[i]);
   /* 16 buffers released in at least 3 calls of at most 7: a reclaim wait
    * per release frame at most. */
-  int waits = atomic_load(&n_wait_value);
-  uncount_memops();
+  int waits = counted(DC_WAIT);
+  uncount_calls();
   if (waits < 1 || waits > 16 / 7 + 2)
     harness_fail(__FILE__, __LINE__, "%d reclaim waits for 16 releases",
                  waits);
@@ -931,11 +887,11 @@ TEST_IMPL(handoff_batch_driver_calls) {
     uint32_t seed = 77;
     const void *m1 = &seed;
     size_t l1 = sizeof seed;
-    count_memops();
+    count_calls();
     ASSERT_OK(gpuipc_conn_send_batch(c, &b1, 1, (struct CUstream_st *)s, &m1,
                                      &l1));
-    int writes = atomic_load(&n_write_value);
-    uncount_memops();
+    int writes = counted(DC_WRITE);
+    uncount_calls();
     if (s != NULL) /* the legacy stream is never asked */
       ASSERT_EQ(writes, k == 0 ? 1 : 0);
     wait_unheld(c, b1);
@@ -947,6 +903,76 @@ TEST_IMPL(handoff_batch_driver_calls) {
   gpuipc_conn_close(c);
   ASSERT_OK(gpuipc_arena_destroy(a));
   return 0;
+}
+
+/* ---- data the caller asserts complete (GPUIPC_SEND_COMPLETE) ------------------------- */
+
+/* A send whose caller asserts the data complete asks the driver nothing
+ * (no query, no ready write, no event record; the stream, NULL or busy,
+ * is not touched), the consumer enqueues no wait (memop mode) and sees
+ * the data; unknown flag bits are refused and send nothing. */
+TEST_IMPL(handoff_send_complete) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid =
+      spawn_helper("ho_consumer", NULL, &fd, "pair", "4", "-", "count", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s = mkstream();
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  static const unsigned bad[] = {0x2u, 0x80000000u, GPUIPC_SEND_COMPLETE | 0x4u};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(bad); i++) {
+    ASSERT_STATUS(gpuipc_conn_send_ex(c, b, NULL, NULL, 0, bad[i]),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "unknown flags");
+    ASSERT_EQ(gpuipc_block_get_holders(b), 0);
+  }
+  /* A stream held back by a gate: a send that touched it (a query, a
+   * write, a record) would be seen by the counts. */
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 256));
+  if (s != NULL)
+    ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1,
+                                             CU_STREAM_WAIT_VALUE_GEQ));
+  for (uint32_t i = 0; i < 4; i++) {
+    uint32_t seed = 500 + i;
+    uint8_t host[4096];
+    pattern(host, sizeof host, seed);
+    /* Written by the host, synchronously: complete before the send. */
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host, sizeof host));
+    count_calls();
+    ASSERT_OK(gpuipc_conn_send_ex(c, b, i % 2 ? (struct CUstream_st *)s : NULL,
+                                  &seed, sizeof seed, GPUIPC_SEND_COMPLETE));
+    int calls = counted_all();
+    uncount_calls();
+    ASSERT_EQ(calls, 0);
+    wait_unheld(c, b);
+  }
+  char msg[16] = "";
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, msg, sizeof msg - 1, &len, NULL, NULL));
+  ASSERT_EQ(len, 2); /* "ok": every buffer had the data sent */
+  ASSERT_OK(gpuipc_conn_recv_msg(c, msg, sizeof msg - 1, &len, NULL, NULL));
+  msg[len] = '\0';
+  if (test_order() == GPUIPC_ORDER_MEMOP)
+    ASSERT_EQ(atoi(msg), 0); /* DONE: no wait at the consumer */
+  open_gate(gate);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+TEST_IMPL(handoff_event_send_complete) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_send_complete();
 }
 
 /* ---- batches and broadcast in event mode and on the legacy stream -------------------- */

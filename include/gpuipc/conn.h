@@ -617,6 +617,29 @@ GPUIPC_API gpuipc_status gpuipc_conn_send(gpuipc_conn *conn,
                                           struct CUstream_st *stream,
                                           const void *meta, size_t meta_len);
 
+/* Flags of gpuipc_conn_send_ex. */
+/* The caller asserts that every write to the block that it wants the
+ * consumer to see has completed before this call (it synchronized the
+ * stream or an event after that work, or the data was written by the
+ * host). The send then asks the driver nothing: no stream query, no ready
+ * signal (in the default memop mode the frame says so, and the consumer
+ * enqueues no wait; in GPUIPC_ORDER_EVENT mode no event is recorded; in
+ * GPUIPC_ORDER_NONE nothing changes), and `stream` is not used (it may be
+ * NULL). If the assertion is false, the consumer may read stale or
+ * partly written data: the library cannot check it. The release, and the
+ * reuse of the block's memory only after the consumer's work before its
+ * release, are as for any send. */
+#define GPUIPC_SEND_COMPLETE 0x1u
+
+/* gpuipc_conn_send with flags (0 or GPUIPC_SEND_COMPLETE; any other bit:
+ * GPUIPC_E_INVALID_ARG, nothing sent). gpuipc_conn_send is
+ * gpuipc_conn_send_ex with flags 0. */
+GPUIPC_API gpuipc_status gpuipc_conn_send_ex(gpuipc_conn *conn,
+                                             gpuipc_block *block,
+                                             struct CUstream_st *stream,
+                                             const void *meta,
+                                             size_t meta_len, unsigned flags);
+
 /* Sends a buffer that is not an arena block (from a gpuipc pool of any
  * kind, or wrapped with gpuipc_buffer_wrap), through its descriptor: the
  * first send of a buffer costs the handle layer's export (then cached), the

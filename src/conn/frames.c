@@ -112,8 +112,8 @@ uint64_t gpuipc__conn_deadline(const gpuipc_conn *c) {
 
 static gpuipc_status timed_out(const gpuipc_conn *c, uint64_t deadline,
                                const char *what) {
-  if (deadline == 0)
-    return gpuipc__fail(GPUIPC_E_WOULD_BLOCK, "%s would block", what);
+  if (deadline == 0) /* a polling miss: nothing formatted (what: a literal) */
+    return gpuipc__fail_static(GPUIPC_E_WOULD_BLOCK, what, " would block");
   return gpuipc__fail(GPUIPC_E_TIMEOUT, "%s: timed out after %d ms", what,
                       c->timeout_ms);
 }

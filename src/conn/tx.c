@@ -187,12 +187,13 @@ static gpuipc_status tx_open(gpuipc_conn *c, int ordinal,
 /* n free slots (waiting up to deadline for releases when fewer are free),
  * event mode's record of each one's ready event on stream, and the next n
  * sequence numbers: what every send of one buffer, a batch or a broadcast
- * takes before its frame (`batch`: say so in a message). Nothing is
+ * takes before its frame (`batch`: say so in a message; `complete`: the
+ * caller asserted its data complete, no record is made). Nothing is
  * taken yet: the slots stay free until the frame left. */
 static gpuipc_status take_leases(gpuipc_conn *conn, struct gpuipc__ho *h,
                                  struct CUstream_st *stream, uint64_t deadline,
-                                 uint32_t n, bool batch, uint32_t *slots,
-                                 uint64_t *seqs) {
+                                 uint32_t n, bool batch, bool complete,
+                                 uint32_t *slots, uint64_t *seqs) {
   gpuipc__lease_table *lt = h->lt;
   if (!gpuipc__lease_free_slots(lt, n, slots)) {
     /* Every slot is out (not enough slots free): wait for releases. */
@@ -213,8 +214,12 @@ static gpuipc_status take_leases(gpuipc_conn *conn, struct gpuipc__ho *h,
       }
       /* The consumer's wait (at recv) captures this record; the slot's
        * event is recorded again only after the consumer released this
-       * lease. */
-      GPUIPC__CHECK(gpuipc_event_record(ev, stream));
+       * lease. A send the caller asserts complete records nothing: the
+       * consumer's wait then captures the slot's previous record (work
+       * queued before an earlier send, which its wait for that send
+       * covered already), never anything newer. */
+      if (!complete)
+        GPUIPC__CHECK(gpuipc_event_record(ev, stream));
     }
   }
   for (uint32_t i = 0; i < n; i++) {
@@ -301,23 +306,28 @@ static gpuipc_status tx_commit(gpuipc_conn *conn, struct gpuipc__ho *h,
 /* The common part of both sends of one buffer: a free slot, the frame,
  * then the stream-ordered ready write and the lease. `desc` (with fds) is
  * set for a descriptor buffer (buf), else the frame names the arena block
- * (block) in w. */
+ * (block) in w. `complete` (GPUIPC_SEND_COMPLETE, arena blocks only): the
+ * caller says the block's data is complete; `stream` is not touched (no
+ * query, no event record, no ready write) and the frame says DONE. */
 static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
-                               struct CUstream_st *stream, gpuipc__w_buf *w,
-                               const uint8_t *desc, uint32_t desc_len,
-                               const int *fds, int nfds, const void *meta,
-                               size_t meta_len, uint64_t deadline,
-                               gpuipc_block *block, gpuipc_buffer *buf) {
+                               struct CUstream_st *stream, bool complete,
+                               gpuipc__w_buf *w, const uint8_t *desc,
+                               uint32_t desc_len, const int *fds, int nfds,
+                               const void *meta, size_t meta_len,
+                               uint64_t deadline, gpuipc_block *block,
+                               gpuipc_buffer *buf) {
   gpuipc__lease_table *lt = h->lt;
   uint32_t slot;
   uint64_t seq;
-  GPUIPC__CHECK(take_leases(conn, h, stream, deadline, 1, false, &slot, &seq));
+  GPUIPC__CHECK(take_leases(conn, h, stream, deadline, 1, false, complete, &slot,
+                            &seq));
   bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
   if (conn->watch)
     atomic_store(&conn->watch->tx_seq, seq);
-  /* An arena block whose work is already done needs no ready write, and
-   * the consumer no wait. */
-  bool done = ordered && desc == NULL && stream_idle(h, lt->ordinal, stream);
+  /* An arena block whose work is already done (the caller says so, or its
+   * stream is idle) needs no ready write, and the consumer no wait. */
+  bool done = ordered && desc == NULL &&
+              (complete || stream_idle(h, lt->ordinal, stream));
   w->seq = seq;
   w->slot = slot;
   w->flags |= buf_flags(conn, done);
@@ -340,21 +350,27 @@ static gpuipc_status send_core(gpuipc_conn *conn, struct gpuipc__ho *h,
   }
   if (s != GPUIPC_OK)
     return s; /* nothing was enqueued: the slot stays free */
-  return tx_commit(conn, h, 1, &slot, &seq, &block, buf, stream, done, false);
+  /* Asserted complete: no stream wrote the slot's word (NULL: a later
+   * write of it, from whatever stream, first waits for this release). */
+  return tx_commit(conn, h, 1, &slot, &seq, &block, buf,
+                   complete ? NULL : stream, done, false);
 }
 
-gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
-                               struct CUstream_st *stream, const void *meta,
-                               size_t meta_len) {
+gpuipc_status gpuipc_conn_send_ex(gpuipc_conn *conn, gpuipc_block *block,
+                                  struct CUstream_st *stream, const void *meta,
+                                  size_t meta_len, unsigned flags) {
+  const char *fn = flags ? "gpuipc_conn_send_ex" : "gpuipc_conn_send";
   if (conn == NULL || block == NULL || meta_len > GPUIPC_META_MAX ||
       (meta_len > 0 && meta == NULL))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_conn_send: NULL connection/block or metadata "
-                        "of %zu bytes (max %d)",
-                        meta_len, GPUIPC_META_MAX);
+                        "%s: NULL connection/block or metadata of %zu bytes "
+                        "(max %d)",
+                        fn, meta_len, GPUIPC_META_MAX);
+  if (flags & ~GPUIPC_SEND_COMPLETE)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "%s: unknown flags 0x%x", fn,
+                        flags & ~GPUIPC_SEND_COMPLETE);
   if (!gpuipc__block_sendable(block))
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_conn_send: the block was freed");
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "%s: the block was freed", fn);
   if (conn->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(conn);
   GPUIPC__CHECK(gpuipc__driver());
@@ -364,15 +380,20 @@ gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
   GPUIPC__CHECK(tx_open(conn, a->ordinal, &h, &deadline));
   if (a->ordinal != h->lt->ordinal)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                        "gpuipc_conn_send: the block is on device %d, this "
-                        "connection's flag words on device %d (one device per "
-                        "connection)",
-                        a->ordinal, h->lt->ordinal);
+                        "%s: the block is on device %d, this connection's "
+                        "flag words on device %d (one device per connection)",
+                        fn, a->ordinal, h->lt->ordinal);
   GPUIPC__CHECK(export_chunk(conn, h, a, block->chunk, deadline));
   gpuipc__w_buf w = {0,          a->id, block->off, block->bytes, 0,
                      block->chunk, 0,     0};
-  return send_core(conn, h, stream, &w, NULL, 0, NULL, 0, meta, meta_len,
-                   deadline, block, NULL);
+  return send_core(conn, h, stream, (flags & GPUIPC_SEND_COMPLETE) != 0, &w,
+                   NULL, 0, NULL, 0, meta, meta_len, deadline, block, NULL);
+}
+
+gpuipc_status gpuipc_conn_send(gpuipc_conn *conn, gpuipc_block *block,
+                               struct CUstream_st *stream, const void *meta,
+                               size_t meta_len) {
+  return gpuipc_conn_send_ex(conn, block, stream, meta, meta_len, 0);
 }
 
 gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
@@ -439,7 +460,8 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
   uint32_t slots[GPUIPC_BATCH_MAX];
   uint64_t seqs[GPUIPC_BATCH_MAX];
   GPUIPC__CHECK(
-      take_leases(conn, h, stream, deadline, (uint32_t)n, true, slots, seqs));
+      take_leases(conn, h, stream, deadline, (uint32_t)n, true, false, slots,
+                  seqs));
   bool ordered = conn->order == GPUIPC_ORDER_MEMOP;
   bool done = ordered && stream_idle(h, lt->ordinal, stream);
   gpuipc__w_bufs hdr = {(uint32_t)n, (uint32_t)n - 1, 0, 0};
@@ -581,7 +603,7 @@ static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
     GPUIPC__CHECK(export_chunk(c, h, bword->arena, bword->chunk, deadline));
   uint32_t slot;
   uint64_t seq;
-  GPUIPC__CHECK(take_leases(c, h, stream, deadline, 1, false, &slot, &seq));
+  GPUIPC__CHECK(take_leases(c, h, stream, deadline, 1, false, false, &slot, &seq));
   *w = (gpuipc__w_buf){seq,         a->id, block->off, block->bytes, slot,
                        block->chunk, 0,    (uint32_t)meta_len};
   w->flags |= buf_flags(c, false);
@@ -745,8 +767,8 @@ gpuipc_status gpuipc_conn_send_buffer(gpuipc_conn *conn, gpuipc_buffer *buf,
   int nfds = GPUIPC_DESC_MAX_FDS;
   GPUIPC__CHECK(gpuipc_buffer_export(buf, desc, sizeof desc, &dlen, fds, &nfds));
   gpuipc__w_buf w = {0, 0, 0, bi.size, 0, UINT32_MAX, GPUIPC__BUF_DESC, 0};
-  gpuipc_status s = send_core(conn, h, stream, &w, desc, (uint32_t)dlen, fds,
-                              nfds, meta, meta_len, deadline, NULL, buf);
+  gpuipc_status s = send_core(conn, h, stream, false, &w, desc, (uint32_t)dlen,
+                              fds, nfds, meta, meta_len, deadline, NULL, buf);
   for (int i = 0; i < nfds; i++)
     close(fds[i]);
   return s;

@@ -39,6 +39,12 @@
  * function can end with `return gpuipc__fail(GPUIPC_E_..., "...")`. */
 gpuipc_status gpuipc__fail(gpuipc_status status, const char *fmt, ...)
     GPUIPC__PRINTF(2, 3);
+/* gpuipc__fail for a hot path's expected miss (a non-blocking call that
+ * would block): records the message `what` followed by `text` without
+ * formatting anything now; gpuipc_last_error() joins them when asked.
+ * Both strings must live for the whole program (string literals). */
+gpuipc_status gpuipc__fail_static(gpuipc_status status, const char *what,
+                                  const char *text);
 /* A failed system call: maps err (an errno value) to a status (ENOMEM ->
  * E_NO_MEMORY, EACCES/EPERM -> E_PERMISSION, ETIMEDOUT -> E_TIMEOUT, ...)
  * and records "call: strerror(err) (detail)". */

@@ -1,6 +1,9 @@
 /*
  * error.c: owns status codes and their strings (generated from
- * GPUIPC_STATUS_MAP), and the per-thread record of the last failure.
+ * GPUIPC_STATUS_MAP), and the per-thread record of the last failure (a
+ * formatted message, or two constant strings joined only when
+ * gpuipc_last_error() asks, for failures a polling loop meets at every
+ * turn).
  */
 #include "core_int.h"
 
@@ -10,6 +13,9 @@
 static _Thread_local char last_msg[1024];
 static _Thread_local int last_cuda;
 static _Thread_local int last_errno;
+/* A message not formatted yet (gpuipc__fail_static): last_msg is stale
+ * while lazy_what is set. */
+static _Thread_local const char *lazy_what, *lazy_text;
 
 const char *gpuipc_strerror(gpuipc_status status) {
   switch (status) {
@@ -35,7 +41,13 @@ const char *gpuipc_status_name(gpuipc_status status) {
   }
 }
 
-const char *gpuipc_last_error(void) { return last_msg; }
+const char *gpuipc_last_error(void) {
+  if (lazy_what) {
+    snprintf(last_msg, sizeof last_msg, "%s%s", lazy_what, lazy_text);
+    lazy_what = NULL;
+  }
+  return last_msg;
+}
 int gpuipc_last_cuda_error(void) { return last_cuda; }
 int gpuipc_last_errno(void) { return last_errno; }
 
@@ -45,8 +57,11 @@ static void record(const char *fmt, va_list ap) {
   /* Format into a scratch buffer first: fmt's arguments may point into
    * last_msg itself (re-raising an earlier message with a prefix). */
   char tmp[sizeof last_msg];
-  vsnprintf(tmp, sizeof tmp, fmt, ap);
-  memcpy(last_msg, tmp, sizeof tmp);
+  int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+  size_t len = n < 0 ? 0 : (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1;
+  tmp[len] = '\0';
+  memcpy(last_msg, tmp, len + 1);
+  lazy_what = NULL;
 }
 
 gpuipc_status gpuipc__fail(gpuipc_status status, const char *fmt, ...) {
@@ -57,6 +72,16 @@ gpuipc_status gpuipc__fail(gpuipc_status status, const char *fmt, ...) {
   last_cuda = 0;
   last_errno = 0;
   GPUIPC__DEBUG("error", "%s: %s", gpuipc_status_name(status), last_msg);
+  return status;
+}
+
+gpuipc_status gpuipc__fail_static(gpuipc_status status, const char *what,
+                                  const char *text) {
+  lazy_what = what;
+  lazy_text = text;
+  last_cuda = 0;
+  last_errno = 0;
+  GPUIPC__DEBUG("error", "%s: %s%s", gpuipc_status_name(status), what, text);
   return status;
 }
 
