@@ -4,11 +4,12 @@
  * broadcast killed or closing, a consumer's close (bounded, after its
  * stream, releasing what it had queued), a consumer that gives up on its
  * own error (ABANDON), a process whose main thread exited (not gone), the
- * opt-in peer watcher, every driver call failing in turn, and a close
+ * peer watcher (opt-in, then the default), every driver call failing in turn, and a close
  * that keeps its imports until the producer is gone.
  */
 #include "test-conn-handoff.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -1104,5 +1105,94 @@ TEST_IMPL(handoff_close_kept_imports_released_when_the_producer_dies) {
   ASSERT_LT(gpuipc__cache_pools_held(), pools0);
   ASSERT_CU(gpuipc__cu.cuMemFree(priv));
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
+}
+
+/* ---- the peer watcher by default ------------------------------------------------------ */
+
+/* The consumer of an exporter that dies after its send, with the options
+ * o (timeout aside), synchronizes its stream before any gpuipc call: the
+ * synchronize returns (the watcher wrote the dead exporter's word). */
+static int default_watcher_unblocks(gpuipc_conn_options *o) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_stuck_producer", NULL, &fd, NULL);
+  o->timeout_ms = 30000;
+  gpuipc_conn *c = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd, o, &c));
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_EQ(gpuipc__cu.cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  bounded("cuStreamSynchronize after the exporter died, default options", 20);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  bounded_done();
+  ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+  gpuipc_conn_close(c);
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
+}
+
+/* GPUIPC_CONN_OPTIONS_INIT, untouched: the watcher is on. */
+TEST_IMPL(handoff_watcher_by_default) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  return default_watcher_unblocks(&o);
+}
+
+/* A caller built against the header where watch_peer was opt-in: its
+ * options end before the field, and the old field says 0 ("the
+ * default"): it gets the watcher too. */
+TEST_IMPL(handoff_watcher_old_caller_gets_default) {
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.size = offsetof(gpuipc_conn_options, watch_peer);
+  o.watch_peer_v0 = 0;
+  o.watch_peer = 0; /* beyond its size: not read */
+  return default_watcher_unblocks(&o);
+}
+
+/* Threads of this process now. */
+static int thread_count(void) {
+  DIR *d = opendir("/proc/self/task");
+  ASSERT(d != NULL);
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+/* watch_peer = 0 starts no thread; the first connection with the default
+ * starts one, and later ones no other. */
+TEST_IMPL(handoff_watcher_opt_out_no_thread) {
+  REQUIRE_DEVICES(1);
+  int n0 = thread_count();
+  int fd1, fd2, fd3;
+  pid_t p1 = spawn_helper("ho_stuck_producer", NULL, &fd1, NULL);
+  pid_t p2 = spawn_helper("ho_stuck_producer", NULL, &fd2, NULL);
+  gpuipc_conn_options off = GPUIPC_CONN_OPTIONS_INIT;
+  off.watch_peer = 0;
+  gpuipc_conn *c1 = NULL, *c2 = NULL, *c3 = NULL;
+  ASSERT_OK(gpuipc_conn_from_fd(fd1, &off, &c1));
+  ASSERT_EQ(thread_count(), n0);
+  ASSERT_OK(gpuipc_conn_from_fd(fd2, NULL, &c2));
+  ASSERT_EQ(thread_count(), n0 + 1);
+  pid_t p3 = spawn_helper("ho_stuck_producer", NULL, &fd3, NULL);
+  ASSERT_OK(gpuipc_conn_from_fd(fd3, NULL, &c3));
+  ASSERT_EQ(thread_count(), n0 + 1);
+  pid_t ps[3] = {p1, p2, p3};
+  for (int i = 0; i < 3; i++) {
+    kill(ps[i], SIGKILL);
+    ASSERT_EQ(wait_helper(ps[i], 60), 128 + SIGKILL);
+  }
+  gpuipc_conn_close(c1);
+  gpuipc_conn_close(c2);
+  gpuipc_conn_close(c3);
   return 0;
 }

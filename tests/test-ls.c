@@ -72,6 +72,16 @@ static void expect_msg(gpuipc_conn *c, const char *what) {
   ASSERT_MEM_EQ(buf, what, len);
 }
 
+/* A helper's end: waits for the test's last word (or its close), closes. */
+static int wait_end(gpuipc_conn *c) {
+  char buf[8];
+  size_t len;
+  gpuipc_status s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(s == GPUIPC_E_PEER_GONE || s == GPUIPC_OK);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
 /* Receives two buffers and holds them until told, then releases them. */
 HELPER_IMPL(ls_holder) {
   gpuipc_conn *c = ls_conn(dup(harness_helper_fd()));
@@ -85,12 +95,7 @@ HELPER_IMPL(ls_holder) {
   for (int i = 0; i < 2; i++)
     ASSERT_OK(gpuipc_conn_release(c, r[i].id, NULL));
   ASSERT_OK(gpuipc_conn_send_msg(c, "done", 4, NULL, 0));
-  char buf[8];
-  size_t len;
-  gpuipc_status s = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
-  ASSERT(s == GPUIPC_E_PEER_GONE || s == GPUIPC_OK);
-  gpuipc_conn_close(c);
-  return 0;
+  return wait_end(c);
 }
 
 TEST_IMPL(ls_two_processes_field_by_field) {
@@ -396,5 +401,81 @@ TEST_IMPL(ls_command_control_characters) {
   ASSERT_NOT_NULL(line);
   const char *end = strchr(line, '\n'), *later = strstr(line, "12345");
   ASSERT(end != NULL && later != NULL && later < end);
+  return 0;
+}
+
+/* Connects, says so, and waits for the end (its command line carries
+ * whatever bytes the test gave it). */
+HELPER_IMPL(ls_named) {
+  (void)argc;
+  (void)argv;
+  gpuipc_conn *c = ls_conn(dup(harness_helper_fd()));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "up", 2, NULL, 0));
+  return wait_end(c);
+}
+
+/* A command line that is not UTF-8 (Latin-1 "café", a stray continuation
+ * byte) is escaped in `ls --json`: the listing is ASCII here, valid JSON. */
+TEST_IMPL(ls_json_escapes_bytes_that_are_not_utf8) {
+  private_runtime();
+  int fd;
+  pid_t pid = spawn_helper("ls_named", NULL, &fd, "caf\xe9", "x\x80y", NULL);
+  gpuipc_conn *c = ls_conn(fd);
+  expect_msg(c, "up");
+  static char json[1 << 16], obj[8192];
+  ASSERT_EQ(run_cli("ls", "--json", json, sizeof json), 0);
+  ASSERT(proc_object(json, (int)pid, obj, sizeof obj));
+  ASSERT_HAS(obj, "caf\\u00e9 x\\u0080y");
+  for (const char *p = json; *p; p++)
+    ASSERT((unsigned char)*p < 0x80);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  return 0;
+}
+
+/* Writes a segment file as a process of pid namespace ns would (pid, a
+ * start time no process here has). */
+static void fake_segment(const char *dir, int pid, uint64_t ns, char *path,
+                         size_t cap) {
+  static gpuipc__stats_seg s;
+  memset(&s, 0, sizeof s);
+  s.version = GPUIPC__STATS_VERSION;
+  s.size = (uint32_t)sizeof s;
+  s.pid = pid;
+  s.uid = (uint32_t)geteuid();
+  s.start_time = 12345;
+  s.pid_ns = ns;
+  snprintf(s.command, sizeof s.command, "fake-%d", pid);
+  atomic_store(&s.magic, GPUIPC__STATS_MAGIC);
+  ASSERT_EQ(gpuipc__stats_path(path, cap, dir, pid, s.start_time), 0);
+  int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(write(fd, &s, sizeof s), (ssize_t)sizeof s);
+  close(fd);
+}
+
+/* A segment of another pid namespace sharing the directory is listed and
+ * left alone (its pid names another process here, or none); one of ours
+ * whose process is gone is removed. */
+TEST_IMPL(ls_keeps_segments_of_other_pid_namespaces) {
+  uint64_t ns = gpuipc__pid_namespace();
+  if (ns == 0)
+    SKIP("no /proc/self/ns/pid here");
+  char dir[512];
+  snprintf(dir, sizeof dir, "%s/gpuipc", private_runtime());
+  ASSERT_EQ(mkdir(dir, 0700) == 0 || errno == EEXIST, 1);
+  char theirs[600], ours[600];
+  /* pid 1 here is init, with another start time: "gone" if judged. */
+  fake_segment(dir, 1, ns + 1, theirs, sizeof theirs);
+  fake_segment(dir, 2, ns, ours, sizeof ours);
+  static char json[1 << 16], obj[8192];
+  ASSERT_EQ(run_cli("ls", "--json", json, sizeof json), 0);
+  ASSERT(proc_object(json, 1, obj, sizeof obj));
+  ASSERT_HAS(obj, "\"alive\": true, \"own_pid_namespace\": false");
+  ASSERT(proc_object(json, 2, obj, sizeof obj));
+  ASSERT_HAS(obj, "\"alive\": false, \"own_pid_namespace\": true");
+  ASSERT_EQ(access(theirs, F_OK), 0);
+  ASSERT(access(ours, F_OK) != 0);
+  unlink(theirs);
   return 0;
 }

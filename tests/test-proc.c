@@ -27,7 +27,7 @@ static gpuipc_conn *child_connect(void) {
 }
 
 /* Modes: "echo" echoes one message; "exit:N" exits with N after
- * connecting; "raw-exit:N" exits with N without connecting; "sleep" never
+ * connecting; "wait-close" waits (forever) for the parent's close; "raw-exit:N" exits with N without connecting; "sleep" never
  * connects. */
 HELPER_IMPL(proc_child) {
   ASSERT_GE(argc, 1);
@@ -47,6 +47,14 @@ HELPER_IMPL(proc_child) {
     ASSERT_OK(gpuipc_conn_send_msg(c, buf, len, NULL, 0));
   } else if (strncmp(mode, "exit:", 5) == 0) {
     rc = atoi(mode + 5);
+  } else if (strcmp(mode, "wait-close") == 0) {
+    /* The parent closes its end: seen at once, and nothing goes out. */
+    char buf[16];
+    size_t len = 0;
+    ASSERT_OK(gpuipc_conn_set_timeout(c, -1));
+    ASSERT_STATUS(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL),
+                  GPUIPC_E_PEER_GONE);
+    ASSERT(gpuipc_conn_send_msg(c, "x", 1, NULL, 0) != GPUIPC_OK);
   }
   gpuipc_conn_close(c);
   return rc;
@@ -506,5 +514,31 @@ TEST_IMPL(proc_example_worker_group) {
   ASSERT_STR_CONTAINS(out, "killed by signal 9 (SIGKILL)");
   ASSERT_STR_CONTAINS(out, "gathered 12 jobs from 3 workers\n");
   ASSERT_STR_CONTAINS(out, "arena: 0 lease(s) out");
+  return 0;
+}
+
+/* ---- the parent's connection taken out of the child ------------------------------- */
+
+/* gpuipc_child_take_conn: the caller owns the connection; its close is
+ * seen by the child at once (its recv, waiting forever, returns
+ * GPUIPC_E_PEER_GONE), and the child object no longer has it. */
+TEST_IMPL(proc_take_conn_close_seen_by_child) {
+  char *argv[5];
+  self_argv("proc_child", "wait-close", argv);
+  int fds_before = harness_count_fds();
+  gpuipc_child *ch = NULL;
+  ASSERT_OK(gpuipc_spawn("/proc/self/exe", argv, NULL, &ch));
+  gpuipc_conn *c = gpuipc_child_take_conn(ch);
+  ASSERT_NOT_NULL(c);
+  ASSERT_NULL(gpuipc_child_get_conn(ch));
+  ASSERT_NULL(gpuipc_child_take_conn(ch));
+  ASSERT_NULL(gpuipc_child_take_conn(NULL));
+  gpuipc_conn_close(c);
+  gpuipc_child_status st;
+  ASSERT_OK(gpuipc_child_wait(ch, 30000, &st));
+  ASSERT_EQ(st.state, GPUIPC_CHILD_EXITED);
+  ASSERT_EQ(st.code, 0);
+  ASSERT_OK(gpuipc_child_destroy(ch, 0, NULL));
+  ASSERT_EQ(harness_count_fds(), fds_before);
   return 0;
 }

@@ -31,6 +31,7 @@ static const char *const order_names[] = {"memop", "none", "event"};
 typedef struct ls_proc {
   gpuipc__stats_seg s; /* a copy, taken at once */
   bool alive;
+  bool foreign; /* of another pid namespace: not judged (alive) */
   char path[300];
 } ls_proc;
 
@@ -89,9 +90,16 @@ static bool read_one(const char *dir, const char *name, ls_proc *p) {
       p->s.start_time != start || p->s.uid != (uint32_t)geteuid())
     return false;
   p->s.command[sizeof p->s.command - 1] = '\0';
+  /* Only a segment of our own pid namespace can be judged: in another,
+   * its pid names some other process here (or none), and the directory
+   * may be shared (a bind mount, a common XDG_RUNTIME_DIR). Such a
+   * segment is listed as alive and never removed. */
+  uint64_t ns = gpuipc__pid_namespace();
+  p->foreign = p->s.pid_ns == 0 || ns == 0 || p->s.pid_ns != ns;
   uint64_t now_start = 0;
-  p->alive = gpuipc__proc_stat(pid, NULL, &now_start) == GPUIPC_OK &&
-             now_start == start;
+  p->alive = p->foreign ||
+             (gpuipc__proc_stat(pid, NULL, &now_start) == GPUIPC_OK &&
+              now_start == start);
   return true;
 }
 
@@ -233,16 +241,46 @@ static void print_text(FILE *f, const ls_proc *v, int n) {
   }
 }
 
-static void json_str(FILE *f, const char *s) {
+/* Length of the well-formed UTF-8 sequence at s (1 to 4), or 0 when the
+ * bytes there are not one (a stray continuation byte, an overlong form, a
+ * surrogate, past U+10FFFF, cut short). */
+static int utf8_len(const unsigned char *s) {
+  unsigned c = s[0];
+  int n = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3
+                       : (c & 0xf8) == 0xf0 ? 4 : 0;
+  if (n <= 1)
+    return n;
+  unsigned cp = c & (0x7fu >> n);
+  for (int i = 1; i < n; i++) {
+    if ((s[i] & 0xc0) != 0x80)
+      return 0;
+    cp = (cp << 6) | (s[i] & 0x3fu);
+  }
+  static const unsigned min[5] = {0, 0, 0x80, 0x800, 0x10000};
+  if (cp < min[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+    return 0;
+  return n;
+}
+
+/* A JSON string. Text that a process gave (its command line) need not be
+ * UTF-8: a byte that is not part of a well-formed sequence is written as
+ * \u00XX (read as Latin-1), so the listing stays valid JSON. */
+static void json_str(FILE *f, const char *str) {
+  const unsigned char *s = (const unsigned char *)str;
   fputc('"', f);
-  for (; *s; s++) {
-    unsigned char ch = (unsigned char)*s;
+  while (*s) {
+    unsigned char ch = *s;
+    int n = utf8_len(s);
     if (ch == '"' || ch == '\\')
       fprintf(f, "\\%c", ch);
-    else if (ch < 0x20)
+    else if (ch < 0x20 || ch == 0x7f || n == 0)
       fprintf(f, "\\u%04x", ch);
-    else
-      fputc(ch, f);
+    else {
+      fwrite(s, 1, (size_t)n, f);
+      s += n;
+      continue;
+    }
+    s++;
   }
   fputc('"', f);
 }
@@ -255,9 +293,9 @@ static void print_json(FILE *f, const char *dir, const ls_proc *v, int n) {
   for (int i = 0; i < n; i++) {
     const ls_proc *p = &v[i];
     fprintf(f, "%s\n  {\"pid\": %d, \"start_time\": %llu, \"alive\": %s, "
-               "\"command\": ",
+               "\"own_pid_namespace\": %s, \"command\": ",
             i ? "," : "", p->s.pid, (unsigned long long)p->s.start_time,
-            p->alive ? "true" : "false");
+            p->alive ? "true" : "false", p->foreign ? "false" : "true");
     json_str(f, p->s.command);
     fprintf(f, ", \"devices\": [");
     int nd = 0;

@@ -103,16 +103,17 @@
  * (In GPUIPC_ORDER_EVENT mode this unblocking is not possible on a real
  * driver: see the limit documented there.)
  *
- * Progress. By default there is no background thread. Incoming frames
- * (buffers, releases, arena exports, user messages) are read, and a dead
- * peer is noticed, inside every call on the connection and in
- * gpuipc_conn_progress. So after an exporter died, a consumer that
- * synchronizes a stream waiting for one of its buffers before making any
- * gpuipc call blocks until some thread makes one (that call unblocks the
- * stream). gpuipc_conn_options.watch_peer starts a watcher thread that
- * does this within a bounded time without any call. An event loop polls
- * gpuipc_conn_get_fd() for POLLIN and calls gpuipc_conn_progress (or recv) when
- * it is readable. An exporter that only sends must still make progress now
+ * Progress. Incoming frames (buffers, releases, arena exports, user
+ * messages) are read, and a dead peer is noticed, inside every call on
+ * the connection and in gpuipc_conn_progress; besides, by default, one
+ * watcher thread of gpuipc per process sleeps on the peers' pidfds and,
+ * when a peer's process exits, unblocks our streams that wait for its
+ * flag words without any call (gpuipc_conn_options.watch_peer). With
+ * watch_peer = 0 there is no thread: after an exporter died, a consumer
+ * that synchronizes a stream waiting for one of its buffers before making
+ * any gpuipc call blocks until some thread makes one (that call unblocks
+ * the stream). An event loop polls gpuipc_conn_get_fd() for POLLIN and
+ * calls gpuipc_conn_progress (or recv) when it is readable. An exporter that only sends must still make progress now
  * and then (send does, too), or releases pile up in the socket.
  *
  * Backpressure. A connection holds at most GPUIPC_CONN_QUEUE_MSGS /
@@ -297,14 +298,31 @@ typedef struct gpuipc_conn_options {
    * (ms, 1 to GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS_CAP). 0: the default,
    * GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS. */
   int handshake_timeout_ms;
-  /* Nonzero: watch the peer process from a thread of gpuipc (one for the
-   * whole process). Within about 100 ms of the peer's exit it writes the
-   * flag words our streams may wait for (as the next call on the
-   * connection would), so a stream that waits for a dead exporter's buffer
-   * runs on, and a cuStreamSynchronize returns, without any gpuipc call.
-   * Calls on the connection stay the application's (the watcher changes
-   * nothing else). Needs pidfds (Linux 5.3): GPUIPC_E_NOT_SUPPORTED
-   * otherwise. Default 0: no background progress (see "Progress"). */
+  /* Ignored: where watch_peer was while the watcher had to be asked for
+   * (nonzero). A caller built against that header (its `size` ends here)
+   * gets the default of the field below, whatever it wrote here: its 0
+   * meant "the default", not "no thread". */
+  int watch_peer_v0;
+  /* Whether a thread of gpuipc watches the peer process. Default 1
+   * (GPUIPC_CONN_OPTIONS_INIT, and for every caller whose `size` ends
+   * before this field): one thread for the whole process, started by the
+   * first connection and ended when none is left, sleeps in poll on the
+   * pidfds of the connections' peers (it holds no descriptor of its own;
+   * it looks at the list again every 100 ms). When a peer's process exits
+   * it writes the flag words our streams may wait for (as the next call on
+   * the connection would), so a stream that waits for a dead exporter's
+   * buffer runs on, and a cuStreamSynchronize returns, within a moment of
+   * the exit and without any gpuipc call. Calls on the connection stay
+   * the application's (the watcher changes nothing else). Costs: per
+   * connection, a list entry (added at the handshake, removed at the
+   * close); per buffer, nothing but one atomic store on each side (where
+   * the fast path publishes its newest sequence number).
+   * Where the peer has no pidfd (Linux older than 5.3; a peer of a pid
+   * namespace this process cannot see, on a kernel without SO_PEERPIDFD)
+   * nothing is watched and the connection works as with 0. If the thread
+   * cannot be started (logged), the next connection tries again.
+   * 0: no thread (for processes that must not have one): no background
+   * progress (see "Progress"). */
   int watch_peer;
   /* What carries the frames (see "Carriers"): GPUIPC_CARRIER_AUTO (the
    * default: a shared-memory ring beside the socket where the peer
@@ -328,7 +346,7 @@ typedef struct gpuipc_conn_options {
 #define GPUIPC_CONN_OPTIONS_INIT                                               \
   {sizeof(gpuipc_conn_options), 10000, 0, 0, NULL, NULL, 0, NULL, 0, 256,      \
    GPUIPC_ORDER_MEMOP, GPUIPC_CONN_QUEUE_MSGS, GPUIPC_CONN_QUEUE_FDS,          \
-   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS, 0,              \
+   GPUIPC_CONN_QUEUE_BYTES, GPUIPC_CONN_HANDSHAKE_TIMEOUT_MS, 0, 1,           \
    GPUIPC_CARRIER_AUTO, 0, 0}
 
 /* ------------------------------------------------------------------------ */

@@ -111,8 +111,16 @@ GPUIPC_API gpuipc_status gpuipc_spawn(const char *path, char *const argv[],
                                       gpuipc_child **child /* OUT */);
 
 /* The parent's connection to the child. Owned by the child object (closed
- * by gpuipc_child_destroy); NULL child gives NULL. */
+ * by gpuipc_child_destroy; do not gpuipc_conn_close it); NULL child, or
+ * one whose connection was taken, gives NULL. */
 GPUIPC_API gpuipc_conn *gpuipc_child_get_conn(const gpuipc_child *child);
+/* Takes the parent's connection to the child out of the child object: the
+ * caller owns it from now on (gpuipc_conn_close, which the child sees at
+ * once, as a peer over gpuipc_connect does: its calls return
+ * GPUIPC_E_PEER_GONE, and what it held comes back once it exits), and
+ * gpuipc_child_destroy no longer closes it. NULL when child is NULL or its
+ * connection was taken already. */
+GPUIPC_API gpuipc_conn *gpuipc_child_take_conn(gpuipc_child *child);
 /* The child's process id (-1 for NULL). */
 GPUIPC_API int gpuipc_child_get_pid(const gpuipc_child *child);
 

@@ -380,6 +380,11 @@ PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject
   int dev_type = v->dev_type;
   if (dldev != Py_None) {
     int dt, di;
+    /* PyArg_ParseTuple takes a tuple only (anything else: SystemError). */
+    if (!PyTuple_Check(dldev) || PyTuple_GET_SIZE(dldev) != 2) {
+      PyErr_SetString(PyExc_TypeError, "dl_device must be a (device_type, device_id) tuple");
+      return NULL;
+    }
     if (!PyArg_ParseTuple(dldev, "ii", &dt, &di)) return NULL;
     if (dev_type == kDLCUDAHost && dt == kDLCPU) {
       dev_type = kDLCPU; /* pinned host memory is host memory */

@@ -195,12 +195,15 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
   if (b->b && b->sent > 0)
     return raise_msg(GPUIPC_E_BUSY, "close", "a peer still holds this buffer (sent with "
                      "conn.send and not released)");
-  if (b->b) {
+  gpuipc_buffer *gb = b->b;
+  if (gb) {
+    /* Taken and cleared before the GIL is released: a close in another
+     * thread meanwhile finds it closed, and frees nothing twice. */
+    b->b = NULL;
     gpuipc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = gpuipc_buffer_free(b->b, S(b->stream));
+    st = gpuipc_buffer_free(gb, S(b->stream));
     Py_END_ALLOW_THREADS
-    b->b = NULL;
     g_count.live_buffers--;
     Py_CLEAR(b->owner);
     if (st) return raise_st(st, "close");
@@ -550,12 +553,18 @@ PyObject *mod_desc_info(PyObject *m, PyObject *args) {
 typedef struct {
   PyObject_HEAD
   gpuipc_event *e;
+  /* synchronize calls in progress without the GIL, and the event a close
+   * took from them meanwhile (destroyed when the last one returns). */
+  int busy;
+  gpuipc_event *closed;
 } EventObject;
 
 static PyObject *event_wrap(gpuipc_event *e) {
   EventObject *o = PyObject_New(EventObject, &EventType);
   if (!o) { gpuipc_event_destroy(e); return NULL; }
   o->e = e;
+  o->busy = 0;
+  o->closed = NULL;
   return (PyObject *)o;
 }
 
@@ -573,6 +582,7 @@ static PyObject *Event_new(PyTypeObject *t, PyObject *args, PyObject *kw) {
 }
 static void Event_dealloc(EventObject *e) {
   gpuipc_event_destroy(e->e);
+  gpuipc_event_destroy(e->closed);
   PyObject_Free(e);
 }
 static int ev_alive(EventObject *e) {
@@ -593,10 +603,16 @@ static PyObject *Event_record(EventObject *e, PyObject *a, PyObject *k) { return
 static PyObject *Event_wait(EventObject *e, PyObject *a, PyObject *k) { return Event_sw(e, a, k, 1); }
 static PyObject *Event_synchronize(EventObject *e, PyObject *u) {
   if (!ev_alive(e)) return NULL;
+  gpuipc_event *ev = e->e;
   gpuipc_status st;
+  e->busy++;
   Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_event_synchronize(e->e);
+  st = gpuipc_event_synchronize(ev);
   Py_END_ALLOW_THREADS
+  if (--e->busy == 0 && e->closed) {
+    gpuipc_event_destroy(e->closed);
+    e->closed = NULL;
+  }
   if (st) return raise_st(st, "Event.synchronize");
   Py_RETURN_NONE;
 }
@@ -625,8 +641,12 @@ static PyObject *Event_open(PyTypeObject *t, PyObject *args) {
   return event_wrap(e);
 }
 static PyObject *Event_close(EventObject *e, PyObject *u) {
-  gpuipc_event_destroy(e->e);
+  gpuipc_event *ev = e->e;
   e->e = NULL;
+  if (ev && e->busy > 0 && !e->closed)
+    e->closed = ev; /* a synchronize still uses it: the last one destroys it */
+  else
+    gpuipc_event_destroy(ev);
   Py_RETURN_NONE;
 }
 static PyObject *Event_handle(EventObject *e, void *u) {

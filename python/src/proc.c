@@ -68,7 +68,9 @@ PyObject *mod_spawn(PyObject *m, PyObject *args, PyObject *kw) {
   c->ch = ch;
   c->pid = gpuipc_child_get_pid(ch);
   c->ended = 0;
-  c->conn = (ConnObject *)conn_new(gpuipc_child_get_conn(ch), tmo, co.max_outstanding, 1);
+  /* The Connection owns the connection, so that its close() is seen by
+   * the child at once (as over connect), not only the Child's destroy. */
+  c->conn = (ConnObject *)conn_new(gpuipc_child_take_conn(ch), tmo, co.max_outstanding, 0);
   if (!c->conn) { c->conn = NULL; Py_DECREF(c); goto out; }
   ret = (PyObject *)c;
 out:
@@ -122,7 +124,7 @@ static PyObject *Child_kill(ChildObject *c, PyObject *args) {
 static void child_detach_conn(ChildObject *c) {
   if (c->conn) {
     LOCK();
-    conn_detach(c->conn); /* borrowed: not closed here */
+    conn_detach(c->conn); /* closed here, before the child is waited for */
     UNLOCK();
   }
 }

@@ -723,13 +723,16 @@ static PyObject *TSub_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
 }
 
 static void sub_close(TSubObject *o) {
-  if (!o->s) return;
+  /* Taken and cleared under the GIL before it is released: a recv in
+   * another thread sees a closed subscriber, never a freed one. */
+  gpuipc_tset_sub *s = o->s;
+  if (!s) return;
+  o->s = NULL;
   LOCK();
   Py_BEGIN_ALLOW_THREADS
-  gpuipc_tset_sub_close(o->s);
+  gpuipc_tset_sub_close(s);
   UNLOCK();
   Py_END_ALLOW_THREADS
-  o->s = NULL;
   for (TVerObject *v = o->held; v;) {
     TVerObject *n = v->next;
     v->v = NULL; /* released by the close */
@@ -748,6 +751,7 @@ static PyObject *TSub_close(TSubObject *o, PyObject *u) {
 typedef struct { TSubObject *sub; uintptr_t stream; gpuipc_tset_version *v; } RecvCtx;
 static gpuipc_status op_tset_recv(ConnObject *c, void *ctx) {
   RecvCtx *x = ctx;
+  if (!x->sub->s) return GPUIPC_E_CLOSED; /* closed by another thread */
   return gpuipc_tset_recv(x->sub->s, S(x->stream), &x->v);
 }
 

@@ -195,3 +195,23 @@ def release_one_later(conn, n, delay):
     rx.release()
     gpuipc.release_batch(held)
     conn.recv_msg(timeout=30)
+
+
+def closed_by_parent(conn):
+    """Receives a buffer and keeps it, says so, then waits for the parent's
+    close: exits 5 when recv says the parent is gone, 6 on a timeout, 7
+    when a message still went out after the close."""
+    held = conn.recv(timeout=30)
+    _report(conn, holding=1)
+    try:
+        conn.recv_msg(timeout=20)
+    except gpuipc.PeerGoneError:
+        try:
+            conn.send_msg(b"after the close")
+        except gpuipc.PeerGoneError:
+            del held
+            os._exit(5)
+        os._exit(7)
+    except gpuipc.TimeoutError:
+        os._exit(6)
+    os._exit(8)

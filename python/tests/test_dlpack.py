@@ -272,3 +272,11 @@ def test_received_buffer_protocols():
         assert rx_id >= 0
         p.conn.send_msg(b"go")
         assert p.join(30) == 0
+
+
+def test_dlpack_device_not_a_tuple_is_a_type_error(block):
+    """dl_device must be a (type, id) tuple: anything else is TypeError
+    (it was SystemError from the argument parser)."""
+    for bad in ([2, 0], "cuda", 2, (2,), (2, 0, 0)):
+        with pytest.raises(TypeError):
+            block.__dlpack__(dl_device=bad)

@@ -72,3 +72,21 @@ def test_forked_child_gets_a_clear_error():
     os.close(r)
     os.waitpid(pid, 0)
     assert "forked" in msg and "gpuipc.spawn()" in msg, msg
+
+
+def test_closing_the_connection_is_seen_by_the_child():
+    """Connection.close() of a spawned child's connection: the child's recv
+    says PeerGoneError at once, its send fails, and the block it held comes
+    back once it exited (the arena closes), as over listen/connect."""
+    arena = gpuipc.Arena(chunk_bytes=4 << 20)
+    p = gpuipc.spawn(peers.closed_by_parent)
+    try:
+        b = arena.alloc(4096)
+        p.conn.send(b)
+        assert json.loads(p.conn.recv_msg(timeout=30)) == {"holding": 1}
+        b.free()
+        p.conn.close()
+        assert p.join(30) == 5
+    finally:
+        p.close(timeout=0)
+    arena.close()

@@ -69,7 +69,7 @@ struct gpuipc_conn {
   uint32_t peer_max_outstanding;
   /* The peer process, watched for its exit (NULL until the handshake). */
   struct gpuipc__peer *peer;
-  /* Set when gpuipc_conn_options.watch_peer asked for the watcher. */
+  /* The peer watcher's record (NULL: watch_peer was 0, or no pidfd). */
   struct gpuipc__watch *watch;
   int peer_said_bye;
   /* Receive side: bytes read and not yet parsed; descriptors received and
@@ -176,9 +176,13 @@ void gpuipc__peer_unref(struct gpuipc__peer *p);
 
 /* ---- the peer watcher (lease.c) ------------------------------------------------ */
 
-/* Starts watching the peer of c (after the handshake): when its process
- * exits, a thread of gpuipc unblocks the flag words our streams wait for,
- * without any call on c. GPUIPC_E_NOT_SUPPORTED without pidfds. */
+/* Starts watching the peer of c (after the handshake, unless the options
+ * said watch_peer = 0): when its process exits, a thread of gpuipc (one
+ * per process, started by the first watch) unblocks the flag words our
+ * streams wait for, without any call on c. Without a pidfd of the peer it
+ * watches nothing and returns GPUIPC_OK; without the thread (it could not
+ * start: logged) the watch waits for the next connection's try. Fails only
+ * without memory. */
 gpuipc_status gpuipc__watch_add(gpuipc_conn *c);
 /* Stops it (idempotent; waits for writes in progress). */
 void gpuipc__watch_remove(gpuipc_conn *c);

@@ -9,7 +9,7 @@
  * arena calls that depend on them (allocation, statistics, destroy), which
  * enter here for that reason. It also owns the peer process handle (a
  * pidfd taken at the handshake) that decides when a peer is gone, and the
- * opt-in peer watcher thread.
+ * peer watcher thread (on by default).
  *
  * Why reclaiming after a peer's death is safe: a consumer's GPU work on our
  * memory runs in the consumer's CUDA context. When the process exits or is
@@ -732,25 +732,33 @@ void gpuipc__lease_reap_orphans(void) {
   }
 }
 
-/* ---- the peer watcher (opt-in: gpuipc_conn_options.watch_peer) ------------------------- */
+/* ---- the peer watcher (the default: gpuipc_conn_options.watch_peer) ------------------ */
 
-/* Without it there is no background progress: a dead peer is noticed in
- * the next call on its connection. With it, one process-wide thread polls
- * the pidfds of the watched peers and, when one's process has exited,
- * writes the flag words our streams may wait for (the ready words of its
- * buffers, the release words of our leases), so those streams run on
- * without any call from the application. The connection's thread
- * publishes where the words are and the newest sequence numbers through
- * atomics; a watch's mutex keeps the words mapped while the thread writes
- * them (the connection's close takes it before unmapping). The list's lock
- * is never held across a driver call. */
+/* One process-wide thread sleeps in poll on the pidfds of the watched
+ * peers (every connection's, unless its options said watch_peer = 0) and,
+ * when one's process has exited, writes the flag words our streams may
+ * wait for (the ready words of its buffers, the release words of our
+ * leases), so those streams run on without any call from the application.
+ * It is started by the first watch and ends when the list is empty. It
+ * holds no descriptor of its own (a process's descriptor count is the
+ * application's to budget): a change of the list is picked up when its
+ * poll next times out (WATCH_RESCAN_MS), and a peer that exited meanwhile
+ * is found gone then. The connection's thread publishes where the words
+ * are and the newest sequence numbers through atomics (the fast path's
+ * per-buffer cost: one atomic store); a watch's mutex keeps the words
+ * mapped while the thread writes them (the connection's close takes it
+ * before unmapping). The list's lock is never held across a driver call.
+ *
+ * A child forked from a process with the thread has none (threads do not
+ * survive fork): the first watch it adds starts its own. */
 
-#define WATCH_POLL_MS 100
+#define WATCH_RESCAN_MS 100
 
 static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct gpuipc__watch *watches;
-static int watch_wake[2] = {-1, -1};
-static bool watcher_started;
+static size_t nwatches;
+static pid_t watcher_pid; /* the process whose thread runs (0: none) */
+static pthread_once_t watch_atfork_once = PTHREAD_ONCE_INIT;
 
 /* Writes value into each of n 64-bit words from base, on device ordinal,
  * and waits for the writes (on a stream of the watcher's own). */
@@ -810,31 +818,47 @@ static void watch_fire(struct gpuipc__watch *w) {
 
 static void *watcher(void *arg) {
   (void)arg;
+  struct pollfd *pf = NULL;
+  struct gpuipc__watch **ws = NULL;
+  size_t cap = 0;
   for (;;) {
-    struct pollfd pf[256];
-    struct gpuipc__watch *ws[256];
-    int n = 0;
-    pf[n++] = (struct pollfd){watch_wake[0], POLLIN, 0};
+    /* Every peer not fired yet (the arrays grow with the list; without
+     * memory, the first cap of them until the next pass). */
+    nfds_t n = 0;
     pthread_mutex_lock(&watch_lock);
-    for (struct gpuipc__watch *w = watches; w && n < 256; w = w->next) {
+    if (nwatches == 0) {
+      watcher_pid = 0; /* the next watch starts a thread again */
+      pthread_mutex_unlock(&watch_lock);
+      break;
+    }
+    if (cap < nwatches) {
+      size_t want = nwatches + 16;
+      struct pollfd *npf = realloc(pf, want * sizeof *pf);
+      if (npf)
+        pf = npf;
+      struct gpuipc__watch **nws = npf ? realloc(ws, want * sizeof *ws) : NULL;
+      if (nws) {
+        ws = nws;
+        cap = want;
+      }
+    }
+    for (struct gpuipc__watch *w = watches; w && n < cap; w = w->next) {
       pthread_mutex_lock(&w->mu);
       bool fired = w->fired;
       pthread_mutex_unlock(&w->mu);
       if (fired)
         continue;
       ws[n] = w;
-      pf[n++] = (struct pollfd){w->pidfd, POLLIN, 0};
+      pf[n++] = (struct pollfd){gpuipc__peer_pidfd(w->peer), POLLIN, 0};
     }
     pthread_mutex_unlock(&watch_lock);
-    int r = poll(pf, (nfds_t)n, WATCH_POLL_MS);
-    if (r <= 0)
+    if (n == 0) {
+      (void)poll(NULL, 0, WATCH_RESCAN_MS);
       continue;
-    if (pf[0].revents) {
-      char buf[64];
-      while (read(watch_wake[0], buf, sizeof buf) > 0)
-        ;
     }
-    for (int i = 1; i < n; i++) {
+    if (poll(pf, n, WATCH_RESCAN_MS) <= 0)
+      continue;
+    for (nfds_t i = 0; i < n; i++) {
       if (!(pf[i].revents & (POLLIN | POLLHUP | POLLERR)))
         continue;
       /* Still watched? Its mutex is taken under the list's lock, so a
@@ -848,73 +872,92 @@ static void *watcher(void *arg) {
       pthread_mutex_unlock(&watch_lock);
       if (w == NULL)
         continue;
-      if (!w->fired)
+      /* Asked again: the fd polled may have been closed and its number
+       * (or the record's address) reused since the list was read. */
+      if (!w->fired && gpuipc__peer_gone(w->peer))
         watch_fire(w);
       pthread_mutex_unlock(&w->mu);
     }
   }
+  free(pf);
+  free(ws);
   return NULL;
 }
 
+/* fork: the child has a copy of every lock; none may be held by the
+ * watcher thread (gone in the child) at that moment. */
+static void watch_atfork_prepare(void) {
+  pthread_mutex_lock(&watch_lock);
+  for (struct gpuipc__watch *w = watches; w; w = w->next)
+    pthread_mutex_lock(&w->mu);
+}
+
+static void watch_atfork_parent(void) {
+  for (struct gpuipc__watch *w = watches; w; w = w->next)
+    pthread_mutex_unlock(&w->mu);
+  pthread_mutex_unlock(&watch_lock);
+}
+
+static void watch_atfork_child(void) {
+  watch_atfork_parent();
+  watcher_pid = 0; /* the thread is the parent's */
+}
+
+static void watch_atfork_register(void) {
+  (void)pthread_atfork(watch_atfork_prepare, watch_atfork_parent,
+                       watch_atfork_child);
+}
+
+/* Starts the thread of this process if none runs (watch_lock held). When
+ * it cannot (logged), the watches wait for the next watch's try. */
+static void watcher_start(void) {
+  if (watcher_pid == getpid())
+    return;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  /* The watcher takes no signals: they are the application's. */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  pthread_t t;
+  int rc = pthread_create(&t, &attr, watcher, NULL);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) {
+    GPUIPC__WARN("lease", "peer watcher: pthread_create: %s; a dead peer is "
+                          "noticed in the next call on its connection",
+                 strerror(rc));
+    return;
+  }
+  watcher_pid = getpid();
+}
+
 gpuipc_status gpuipc__watch_add(gpuipc_conn *c) {
-  if (c->peer == NULL || c->peer->pidfd < 0)
-    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
-                        "watch_peer: no pidfd of peer pid %d (kernel older "
-                        "than 5.3?)",
-                        c->peer_pid);
+  if (gpuipc__peer_pidfd(c->peer) < 0) {
+    /* Nothing to sleep on (a kernel without pidfds, or a peer of a pid
+     * namespace this process cannot see on one without SO_PEERPIDFD): the
+     * connection works as without the watcher. */
+    GPUIPC__DEBUG("lease", "peer watcher: no pidfd of peer pid %d; not "
+                           "watched",
+                  c->peer_pid);
+    return GPUIPC_OK;
+  }
   struct gpuipc__watch *w = calloc(1, sizeof *w);
   if (w == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "peer watch");
-  w->pidfd = fcntl(c->peer->pidfd, F_DUPFD_CLOEXEC, 0);
-  if (w->pidfd < 0) {
-    gpuipc_status s = gpuipc__fail_errno(errno, "fcntl", "dup of a pidfd");
-    free(w);
-    return s;
-  }
+  w->peer = gpuipc__peer_ref(c->peer);
   w->pid = c->peer_pid;
   pthread_mutex_init(&w->mu, NULL);
   atomic_init(&w->rx_ordinal, -1);
   atomic_init(&w->tx_ordinal, -1);
-  gpuipc_status s = GPUIPC_OK;
+  pthread_once(&watch_atfork_once, watch_atfork_register);
   pthread_mutex_lock(&watch_lock);
-  if (!watcher_started) {
-    if (pipe2(watch_wake, O_CLOEXEC | O_NONBLOCK) != 0) {
-      s = gpuipc__fail_errno(errno, "pipe2", "peer watcher");
-    } else {
-      pthread_attr_t attr;
-      pthread_attr_init(&attr);
-      pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-      /* The watcher takes no signals: they are the application's. */
-      sigset_t all, old;
-      sigfillset(&all);
-      pthread_sigmask(SIG_SETMASK, &all, &old);
-      pthread_t t;
-      int rc = pthread_create(&t, &attr, watcher, NULL);
-      pthread_sigmask(SIG_SETMASK, &old, NULL);
-      pthread_attr_destroy(&attr);
-      if (rc != 0) {
-        s = gpuipc__fail_errno(rc, "pthread_create", "peer watcher");
-        close(watch_wake[0]);
-        close(watch_wake[1]);
-        watch_wake[0] = watch_wake[1] = -1;
-      } else {
-        watcher_started = true;
-      }
-    }
-  }
-  if (s == GPUIPC_OK) {
-    w->next = watches;
-    watches = w;
-    ssize_t k = write(watch_wake[1], "w", 1);
-    (void)k;
-  }
+  w->next = watches;
+  watches = w;
+  nwatches++;
+  watcher_start();
   pthread_mutex_unlock(&watch_lock);
-  if (s != GPUIPC_OK) {
-    close(w->pidfd);
-    pthread_mutex_destroy(&w->mu);
-    free(w);
-    return s;
-  }
   c->watch = w;
   return GPUIPC_OK;
 }
@@ -928,6 +971,7 @@ void gpuipc__watch_remove(gpuipc_conn *c) {
   for (struct gpuipc__watch **pp = &watches; *pp; pp = &(*pp)->next)
     if (*pp == w) {
       *pp = w->next;
+      nwatches--;
       break;
     }
   pthread_mutex_unlock(&watch_lock);
@@ -935,6 +979,6 @@ void gpuipc__watch_remove(gpuipc_conn *c) {
   pthread_mutex_lock(&w->mu);
   pthread_mutex_unlock(&w->mu);
   pthread_mutex_destroy(&w->mu);
-  close(w->pidfd);
+  gpuipc__peer_unref(w->peer);
   free(w);
 }

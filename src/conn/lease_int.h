@@ -38,12 +38,13 @@ gpuipc__peer *gpuipc__peer_ref(gpuipc__peer *p);
  * a process whose main thread exited while others run is not gone. */
 bool gpuipc__peer_gone(const gpuipc__peer *p);
 
-/* A watched peer (gpuipc_conn_options.watch_peer; see lease.c): where the
- * flag words are that our streams may wait for, published by the
- * connection's thread (the fast path) through the atomics. */
+/* A watched peer (every connection's unless gpuipc_conn_options.watch_peer
+ * is 0; see lease.c): where the flag words are that our streams may wait
+ * for, published by the connection's thread (the fast path) through the
+ * atomics. */
 struct gpuipc__watch {
   struct gpuipc__watch *next;
-  int pidfd; /* ours (a dup of the peer's) */
+  gpuipc__peer *peer; /* a reference: its pidfd is what the thread polls */
   int pid;
   pthread_mutex_t mu; /* held while the words are written */
   bool fired;         /* under mu */

@@ -250,7 +250,7 @@ typedef enum gpuipc__stat {
 } gpuipc__stat;
 
 #define GPUIPC__STATS_MAGIC 0x3174617473697067ull /* "gpistat1" */
-#define GPUIPC__STATS_VERSION 1
+#define GPUIPC__STATS_VERSION 2 /* 2: pid_ns */
 #define GPUIPC__STATS_CTRS 32     /* room for counters (>= ST_COUNT) */
 #define GPUIPC__STATS_DEVICES 16
 #define GPUIPC__STATS_CONNS 32    /* connection slots; more are counted */
@@ -276,6 +276,10 @@ typedef struct gpuipc__stats_seg {
   int32_t pid;
   uint32_t uid;
   uint64_t start_time;    /* clock ticks since boot, /proc/pid/stat */
+  /* The writer's pid namespace (inode of /proc/self/ns/pid; 0: unknown):
+   * pid and start_time mean something only to a reader of the same one,
+   * which alone may judge the writer gone. */
+  uint64_t pid_ns;
   uint64_t created_ns;    /* gpuipc__stats_now() */
   char command[128];      /* the command line, arguments joined by spaces */
   _Atomic int64_t ctr[GPUIPC__STATS_CTRS];

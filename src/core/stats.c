@@ -69,6 +69,7 @@ static void fill_header(gpuipc__stats_seg *s, uint64_t start) {
   s->pid = (int32_t)getpid();
   s->uid = (uint32_t)geteuid();
   s->start_time = start;
+  s->pid_ns = gpuipc__pid_namespace();
   s->created_ns = gpuipc__stats_now();
   read_command(s->command, sizeof s->command);
 }

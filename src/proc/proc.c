@@ -346,6 +346,14 @@ gpuipc_conn *gpuipc_child_get_conn(const gpuipc_child *child) {
   return child ? child->conn : NULL;
 }
 
+gpuipc_conn *gpuipc_child_take_conn(gpuipc_child *child) {
+  if (child == NULL)
+    return NULL;
+  gpuipc_conn *c = child->conn;
+  child->conn = NULL;
+  return c;
+}
+
 int gpuipc_child_get_pid(const gpuipc_child *child) {
   return child ? (int)child->pid : -1;
 }
