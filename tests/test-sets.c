@@ -1043,7 +1043,8 @@ TEST_IMPL(sets_producer_killed_mid_publish) {
  * the producer's END, which must say it was dropped for holding, and says
  * "released". Mode "die": it waits to be killed. Mode "wrapped": as
  * "release", without the second check (a wrapped set's memory is written
- * in place once its holder is dropped). */
+ * in place once its holder is dropped). argv[1], when given: the number
+ * of the first version (a late joiner's), 1 otherwise. */
 HELPER_IMPL(ts_stuck) {
   ASSERT(argc >= 1);
   const char *mode = argv[0];
@@ -1055,7 +1056,8 @@ HELPER_IMPL(ts_stuck) {
   ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
   gpuipc_tset_version *v1 = NULL;
   ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v1));
-  ASSERT_UEQ(gpuipc_tset_version_get_number(v1), 1);
+  ASSERT_UEQ(gpuipc_tset_version_get_number(v1),
+             argc > 1 ? (uint64_t)atoll(argv[1]) : 1);
   check_version(v1, &sp, s);
   say(c, "got");
   hear(c, "check");
@@ -1169,12 +1171,26 @@ TEST_IMPL(sets_stuck_consumer_double_buffered) {
   return run_stuck(2);
 }
 
+/* An owned set of the spec "small" in arena a, with these limits. */
+static gpuipc_tset *small_set(gpuipc_arena *a, int timeout_ms, int hold_ms,
+                              int retired_max, spec_t *sp) {
+  spec("small", sp);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.arena = a;
+  o.timeout_ms = timeout_ms;
+  o.hold_ms = hold_ms;
+  o.retired_max = retired_max;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp->t, sp->n, &o, &set));
+  return set;
+}
+
 /* The cap: with retired_max 0 a copy held past the hold limit cannot be
- * set aside: begin drops the holder, waits out its timeout for a release
- * and fails with GPUIPC_E_BUSY naming the cap; the copy is not written.
- * Then unsubscribe completes (within the hold limit, the END being sent
- * already) though the consumer still holds version 1, and the memory
- * comes back when the consumer dies. */
+ * set aside: begin drops the holder and writes the copy in place (a fresh
+ * token only: nothing waits for the holder), rather than fail. Then
+ * unsubscribe completes (within the hold limit, the END being sent
+ * already) though the consumer still holds version 1, later versions go
+ * on, and the memory comes back when the consumer dies. */
 TEST_IMPL(sets_stuck_consumer_cap_and_unsubscribe) {
   REQUIRE_DEVICES(1);
   int fd;
@@ -1182,34 +1198,18 @@ TEST_IMPL(sets_stuck_consumer_cap_and_unsubscribe) {
   gpuipc_conn *c = pair_conn(fd);
   CUstream s = mkstream();
   spec_t sp;
-  spec("small", &sp);
   gpuipc_arena *a = mkarena((size_t)1 << 20);
-  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
-  o.arena = a;
-  o.timeout_ms = 1000;
-  o.hold_ms = 200;
-  o.retired_max = 0;
-  gpuipc_tset *set = NULL;
-  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  gpuipc_tset *set = small_set(a, 1000, 200, 0, &sp);
   ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
   produce(set, NULL, 1, s);
   hear(c, "got");
-  int copy = -1;
-  ASSERT_STATUS(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy),
-                GPUIPC_E_BUSY);
-  if (strstr(gpuipc_last_error(), "retired_max") == NULL)
-    harness_fail(__FILE__, __LINE__, "begin's error does not name the cap: %s",
-                 gpuipc_last_error());
-  ASSERT_EQ(arena_blocks(a, NULL), 3); /* nothing set aside */
-  say(c, "check");
-  hear(c, "same");
+  produce(set, NULL, 1, s); /* in place: no piece set aside */
+  ASSERT_EQ(arena_blocks(a, NULL), 4); /* piece, END block, token, old token */
   uint64_t t0 = gpuipc__now_ns();
   ASSERT_OK(gpuipc_tset_unsubscribe(set, c));
   ASSERT_LT((long long)((gpuipc__now_ns() - t0) / 1000000u), 900);
   ASSERT_EQ(gpuipc_tset_get_subscribers(set), 0);
-  /* The copy is still held, and the cap leaves no room to set it aside. */
-  ASSERT_STATUS(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy),
-                GPUIPC_E_BUSY);
+  produce(set, NULL, 2, s);
   ASSERT_OK(gpuipc_tset_destroy(set));
   size_t deferred = 0;
   ASSERT_GT(arena_blocks(a, &deferred), 0);
@@ -1220,6 +1220,71 @@ TEST_IMPL(sets_stuck_consumer_cap_and_unsubscribe) {
     (void)gpuipc_conn_progress(c, 10);
   arena_empty(a);
   gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+/* Three consumers (one peer could connect three times) that each take the
+ * latest version and hold it fill retired_max (2): the first two copies
+ * are set aside, untouched; the third is written in place once its holder
+ * is dropped, rather than every later begin failing with GPUIPC_E_BUSY.
+ * An honest consumer that joins then gets every version, data checked. */
+TEST_IMPL(sets_stuck_consumers_past_the_cap_written_in_place) {
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  spec_t sp;
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset *set = small_set(a, 2000, 200, 2, &sp);
+  size_t base = arena_blocks(a, NULL);
+  int fd[3];
+  pid_t pid[3];
+  gpuipc_conn *c[3];
+  for (int k = 0; k < 3; k++) {
+    char first[8];
+    snprintf(first, sizeof first, "%d", k + 1);
+    pid[k] = spawn_helper("ts_stuck", NULL, &fd[k], "die", first, NULL);
+    c[k] = pair_conn(fd[k]);
+    /* A late joiner gets the latest version: k + 1 (none for the first). */
+    ASSERT_OK(gpuipc_tset_subscribe(set, c[k], (struct CUstream_st *)s));
+    if (k == 0)
+      produce(set, NULL, 1, s);
+    hear(c[k], "got");
+    produce(set, NULL, 1, s); /* past the hold limit: its holder dropped */
+  }
+  /* Two copies set aside (piece and token each), the third's token. */
+  ASSERT_EQ(arena_blocks(a, NULL), base + 5);
+  produce(set, NULL, 2, s);
+  int fdh;
+  pid_t ph = spawn_helper("ts_consumer", NULL, &fdh, "small", "3", "late", "6",
+                          NULL);
+  gpuipc_conn *ch = pair_conn(fdh);
+  ASSERT_OK(gpuipc_tset_subscribe(set, ch, (struct CUstream_st *)s));
+  produce(set, NULL, 2, s);
+  hear(ch, "ok");
+  /* The copies set aside were not written. */
+  for (int k = 0; k < 2; k++) {
+    say(c[k], "check");
+    hear(c[k], "same");
+  }
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, ch));
+  for (int k = 0; k < 3; k++) {
+    kill(pid[k], SIGKILL);
+    ASSERT_EQ(wait_helper(pid[k], 60), 128 + SIGKILL);
+  }
+  for (int i = 0; i < 1000 && arena_blocks(a, NULL) != base; i++) {
+    for (int k = 0; k < 3; k++)
+      (void)gpuipc_conn_progress(c[k], 1);
+    produce(set, NULL, 1, s);
+  }
+  ASSERT_EQ(arena_blocks(a, NULL), base);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  for (int k = 0; k < 3; k++)
+    gpuipc_conn_close(c[k]);
+  gpuipc_conn_close(ch);
+  ASSERT_EQ(wait_helper(ph, 120), 0);
   ASSERT_OK(gpuipc_arena_destroy(a));
   spec_free(&sp);
   return 0;
@@ -1335,6 +1400,95 @@ TEST_IMPL(sets_stuck_consumer_wrapped) {
   for (size_t i = 0; i < sp.n; i++)
     ASSERT_CU(gpuipc__cu.cuMemFree(mem[i]));
   free(host);
+  spec_free(&sp);
+  return 0;
+}
+
+/* A consumer whose release never completes on its GPU: it takes version
+ * 1, checks it and releases it on a stream whose earlier work never ends
+ * (a wait for a word nobody writes), says "released", then takes what
+ * comes until the producer's END, which must say it was dropped for
+ * holding, says "dropped" and waits to be killed. */
+HELPER_IMPL(ts_hung_release) {
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream(), hung = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  gpuipc_tset_version *v = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  check_version(v, &sp, s);
+  /* Stream memory operations need cuMemAlloc (or VMM) memory. */
+  CUdeviceptr never;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&never, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(never, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(hung, never, 1,
+                                           CU_STREAM_WAIT_VALUE_GEQ));
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)hung));
+  say(c, "released");
+  gpuipc_status st;
+  for (;;) {
+    v = NULL;
+    st = gpuipc_tset_recv(sub, (struct CUstream_st *)hung, &v);
+    if (st != GPUIPC_OK)
+      break;
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)hung));
+  }
+  ASSERT_STATUS(st, GPUIPC_E_CANCELED);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "hold limit");
+  say(c, "dropped");
+  for (;;)
+    pause();
+}
+
+/* An honest consumer and one whose release of version 1 never completes
+ * on its GPU: the producer's begin does not order its stream behind that
+ * release (which would stall the producer and, through it, the honest
+ * consumer until the other one dies); past the hold limit the copy counts
+ * as held: it is retired (kept, untouched, while the release may still
+ * run) and the stuck consumer is dropped. The honest one gets every
+ * version, data checked; the retired copy comes back once the stuck one
+ * is gone. */
+TEST_IMPL(sets_hung_release_does_not_stall) {
+  REQUIRE_DEVICES(1);
+  int fdh, fds;
+  pid_t ph = spawn_helper("ts_consumer", NULL, &fdh, "small", "6", "check", NULL);
+  pid_t ps = spawn_helper("ts_hung_release", NULL, &fds, NULL);
+  gpuipc_conn *ch = pair_conn(fdh), *cs = pair_conn(fds);
+  CUstream s = mkstream();
+  spec_t sp;
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  /* An honest consumer on a loaded machine releases well within 3 s. */
+  gpuipc_tset *set = small_set(a, 30000, 3000, 2, &sp);
+  size_t base = arena_blocks(a, NULL);
+  ASSERT_OK(gpuipc_tset_subscribe(set, ch, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_tset_subscribe(set, cs, (struct CUstream_st *)s));
+  produce(set, NULL, 1, s);
+  hear(cs, "released");
+  produce(set, NULL, 5, s);
+  /* Stalled behind the stuck release, the honest consumer would not get
+   * its versions before this connection's timeout. */
+  ASSERT_OK(gpuipc_conn_set_timeout(ch, 20000));
+  hear(ch, "ok");
+  hear(cs, "dropped");
+  ASSERT_EQ(arena_blocks(a, NULL), base + 2); /* the retired copy, kept */
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, ch));
+  kill(ps, SIGKILL);
+  ASSERT_EQ(wait_helper(ps, 60), 128 + SIGKILL);
+  /* Its death unblocks the release; the set's next calls free the copy. */
+  for (int i = 0; i < 1000 && arena_blocks(a, NULL) != base; i++) {
+    (void)gpuipc_conn_progress(cs, 10);
+    produce(set, NULL, 1, s);
+  }
+  ASSERT_EQ(arena_blocks(a, NULL), base);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  gpuipc_conn_close(ch);
+  gpuipc_conn_close(cs);
+  ASSERT_EQ(wait_helper(ph, 120), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
   spec_free(&sp);
   return 0;
 }

@@ -70,7 +70,11 @@
  * the version in it (no driver call on their fast path: only when it
  * happens). A wrapped set's memory is the producer's own: it is written
  * in place, and a dropped consumer's views of it are not protected any
- * more. Consumers that release within the limit see no change.
+ * more; so is an owned set's once retired_max copies are set aside. A
+ * release whose GPU work has not completed by the hold limit (a hung
+ * kernel before it, or a release announced without its GPU write) counts
+ * as a hold: the producer's stream is never queued behind it. Consumers
+ * that release within the limit see no change.
  *
  * Connections. A connection subscribed to a set carries that set's traffic
  * and nothing else (no other buffers or user messages) while subscribed,
@@ -204,15 +208,19 @@ typedef struct gpuipc_tset_options {
    * is announced to the other consumers (docs/sets.md, REPLACE). Wrapped
    * sets (the memory is the producer's own and cannot be set aside): the
    * copy is written in place, and the dropped consumers' views of it are
-   * no longer protected. Also the longest unsubscribe and destroy of an
+   * no longer protected. A copy released, but whose release's GPU work
+   * (what the consumer queued before it) has not completed by then, counts
+   * as held. Also the longest unsubscribe and destroy of an
    * owned set wait for a consumer's releases before they let go of it.
    * Default 10000. */
   int hold_ms;
   /* Most retired copies an owned set keeps at once for consumers that
    * still hold them (0 to 64): memory beyond the set's copies is at most
    * this many copies. When a copy must be retired and the cap is full of
-   * copies still held, begin drops the holders all the same and fails
-   * with GPUIPC_E_BUSY. Default 2 (a consumer that stops releasing holds
+   * copies still held, begin drops the holders and writes the copy in
+   * place, as for a wrapped set (their views of it are no longer
+   * protected): a peer that connects many times cannot stop the producer.
+   * 0: never set aside. Default 2 (a consumer that stops releasing holds
    * at most one version per copy). */
   int retired_max;
 } gpuipc_tset_options;
@@ -268,19 +276,21 @@ GPUIPC_API gpuipc_status gpuipc_tset_find(const gpuipc_tset *set,
 
 /* Starts a version: picks the copy to write (with two copies, the one not
  * holding the latest version) and waits (up to the timeout, making
- * progress on the subscribed connections) until no consumer holds it;
- * then orders `stream` after the GPU work consumers queued before their
- * releases of it. *copy gets its index. Write the tensors of that copy on
- * `stream` (or streams ordered before it), then gpuipc_tset_publish.
+ * progress on the subscribed connections) until no consumer holds it and
+ * the GPU work consumers queued before their releases of it completed
+ * (waited for on the host, not queued on `stream`: a release that never
+ * completes cannot stall the producer's stream). *copy gets its index.
+ * Write the tensors of that copy on `stream` (or streams ordered before
+ * it), then gpuipc_tset_publish.
  * Consumers found gone are dropped from the set. A copy held for the hold
- * limit since its version's publish is not waited for: its holders are
- * dropped from the set, and an owned set writes a fresh copy (the held
- * one is retired; see gpuipc_tset_options). GPUIPC_E_TIMEOUT when a
- * consumer still holds it after the timeout (no hold limit, or a longer
- * one); GPUIPC_E_BUSY when it is held past the hold limit and
- * retired_max copies are retired and held already (or a fresh copy could
- * not be allocated: that status); GPUIPC_E_INVALID_ARG inside a begin
- * already. */
+ * limit since its version's publish (or whose release has not completed
+ * by then) is not waited for: its holders are dropped from the set, and
+ * an owned set writes a fresh copy (the held one is retired) while fewer
+ * than retired_max are retired, else the copy in place (see
+ * gpuipc_tset_options). GPUIPC_E_TIMEOUT when a consumer still holds it,
+ * or its release has not completed, after the timeout (no hold limit, or
+ * a longer one); the status of the allocation when a fresh copy could not
+ * be made; GPUIPC_E_INVALID_ARG inside a begin already. */
 GPUIPC_API gpuipc_status gpuipc_tset_begin(gpuipc_tset *set,
                                            struct CUstream_st *stream,
                                            int *copy /* OUT */);

@@ -646,6 +646,10 @@ gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn, int timeout_ms) {
   return GPUIPC_OK;
 }
 
+int gpuipc__conn_timeout(const gpuipc_conn *conn) {
+  return conn ? conn->timeout_ms : 0;
+}
+
 gpuipc_status gpuipc_conn_set_nonblocking(gpuipc_conn *conn, int nonblocking) {
   if (conn == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
