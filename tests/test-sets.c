@@ -1696,6 +1696,85 @@ TEST_IMPL(sets_hostile_tables_refused) {
   return 0;
 }
 
+/* ---- one deadline per call ------------------------------------------------------------- */
+
+/* A producer that keeps sending what a consumer skips (END of a layout it
+ * never sent), every few ms, until it hears "stop" (or 20 s passed); then
+ * an honest set's version 1. */
+HELPER_IMPL(ts_end_flood) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *blk = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, NULL, &blk));
+  uint8_t meta[GPUIPC__TSET_META_LEN];
+  gpuipc__tset_meta m = {GPUIPC__TSET_END, 0x5eed, 0, 0, 0};
+  gpuipc__tset_meta_encode(&m, meta);
+  uint64_t until = gpuipc__now_ns() + 20000ull * 1000000u;
+  size_t msgs = 0;
+  while (msgs == 0 && gpuipc__now_ns() < until) {
+    ASSERT_OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, meta, sizeof meta));
+    ASSERT_OK(gpuipc_conn_progress(c, 20));
+    gpuipc__conn_queued(c, &msgs, NULL, NULL, NULL);
+  }
+  if (msgs)
+    hear(c, "stop");
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 1, s);
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  for (int i = 0; i < 1000 && gpuipc_block_get_holders(blk); i++)
+    ASSERT_OK(gpuipc_conn_progress(c, 1));
+  ASSERT_OK(gpuipc_block_free(blk, NULL));
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
+}
+
+/* gpuipc_tset_recv keeps one deadline for the call: while the producer
+ * keeps sending what it skips, it returns GPUIPC_E_TIMEOUT after the
+ * connection's timeout (500 ms) instead of taking a fresh one per skipped
+ * buffer (which would skip the flood's 20 s and return its version). The
+ * connection's timeout is its own again after the call; the next call
+ * gets the honest version. */
+TEST_IMPL(sets_recv_one_deadline_while_skipping) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_end_flood", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 500));
+  gpuipc_tset_version *v = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_TIMEOUT);
+  ASSERT_NULL(v);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "500 ms");
+  say(c, "stop");
+  /* The connection's own timeout was given back: a wait of the honest
+   * set's version (behind what the flood left) succeeds. */
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  spec_t sp;
+  spec("small", &sp);
+  check_version(v, &sp, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "ok");
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
 /* ---- the benchmark runs ---------------------------------------------------------------- */
 
 TEST_IMPL(sets_bench_quick_runs) {

@@ -314,8 +314,10 @@ GPUIPC_API gpuipc_status gpuipc_tset_publish(gpuipc_tset *set,
 /* Subscribes a connection: sends the table and the pieces (setup cost,
  * once per connection), and the latest version when there is one (a
  * version being written between begin and publish is not sent: the
- * subscriber gets it at publish). Ordered on `stream`. GPUIPC_E_EXISTS
- * when conn is subscribed already. */
+ * subscriber gets it at publish). Ordered on `stream`. Its sends wait at
+ * most the connection's timeout in all (GPUIPC_E_TIMEOUT: the consumer
+ * did not take them; the set lets go of conn once what was sent drained).
+ * GPUIPC_E_EXISTS when conn is subscribed already. */
 GPUIPC_API gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set,
                                                gpuipc_conn *conn,
                                                struct CUstream_st *stream);
@@ -356,7 +358,9 @@ GPUIPC_API gpuipc_status gpuipc_tset_sub_open(gpuipc_conn *conn,
  * pieces, and frees the subscriber. NULL is a no-op. */
 GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
 
-/* Receives the next version (waiting up to the connection's timeout;
+/* Receives the next version (waiting up to the connection's timeout, one
+ * deadline for the whole call however much it skips on the way: pieces of
+ * a refused layout, ENDs of layouts it never got; GPUIPC_E_TIMEOUT then;
  * GPUIPC_E_WOULD_BLOCK on a non-blocking connection when none is there
  * yet, with what arrived so far kept for the next call). A new layout's
  * table and pieces are received and validated on the way. On return the

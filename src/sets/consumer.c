@@ -370,12 +370,16 @@ static gpuipc_status on_replace(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
-                               gpuipc_tset_version **out) {
-  if (sub == NULL || out == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_recv: NULL");
-  *out = NULL;
+/* gpuipc_tset_recv's loop: every pass takes one buffer (or chunk); the
+ * passes share the call's one deadline (w), so that a producer that keeps
+ * sending what this call skips (pieces of a refused layout, ENDs of
+ * layouts never sent) cannot hold it past the connection's timeout. */
+static gpuipc_status recv_loop(gpuipc_tset_sub *sub, struct CUstream_st *stream,
+                               gpuipc_tset_version **out,
+                               gpuipc__tset_wait *w) {
   for (;;) {
+    if (!gpuipc__tset_wait_next(w))
+      return GPUIPC_E_TIMEOUT;
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     gpuipc_status s = gpuipc_conn_recv(sub->conn, stream, &r);
     if (s == GPUIPC_E_BUSY) {
@@ -466,6 +470,21 @@ gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
     *out = v;
     return GPUIPC_OK;
   }
+}
+
+gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
+                               gpuipc_tset_version **out) {
+  if (sub == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_recv: NULL");
+  *out = NULL;
+  gpuipc__tset_wait w;
+  gpuipc__tset_wait_begin(&w, sub->conn);
+  gpuipc_status s = recv_loop(sub, stream, out, &w);
+  gpuipc__tset_wait_end(&w);
+  if (s == GPUIPC_E_TIMEOUT)
+    return gpuipc__fail(s, "gpuipc_tset_recv: no version within the "
+                        "connection's timeout (%d ms)", w.timeout_ms);
+  return s;
 }
 
 gpuipc_status gpuipc_tset_version_release(gpuipc_tset_version *v,

@@ -640,6 +640,15 @@ static gpuipc_status send_version(gpuipc_tset *set, gpuipc_conn *conn,
                           (struct CUstream_st *)stream, meta, sizeof meta);
 }
 
+/* GPUIPC_OK while some of subscribe's deadline is left. */
+static gpuipc_status sub_wait_next(gpuipc__tset_wait *w) {
+  if (gpuipc__tset_wait_next(w))
+    return GPUIPC_OK;
+  return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_subscribe: the consumer "
+                      "took less than the table and pieces within the "
+                      "connection's timeout (%d ms)", w->timeout_ms);
+}
+
 gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
                                     struct CUstream_st *stream) {
   if (set == NULL || conn == NULL)
@@ -660,8 +669,14 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
   uint8_t *msg = malloc(GPUIPC_CONN_MSG_MAX);
   if (msg == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_subscribe");
+  /* Every send below waits for the consumer at most what is left of one
+   * deadline, the connection's timeout from now. */
+  gpuipc__tset_wait w;
+  gpuipc__tset_wait_begin(&w, conn);
   size_t pos = 0;
-  for (uint32_t k = 0; pos < set->table_len && s == GPUIPC_OK; k++) {
+  for (uint32_t k = 0; pos < set->table_len && s == GPUIPC_OK &&
+                       (s = sub_wait_next(&w)) == GPUIPC_OK;
+       k++) {
     size_t n = set->table_len - pos;
     if (n > GPUIPC__TSET_CHUNK_DATA)
       n = GPUIPC__TSET_CHUNK_DATA;
@@ -680,7 +695,9 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
   free(msg);
   /* The pieces of every copy. */
   uint32_t np = set->tab.n_pieces, total = np * (uint32_t)set->copies;
-  for (uint32_t i = 0; i < total && s == GPUIPC_OK; i++) {
+  for (uint32_t i = 0; i < total && s == GPUIPC_OK &&
+                       (s = sub_wait_next(&w)) == GPUIPC_OK;
+       i++) {
     gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, set->tab.layout_id, i, total,
                            (uint32_t)set->table_len};
     uint8_t meta[GPUIPC__TSET_META_LEN];
@@ -693,8 +710,10 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
                            sizeof meta);
   }
   /* A late joiner starts at the latest version (not one being rewritten). */
-  if (s == GPUIPC_OK && set->latest >= 0 && set->writing != set->latest)
+  if (s == GPUIPC_OK && set->latest >= 0 && set->writing != set->latest &&
+      (s = sub_wait_next(&w)) == GPUIPC_OK)
     s = send_version(set, conn, (CUstream)stream);
+  gpuipc__tset_wait_end(&w);
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
     return s;
   /* Whatever was sent must drain before the set lets go of conn. */
