@@ -531,6 +531,20 @@ static void produce(gpuipc_tset *set, gpuipc_conn *c, int versions, CUstream s) 
   free(host);
 }
 
+/* An honest set of "small" subscribed on c: its version 1, then, once the
+ * consumer says `word`, its END (destroy). */
+static void honest_version(gpuipc_conn *c, CUstream s, const char *word) {
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 1, s);
+  hear(c, word);
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  spec_free(&sp);
+}
+
 static gpuipc_arena *mkarena(size_t chunk) {
   gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
   ao.chunk_bytes = chunk;
@@ -544,6 +558,18 @@ static void arena_empty(gpuipc_arena *a) {
   ASSERT_OK(gpuipc_arena_get_stats(a, &st));
   ASSERT_EQ(st.blocks_allocated, 0);
   ASSERT_EQ(st.leases, 0);
+}
+
+/* Waits (making progress on c) until the peer released blocks x and y
+ * (y may be NULL), then frees them. */
+static void blocks_back(gpuipc_conn *c, gpuipc_block *x, gpuipc_block *y) {
+  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(x) ||
+                               gpuipc_block_get_holders(y)); i++)
+    ASSERT_OK(gpuipc_conn_progress(c, 1));
+  ASSERT_EQ(gpuipc_block_get_holders(x), 0);
+  ASSERT_EQ(gpuipc_block_get_holders(y), 0);
+  ASSERT_OK(gpuipc_block_free(x, NULL));
+  ASSERT_OK(gpuipc_block_free(y, NULL));
 }
 
 static int run_spec(const char *name, int copies, int versions) {
@@ -939,30 +965,48 @@ HELPER_IMPL(ts_producer_loop) {
   }
 }
 
-/* A producer that dies in the middle of sending a layout (table and one
- * piece of two sent, no version). */
-HELPER_IMPL(ts_producer_half) {
-  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
-  CUstream s = mkstream();
-  gpuipc_arena *a = mkarena((size_t)1 << 20);
-  gpuipc__tset_table t;
-  table_of("small", &t);
-  t.copies = 2;
+/* Sends the first chunk of table t (all of it when it fits one). */
+static void send_chunk0(gpuipc_conn *c, gpuipc__tset_table *t, size_t *len) {
   uint8_t *b = NULL;
-  size_t len = 0;
-  ASSERT_OK(gpuipc__tset_table_encode(&t, &b, &len));
-  uint8_t msg[GPUIPC_CONN_MSG_MAX];
+  ASSERT_OK(gpuipc__tset_table_encode(t, &b, len));
+  static uint8_t msg[GPUIPC_CONN_MSG_MAX];
   memset(msg, 0, GPUIPC__TSET_CHUNK_HDR);
   le64(msg, GPUIPC__TSET_CHUNK_MAGIC);
-  le64(msg + 8, t.layout_id);
-  memcpy(msg + GPUIPC__TSET_CHUNK_HDR, b, len);
-  ASSERT_OK(gpuipc_conn_send_msg(c, msg, GPUIPC__TSET_CHUNK_HDR + len, NULL, 0));
+  le64(msg + 8, t->layout_id);
+  size_t n = *len < GPUIPC__TSET_CHUNK_DATA ? *len : GPUIPC__TSET_CHUNK_DATA;
+  memcpy(msg + GPUIPC__TSET_CHUNK_HDR, b, n);
+  ASSERT_OK(gpuipc_conn_send_msg(c, msg, GPUIPC__TSET_CHUNK_HDR + n, NULL, 0));
+  free(b);
+}
+
+/* Sends the table of a layout of "small" in two copies and its first
+ * piece of two (a block of a, returned), nothing more: a layout left half
+ * sent. */
+static gpuipc_block *send_half_layout(gpuipc_conn *c, gpuipc_arena *a,
+                                      uint64_t layout) {
+  CUstream s = mkstream();
+  gpuipc__tset_table t;
+  table_of("small", &t);
+  t.layout_id = layout;
+  t.copies = 2;
+  size_t len = 0;
+  send_chunk0(c, &t, &len);
   gpuipc_block *blk = NULL;
   ASSERT_OK(gpuipc_arena_alloc(a, (size_t)t.piece_len[0], NULL, &blk));
   gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, t.layout_id, 0, 2, (uint32_t)len};
   uint8_t meta[GPUIPC__TSET_META_LEN];
   gpuipc__tset_meta_encode(&m, meta);
   ASSERT_OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, meta, sizeof meta));
+  gpuipc__tset_table_free(&t);
+  return blk;
+}
+
+/* A producer that dies in the middle of sending a layout (table and one
+ * piece of two sent, no version). */
+HELPER_IMPL(ts_producer_half) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  (void)send_half_layout(c, a, 0x1234);
   ASSERT_OK(gpuipc_conn_progress(c, 100));
   _exit(0);
 }
@@ -1530,13 +1574,7 @@ HELPER_IMPL(ts_replace_producer) {
   }
   produce(set, NULL, 1, s);
   hear(c, "ok");
-  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(big) ||
-                               gpuipc_block_get_holders(small)); i++)
-    ASSERT_OK(gpuipc_conn_progress(c, 1));
-  ASSERT_EQ(gpuipc_block_get_holders(big), 0);
-  ASSERT_EQ(gpuipc_block_get_holders(small), 0);
-  ASSERT_OK(gpuipc_block_free(big, NULL));
-  ASSERT_OK(gpuipc_block_free(small, NULL));
+  blocks_back(c, big, small);
   ASSERT_OK(gpuipc_tset_destroy(set));
   gpuipc_conn_close(c);
   ASSERT_OK(gpuipc_arena_destroy(a));
@@ -1629,25 +1667,11 @@ HELPER_IMPL(ts_hostile_producer) {
     free(b);
   }
   /* Then an honest set. */
-  spec_t sp;
-  spec("small", &sp);
-  gpuipc_tset *set = NULL;
-  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
-  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
-  produce(set, c, 1, s);
-  hear(c, "ok");
-  ASSERT_OK(gpuipc_tset_destroy(set));
+  honest_version(c, s, "ok");
   /* Everything of the hostile layouts was released. */
-  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(blk) ||
-                               gpuipc_block_get_holders(tok)); i++)
-    ASSERT_OK(gpuipc_conn_progress(c, 1));
-  ASSERT_EQ(gpuipc_block_get_holders(blk), 0);
-  ASSERT_EQ(gpuipc_block_get_holders(tok), 0);
-  ASSERT_OK(gpuipc_block_free(blk, NULL));
-  ASSERT_OK(gpuipc_block_free(tok, NULL));
+  blocks_back(c, blk, tok);
   ASSERT_OK(gpuipc_arena_destroy(a));
   gpuipc_conn_close(c);
-  spec_free(&sp);
   return 0;
 }
 
@@ -1696,6 +1720,107 @@ TEST_IMPL(sets_hostile_tables_refused) {
   return 0;
 }
 
+/* ---- the sequence: half-sent layouts, version numbers ------------------------------------ */
+
+/* A producer that leaves a table half sent (the first chunk of many),
+ * then sends an honest set A's version 1; then versions of A forged with
+ * numbers 5, 3 and 6; then, after A's END, a layout half sent (its table
+ * and one piece of two), then an honest set B's version 1. */
+HELPER_IMPL(ts_sequence_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc__tset_table t;
+  table_of("10k", &t);
+  size_t len = 0;
+  send_chunk0(c, &t, &len);
+  ASSERT_GT(len, GPUIPC__TSET_CHUNK_DATA); /* more chunks were due */
+  gpuipc__tset_table_free(&t);
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 1, s);
+  hear(c, "a1");
+  gpuipc_block *tok = NULL, *blk = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, NULL, &tok));
+  uint64_t forged[] = {5, 3, 6};
+  for (int i = 0; i < 3; i++) {
+    uint8_t meta[GPUIPC__TSET_META_LEN];
+    gpuipc__tset_meta m = {GPUIPC__TSET_VERSION_TOKEN,
+                           gpuipc_tset_get_layout(set), forged[i], 0, 0};
+    gpuipc__tset_meta_encode(&m, meta);
+    ASSERT_OK(gpuipc_conn_send(c, tok, (struct CUstream_st *)s, meta, sizeof meta));
+  }
+  hear(c, "forged");
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  blk = send_half_layout(c, a, 0x777);
+  honest_version(c, s, "b1");
+  blocks_back(c, blk, tok);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
+}
+
+static gpuipc_tset_version *recv_checked(gpuipc_tset_sub *sub, const spec_t *sp,
+                                         uint64_t number, CUstream s) {
+  gpuipc_tset_version *v = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  ASSERT_UEQ(gpuipc_tset_version_get_number(v), number);
+  if (sp)
+    check_version(v, sp, s);
+  return v;
+}
+
+/* A new layout's first piece (or a new table's first chunk) starts a new
+ * layout, abandoning one left half sent (whose piece is released), where
+ * the whole next layout used to be refused; a version whose number does
+ * not grow is refused with GPUIPC_E_PROTOCOL, saying so, and the layout
+ * goes on (a later, larger number is accepted). */
+TEST_IMPL(sets_sequence_half_sent_and_versions_that_do_not_grow) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_sequence_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset_version *v = recv_checked(sub, &sp, 1, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "a1");
+  v = recv_checked(sub, NULL, 5, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  v = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_PROTOCOL);
+  ASSERT_NULL(v);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "must grow");
+  v = recv_checked(sub, NULL, 6, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "forged");
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  v = recv_checked(sub, &sp, 1, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  size_t here = 99;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 1); /* B's piece: the half layout's was released */
+  say(c, "b1");
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
 /* ---- one deadline per call ------------------------------------------------------------- */
 
 /* A producer that keeps sending what a consumer skips (END of a layout it
@@ -1719,20 +1844,10 @@ HELPER_IMPL(ts_end_flood) {
   }
   if (msgs)
     hear(c, "stop");
-  spec_t sp;
-  spec("small", &sp);
-  gpuipc_tset *set = NULL;
-  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
-  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
-  produce(set, c, 1, s);
-  hear(c, "ok");
-  ASSERT_OK(gpuipc_tset_destroy(set));
-  for (int i = 0; i < 1000 && gpuipc_block_get_holders(blk); i++)
-    ASSERT_OK(gpuipc_conn_progress(c, 1));
-  ASSERT_OK(gpuipc_block_free(blk, NULL));
+  honest_version(c, s, "ok");
+  blocks_back(c, blk, NULL);
   ASSERT_OK(gpuipc_arena_destroy(a));
   gpuipc_conn_close(c);
-  spec_free(&sp);
   return 0;
 }
 

@@ -378,7 +378,10 @@ GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
  * when the producer is gone; GPUIPC_E_PROTOCOL (and the decoder's statuses: TRUNCATED,
  * BAD_MAGIC, BAD_VERSION, BAD_CHECKSUM, BAD_KIND, OUT_OF_RANGE) for a
  * refused table or a producer that does not follow docs/sets.md: nothing
- * of that layout is returned, ever. Needs CUDA. */
+ * of that layout is returned, ever; a version whose number is not above
+ * the last one returned of its layout is refused (GPUIPC_E_PROTOCOL) and
+ * changes nothing. A layout left half sent is abandoned when the next
+ * layout's first piece comes. Needs CUDA. */
 GPUIPC_API gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub,
                                           struct CUstream_st *stream,
                                           gpuipc_tset_version **out /* OUT */);

@@ -73,6 +73,7 @@ typedef struct gpuipc__tset_layout {
   uint32_t got;          /* pieces received so far */
   gpuipc__tset_held **copy; /* tab.copies */
   uint32_t gen[2];       /* the last REPLACE's generation, per copy */
+  uint64_t last;         /* the number of the last version accepted */
   size_t refs;           /* versions held */
   bool retired;          /* superseded or ended: goes with its last version */
   struct gpuipc__tset_layout *next; /* retired ones still referenced */
