@@ -531,6 +531,20 @@ static void produce(gpuipc_tset *set, gpuipc_conn *c, int versions, CUstream s) 
   free(host);
 }
 
+/* An honest set of "small" subscribed on c: its version 1, then, once the
+ * consumer says `word`, its END (destroy). */
+static void honest_version(gpuipc_conn *c, CUstream s, const char *word) {
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 1, s);
+  hear(c, word);
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  spec_free(&sp);
+}
+
 static gpuipc_arena *mkarena(size_t chunk) {
   gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
   ao.chunk_bytes = chunk;
@@ -544,6 +558,18 @@ static void arena_empty(gpuipc_arena *a) {
   ASSERT_OK(gpuipc_arena_get_stats(a, &st));
   ASSERT_EQ(st.blocks_allocated, 0);
   ASSERT_EQ(st.leases, 0);
+}
+
+/* Waits (making progress on c) until the peer released blocks x and y
+ * (y may be NULL), then frees them. */
+static void blocks_back(gpuipc_conn *c, gpuipc_block *x, gpuipc_block *y) {
+  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(x) ||
+                               gpuipc_block_get_holders(y)); i++)
+    ASSERT_OK(gpuipc_conn_progress(c, 1));
+  ASSERT_EQ(gpuipc_block_get_holders(x), 0);
+  ASSERT_EQ(gpuipc_block_get_holders(y), 0);
+  ASSERT_OK(gpuipc_block_free(x, NULL));
+  ASSERT_OK(gpuipc_block_free(y, NULL));
 }
 
 static int run_spec(const char *name, int copies, int versions) {
@@ -939,30 +965,48 @@ HELPER_IMPL(ts_producer_loop) {
   }
 }
 
-/* A producer that dies in the middle of sending a layout (table and one
- * piece of two sent, no version). */
-HELPER_IMPL(ts_producer_half) {
-  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
-  CUstream s = mkstream();
-  gpuipc_arena *a = mkarena((size_t)1 << 20);
-  gpuipc__tset_table t;
-  table_of("small", &t);
-  t.copies = 2;
+/* Sends the first chunk of table t (all of it when it fits one). */
+static void send_chunk0(gpuipc_conn *c, gpuipc__tset_table *t, size_t *len) {
   uint8_t *b = NULL;
-  size_t len = 0;
-  ASSERT_OK(gpuipc__tset_table_encode(&t, &b, &len));
-  uint8_t msg[GPUIPC_CONN_MSG_MAX];
+  ASSERT_OK(gpuipc__tset_table_encode(t, &b, len));
+  static uint8_t msg[GPUIPC_CONN_MSG_MAX];
   memset(msg, 0, GPUIPC__TSET_CHUNK_HDR);
   le64(msg, GPUIPC__TSET_CHUNK_MAGIC);
-  le64(msg + 8, t.layout_id);
-  memcpy(msg + GPUIPC__TSET_CHUNK_HDR, b, len);
-  ASSERT_OK(gpuipc_conn_send_msg(c, msg, GPUIPC__TSET_CHUNK_HDR + len, NULL, 0));
+  le64(msg + 8, t->layout_id);
+  size_t n = *len < GPUIPC__TSET_CHUNK_DATA ? *len : GPUIPC__TSET_CHUNK_DATA;
+  memcpy(msg + GPUIPC__TSET_CHUNK_HDR, b, n);
+  ASSERT_OK(gpuipc_conn_send_msg(c, msg, GPUIPC__TSET_CHUNK_HDR + n, NULL, 0));
+  free(b);
+}
+
+/* Sends the table of a layout of "small" in two copies and its first
+ * piece of two (a block of a, returned), nothing more: a layout left half
+ * sent. */
+static gpuipc_block *send_half_layout(gpuipc_conn *c, gpuipc_arena *a,
+                                      uint64_t layout) {
+  CUstream s = mkstream();
+  gpuipc__tset_table t;
+  table_of("small", &t);
+  t.layout_id = layout;
+  t.copies = 2;
+  size_t len = 0;
+  send_chunk0(c, &t, &len);
   gpuipc_block *blk = NULL;
   ASSERT_OK(gpuipc_arena_alloc(a, (size_t)t.piece_len[0], NULL, &blk));
   gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, t.layout_id, 0, 2, (uint32_t)len};
   uint8_t meta[GPUIPC__TSET_META_LEN];
   gpuipc__tset_meta_encode(&m, meta);
   ASSERT_OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, meta, sizeof meta));
+  gpuipc__tset_table_free(&t);
+  return blk;
+}
+
+/* A producer that dies in the middle of sending a layout (table and one
+ * piece of two sent, no version). */
+HELPER_IMPL(ts_producer_half) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  (void)send_half_layout(c, a, 0x1234);
   ASSERT_OK(gpuipc_conn_progress(c, 100));
   _exit(0);
 }
@@ -1043,7 +1087,8 @@ TEST_IMPL(sets_producer_killed_mid_publish) {
  * the producer's END, which must say it was dropped for holding, and says
  * "released". Mode "die": it waits to be killed. Mode "wrapped": as
  * "release", without the second check (a wrapped set's memory is written
- * in place once its holder is dropped). */
+ * in place once its holder is dropped). argv[1], when given: the number
+ * of the first version (a late joiner's), 1 otherwise. */
 HELPER_IMPL(ts_stuck) {
   ASSERT(argc >= 1);
   const char *mode = argv[0];
@@ -1055,7 +1100,8 @@ HELPER_IMPL(ts_stuck) {
   ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
   gpuipc_tset_version *v1 = NULL;
   ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v1));
-  ASSERT_UEQ(gpuipc_tset_version_get_number(v1), 1);
+  ASSERT_UEQ(gpuipc_tset_version_get_number(v1),
+             argc > 1 ? (uint64_t)atoll(argv[1]) : 1);
   check_version(v1, &sp, s);
   say(c, "got");
   hear(c, "check");
@@ -1169,12 +1215,26 @@ TEST_IMPL(sets_stuck_consumer_double_buffered) {
   return run_stuck(2);
 }
 
+/* An owned set of the spec "small" in arena a, with these limits. */
+static gpuipc_tset *small_set(gpuipc_arena *a, int timeout_ms, int hold_ms,
+                              int retired_max, spec_t *sp) {
+  spec("small", sp);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.arena = a;
+  o.timeout_ms = timeout_ms;
+  o.hold_ms = hold_ms;
+  o.retired_max = retired_max;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp->t, sp->n, &o, &set));
+  return set;
+}
+
 /* The cap: with retired_max 0 a copy held past the hold limit cannot be
- * set aside: begin drops the holder, waits out its timeout for a release
- * and fails with GPUIPC_E_BUSY naming the cap; the copy is not written.
- * Then unsubscribe completes (within the hold limit, the END being sent
- * already) though the consumer still holds version 1, and the memory
- * comes back when the consumer dies. */
+ * set aside: begin drops the holder and writes the copy in place (a fresh
+ * token only: nothing waits for the holder), rather than fail. Then
+ * unsubscribe completes (within the hold limit, the END being sent
+ * already) though the consumer still holds version 1, later versions go
+ * on, and the memory comes back when the consumer dies. */
 TEST_IMPL(sets_stuck_consumer_cap_and_unsubscribe) {
   REQUIRE_DEVICES(1);
   int fd;
@@ -1182,34 +1242,18 @@ TEST_IMPL(sets_stuck_consumer_cap_and_unsubscribe) {
   gpuipc_conn *c = pair_conn(fd);
   CUstream s = mkstream();
   spec_t sp;
-  spec("small", &sp);
   gpuipc_arena *a = mkarena((size_t)1 << 20);
-  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
-  o.arena = a;
-  o.timeout_ms = 1000;
-  o.hold_ms = 200;
-  o.retired_max = 0;
-  gpuipc_tset *set = NULL;
-  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  gpuipc_tset *set = small_set(a, 1000, 200, 0, &sp);
   ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
   produce(set, NULL, 1, s);
   hear(c, "got");
-  int copy = -1;
-  ASSERT_STATUS(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy),
-                GPUIPC_E_BUSY);
-  if (strstr(gpuipc_last_error(), "retired_max") == NULL)
-    harness_fail(__FILE__, __LINE__, "begin's error does not name the cap: %s",
-                 gpuipc_last_error());
-  ASSERT_EQ(arena_blocks(a, NULL), 3); /* nothing set aside */
-  say(c, "check");
-  hear(c, "same");
+  produce(set, NULL, 1, s); /* in place: no piece set aside */
+  ASSERT_EQ(arena_blocks(a, NULL), 4); /* piece, END block, token, old token */
   uint64_t t0 = gpuipc__now_ns();
   ASSERT_OK(gpuipc_tset_unsubscribe(set, c));
   ASSERT_LT((long long)((gpuipc__now_ns() - t0) / 1000000u), 900);
   ASSERT_EQ(gpuipc_tset_get_subscribers(set), 0);
-  /* The copy is still held, and the cap leaves no room to set it aside. */
-  ASSERT_STATUS(gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy),
-                GPUIPC_E_BUSY);
+  produce(set, NULL, 2, s);
   ASSERT_OK(gpuipc_tset_destroy(set));
   size_t deferred = 0;
   ASSERT_GT(arena_blocks(a, &deferred), 0);
@@ -1220,6 +1264,71 @@ TEST_IMPL(sets_stuck_consumer_cap_and_unsubscribe) {
     (void)gpuipc_conn_progress(c, 10);
   arena_empty(a);
   gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
+/* Three consumers (one peer could connect three times) that each take the
+ * latest version and hold it fill retired_max (2): the first two copies
+ * are set aside, untouched; the third is written in place once its holder
+ * is dropped, rather than every later begin failing with GPUIPC_E_BUSY.
+ * An honest consumer that joins then gets every version, data checked. */
+TEST_IMPL(sets_stuck_consumers_past_the_cap_written_in_place) {
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  spec_t sp;
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset *set = small_set(a, 2000, 200, 2, &sp);
+  size_t base = arena_blocks(a, NULL);
+  int fd[3];
+  pid_t pid[3];
+  gpuipc_conn *c[3];
+  for (int k = 0; k < 3; k++) {
+    char first[8];
+    snprintf(first, sizeof first, "%d", k + 1);
+    pid[k] = spawn_helper("ts_stuck", NULL, &fd[k], "die", first, NULL);
+    c[k] = pair_conn(fd[k]);
+    /* A late joiner gets the latest version: k + 1 (none for the first). */
+    ASSERT_OK(gpuipc_tset_subscribe(set, c[k], (struct CUstream_st *)s));
+    if (k == 0)
+      produce(set, NULL, 1, s);
+    hear(c[k], "got");
+    produce(set, NULL, 1, s); /* past the hold limit: its holder dropped */
+  }
+  /* Two copies set aside (piece and token each), the third's token. */
+  ASSERT_EQ(arena_blocks(a, NULL), base + 5);
+  produce(set, NULL, 2, s);
+  int fdh;
+  pid_t ph = spawn_helper("ts_consumer", NULL, &fdh, "small", "3", "late", "6",
+                          NULL);
+  gpuipc_conn *ch = pair_conn(fdh);
+  ASSERT_OK(gpuipc_tset_subscribe(set, ch, (struct CUstream_st *)s));
+  produce(set, NULL, 2, s);
+  hear(ch, "ok");
+  /* The copies set aside were not written. */
+  for (int k = 0; k < 2; k++) {
+    say(c[k], "check");
+    hear(c[k], "same");
+  }
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, ch));
+  for (int k = 0; k < 3; k++) {
+    kill(pid[k], SIGKILL);
+    ASSERT_EQ(wait_helper(pid[k], 60), 128 + SIGKILL);
+  }
+  for (int i = 0; i < 1000 && arena_blocks(a, NULL) != base; i++) {
+    for (int k = 0; k < 3; k++)
+      (void)gpuipc_conn_progress(c[k], 1);
+    produce(set, NULL, 1, s);
+  }
+  ASSERT_EQ(arena_blocks(a, NULL), base);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  for (int k = 0; k < 3; k++)
+    gpuipc_conn_close(c[k]);
+  gpuipc_conn_close(ch);
+  ASSERT_EQ(wait_helper(ph, 120), 0);
   ASSERT_OK(gpuipc_arena_destroy(a));
   spec_free(&sp);
   return 0;
@@ -1339,6 +1448,95 @@ TEST_IMPL(sets_stuck_consumer_wrapped) {
   return 0;
 }
 
+/* A consumer whose release never completes on its GPU: it takes version
+ * 1, checks it and releases it on a stream whose earlier work never ends
+ * (a wait for a word nobody writes), says "released", then takes what
+ * comes until the producer's END, which must say it was dropped for
+ * holding, says "dropped" and waits to be killed. */
+HELPER_IMPL(ts_hung_release) {
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream(), hung = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  gpuipc_tset_version *v = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  check_version(v, &sp, s);
+  /* Stream memory operations need cuMemAlloc (or VMM) memory. */
+  CUdeviceptr never;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&never, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(never, 0, 256));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(hung, never, 1,
+                                           CU_STREAM_WAIT_VALUE_GEQ));
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)hung));
+  say(c, "released");
+  gpuipc_status st;
+  for (;;) {
+    v = NULL;
+    st = gpuipc_tset_recv(sub, (struct CUstream_st *)hung, &v);
+    if (st != GPUIPC_OK)
+      break;
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)hung));
+  }
+  ASSERT_STATUS(st, GPUIPC_E_CANCELED);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "hold limit");
+  say(c, "dropped");
+  for (;;)
+    pause();
+}
+
+/* An honest consumer and one whose release of version 1 never completes
+ * on its GPU: the producer's begin does not order its stream behind that
+ * release (which would stall the producer and, through it, the honest
+ * consumer until the other one dies); past the hold limit the copy counts
+ * as held: it is retired (kept, untouched, while the release may still
+ * run) and the stuck consumer is dropped. The honest one gets every
+ * version, data checked; the retired copy comes back once the stuck one
+ * is gone. */
+TEST_IMPL(sets_hung_release_does_not_stall) {
+  REQUIRE_DEVICES(1);
+  int fdh, fds;
+  pid_t ph = spawn_helper("ts_consumer", NULL, &fdh, "small", "6", "check", NULL);
+  pid_t ps = spawn_helper("ts_hung_release", NULL, &fds, NULL);
+  gpuipc_conn *ch = pair_conn(fdh), *cs = pair_conn(fds);
+  CUstream s = mkstream();
+  spec_t sp;
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  /* An honest consumer on a loaded machine releases well within 3 s. */
+  gpuipc_tset *set = small_set(a, 30000, 3000, 2, &sp);
+  size_t base = arena_blocks(a, NULL);
+  ASSERT_OK(gpuipc_tset_subscribe(set, ch, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_tset_subscribe(set, cs, (struct CUstream_st *)s));
+  produce(set, NULL, 1, s);
+  hear(cs, "released");
+  produce(set, NULL, 5, s);
+  /* Stalled behind the stuck release, the honest consumer would not get
+   * its versions before this connection's timeout. */
+  ASSERT_OK(gpuipc_conn_set_timeout(ch, 20000));
+  hear(ch, "ok");
+  hear(cs, "dropped");
+  ASSERT_EQ(arena_blocks(a, NULL), base + 2); /* the retired copy, kept */
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, ch));
+  kill(ps, SIGKILL);
+  ASSERT_EQ(wait_helper(ps, 60), 128 + SIGKILL);
+  /* Its death unblocks the release; the set's next calls free the copy. */
+  for (int i = 0; i < 1000 && arena_blocks(a, NULL) != base; i++) {
+    (void)gpuipc_conn_progress(cs, 10);
+    produce(set, NULL, 1, s);
+  }
+  ASSERT_EQ(arena_blocks(a, NULL), base);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  arena_empty(a);
+  gpuipc_conn_close(ch);
+  gpuipc_conn_close(cs);
+  ASSERT_EQ(wait_helper(ph, 120), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
 /* A producer whose "new piece" messages (REPLACE) lie, after an honest
  * set's version 1: each is refused, then an honest version 2 comes. */
 HELPER_IMPL(ts_replace_producer) {
@@ -1376,13 +1574,7 @@ HELPER_IMPL(ts_replace_producer) {
   }
   produce(set, NULL, 1, s);
   hear(c, "ok");
-  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(big) ||
-                               gpuipc_block_get_holders(small)); i++)
-    ASSERT_OK(gpuipc_conn_progress(c, 1));
-  ASSERT_EQ(gpuipc_block_get_holders(big), 0);
-  ASSERT_EQ(gpuipc_block_get_holders(small), 0);
-  ASSERT_OK(gpuipc_block_free(big, NULL));
-  ASSERT_OK(gpuipc_block_free(small, NULL));
+  blocks_back(c, big, small);
   ASSERT_OK(gpuipc_tset_destroy(set));
   gpuipc_conn_close(c);
   ASSERT_OK(gpuipc_arena_destroy(a));
@@ -1475,25 +1667,11 @@ HELPER_IMPL(ts_hostile_producer) {
     free(b);
   }
   /* Then an honest set. */
-  spec_t sp;
-  spec("small", &sp);
-  gpuipc_tset *set = NULL;
-  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
-  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
-  produce(set, c, 1, s);
-  hear(c, "ok");
-  ASSERT_OK(gpuipc_tset_destroy(set));
+  honest_version(c, s, "ok");
   /* Everything of the hostile layouts was released. */
-  for (int i = 0; i < 1000 && (gpuipc_block_get_holders(blk) ||
-                               gpuipc_block_get_holders(tok)); i++)
-    ASSERT_OK(gpuipc_conn_progress(c, 1));
-  ASSERT_EQ(gpuipc_block_get_holders(blk), 0);
-  ASSERT_EQ(gpuipc_block_get_holders(tok), 0);
-  ASSERT_OK(gpuipc_block_free(blk, NULL));
-  ASSERT_OK(gpuipc_block_free(tok, NULL));
+  blocks_back(c, blk, tok);
   ASSERT_OK(gpuipc_arena_destroy(a));
   gpuipc_conn_close(c);
-  spec_free(&sp);
   return 0;
 }
 
@@ -1535,6 +1713,176 @@ TEST_IMPL(sets_hostile_tables_refused) {
                 GPUIPC_E_CANCELED);
   ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
                 GPUIPC_E_PEER_GONE);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* ---- the sequence: half-sent layouts, version numbers ------------------------------------ */
+
+/* A producer that leaves a table half sent (the first chunk of many),
+ * then sends an honest set A's version 1; then versions of A forged with
+ * numbers 5, 3 and 6; then, after A's END, a layout half sent (its table
+ * and one piece of two), then an honest set B's version 1. */
+HELPER_IMPL(ts_sequence_producer) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc__tset_table t;
+  table_of("10k", &t);
+  size_t len = 0;
+  send_chunk0(c, &t, &len);
+  ASSERT_GT(len, GPUIPC__TSET_CHUNK_DATA); /* more chunks were due */
+  gpuipc__tset_table_free(&t);
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 1, s);
+  hear(c, "a1");
+  gpuipc_block *tok = NULL, *blk = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, NULL, &tok));
+  uint64_t forged[] = {5, 3, 6};
+  for (int i = 0; i < 3; i++) {
+    uint8_t meta[GPUIPC__TSET_META_LEN];
+    gpuipc__tset_meta m = {GPUIPC__TSET_VERSION_TOKEN,
+                           gpuipc_tset_get_layout(set), forged[i], 0, 0};
+    gpuipc__tset_meta_encode(&m, meta);
+    ASSERT_OK(gpuipc_conn_send(c, tok, (struct CUstream_st *)s, meta, sizeof meta));
+  }
+  hear(c, "forged");
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  blk = send_half_layout(c, a, 0x777);
+  honest_version(c, s, "b1");
+  blocks_back(c, blk, tok);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
+}
+
+static gpuipc_tset_version *recv_checked(gpuipc_tset_sub *sub, const spec_t *sp,
+                                         uint64_t number, CUstream s) {
+  gpuipc_tset_version *v = NULL;
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  ASSERT_UEQ(gpuipc_tset_version_get_number(v), number);
+  if (sp)
+    check_version(v, sp, s);
+  return v;
+}
+
+/* A new layout's first piece (or a new table's first chunk) starts a new
+ * layout, abandoning one left half sent (whose piece is released), where
+ * the whole next layout used to be refused; a version whose number does
+ * not grow is refused with GPUIPC_E_PROTOCOL, saying so, and the layout
+ * goes on (a later, larger number is accepted). */
+TEST_IMPL(sets_sequence_half_sent_and_versions_that_do_not_grow) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_sequence_producer", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset_version *v = recv_checked(sub, &sp, 1, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "a1");
+  v = recv_checked(sub, NULL, 5, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  v = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_PROTOCOL);
+  ASSERT_NULL(v);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "must grow");
+  v = recv_checked(sub, NULL, 6, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "forged");
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  v = recv_checked(sub, &sp, 1, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  size_t here = 99;
+  ASSERT_OK(gpuipc_conn_get_outstanding(c, NULL, &here));
+  ASSERT_EQ(here, 1); /* B's piece: the half layout's was released */
+  say(c, "b1");
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
+  gpuipc_status st = gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v);
+  ASSERT(st == GPUIPC_E_PEER_GONE || st == GPUIPC_E_CLOSED);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* ---- one deadline per call ------------------------------------------------------------- */
+
+/* A producer that keeps sending what a consumer skips (END of a layout it
+ * never sent), every few ms, until it hears "stop" (or 20 s passed); then
+ * an honest set's version 1. */
+HELPER_IMPL(ts_end_flood) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *blk = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 256, NULL, &blk));
+  uint8_t meta[GPUIPC__TSET_META_LEN];
+  gpuipc__tset_meta m = {GPUIPC__TSET_END, 0x5eed, 0, 0, 0};
+  gpuipc__tset_meta_encode(&m, meta);
+  uint64_t until = gpuipc__now_ns() + 20000ull * 1000000u;
+  size_t msgs = 0;
+  while (msgs == 0 && gpuipc__now_ns() < until) {
+    ASSERT_OK(gpuipc_conn_send(c, blk, (struct CUstream_st *)s, meta, sizeof meta));
+    ASSERT_OK(gpuipc_conn_progress(c, 20));
+    gpuipc__conn_queued(c, &msgs, NULL, NULL, NULL);
+  }
+  if (msgs)
+    hear(c, "stop");
+  honest_version(c, s, "ok");
+  blocks_back(c, blk, NULL);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* gpuipc_tset_recv keeps one deadline for the call: while the producer
+ * keeps sending what it skips, it returns GPUIPC_E_TIMEOUT after the
+ * connection's timeout (500 ms) instead of taking a fresh one per skipped
+ * buffer (which would skip the flood's 20 s and return its version). The
+ * connection's timeout is its own again after the call; the next call
+ * gets the honest version. */
+TEST_IMPL(sets_recv_one_deadline_while_skipping) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_end_flood", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 500));
+  gpuipc_tset_version *v = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_TIMEOUT);
+  ASSERT_NULL(v);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "500 ms");
+  say(c, "stop");
+  /* The connection's own timeout was given back: a wait of the honest
+   * set's version (behind what the flood left) succeeds. */
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
+  ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+  spec_t sp;
+  spec("small", &sp);
+  check_version(v, &sp, s);
+  ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+  say(c, "ok");
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v),
+                GPUIPC_E_CANCELED);
   gpuipc_tset_sub_close(sub);
   gpuipc_conn_close(c);
   ASSERT_EQ(wait_helper(pid, 120), 0);

@@ -70,7 +70,11 @@
  * the version in it (no driver call on their fast path: only when it
  * happens). A wrapped set's memory is the producer's own: it is written
  * in place, and a dropped consumer's views of it are not protected any
- * more. Consumers that release within the limit see no change.
+ * more; so is an owned set's once retired_max copies are set aside. A
+ * release whose GPU work has not completed by the hold limit (a hung
+ * kernel before it, or a release announced without its GPU write) counts
+ * as a hold: the producer's stream is never queued behind it. Consumers
+ * that release within the limit see no change.
  *
  * Connections. A connection subscribed to a set carries that set's traffic
  * and nothing else (no other buffers or user messages) while subscribed,
@@ -204,15 +208,19 @@ typedef struct gpuipc_tset_options {
    * is announced to the other consumers (docs/sets.md, REPLACE). Wrapped
    * sets (the memory is the producer's own and cannot be set aside): the
    * copy is written in place, and the dropped consumers' views of it are
-   * no longer protected. Also the longest unsubscribe and destroy of an
+   * no longer protected. A copy released, but whose release's GPU work
+   * (what the consumer queued before it) has not completed by then, counts
+   * as held. Also the longest unsubscribe and destroy of an
    * owned set wait for a consumer's releases before they let go of it.
    * Default 10000. */
   int hold_ms;
   /* Most retired copies an owned set keeps at once for consumers that
    * still hold them (0 to 64): memory beyond the set's copies is at most
    * this many copies. When a copy must be retired and the cap is full of
-   * copies still held, begin drops the holders all the same and fails
-   * with GPUIPC_E_BUSY. Default 2 (a consumer that stops releasing holds
+   * copies still held, begin drops the holders and writes the copy in
+   * place, as for a wrapped set (their views of it are no longer
+   * protected): a peer that connects many times cannot stop the producer.
+   * 0: never set aside. Default 2 (a consumer that stops releasing holds
    * at most one version per copy). */
   int retired_max;
 } gpuipc_tset_options;
@@ -268,19 +276,21 @@ GPUIPC_API gpuipc_status gpuipc_tset_find(const gpuipc_tset *set,
 
 /* Starts a version: picks the copy to write (with two copies, the one not
  * holding the latest version) and waits (up to the timeout, making
- * progress on the subscribed connections) until no consumer holds it;
- * then orders `stream` after the GPU work consumers queued before their
- * releases of it. *copy gets its index. Write the tensors of that copy on
- * `stream` (or streams ordered before it), then gpuipc_tset_publish.
+ * progress on the subscribed connections) until no consumer holds it and
+ * the GPU work consumers queued before their releases of it completed
+ * (waited for on the host, not queued on `stream`: a release that never
+ * completes cannot stall the producer's stream). *copy gets its index.
+ * Write the tensors of that copy on `stream` (or streams ordered before
+ * it), then gpuipc_tset_publish.
  * Consumers found gone are dropped from the set. A copy held for the hold
- * limit since its version's publish is not waited for: its holders are
- * dropped from the set, and an owned set writes a fresh copy (the held
- * one is retired; see gpuipc_tset_options). GPUIPC_E_TIMEOUT when a
- * consumer still holds it after the timeout (no hold limit, or a longer
- * one); GPUIPC_E_BUSY when it is held past the hold limit and
- * retired_max copies are retired and held already (or a fresh copy could
- * not be allocated: that status); GPUIPC_E_INVALID_ARG inside a begin
- * already. */
+ * limit since its version's publish (or whose release has not completed
+ * by then) is not waited for: its holders are dropped from the set, and
+ * an owned set writes a fresh copy (the held one is retired) while fewer
+ * than retired_max are retired, else the copy in place (see
+ * gpuipc_tset_options). GPUIPC_E_TIMEOUT when a consumer still holds it,
+ * or its release has not completed, after the timeout (no hold limit, or
+ * a longer one); the status of the allocation when a fresh copy could not
+ * be made; GPUIPC_E_INVALID_ARG inside a begin already. */
 GPUIPC_API gpuipc_status gpuipc_tset_begin(gpuipc_tset *set,
                                            struct CUstream_st *stream,
                                            int *copy /* OUT */);
@@ -304,8 +314,10 @@ GPUIPC_API gpuipc_status gpuipc_tset_publish(gpuipc_tset *set,
 /* Subscribes a connection: sends the table and the pieces (setup cost,
  * once per connection), and the latest version when there is one (a
  * version being written between begin and publish is not sent: the
- * subscriber gets it at publish). Ordered on `stream`. GPUIPC_E_EXISTS
- * when conn is subscribed already. */
+ * subscriber gets it at publish). Ordered on `stream`. Its sends wait at
+ * most the connection's timeout in all (GPUIPC_E_TIMEOUT: the consumer
+ * did not take them; the set lets go of conn once what was sent drained).
+ * GPUIPC_E_EXISTS when conn is subscribed already. */
 GPUIPC_API gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set,
                                                gpuipc_conn *conn,
                                                struct CUstream_st *stream);
@@ -346,7 +358,9 @@ GPUIPC_API gpuipc_status gpuipc_tset_sub_open(gpuipc_conn *conn,
  * pieces, and frees the subscriber. NULL is a no-op. */
 GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
 
-/* Receives the next version (waiting up to the connection's timeout;
+/* Receives the next version (waiting up to the connection's timeout, one
+ * deadline for the whole call however much it skips on the way: pieces of
+ * a refused layout, ENDs of layouts it never got; GPUIPC_E_TIMEOUT then;
  * GPUIPC_E_WOULD_BLOCK on a non-blocking connection when none is there
  * yet, with what arrived so far kept for the next call). A new layout's
  * table and pieces are received and validated on the way. On return the
@@ -364,7 +378,10 @@ GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
  * when the producer is gone; GPUIPC_E_PROTOCOL (and the decoder's statuses: TRUNCATED,
  * BAD_MAGIC, BAD_VERSION, BAD_CHECKSUM, BAD_KIND, OUT_OF_RANGE) for a
  * refused table or a producer that does not follow docs/sets.md: nothing
- * of that layout is returned, ever. Needs CUDA. */
+ * of that layout is returned, ever; a version whose number is not above
+ * the last one returned of its layout is refused (GPUIPC_E_PROTOCOL) and
+ * changes nothing. A layout left half sent is abandoned when the next
+ * layout's first piece comes. Needs CUDA. */
 GPUIPC_API gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub,
                                           struct CUstream_st *stream,
                                           gpuipc_tset_version **out /* OUT */);

@@ -786,6 +786,21 @@ gpuipc_status gpuipc_block_wait(gpuipc_block *b, struct CUstream_st *stream) {
   return s;
 }
 
+bool gpuipc__block_pending(gpuipc_block *b, uint64_t src) {
+  gpuipc_arena *a = b->arena;
+  gpuipc__ctx_guard g;
+  if (gpuipc__ctx_enter(&g, a->ordinal) != GPUIPC_OK)
+    return true; /* not known complete */
+  pthread_mutex_lock(&a->lock);
+  tags_prune(a, &b->tags);
+  bool pending = false;
+  for (uint32_t i = 0; i < b->tags.n && !pending; i++)
+    pending = src == 0 || b->tags.m[i]->src == src;
+  pthread_mutex_unlock(&a->lock);
+  gpuipc__ctx_leave(&g);
+  return pending;
+}
+
 gpuipc_status gpuipc__arena_release(gpuipc_arena *a,
                                     const gpuipc__reclaimer *rc,
                                     const gpuipc__release *rel, int n,

@@ -27,6 +27,18 @@ const char *gpuipc__conn_carrier_name(const struct gpuipc_conn *c);
 unsigned gpuipc__conn_block_holders(gpuipc_conn *conn,
                                     const gpuipc_block *block);
 
+/* Whether a reuse marker of block recorded on reclaim stream reclaimer_id
+ * (0: any) has not completed: a release whose GPU work (what the holder
+ * queued before it) still runs, so that gpuipc_block_wait would order a
+ * stream behind it. No waiting. */
+bool gpuipc__block_pending(gpuipc_block *block, uint64_t reclaimer_id);
+/* gpuipc__block_pending for the releases of block by the peer of conn. */
+bool gpuipc__conn_block_releasing(gpuipc_conn *conn, gpuipc_block *block);
+
+/* The connection's timeout (ms; -1: none), for callers above that wait in
+ * several calls under one deadline. */
+int gpuipc__conn_timeout(const gpuipc_conn *conn);
+
 /* Chunks (device allocations) held by all arenas of this process. */
 size_t gpuipc__arena_chunks_live(void);
 

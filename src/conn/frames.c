@@ -813,6 +813,10 @@ gpuipc_status gpuipc_conn_set_polling(gpuipc_conn *conn, int polling) {
   return GPUIPC_OK;
 }
 
+int gpuipc__conn_timeout(const gpuipc_conn *conn) {
+  return conn ? conn->timeout_ms : 0;
+}
+
 gpuipc_status gpuipc_conn_set_nonblocking(gpuipc_conn *conn, int nonblocking) {
   if (conn == NULL)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,

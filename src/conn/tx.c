@@ -842,3 +842,9 @@ unsigned gpuipc__conn_block_holders(gpuipc_conn *conn,
     return 0;
   return gpuipc__lease_block_holders(conn->ho->lt, block);
 }
+
+bool gpuipc__conn_block_releasing(gpuipc_conn *conn, gpuipc_block *block) {
+  if (conn == NULL || block == NULL || conn->ho == NULL || conn->ho->lt == NULL)
+    return false;
+  return gpuipc__block_pending(block, conn->ho->lt->rc.id);
+}

@@ -19,6 +19,12 @@
  * held keep the old piece (each version holds its copy's pieces), later
  * ones use the new piece, and the old piece's lease is released with the
  * last version in it. It is validated like everything else.
+ *
+ * A layout left half sent (table chunks or pieces) is abandoned when the
+ * next table's first chunk or layout's first piece comes, so that it
+ * cannot take that layout down with it; version numbers must grow within a
+ * layout (one that does not is refused and changes nothing). Each call
+ * keeps one deadline however much it skips (gpuipc__tset_wait).
  */
 #include "sets_int.h"
 
@@ -157,6 +163,14 @@ static gpuipc_status take_chunk(gpuipc_tset_sub *sub) {
                      "table chunk (%zu bytes) on a subscribed connection", len);
     goto out;
   }
+  if (rd32(msg + 4) == 0 && sub->tchunks > 0) {
+    /* A new table's first chunk: the one left half sent is abandoned. */
+    GPUIPC__WARN(MOD, "tensor-set table of layout %llx left half sent "
+                 "(%zu of %zu bytes) for layout %llx",
+                 (unsigned long long)sub->tlayout, sub->thave, sub->tneed,
+                 (unsigned long long)lid);
+    table_reset(sub);
+  }
   if (rd32(msg + 4) != sub->tchunks ||
       (sub->tchunks > 0 && lid != sub->tlayout) ||
       (sub->tchunks > 0 && sub->thave == sub->tneed)) {
@@ -210,8 +224,10 @@ static gpuipc_status start_layout(gpuipc_tset_sub *sub,
                                   const gpuipc__tset_meta *m,
                                   const gpuipc_received *r) {
   /* The piece says how many table bytes were sent before it: take chunks
-   * up to that (or the table's own length, if less). */
-  while (sub->tchunks == 0 ||
+   * up to that (or the table's own length, if less). A table of another
+   * layout collected so far was left half sent: the chunks after it start
+   * this one's (take_chunk). */
+  while (sub->tchunks == 0 || sub->tlayout != m->layout_id ||
          sub->thave < (sub->tneed < m->c ? sub->tneed : m->c)) {
     /* The chunks were sent before this piece, so they are all queued
      * here by now (the connection read them before the piece's frame):
@@ -291,11 +307,23 @@ static gpuipc_status on_piece(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m,
                               bool *keep) {
   gpuipc__tset_layout *lay = sub->pending;
   if (lay == NULL || lay->tab.layout_id != m->layout_id) {
+    if (lay != NULL && m->a == 0) {
+      /* A new layout's first piece: the one left half sent is abandoned
+       * (its pieces released, its later buffers skipped), and this one
+       * starts. */
+      (void)refuse(sub, lay->tab.layout_id,
+                   gpuipc__fail(GPUIPC_E_PROTOCOL, "layout %llx left half "
+                                "sent for layout %llx",
+                                (unsigned long long)lay->tab.layout_id,
+                                (unsigned long long)m->layout_id));
+      lay = NULL;
+    }
     if (lay != NULL)
       return refuse(sub, lay->tab.layout_id,
                     gpuipc__fail(GPUIPC_E_PROTOCOL, "layout %llx left half "
-                                 "sent for layout %llx",
+                                 "sent for piece %llu of layout %llx",
                                  (unsigned long long)lay->tab.layout_id,
+                                 (unsigned long long)m->a,
                                  (unsigned long long)m->layout_id));
     if (m->a != 0)
       return refuse(sub, m->layout_id,
@@ -370,12 +398,16 @@ static gpuipc_status on_replace(gpuipc_tset_sub *sub, const gpuipc__tset_meta *m
   return GPUIPC_OK;
 }
 
-gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
-                               gpuipc_tset_version **out) {
-  if (sub == NULL || out == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_recv: NULL");
-  *out = NULL;
+/* gpuipc_tset_recv's loop: every pass takes one buffer (or chunk); the
+ * passes share the call's one deadline (w), so that a producer that keeps
+ * sending what this call skips (pieces of a refused layout, ENDs of
+ * layouts never sent) cannot hold it past the connection's timeout. */
+static gpuipc_status recv_loop(gpuipc_tset_sub *sub, struct CUstream_st *stream,
+                               gpuipc_tset_version **out,
+                               gpuipc__tset_wait *w) {
   for (;;) {
+    if (!gpuipc__tset_wait_next(w))
+      return GPUIPC_E_TIMEOUT;
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     gpuipc_status s = gpuipc_conn_recv(sub->conn, stream, &r);
     if (s == GPUIPC_E_BUSY) {
@@ -445,11 +477,22 @@ gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
                           (unsigned long long)m.a,
                           (unsigned long long)m.layout_id, m.b);
     }
+    if (m.a <= lay->last) {
+      /* Refused, and nothing changes: the layout still expects a number
+       * above the last one accepted. */
+      (void)gpuipc_conn_release(sub->conn, r.id, stream);
+      return gpuipc__fail(GPUIPC_E_PROTOCOL, "version %llu of layout %llx "
+                          "after version %llu: version numbers must grow",
+                          (unsigned long long)m.a,
+                          (unsigned long long)m.layout_id,
+                          (unsigned long long)lay->last);
+    }
     gpuipc_tset_version *v = calloc(1, sizeof *v);
     if (v == NULL) {
       (void)gpuipc_conn_release(sub->conn, r.id, stream);
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_recv");
     }
+    lay->last = m.a;
     v->sub = sub;
     v->lay = lay;
     v->cp = lay->copy[m.b];
@@ -466,6 +509,21 @@ gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
     *out = v;
     return GPUIPC_OK;
   }
+}
+
+gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub, struct CUstream_st *stream,
+                               gpuipc_tset_version **out) {
+  if (sub == NULL || out == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_tset_recv: NULL");
+  *out = NULL;
+  gpuipc__tset_wait w;
+  gpuipc__tset_wait_begin(&w, sub->conn);
+  gpuipc_status s = recv_loop(sub, stream, out, &w);
+  gpuipc__tset_wait_end(&w);
+  if (s == GPUIPC_E_TIMEOUT)
+    return gpuipc__fail(s, "gpuipc_tset_recv: no version within the "
+                        "connection's timeout (%d ms)", w.timeout_ms);
+  return s;
 }
 
 gpuipc_status gpuipc_tset_version_release(gpuipc_tset_version *v,

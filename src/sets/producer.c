@@ -12,9 +12,12 @@
  * version's: the consumer releases it, on its stream, when it is done with
  * the version, and gpuipc_tset_begin hands a copy out again only when its
  * token has no holder left (every consumer released every version in that
- * copy), after ordering the producer's stream behind those releases
- * (gpuipc_block_wait). So no copy is written while a consumer may still
- * read it, with no host synchronization, whatever the number of tensors.
+ * copy) and those releases completed on the GPU (the token's reuse
+ * markers, queried without waiting). So no copy is written while a
+ * consumer may still read it, whatever the number of tensors. begin waits
+ * for a release's GPU work on the host instead of ordering its stream
+ * behind it: a release that never completes (a consumer's hung kernel, a
+ * REL without its GPU write) would stall that stream for good.
  *
  * Consumers that die are reclaimed by the connection layer (their leases
  * go once the process is gone); each call that waits makes progress on
@@ -29,8 +32,10 @@
  * the version in it. A wrapped set's memory cannot be set aside: its
  * token is replaced. Either way the holders are dropped from the set
  * (END, why: held): a stuck consumer gets no more versions, so it holds
- * at most one copy per copy of the set. At most retired_max owned copies
- * are set aside at once; beyond that begin fails. Unsubscribe and destroy
+ * at most one copy per copy of the set. A release whose GPU work has not
+ * completed hold_ms after the publish counts as a hold. At most
+ * retired_max owned copies are set aside at once; beyond that the copy is
+ * written in place, as a wrapped set's. Unsubscribe and destroy
  * of an owned set wait for a consumer's releases at most hold_ms, then let
  * go of its connection (what it holds stays leased in the connection
  * layer and comes back when it releases or dies). Consumers that release
@@ -114,12 +119,21 @@ static void peer_drop(gpuipc_tset *set, size_t i) {
   set->peers[i] = set->peers[--set->npeers];
 }
 
-/* Frees the retired copies no one holds any more. */
+/* Whether a block is still held, or a release of it has not completed on
+ * the GPU (the holder's work before it still runs): either way, writing it
+ * would wait for a consumer. */
+static bool block_busy(gpuipc_block *b) {
+  return b != NULL &&
+         (gpuipc_block_get_holders(b) > 0 || gpuipc__block_pending(b, 0));
+}
+
+/* Frees the retired copies no one holds any more and whose releases
+ * completed (so that the arena never hands their memory out ordered
+ * behind a release that may never complete). */
 static void retired_reap(gpuipc_tset *set) {
   for (size_t i = 0; i < set->nretired;) {
     gpuipc__tset_retired *r = &set->retired[i];
-    if (gpuipc_block_get_holders(r->token) == 0 &&
-        gpuipc_block_get_holders(r->piece) == 0) {
+    if (!block_busy(r->token) && !block_busy(r->piece)) {
       GPUIPC__DEBUG(MOD, "set %llx: a retired copy is free again",
                     (unsigned long long)set->tab.layout_id);
       gpuipc_block_free(r->piece, NULL);
@@ -626,6 +640,15 @@ static gpuipc_status send_version(gpuipc_tset *set, gpuipc_conn *conn,
                           (struct CUstream_st *)stream, meta, sizeof meta);
 }
 
+/* GPUIPC_OK while some of subscribe's deadline is left. */
+static gpuipc_status sub_wait_next(gpuipc__tset_wait *w) {
+  if (gpuipc__tset_wait_next(w))
+    return GPUIPC_OK;
+  return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_subscribe: the consumer "
+                      "took less than the table and pieces within the "
+                      "connection's timeout (%d ms)", w->timeout_ms);
+}
+
 gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
                                     struct CUstream_st *stream) {
   if (set == NULL || conn == NULL)
@@ -646,8 +669,14 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
   uint8_t *msg = malloc(GPUIPC_CONN_MSG_MAX);
   if (msg == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_subscribe");
+  /* Every send below waits for the consumer at most what is left of one
+   * deadline, the connection's timeout from now. */
+  gpuipc__tset_wait w;
+  gpuipc__tset_wait_begin(&w, conn);
   size_t pos = 0;
-  for (uint32_t k = 0; pos < set->table_len && s == GPUIPC_OK; k++) {
+  for (uint32_t k = 0; pos < set->table_len && s == GPUIPC_OK &&
+                       (s = sub_wait_next(&w)) == GPUIPC_OK;
+       k++) {
     size_t n = set->table_len - pos;
     if (n > GPUIPC__TSET_CHUNK_DATA)
       n = GPUIPC__TSET_CHUNK_DATA;
@@ -666,7 +695,9 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
   free(msg);
   /* The pieces of every copy. */
   uint32_t np = set->tab.n_pieces, total = np * (uint32_t)set->copies;
-  for (uint32_t i = 0; i < total && s == GPUIPC_OK; i++) {
+  for (uint32_t i = 0; i < total && s == GPUIPC_OK &&
+                       (s = sub_wait_next(&w)) == GPUIPC_OK;
+       i++) {
     gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, set->tab.layout_id, i, total,
                            (uint32_t)set->table_len};
     uint8_t meta[GPUIPC__TSET_META_LEN];
@@ -679,8 +710,10 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
                            sizeof meta);
   }
   /* A late joiner starts at the latest version (not one being rewritten). */
-  if (s == GPUIPC_OK && set->latest >= 0 && set->writing != set->latest)
+  if (s == GPUIPC_OK && set->latest >= 0 && set->writing != set->latest &&
+      (s = sub_wait_next(&w)) == GPUIPC_OK)
     s = send_version(set, conn, (CUstream)stream);
+  gpuipc__tset_wait_end(&w);
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
     return s;
   /* Whatever was sent must drain before the set lets go of conn. */
@@ -725,7 +758,8 @@ gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set, gpuipc_conn *conn) {
 /* ---- versions ------------------------------------------------------------------------------- */
 
 /* Ends the subscriptions (END, why: held) of every subscriber holding any
- * of the n blocks; returns how many. */
+ * of the n blocks, or whose release of one has not completed on the GPU;
+ * returns how many. */
 static size_t drop_holders(gpuipc_tset *set, gpuipc_block *const *blks,
                            size_t n) {
   size_t dropped = 0;
@@ -734,7 +768,8 @@ static size_t drop_holders(gpuipc_tset *set, gpuipc_block *const *blks,
     if (p->ended)
       continue;
     for (size_t k = 0; k < n; k++)
-      if (gpuipc__conn_block_holders(p->conn, blks[k]) > 0) {
+      if (gpuipc__conn_block_holders(p->conn, blks[k]) > 0 ||
+          gpuipc__conn_block_releasing(p->conn, blks[k])) {
         GPUIPC__DEBUG(MOD, "set %llx: a subscriber held a copy past the hold "
                       "limit (%d ms): dropped",
                       (unsigned long long)set->tab.layout_id, set->hold_ms);
@@ -746,11 +781,16 @@ static size_t drop_holders(gpuipc_tset *set, gpuipc_block *const *blks,
   return dropped;
 }
 
-/* Copy c is held past the hold limit: sets it aside and puts a fresh one
- * (owned: piece and token; wrapped: token) in its place, announced to the
- * subscribers on stream. */
+/* Copy c is held past the hold limit (or a release of it has not
+ * completed by then): puts a fresh token in its place, and, for an owned
+ * set with room under retired_max, a fresh piece too, announced to the
+ * subscribers on stream (the held one is set aside). Otherwise (a wrapped
+ * set, or the cap full) the copy is written in place once its holders
+ * are dropped: nothing waits for them. */
 static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
   unsigned holders = gpuipc_block_get_holders(set->token[c]);
+  bool in_place =
+      set->wrapped || retired_owned(set) >= (size_t)set->retired_max;
   if (set->nretired == set->retired_cap) {
     size_t cap = set->retired_cap ? 2 * set->retired_cap : 4;
     gpuipc__tset_retired *r = realloc(set->retired, cap * sizeof *r);
@@ -762,7 +802,7 @@ static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
   gpuipc_block *piece = NULL, *token = NULL;
   gpuipc_status s = gpuipc_arena_alloc(set->arena, 256,
                                        (struct CUstream_st *)stream, &token);
-  if (s == GPUIPC_OK && !set->wrapped)
+  if (s == GPUIPC_OK && !in_place)
     s = gpuipc_arena_alloc(set->arena, (size_t)set->tab.piece_len[0],
                            (struct CUstream_st *)stream, &piece);
   if (s != GPUIPC_OK) {
@@ -773,19 +813,23 @@ static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
                         gpuipc_last_error());
   }
   GPUIPC__DEBUG(MOD, "set %llx: copy %d held by %u consumer(s) past the hold "
-                "limit: retired", (unsigned long long)set->tab.layout_id, c,
-                holders);
+                "limit (or its release not complete): %s",
+                (unsigned long long)set->tab.layout_id, c, holders,
+                in_place ? "written in place" : "retired");
   gpuipc_block *old_token = set->token[c];
   set->retired[set->nretired++] =
-      (gpuipc__tset_retired){set->wrapped ? NULL : set->piece_blk[c], old_token};
+      (gpuipc__tset_retired){in_place ? NULL : set->piece_blk[c], old_token};
   set->token[c] = token;
   set->gen[c]++;
   /* Its holders get nothing more (so hold nothing more than what they
-   * have: at most one version per copy). A wrapped set's memory is the
-   * producer's: their views of it are not protected any more. */
+   * have: at most one version per copy). Written in place, their views of
+   * it are not protected any more: the releases that completed need no
+   * wait, and those that did not count as held past the limit (waiting
+   * behind them is what a consumer whose GPU work never ends would stall
+   * the producer with). */
   (void)drop_holders(set, &old_token, 1);
-  if (set->wrapped) /* written in place: after those who did release it */
-    return gpuipc_block_wait(old_token, (struct CUstream_st *)stream);
+  if (in_place)
+    return GPUIPC_OK;
   set->piece_blk[c] = piece;
   set->piece_ptr[c] = (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(piece);
   uint32_t total = (uint32_t)set->copies;
@@ -826,42 +870,33 @@ gpuipc_status gpuipc_tset_begin(gpuipc_tset *set, struct CUstream_st *stream,
                         "begun already (publish it first)", set->writing);
   int c = set->copies == 1 ? 0 : (set->latest + 1) % set->copies;
   uint64_t deadline = deadline_of(set->timeout_ms);
-  bool full = false;
   for (;;) {
     peers_progress(set);
-    if (gpuipc_block_get_holders(set->token[c]) == 0)
+    /* Free when no one holds it and every release of it completed on the
+     * GPU: then nothing is left to order the stream after. A release
+     * still running is waited for here, on the host, not queued behind
+     * on the stream: one that never completes (a consumer's hung kernel,
+     * or a release it announced without its GPU write) must not hold the
+     * producer past the hold limit. */
+    if (!block_busy(set->token[c]))
       break;
     if (held_too_long(set, set->pub_ns[c])) {
-      if (set->wrapped || retired_owned(set) < (size_t)set->retired_max) {
-        GPUIPC__CHECK(retire(set, c, (CUstream)stream));
-        *copy = c;
-        set->writing = c;
-        return GPUIPC_OK; /* a fresh copy: nothing to wait for */
-      }
-      /* No room to set it aside: its holders get nothing more, and begin
-       * waits for a release (theirs, or of a retired copy). */
-      if (!full) {
-        (void)drop_holders(set, &set->token[c], 1);
-        full = true;
-      }
+      GPUIPC__CHECK(retire(set, c, (CUstream)stream));
+      *copy = c;
+      set->writing = c;
+      return GPUIPC_OK; /* a fresh copy, or this one: nothing to wait for */
     }
     if (past(deadline)) {
-      if (full)
-        return gpuipc__fail(GPUIPC_E_BUSY, "gpuipc_tset_begin: copy %d is "
-                            "held by %u consumer(s) past the hold limit (%d "
-                            "ms), and the set keeps %zu retired copies "
-                            "already, still held (retired_max %d): its "
-                            "holders were dropped from the set", c,
-                            gpuipc_block_get_holders(set->token[c]),
-                            set->hold_ms, retired_owned(set),
-                            set->retired_max);
+      unsigned h = gpuipc_block_get_holders(set->token[c]);
+      if (h == 0)
+        return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_begin: copy %d "
+                            "was released, but the consumers' GPU work "
+                            "before the release has not completed", c);
       return gpuipc__fail(GPUIPC_E_TIMEOUT, "gpuipc_tset_begin: copy %d is "
-                          "still held by %u consumer(s)", c,
-                          gpuipc_block_get_holders(set->token[c]));
+                          "still held by %u consumer(s)", c, h);
     }
     peers_wait(set, 1);
   }
-  GPUIPC__CHECK(gpuipc_block_wait(set->token[c], stream));
   set->writing = c;
   *copy = c;
   return GPUIPC_OK;

@@ -8,6 +8,7 @@
 
 #include "sets.h"
 
+#include "conn/conn.h"
 #include "core/core.h"
 #include "handle/handle.h"
 
@@ -72,6 +73,7 @@ typedef struct gpuipc__tset_layout {
   uint32_t got;          /* pieces received so far */
   gpuipc__tset_held **copy; /* tab.copies */
   uint32_t gen[2];       /* the last REPLACE's generation, per copy */
+  uint64_t last;         /* the number of the last version accepted */
   size_t refs;           /* versions held */
   bool retired;          /* superseded or ended: goes with its last version */
   struct gpuipc__tset_layout *next; /* retired ones still referenced */
@@ -105,6 +107,44 @@ struct gpuipc_tset_version {
   int ordinal; /* the local device its memory is mapped on */
   gpuipc_tset_version *prev, *next;
 };
+
+/* One deadline for the several waits of one call on a connection (a
+ * layout's pieces skipped, a subscription's sends): taken from the
+ * connection's timeout at entry (gpuipc__tset_wait_begin); before each
+ * wait, gpuipc__tset_wait_next lowers the connection's timeout to what is
+ * left, and says false once nothing is (a timeout of 0 or -1 is left as it
+ * is: 0 never waits, -1 has no deadline); gpuipc__tset_wait_end gives the
+ * connection its own timeout back. The connection is this thread's for the
+ * call (see the threads rule of gpuipc/sets.h). */
+typedef struct gpuipc__tset_wait {
+  gpuipc_conn *conn;
+  int timeout_ms;
+  uint64_t deadline;
+} gpuipc__tset_wait;
+
+static inline void gpuipc__tset_wait_begin(gpuipc__tset_wait *w,
+                                           gpuipc_conn *conn) {
+  w->conn = conn;
+  w->timeout_ms = gpuipc__conn_timeout(conn);
+  w->deadline = gpuipc__now_ns() +
+                (uint64_t)(w->timeout_ms > 0 ? w->timeout_ms : 0) * 1000000ull;
+}
+
+static inline bool gpuipc__tset_wait_next(gpuipc__tset_wait *w) {
+  if (w->timeout_ms <= 0)
+    return true;
+  uint64_t now = gpuipc__now_ns();
+  if (now >= w->deadline)
+    return false;
+  uint64_t left = (w->deadline - now + 999999u) / 1000000u;
+  (void)gpuipc_conn_set_timeout(w->conn, (int)left);
+  return true;
+}
+
+static inline void gpuipc__tset_wait_end(gpuipc__tset_wait *w) {
+  if (w->timeout_ms > 0)
+    (void)gpuipc_conn_set_timeout(w->conn, w->timeout_ms);
+}
 
 /* The fewest device-to-device copies for n (src, dst, len) ranges: sorted
  * by source, adjacent ranges (contiguous on both sides) merged, one
