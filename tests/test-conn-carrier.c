@@ -358,7 +358,33 @@ HELPER_IMPL(ring_hostile) {
     return 0;
   }
   gpuipc__w_rel rel = {1, 0, 0};
-  if (strcmp(mode, "head_past_ring") == 0) {
+  if (strcmp(mode, "many_fds") == 0) {
+    /* One message with 20 descriptors: more than any frame carries. */
+    int fds[20];
+    for (int i = 0; i < 20; i++)
+      fds[i] = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    gpuipc__frame_hdr fh = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                            GPUIPC__F_MSG, 16, 0, 0};
+    fh.check = gpuipc__frame_check(&fh);
+    struct iovec iov = {&fh, sizeof fh};
+    union {
+      char b[CMSG_SPACE(sizeof fds)];
+      struct cmsghdr a;
+    } cb;
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cb.b;
+    mh.msg_controllen = sizeof cb.b;
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof fds);
+    memcpy(CMSG_DATA(cm), fds, sizeof fds);
+    ASSERT_EQ(sendmsg(x.sock, &mh, MSG_NOSIGNAL), (ssize_t)sizeof fh);
+    for (int i = 0; i < 20; i++)
+      close(fds[i]);
+  } else if (strcmp(mode, "head_past_ring") == 0) {
     atomic_store(&x.mine->head, (uint64_t)x.size + 64);
   } else if (strcmp(mode, "len_lies") == 0) {
     unsigned char f[64];
@@ -495,6 +521,17 @@ static int refused_with(const char *mode, const char *why) {
   gpuipc_conn_close(c);
   ASSERT_EQ(wait_helper(pid, 30), 0);
   ASSERT_LE(harness_count_fds(), base);
+  return 0;
+}
+
+/* A frame that comes with more descriptors than any frame carries ends
+ * the connection, and none of them stays open here: peer after peer.
+ * Before, the 16 the socket helper had room for leaked with each one. */
+TEST_IMPL(conn_frame_with_too_many_fds_leaks_nothing) {
+  int base = harness_count_fds();
+  for (int i = 0; i < 5; i++)
+    ASSERT_EQ(refused_with("many_fds", "file descriptor"), 0);
+  ASSERT_EQ(harness_count_fds(), base);
   return 0;
 }
 

@@ -637,9 +637,15 @@ TEST_IMPL(handoff_driver_faults_end_cleanly) {
  * limit lowered to its lowest free fd), so the next arena chunk cannot
  * arrive and it breaks the connection itself. Lives on until killed. */
 HELPER_IMPL(ho_fd_starved) {
-  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  /* argv[0] "first": starved before its first buffer (its fast path has
+   * seen no frame when it gives up). */
+  bool first = argc >= 1 && strcmp(argv[0], "first") == 0;
+  /* The socket itself, not a copy: when the connection gives up, its
+   * socket is closed, and the producer's writes fail. */
+  gpuipc_conn *c = pair_conn(harness_helper_fd());
   gpuipc_received r = GPUIPC_RECEIVED_INIT;
-  ASSERT_OK(gpuipc_conn_recv(c, NULL, &r));
+  if (!first)
+    ASSERT_OK(gpuipc_conn_recv(c, NULL, &r));
   /* A new fd takes the lowest free number: none is left below it. */
   int lowest = 0;
   while (fcntl(lowest, F_GETFD) >= 0)
@@ -697,6 +703,92 @@ TEST_IMPL(handoff_consumer_gives_up_tells_what_it_held) {
   ASSERT_EQ(gpuipc_block_get_holders(b1), 0);
   ASSERT_OK(gpuipc_block_free(b1, NULL));
   ASSERT_OK(gpuipc_block_free(b2, NULL));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a1));
+  ASSERT_OK(gpuipc_arena_destroy(a2));
+  return 0;
+}
+
+/* The same, the consumer giving up on the first frame of its fast path
+ * (it holds nothing): its ABANDON names nothing, and the lease comes back
+ * while it lives. Before, it sent no ABANDON when its fast path had seen
+ * no frame. */
+TEST_IMPL(handoff_consumer_gives_up_before_any_frame) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_fd_starved", NULL, &fd, "first", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_MEM_EQ(buf, "starved", 7);
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
+  ASSERT_OK(gpuipc_conn_send(c, b, NULL, NULL, 0));
+  for (int i = 0; i < 500 && gpuipc_block_get_holders(b) > 0; i++)
+    if (gpuipc_conn_progress(c, 10) != GPUIPC_OK)
+      usleep(10000);
+  ASSERT_EQ(waitpid(pid, NULL, WNOHANG), 0); /* it lives */
+  if (gpuipc_block_get_holders(b) != 0)
+    harness_fail(__FILE__, __LINE__,
+                 "the lease of a consumer that gave up holding nothing "
+                 "stays while it lives");
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  ASSERT_OK(gpuipc_block_free(b, NULL));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* The producer's next call after the consumer gave up is a send: the
+ * write finds the socket closed, and the ABANDON that came before is read,
+ * not lost with the socket (the lease of what the consumer never mapped
+ * comes back at once). Before, the send's EPIPE closed the socket with
+ * the ABANDON unread. */
+TEST_IMPL(handoff_consumer_gives_up_then_producer_sends) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ho_fd_starved", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  gpuipc_arena *a1 = mkarena((size_t)1 << 20);
+  gpuipc_block *b1 = NULL, *b2 = NULL, *b3 = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a1, 4096, NULL, &b1));
+  ASSERT_OK(gpuipc_arena_alloc(a1, 4096, NULL, &b3));
+  ASSERT_OK(gpuipc_conn_send(c, b1, NULL, NULL, 0));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_arena *a2 = mkarena((size_t)1 << 20);
+  ASSERT_OK(gpuipc_arena_alloc(a2, 4096, NULL, &b2));
+  /* Only sends from here on, no progress call. The consumer gives up on
+   * this one's chunk: it may already have said so while the send is in
+   * progress. */
+  gpuipc_status st = gpuipc_conn_send(c, b2, NULL, NULL, 0);
+  for (int i = 0; i < 500 && st == GPUIPC_OK; i++) {
+    usleep(10000);
+    st = gpuipc_conn_send(c, b3, NULL, NULL, 0);
+  }
+  if (st != GPUIPC_E_PEER_GONE && st != GPUIPC_E_CLOSED)
+    harness_fail(__FILE__, __LINE__, "send: %s (%s)", gpuipc_status_name(st),
+                 gpuipc_last_error());
+  ASSERT_EQ(waitpid(pid, NULL, WNOHANG), 0); /* it lives */
+  if (gpuipc_block_get_holders(b2) != 0 || gpuipc_block_get_holders(b3) != 0)
+    harness_fail(__FILE__, __LINE__,
+                 "the ABANDON was lost: blocks the consumer never mapped "
+                 "stay leased while it lives (%u, %u)",
+                 gpuipc_block_get_holders(b2), gpuipc_block_get_holders(b3));
+  ASSERT_EQ(gpuipc_block_get_holders(b1), 1);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  for (int i = 0; i < 1000 && gpuipc_block_get_holders(b1) > 0; i++) {
+    (void)gpuipc_conn_progress(c, 0);
+    usleep(1000);
+  }
+  ASSERT_OK(gpuipc_block_free(b1, NULL));
+  ASSERT_OK(gpuipc_block_free(b2, NULL));
+  ASSERT_OK(gpuipc_block_free(b3, NULL));
   gpuipc_conn_close(c);
   ASSERT_OK(gpuipc_arena_destroy(a1));
   ASSERT_OK(gpuipc_arena_destroy(a2));

@@ -72,6 +72,9 @@ struct gpuipc_conn {
   /* The peer watcher's record (NULL: watch_peer was 0, or no pidfd). */
   struct gpuipc__watch *watch;
   int peer_said_bye;
+  /* The peer sent BYE or ABANDON: it reads nothing more (set by the fast
+   * path; records are no longer put for it). */
+  bool peer_ended;
   /* Receive side: bytes read and not yet parsed; descriptors received and
    * not yet claimed by a frame. */
   unsigned char *rx;
@@ -95,6 +98,8 @@ struct gpuipc_conn {
   unsigned char *rec; /* GPUIPC__RING_FRAME_MAX bytes, made on first use */
   bool polling;       /* gpuipc_conn_set_polling */
   uint64_t hup_checked; /* when a record's sender last looked for hang-up */
+  int parsing;   /* frames are being dispatched (depth) */
+  bool draining; /* reading what a departed peer sent before it left */
   /* User messages received, oldest first, and what they hold together
    * (bounded by q_max_*: a message that does not fit waits in rx, and
    * rx_paused stops reading the socket until the application takes

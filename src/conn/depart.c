@@ -24,11 +24,12 @@ static void ho_poll(gpuipc_conn *c);
  * used. Say so, so that the peer need not wait for our process to exit. */
 static void ho_breaking(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
-  if (h == NULL || h->rx == NULL)
-    return;
   gpuipc__w_rel held[4096];
   size_t n = 0;
-  for (uint32_t s = 0; s < h->peer_nslots; s++) {
+  /* Before the peer's flag words came (no receiver side yet) we hold
+   * nothing: the ABANDON names nothing, and everything comes back. */
+  for (uint32_t s = 0; h != NULL && h->rx != NULL && s < h->peer_nslots;
+       s++) {
     if (h->rx[s].held == 0)
       continue;
     bool queued = false;

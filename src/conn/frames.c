@@ -137,9 +137,22 @@ static void disconnect(gpuipc_conn *c) {
   c->tx_len = c->tx_off = 0;
 }
 
+static gpuipc_status pump_once(gpuipc_conn *c);
+
 static void peer_gone(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return;
+  if (c->parsing == 0 && !c->draining) {
+    /* Seen from a write (EPIPE, a hang-up): what the peer sent before it
+     * left is read first, an ABANDON or releases above all, which would
+     * otherwise be lost with the socket. Not from inside a parse: the
+     * parse in progress reads on to the end itself. */
+    c->draining = true;
+    (void)pump_once(c);
+    c->draining = false;
+    if (c->state != GPUIPC__CONN_OPEN)
+      return;
+  }
   c->state = GPUIPC__CONN_PEER_GONE;
   gpuipc__stats_conn_state(c->stats_slot, c->state);
   GPUIPC__DEBUG("conn", "peer pid %d gone", c->peer_pid);
@@ -158,8 +171,11 @@ static gpuipc_status conn_vfail(gpuipc_conn *c, gpuipc_status status,
   if (c->state == GPUIPC__CONN_OPEN) {
     GPUIPC__WARN("conn",
                  "disconnecting peer pid %d: %s", c->peer_pid, why);
-    if (c->hooks)
-      c->hooks->breaking(c);
+    /* Installed or in use: a peer whose frames we never used still hears
+     * that we hold nothing of it. */
+    const gpuipc__conn_hooks *f = c->hooks ? c->hooks : c->fast;
+    if (f)
+      f->breaking(c);
     memcpy(c->broken_why, why, sizeof why);
     c->broken_status = status;
     c->state = GPUIPC__CONN_BROKEN;
@@ -261,7 +277,14 @@ static void tx_append(gpuipc_conn *c, const struct iovec *iov, int niov,
   }
 }
 
-static gpuipc_status pump_once(gpuipc_conn *c);
+/* The peer sent BYE or ABANDON: it reads nothing more, and what we would
+ * send now (a buffer above all) would be leased to nobody. */
+static gpuipc_status peer_reads_no_more(const gpuipc_conn *c) {
+  return gpuipc__fail(GPUIPC_E_PEER_GONE,
+                      "the peer (pid %d) ended the connection: it reads "
+                      "nothing more",
+                      c->peer_pid);
+}
 
 /* The frames a carrier of records takes: the fast path's, which carry no
  * descriptors and need nothing of the socket's order beyond the barrier. */
@@ -292,6 +315,8 @@ static gpuipc_status put_record(gpuipc_conn *c, int type,
       (void)pump_once(c); /* what it sent before it left, then its end */
       if (c->state != GPUIPC__CONN_OPEN)
         return gpuipc__conn_ended(c);
+      if (c->peer_ended)
+        return peer_reads_no_more(c);
     }
   }
   gpuipc_status s = c->k.ops->put(&c->k, iov, niov, total, c->tx_frames);
@@ -315,6 +340,14 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
                                       uint64_t deadline) {
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
+  if (c->peer_ended) {
+    /* Its end of the socket follows; read on to it when we can. */
+    if (c->parsing == 0)
+      (void)pump_once(c);
+    if (c->state != GPUIPC__CONN_OPEN)
+      return gpuipc__conn_ended(c);
+    return peer_reads_no_more(c);
+  }
   size_t len = n1 + n2;
   if (len > GPUIPC__FRAME_MAX || nfds < 0 || nfds > GPUIPC__FRAME_FDS_MAX)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG, "frame of %zu bytes, %d fds",
@@ -500,7 +533,7 @@ static gpuipc_status drain_records(gpuipc_conn *c) {
 
 /* Parses and dispatches every complete frame in rx, and before each the
  * carrier's records that precede it. */
-static gpuipc_status parse_rx(gpuipc_conn *c) {
+static gpuipc_status parse_rx_frames(gpuipc_conn *c) {
   size_t off = 0;
   gpuipc_status s = GPUIPC_OK;
   c->rx_paused = false;
@@ -595,6 +628,13 @@ static gpuipc_status parse_rx(gpuipc_conn *c) {
     return gpuipc__conn_break(c, "%d file descriptors arrived without a frame",
                               c->rx_nfds);
   return GPUIPC_OK;
+}
+
+static gpuipc_status parse_rx(gpuipc_conn *c) {
+  c->parsing++;
+  gpuipc_status s = parse_rx_frames(c);
+  c->parsing--;
+  return s;
 }
 
 /* One read of what is available (no waiting), then parsing. Returns OK

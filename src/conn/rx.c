@@ -515,8 +515,10 @@ gpuipc_status gpuipc__ho_frame(gpuipc_conn *c, int type,
     }
   case GPUIPC__F_BYE:
     c->peer_said_bye = 1;
+    c->peer_ended = true;
     return GPUIPC_OK;
   case GPUIPC__F_ABANDON:
+    c->peer_ended = true; /* it reads nothing more */
     if (len % sizeof(gpuipc__w_rel) || len / sizeof(gpuipc__w_rel) > 4096)
       return gpuipc__fail(GPUIPC_E_PROTOCOL, "bad ABANDON frame of %zu bytes",
                           len);

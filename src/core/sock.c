@@ -161,12 +161,18 @@ gpuipc_status gpuipc__sock_recv(int fd, void *buf, size_t cap, int flags,
                         "descriptors with one message",
                         GPUIPC__SOCK_FDS_MAX);
   }
-  if (nfds)
-    *nfds = kept;
-  if (extra > 0)
+  if (extra > 0) {
+    /* More than the caller has room for: the message's descriptors are
+     * all refused, those kept included (the caller breaks the stream and
+     * would not know to close them). */
+    for (int i = 0; i < kept; i++)
+      close(fds[i]);
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "recvmsg: %d unexpected file descriptor%s (closed)",
                         extra, extra == 1 ? "" : "s");
+  }
+  if (nfds)
+    *nfds = kept;
   return GPUIPC_OK;
 }
 
