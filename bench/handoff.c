@@ -435,6 +435,10 @@ static reply op_probe(cons *k) {
 static void consumer_op(cons *k, const cmd *m) {
   reply r = {0, 0, 0, 0};
   int n = (int)m->n;
+  /* A consumer that polls the library says so (the ring carrier then
+   * needs no wake message per buffer); one that sleeps on the fd does
+   * not. Between commands it waits inside gpuipc, which sleeps safely. */
+  OK(gpuipc_conn_set_polling(k->c, !(m->flags & FL_SLEEP)));
   switch (m->op) {
   case OP_LAT:
   case OP_TPUT:
@@ -472,6 +476,7 @@ static void consumer_op(cons *k, const cmd *m) {
   default:
     DIE("unknown command %u", m->op);
   }
+  OK(gpuipc_conn_set_polling(k->c, 0));
   send_reply(k->c, r);
 }
 
@@ -710,9 +715,12 @@ static void run_fan(bctx *b, gpuipc_arena *a, int nc, bool bcast, bool sleep,
   double *sc = xcalloc((size_t)n, sizeof *sc);
   double *last = xcalloc((size_t)n, sizeof *last);
   double *lat = xcalloc((size_t)n, sizeof *lat);
-  for (int k = 0; k < nc; k++)
+  for (int k = 0; k < nc; k++) {
     send_cmd_fl(b->c[k], OP_LAT, (uint32_t)n,
                 FL_SENDBACK | (sleep ? FL_SLEEP : 0));
+    /* The producer polls the library, or sleeps in poll() on the fds. */
+    OK(gpuipc_conn_set_polling(b->c[k], !sleep));
+  }
   for (int i = 0; i < n; i++) {
     gate_close(b, P_ORDERED);
     double t = now_us();
@@ -745,6 +753,8 @@ static void run_fan(bctx *b, gpuipc_arena *a, int nc, bool bcast, bool sleep,
         last[i] = lat[i];
     f->med_each += get_reply(b->c[k]).a / nc;
   }
+  for (int k = 0; k < nc; k++)
+    OK(gpuipc_conn_set_polling(b->c[k], 1));
   f->med_last = pct(last, n, 0.5);
   f->p90_last = pct(last, n, 0.9);
   free(sc);
@@ -1150,7 +1160,7 @@ static void pair_row(bctx *b, gpuipc_arena *a, int ci, const char *carrier,
 }
 
 static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
-  printf("\none pair, 4 KiB, consumer polls: send -> the consumer holds a "
+  printf("\none pair, 4 KiB, consumer polls (gpuipc_conn_set_polling): send -> the consumer holds a "
          "usable buffer (its recv returned, its stream wait enqueued);\n"
          "buffers/s: full cycle (send, recv, release, the release back), 32 "
          "blocks in flight; send()/recv(): median time inside\n"
@@ -1423,6 +1433,9 @@ static void spawn_consumer(const char *carrier, uint32_t max_outstanding,
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 120000;
   o.max_outstanding = max_outstanding;
+  /* The producer polls the library on its connections (the sleeping fan-out
+   * rows switch it off while they sleep in poll()). */
+  o.polling = 1;
   OK(gpuipc_conn_from_fd(fds[0], &o, out));
   if (old)
     setenv("GPUIPC_CARRIER", old, 1);
