@@ -741,6 +741,7 @@ HELPER_IMPL(ring_producer) {
   ASSERT_STATUS(gpuipc_conn_recv_msg(c, go, sizeof go, &len, NULL, NULL),
                 GPUIPC_E_PEER_GONE);
   gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
   return 0;
 }
 

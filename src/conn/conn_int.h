@@ -100,6 +100,7 @@ struct gpuipc_conn {
   uint64_t hup_checked; /* when a record's sender last looked for hang-up */
   int parsing;   /* frames are being dispatched (depth) */
   bool draining; /* reading what a departed peer sent before it left */
+  bool closing;  /* gpuipc_conn_close is taking it down */
   /* User messages received, oldest first, and what they hold together
    * (bounded by q_max_*: a message that does not fit waits in rx, and
    * rx_paused stops reading the socket until the application takes

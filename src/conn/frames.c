@@ -142,7 +142,7 @@ static gpuipc_status pump_once(gpuipc_conn *c);
 static void peer_gone(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return;
-  if (c->parsing == 0 && !c->draining) {
+  if (c->parsing == 0 && !c->draining && !c->closing) {
     /* Seen from a write (EPIPE, a hang-up): what the peer sent before it
      * left is read first, an ABANDON or releases above all, which would
      * otherwise be lost with the socket. Not from inside a parse: the
@@ -308,7 +308,7 @@ static gpuipc_status put_record(gpuipc_conn *c, int type,
    * socket for its hang-up now and then (at most once a millisecond), as
    * a write to it would have told. */
   uint64_t now = gpuipc__now_ns();
-  if (now - c->hup_checked > 1000000) {
+  if (now - c->hup_checked > 1000000 && !c->closing) {
     c->hup_checked = now;
     struct pollfd p = {c->k.fd, 0, 0};
     if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR))) {
@@ -342,7 +342,7 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
     return gpuipc__conn_ended(c);
   if (c->peer_ended) {
     /* Its end of the socket follows; read on to it when we can. */
-    if (c->parsing == 0)
+    if (c->parsing == 0 && !c->closing)
       (void)pump_once(c);
     if (c->state != GPUIPC__CONN_OPEN)
       return gpuipc__conn_ended(c);
@@ -816,6 +816,7 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
 void gpuipc_conn_close(gpuipc_conn *conn) {
   if (conn == NULL)
     return;
+  conn->closing = true; /* the fast path takes its state down: no drain */
   if (conn->hooks)
     conn->hooks->close(conn);
   if (conn->state == GPUIPC__CONN_OPEN && conn->tx_len > conn->tx_off) {
