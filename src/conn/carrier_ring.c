@@ -11,7 +11,8 @@
  * publishes, and what one side writes the other only reads.
  *
  * The peer writes its memfd whenever it likes, also while we read it
- * (rule 14 of the design: read once). Every index of ours lives in private
+ * (what a peer writes into shared memory is read once, docs/design.md's
+ * hostile-peer rule). Every index of ours lives in private
  * memory and is the only thing a byte address is computed from (masked to
  * the ring); the peer's head and tail are only bounds, checked each time
  * they are read (a head that runs back or more than the ring ahead, a tail

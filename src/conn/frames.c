@@ -496,15 +496,19 @@ static gpuipc_status record_frame(gpuipc_conn *c, const unsigned char *b,
 }
 
 /* The carrier's records whose barrier the socket frames dispatched so far
- * meet, in order (at most the ring's worth per call: a peer that keeps
- * publishing cannot hold the caller). A record whose barrier is not met
- * yet waits in c->rec until enough socket frames were dispatched. */
+ * meet, in order. A record whose barrier is not met yet waits in c->rec
+ * until enough socket frames were dispatched. At most as many per call as
+ * an honest peer can have in flight (a buffer per slot it may fill, a
+ * release per buffer we sent, and a few more): so an honest peer's records
+ * are all taken before the call returns (leaving some would leave them
+ * without a wake), and a peer that floods its ring holds the caller no
+ * longer than that (the rest waits for the next call; it delays only its
+ * own connection). */
 static gpuipc_status drain_records(gpuipc_conn *c) {
   if (c->k.ops->get == NULL)
     return GPUIPC_OK;
-  for (size_t n = 0; n < GPUIPC__RING_SIZE / 32 &&
-                     c->state == GPUIPC__CONN_OPEN;
-       n++) {
+  size_t most = (size_t)c->peer_max_outstanding + c->max_outstanding + 64;
+  for (size_t n = 0; n < most && c->state == GPUIPC__CONN_OPEN; n++) {
     if (!c->rec_have) {
       if (c->rec == NULL) {
         c->rec = malloc(GPUIPC__RING_FRAME_MAX);

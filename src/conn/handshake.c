@@ -410,7 +410,6 @@ static gpuipc_status hs_on_ring(hs *x, const gpuipc__frame_hdr *h,
       rfd < 0) {
     if (rfd >= 0)
       close(rfd);
-    close(rfd);
     return gpuipc__fail(GPUIPC_E_PROTOCOL,
                         "handshake: the peer's ring is of %llu bytes, version "
                         "%u (this side: %zu, version 1)",

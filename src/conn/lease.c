@@ -930,6 +930,9 @@ static void watcher_start(void) {
                  strerror(rc));
     return;
   }
+  /* Named, so that ps, a debugger and the tests tell it from the
+   * application's threads. */
+  (void)pthread_setname_np(t, "gpuipc-watch");
   watcher_pid = getpid();
 }
 
