@@ -9,6 +9,11 @@
  * carry arena blocks only, so that each stays one library call: all or
  * nothing for a batch, one ready signal for the connections of a
  * broadcast that are ready (one that is not gets its own when it is).
+ * A Received is a view of memory the connection imported (its DLPack
+ * capsules and CUDA Array Interface consumers keep it): a close while
+ * some are held hides the connection from Python but keeps it open until
+ * the last is released or dies (conn_take, conn_held_drop), so that
+ * closing never unmaps memory a live view points at.
  */
 #include "ext.h"
 
@@ -103,10 +108,38 @@ static void conn_reap(ConnObject *c, int full) {
   c->leases.n = w;
 }
 
+/* Lock held. Hides the connection from Python (c->c NULL: "closed here")
+ * and returns what to close now: nothing when it is borrowed, or when
+ * something received over it may still be read (c->held): its imports
+ * must stay mapped, so it stays open, as c->linger, until the last of
+ * those goes (conn_held_drop). The peer learns of the close then. */
+static gpuipc_conn *conn_take(ConnObject *c) {
+  gpuipc_conn *gc = c->borrowed ? NULL : c->c;
+  c->c = NULL;
+  if (gc && c->held > 0) {
+    c->linger = gc;
+    gc = NULL;
+  }
+  return gc;
+}
+
+gpuipc_conn *conn_rx(ConnObject *c) { return c->c ? c->c : c->linger; }
+
+void conn_held_drop(ConnObject *c) {
+  if (--c->held > 0 || !c->linger) return;
+  gpuipc_conn *gc = c->linger;
+  c->linger = NULL;
+  /* close may wait for the device (cuCtxSynchronize): no GIL */
+  Py_BEGIN_ALLOW_THREADS
+  LOCK();
+  gpuipc_conn_close(gc);
+  UNLOCK();
+  Py_END_ALLOW_THREADS
+}
+
 void conn_detach(ConnObject *c) {
   /* lock held, GIL held */
-  if (c->c && !c->borrowed) gpuipc_conn_close(c->c);
-  c->c = NULL;
+  gpuipc_conn_close(conn_take(c));
   if (c->leases.n) {
     Grave *g = PyMem_Calloc(1, sizeof *g);
     if (g) {
@@ -132,6 +165,8 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
   c->borrowed = borrowed;
   c->leases = (LeaseList){0};
   c->tset_refs = 0;
+  c->held = 0;
+  c->linger = NULL;
   c->weak = NULL;
   gpuipc_peer_info pi = {0};
   c->peer_pid = gpuipc_conn_get_peer(gc, &pi) == GPUIPC_OK ? pi.pid : -1;
@@ -354,6 +389,7 @@ static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stre
   r->device = rx->device;
   r->stream = stream;
   r->held = 1;
+  c->held++;
   r->mark = 0;
   const uint8_t *u;
   size_t ul;
@@ -361,7 +397,10 @@ static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stre
   r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
   g_count.live_received++;
   if (!r->user) {
-    if (!release_on_fail) r->held = 0; /* the caller's to release */
+    if (!release_on_fail) { /* the caller's to release */
+      r->held = 0;
+      conn_held_drop(c);
+    }
     Py_DECREF(r); /* else released by its dealloc */
     return NULL;
   }
@@ -785,11 +824,13 @@ static PyObject *release_list(PyObject *items, PyObject *stream_o, ConnObject *o
       ids[m++] = ((ReceivedObject *)v[ord[e++]])->id;
     gpuipc_status st = GPUIPC_OK;
     LOCK();
-    /* A connection closed here dropped its leases: nothing to release. */
-    if (r0->conn->c) st = gpuipc_conn_release_batch(r0->conn->c, ids, m, S(s));
+    /* A connection closed here keeps what is held open (c->linger). */
+    gpuipc_conn *gc = conn_rx(r0->conn);
+    if (gc) st = gpuipc_conn_release_batch(gc, ids, m, S(s));
     UNLOCK();
     if (st != GPUIPC_OK) { raise_st(st, what); goto out; }
     for (Py_ssize_t i = g; i < e; i++) ((ReceivedObject *)v[ord[i]])->held = 0;
+    for (Py_ssize_t i = g; i < e; i++) conn_held_drop(r0->conn); /* the last closes it */
     g = e;
   }
   ret = Py_None;
@@ -1166,10 +1207,9 @@ static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
                      "connection (unsubscribe, destroy the set or close the subscriber "
                      "first)");
   if (c->c) {
-    gpuipc_conn *gc = c->borrowed ? NULL : c->c;
     /* close may wait for the device (cuCtxSynchronize): no GIL */
     LOCK();
-    c->c = NULL;
+    gpuipc_conn *gc = conn_take(c);
     conn_detach(c);
     Py_BEGIN_ALLOW_THREADS
     gpuipc_conn_close(gc);
@@ -1181,9 +1221,12 @@ static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
 
 static void Conn_dealloc(ConnObject *c) {
   if (c->weak) PyObject_ClearWeakRefs((PyObject *)c);
-  if (c->c) {
+  /* Whatever kept it lingering holds a reference to it: none is left. */
+  if (c->c || c->linger) {
     LOCK();
     conn_detach(c);
+    gpuipc_conn_close(c->linger);
+    c->linger = NULL;
     UNLOCK();
   }
   PyMem_Free(c->leases.v);
@@ -1252,7 +1295,11 @@ static PyMethodDef Conn_methods[] = {
      "open(desc, fds=(), *, device=None) -> Buffer: a descriptor that came over "
      "this connection from its peer (checked against the peer's liveness table; "
      "fd-based kinds also from another container)"},
-    {"close", (PyCFunction)Conn_close, METH_NOARGS, "close the connection"},
+    {"close", (PyCFunction)Conn_close, METH_NOARGS,
+     "close the connection: later calls raise ClosedError. Buffers received and not "
+     "released (a Received alive, or a tensor made from it) stay mapped and held, and "
+     "the connection open underneath, until the last of them is released or dies; the "
+     "peer learns of the close then"},
     {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS, "the socket, for selectors/poll"},
     {"__enter__", gpy_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Conn_exit, METH_VARARGS, NULL},
@@ -1299,8 +1346,10 @@ static void rx_release(ReceivedObject *r, uintptr_t stream, gpuipc_status *st) {
   if (!r->held) return;
   r->held = 0;
   LOCK();
-  if (r->conn->c) *st = gpuipc_conn_release(r->conn->c, r->id, S(stream));
+  gpuipc_conn *gc = conn_rx(r->conn);
+  if (gc) *st = gpuipc_conn_release(gc, r->id, S(stream));
   UNLOCK();
+  conn_held_drop(r->conn); /* the last after a close closes it */
 }
 
 static PyObject *Rx_release(ReceivedObject *r, PyObject *args, PyObject *kw) {
@@ -1404,7 +1453,8 @@ PyTypeObject ReceivedType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A buffer received from a peer; released when released explicitly "
               "(release(), gpuipc.release_batch), when its context ends, or when the last "
-              "view of it is gone.",
+              "view of it is gone, also after its connection was closed (which keeps it "
+              "mapped until then).",
     .tp_methods = Rx_methods,
     .tp_getset = Rx_getset,
 };
