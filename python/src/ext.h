@@ -270,6 +270,10 @@ gpuipc_conn *conn_rx(ConnObject *c);
  * connection closed here meanwhile. */
 void conn_held_drop(ConnObject *c);
 void graves_reap(void);
+/* carrier=, spin_us=, polling= into o (NULL or None: the default); -1 with
+ * a TypeError or ValueError that names the keyword. */
+int parse_carrier_opts(PyObject *carrier, PyObject *spin_us, PyObject *polling,
+                       gpuipc_conn_options *o);
 PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw);
