@@ -67,11 +67,15 @@ def _main_path():
     return os.path.abspath(path) if path else None
 
 
-def spawn(target, *args, env=None, timeout=30.0, _worker=None):
+def spawn(target, *args, env=None, timeout=30.0, carrier=None, spin_us=None, polling=None,
+          _worker=None):
     """Starts ``target(conn, *args)`` in a new Python process; returns a
     Process whose .conn is the parent's end of the connection. The args are
     pickled (parent to child: the child trusts its parent). env: extra
-    environment variables (dict)."""
+    environment variables (dict). carrier ("auto", "socket", "ring"),
+    spin_us and polling: the options of the parent's end, as for
+    gpuipc.connect (the child's end takes the defaults, which accept
+    either carrier)."""
     payload = pickle.dumps((target, args))
     if len(payload) > _gpuipc.MSG_MAX - 4096:
         raise ValueError("spawn: arguments too large to pickle into one message "
@@ -84,7 +88,8 @@ def spawn(target, *args, env=None, timeout=30.0, _worker=None):
     boot = (f"import sys; sys.path.insert(0, {top!r}); "
             "from gpuipc._child import main; main()")
     child = _gpuipc.spawn_child(sys.executable, [sys.executable, "-c", boot],
-                                env_add=env_add or None, timeout=timeout)
+                                env_add=env_add or None, timeout=timeout, carrier=carrier,
+                                spin_us=spin_us, polling=polling)
     proc = Process(child)
     try:
         head = pickle.dumps({"sys_path": sys.path, "main": _main_path(), "cwd": os.getcwd()})

@@ -298,7 +298,9 @@ class Version(Mapping):
 class Subscriber:
     """A consumer's end of a tensor set on a connection (the peer
     subscribes it). recv() gives versions in order; closing releases what
-    is still held."""
+    is still held, except versions whose views (TensorView objects, and
+    the tensors made from them) are alive: those stay held and mapped,
+    with the connection open underneath, until their last view dies."""
 
     def __init__(self, conn, *, device=0):
         self._c = _gpuipc.TensorSetSub(conn, device=device)

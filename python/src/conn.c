@@ -9,6 +9,11 @@
  * carry arena blocks only, so that each stays one library call: all or
  * nothing for a batch, one ready signal for the connections of a
  * broadcast that are ready (one that is not gets its own when it is).
+ * A Received is a view of memory the connection imported (its DLPack
+ * capsules and CUDA Array Interface consumers keep it): a close while
+ * some are held hides the connection from Python but keeps it open until
+ * the last is released or dies (conn_take, conn_held_drop), so that
+ * closing never unmaps memory a live view points at.
  */
 #include "ext.h"
 
@@ -103,10 +108,38 @@ static void conn_reap(ConnObject *c, int full) {
   c->leases.n = w;
 }
 
+/* Lock held. Hides the connection from Python (c->c NULL: "closed here")
+ * and returns what to close now: nothing when it is borrowed, or when
+ * something received over it may still be read (c->held): its imports
+ * must stay mapped, so it stays open, as c->linger, until the last of
+ * those goes (conn_held_drop). The peer learns of the close then. */
+static gpuipc_conn *conn_take(ConnObject *c) {
+  gpuipc_conn *gc = c->borrowed ? NULL : c->c;
+  c->c = NULL;
+  if (gc && c->held > 0) {
+    c->linger = gc;
+    gc = NULL;
+  }
+  return gc;
+}
+
+gpuipc_conn *conn_rx(ConnObject *c) { return c->c ? c->c : c->linger; }
+
+void conn_held_drop(ConnObject *c) {
+  if (--c->held > 0 || !c->linger) return;
+  gpuipc_conn *gc = c->linger;
+  c->linger = NULL;
+  /* close may wait for the device (cuCtxSynchronize): no GIL */
+  Py_BEGIN_ALLOW_THREADS
+  LOCK();
+  gpuipc_conn_close(gc);
+  UNLOCK();
+  Py_END_ALLOW_THREADS
+}
+
 void conn_detach(ConnObject *c) {
   /* lock held, GIL held */
-  if (c->c && !c->borrowed) gpuipc_conn_close(c->c);
-  c->c = NULL;
+  gpuipc_conn_close(conn_take(c));
   if (c->leases.n) {
     Grave *g = PyMem_Calloc(1, sizeof *g);
     if (g) {
@@ -132,6 +165,8 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
   c->borrowed = borrowed;
   c->leases = (LeaseList){0};
   c->tset_refs = 0;
+  c->held = 0;
+  c->linger = NULL;
   c->weak = NULL;
   gpuipc_peer_info pi = {0};
   c->peer_pid = gpuipc_conn_get_peer(gc, &pi) == GPUIPC_OK ? pi.pid : -1;
@@ -203,11 +238,13 @@ typedef struct {
   uintptr_t stream;
   const uint8_t *meta;
   size_t meta_len;
+  unsigned flags; /* blocks: GPUIPC_SEND_COMPLETE or 0 */
 } SendCtx;
 
 static gpuipc_status op_send(ConnObject *c, void *v) {
   SendCtx *x = v;
-  if (x->block) return gpuipc_conn_send(c->c, x->block, S(x->stream), x->meta, x->meta_len);
+  if (x->block)
+    return gpuipc_conn_send_ex(c->c, x->block, S(x->stream), x->meta, x->meta_len, x->flags);
   return gpuipc_conn_send_buffer(c->c, x->buf, S(x->stream), x->meta, x->meta_len);
 }
 
@@ -222,10 +259,19 @@ static int get_user_meta(PyObject *o, Py_buffer *view) {
 }
 
 static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"obj", "stream", "meta", "timeout", NULL};
-  PyObject *obj, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO", kwl, &obj, &stream_o, &meta_o, &tmo_o))
+  static char *kwl[] = {"obj", "stream", "meta", "timeout", "complete", NULL};
+  PyObject *obj, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL, *complete_o = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOOO", kwl, &obj, &stream_o, &meta_o, &tmo_o,
+                                   &complete_o))
     return NULL;
+  if (complete_o && !PyBool_Check(complete_o)) {
+    PyErr_Format(PyExc_TypeError, "send: complete must be True or False, not %.80s",
+                 Py_TYPE(complete_o)->tp_name);
+    return NULL;
+  }
+  /* The caller asserts the data complete: no stream is ordered, queried or
+   * signalled (GPUIPC_SEND_COMPLETE), so neither is one ordered here. */
+  int complete = complete_o == Py_True;
   if (!conn_ok(c)) return NULL;
   uintptr_t stream;
   int tmo;
@@ -246,7 +292,12 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
     if (!b->b) { raise_msg(GPUIPC_E_INVALID_ARG, "send", "block was freed"); goto out; }
     if (meta_encode(&b->meta, um.buf, um.len, wire, &wlen) < 0) goto out;
     x.block = b->b;
-    if (stream != b->stream && order_streams(b->device, b->stream, stream) < 0) goto out;
+    if (!complete && stream != b->stream && order_streams(b->device, b->stream, stream) < 0)
+      goto out;
+  } else if (complete && Py_TYPE(obj) == &BufferType) {
+    PyErr_SetString(PyExc_ValueError, "send: complete=True is for arena blocks (a Block, or "
+                    "an array inside one); a Buffer goes by descriptor, ordered on its stream");
+    goto out;
   } else if (Py_TYPE(obj) == &BufferType) {
     BufferObject *b = (BufferObject *)obj;
     if (!b->b) { raise_msg(GPUIPC_E_INVALID_ARG, "send", "buffer was freed"); goto out; }
@@ -269,6 +320,11 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
       if (meta_encode(&f.meta, um.buf, um.len, wire, &wlen) < 0) goto out;
       x.block = b->b;
       dev = b->device;
+    } else if (complete) {
+      PyErr_SetString(PyExc_ValueError, "send: complete=True is for arena blocks (a Block, or "
+                      "an array inside one); this memory is not in one (it would be wrapped "
+                      "and sent by descriptor)");
+      goto out;
     } else {
       if (meta_encode(&f.meta, um.buf, um.len, wire, &wlen) < 0) goto out;
       gpuipc_status st = gpuipc_buffer_wrap(f.ptr, f.nbytes, &wrapped);
@@ -280,11 +336,12 @@ static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
       if (gpuipc_buffer_get_device(wrapped, &u) == GPUIPC_OK) dev = ordinal_of(&u);
     }
     /* CAI v3: the producer's work is on f.stream; the send goes on ours */
-    if (f.has_stream && f.stream != stream && order_streams(dev, f.stream, stream) < 0)
+    if (!complete && f.has_stream && f.stream != stream && order_streams(dev, f.stream, stream) < 0)
       goto out;
   }
   x.meta = wire;
   x.meta_len = wlen;
+  x.flags = complete ? GPUIPC_SEND_COMPLETE : 0;
   gpuipc_status st;
   if (conn_run(c, tmo, 1, op_send, &x, &st) < 0) goto out;
   if (st != GPUIPC_OK) { conn_status(st, "send", tmo); goto out; }
@@ -354,6 +411,7 @@ static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stre
   r->device = rx->device;
   r->stream = stream;
   r->held = 1;
+  c->held++;
   r->mark = 0;
   const uint8_t *u;
   size_t ul;
@@ -361,7 +419,10 @@ static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stre
   r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
   g_count.live_received++;
   if (!r->user) {
-    if (!release_on_fail) r->held = 0; /* the caller's to release */
+    if (!release_on_fail) { /* the caller's to release */
+      r->held = 0;
+      conn_held_drop(c);
+    }
     Py_DECREF(r); /* else released by its dealloc */
     return NULL;
   }
@@ -785,11 +846,13 @@ static PyObject *release_list(PyObject *items, PyObject *stream_o, ConnObject *o
       ids[m++] = ((ReceivedObject *)v[ord[e++]])->id;
     gpuipc_status st = GPUIPC_OK;
     LOCK();
-    /* A connection closed here dropped its leases: nothing to release. */
-    if (r0->conn->c) st = gpuipc_conn_release_batch(r0->conn->c, ids, m, S(s));
+    /* A connection closed here keeps what is held open (c->linger). */
+    gpuipc_conn *gc = conn_rx(r0->conn);
+    if (gc) st = gpuipc_conn_release_batch(gc, ids, m, S(s));
     UNLOCK();
     if (st != GPUIPC_OK) { raise_st(st, what); goto out; }
     for (Py_ssize_t i = g; i < e; i++) ((ReceivedObject *)v[ord[i]])->held = 0;
+    for (Py_ssize_t i = g; i < e; i++) conn_held_drop(r0->conn); /* the last closes it */
     g = e;
   }
   ret = Py_None;
@@ -1166,10 +1229,9 @@ static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
                      "connection (unsubscribe, destroy the set or close the subscriber "
                      "first)");
   if (c->c) {
-    gpuipc_conn *gc = c->borrowed ? NULL : c->c;
     /* close may wait for the device (cuCtxSynchronize): no GIL */
     LOCK();
-    c->c = NULL;
+    gpuipc_conn *gc = conn_take(c);
     conn_detach(c);
     Py_BEGIN_ALLOW_THREADS
     gpuipc_conn_close(gc);
@@ -1181,13 +1243,30 @@ static PyObject *Conn_close(ConnObject *c, PyObject *unused) {
 
 static void Conn_dealloc(ConnObject *c) {
   if (c->weak) PyObject_ClearWeakRefs((PyObject *)c);
-  if (c->c) {
+  /* Whatever kept it lingering holds a reference to it: none is left. */
+  if (c->c || c->linger) {
     LOCK();
     conn_detach(c);
+    gpuipc_conn_close(c->linger);
+    c->linger = NULL;
     UNLOCK();
   }
   PyMem_Free(c->leases.v);
   PyObject_Free(c);
+}
+
+static PyObject *Conn_set_polling(ConnObject *c, PyObject *on) {
+  if (!PyBool_Check(on)) {
+    PyErr_Format(PyExc_TypeError, "set_polling: give True or False, not %.80s",
+                 Py_TYPE(on)->tp_name);
+    return NULL;
+  }
+  if (!conn_ok(c)) return NULL;
+  LOCK();
+  gpuipc_status st = gpuipc_conn_set_polling(c->c, on == Py_True);
+  UNLOCK();
+  if (st != GPUIPC_OK) return raise_st(st, "set_polling");
+  Py_RETURN_NONE;
 }
 
 static PyObject *Conn_fileno(ConnObject *c, PyObject *unused) {
@@ -1219,7 +1298,11 @@ static PyObject *Conn_get_npending(ConnObject *c, void *unused) {
 
 static PyMethodDef Conn_methods[] = {
     {"send", (PyCFunction)(void (*)(void))Conn_send, METH_VARARGS | METH_KEYWORDS,
-     "send(obj, *, stream=None, meta=None, timeout=...): hand a buffer to the peer"},
+     "send(obj, *, stream=None, meta=None, timeout=..., complete=False): hand a buffer "
+     "to the peer. complete=True (arena blocks only): the caller asserts the data is "
+     "complete already (it synchronized, or the host wrote it): no stream is queried, "
+     "ordered or signalled, and the consumer waits for nothing; if that is not true it "
+     "may read stale data"},
     {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_VARARGS | METH_KEYWORDS,
      "recv(*, stream=None, timeout=...) -> Received"},
     {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_VARARGS | METH_KEYWORDS,
@@ -1252,8 +1335,18 @@ static PyMethodDef Conn_methods[] = {
      "open(desc, fds=(), *, device=None) -> Buffer: a descriptor that came over "
      "this connection from its peer (checked against the peer's liveness table; "
      "fd-based kinds also from another container)"},
-    {"close", (PyCFunction)Conn_close, METH_NOARGS, "close the connection"},
+    {"close", (PyCFunction)Conn_close, METH_NOARGS,
+     "close the connection: later calls raise ClosedError. Buffers received and not "
+     "released (a Received alive, or a tensor made from it) stay mapped and held, and "
+     "the connection open underneath, until the last of them is released or dies; the "
+     "peer learns of the close then"},
     {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS, "the socket, for selectors/poll"},
+    {"set_polling", (PyCFunction)Conn_set_polling, METH_O,
+     "set_polling(on): ring carrier: True says this process calls into the connection "
+     "often (recv, progress, a send) and does not sleep on fileno() meanwhile, so the "
+     "peer sends no wake-up with its buffers; switch it off before sleeping on fileno() "
+     "(while on, a buffer makes it readable only at the next call). Calls that wait in "
+     "gpuipc sleep safely either way. No effect on the socket carrier"},
     {"__enter__", gpy_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Conn_exit, METH_VARARGS, NULL},
     {NULL}};
@@ -1299,8 +1392,10 @@ static void rx_release(ReceivedObject *r, uintptr_t stream, gpuipc_status *st) {
   if (!r->held) return;
   r->held = 0;
   LOCK();
-  if (r->conn->c) *st = gpuipc_conn_release(r->conn->c, r->id, S(stream));
+  gpuipc_conn *gc = conn_rx(r->conn);
+  if (gc) *st = gpuipc_conn_release(gc, r->id, S(stream));
   UNLOCK();
+  conn_held_drop(r->conn); /* the last after a close closes it */
 }
 
 static PyObject *Rx_release(ReceivedObject *r, PyObject *args, PyObject *kw) {
@@ -1404,7 +1499,8 @@ PyTypeObject ReceivedType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A buffer received from a peer; released when released explicitly "
               "(release(), gpuipc.release_batch), when its context ends, or when the last "
-              "view of it is gone.",
+              "view of it is gone, also after its connection was closed (which keeps it "
+              "mapped until then).",
     .tp_methods = Rx_methods,
     .tp_getset = Rx_getset,
 };
@@ -1440,15 +1536,65 @@ static int parse_ids(PyObject *seq_o, uint32_t *out, size_t *n) {
   return 0;
 }
 
+/* The carrier's options (gpuipc_conn_options.carrier, spin_us, polling):
+ * carrier "auto", "socket" or "ring"; spin_us an int from 0 to 1000000;
+ * polling a bool. NULL or None leaves the default. */
+int parse_carrier_opts(PyObject *carrier, PyObject *spin_us, PyObject *polling,
+                       gpuipc_conn_options *o) {
+  if (carrier && carrier != Py_None) {
+    if (!PyUnicode_Check(carrier)) {
+      PyErr_Format(PyExc_TypeError, "carrier must be 'auto', 'socket' or 'ring', not %.80s",
+                   Py_TYPE(carrier)->tp_name);
+      return -1;
+    }
+    const char *n = PyUnicode_AsUTF8(carrier);
+    if (!n) return -1;
+    if (!strcmp(n, "auto")) o->carrier = GPUIPC_CARRIER_AUTO;
+    else if (!strcmp(n, "socket")) o->carrier = GPUIPC_CARRIER_SOCKET;
+    else if (!strcmp(n, "ring")) o->carrier = GPUIPC_CARRIER_RING;
+    else {
+      PyErr_Format(PyExc_ValueError, "carrier must be 'auto', 'socket' or 'ring', not %R",
+                   carrier);
+      return -1;
+    }
+  }
+  if (spin_us && spin_us != Py_None) {
+    if (!PyLong_Check(spin_us) || PyBool_Check(spin_us)) {
+      PyErr_Format(PyExc_TypeError, "spin_us must be an int (microseconds), not %.80s",
+                   Py_TYPE(spin_us)->tp_name);
+      return -1;
+    }
+    int ovf;
+    long long v = PyLong_AsLongLongAndOverflow(spin_us, &ovf);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (ovf || v < 0 || v > 1000000) {
+      PyErr_Format(PyExc_ValueError, "spin_us must be from 0 to 1000000 microseconds, not %R",
+                   spin_us);
+      return -1;
+    }
+    o->spin_us = (int)v;
+  }
+  if (polling && polling != Py_None) {
+    if (!PyBool_Check(polling)) {
+      PyErr_Format(PyExc_TypeError, "polling must be True or False, not %.80s",
+                   Py_TYPE(polling)->tp_name);
+      return -1;
+    }
+    o->polling = polling == Py_True;
+  }
+  return 0;
+}
+
 /* Common keyword options of listen/connect/from_fd/spawn. */
 static int parse_conn_opts(PyObject *kw_t, PyObject *kw_a, PyObject *kw_r, PyObject *kw_u,
-                           PyObject *kw_g, unsigned maxo, const char *order, ConnOpts *co,
-                           int *tmo) {
+                           PyObject *kw_g, unsigned maxo, const char *order, PyObject *kw_c,
+                           PyObject *kw_s, PyObject *kw_p, ConnOpts *co, int *tmo) {
   gpuipc_conn_options d = GPUIPC_CONN_OPTIONS_INIT;
   co->o = d;
   co->rdir = NULL;
   if (parse_timeout(kw_t, 10000, tmo) < 0) return -1;
   co->o.timeout_ms = *tmo;
+  if (parse_carrier_opts(kw_c, kw_s, kw_p, &co->o) < 0) return -1;
   if (kw_a) co->o.abstract_name = PyObject_IsTrue(kw_a);
   if (kw_r && kw_r != Py_None) {
     if (!PyUnicode_FSConverter(kw_r, &co->rdir)) return -1;
@@ -1475,20 +1621,23 @@ static int parse_conn_opts(PyObject *kw_t, PyObject *kw_a, PyObject *kw_r, PyObj
 #define CONN_KW_DECL                                                           \
   PyObject *kt = NULL, *ka = NULL, *kr = NULL, *ku = NULL, *kg = NULL;         \
   unsigned maxo = 0;                                                           \
-  const char *order = NULL;
-#define CONN_KW_FMT "OOOOOIz"
-#define CONN_KW_ARGS &kt, &ka, &kr, &ku, &kg, &maxo, &order
+  const char *order = NULL;                                                    \
+  PyObject *kc = NULL, *ks = NULL, *kp = NULL;
+#define CONN_KW_FMT "OOOOOIzOOO"
+#define CONN_KW_ARGS &kt, &ka, &kr, &ku, &kg, &maxo, &order, &kc, &ks, &kp
+#define CONN_KW_VALS kt, ka, kr, ku, kg, maxo, order, kc, ks, kp
 
 PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"name", "timeout", "abstract", "runtime_dir", "allow_uids",
-                        "allow_gids", "max_outstanding", "order", NULL};
+                        "allow_gids", "max_outstanding", "order", "carrier", "spin_us",
+                        "polling", NULL};
   const char *name;
   CONN_KW_DECL
   if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$" CONN_KW_FMT, kwl, &name, CONN_KW_ARGS))
     return NULL;
   ConnOpts co;
   int tmo;
-  if (parse_conn_opts(kt, ka, kr, ku, kg, maxo, order, &co, &tmo) < 0) {
+  if (parse_conn_opts(CONN_KW_VALS, &co, &tmo) < 0) {
     Py_XDECREF(co.rdir);
     return NULL;
   }
@@ -1582,14 +1731,15 @@ PyTypeObject ListenerType = {
 
 PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"name", "timeout", "abstract", "runtime_dir", "allow_uids",
-                        "allow_gids", "max_outstanding", "order", NULL};
+                        "allow_gids", "max_outstanding", "order", "carrier", "spin_us",
+                        "polling", NULL};
   const char *name;
   CONN_KW_DECL
   if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$" CONN_KW_FMT, kwl, &name, CONN_KW_ARGS))
     return NULL;
   ConnOpts co;
   int tmo;
-  if (parse_conn_opts(kt, ka, kr, ku, kg, maxo, order, &co, &tmo) < 0) {
+  if (parse_conn_opts(CONN_KW_VALS, &co, &tmo) < 0) {
     Py_XDECREF(co.rdir);
     return NULL;
   }
@@ -1605,14 +1755,15 @@ PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
 
 PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"fd", "timeout", "abstract", "runtime_dir", "allow_uids",
-                        "allow_gids", "max_outstanding", "order", NULL};
+                        "allow_gids", "max_outstanding", "order", "carrier", "spin_us",
+                        "polling", NULL};
   int fd;
   CONN_KW_DECL
   if (!PyArg_ParseTupleAndKeywords(args, kw, "i|$" CONN_KW_FMT, kwl, &fd, CONN_KW_ARGS))
     return NULL;
   ConnOpts co;
   int tmo;
-  if (parse_conn_opts(kt, ka, kr, ku, kg, maxo, order, &co, &tmo) < 0) {
+  if (parse_conn_opts(CONN_KW_VALS, &co, &tmo) < 0) {
     Py_XDECREF(co.rdir);
     return NULL;
   }

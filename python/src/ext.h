@@ -155,6 +155,13 @@ typedef struct {
   int peer_pid;
   LeaseList leases;    /* wrapped buffers the peer may still hold */
   int tset_refs;       /* tensor sets and subscribers using it: no close */
+  /* What was received over it and may still be read: Received objects not
+   * released, subscribers closed here whose versions still have views.
+   * A close while any is left only hides the connection (c NULL) and keeps
+   * it open in `linger`, so that its imports stay mapped; the last of them
+   * to go closes it (conn_held_drop). */
+  Py_ssize_t held;
+  gpuipc_conn *linger;
   PyObject *weak;
 } ConnObject;
 
@@ -256,7 +263,17 @@ typedef gpuipc_status (*conn_op)(ConnObject *c, void *ctx);
 int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
              gpuipc_status *st);
 void conn_detach(ConnObject *c);
+/* The C connection received buffers are released on: the open one, or the
+ * one a close left open for them (NULL when neither). */
+gpuipc_conn *conn_rx(ConnObject *c);
+/* One of c->held is gone (GIL held, g_lock not): the last closes a
+ * connection closed here meanwhile. */
+void conn_held_drop(ConnObject *c);
 void graves_reap(void);
+/* carrier=, spin_us=, polling= into o (NULL or None: the default); -1 with
+ * a TypeError or ValueError that names the keyword. */
+int parse_carrier_opts(PyObject *carrier, PyObject *spin_us, PyObject *polling,
+                       gpuipc_conn_options *o);
 PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw);

@@ -342,7 +342,12 @@ static PyMethodDef mod_methods[] = {
     {"device_from_uuid", mod_device_from_uuid, METH_VARARGS, NULL},
     {"listen", (PyCFunction)(void (*)(void))mod_listen, METH_VARARGS | METH_KEYWORDS,
      "listen(name, *, timeout=10, abstract=False, runtime_dir=None, allow_uids=(), "
-     "allow_gids=(), max_outstanding=256, order='memop') -> Listener"},
+     "allow_gids=(), max_outstanding=256, order='memop', carrier='auto', spin_us=0, "
+     "polling=False) -> Listener (connections it accepts take its options). carrier: "
+     "'auto' (a shared-memory ring beside the socket where the peer has it, else the "
+     "socket; the environment's GPUIPC_CARRIER decides), 'socket', or 'ring' (a peer "
+     "without it is refused); spin_us: ring carrier, how long a waiting call looks at "
+     "the ring before it sleeps (0 to 1000000); polling: as Connection.set_polling"},
     {"connect", (PyCFunction)(void (*)(void))mod_connect, METH_VARARGS | METH_KEYWORDS,
      "connect(name, *, timeout=10, ...) -> Connection"},
     {"from_fd", (PyCFunction)(void (*)(void))mod_from_fd, METH_VARARGS | METH_KEYWORDS,
@@ -351,7 +356,8 @@ static PyMethodDef mod_methods[] = {
     {"spawn_connection", (PyCFunction)(void (*)(void))mod_spawn_connection,
      METH_VARARGS | METH_KEYWORDS, "in a spawned child: -> (Connection, n_pools, n_buffers)"},
     {"spawn_child", (PyCFunction)(void (*)(void))mod_spawn, METH_VARARGS | METH_KEYWORDS,
-     "spawn_child(path, argv, *, env_add=None, timeout=30, search_path=False) -> Child"},
+     "spawn_child(path, argv, *, env_add=None, timeout=30, search_path=False, "
+     "carrier=None, spin_us=None, polling=None) -> Child"},
     {"release_batch", (PyCFunction)(void (*)(void))mod_release_batch,
      METH_VARARGS | METH_KEYWORDS,
      "release_batch(received, stream=<each one's receive stream>): give back many "

@@ -39,11 +39,12 @@ static char **str_list(PyObject *seq_o, PyObject **keep) {
 }
 
 PyObject *mod_spawn(PyObject *m, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"path", "argv", "env_add", "timeout", "search_path", NULL};
-  PyObject *path_o, *argv_o, *env_o = Py_None, *kt = NULL;
+  static char *kwl[] = {"path", "argv", "env_add", "timeout", "search_path", "carrier",
+                        "spin_us", "polling", NULL};
+  PyObject *path_o, *argv_o, *env_o = Py_None, *kt = NULL, *kc = NULL, *ks = NULL, *kp = NULL;
   int search = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O&O|$OOp", kwl, PyUnicode_FSConverter, &path_o,
-                                   &argv_o, &env_o, &kt, &search))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O&O|$OOpOOO", kwl, PyUnicode_FSConverter,
+                                   &path_o, &argv_o, &env_o, &kt, &search, &kc, &ks, &kp))
     return NULL;
   PyObject *keep_a = NULL, *keep_e = NULL, *ret = NULL;
   char **argv = NULL, **env = NULL;
@@ -53,6 +54,7 @@ PyObject *mod_spawn(PyObject *m, PyObject *args, PyObject *kw) {
   if (env_o != Py_None && !(env = str_list(env_o, &keep_e))) goto out;
   gpuipc_conn_options co = GPUIPC_CONN_OPTIONS_INIT;
   co.timeout_ms = tmo;
+  if (parse_carrier_opts(kc, ks, kp, &co) < 0) goto out; /* the parent's end */
   gpuipc_spawn_options so = GPUIPC_SPAWN_OPTIONS_INIT;
   so.env_add = env;
   so.search_path = search;

@@ -18,7 +18,11 @@
  * refuse to close while it does); a wrapped set keeps the arrays it wraps;
  * a view keeps its version or set, and refuses to export once the version
  * was released; closing a subscriber releases its versions and marks them
- * released.
+ * released, except those with views alive (TensorView objects: a DLPack
+ * capsule or a CUDA Array Interface consumer holds one): those stay held,
+ * with the library's subscriber kept open (linger) and the connection
+ * with it (ConnObject.held), until the last view of each dies, which
+ * releases it; the last released closes the subscriber.
  */
 #include "ext.h"
 
@@ -87,6 +91,7 @@ struct TSubObject {
   ConnObject *conn;
   int device;
   TVerObject *held; /* versions not released yet */
+  gpuipc_tset_sub *linger; /* closed here, kept open for held (views alive) */
 };
 
 struct TVerObject {
@@ -95,6 +100,7 @@ struct TVerObject {
   TSubObject *sub;
   uintptr_t stream; /* the stream given to recv */
   TVerObject *next, *prev;
+  Py_ssize_t views; /* TensorView objects of it alive */
 };
 
 typedef struct {
@@ -132,6 +138,7 @@ static PyObject *view_new(PyObject *owner, const gpuipc_tensor *t, int device,
   if (!w) return NULL;
   Py_INCREF(owner);
   w->owner = owner;
+  if (Py_TYPE(owner) == &TVerType) ((TVerObject *)owner)->views++;
   w->ptr = t->ptr;
   w->nbytes = t->nbytes;
   meta_of(t, &w->meta);
@@ -719,7 +726,16 @@ static PyObject *TSub_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   o->conn = c;
   c->tset_refs++;
   o->device = device;
+  o->linger = NULL;
   return (PyObject *)o;
+}
+
+static void tsub_close_now(gpuipc_tset_sub *s) {
+  LOCK();
+  Py_BEGIN_ALLOW_THREADS
+  gpuipc_tset_sub_close(s);
+  UNLOCK();
+  Py_END_ALLOW_THREADS
 }
 
 static void sub_close(TSubObject *o) {
@@ -728,19 +744,46 @@ static void sub_close(TSubObject *o) {
   gpuipc_tset_sub *s = o->s;
   if (!s) return;
   o->s = NULL;
+  o->conn->tset_refs--;
+  int viewed = 0;
+  for (TVerObject *v = o->held; v; v = v->next) viewed |= v->views > 0;
+  if (!viewed) {
+    tsub_close_now(s);
+    for (TVerObject *v = o->held; v;) {
+      TVerObject *n = v->next;
+      v->v = NULL; /* released by the close */
+      v->next = v->prev = NULL;
+      v = n;
+    }
+    o->held = NULL;
+    return;
+  }
+  /* Views alive: those versions stay held, and the subscriber (and the
+   * connection: the memory is its imports) open, until their views die;
+   * the others are released now, as the close would (legacy stream). */
+  o->linger = s;
+  o->conn->held++;
   LOCK();
-  Py_BEGIN_ALLOW_THREADS
-  gpuipc_tset_sub_close(s);
-  UNLOCK();
-  Py_END_ALLOW_THREADS
   for (TVerObject *v = o->held; v;) {
     TVerObject *n = v->next;
-    v->v = NULL; /* released by the close */
-    v->next = v->prev = NULL;
+    if (v->views == 0) {
+      gpuipc_tset_version_release(v->v, NULL);
+      v->v = NULL;
+      ver_unlink(v);
+    }
     v = n;
   }
-  o->held = NULL;
-  o->conn->tset_refs--;
+  UNLOCK();
+}
+
+/* A subscriber closed here whose last held version is gone: closes it,
+ * then lets its connection go. */
+static void sub_linger_end(TSubObject *o) {
+  if (!o->linger || o->held) return;
+  gpuipc_tset_sub *s = o->linger;
+  o->linger = NULL;
+  tsub_close_now(s);
+  conn_held_drop(o->conn);
 }
 
 static PyObject *TSub_close(TSubObject *o, PyObject *u) {
@@ -783,6 +826,7 @@ static PyObject *TSub_recv(TSubObject *o, PyObject *args, PyObject *kw) {
   Py_INCREF(o);
   v->sub = o;
   v->stream = x.stream;
+  v->views = 0;
   v->prev = NULL;
   v->next = o->held;
   if (o->held) o->held->prev = v;
@@ -791,7 +835,8 @@ static PyObject *TSub_recv(TSubObject *o, PyObject *args, PyObject *kw) {
 }
 
 static void TSub_dealloc(TSubObject *o) {
-  sub_close(o); /* no version is left: each keeps its subscriber */
+  /* No version is left (each keeps its subscriber): nothing lingers. */
+  sub_close(o);
   Py_XDECREF(o->conn);
   Py_TYPE(o)->tp_free((PyObject *)o);
 }
@@ -806,7 +851,9 @@ static PyMethodDef TSub_methods[] = {
     {"recv", (PyCFunction)(void (*)(void))TSub_recv, METH_VARARGS | METH_KEYWORDS,
      "recv(*, stream=None, timeout=) -> TensorSetVersion"},
     {"close", (PyCFunction)TSub_close, METH_NOARGS,
-     "release every version still held and the pieces"},
+     "release every version still held and the pieces; a version with views alive "
+     "(TensorView objects, and what was made from them) stays held, and mapped, until "
+     "its last view dies"},
     {NULL}};
 static PyGetSetDef TSub_getset[] = {
     {"closed", (getter)TSub_get_closed, NULL, NULL, NULL},
@@ -830,6 +877,7 @@ static void ver_release(TVerObject *v, uintptr_t stream) {
   UNLOCK();
   v->v = NULL;
   ver_unlink(v);
+  sub_linger_end(v->sub); /* after a close: the last held closes it */
 }
 
 static PyObject *Ver_release(TVerObject *v, PyObject *args, PyObject *kw) {
@@ -1019,6 +1067,12 @@ static PyObject *TView_repr(TViewObject *w) {
   return r;
 }
 static void TView_dealloc(TViewObject *w) {
+  if (Py_TYPE(w->owner) == &TVerType) {
+    TVerObject *v = (TVerObject *)w->owner;
+    /* The last view of a version its closed subscriber kept: released
+     * now, as that close would have (legacy stream). */
+    if (--v->views == 0 && v->v && !v->sub->s) ver_release(v, 0);
+  }
   Py_XDECREF(w->owner);
   Py_XDECREF(w->name);
   PyObject_Free(w);

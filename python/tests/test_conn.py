@@ -240,3 +240,93 @@ def test_close_while_another_thread_calls():
         pytest.fail("close() and progress() in two threads deadlocked")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("closed ")
+
+
+@pytest.mark.parametrize("carrier", ["auto", "socket", "ring"])
+def test_carrier_options_carry_buffers(carrier):
+    """carrier=, spin_us= and polling= where connections are made: a block
+    goes over each carrier, with polling switched on and off, and one sent
+    with complete=True (the host wrote it: nothing to order) arrives whole."""
+    import json
+
+    import peers
+    from cudrv import drv, pattern
+
+    with gpuipc.spawn(peers.check_consumer, 2, carrier=carrier, spin_us=50,
+                      polling=(carrier == "ring")) as p:
+        arena = gpuipc.Arena(chunk_bytes=1 << 20)
+        b = arena.alloc(256)
+        drv().htod(b.ptr, pattern(256, 3))
+        p.conn.send(b)
+        assert bytes.fromhex(json.loads(p.conn.recv_msg(timeout=30))["data"]) == pattern(256, 3)
+        p.conn.set_polling(True)
+        p.conn.set_polling(False)
+        while b.holders:
+            p.conn.progress(timeout=5)  # its release
+        drv().htod(b.ptr, pattern(256, 4))
+        p.conn.send(b, complete=True)
+        assert bytes.fromhex(json.loads(p.conn.recv_msg(timeout=30))["data"]) == pattern(256, 4)
+        p.conn.send_msg(b"go")
+        assert p.join(30) == 0
+
+
+def test_ring_is_refused_by_a_socket_only_peer():
+    nm = name()
+    out = {}
+    with gpuipc.listen(nm, carrier="socket", timeout=5) as lst:
+        def acc():
+            try:
+                out["a"] = lst.accept(timeout=5)
+            except gpuipc.Error as e:
+                out["e"] = e
+        t = threading.Thread(target=acc)
+        t.start()
+        with pytest.raises(gpuipc.Error):
+            gpuipc.connect(nm, carrier="ring", timeout=5)
+        t.join()
+    if "a" in out:
+        out["a"].close()
+
+
+@pytest.mark.parametrize("kw, exc, msg", [
+    ({"carrier": "pipe"}, ValueError, "carrier must be 'auto', 'socket' or 'ring'"),
+    ({"carrier": 2}, TypeError, "carrier must be"),
+    ({"spin_us": -1}, ValueError, "spin_us must be from 0 to 1000000"),
+    ({"spin_us": 1000001}, ValueError, "spin_us must be from 0 to 1000000"),
+    ({"spin_us": 1 << 70}, ValueError, "spin_us must be from 0 to 1000000"),
+    ({"spin_us": 1.5}, TypeError, "spin_us must be an int"),
+    ({"spin_us": True}, TypeError, "spin_us must be an int"),
+    ({"polling": 1}, TypeError, "polling must be True or False"),
+    ({"polling": "yes"}, TypeError, "polling must be True or False"),
+])
+def test_bad_carrier_options_are_refused(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        gpuipc.listen(name(), **kw)
+    with pytest.raises(exc, match=msg):
+        gpuipc.connect(name(), **kw)
+    with pytest.raises(exc, match=msg):
+        gpuipc.spawn(len, **kw)
+    fds = gpuipc.conn_pair()
+    os.close(fds[1])
+    with pytest.raises(exc, match=msg):
+        gpuipc.from_fd(fds[0], **kw)
+    os.close(fds[0])  # refused before the connection took it
+
+
+def test_set_polling_and_complete_bad_values():
+    a, c = pair()
+    with a, c:
+        for bad in (1, "on", None):
+            with pytest.raises(TypeError, match="set_polling: give True or False"):
+                c.set_polling(bad)
+        arena = gpuipc.Arena(chunk_bytes=1 << 20)
+        b = arena.alloc(64)
+        with pytest.raises(TypeError, match="complete must be True or False"):
+            a.send(b, complete=1)
+        buf = gpuipc.Pool(kind="legacy").alloc(64)
+        with pytest.raises(ValueError, match="complete=True is for arena blocks"):
+            a.send(buf, complete=True)
+        assert a.outstanding() == (0, 0)  # nothing was sent
+        buf.close()
+    with pytest.raises(gpuipc.ClosedError):
+        c.set_polling(True)

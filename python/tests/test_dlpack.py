@@ -1,8 +1,10 @@
 """The array protocols on gpuipc's objects: __cuda_array_interface__ v3,
 and DLPack capsules consumed and deleted by the rules (a consumer written
-here with ctypes, and numpy for host memory)."""
+here with ctypes, and numpy for host memory); views of received buffers
+that outlive the connection's close."""
 import ctypes
 import gc
+import os
 import sys
 
 import pytest
@@ -280,3 +282,61 @@ def test_dlpack_device_not_a_tuple_is_a_type_error(block):
     for bad in ([2, 0], "cuda", 2, (2,), (2, 0, 0)):
         with pytest.raises(TypeError):
             block.__dlpack__(dl_device=bad)
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_dlpack_view_of_received_buffer_outlives_close(versioned):
+    """The README's pattern: a tensor made from a Received (DLPack) outlives
+    the `with connect()` block. The close must leave its memory mapped until
+    the view dies; then the buffer is released and the connection ends."""
+    import peers_dl
+    with gpuipc.spawn(peers_dl.send_one_until_end) as p:
+        rx = p.conn.recv(timeout=30)
+        kw = {"max_version": (1, 0)} if versioned else {}
+        f, delete = consume(rx.__dlpack__(stream=-1, **kw), versioned)
+        del rx
+        gc.collect()
+        p.conn.close()
+        assert p.conn.closed
+        with pytest.raises(gpuipc.ClosedError):
+            p.conn.recv(timeout=0)
+        assert drv().dtoh(f["data"], 512) == pattern(512, 6), "the view's memory changed"
+        delete()  # the last view: the release, then the connection's end
+        assert p.join(30) == 0, "the producer did not get its block back"
+
+
+def test_cai_view_of_received_buffer_outlives_close():
+    """A CUDA Array Interface consumer keeps the Received itself: the memory
+    stays mapped past the close until it is released (or dies)."""
+    import peers_dl
+    with gpuipc.spawn(peers_dl.send_one_until_end) as p:
+        rx = p.conn.recv(timeout=30)
+        cai = rx.__cuda_array_interface__
+        p.conn.close()
+        assert rx.held
+        assert drv().dtoh(cai["data"][0], 512) == pattern(512, 6)
+        assert rx.__cuda_array_interface__["data"] == cai["data"]
+        rx.release()
+        assert not rx.held
+        assert p.join(30) == 0, "the producer did not get its block back"
+
+
+def test_view_alive_at_exit_leaks_nothing():
+    """A consumer that closes its connection and exits with a view still
+    alive reads the data through it after the close, and its exit gives the
+    producer's block back."""
+    import peers_dl
+    name = f"pyt-dl-{os.getpid()}"
+    with gpuipc.listen(name, timeout=30) as lst:
+        with gpuipc.spawn(peers_dl.view_past_close, name, timeout=60) as p:
+            with lst.accept(timeout=30) as c:
+                a = gpuipc.Arena(chunk_bytes=1 << 20)
+                b = a.alloc(shape=(8, 8), dtype="int64")
+                drv().htod(b.ptr, pattern(512, 6))
+                c.send(b)
+                assert p.join(30) == 0, "the view did not read the data after the close"
+                with pytest.raises(gpuipc.Error):
+                    c.recv_msg(timeout=10)  # the consumer's end
+                with pytest.raises(gpuipc.PeerGoneError):
+                    c.progress()  # what the dead peer held comes back here
+                assert b.holders == 0, "the exited consumer's lease was not reclaimed"

@@ -392,3 +392,37 @@ def test_recv_releases_the_gil_and_times_out():
         rc = peer.close()
     assert rc == 0
     peer.sc.close()
+
+
+def test_views_outlive_the_subscriber_close():
+    """Closing a subscriber releases its versions, except those whose views
+    live (a DLPack capsule, a CUDA Array Interface consumer holding the
+    TensorView): they stay held, and their memory mapped, until the last
+    view dies, even when the connection is closed too."""
+    from test_dlpack import consume
+
+    peer = Peer(sets_peers.produce, 0)
+    try:
+        sub = gpuipc.TensorSet.subscribe(peer.sc)
+        v = sub.recv(timeout=30)
+        w = v["x"]
+        f, delete = consume(w.__dlpack__(stream=-1), False)
+        cai_view = v["x"]
+        ptr = cai_view.__cuda_array_interface__["data"][0]
+        del w, v
+        gc.collect()
+        sub.close()
+        assert sub.closed
+        assert cai_view.valid, "the close released a version whose views live"
+        peer.sc.close()  # the connection too: the views keep what they need
+        assert peer.sc.closed
+        assert drv().dtoh(f["data"], 64) == bytes(range(64)), "the DLPack view's memory changed"
+        delete()
+        assert drv().dtoh(ptr, 64) == bytes(range(64)), "the CAI view's memory changed"
+        assert cai_view.valid and cai_view.__cuda_array_interface__["data"][0] == ptr
+        del cai_view  # the last view: the version's release, the subscriber's and
+        gc.collect()  # the connection's close
+        peer.p.conn.send_msg(b"unsubscribe")
+    finally:
+        rc = peer.close()
+    assert rc == 0
