@@ -116,6 +116,24 @@
  * calls gpuipc_conn_progress (or recv) when it is readable. An exporter that only sends must still make progress now
  * and then (send does, too), or releases pile up in the socket.
  *
+ * Carriers. By default (GPUIPC_CARRIER_AUTO), where both sides offer it,
+ * a connection carries its buffers and releases through a shared-memory
+ * ring per direction beside the socket (a sealed memfd each side makes at
+ * the handshake and the other maps read-only, checked as hostile input
+ * like everything a peer sends); everything else, and whatever does not
+ * fit the ring at the moment, goes on the socket, in one order. Choose
+ * with gpuipc_conn_options.carrier (GPUIPC_CARRIER_SOCKET: the socket
+ * only; GPUIPC_CARRIER_RING: refuse a peer without the ring), or for AUTO
+ * the environment variable GPUIPC_CARRIER (auto, socket, ring). Either
+ * way gpuipc_conn_get_fd stays the one fd to poll: a buffer sent over the
+ * ring to a peer that may be asleep on that fd comes with a small wake-up
+ * frame on the socket, so an event loop works unchanged. A consumer that
+ * calls recv (or progress) often and never sleeps on the fd may say so
+ * with gpuipc_conn_set_polling: its peer then sends no wake-up, and a
+ * buffer reaches it in about the ring's latency. It must switch polling
+ * off before it sleeps on the fd again. spin_us makes a call that waits
+ * look at the ring for a while before it sleeps. docs/ring.md says how.
+ *
  * Backpressure. A connection holds at most GPUIPC_CONN_QUEUE_MSGS /
  * _BYTES / _FDS of user messages received and not yet taken (settable in
  * gpuipc_conn_options). When the next message does not fit, the connection
