@@ -3,8 +3,8 @@
  * processes (src/conn/tx.c): gpuipc_conn_send, send_batch, send_buffer
  * and broadcast, gpuipc_conn_buffer_wait and get_buffer_holders, the
  * chunks' export, the ready words and the idle-stream DONE path; a send
- * to 64 consumers, and the GPU-side order of a consumer's reads after the
- * producer's work.
+ * to 64 consumers, the GPU-side order of a consumer's reads after the
+ * producer's work, and a broadcast past a consumer that stalls it.
  *
  * The ordering tests need the emulator's GPUIPC_EMU_COPY_DELAY_US (slow
  * copies make a missing wait visible); on a real GPU they run with large
@@ -12,6 +12,8 @@
  */
 #include "test-conn-handoff.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -1000,4 +1002,239 @@ TEST_IMPL(handoff_legacy_batch_order_slow_producer) {
 TEST_IMPL(handoff_legacy_broadcast_order_slow_producer) {
   setenv("GPUIPC_TEST_STREAM", "legacy", 1);
   return test_handoff_broadcast_order_slow_producer();
+}
+
+/* ---- broadcast: a stalled consumer delays nobody else ------------------------------- */
+
+/* Copies the received buffer out (after the wait its receive enqueued) and
+ * checks it holds the pattern of `seed`. */
+static void check_received(CUstream s, const gpuipc_received *r, uint32_t seed) {
+  uint32_t got = 0;
+  ASSERT_EQ(r->meta_len, sizeof got);
+  memcpy(&got, r->meta, sizeof got);
+  ASSERT_UEQ(got, seed);
+  uint8_t *host = malloc(r->length);
+  ASSERT_NOT_NULL(host);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r->ptr,
+                                        r->length, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  check_pattern(host, r->length, seed);
+  free(host);
+}
+
+/* An honest consumer of handoff_broadcast_stalled_consumer: receives
+ * argv[2] buffers (seeds 1, 2, ...), checks each, releases it at once and
+ * writes a byte on the pipe argv[1] for it (argv[0]: the pipe's other
+ * end, closed); then says "ok" and waits for "k". */
+HELPER_IMPL(ho_bc_honest) {
+  ASSERT(argc >= 3);
+  close(atoi(argv[0]));
+  int pfd = atoi(argv[1]);
+  int count = atoi(argv[2]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  for (int i = 0; i < count; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    check_received(s, &r, (uint32_t)i + 1);
+    ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
+    ASSERT_EQ(write(pfd, "x", 1), 1);
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* The stalled consumer: receives argv[3] buffers and releases none, so
+ * that its producer's connection (max_outstanding argv[3]) has no slot
+ * left; it frees one only once argv[2] bytes came on the pipe argv[0]
+ * (the honest consumers received the next buffer, which they can only if
+ * the producer did not wait for this one first; argv[1]: the pipe's
+ * other end, closed, so that it reads the end of the pipe if they die).
+ * Then it receives that next buffer (sent late, once its slot was free)
+ * and checks its data, says "ok", and holds the rest until "k". */
+HELPER_IMPL(ho_bc_stalled) {
+  ASSERT(argc >= 4);
+  int pfd = atoi(argv[0]);
+  close(atoi(argv[1]));
+  int signals = atoi(argv[2]);
+  int held = atoi(argv[3]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_received first = GPUIPC_RECEIVED_INIT;
+  for (int i = 0; i < held; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    check_received(s, &r, (uint32_t)i + 1);
+    if (i == 0)
+      first = r;
+  }
+  for (int got = 0; got < signals;) {
+    char b[64];
+    size_t want = (size_t)(signals - got) < sizeof b ? (size_t)(signals - got)
+                                                     : sizeof b;
+    ssize_t n = read(pfd, b, want);
+    if (n < 0 && errno == EINTR)
+      continue;
+    ASSERT_GT(n, 0);
+    got += (int)n;
+  }
+  ASSERT_OK(gpuipc_conn_release(c, first.id, (struct CUstream_st *)s));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  check_received(s, &r, (uint32_t)held + 1);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
+  char buf[4];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* handoff_broadcast_stalled_polling_consumer: the stalled consumer's
+ * connection is in polling mode and waits forever. */
+static bool stalled_polls;
+
+/* A broadcast to 4 consumers, one of which (STALLED) holds every slot of
+ * its connection (max_outstanding 4) and releases nothing: the others get
+ * every buffer of each broadcast without waiting for it. Round SLOTS: the
+ * stalled consumer frees a slot only after the honest ones received that
+ * round's buffer, so the broadcast succeeds for all four only if it sent
+ * to the ready connections before it waited for the stalled one (a
+ * broadcast that waited first runs into the stalled connection's timeout:
+ * E_TIMEOUT). Later rounds: it never frees one, and only its own entry
+ * says so, E_TIMEOUT (its timeout then short) and E_WOULD_BLOCK
+ * (non-blocking); the others are OK and get their buffers. */
+TEST_IMPL(handoff_broadcast_stalled_consumer) {
+  REQUIRE_DEVICES(1);
+  enum { N = 4, STALLED = 1, SLOTS = 4, ROUNDS = SLOTS + 3 };
+  /* A pipe the helpers inherit, above the descriptor spawn_helper gives
+   * them (3). */
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);
+  for (int k = 0; k < 2; k++) {
+    int high = fcntl(p[k], F_DUPFD, 64);
+    ASSERT_GE(high, 64);
+    close(p[k]);
+    p[k] = high;
+  }
+  char rfd[16], wfd[16], rounds[16], signals[16], slots[16];
+  snprintf(rfd, sizeof rfd, "%d", p[0]);
+  snprintf(wfd, sizeof wfd, "%d", p[1]);
+  snprintf(rounds, sizeof rounds, "%d", ROUNDS);
+  snprintf(signals, sizeof signals, "%d", (N - 1) * (SLOTS + 1));
+  snprintf(slots, sizeof slots, "%d", SLOTS);
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  for (int i = 0; i < N; i++) {
+    int fd;
+    if (i == STALLED)
+      pids[i] = spawn_helper("ho_bc_stalled", NULL, &fd, rfd, wfd, signals,
+                             slots, NULL);
+    else
+      pids[i] = spawn_helper("ho_bc_honest", NULL, &fd, rfd, wfd, rounds,
+                             NULL);
+    gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+    o.timeout_ms = 20000;
+    o.order = test_order();
+    if (i == STALLED)
+      o.max_outstanding = SLOTS;
+    ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &cs[i]));
+  }
+  close(p[0]);
+  close(p[1]);
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  if (stalled_polls) {
+    /* A ring whose application polls: its peer's releases do not make
+     * its fd readable unless the broadcast switches it to sleeping while
+     * it waits (else the wait, without a deadline, would never end). */
+    ASSERT_OK(gpuipc_conn_set_polling(cs[STALLED], 1));
+    ASSERT_OK(gpuipc_conn_set_timeout(cs[STALLED], -1));
+  }
+  /* A hang guard only (the stalled connection's timeout is 20 s). */
+  bounded("broadcasts past a stalled consumer", 90);
+  for (int r = 0; r < ROUNDS; r++) {
+    if (r == SLOTS + 1)
+      ASSERT_OK(gpuipc_conn_set_timeout(cs[STALLED], 200));
+    if (r == SLOTS + 2)
+      ASSERT_OK(gpuipc_conn_set_nonblocking(cs[STALLED], 1));
+    uint32_t seed = (uint32_t)r + 1;
+    size_t n = 4096 * (size_t)(1 + r % 3);
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+    uint8_t *host = malloc(n);
+    ASSERT_NOT_NULL(host);
+    pattern(host, n, seed);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host, n, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    free(host);
+    gpuipc_status st[N];
+    gpuipc_status all = gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s,
+                                              &seed, sizeof seed, st);
+    gpuipc_status want = r <= SLOTS       ? GPUIPC_OK
+                         : r == SLOTS + 1 ? GPUIPC_E_TIMEOUT
+                                          : GPUIPC_E_WOULD_BLOCK;
+    for (int i = 0; i < N; i++)
+      ASSERT_STATUS(st[i], i == STALLED ? want : GPUIPC_OK);
+    ASSERT_STATUS(all, want);
+    if (want != GPUIPC_OK)
+      ASSERT_STR_CONTAINS(gpuipc_last_error(), "connection 1");
+    ASSERT_EQ(gpuipc_block_get_holders(b), want == GPUIPC_OK ? N : N - 1);
+    ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+    if (r == SLOTS) {
+      /* The late buffer's data reached the stalled consumer too. */
+      char buf[4];
+      size_t len;
+      ASSERT_OK(gpuipc_conn_recv_msg(cs[STALLED], buf, sizeof buf, &len, NULL,
+                                     NULL));
+      ASSERT_EQ(len, 2);
+    }
+  }
+  bounded_done();
+  ASSERT_OK(gpuipc_conn_set_nonblocking(cs[STALLED], 0));
+  ASSERT_OK(gpuipc_conn_set_timeout(cs[STALLED], 20000));
+  for (int i = 0; i < N; i++) {
+    if (i == STALLED)
+      continue;
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+    ASSERT_EQ(len, 2); /* "ok": it got all ROUNDS buffers, in order */
+  }
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_conn_send_msg(cs[i], "k", 1, NULL, 0));
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  /* Every lease came back (the stalled consumer's at its close). */
+  for (int i = 0; i < N; i++) {
+    size_t out = 1;
+    for (int k = 0; k < 1000 && out > 0; k++) {
+      (void)gpuipc_conn_progress(cs[i], 10);
+      ASSERT_OK(gpuipc_conn_get_outstanding(cs[i], &out, NULL));
+    }
+    ASSERT_EQ(out, 0);
+  }
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_EQ(as.leases, 0);
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+TEST_IMPL(handoff_event_broadcast_stalled_consumer) {
+  setenv("GPUIPC_TEST_ORDER", "event", 1);
+  return test_handoff_broadcast_stalled_consumer();
+}
+
+TEST_IMPL(handoff_broadcast_stalled_polling_consumer) {
+  stalled_polls = true;
+  return test_handoff_broadcast_stalled_consumer();
 }

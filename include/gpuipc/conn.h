@@ -801,15 +801,22 @@ GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
  * peer holds its own lease and releases it on its own (as after n
  * gpuipc_conn_send), and a block freed meanwhile returns to its arena
  * only when every peer released it and the work each queued before its
- * release completed. Every connection is first made ready (its slot, the
- * block's chunk exported: this may wait, up to that connection's timeout,
- * for a release); then ONE ready signal is enqueued on `stream` for all
- * of them (in the default memop mode: a single cuStreamWriteValue64 of a
- * per-device broadcast word in gpuipc's flag-word memory, which every
- * consumer's stream waits on; none at all when `stream` is idle, as in
- * gpuipc_conn_send), then the frames are written back to back, so the
- * last consumer is behind neither the others' sends nor their signals. (A connection in GPUIPC_ORDER_EVENT mode is ordered by its own
- * slot's event as in gpuipc_conn_send.) Broadcasts of one device from
+ * release completed. Every connection is first made ready without
+ * waiting (its slot, the block's chunk exported); then ONE ready signal
+ * is enqueued on `stream` for all of them (in the default memop mode: a
+ * single cuStreamWriteValue64 of a per-device broadcast word in gpuipc's
+ * flag-word memory, which every consumer's stream waits on; none at all
+ * when `stream` is idle, as in gpuipc_conn_send), then the frames of the
+ * ready ones are written back to back, so the last consumer is behind
+ * neither the others' sends nor their signals. Only then does the call
+ * wait, for the connections that were not ready (every slot out: their
+ * peer has not released; or no room: their peer does not read), all
+ * together, each up to its own timeout counted from the call's start,
+ * sending to each as soon as it is ready (its frame names the same
+ * signal, so its consumer is ordered as the others). So one stalled
+ * consumer delays neither the others' buffers nor, beyond its own
+ * timeout once, the call. (A connection in GPUIPC_ORDER_EVENT mode is
+ * ordered by its own slot's event as in gpuipc_conn_send.) Broadcasts of one device from
  * different streams are ordered among themselves: one whose stream is
  * not the previous broadcast's first waits, on the GPU, for that
  * broadcast's signal. If the producer dies, a consumer writes the word
@@ -820,7 +827,8 @@ GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
  * timeout, for the producer's signal before it unmaps the memory; if the
  * signal does not come in time, the producer's memory stays mapped, as
  * when work queued before releases does not complete).
- * A connection that fails (its peer gone, its timeout, a bad connection)
+ * A connection that fails (its peer gone, its timeout: GPUIPC_E_TIMEOUT,
+ * or GPUIPC_E_WOULD_BLOCK for one that does not wait, a bad connection)
  * is left out and the others are not affected: statuses[i] (may be NULL)
  * is connection i's status; the call returns GPUIPC_OK when all of them
  * are, else the status of the first that failed. Bad arguments

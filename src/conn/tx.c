@@ -4,12 +4,16 @@
  * preparation every send shares (a connection made ready, free slots,
  * event mode's records, sequence numbers, and after the frame the ready
  * signal and the leases recorded), the sends of one block, one buffer by
- * descriptor, a batch and a broadcast, the devices' broadcast words, and
- * the questions about what the peer still holds. It never calls the
- * receiver (rx.c): what both directions need is in handoff.c.
+ * descriptor, a batch and a broadcast (sent at once to the connections
+ * that are ready, then to the others as each gets ready, waited for
+ * together), the devices' broadcast words, and the questions about what
+ * the peer still holds. It never calls the receiver (rx.c): what both
+ * directions need is in handoff.c.
  */
 #include "handoff_int.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -169,19 +173,25 @@ static bool stream_idle(struct gpuipc__ho *h, int ordinal,
   return false;
 }
 
-/* Gets c ready to send from device `ordinal`: its fast-path state, the
- * deadline of this call, and at its first send the lease table (flag
- * words on that device) with the peer told where they are. What every
- * send starts with. */
-static gpuipc_status tx_open(gpuipc_conn *c, int ordinal,
-                             struct gpuipc__ho **h_out, uint64_t *deadline) {
+/* Gets c ready to send from device `ordinal`: its fast-path state, and at
+ * its first send the lease table (flag words on that device) with the
+ * peer told where they are (its frames wait up to deadline for room). */
+static gpuipc_status tx_setup(gpuipc_conn *c, int ordinal, uint64_t deadline,
+                              struct gpuipc__ho **h_out) {
   struct gpuipc__ho *h = NULL;
   GPUIPC__CHECK(gpuipc__ho_get(c, &h));
-  *deadline = gpuipc__conn_deadline(c);
   if (h->lt == NULL)
-    GPUIPC__CHECK(setup_tx(c, h, ordinal, *deadline));
+    GPUIPC__CHECK(setup_tx(c, h, ordinal, deadline));
   *h_out = h;
   return GPUIPC_OK;
+}
+
+/* tx_setup with the deadline of this call, taken now: what every send to
+ * one connection starts with. */
+static gpuipc_status tx_open(gpuipc_conn *c, int ordinal,
+                             struct gpuipc__ho **h_out, uint64_t *deadline) {
+  *deadline = gpuipc__conn_deadline(c);
+  return tx_setup(c, ordinal, *deadline, h_out);
 }
 
 /* n free slots (waiting up to deadline for releases when fewer are free),
@@ -578,18 +588,77 @@ static gpuipc_status bword_write(struct gpuipc__ho *h, int ordinal,
   return GPUIPC_OK;
 }
 
+/* A broadcast does not let one connection hold back the others: every
+ * connection is first made ready without waiting, the ready ones get
+ * their frames at once (back to back, after the one ready signal), and
+ * only then does the call wait, for all the others together (their fds
+ * in one poll), each up to its own deadline taken at entry, sending to
+ * each as soon as it is ready. So a consumer that never releases (every
+ * slot of its connection out) or never reads (its socket full) costs the
+ * others nothing, and the call at most the longest timeout of the
+ * connections it waits for, once. */
+
+/* One connection of a broadcast. */
+typedef struct bc_conn {
+  gpuipc__w_buf w;   /* its frame, once it is ready */
+  uint64_t deadline; /* taken at entry */
+  short need;        /* what it waits for: POLLIN a release, POLLOUT room */
+  bool pending;      /* neither sent nor failed yet */
+  bool ready;        /* prepared, its frame not yet sent */
+  bool due;          /* to be tried again now */
+  bool unpolled;     /* its polling mode is off while the call waits */
+  int pi;            /* its entry in the poll set, or -1 */
+} bc_conn;
+
+/* One call of gpuipc_conn_broadcast. */
+typedef struct bc_call {
+  gpuipc_conn *const *conns;
+  size_t n;
+  gpuipc_block *block;
+  gpuipc_block *bword; /* the device's broadcast word (memop connections) */
+  struct CUstream_st *stream;
+  const void *meta;
+  size_t meta_len;
+  int ordinal;
+  bc_conn *bc;
+  gpuipc_status *st;
+  /* The one ready signal of the memop connections, made when the first
+   * of them is ready: none when the stream was idle (DONE), else the
+   * broadcast word's next value, written on wst. */
+  bool decided, done;
+  gpuipc__w_word word;
+  struct CUstream_st *wst;
+  /* The first connection that failed (n: none), and why. */
+  size_t bad;
+  char why[256];
+} bc_call;
+
+/* Connection i failed with s (the message recorded for the first). */
+static void bc_fail(bc_call *x, size_t i, gpuipc_status s) {
+  x->st[i] = s;
+  x->bc[i].pending = false;
+  x->bc[i].ready = false;
+  if (i < x->bad) {
+    x->bad = i;
+    snprintf(x->why, sizeof x->why, "%s", gpuipc_last_error());
+  }
+}
+
 /* Gets connection `c` ready to take a lease of `block` (flag words, the
- * chunk exported, a free slot, event mode's record); *w is its frame. */
+ * chunk exported, a free slot, event mode's record) without waiting;
+ * *w is its frame. GPUIPC_E_WOULD_BLOCK: not yet, *need says for what
+ * (POLLIN: a release, every slot being out; POLLOUT: room on the
+ * connection for its setup). */
 static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
                                 gpuipc_block *bword,
                                 struct CUstream_st *stream, size_t meta_len,
-                                gpuipc__w_buf *w) {
+                                gpuipc__w_buf *w, short *need) {
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
+  *need = POLLIN | POLLOUT;
   struct gpuipc__ho *h = NULL;
-  uint64_t deadline = 0;
   gpuipc_arena *a = block->arena;
-  GPUIPC__CHECK(tx_open(c, a->ordinal, &h, &deadline));
+  GPUIPC__CHECK(tx_setup(c, a->ordinal, 0, &h));
   gpuipc__lease_table *lt = h->lt;
   if (a->ordinal != lt->ordinal)
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
@@ -597,17 +666,210 @@ static gpuipc_status bc_prepare(gpuipc_conn *c, gpuipc_block *block,
                         "connection's flag words on device %d (one device per "
                         "connection)",
                         a->ordinal, lt->ordinal);
-  GPUIPC__CHECK(export_chunk(c, h, a, block->chunk, deadline));
+  GPUIPC__CHECK(export_chunk(c, h, a, block->chunk, 0));
   bool ordered = c->order == GPUIPC_ORDER_MEMOP;
   if (ordered) /* the broadcast word's chunk */
-    GPUIPC__CHECK(export_chunk(c, h, bword->arena, bword->chunk, deadline));
+    GPUIPC__CHECK(export_chunk(c, h, bword->arena, bword->chunk, 0));
   uint32_t slot;
   uint64_t seq;
-  GPUIPC__CHECK(take_leases(c, h, stream, deadline, 1, false, false, &slot, &seq));
+  gpuipc_status s =
+      take_leases(c, h, stream, 0, 1, false, false, &slot, &seq);
+  if (s != GPUIPC_OK) {
+    uint32_t one = 1;
+    if (s == GPUIPC_E_WOULD_BLOCK && c->ho == h && !have_free_slots(c, &one))
+      *need = POLLIN;
+    return s;
+  }
   *w = (gpuipc__w_buf){seq,         a->id, block->off, block->bytes, slot,
                        block->chunk, 0,    (uint32_t)meta_len};
   w->flags |= buf_flags(c, false);
   return GPUIPC_OK;
+}
+
+/* The one ready signal of the memop connections, made when the first of
+ * them is ready (h: its state, for a legacy stream's relay): the
+ * broadcast word's next value after the work queued on the stream (before
+ * any frame: its value travels in them), or none when that work is done
+ * (DONE). A word that cannot be written fails every memop connection not
+ * served yet (nothing was sent to them: their slots stay free). */
+static void bc_signal(bc_call *x, struct gpuipc__ho *h) {
+  x->decided = true;
+  x->done = stream_idle(h, x->ordinal, x->stream);
+  if (x->done)
+    return;
+  gpuipc_status bs =
+      bword_write(h, x->ordinal, x->stream, &x->word.value, &x->wst);
+  if (bs != GPUIPC_OK) {
+    for (size_t i = 0; i < x->n; i++)
+      if (x->bc[i].pending && x->conns[i]->order == GPUIPC_ORDER_MEMOP)
+        bc_fail(x, i, bs);
+    return;
+  }
+  x->word.arena_id = x->bword->arena->id;
+  x->word.off = x->bword->off;
+  x->word.chunk = x->bword->chunk;
+}
+
+/* Sends ready connection i its frame (never waiting: a frame that finds
+ * the connection full is queued) and records its lease. */
+static gpuipc_status bc_send(bc_call *x, size_t i) {
+  gpuipc_conn *c = x->conns[i];
+  gpuipc__w_buf *w = &x->bc[i].w;
+  x->bc[i].ready = false;
+  if (c->watch)
+    atomic_store(&c->watch->tx_seq, w->seq);
+  gpuipc_status s;
+  if (c->order == GPUIPC_ORDER_MEMOP && !x->done) {
+    /* A connection ready only after the word was written (or even after
+     * the GPU wrote it) names the same word and value all the same, and
+     * that is still exactly the order asked for: its consumer waits until
+     * the word holds this value or more, which it first does after the
+     * work queued before this call (the write follows that work on the
+     * stream), and the word never goes backwards (later broadcasts write
+     * greater values, after this one). A wait enqueued when the value is
+     * there already passes at once, as it should: the work it orders is
+     * done. */
+    unsigned char p[sizeof *w + sizeof x->word];
+    memcpy(p, w, sizeof *w);
+    memcpy(p + sizeof *w, &x->word, sizeof x->word);
+    s = gpuipc__conn_send_frame(c, GPUIPC__F_BUFW, p, sizeof p, x->meta,
+                                x->meta_len, NULL, 0, 0);
+  } else {
+    if (c->order == GPUIPC_ORDER_MEMOP) /* the work was done at the call */
+      w->flags |= GPUIPC__BUF_DONE;
+    s = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, w, sizeof *w, x->meta,
+                                x->meta_len, NULL, 0, 0);
+  }
+  if (s != GPUIPC_OK) {
+    x->bc[i].need = POLLIN | POLLOUT;
+    return s; /* nothing was enqueued: the slot stays free */
+  }
+  /* The slot's own ready word is not written: the broadcast word's write
+   * stands for it (a later write of the slot from another stream waits
+   * for this lease's release first; a dead peer's release words are
+   * forced for the slot). No ready write is made here, so this cannot
+   * fail. */
+  (void)tx_commit(c, c->ho, 1, &w->slot, &w->seq, &x->block, NULL, x->wst,
+                  c->order == GPUIPC_ORDER_MEMOP, false);
+  return GPUIPC_OK;
+}
+
+/* What became of a try of pending connection i: s is GPUIPC_OK (sent),
+ * GPUIPC_E_WOULD_BLOCK (not ready yet: it waits on, unless its deadline
+ * passed, and then it failed: GPUIPC_E_TIMEOUT, or GPUIPC_E_WOULD_BLOCK
+ * for a connection that does not wait), or why it failed. */
+static void bc_settle(bc_call *x, size_t i, gpuipc_status s) {
+  bc_conn *b = &x->bc[i];
+  if (s == GPUIPC_OK) {
+    b->pending = false;
+    x->st[i] = GPUIPC_OK;
+    return;
+  }
+  if (s != GPUIPC_E_WOULD_BLOCK) {
+    bc_fail(x, i, s);
+    return;
+  }
+  if (b->deadline == UINT64_MAX || gpuipc__now_ns() < b->deadline)
+    return;
+  gpuipc_conn *c = x->conns[i];
+  const char *what = b->need == POLLIN
+                         ? "a release (every slot of the connection is out)"
+                         : "room on the connection (the peer reads nothing)";
+  if (b->deadline == 0)
+    s = gpuipc__fail(GPUIPC_E_WOULD_BLOCK,
+                     "gpuipc_conn_broadcast: would block: the peer (pid %d) "
+                     "owes %s",
+                     c->peer_pid, what);
+  else
+    s = gpuipc__fail(GPUIPC_E_TIMEOUT,
+                     "gpuipc_conn_broadcast: timed out after %d ms waiting "
+                     "for %s from the peer (pid %d)",
+                     c->timeout_ms, what, c->peer_pid);
+  bc_fail(x, i, s);
+}
+
+/* Tries pending connection i again: ready now, it gets its frame (after
+ * the ready signal, made now when it is the first memop connection
+ * ready). */
+static void bc_try(bc_call *x, size_t i) {
+  gpuipc_conn *c = x->conns[i];
+  bc_conn *b = &x->bc[i];
+  gpuipc_status s = bc_prepare(c, x->block, x->bword, x->stream, x->meta_len,
+                               &b->w, &b->need);
+  if (s == GPUIPC_OK && c->order == GPUIPC_ORDER_MEMOP && !x->decided) {
+    bc_signal(x, c->ho);
+    if (!b->pending)
+      return; /* the word could not be written */
+  }
+  if (s == GPUIPC_OK)
+    s = bc_send(x, i);
+  bc_settle(x, i, s);
+}
+
+/* Waits for the connections not ready yet, all together: one poll of
+ * their fds (POLLIN for a release or their peer's end, POLLOUT for room)
+ * until the nearest of their deadlines, then a try of each that saw
+ * something, or whose deadline came (pf: room for n entries). A ring
+ * connection whose application polls is switched to sleeping for the
+ * wait, so that its peer's records make its fd readable (its mode is
+ * restored by the caller). */
+static void bc_wait(bc_call *x, struct pollfd *pf) {
+  for (;;) {
+    for (size_t i = 0; i < x->n; i++)
+      if (x->bc[i].pending && x->bc[i].due) {
+        x->bc[i].due = false;
+        bc_try(x, i);
+      }
+    size_t np = 0;
+    uint64_t until = UINT64_MAX;
+    bool again = false;
+    for (size_t i = 0; i < x->n; i++) {
+      bc_conn *b = &x->bc[i];
+      b->pi = -1;
+      if (!b->pending)
+        continue;
+      gpuipc_conn *c = x->conns[i];
+      if (c->polling && !b->unpolled) {
+        /* Sleeping from now on: what its peer publishes from here wakes
+         * the fd; what it published before, the next try reads. */
+        (void)gpuipc_conn_set_polling(c, 0);
+        b->unpolled = true;
+        b->due = true;
+      }
+      int fd = gpuipc_conn_get_fd(c);
+      if (fd < 0 || gpuipc__now_ns() >= b->deadline)
+        b->due = true; /* ended (the try says so), or its last try */
+      if (b->due) {
+        again = true;
+        continue;
+      }
+      short ev = b->need;
+      if (c->tx_len > c->tx_off) /* queued frames: flushed by the try */
+        ev |= POLLOUT;
+      pf[np] = (struct pollfd){fd, ev, 0};
+      b->pi = (int)np++;
+      if (b->deadline < until)
+        until = b->deadline;
+    }
+    if (again)
+      continue;
+    if (np == 0)
+      return;
+    int r = poll(pf, (nfds_t)np, gpuipc__poll_ms(until));
+    if (r < 0 && errno != EINTR) {
+      gpuipc_status s = gpuipc__fail_errno(errno, "poll",
+                                           "gpuipc_conn_broadcast: %zu "
+                                           "connections",
+                                           np);
+      for (size_t i = 0; i < x->n; i++)
+        if (x->bc[i].pending)
+          bc_fail(x, i, s);
+      return;
+    }
+    for (size_t i = 0; i < x->n; i++)
+      if (x->bc[i].pending && x->bc[i].pi >= 0 && pf[x->bc[i].pi].revents)
+        x->bc[i].due = true;
+  }
 }
 
 gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
@@ -637,107 +899,74 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
                             k, i);
   }
   GPUIPC__CHECK(gpuipc__driver());
-  int ordinal = block->arena->ordinal;
-  gpuipc_block *bword = NULL;
+  bc_call x = {.conns = conns,
+               .n = n,
+               .block = block,
+               .stream = stream,
+               .meta = meta,
+               .meta_len = meta_len,
+               .ordinal = block->arena->ordinal,
+               .wst = stream,
+               .bad = n};
   bool any_memop = false;
   for (size_t i = 0; i < n && !any_memop; i++)
     any_memop = conns[i]->order == GPUIPC_ORDER_MEMOP;
   if (any_memop)
-    GPUIPC__CHECK(bword_get(ordinal, &bword));
-  gpuipc__w_buf *ws = malloc(n * sizeof *ws);
-  gpuipc_status *st = statuses ? statuses : malloc(n * sizeof *st);
-  if (ws == NULL || st == NULL) {
-    free(ws);
-    if (st != statuses)
-      free(st);
+    GPUIPC__CHECK(bword_get(x.ordinal, &x.bword));
+  x.bc = calloc(n, sizeof *x.bc);
+  struct pollfd *pf = malloc(n * sizeof *pf);
+  x.st = statuses ? statuses : malloc(n * sizeof *x.st);
+  if (x.bc == NULL || pf == NULL || x.st == NULL) {
+    free(x.bc);
+    free(pf);
+    if (x.st != statuses)
+      free(x.st);
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_conn_broadcast");
   }
-  /* 1: every connection made ready (a slot free, the chunks exported,
-   * event mode's record); one that fails is left out, the others go on. */
-  struct gpuipc__ho *h0 = NULL; /* a memop connection that is ready */
-  char why[256] = "";
-  size_t bad = n; /* the first connection that failed, and why */
+  /* Each connection's deadline, taken once, before anything else. */
   for (size_t i = 0; i < n; i++) {
-    st[i] = bc_prepare(conns[i], block, bword, stream, meta_len, &ws[i]);
-    if (st[i] != GPUIPC_OK && bad == n) {
-      bad = i;
-      snprintf(why, sizeof why, "%s", gpuipc_last_error());
+    x.bc[i].deadline = gpuipc__conn_deadline(conns[i]);
+    x.bc[i].pending = true;
+    x.bc[i].pi = -1;
+  }
+  /* 1: every connection made ready without waiting (a slot free, the
+   * chunks exported, event mode's record); one that fails is left out,
+   * one that is not ready yet is waited for in 4. */
+  struct gpuipc__ho *h0 = NULL; /* a memop connection that is ready */
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_status s = bc_prepare(conns[i], block, x.bword, stream, meta_len,
+                                 &x.bc[i].w, &x.bc[i].need);
+    if (s != GPUIPC_OK) {
+      bc_settle(&x, i, s);
+      continue;
     }
-    if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP &&
-        h0 == NULL)
+    x.bc[i].ready = true;
+    if (conns[i]->order == GPUIPC_ORDER_MEMOP && h0 == NULL)
       h0 = conns[i]->ho;
   }
-  /* 2: the one ready signal of the memop connections: the broadcast
-   * word's next value, after the work queued on `stream` (before the
-   * frames: its value travels in them). */
-  gpuipc__w_word word = {0, 0, 0, 0, 0};
-  struct CUstream_st *wst = stream;
-  /* An idle stream: its work is done, no signal is needed (DONE). */
-  bool done = h0 != NULL && stream_idle(h0, ordinal, stream);
-  if (h0 != NULL && !done) {
-    gpuipc_status bs = bword_write(h0, ordinal, stream, &word.value, &wst);
-    if (bs != GPUIPC_OK) {
-      for (size_t i = 0; i < n; i++)
-        if (st[i] == GPUIPC_OK && conns[i]->order == GPUIPC_ORDER_MEMOP) {
-          st[i] = bs; /* nothing was sent to them: their slots stay free */
-          if (i < bad) {
-            bad = i;
-            snprintf(why, sizeof why, "%s", gpuipc_last_error());
-          }
-        }
-    }
-    word.arena_id = bword->arena->id;
-    word.off = bword->off;
-    word.chunk = bword->chunk;
-  }
-  /* 3: the frames, back to back. */
-  for (size_t i = 0; i < n; i++) {
-    if (st[i] != GPUIPC_OK)
-      continue;
-    gpuipc_conn *c = conns[i];
-    if (c->watch)
-      atomic_store(&c->watch->tx_seq, ws[i].seq);
-    if (c->order == GPUIPC_ORDER_MEMOP && done) {
-      ws[i].flags |= GPUIPC__BUF_DONE;
-      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
-                                      meta, meta_len, NULL, 0,
-                                      gpuipc__conn_deadline(c));
-    } else if (c->order == GPUIPC_ORDER_MEMOP) {
-      unsigned char p[sizeof ws[i] + sizeof word];
-      memcpy(p, &ws[i], sizeof ws[i]);
-      memcpy(p + sizeof ws[i], &word, sizeof word);
-      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUFW, p, sizeof p, meta,
-                                      meta_len, NULL, 0,
-                                      gpuipc__conn_deadline(c));
-    } else {
-      st[i] = gpuipc__conn_send_frame(c, GPUIPC__F_BUF, &ws[i], sizeof ws[i],
-                                      meta, meta_len, NULL, 0,
-                                      gpuipc__conn_deadline(c));
-    }
-    if (st[i] != GPUIPC_OK) {
-      if (i < bad) {
-        bad = i;
-        snprintf(why, sizeof why, "%s", gpuipc_last_error());
-      }
-      continue;
-    }
-    /* The slot's own ready word is not written: the broadcast word's
-     * write stands for it (a later write of the slot from another
-     * stream waits for this lease's release first; a dead peer's
-     * release words are forced for the slot). No ready write is made
-     * here, so this cannot fail. */
-    (void)tx_commit(c, c->ho, 1, &ws[i].slot, &ws[i].seq, &block, NULL, wst,
-                    c->order == GPUIPC_ORDER_MEMOP, false);
-  }
-  gpuipc_status first = bad < n ? st[bad] : GPUIPC_OK;
-  free(ws);
-  if (st != statuses)
-    free(st);
+  /* 2: the one ready signal of the memop connections. */
+  if (h0 != NULL)
+    bc_signal(&x, h0);
+  /* 3: the frames of the ready ones, back to back, so that the last of
+   * them is behind neither the others' sends nor their signals. */
+  for (size_t i = 0; i < n; i++)
+    if (x.bc[i].ready)
+      bc_settle(&x, i, bc_send(&x, i));
+  /* 4: the others, each sent to as soon as it is ready. */
+  bc_wait(&x, pf);
+  for (size_t i = 0; i < n; i++)
+    if (x.bc[i].unpolled)
+      (void)gpuipc_conn_set_polling(conns[i], 1);
+  gpuipc_status first = x.bad < n ? x.st[x.bad] : GPUIPC_OK;
+  free(x.bc);
+  free(pf);
+  if (x.st != statuses)
+    free(x.st);
   if (first != GPUIPC_OK)
     return gpuipc__fail(first,
                         "gpuipc_conn_broadcast: connection %zu (the first "
                         "that failed): %s",
-                        bad, why);
+                        x.bad, x.why);
   return GPUIPC_OK;
 }
 
