@@ -1,6 +1,6 @@
 /*
  * test-fuzz-corpus.c: replays the seed corpora of the connection and xfer
- * fuzz targets (tests/fuzz/corpus/{frames,handshake,xfer-header}) through
+ * fuzz targets (tests/fuzz/corpus/{frames,handshake,ring,xfer-header}) through
  * the targets' own harnesses, compiled in here under other names, as
  * ordinary tests: every input must run through without a crash, a hang, a
  * leaked descriptor (the harness aborts on one) or, under ASan, leaked
@@ -16,6 +16,8 @@ int fuzz_frames_init(int *argc, char ***argv);
 int fuzz_frames_one(const uint8_t *data, size_t size);
 int fuzz_handshake_init(int *argc, char ***argv);
 int fuzz_handshake_one(const uint8_t *data, size_t size);
+int fuzz_ring_init(int *argc, char ***argv);
+int fuzz_ring_one(const uint8_t *data, size_t size);
 int fuzz_xfer_header_one(const uint8_t *data, size_t size);
 
 #define LLVMFuzzerInitialize fuzz_frames_init
@@ -26,6 +28,11 @@ int fuzz_xfer_header_one(const uint8_t *data, size_t size);
 #define LLVMFuzzerInitialize fuzz_handshake_init
 #define LLVMFuzzerTestOneInput fuzz_handshake_one
 #include "fuzz/fuzz_handshake.c"
+#undef LLVMFuzzerInitialize
+#undef LLVMFuzzerTestOneInput
+#define LLVMFuzzerInitialize fuzz_ring_init
+#define LLVMFuzzerTestOneInput fuzz_ring_one
+#include "fuzz/fuzz_ring.c"
 #undef LLVMFuzzerInitialize
 #undef LLVMFuzzerTestOneInput
 #define LLVMFuzzerTestOneInput fuzz_xfer_header_one
@@ -88,6 +95,19 @@ TEST_IMPL(fuzz_corpus_handshake) {
   if (n < 0)
     SKIP("no corpus");
   ASSERT_GT(n, 15);
+  return 0;
+}
+
+/* The ring carrier's hostile peer (fuzz_ring.c). Its harness takes its
+ * own descriptor baseline at init (after warm-up sends), and checks after
+ * each input that a killed peer's blocks were reclaimed. */
+TEST_IMPL(fuzz_corpus_ring) {
+  REQUIRE_EMULATOR("the harness makes the emulator the driver");
+  fuzz_ring_init(NULL, NULL);
+  int n = replay("ring", fuzz_ring_one);
+  if (n < 0)
+    SKIP("no corpus");
+  ASSERT_GT(n, 40);
   return 0;
 }
 
