@@ -1097,6 +1097,10 @@ HELPER_IMPL(ho_bc_stalled) {
 /* handoff_broadcast_stalled_polling_consumer: the stalled consumer's
  * connection is in polling mode and waits forever. */
 static bool stalled_polls;
+/* handoff_broadcast_stalled_consumer_mixed_orders: the stalled consumer's
+ * connection alone is in memop mode (the others in event mode), so the
+ * broadcast word of round SLOTS is written only once it is ready. */
+static bool stalled_alone_memop;
 
 /* A broadcast to 4 consumers, one of which (STALLED) holds every slot of
  * its connection (max_outstanding 4) and releases nothing: the others get
@@ -1107,9 +1111,16 @@ static bool stalled_polls;
  * broadcast that waited first runs into the stalled connection's timeout:
  * E_TIMEOUT). Later rounds: it never frees one, and only its own entry
  * says so, E_TIMEOUT (its timeout then short) and E_WOULD_BLOCK
- * (non-blocking); the others are OK and get their buffers. */
+ * (non-blocking); the others are OK and get their buffers. The
+ * producer's copies are slow (emulator), so that each broadcast finds its
+ * stream busy and writes the broadcast word: round SLOTS's late frame
+ * names a word that may hold its value already (the copy done while the
+ * stalled consumer waited), and its consumer still reads the data. */
 TEST_IMPL(handoff_broadcast_stalled_consumer) {
+  if (harness_on_emulator())
+    setenv("GPUIPC_EMU_COPY_DELAY_US", "100000", 1);
   REQUIRE_DEVICES(1);
+  static char *no_delay[] = {"GPUIPC_EMU_COPY_DELAY_US=", NULL};
   enum { N = 4, STALLED = 1, SLOTS = 4, ROUNDS = SLOTS + 3 };
   /* A pipe the helpers inherit, above the descriptor spawn_helper gives
    * them (3). */
@@ -1132,14 +1143,16 @@ TEST_IMPL(handoff_broadcast_stalled_consumer) {
   for (int i = 0; i < N; i++) {
     int fd;
     if (i == STALLED)
-      pids[i] = spawn_helper("ho_bc_stalled", NULL, &fd, rfd, wfd, signals,
+      pids[i] = spawn_helper("ho_bc_stalled", no_delay, &fd, rfd, wfd, signals,
                              slots, NULL);
     else
-      pids[i] = spawn_helper("ho_bc_honest", NULL, &fd, rfd, wfd, rounds,
+      pids[i] = spawn_helper("ho_bc_honest", no_delay, &fd, rfd, wfd, rounds,
                              NULL);
     gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
     o.timeout_ms = 20000;
-    o.order = test_order();
+    o.order = stalled_alone_memop ? (i == STALLED ? GPUIPC_ORDER_MEMOP
+                                                  : GPUIPC_ORDER_EVENT)
+                                  : test_order();
     if (i == STALLED)
       o.max_outstanding = SLOTS;
     ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &cs[i]));
@@ -1157,6 +1170,7 @@ TEST_IMPL(handoff_broadcast_stalled_consumer) {
   }
   /* A hang guard only (the stalled connection's timeout is 20 s). */
   bounded("broadcasts past a stalled consumer", 90);
+  uint8_t *host[ROUNDS];
   for (int r = 0; r < ROUNDS; r++) {
     if (r == SLOTS + 1)
       ASSERT_OK(gpuipc_conn_set_timeout(cs[STALLED], 200));
@@ -1166,13 +1180,11 @@ TEST_IMPL(handoff_broadcast_stalled_consumer) {
     size_t n = 4096 * (size_t)(1 + r % 3);
     gpuipc_block *b = NULL;
     ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
-    uint8_t *host = malloc(n);
-    ASSERT_NOT_NULL(host);
-    pattern(host, n, seed);
+    /* Pinned: the copy is still running when the broadcast comes. */
+    ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&host[r], n, 0));
+    pattern(host[r], n, seed);
     ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(
-        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host, n, s));
-    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
-    free(host);
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host[r], n, s));
     gpuipc_status st[N];
     gpuipc_status all = gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s,
                                               &seed, sizeof seed, st);
@@ -1196,6 +1208,9 @@ TEST_IMPL(handoff_broadcast_stalled_consumer) {
     }
   }
   bounded_done();
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int r = 0; r < ROUNDS; r++)
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(host[r]));
   ASSERT_OK(gpuipc_conn_set_nonblocking(cs[STALLED], 0));
   ASSERT_OK(gpuipc_conn_set_timeout(cs[STALLED], 20000));
   for (int i = 0; i < N; i++) {
@@ -1236,5 +1251,10 @@ TEST_IMPL(handoff_event_broadcast_stalled_consumer) {
 
 TEST_IMPL(handoff_broadcast_stalled_polling_consumer) {
   stalled_polls = true;
+  return test_handoff_broadcast_stalled_consumer();
+}
+
+TEST_IMPL(handoff_broadcast_stalled_consumer_mixed_orders) {
+  stalled_alone_memop = true;
   return test_handoff_broadcast_stalled_consumer();
 }
