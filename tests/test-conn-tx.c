@@ -942,9 +942,13 @@ TEST_IMPL(handoff_send_complete) {
     uint32_t seed = 500 + i;
     uint8_t host[4096];
     pattern(host, sizeof host, seed);
-    /* Written by the host, synchronously: complete before the send. */
+    /* Written by the host, and complete before the send: a copy from
+     * pageable memory returns once the bytes are staged (the real driver's
+     * DMA may still run), so the legacy stream it ran on is synchronized
+     * (the gated stream is non-blocking: not waited for). */
     ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(
         (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host, sizeof host));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(NULL));
     count_calls();
     ASSERT_OK(gpuipc_conn_send_ex(c, b, i % 2 ? (struct CUstream_st *)s : NULL,
                                   &seed, sizeof seed, GPUIPC_SEND_COMPLETE));
