@@ -337,7 +337,8 @@ static int ring_wait(gpuipc__carrier *k, short events, uint64_t deadline) {
   if ((events & POLLIN) && ring_ready(r))
     return POLLIN;
   int ev = gpuipc__wait_fd(k->fd, events, deadline);
-  if (r->polling && !(r->sleep & 1))
+  /* Awake again between calls when the application polls. */
+  if (r->polling && (r->sleep & 1))
     set_sleep(r, r->sleep + 1);
   return ev;
 }
