@@ -357,8 +357,10 @@ HELPER_IMPL(proc_worker) {
     gpuipc_conn_set_timeout(c, -1);
     gpuipc_status s = gpuipc_conn_recv_msg(c, cmd, sizeof cmd - 1, &len, NULL,
                                            NULL);
-    if (s != GPUIPC_OK)
+    if (s != GPUIPC_OK) {
+      gpuipc_conn_close(c);
       return 0; /* the parent is gone or shut us down */
+    }
     cmd[len] = '\0';
     if (strcmp(cmd, "die") == 0)
       raise(SIGKILL);
