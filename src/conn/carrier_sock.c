@@ -6,6 +6,8 @@
  */
 #include "carrier.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -28,18 +30,32 @@ static gpuipc_status sock_read(gpuipc__carrier *k, unsigned char *buf,
                            NULL, NULL, got);
 }
 
-static int sock_wait(gpuipc__carrier *k, short events, uint64_t deadline) {
-  return gpuipc__wait_fd(k->fd, events, deadline);
+/* A spin here looks at the socket with poll(2) and no timeout (a system
+ * call each time, but no sleep and no wake-up); only when asked for. */
+static int sock_wait(gpuipc__carrier *k, short events, uint64_t deadline,
+                     int spin_us) {
+  int fd = gpuipc__carrier_fd_now(k);
+  if (fd < 0)
+    return POLLHUP;
+  if (spin_us > 0) {
+    uint64_t until = gpuipc__now_ns() + (uint64_t)spin_us * 1000;
+    if (deadline < until)
+      until = deadline;
+    do {
+      struct pollfd p = {fd, events, 0};
+      int r = poll(&p, 1, 0);
+      if (r > 0)
+        return p.revents;
+      if (r < 0 && errno != EINTR)
+        return -1;
+    } while (gpuipc__now_ns() < until);
+  }
+  return gpuipc__wait_fd(fd, events, deadline);
 }
 
 static int sock_fd(const gpuipc__carrier *k) { return k->fd; }
 
-static void sock_hangup(gpuipc__carrier *k) {
-  if (k->fd >= 0) {
-    close(k->fd);
-    k->fd = -1;
-  }
-}
+static void sock_hangup(gpuipc__carrier *k) { gpuipc__carrier_close_fd(k); }
 
 static const gpuipc__carrier_ops sock_ops = {
     .name = "socket",
