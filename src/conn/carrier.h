@@ -117,6 +117,17 @@ static inline void gpuipc__carrier_close_fd(gpuipc__carrier *k) {
  * now on; O_NONBLOCK). */
 void gpuipc__carrier_sock_init(gpuipc__carrier *k, int fd);
 
+/* The socket carrier's write, read and fd, which the ring carrier uses
+ * for its socket as they are. */
+gpuipc_status gpuipc__sock_carrier_write(gpuipc__carrier *k,
+                                         const struct iovec *iov, int niov,
+                                         const int *fds, int nfds,
+                                         size_t *written);
+gpuipc_status gpuipc__sock_carrier_read(gpuipc__carrier *k, unsigned char *buf,
+                                        size_t cap, int *fds, int fcap,
+                                        int *nfds, size_t *got);
+int gpuipc__sock_carrier_fd(const gpuipc__carrier *k);
+
 /* ---- the ring carrier (carrier_ring.c) ------------------------------------------ */
 
 /* Makes the memfd of the ring this side writes (size bytes, a power of

@@ -154,29 +154,6 @@ gpuipc_status gpuipc__ring_open_peer(int fd, size_t size, const void **out) {
   return GPUIPC_OK;
 }
 
-/* ---- the socket's operations, as carrier_sock.c has them -------------------------- */
-
-static gpuipc_status ring_write(gpuipc__carrier *k, const struct iovec *iov,
-                                int niov, const int *fds, int nfds,
-                                size_t *written) {
-  if (k->fd < 0)
-    return GPUIPC_E_PEER_GONE;
-  return gpuipc__sock_send(k->fd, iov, niov, fds, nfds, false, MSG_DONTWAIT,
-                           written);
-}
-
-static gpuipc_status ring_read(gpuipc__carrier *k, unsigned char *buf,
-                               size_t cap, int *fds, int fcap, int *nfds,
-                               size_t *got) {
-  *nfds = 0;
-  if (k->fd < 0)
-    return GPUIPC_E_PEER_GONE;
-  return gpuipc__sock_recv(k->fd, buf, cap, MSG_DONTWAIT, fds, fcap, nfds,
-                           NULL, NULL, got);
-}
-
-static int ring_fd(const gpuipc__carrier *k) { return k->fd; }
-
 /* ---- records ----------------------------------------------------------------------- */
 
 static void copy_in(ring *r, uint64_t at, const void *p, size_t n) {
@@ -400,10 +377,10 @@ static void ring_set_polling(gpuipc__carrier *k, bool on) {
 
 static const gpuipc__carrier_ops ring_ops = {
     .name = "ring",
-    .write = ring_write,
-    .read = ring_read,
+    .write = gpuipc__sock_carrier_write,
+    .read = gpuipc__sock_carrier_read,
     .wait = ring_wait,
-    .fd = ring_fd,
+    .fd = gpuipc__sock_carrier_fd,
     .hangup = ring_hangup,
     .release = ring_release,
     .put = ring_put,

@@ -11,7 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-static gpuipc_status sock_write(gpuipc__carrier *k, const struct iovec *iov,
+gpuipc_status gpuipc__sock_carrier_write(gpuipc__carrier *k, const struct iovec *iov,
                                 int niov, const int *fds, int nfds,
                                 size_t *written) {
   if (k->fd < 0)
@@ -20,7 +20,7 @@ static gpuipc_status sock_write(gpuipc__carrier *k, const struct iovec *iov,
                            written);
 }
 
-static gpuipc_status sock_read(gpuipc__carrier *k, unsigned char *buf,
+gpuipc_status gpuipc__sock_carrier_read(gpuipc__carrier *k, unsigned char *buf,
                                size_t cap, int *fds, int fcap, int *nfds,
                                size_t *got) {
   *nfds = 0;
@@ -53,16 +53,16 @@ static int sock_wait(gpuipc__carrier *k, short events, uint64_t deadline,
   return gpuipc__wait_fd(fd, events, deadline);
 }
 
-static int sock_fd(const gpuipc__carrier *k) { return k->fd; }
+int gpuipc__sock_carrier_fd(const gpuipc__carrier *k) { return k->fd; }
 
 static void sock_hangup(gpuipc__carrier *k) { gpuipc__carrier_close_fd(k); }
 
 static const gpuipc__carrier_ops sock_ops = {
     .name = "socket",
-    .write = sock_write,
-    .read = sock_read,
+    .write = gpuipc__sock_carrier_write,
+    .read = gpuipc__sock_carrier_read,
     .wait = sock_wait,
-    .fd = sock_fd,
+    .fd = gpuipc__sock_carrier_fd,
     .hangup = sock_hangup,
     .release = sock_hangup,
 };
