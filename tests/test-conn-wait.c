@@ -165,10 +165,16 @@ TEST_IMPL(conn_wait_beside_another_thread) {
     ASSERT_EQ(seq, i);
     ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
   }
+  /* The peer leaves: the waiter, which may have missed every buffer (the
+   * first thread took each before it looked), sees the hang-up within
+   * one of its slices. */
+  int before = atomic_load(&w.woke);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
+  for (int i = 0; i < 10000 && atomic_load(&w.woke) == before; i++)
+    usleep(1000);
+  ASSERT(atomic_load(&w.woke) > before);
   atomic_store(&w.stop, true);
   ASSERT_EQ(pthread_join(t, NULL), 0);
-  ASSERT(atomic_load(&w.woke) > 0);
-  ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
   gpuipc_conn_close(c);
   ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;

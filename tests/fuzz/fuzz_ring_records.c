@@ -29,8 +29,7 @@
  *   6 WAKE, 7 WAIT, 8 POLL (u8 on), 9 POKE u16 at, u8 byte: a published
  *           byte rewritten
  */
-#include "conn/carrier.h"
-#include "conn/wire.h"
+#include "tree.h"
 
 #include <poll.h>
 #include <stdlib.h>
