@@ -513,10 +513,11 @@ static void print_elements(const gpuipc_tensor_meta *m, const uint8_t *base) {
  *   it, and the bytes of each element read through it), or "error
  *   STATUS MESSAGE"; releases it.
  * tensor_meta_peer produce NAME RUNTIME_DIR
- *   connects, sends two blocks of 256 bytes filled with pattern(): a
+ *   connects, sends three blocks of 256 bytes filled with pattern(): a
  *   strided f8_e4m3fn view (shape 3,4, strides 1,5, offset 8, user
- *   "from-c") and a contiguous bf16 one (shape 2,3,4, offset 32, no user
- *   bytes); waits until the peer closes. */
+ *   "from-c"), a contiguous bf16 one (shape 2,3,4, offset 32, no user
+ *   bytes), and one whose meta is the bytes "plain bytes" (no tensor
+ *   meta); waits until the peer closes. */
 HELPER_IMPL(tensor_meta_peer) {
   ASSERT(argc >= 3);
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
@@ -559,7 +560,7 @@ HELPER_IMPL(tensor_meta_peer) {
     ao.chunk_bytes = (size_t)1 << 20;
     gpuipc_arena *a = NULL;
     ASSERT_OK(gpuipc_arena_create(&ao, &a));
-    gpuipc_block *blk[2];
+    gpuipc_block *blk[3];
     uint8_t host[256];
     for (size_t i = 0; i < sizeof host; i++)
       host[i] = pattern(i);
@@ -578,15 +579,19 @@ HELPER_IMPL(tensor_meta_peer) {
     m[1].shape[1] = 3;
     m[1].shape[2] = 4;
     m[1].offset = 32;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
       ASSERT_OK(gpuipc_arena_alloc(a, sizeof host, NULL, &blk[k]));
-      ASSERT_OK(gpuipc_tensor_meta_check(&m[k], gpuipc_block_get_size(blk[k])));
       gpuipc__ctx_guard g;
       ASSERT_OK(gpuipc__ctx_enter(&g, 0));
       ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(
           (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(blk[k]), host, sizeof host));
       ASSERT_CU(gpuipc__cu.cuCtxSynchronize());
       gpuipc__ctx_leave(&g);
+      if (k == 2) {
+        ASSERT_OK(gpuipc_conn_send(c, blk[k], NULL, "plain bytes", 11));
+        continue;
+      }
+      ASSERT_OK(gpuipc_tensor_meta_check(&m[k], gpuipc_block_get_size(blk[k])));
       uint8_t wire[GPUIPC_META_MAX];
       size_t wlen = 0;
       ASSERT_OK(gpuipc_tensor_meta_encode(&m[k], wire, sizeof wire, &wlen));
@@ -596,7 +601,7 @@ HELPER_IMPL(tensor_meta_peer) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     gpuipc_status s = gpuipc_conn_recv(c, NULL, &r);
     ASSERT(s == GPUIPC_E_CLOSED || s == GPUIPC_E_PEER_GONE);
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 3; k++)
       ASSERT_OK(gpuipc_block_free(blk[k], NULL));
     gpuipc_conn_close(c);
     c = NULL;

@@ -117,9 +117,9 @@ static PyObject *Arena_alloc(ArenaObject *a, PyObject *args, PyObject *kw) {
     nbytes = PyLong_AsSize_t(nb_o);
     if (PyErr_Occurred()) return NULL;
     if (dtype != Py_None) {
-      DLDataType d;
+      int d;
       if (parse_dtype(dtype, &d) < 0) return NULL;
-      meta_bytes1d(&m, nbytes / itemsize(&d));
+      meta_bytes1d(&m, nbytes / itemsize(d));
       m.dtype = d;
     } else {
       meta_bytes1d(&m, nbytes);
