@@ -241,3 +241,29 @@ def test_python_consumer_reads_what_c_sent(peer):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert out.strip() == "produced"
+
+
+def test_tensor_set_carries_float8():
+    """A set's dtypes are the same vocabulary: float8 entries go through a
+    set and its consumer sees them by name, bytes intact."""
+    import sets_peers
+    from test_sets import Peer, fill, report
+
+    spec = {n: ((3, 4), n) for n, _ in FLOAT8}
+    spec["bf16"] = ((2, 5), "bfloat16")
+    ts = gpuipc.TensorSet.empty(spec)
+    peer = Peer(sets_peers.consume, 1, "view")
+    try:
+        ts.subscribe(peer.sc)
+        c = ts.begin()
+        digest = fill(ts, c, 1)
+        ts.publish()
+        r = report(peer.p.conn)
+        assert r["dtypes"] == [d for _, d in spec.values()]
+        assert r["shapes"] == [[3, 4]] * len(FLOAT8) + [[2, 5]]
+        assert r["digest"] == digest
+        ts.unsubscribe(peer.sc, timeout=30)
+        assert report(peer.p.conn)["end"] == "canceled"
+    finally:
+        assert peer.close() == 0
+    ts.destroy()
