@@ -267,3 +267,58 @@ def test_tensor_set_carries_float8():
     finally:
         assert peer.close() == 0
     ts.destroy()
+
+
+# ---- with torch (GPU: make gpu-test) ---------------------------------------------------
+
+def test_torch_float8_views_between_python_and_c(peer):
+    """torch's float8 tensors (DLPack codes 10 and 12) sent as strided
+    views to the C consumer, and the C producer's float8 view received as
+    a torch tensor of that dtype and strides."""
+    from gpu_common import need, torch_cuda
+
+    torch = need("torch", torch_cuda)
+    kinds = [k for k in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, k)]
+    if not kinds:
+        pytest.skip("this torch has no float8 dtypes")
+    start, lst = peer
+    p = start("consume", str(len(kinds)))
+    conn = lst.accept(timeout=30)
+    ar = gpuipc.Arena(chunk_bytes=1 << 20)
+    blocks, want = [], []
+    for k in kinds:
+        b = ar.alloc(shape=(4, 8), dtype=k)
+        blocks.append(b)
+        t = torch.from_dlpack(b)
+        assert t.dtype == getattr(torch, k)
+        t.view(torch.uint8).copy_(torch.arange(32, dtype=torch.uint8,
+                                               device=t.device).view(4, 8))
+        v = t[1:, ::2]  # offset 8, strides (8, 2)
+        torch.cuda.synchronize()
+        conn.send(v)
+        want.append((k, elements(bytes(range(32)), 8, (3, 4), (8, 2), 1)))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    got = [_parse(x) for x in out.splitlines()]
+    for g, (k, data) in zip(got, want):
+        assert g["dtype"] == {"float8_e4m3fn": "f8_e4m3fn", "float8_e5m2": "f8_e5m2"}[k]
+        assert (g["shape"], g["strides"], g["offset"]) == ("3,4", "8,2", "8")
+        assert g["data"] == data
+    conn.close()
+    if not hasattr(torch, "float8_e4m3fn"):
+        return
+    p = start("produce")
+    conn = lst.accept(timeout=30)
+    rx = conn.recv(timeout=30)
+    t = torch.from_dlpack(rx)
+    assert t.dtype == torch.float8_e4m3fn and t.shape == (3, 4) and t.stride() == (1, 5)
+    got = t.view(torch.uint8).cpu().tolist()
+    data = pattern(256, 3)
+    assert got == [[data[8 + i + 5 * j] for j in range(4)] for i in range(3)]
+    del t
+    rx.release()
+    for _ in range(2):
+        conn.recv(timeout=30).release()
+    conn.close()
+    p.communicate(timeout=60)
+    assert p.returncode == 0
