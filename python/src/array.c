@@ -89,8 +89,6 @@ void meta_decode(const uint8_t *in, size_t len, size_t length, ArrMeta *m,
 }
 
 /* typestr ("<f4") <-> gpuipc_dtype, through the DLPack type each stands for */
-enum { DL_INT = 0, DL_UINT = 1, DL_FLOAT = 2, DL_COMPLEX = 5, DL_BOOL = 6 };
-
 static int typestr_parse(const char *s, int *d) {
   if (!s[0] || !s[1]) goto bad;
   if (s[0] != '<' && s[0] != '|' && s[0] != '=') goto bad;
@@ -99,11 +97,11 @@ static int typestr_parse(const char *s, int *d) {
   if (n <= 0 || n > 16) goto bad;
   uint8_t code;
   switch (k) {
-  case 'i': code = DL_INT; break;
-  case 'u': code = DL_UINT; break;
-  case 'f': code = DL_FLOAT; break;
-  case 'c': code = DL_COMPLEX; break;
-  case 'b': code = DL_BOOL; break;
+  case 'i': code = kDLInt; break;
+  case 'u': code = kDLUInt; break;
+  case 'f': code = kDLFloat; break;
+  case 'c': code = kDLComplex; break;
+  case 'b': code = kDLBool; break;
   default: goto bad;
   }
   *d = gpuipc_dtype_from_dlpack(code, (uint8_t)(8 * n), 1);
@@ -119,11 +117,11 @@ static int typestr_make(int dtype, char *out) {
   if (gpuipc_dtype_to_dlpack(dtype, &code, &bits, &lanes) != GPUIPC_OK) return -1;
   char k;
   switch (code) {
-  case DL_INT: k = 'i'; break;
-  case DL_UINT: k = 'u'; break;
-  case DL_FLOAT: k = 'f'; break;
-  case DL_COMPLEX: k = 'c'; break;
-  case DL_BOOL: k = 'b'; break;
+  case kDLInt: k = 'i'; break;
+  case kDLUInt: k = 'u'; break;
+  case kDLFloat: k = 'f'; break;
+  case kDLComplex: k = 'c'; break;
+  case kDLBool: k = 'b'; break;
   default: return -1; /* bfloat16, the float8 kinds: no typestr names them */
   }
   int n = bits / 8;

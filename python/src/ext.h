@@ -52,7 +52,9 @@
 /* ------------------------------------------------------------------------ */
 
 enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 };
-enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
+/* Type codes (DLDataTypeCode) that typestrs name; the rest map through
+ * gpuipc_dtype_to_dlpack / gpuipc_dtype_from_dlpack. */
+enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLComplex = 5, kDLBool = 6 };
 
 typedef struct { int32_t device_type; int32_t device_id; } DLDevice;
 typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataType;
