@@ -338,7 +338,7 @@ TEST_IMPL(sets_table_roundtrip) {
   ASSERT_EQ(gpuipc_dtype_get_size(GPUIPC_DTYPE_BF16), 2);
   ASSERT_EQ(gpuipc_dtype_get_size(GPUIPC_DTYPE_C128), 16);
   ASSERT_EQ(gpuipc_dtype_get_size(0), 0);
-  ASSERT_EQ(gpuipc_dtype_get_size(18), 0);
+  ASSERT_EQ(gpuipc_dtype_get_size(GPUIPC_DTYPE_F8_E8M0FNU + 1), 0);
   ASSERT_STR_EQ(gpuipc_dtype_name(GPUIPC_DTYPE_F8_E4M3FN), "f8_e4m3fn");
   return 0;
 }

@@ -30,36 +30,14 @@
 /* dtypes                                                                   */
 /* ------------------------------------------------------------------------ */
 
-static const struct { int code; DLDataType d; } g_dt[] = {
-    {GPUIPC_DTYPE_BOOL, {kDLBool, 8, 1}},    {GPUIPC_DTYPE_U8, {kDLUInt, 8, 1}},
-    {GPUIPC_DTYPE_I8, {kDLInt, 8, 1}},       {GPUIPC_DTYPE_U16, {kDLUInt, 16, 1}},
-    {GPUIPC_DTYPE_I16, {kDLInt, 16, 1}},     {GPUIPC_DTYPE_U32, {kDLUInt, 32, 1}},
-    {GPUIPC_DTYPE_I32, {kDLInt, 32, 1}},     {GPUIPC_DTYPE_U64, {kDLUInt, 64, 1}},
-    {GPUIPC_DTYPE_I64, {kDLInt, 64, 1}},     {GPUIPC_DTYPE_F16, {kDLFloat, 16, 1}},
-    {GPUIPC_DTYPE_BF16, {kDLBfloat, 16, 1}}, {GPUIPC_DTYPE_F32, {kDLFloat, 32, 1}},
-    {GPUIPC_DTYPE_F64, {kDLFloat, 64, 1}},   {GPUIPC_DTYPE_C64, {kDLComplex, 64, 1}},
-    {GPUIPC_DTYPE_C128, {kDLComplex, 128, 1}},
-    /* DLPack 1.0: kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12 */
-    {GPUIPC_DTYPE_F8_E4M3FN, {10, 8, 1}},    {GPUIPC_DTYPE_F8_E5M2, {12, 8, 1}},
-};
-
-static int dt_code(const DLDataType *d) {
-  for (size_t i = 0; i < sizeof g_dt / sizeof g_dt[0]; i++)
-    if (g_dt[i].d.code == d->code && g_dt[i].d.bits == d->bits && d->lanes == 1)
-      return g_dt[i].code;
-  return 0;
-}
-static DLDataType dt_dl(int code) {
-  for (size_t i = 0; i < sizeof g_dt / sizeof g_dt[0]; i++)
-    if (g_dt[i].code == code) return g_dt[i].d;
-  return (DLDataType){kDLUInt, 8, 1};
-}
+/* A set's dtypes are gpuipc_dtype codes, as ArrMeta's are (ext.h): one
+ * vocabulary (gpuipc/tensor.h), nothing to map. */
 
 /* An ArrMeta (offset 0) of a tensor the library gave back. */
 static void meta_of(const gpuipc_tensor *t, ArrMeta *m) {
   memset(m, 0, sizeof *m);
   m->ndim = t->ndim;
-  m->dtype = dt_dl(t->dtype);
+  m->dtype = t->dtype;
   for (int i = 0; i < t->ndim && i < MAXD; i++) {
     m->shape[i] = t->shape[i];
     m->strides[i] = t->strides ? t->strides[i] : 0;
@@ -279,7 +257,7 @@ static PyObject *TSet_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
       if (meta_from_shape(PyTuple_GET_ITEM(e, 1), PyTuple_GET_ITEM(e, 2), &nb, &ms[i]) < 0)
         goto out;
     }
-    ts[i].dtype = dt_code(&ms[i].dtype);
+    ts[i].dtype = ms[i].dtype;
     if (!ts[i].dtype) {
       PyErr_Format(PyExc_ValueError, "entry %zd (%s): a dtype tensor sets cannot carry",
                    (Py_ssize_t)i, name);
