@@ -168,6 +168,8 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
   c->held = 0;
   c->linger = NULL;
   c->weak = NULL;
+  c->spin_us = -1;
+  c->torch_dev = -1;
   gpuipc_peer_info pi = {0};
   c->peer_pid = gpuipc_conn_get_peer(gc, &pi) == GPUIPC_OK ? pi.pid : -1;
   gpuipc_conn_set_nonblocking(gc, 1);
@@ -182,47 +184,91 @@ static int conn_ok(ConnObject *c) {
   return 1;
 }
 
-/* Runs op (under the lock, never waiting) until it does not say
- * WOULD_BLOCK, waiting on the socket in between with neither the GIL nor
- * the lock; *st gets its status (E_TIMEOUT once the limit passed). Returns
- * -1 with an exception set (closed here, a signal), else 0. want_out: the
- * op sends (may wait for room in the socket, or for releases). */
-int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
-                    gpuipc_status *st) {
-  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
-  int out = want_out;
-  for (;;) {
-    if (!conn_ok(c)) return -1;
-    LOCK();
-    conn_reap(c, 0);
-    *st = op(c, ctx);
-    int fd = gpuipc_conn_get_fd(c->c);
-    UNLOCK();
-    flush_decrefs();
-    if (*st != GPUIPC_E_WOULD_BLOCK) return 0;
-    int left = -1;
-    if (deadline >= 0) {
-      int64_t l = deadline - now_ms();
-      if (l <= 0) {
-        *st = GPUIPC_E_TIMEOUT;
-        return 0;
-      }
-      left = (int)l;
-    }
-    if (fd < 0) return 0;
-    if (want_out && !out && (left < 0 || left > 1))
-      left = 1; /* after a POLLOUT that did not help: look again soon */
-    int r = wait_fd(fd, (short)(POLLIN | (out ? POLLOUT : 0)), left);
-    if (r < 0) return -1;
-    if (want_out) {
-      struct pollfd p = {.fd = fd, .events = POLLIN};
-      out = !(r == 1 && poll(&p, 1, 0) == 0); /* POLLOUT alone: back off once */
-    }
+/* gpuipc_conn_wait, until the C library has it: the same contract over
+ * the socket alone (spin with poll(fd, 0), then poll). It reads no frames
+ * and takes no lock. No GIL. */
+static gpuipc_status conn_wait_shim(gpuipc_conn *gc, short events, int timeout_ms,
+                                    int spin_us) {
+  int fd = gpuipc_conn_get_fd(gc);
+  if (fd < 0) return GPUIPC_E_CLOSED;
+  struct pollfd p = {.fd = fd, .events = events};
+  int n = 0;
+  if (spin_us > 0) {
+    int64_t end = now_us() + spin_us;
+    do {
+      n = poll(&p, 1, 0);
+    } while (n == 0 && now_us() < end);
   }
+  if (n == 0) n = poll(&p, 1, timeout_ms);
+  if (n > 0 || (n < 0 && errno == EINTR)) return GPUIPC_OK;
+  return n == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_E_SYSTEM;
+}
+#define CONN_WAIT conn_wait_shim
+
+/* The spin of a call that may wait: spin_us= of the call, else the
+ * connection's spin_us option, else GPY_DEFAULT_SPIN_US. -1 with an
+ * exception for a bad value. */
+static int parse_spin(PyObject *o, ConnObject *c, int *out) {
+  if (!o || o == Py_None) {
+    *out = c->spin_us >= 0 ? c->spin_us : GPY_DEFAULT_SPIN_US;
+    return 0;
+  }
+  gpuipc_conn_options t = GPUIPC_CONN_OPTIONS_INIT;
+  if (parse_carrier_opts(NULL, o, NULL, &t) < 0) return -1;
+  *out = t.spin_us;
+  return 0;
+}
+
+typedef struct {
+  ConnObject *c;
+  conn_op op;
+  void *ctx;
+} ConnRun;
+
+static gpuipc_status cr_try(void *v) {
+  ConnRun *r = v;
+  if (!conn_ok(r->c)) return GPY_RAISED;
+  LOCK();
+  conn_reap(r->c, 0);
+  gpuipc_status st = r->op(r->c, r->ctx);
+  UNLOCK();
+  flush_decrefs();
+  return st;
+}
+
+/* Waits on the connection without the GIL or the lock. The wait counts as
+ * something that still uses the connection (c->held): a close from
+ * another thread meanwhile hides it at once but closes it only when this
+ * wait is back (within a slice); the next attempt then says closed. */
+static gpuipc_status cr_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  ConnObject *c = ((ConnRun *)v)->c;
+  gpuipc_conn *gc = c->c;
+  if (!gc) return GPUIPC_OK; /* the attempt says closed */
+  c->held++;
+  gpuipc_status w;
+  Py_BEGIN_ALLOW_THREADS
+  w = CONN_WAIT(gc, events, timeout_ms, spin_us);
+  Py_END_ALLOW_THREADS
+  conn_held_drop(c);
+  return w;
+}
+
+int conn_run_spin(ConnObject *c, int timeout_ms, int spin_us, int want_out, conn_op op,
+                  void *ctx, gpuipc_status *st) {
+  ConnRun r = {c, op, ctx};
+  return gpy_wait_loop(timeout_ms, (short)(POLLIN | (want_out ? POLLOUT : 0)), spin_us,
+                       cr_try, cr_sleep, &r, st);
+}
+
+int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
+             gpuipc_status *st) {
+  return conn_run_spin(c, timeout_ms, c->spin_us >= 0 ? c->spin_us : GPY_DEFAULT_SPIN_US,
+                       want_out, op, ctx, st);
 }
 
 static PyObject *conn_status(gpuipc_status st, const char *what, int timeout_ms) {
   if (st == GPUIPC_E_TIMEOUT) {
+    if (timeout_ms == 0) return raise_miss(what);
     char d[80];
     snprintf(d, sizeof d, "nothing within %d ms", timeout_ms);
     return raise_msg(st, what, d);
@@ -258,12 +304,12 @@ static int get_user_meta(PyObject *o, Py_buffer *view) {
   return PyObject_GetBuffer(o, view, PyBUF_SIMPLE);
 }
 
-static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"obj", "stream", "meta", "timeout", "complete", NULL};
-  PyObject *obj, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL, *complete_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOOO", kwl, &obj, &stream_o, &meta_o, &tmo_o,
-                                   &complete_o))
-    return NULL;
+static PyObject *Conn_send(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+  static const char *const names[] = {"obj", "stream", "meta", "timeout", "complete"};
+  PyObject *a[5];
+  if (gpy_args("send", args, nargs, kwnames, 1, 1, names, 5, a) < 0) return NULL;
+  PyObject *obj = a[0], *stream_o = a[1], *meta_o = a[2], *tmo_o = a[3], *complete_o = a[4];
   if (complete_o && !PyBool_Check(complete_o)) {
     PyErr_Format(PyExc_TypeError, "send: complete must be True or False, not %.80s",
                  Py_TYPE(complete_o)->tp_name);
@@ -385,7 +431,10 @@ typedef struct {
   int held;
   int mark; /* release_batch: named in the list being checked */
   ArrMeta meta;
-  PyObject *user; /* bytes */
+  PyObject *user; /* bytes, made from umeta when first asked for */
+  DLBox box;      /* the first DLPack export or torch tensor of it */
+  uint16_t ulen;
+  uint8_t umeta[GPUIPC_META_MAX];
 } ReceivedObject;
 
 
@@ -413,20 +462,30 @@ static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stre
   r->held = 1;
   c->held++;
   r->mark = 0;
+  r->user = NULL;
+  r->box.embedded = 1;
+  r->box.in_use = 0;
   const uint8_t *u;
   size_t ul;
   meta_decode(rx->meta, rx->meta_len, rx->length, &r->meta, &u, &ul);
-  r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
+  if (ul > GPUIPC_META_MAX) ul = GPUIPC_META_MAX;
+  memcpy(r->umeta, u, ul);
+  r->ulen = (uint16_t)ul;
   g_count.live_received++;
-  if (!r->user) {
-    if (!release_on_fail) { /* the caller's to release */
-      r->held = 0;
-      conn_held_drop(c);
-    }
-    Py_DECREF(r); /* else released by its dealloc */
-    return NULL;
-  }
   return (PyObject *)r;
+}
+
+static PyObject *rx_user(ReceivedObject *r) {
+  if (!r->user) {
+    r->user = PyBytes_FromStringAndSize((const char *)r->umeta, (Py_ssize_t)r->ulen);
+    if (!r->user) return NULL;
+  }
+  Py_INCREF(r->user);
+  return r->user;
+}
+
+static View rx_view(ReceivedObject *r) {
+  return (View){r->ptr, &r->meta, kDLCUDA, r->device, r->stream, 1};
 }
 
 typedef struct {
@@ -440,19 +499,94 @@ static gpuipc_status op_recv(ConnObject *c, void *v) {
   return gpuipc_conn_recv(c->c, S(x->stream), &x->rx);
 }
 
-static PyObject *Conn_recv(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"stream", "timeout", NULL};
-  PyObject *stream_o = Py_None, *tmo_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OO", kwl, &stream_o, &tmo_o)) return NULL;
+/* bool keyword: NULL/None -> dflt. -1 with a TypeError. */
+static int kw_bool(PyObject *o, const char *fn, const char *name, int dflt, int *out) {
+  if (!o || o == Py_None) {
+    *out = dflt;
+    return 0;
+  }
+  if (!PyBool_Check(o)) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be True or False, not %.80s", fn, name,
+                 Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  *out = o == Py_True;
+  return 0;
+}
+
+/* The stream a receive that returns torch tensors waits on: stream= when
+ * given, else torch's current stream on the device the connection's last
+ * buffer was on (at first: torch's current device). */
+static int torch_recv_stream(ConnObject *c, PyObject *stream_o, int *dev, uintptr_t *stream) {
+  if (torch_ready() < 0) return -1;
+  *dev = c->torch_dev;
+  if (*dev < 0 && torch_current_device(dev) < 0) return -1;
+  if (stream_o && stream_o != Py_None) return parse_stream(stream_o, stream);
+  return torch_current_stream(*dev, stream);
+}
+
+/* After a receive on `stream` (device guessed `dev`) of a buffer on
+ * device `bdev`: the stream torch's work on the tensor runs on (torch's
+ * current stream of bdev), ordered after `stream` when it is another one.
+ * That stream is what the lease is released on. */
+static int torch_use_stream(ConnObject *c, int dev, int bdev, uintptr_t stream,
+                            uintptr_t *use) {
+  c->torch_dev = bdev;
+  if (torch_current_stream(bdev, use) < 0) return -1;
+  (void)dev;
+  if (*use != stream && order_streams(bdev, stream, *use) < 0) return -1;
+  return 0;
+}
+
+/* Received -> torch tensor (with its meta when with_meta). Takes r. */
+static PyObject *rx_to_torch(ReceivedObject *r, int with_meta) {
+  View v = rx_view(r);
+  v.has_stream = 0; /* ordered already */
+  PyObject *t = torch_tensor((PyObject *)r, &v, &r->box);
+  PyObject *ret = t;
+  if (t && with_meta) {
+    PyObject *m = rx_user(r);
+    ret = m ? PyTuple_Pack(2, t, m) : NULL;
+    Py_XDECREF(m);
+    Py_DECREF(t);
+  }
+  Py_DECREF(r); /* the tensor holds it now */
+  return ret;
+}
+
+static PyObject *Conn_recv(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+  static const char *const names[] = {"stream", "timeout", "spin_us", "as_torch", "with_meta"};
+  PyObject *a[5];
+  if (gpy_args("recv", args, nargs, kwnames, 0, 0, names, 5, a) < 0) return NULL;
   RecvCtx x;
-  memset(&x, 0, sizeof x);
-  int tmo;
-  if (parse_stream(stream_o, &x.stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+  x.stream = 0;
+  int tmo, spin, as_torch, with_meta, dev = 0;
+  if (kw_bool(a[3], "recv", "as_torch", 0, &as_torch) < 0 ||
+      kw_bool(a[4], "recv", "with_meta", 0, &with_meta) < 0 ||
+      parse_timeout(a[1], c->timeout_ms, &tmo) < 0 || parse_spin(a[2], c, &spin) < 0)
+    return NULL;
+  if (with_meta && !as_torch) {
+    PyErr_SetString(PyExc_ValueError, "recv: with_meta=True goes with as_torch=True (a "
+                    "Received has its .meta)");
+    return NULL;
+  }
+  if (as_torch ? torch_recv_stream(c, a[0], &dev, &x.stream) < 0
+               : parse_stream(a[0], &x.stream) < 0)
     return NULL;
   gpuipc_status st;
-  if (conn_run(c, tmo, 0, op_recv, &x, &st) < 0) return NULL;
+  if (conn_run_spin(c, tmo, spin, 0, op_recv, &x, &st) < 0) return NULL;
   if (st != GPUIPC_OK) return conn_status(st, "recv", tmo);
-  return rx_new(c, &x.rx, x.stream, 1);
+  uintptr_t use = x.stream;
+  if (as_torch && torch_use_stream(c, dev, x.rx.device, x.stream, &use) < 0) {
+    LOCK(); /* the buffer goes back at once */
+    if (c->c) gpuipc_conn_release(c->c, x.rx.id, S(x.stream));
+    UNLOCK();
+    return NULL;
+  }
+  PyObject *r = rx_new(c, &x.rx, use, 1);
+  if (!r || !as_torch) return r;
+  return rx_to_torch((ReceivedObject *)r, with_meta);
 }
 
 /* --- batches and broadcast ------------------------------------------------ */
@@ -1185,6 +1319,26 @@ static gpuipc_status op_progress(ConnObject *c, void *v) {
   return st;
 }
 
+/* progress(timeout): the wait for something to arrive is the one loop's,
+ * with an attempt that only says whether a wake-up came. */
+typedef struct {
+  ConnRun r;
+  int woke;
+} ProgWait;
+
+static gpuipc_status pw_try(void *v) {
+  ProgWait *p = v;
+  if (!conn_ok(p->r.c)) return GPY_RAISED;
+  return p->woke ? GPUIPC_OK : GPUIPC_E_WOULD_BLOCK;
+}
+
+static gpuipc_status pw_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  ProgWait *p = v;
+  gpuipc_status w = cr_sleep(&p->r, events, timeout_ms, spin_us);
+  if (w != GPUIPC_E_TIMEOUT) p->woke = 1; /* ready, or an error the call says */
+  return w == GPUIPC_E_TIMEOUT ? w : GPUIPC_OK;
+}
+
 static PyObject *Conn_progress(ConnObject *c, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"timeout", NULL};
   PyObject *tmo_o = NULL;
@@ -1193,8 +1347,9 @@ static PyObject *Conn_progress(ConnObject *c, PyObject *args, PyObject *kw) {
   if (tmo_o && parse_timeout(tmo_o, 0, &tmo) < 0) return NULL;
   if (!conn_ok(c)) return NULL;
   if (tmo != 0) {
-    int fd = gpuipc_conn_get_fd(c->c);
-    if (fd >= 0 && wait_fd(fd, POLLIN, tmo) < 0) return NULL;
+    ProgWait p = {{c, NULL, NULL}, 0};
+    gpuipc_status ws;
+    if (gpy_wait_loop(tmo, POLLIN, 0, pw_try, pw_sleep, &p, &ws) < 0) return NULL;
   }
   if (!conn_ok(c)) return NULL;
   LOCK();
@@ -1297,14 +1452,22 @@ static PyObject *Conn_get_npending(ConnObject *c, void *unused) {
 }
 
 static PyMethodDef Conn_methods[] = {
-    {"send", (PyCFunction)(void (*)(void))Conn_send, METH_VARARGS | METH_KEYWORDS,
+    {"send", (PyCFunction)(void (*)(void))Conn_send, METH_FASTCALL | METH_KEYWORDS,
      "send(obj, *, stream=None, meta=None, timeout=..., complete=False): hand a buffer "
      "to the peer. complete=True (arena blocks only): the caller asserts the data is "
      "complete already (it synchronized, or the host wrote it): no stream is queried, "
      "ordered or signalled, and the consumer waits for nothing; if that is not true it "
      "may read stale data"},
-    {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_VARARGS | METH_KEYWORDS,
-     "recv(*, stream=None, timeout=...) -> Received"},
+    {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_FASTCALL | METH_KEYWORDS,
+     "recv(*, stream=None, timeout=..., spin_us=None, as_torch=False, with_meta=False) -> "
+     "Received, or a torch.Tensor with as_torch=True ((tensor, meta) with with_meta=True). "
+     "Waits up to timeout (None: forever; 0: not at all), looking for spin_us "
+     "microseconds without sleeping first (default: the connection's spin_us, else 50). "
+     "as_torch=True: the tensor is made in C (torch's DLPack C exchange API where torch "
+     "has it, else torch._C._from_dlpack); its data is ordered on torch's current stream "
+     "of its device (stream= given: the receive waits on that stream and torch's current "
+     "stream is ordered after it), and the lease goes back when the tensor is gone, "
+     "ordered after the work queued on that stream by then"},
     {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_VARARGS | METH_KEYWORDS,
      "send_batch(objs, *, stream=None, metas=None, timeout=...): hand many arena buffers "
      "to the peer as one operation (one frame, one signal). objs: Blocks, or arrays "
@@ -1375,10 +1538,6 @@ PyTypeObject ConnType = {
 /* Received                                                                 */
 /* ------------------------------------------------------------------------ */
 
-static View rx_view(ReceivedObject *r) {
-  return (View){r->ptr, &r->meta, kDLCUDA, r->device, r->stream, 1};
-}
-
 static int rx_alive(ReceivedObject *r) {
   if (!r->held) {
     PyErr_SetString(PyExc_ValueError, "buffer already released");
@@ -1398,10 +1557,11 @@ static void rx_release(ReceivedObject *r, uintptr_t stream, gpuipc_status *st) {
   conn_held_drop(r->conn); /* the last after a close closes it */
 }
 
-static PyObject *Rx_release(ReceivedObject *r, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"stream", NULL};
-  PyObject *stream_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwl, &stream_o)) return NULL;
+static PyObject *Rx_release(ReceivedObject *r, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+  static const char *const names[] = {"stream"};
+  PyObject *stream_o;
+  if (gpy_args("release", args, nargs, kwnames, 0, 1, names, 1, &stream_o) < 0) return NULL;
   uintptr_t s = r->stream;
   if (stream_o && parse_stream(stream_o, &s) < 0) return NULL;
   gpuipc_status st;
@@ -1424,10 +1584,11 @@ static PyObject *Rx_cai(ReceivedObject *r, void *u) {
   View v = rx_view(r);
   return cai_dict(&v);
 }
-static PyObject *Rx_dlpack(ReceivedObject *r, PyObject *a, PyObject *k) {
+static PyObject *Rx_dlpack(ReceivedObject *r, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
   if (!rx_alive(r)) return NULL;
   View v = rx_view(r);
-  return dlpack_export((PyObject *)r, &v, a, k);
+  return dlpack_export_fast((PyObject *)r, &v, &r->box, args, nargs, kwnames);
 }
 static PyObject *Rx_dlpack_device(ReceivedObject *r, PyObject *u) {
   View v = rx_view(r);
@@ -1448,7 +1609,7 @@ static PyObject *Rx_get(ReceivedObject *r, void *which) {
   case 1: return PyLong_FromUnsignedLongLong((uintptr_t)r->ptr + r->meta.offset);
   case 2: return PyLong_FromSize_t(meta_extent(&r->meta));
   case 3: return PyLong_FromLong(r->device);
-  case 4: Py_INCREF(r->user); return r->user;
+  case 4: return rx_user(r);
   case 5: return PyBool_FromLong(r->held);
   case 6: return PyLong_FromLongLong(stream_report(r->stream));
   case 7: return PyLong_FromSize_t(r->length);
@@ -1467,9 +1628,10 @@ static PyObject *Rx_repr(ReceivedObject *r) {
 }
 
 static PyMethodDef Rx_methods[] = {
-    {"release", (PyCFunction)(void (*)(void))Rx_release, METH_VARARGS | METH_KEYWORDS,
+    {"release", (PyCFunction)(void (*)(void))Rx_release, METH_FASTCALL | METH_KEYWORDS,
      "release(stream=None): give the buffer back (after the work queued on stream)"},
-    {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_FASTCALL | METH_KEYWORDS,
+     "__dlpack__(stream=None, *, max_version=None, dl_device=None, copy=None)"},
     {"__dlpack_device__", (PyCFunction)Rx_dlpack_device, METH_NOARGS, NULL},
     {"__enter__", gpy_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Rx_exit, METH_VARARGS, NULL},
@@ -1514,6 +1676,7 @@ typedef struct {
   gpuipc_listener *l;
   int timeout_ms;
   unsigned maxo;
+  int spin_us; /* given to listen(), for the connections it accepts; else -1 */
 } ListenerObject;
 
 typedef struct {
@@ -1658,7 +1821,36 @@ PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw) {
   o->l = l;
   o->timeout_ms = tmo;
   o->maxo = co.o.max_outstanding;
+  o->spin_us = ks && ks != Py_None ? co.o.spin_us : -1;
   return (PyObject *)o;
+}
+
+typedef struct {
+  ListenerObject *o;
+  gpuipc_conn *c;
+} AcceptRun;
+
+static gpuipc_status ar_try(void *v) {
+  AcceptRun *a = v;
+  if (!a->o->l) {
+    raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
+    return GPY_RAISED;
+  }
+  gpuipc_status st;
+  gpuipc_listener *l = a->o->l;
+  /* gpuipc_accept never waits here (non-blocking listener), but it may
+   * read and answer handshakes */
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_accept(l, &a->c);
+  Py_END_ALLOW_THREADS
+  /* a handshake that timed out is some other peer's end, not ours */
+  return st == GPUIPC_E_TIMEOUT ? GPUIPC_E_WOULD_BLOCK : st;
+}
+
+static gpuipc_status ar_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  AcceptRun *a = v;
+  if (!a->o->l) return GPUIPC_OK; /* the attempt says closed */
+  return gpy_poll_fd(gpuipc_listener_get_fd(a->o->l), events, timeout_ms, spin_us);
 }
 
 static PyObject *Listener_accept(ListenerObject *o, PyObject *args, PyObject *kw) {
@@ -1668,26 +1860,17 @@ static PyObject *Listener_accept(ListenerObject *o, PyObject *args, PyObject *kw
   if (!o->l) return raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
   int tmo;
   if (parse_timeout(tmo_o, o->timeout_ms, &tmo) < 0) return NULL;
-  int64_t deadline = tmo < 0 ? -1 : now_ms() + tmo;
-  for (;;) {
-    int left = deadline < 0 ? -1 : (int)(deadline - now_ms());
-    if (deadline >= 0 && left < 0) left = 0;
-    int r = wait_fd(gpuipc_listener_get_fd(o->l), POLLIN, left);
-    if (r < 0) return NULL;
-    if (r == 0) return raise_msg(GPUIPC_E_TIMEOUT, "accept", "no peer came");
-    if (!o->l) return raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
-    gpuipc_conn *c = NULL;
-    gpuipc_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = gpuipc_accept(o->l, &c);
-    Py_END_ALLOW_THREADS
-    if (st == GPUIPC_E_WOULD_BLOCK || st == GPUIPC_E_TIMEOUT) {
-      if (deadline >= 0 && now_ms() >= deadline) return raise_st(st, "accept");
-      continue;
-    }
-    if (st) return raise_st(st, "accept");
-    return conn_new(c, o->timeout_ms, o->maxo, 0);
-  }
+  AcceptRun a = {o, NULL};
+  gpuipc_status st;
+  Py_INCREF(o); /* the waits run without the GIL */
+  int rc = gpy_wait_loop(tmo, POLLIN, 0, ar_try, ar_sleep, &a, &st);
+  Py_DECREF(o);
+  if (rc < 0) return NULL;
+  if (st == GPUIPC_E_TIMEOUT) return raise_msg(GPUIPC_E_TIMEOUT, "accept", "no peer came");
+  if (st) return raise_st(st, "accept");
+  PyObject *c = conn_new(a.c, o->timeout_ms, o->maxo, 0);
+  if (c) ((ConnObject *)c)->spin_us = o->spin_us;
+  return c;
 }
 
 static PyObject *Listener_close(ListenerObject *o, PyObject *u) {
@@ -1729,6 +1912,42 @@ PyTypeObject ListenerType = {
     .tp_getset = Listener_getset,
 };
 
+/* connect(timeout=): nobody listening yet is waited for, within the
+ * timeout (None: forever), trying again after a pause that grows from 1
+ * to 50 ms; anything else ends the call. */
+typedef struct {
+  const char *name;
+  ConnOpts *co;
+  gpuipc_conn *c;
+  int pause_ms;
+  int missed; /* the last attempt found nobody listening */
+  char why[256];
+} ConnectRun;
+
+static gpuipc_status cn_try(void *v) {
+  ConnectRun *r = v;
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_connect(r->name, &r->co->o, &r->c);
+  Py_END_ALLOW_THREADS
+  r->missed = st == GPUIPC_E_NOT_FOUND;
+  if (st == GPUIPC_E_NOT_FOUND) {
+    snprintf(r->why, sizeof r->why, "%s", gpuipc_last_error());
+    return GPUIPC_E_WOULD_BLOCK;
+  }
+  return st;
+}
+
+static gpuipc_status cn_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  ConnectRun *r = v;
+  int t = timeout_ms < 0 || timeout_ms > r->pause_ms ? r->pause_ms : timeout_ms;
+  r->pause_ms = r->pause_ms >= 25 ? 50 : 2 * r->pause_ms;
+  Py_BEGIN_ALLOW_THREADS
+  poll(NULL, 0, t);
+  Py_END_ALLOW_THREADS
+  return GPUIPC_E_TIMEOUT;
+}
+
 PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"name", "timeout", "abstract", "runtime_dir", "allow_uids",
                         "allow_gids", "max_outstanding", "order", "carrier", "spin_us",
@@ -1743,14 +1962,23 @@ PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
     Py_XDECREF(co.rdir);
     return NULL;
   }
-  gpuipc_conn *c = NULL;
+  ConnectRun r = {name, &co, NULL, 1, 0, ""};
   gpuipc_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_connect(name, &co.o, &c);
-  Py_END_ALLOW_THREADS
+  int rc = gpy_wait_loop(tmo, 0, 0, cn_try, cn_sleep, &r, &st);
   Py_XDECREF(co.rdir);
+  if (rc < 0) return NULL;
+  if (st == GPUIPC_E_TIMEOUT && r.missed) {
+    char d[400];
+    if (tmo > 0)
+      snprintf(d, sizeof d, "%s; nobody came within %d ms", r.why, tmo);
+    else
+      snprintf(d, sizeof d, "%s", r.why);
+    return raise_msg(GPUIPC_E_NOT_FOUND, "connect", d);
+  }
   if (st) return raise_st(st, "connect");
-  return conn_new(c, tmo, co.o.max_outstanding, 0);
+  PyObject *c = conn_new(r.c, tmo, co.o.max_outstanding, 0);
+  if (c && ks && ks != Py_None) ((ConnObject *)c)->spin_us = co.o.spin_us;
+  return c;
 }
 
 PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw) {
@@ -1774,7 +2002,9 @@ PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw) {
   Py_END_ALLOW_THREADS
   Py_XDECREF(co.rdir);
   if (st) return raise_st(st, "from_fd");
-  return conn_new(c, tmo, co.o.max_outstanding, 0);
+  PyObject *r = conn_new(c, tmo, co.o.max_outstanding, 0);
+  if (r && ks && ks != Py_None) ((ConnObject *)r)->spin_us = co.o.spin_us;
+  return r;
 }
 
 PyObject *mod_conn_pair(PyObject *m, PyObject *u) {
