@@ -843,19 +843,131 @@ static gpuipc_status op_recv_batch(ConnObject *c, void *v) {
   return gpuipc_conn_recv_batch(c->c, S(x->stream), x->rx, x->max, &x->n);
 }
 
-static PyObject *Conn_recv_batch(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"max", "stream", "timeout", NULL};
-  Py_ssize_t max;
-  PyObject *stream_o = Py_None, *tmo_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "n|$OO", kwl, &max, &stream_o, &tmo_o))
-    return NULL;
+/* The leases of one recv_batch(as_torch=True): each tensor's DLPack
+ * tensor holds a reference to it, so it dies with the last of them, and
+ * then gives the whole batch back in one gpuipc_conn_release_batch per
+ * GPUIPC_BATCH_MAX (one release signal), on the stream the tensors were
+ * ordered on. Internal: never seen from Python. */
+typedef struct {
+  PyObject_HEAD
+  ConnObject *conn;
+  uintptr_t stream;
+  size_t n;
+  uint64_t *ids;
+  DLBox *boxes; /* embedded boxes, one per tensor */
+} HoldObject;
+
+static void Hold_dealloc(HoldObject *h) {
+  uint64_t *ids = h->ids;
+  for (size_t i = 0; i < h->n;) {
+    size_t k = h->n - i < GPUIPC_BATCH_MAX ? h->n - i : GPUIPC_BATCH_MAX;
+    LOCK();
+    gpuipc_conn *gc = conn_rx(h->conn); /* a close here keeps them open */
+    if (gc) gpuipc_conn_release_batch(gc, ids + i, k, S(h->stream));
+    UNLOCK();
+    i += k;
+  }
+  g_count.live_received -= (long long)h->n;
+  if (h->n) conn_held_drop(h->conn); /* the last after a close closes it */
+  Py_DECREF(h->conn);
+  PyMem_Free(h->ids);
+  PyMem_Free(h->boxes);
+  PyObject_Free(h);
+}
+
+static PyTypeObject HoldType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc._BatchHold",
+    .tp_basicsize = sizeof(HoldObject),
+    .tp_dealloc = (destructor)Hold_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "the leases of one recv_batch(as_torch=True), given back with its last tensor",
+};
+
+/* The tensors (or (tensor, meta) pairs) of a batch received on stream.
+ * On failure everything received goes back. */
+static PyObject *batch_to_torch(ConnObject *c, const gpuipc_received *rx, size_t n,
+                                uintptr_t stream, int with_meta) {
+  if (PyType_Ready(&HoldType) < 0) return NULL;
+  HoldObject *h = PyObject_New(HoldObject, &HoldType);
+  uint64_t *ids = PyMem_Malloc(n * sizeof *ids);
+  DLBox *boxes = PyMem_Calloc(n, sizeof *boxes);
+  PyObject *list = PyList_New((Py_ssize_t)n);
+  if (!h || !ids || !boxes || !list) {
+    Py_XDECREF(list);
+    PyMem_Free(ids);
+    PyMem_Free(boxes);
+    uint64_t tmp[GPUIPC_BATCH_MAX];
+    for (size_t i = 0; i < n;) {
+      size_t k = 0;
+      for (; k < GPUIPC_BATCH_MAX && i < n; k++, i++) tmp[k] = rx[i].id;
+      LOCK();
+      if (c->c) gpuipc_conn_release_batch(c->c, tmp, k, S(stream));
+      UNLOCK();
+    }
+    if (h) PyObject_Free(h);
+    return PyErr_NoMemory();
+  }
+  Py_INCREF(c);
+  h->conn = c;
+  h->stream = stream;
+  h->n = n;
+  h->ids = ids;
+  h->boxes = boxes;
+  c->held++;
+  g_count.live_received += (long long)n;
+  for (size_t i = 0; i < n; i++) ids[i] = rx[i].id;
+  /* from here on h gives everything back when it dies */
+  for (size_t i = 0; i < n; i++) {
+    ArrMeta m;
+    const uint8_t *u;
+    size_t ul;
+    meta_decode(rx[i].meta, rx[i].meta_len, rx[i].length, &m, &u, &ul);
+    View v = {rx[i].ptr, &m, kDLCUDA, rx[i].device, stream, 0};
+    boxes[i].embedded = 1;
+    PyObject *t = torch_tensor((PyObject *)h, &v, &boxes[i]);
+    if (t && with_meta) {
+      PyObject *mb = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
+      PyObject *pair = mb ? PyTuple_Pack(2, t, mb) : NULL;
+      Py_XDECREF(mb);
+      Py_DECREF(t);
+      t = pair;
+    }
+    if (!t) {
+      Py_DECREF(list);
+      Py_DECREF(h);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+  }
+  Py_DECREF(h); /* the tensors hold it */
+  return list;
+}
+
+static PyObject *Conn_recv_batch(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames) {
+  static const char *const names[] = {"max",     "stream",   "timeout",
+                                      "spin_us", "as_torch", "with_meta"};
+  PyObject *a[6];
+  if (gpy_args("recv_batch", args, nargs, kwnames, 1, 1, names, 6, a) < 0) return NULL;
+  Py_ssize_t max = PyNumber_AsSsize_t(a[0], PyExc_OverflowError);
+  if (max == -1 && PyErr_Occurred()) return NULL;
   if (max < 1) {
     PyErr_Format(PyExc_ValueError, "recv_batch: max must be >= 1, not %zd", max);
     return NULL;
   }
   RecvBatchCtx x = {0};
-  int tmo;
-  if (parse_stream(stream_o, &x.stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+  int tmo, spin, as_torch, with_meta, dev = 0;
+  if (kw_bool(a[4], "recv_batch", "as_torch", 0, &as_torch) < 0 ||
+      kw_bool(a[5], "recv_batch", "with_meta", 0, &with_meta) < 0 ||
+      parse_timeout(a[2], c->timeout_ms, &tmo) < 0 || parse_spin(a[3], c, &spin) < 0)
+    return NULL;
+  if (with_meta && !as_torch) {
+    PyErr_SetString(PyExc_ValueError, "recv_batch: with_meta=True goes with as_torch=True "
+                    "(a Received has its .meta)");
+    return NULL;
+  }
+  if (as_torch ? torch_recv_stream(c, a[1], &dev, &x.stream) < 0
+               : parse_stream(a[1], &x.stream) < 0)
     return NULL;
   if (!conn_ok(c)) return NULL;
   /* No more can be queued than a peer may have outstanding (at most 65536). */
@@ -865,8 +977,33 @@ static PyObject *Conn_recv_batch(ConnObject *c, PyObject *args, PyObject *kw) {
   for (size_t i = 0; i < x.max; i++) x.rx[i].size = sizeof x.rx[i];
   PyObject *list = NULL;
   gpuipc_status st;
-  if (conn_run(c, tmo, 0, op_recv_batch, &x, &st) < 0) goto out;
+  if (conn_run_spin(c, tmo, spin, 0, op_recv_batch, &x, &st) < 0) goto out;
   if (st != GPUIPC_OK) { conn_status(st, "recv_batch", tmo); goto out; }
+  if (as_torch) {
+    /* one device per batch: torch's stream of the first buffer's */
+    uintptr_t use = x.stream;
+    if (torch_use_stream(c, dev, x.rx[0].device, x.stream, &use) < 0) use = x.stream;
+    for (size_t i = 1; !PyErr_Occurred() && i < x.n; i++)
+      if (x.rx[i].device != x.rx[0].device) {
+        uintptr_t o;
+        if (torch_current_stream(x.rx[i].device, &o) == 0 && o != x.stream)
+          order_streams(x.rx[i].device, x.stream, o);
+        break;
+      }
+    if (PyErr_Occurred()) {
+      uint64_t ids[GPUIPC_BATCH_MAX];
+      for (size_t i = 0; i < x.n;) {
+        size_t k = 0;
+        for (; k < GPUIPC_BATCH_MAX && i < x.n; k++, i++) ids[k] = x.rx[i].id;
+        LOCK();
+        if (c->c) gpuipc_conn_release_batch(c->c, ids, k, S(x.stream));
+        UNLOCK();
+      }
+      goto out;
+    }
+    list = batch_to_torch(c, x.rx, x.n, use, with_meta);
+    goto out;
+  }
   list = PyList_New((Py_ssize_t)x.n);
   size_t i = 0;
   for (; list && i < x.n; i++) {
@@ -1478,10 +1615,13 @@ static PyMethodDef Conn_methods[] = {
      "of frame (48 per buffer plus its encoded metadata), more than max_outstanding, "
      "a timeout while waiting for free slots: nothing was sent. An empty sequence "
      "sends nothing."},
-    {"recv_batch", (PyCFunction)(void (*)(void))Conn_recv_batch, METH_VARARGS | METH_KEYWORDS,
-     "recv_batch(max, *, stream=None, timeout=...) -> [Received]: waits for the first "
-     "buffer, then takes every one already arrived, up to max (one stream wait per "
-     "batch the producer sent among them)"},
+    {"recv_batch", (PyCFunction)(void (*)(void))Conn_recv_batch, METH_FASTCALL | METH_KEYWORDS,
+     "recv_batch(max, *, stream=None, timeout=..., spin_us=None, as_torch=False, "
+     "with_meta=False) -> [Received], or [torch.Tensor] with as_torch=True ([(tensor, "
+     "meta)] with with_meta=True): waits for the first buffer, then takes every one "
+     "already arrived, up to max (one stream wait per batch the producer sent among "
+     "them). as_torch=True: as recv(as_torch=True), and the batch's leases go back "
+     "together, in one release signal, when the last of its tensors is gone"},
     {"release_batch", (PyCFunction)(void (*)(void))Conn_release_batch,
      METH_VARARGS | METH_KEYWORDS,
      "release_batch(received, stream=<each one's receive stream>): give back many "
