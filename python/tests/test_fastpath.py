@@ -31,20 +31,35 @@ def _real_torch():
     return not getattr(torch, "FAKE", False)
 
 
+_fake = []
+
+
 @pytest.fixture
 def fake_torch():
+    """The stand-in as "torch" for the test's length only (other tests must
+    not find it). One module object for the whole run: the C glue keeps
+    what it looked up in the first."""
     if _real_torch():
         pytest.skip("a real torch is importable here: as_torch is tested with it on a GPU "
                     "(test_gpu_fastpath)")
-    path = os.path.join(HERE, "faketorch")
-    if path not in sys.path:
+    if not _fake:
+        path = os.path.join(HERE, "faketorch")
         sys.path.insert(0, path)
-    import torch
-    assert torch.FAKE
+        try:
+            import torch
+        finally:
+            sys.path.remove(path)
+        assert torch.FAKE
+        _fake.append(torch)
+    torch = _fake[0]
+    sys.modules["torch"] = torch
     torch.calls.clear()
     torch.current_stream[0] = 0
-    yield torch
-    gc.collect()
+    try:
+        yield torch
+    finally:
+        gc.collect()
+        sys.modules.pop("torch", None)
 
 
 def report(conn):
@@ -207,7 +222,6 @@ def test_as_torch_after_close_keeps_the_memory_until_the_tensor_dies(fake_torch)
 def no_torch_child(conn):
     """Without torch anywhere on its path: reports what recv(as_torch=True)
     says, and that the buffer is still there to receive."""
-    sys.path[:] = [p for p in sys.path if "faketorch" not in p]
     out = {}
     try:
         conn.recv(as_torch=True, timeout=10)
