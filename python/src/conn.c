@@ -1,7 +1,9 @@
 /*
  * conn.c: Listener, Connection and Received. Calls that may wait run the
- * library call without waiting under g_lock and wait in poll(2) with the GIL
- * and the lock released. Memory sent that gpuipc did not allocate (a torch
+ * library call without waiting under g_lock and wait in the package's one
+ * loop (gpy_wait_loop: gpuipc_conn_wait per slice) with the GIL and the
+ * lock released; recv(as_torch=True) and recv_batch(as_torch=True) return
+ * torch tensors made in C (torchc.c) whose deaths release the leases. Memory sent that gpuipc did not allocate (a torch
  * tensor, a CuPy array) is wrapped (gpuipc_buffer_wrap) per send; the
  * wrapper and the Python object owning the memory are kept until the peer
  * released it, or, after the connection closed, until the peer process is

@@ -23,8 +23,9 @@
  * connection processes releases of arena blocks). So every call on a
  * connection, arena or block runs under one module lock, g_lock, held only
  * for calls that do not wait: connections are switched to non-blocking mode
- * and waits happen here, in poll(2) on the connection's socket, with the
- * GIL and the lock released. A thread holding g_lock never needs the GIL,
+ * and waits happen in one loop (gpy_wait_loop, module.c), in
+ * gpuipc_conn_wait (spin, then sleep on the socket), with the GIL and the
+ * lock released. A thread holding g_lock never needs the GIL,
  * so taking g_lock with the GIL held cannot deadlock; a call made without
  * the GIL under g_lock therefore lets g_lock go before it takes the GIL
  * back (Py_BEGIN_ALLOW_THREADS, LOCK, call, UNLOCK, Py_END_ALLOW_THREADS). The other fields
