@@ -249,6 +249,40 @@ def test_as_torch_without_torch_is_a_clear_error():
     assert r["after"] == 64
 
 
+def exchange_child(conn):
+    """With the stand-in offering the DLPack C exchange API (a capsule of
+    ctypes functions): reports what recv(as_torch=True) made and called."""
+    sys.path.insert(0, os.path.join(HERE, "faketorch"))
+    import torch
+    t = conn.recv(as_torch=True, timeout=30)
+    out = {"type": type(t).__name__, "version": list(t.version), "shape": list(t.shape),
+           "data": drv().dtoh(t.data_ptr(), 256).hex(), "calls": [c[0] for c in torch.calls],
+           "held": conn.outstanding()[1]}
+    del t
+    out["held_after"] = conn.outstanding()[1]
+    out["capsule_refs"] = gpuipc._gpuipc.counters()["capsule_refs"]
+    conn.send_msg(json.dumps(out).encode())
+    conn.recv_msg(timeout=30)
+
+
+def test_as_torch_through_the_dlpack_c_exchange_api():
+    if _real_torch():
+        pytest.skip("a real torch is importable here")
+    a = gpuipc.Arena(chunk_bytes=1 << 20)
+    b = a.alloc(256, shape=(64,), dtype="int32")
+    drv().htod(b.ptr, pattern(256, 7))
+    with gpuipc.spawn(exchange_child, env={"FAKETORCH_EXCHANGE": "1"}) as p:
+        p.conn.send(b)
+        r = report(p.conn)
+        p.conn.send_msg(b"bye")
+        assert p.join(30) == 0
+    assert r["type"] == "VTensor" and r["version"] == [1, 0] and r["shape"] == [64], r
+    assert bytes.fromhex(r["data"]) == pattern(256, 7)
+    assert "exchange_to_py" in r["calls"] and "exchange_stream" in r["calls"], r
+    assert "from_dlpack" not in r["calls"] and "stream" not in r["calls"], r
+    assert r["held"] == 1 and r["held_after"] == 0 and r["capsule_refs"] == 0, r
+
+
 # --- arguments --------------------------------------------------------------------
 
 

@@ -64,3 +64,76 @@ class _C:
     def _cuda_getDevice():
         calls.append(("device",))
         return 0
+
+
+# --- the DLPack C exchange API (DLPack 1.3), when FAKETORCH_EXCHANGE=1 ---------
+# A table of C function pointers made with ctypes, as a capsule named
+# "dlpack_exchange_api" on Tensor, the way torch 2.10+ offers it:
+# managed_tensor_to_py_object_no_sync makes a VTensor that owns the
+# DLManagedTensorVersioned (its deleter runs when the VTensor dies), and
+# current_work_stream answers current_stream[0].
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class VTensor:
+    """What managed_tensor_to_py_object_no_sync made."""
+
+    def __init__(self, addr):
+        m = _DLManagedTensorVersioned.from_address(addr)
+        t = m.dl_tensor
+        self._addr, self._deleter = addr, m.deleter
+        self.version = (m.major, m.minor)
+        self.shape = tuple(t.shape[i] for i in range(t.ndim))
+        self.dtype = (t.dtype.code, t.dtype.bits, t.dtype.lanes)
+        self.device = (t.device.device_type, t.device.device_id)
+        self._ptr = t.data + t.byte_offset
+
+    def data_ptr(self):
+        return self._ptr
+
+    def __del__(self):
+        if self._deleter:
+            _DELETER(self._deleter)(self._addr)
+
+
+_TO_PY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32,
+                           ctypes.POINTER(ctypes.c_void_p))
+
+
+@_TO_PY
+def _to_py(addr, out):
+    calls.append(("exchange_to_py",))
+    obj = VTensor(addr)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    out[0] = id(obj)
+    return 0
+
+
+@_STREAM
+def _work_stream(dev_type, dev, out):
+    calls.append(("exchange_stream", dev))
+    out[0] = current_stream[0] or None
+    return 0
+
+
+class _Api(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("prev_api", ctypes.c_void_p), ("allocator", ctypes.c_void_p),
+                ("from_py", ctypes.c_void_p), ("to_py", _TO_PY), ("dltensor_from_py", ctypes.c_void_p),
+                ("current_work_stream", _STREAM)]
+
+
+if __import__("os").environ.get("FAKETORCH_EXCHANGE") == "1":
+    _api = _Api(1, 3, None, None, None, _to_py, None, _work_stream)
+    _new = ctypes.pythonapi.PyCapsule_New
+    _new.restype = ctypes.py_object
+    _new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    Tensor.__dlpack_c_exchange_api__ = _new(ctypes.addressof(_api), b"dlpack_exchange_api", None)
