@@ -1153,7 +1153,150 @@ PyObject *mod_release_batch(PyObject *m, PyObject *args, PyObject *kw) {
  * free slot, no room in its socket, its setup waiting for the peer): those
  * are tried again, in a broadcast of their own, once their sockets say
  * something changed, until each one's timeout. The others are not held
- * back: a connection's failure is its entry in the list. */
+ * back: a connection's failure is its entry in the list. The waits are the
+ * package's one loop (gpy_wait_loop): an attempt is one pass over the
+ * connections still pending, a wait a poll of their sockets (no call of
+ * gpuipc_conn_wait: it watches one connection), bounded by the soonest of
+ * their deadlines. */
+typedef struct {
+  ConnObject **cs;
+  Py_ssize_t n;
+  PyObject *list;
+  ArenaItem *it;
+  uintptr_t stream;
+  const uint8_t *wire;
+  size_t wlen;
+  int have_tmo, tmo;
+  gpuipc_conn **gc;
+  Py_ssize_t *pend, *idx;
+  gpuipc_status *sts;
+  int64_t *deadline; /* ms, -1 none */
+  struct pollfd *pfd;
+  Py_ssize_t np;
+  int64_t soonest; /* ms, -1 none */
+  int pass;
+} BcastRun;
+
+static gpuipc_status bc_try(void *v) {
+  BcastRun *r = v;
+  ConnObject **cs = r->cs;
+  if (r->np == 0) return GPUIPC_OK;
+  /* 1: one broadcast to every connection still pending */
+  Py_ssize_t k = 0, closed_here = 0;
+  gpuipc_status whole = GPUIPC_OK;
+  char why[512] = "";
+  int freed = 0;
+  LOCK();
+  for (Py_ssize_t j = 0; j < r->np; j++) {
+    ConnObject *c = cs[r->pend[j]];
+    if (!c->c) {
+      r->pend[closed_here++] = r->pend[j]; /* answered below, after the lock */
+      continue;
+    }
+    conn_reap(c, 0);
+    r->idx[k] = r->pend[j];
+    r->gc[k++] = c->c;
+  }
+  if (k > 0 && !r->it->blk->b) {
+    freed = 1;
+  } else if (k > 0) {
+    for (Py_ssize_t j = 0; j < k; j++) r->sts[j] = GPUIPC__STATUS_END; /* not set */
+    whole = gpuipc_conn_broadcast(r->gc, (size_t)k, r->it->blk->b, S(r->stream), r->wire,
+                                  r->wlen, r->sts);
+    if (whole != GPUIPC_OK) snprintf(why, sizeof why, "%s", gpuipc_last_error());
+  }
+  for (Py_ssize_t j = 0; j < k; j++) r->pfd[j].fd = gpuipc_conn_get_fd(r->gc[j]);
+  UNLOCK();
+  flush_decrefs();
+  for (Py_ssize_t j = 0; j < closed_here; j++) {
+    PyObject *e = exc_obj(GPUIPC_E_CLOSED, "broadcast", "connection closed here");
+    if (!e) return GPY_RAISED;
+    PyList_SET_ITEM(r->list, r->pend[j], e);
+  }
+  r->np = 0;
+  if (freed || (whole != GPUIPC_OK && k > 0 && r->sts[0] == GPUIPC__STATUS_END)) {
+    /* The call failed as a whole: nothing was sent in this pass. */
+    gpuipc_status st = freed ? GPUIPC_E_INVALID_ARG : whole;
+    const char *d = freed ? "the block was freed meanwhile" : why;
+    if (r->pass == 0) {
+      raise_msg(st, "broadcast", d);
+      return GPY_RAISED;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+      PyObject *e = exc_obj(st, "broadcast", d);
+      if (!e) return GPY_RAISED;
+      PyList_SET_ITEM(r->list, r->idx[j], e);
+    }
+    return GPUIPC_OK;
+  }
+  r->pass++;
+  /* 2: the answers. The library's message tells of the first connection
+   * that failed (after "(the first that failed): "). */
+  Py_ssize_t fj = 0;
+  while (fj < k && r->sts[fj] == GPUIPC_OK) fj++;
+  const char *first = strstr(why, "(the first that failed): ");
+  first = first ? first + strlen("(the first that failed): ") : why;
+  int64_t now = now_ms();
+  r->soonest = -1;
+  for (Py_ssize_t j = 0; j < k; j++) {
+    Py_ssize_t i = r->idx[j];
+    gpuipc_status st = r->sts[j];
+    if (st == GPUIPC_E_WOULD_BLOCK && !(r->deadline[i] >= 0 && now >= r->deadline[i])) {
+      r->pfd[r->np].fd = r->pfd[j].fd;
+      r->pend[r->np++] = i;
+      if (r->deadline[i] >= 0 && (r->soonest < 0 || r->deadline[i] < r->soonest))
+        r->soonest = r->deadline[i];
+      continue;
+    }
+    PyObject *e;
+    if (st == GPUIPC_OK) {
+      e = Py_None;
+      Py_INCREF(e);
+    } else {
+      char d[640];
+      if (st == GPUIPC_E_WOULD_BLOCK) {
+        snprintf(d, sizeof d, "conns[%zd] not ready within %d ms: no free slot, or no "
+                 "room in its socket", i, r->have_tmo ? r->tmo : cs[i]->timeout_ms);
+        st = GPUIPC_E_TIMEOUT;
+      } else if (j == fj) {
+        snprintf(d, sizeof d, "conns[%zd]: %s", i, first);
+      } else {
+        snprintf(d, sizeof d, "conns[%zd], peer pid %d", i, cs[i]->peer_pid);
+      }
+      e = exc_obj(st, "broadcast", d);
+      if (!e) return GPY_RAISED;
+    }
+    PyList_SET_ITEM(r->list, i, e);
+  }
+  return r->np ? GPUIPC_E_WOULD_BLOCK : GPUIPC_OK;
+}
+
+/* 3: until a pending connection's socket has news, a slice, or the
+ * soonest deadline */
+static gpuipc_status bc_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  BcastRun *r = v;
+  int left = timeout_ms;
+  if (r->soonest >= 0) {
+    int64_t l = r->soonest - now_ms();
+    if (l < left) left = l > 0 ? (int)l : 0;
+  }
+  for (Py_ssize_t j = 0; j < r->np; j++) {
+    r->pfd[j].events = events;
+    r->pfd[j].revents = 0;
+  }
+  int n, err;
+  Py_BEGIN_ALLOW_THREADS
+  n = poll(r->pfd, (nfds_t)r->np, left);
+  err = errno;
+  Py_END_ALLOW_THREADS
+  if (n < 0 && err != EINTR) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    return GPY_RAISED;
+  }
+  return n == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_OK;
+}
+
 PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"conns", "block", "stream", "meta", "timeout", NULL};
   PyObject *conns_o, *block_o, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL;
@@ -1179,11 +1322,7 @@ PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
   PyObject *list = NULL, *ret = NULL;
   ArenaItem it = {0};
   Py_buffer um = {0};
-  gpuipc_conn **gc = NULL;
-  Py_ssize_t *pend = NULL, *idx = NULL;
-  gpuipc_status *sts = NULL;
-  int64_t *deadline = NULL;
-  struct pollfd *pfd = NULL;
+  BcastRun r = {0};
   if (n > GPUIPC_BROADCAST_MAX) {
     PyErr_Format(PyExc_ValueError, "broadcast: %zd connections, at most %d", n,
                  GPUIPC_BROADCAST_MAX);
@@ -1212,128 +1351,35 @@ PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
   if (n == 0) goto done;
   if (order_items(&it, 1, stream) < 0) goto out;
   size_t un = (size_t)n;
-  gc = PyMem_Malloc(un * sizeof *gc);
-  pend = PyMem_Malloc(un * sizeof *pend);
-  idx = PyMem_Malloc(un * sizeof *idx);
-  sts = PyMem_Malloc(un * sizeof *sts);
-  deadline = PyMem_Malloc(un * sizeof *deadline);
-  pfd = PyMem_Malloc(un * sizeof *pfd);
-  if (!gc || !pend || !idx || !sts || !deadline || !pfd) { PyErr_NoMemory(); goto out; }
-  Py_ssize_t np = 0;
+  r.cs = cs;
+  r.n = n;
+  r.list = list;
+  r.it = &it;
+  r.stream = stream;
+  r.wire = wire;
+  r.wlen = wlen;
+  r.have_tmo = have_tmo;
+  r.tmo = tmo;
+  r.soonest = -1;
+  r.gc = PyMem_Malloc(un * sizeof *r.gc);
+  r.pend = PyMem_Malloc(un * sizeof *r.pend);
+  r.idx = PyMem_Malloc(un * sizeof *r.idx);
+  r.sts = PyMem_Malloc(un * sizeof *r.sts);
+  r.deadline = PyMem_Malloc(un * sizeof *r.deadline);
+  r.pfd = PyMem_Malloc(un * sizeof *r.pfd);
+  if (!r.gc || !r.pend || !r.idx || !r.sts || !r.deadline || !r.pfd) {
+    PyErr_NoMemory();
+    goto out;
+  }
   int64_t t0 = now_ms();
   for (Py_ssize_t i = 0; i < n; i++) {
     int t = have_tmo ? tmo : cs[i]->timeout_ms;
-    deadline[i] = t < 0 ? -1 : t0 + t;
-    pend[np++] = i;
+    r.deadline[i] = t < 0 ? -1 : t0 + t;
+    r.pend[r.np++] = i;
   }
-  int want_out = 1, pass = 0;
-  while (np > 0) {
-    /* 1: one broadcast to every connection still pending */
-    Py_ssize_t k = 0, closed_here = 0;
-    gpuipc_status whole = GPUIPC_OK;
-    char why[512] = "";
-    int freed = 0;
-    LOCK();
-    for (Py_ssize_t j = 0; j < np; j++) {
-      ConnObject *c = cs[pend[j]];
-      if (!c->c) {
-        pend[closed_here++] = pend[j]; /* answered below, after the lock */
-        continue;
-      }
-      conn_reap(c, 0);
-      idx[k] = pend[j];
-      gc[k++] = c->c;
-    }
-    if (k > 0 && !it.blk->b) {
-      freed = 1;
-    } else if (k > 0) {
-      for (Py_ssize_t j = 0; j < k; j++) sts[j] = GPUIPC__STATUS_END; /* not set */
-      whole = gpuipc_conn_broadcast(gc, (size_t)k, it.blk->b, S(stream), wire, wlen, sts);
-      if (whole != GPUIPC_OK) snprintf(why, sizeof why, "%s", gpuipc_last_error());
-    }
-    for (Py_ssize_t j = 0; j < k; j++) pfd[j].fd = gpuipc_conn_get_fd(gc[j]);
-    UNLOCK();
-    flush_decrefs();
-    for (Py_ssize_t j = 0; j < closed_here; j++) {
-      PyObject *e = exc_obj(GPUIPC_E_CLOSED, "broadcast", "connection closed here");
-      if (!e) goto out;
-      PyList_SET_ITEM(list, pend[j], e);
-    }
-    if (freed || (whole != GPUIPC_OK && k > 0 && sts[0] == GPUIPC__STATUS_END)) {
-      /* The call failed as a whole: nothing was sent in this pass. */
-      gpuipc_status st = freed ? GPUIPC_E_INVALID_ARG : whole;
-      const char *d = freed ? "the block was freed meanwhile" : why;
-      if (pass == 0) { raise_msg(st, "broadcast", d); goto out; }
-      for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *e = exc_obj(st, "broadcast", d);
-        if (!e) goto out;
-        PyList_SET_ITEM(list, idx[j], e);
-      }
-      break;
-    }
-    /* 2: the answers. The library's message tells of the first connection
-     * that failed (after "(the first that failed): "). */
-    Py_ssize_t fj = 0;
-    while (fj < k && sts[fj] == GPUIPC_OK) fj++;
-    const char *first = strstr(why, "(the first that failed): ");
-    first = first ? first + strlen("(the first that failed): ") : why;
-    np = 0;
-    int64_t now = now_ms(), soonest = -1;
-    for (Py_ssize_t j = 0; j < k; j++) {
-      Py_ssize_t i = idx[j];
-      gpuipc_status s = sts[j];
-      if (s == GPUIPC_E_WOULD_BLOCK && !(deadline[i] >= 0 && now >= deadline[i])) {
-        pfd[np].fd = pfd[j].fd;
-        pend[np++] = i;
-        if (deadline[i] >= 0 && (soonest < 0 || deadline[i] < soonest)) soonest = deadline[i];
-        continue;
-      }
-      PyObject *e;
-      if (s == GPUIPC_OK) {
-        e = Py_None;
-        Py_INCREF(e);
-      } else {
-        char d[640];
-        if (s == GPUIPC_E_WOULD_BLOCK) {
-          snprintf(d, sizeof d, "conns[%zd] not ready within %d ms: no free slot, or no "
-                   "room in its socket", i, have_tmo ? tmo : cs[i]->timeout_ms);
-          s = GPUIPC_E_TIMEOUT;
-        } else if (j == fj) {
-          snprintf(d, sizeof d, "conns[%zd]: %s", i, first);
-        } else {
-          snprintf(d, sizeof d, "conns[%zd], peer pid %d", i, cs[i]->peer_pid);
-        }
-        e = exc_obj(s, "broadcast", d);
-        if (!e) goto out;
-      }
-      PyList_SET_ITEM(list, i, e);
-    }
-    if (np == 0) break;
-    /* 3: wait until a pending connection's socket has news, or a timeout */
-    int left = -1;
-    if (soonest >= 0) left = soonest - now > 0 ? (int)(soonest - now) : 0;
-    if (!want_out && (left < 0 || left > 1)) left = 1; /* POLLOUT alone did not help */
-    for (Py_ssize_t j = 0; j < np; j++) {
-      pfd[j].events = (short)(POLLIN | (want_out ? POLLOUT : 0));
-      pfd[j].revents = 0;
-    }
-    int r, err;
-    Py_BEGIN_ALLOW_THREADS
-    r = poll(pfd, (nfds_t)np, left);
-    err = errno;
-    Py_END_ALLOW_THREADS
-    if (r < 0 && err != EINTR) {
-      errno = err;
-      PyErr_SetFromErrno(PyExc_OSError);
-      goto out;
-    }
-    if (r < 0 && PyErr_CheckSignals() < 0) goto out;
-    int in = 0;
-    for (Py_ssize_t j = 0; r > 0 && j < np; j++)
-      in |= (pfd[j].revents & (POLLIN | POLLHUP | POLLERR)) != 0;
-    want_out = !(r > 0 && !in);
-    pass++;
-  }
+  /* each connection's deadline ends its part (bc_try): no overall one */
+  gpuipc_status st;
+  if (gpy_wait_loop(-1, POLLIN | POLLOUT, 0, bc_try, bc_sleep, &r, &st) < 0) goto out;
 done:
   ret = list;
   list = NULL;
@@ -1341,12 +1387,12 @@ out:
   Py_XDECREF(list);
   Py_XDECREF(it.blk);
   if (um.obj) PyBuffer_Release(&um);
-  PyMem_Free(gc);
-  PyMem_Free(pend);
-  PyMem_Free(idx);
-  PyMem_Free(sts);
-  PyMem_Free(deadline);
-  PyMem_Free(pfd);
+  PyMem_Free(r.gc);
+  PyMem_Free(r.pend);
+  PyMem_Free(r.idx);
+  PyMem_Free(r.sts);
+  PyMem_Free(r.deadline);
+  PyMem_Free(r.pfd);
   Py_DECREF(seq);
   return ret;
 }

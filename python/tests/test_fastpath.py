@@ -380,6 +380,35 @@ def test_timeout_none_waits_past_the_connection_timeout():
         assert p.join(30) == 0
 
 
+class _Alarm(Exception):
+    pass
+
+
+def test_a_signal_interrupts_a_wait_without_end():
+    """recv(timeout=None) waits in slices: a signal handler that raises
+    ends it (Ctrl-C works), and the connection stays usable."""
+    import signal
+
+    def on_alarm(sig, frame):
+        raise _Alarm()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        with gpuipc.spawn(late_sender, 0.0) as p:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(_Alarm):
+                p.conn.recv(timeout=None, spin_us=0)  # nothing comes until "go"
+            p.conn.send_msg(b"go")
+            rx = p.conn.recv(timeout=30)
+            assert rx.meta == b"late"
+            rx.release()
+            p.conn.send_msg(b"bye")
+            assert p.join(30) == 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def test_connect_waits_for_the_listener_to_appear():
     name = "pyt-late-%d" % os.getpid()
     with gpuipc.spawn(late_listener, name, 0.5) as p:
