@@ -523,15 +523,17 @@ static int torch_recv_stream(ConnObject *c, PyObject *stream_o, int *dev, uintpt
   return torch_current_stream(*dev, stream);
 }
 
-/* After a receive on `stream` (device guessed `dev`) of a buffer on
- * device `bdev`: the stream torch's work on the tensor runs on (torch's
- * current stream of bdev), ordered after `stream` when it is another one.
- * That stream is what the lease is released on. */
-static int torch_use_stream(ConnObject *c, int dev, int bdev, uintptr_t stream,
+/* After a receive on `stream` (device guessed `dev`; given: stream= was
+ * the caller's) of a buffer on device `bdev`: the stream torch's work on
+ * the tensor runs on (torch's current stream of bdev: `stream` itself when
+ * the guess was right and none was given), ordered after `stream` when it
+ * is another one. That stream is what the lease is released on. */
+static int torch_use_stream(ConnObject *c, int dev, int bdev, int given, uintptr_t stream,
                             uintptr_t *use) {
   c->torch_dev = bdev;
+  *use = stream;
+  if (bdev == dev && !given) return 0; /* the guess was right: that stream is torch's */
   if (torch_current_stream(bdev, use) < 0) return -1;
-  (void)dev;
   if (*use != stream && order_streams(bdev, stream, *use) < 0) return -1;
   return 0;
 }
@@ -576,7 +578,8 @@ static PyObject *Conn_recv(ConnObject *c, PyObject *const *args, Py_ssize_t narg
   if (conn_run_spin(c, tmo, spin, 0, op_recv, &x, &st) < 0) return NULL;
   if (st != GPUIPC_OK) return conn_status(st, "recv", tmo);
   uintptr_t use = x.stream;
-  if (as_torch && torch_use_stream(c, dev, x.rx.device, x.stream, &use) < 0) {
+  if (as_torch &&
+      torch_use_stream(c, dev, x.rx.device, a[0] && a[0] != Py_None, x.stream, &use) < 0) {
     LOCK(); /* the buffer goes back at once */
     if (c->c) gpuipc_conn_release(c->c, x.rx.id, S(x.stream));
     UNLOCK();
@@ -980,7 +983,8 @@ static PyObject *Conn_recv_batch(ConnObject *c, PyObject *const *args, Py_ssize_
   if (as_torch) {
     /* one device per batch: torch's stream of the first buffer's */
     uintptr_t use = x.stream;
-    if (torch_use_stream(c, dev, x.rx[0].device, x.stream, &use) < 0) use = x.stream;
+    if (torch_use_stream(c, dev, x.rx[0].device, a[1] && a[1] != Py_None, x.stream, &use) < 0)
+      use = x.stream;
     for (size_t i = 1; !PyErr_Occurred() && i < x.n; i++)
       if (x.rx[i].device != x.rx[0].device) {
         uintptr_t o;
