@@ -741,11 +741,12 @@ static gpuipc_status op_send_batch(ConnObject *c, void *v) {
   return gpuipc_conn_send_batch(c->c, x->blocks, x->n, S(x->stream), x->metas, x->lens);
 }
 
-static PyObject *Conn_send_batch(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"objs", "stream", "metas", "timeout", NULL};
-  PyObject *objs, *stream_o = Py_None, *metas_o = Py_None, *tmo_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO", kwl, &objs, &stream_o, &metas_o, &tmo_o))
-    return NULL;
+static PyObject *Conn_send_batch(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames) {
+  static const char *const names[] = {"objs", "stream", "metas", "timeout"};
+  PyObject *a[4];
+  if (gpy_args("send_batch", args, nargs, kwnames, 1, 1, names, 4, a) < 0) return NULL;
+  PyObject *objs = a[0], *stream_o = a[1], *metas_o = a[2] ? a[2] : Py_None, *tmo_o = a[3];
   if (!conn_ok(c)) return NULL;
   uintptr_t stream;
   int tmo;
@@ -1653,7 +1654,7 @@ static PyMethodDef Conn_methods[] = {
      "of its device (stream= given: the receive waits on that stream and torch's current "
      "stream is ordered after it), and the lease goes back when the tensor is gone, "
      "ordered after the work queued on that stream by then"},
-    {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_VARARGS | METH_KEYWORDS,
+    {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_FASTCALL | METH_KEYWORDS,
      "send_batch(objs, *, stream=None, metas=None, timeout=...): hand many arena buffers "
      "to the peer as one operation (one frame, one signal). objs: Blocks, or arrays "
      "inside arena blocks, each with its array metadata as send() encodes it; metas: "
