@@ -116,6 +116,10 @@ def _gpuipc_producer(conn, wrapped):
             raise
         torch = None
     ps = _producer_stream(torch)
+    if torch is not None:
+        # ps is torch's current stream here: what a torch tensor's CUDA Array
+        # Interface reports, so a wrapped tensor's send orders nothing more
+        torch.cuda.set_stream(ps)
     arena = gpuipc.Arena(chunk_bytes=64 * MiB)
     while True:
         cmd = conn.recv_msg(timeout=None).decode().split()
@@ -125,8 +129,7 @@ def _gpuipc_producer(conn, wrapped):
         k = int(cmd[3]) if len(cmd) > 3 else 1
         nring = 2 * k if k > 1 else min(8, max(1, (512 * MiB) // size))
         if wrapped:
-            with torch.cuda.stream(ps):
-                ring = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(8)]
+            ring = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(8)]
             torch.cuda.synchronize()
         else:
             ring = [arena.alloc(size, stream=ps) for _ in range(nring)]
@@ -190,22 +193,28 @@ def _take_batch(c, view, spin, k):
 
 
 def _consumer_torch():
-    """torch, with a private current stream for the consumer (so that
-    as_torch and from_dlpack order on it rather than through the legacy
-    stream's relay), or None."""
+    """torch, or None."""
     try:
         import torch
         torch.empty(1, device="cuda")
     except Exception:
         return None
-    torch.cuda.set_stream(torch.cuda.Stream())
     return torch
 
 
 def bench_gpuipc(sizes, n_lat, n_tput, wrapped=False, view="from_dlpack", spin=0, batch=1):
+    """A row; with torch, the consumer runs on a private current stream (so
+    that as_torch and from_dlpack order on it rather than through the
+    legacy stream's relay), torch's current stream again after it."""
     torch = _consumer_torch()
-    if torch is None and view in ("from_dlpack", "as_torch"):
-        view = "cai"
+    if torch is None:
+        return _bench_gpuipc(sizes, n_lat, n_tput, wrapped, "cai" if view in (
+            "from_dlpack", "as_torch") else view, spin, batch, None)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return _bench_gpuipc(sizes, n_lat, n_tput, wrapped, view, spin, batch, torch)
+
+
+def _bench_gpuipc(sizes, n_lat, n_tput, wrapped, view, spin, batch, torch):
     rows = {}
     with gpuipc.spawn(_gpuipc_producer, wrapped, timeout=120) as p:
         c = p.conn
@@ -590,9 +599,13 @@ def bench_cuda_core(sizes, n_lat, n_tput, full=False):
     if full:
         import torch
         torch.empty(1, device="cuda")
-        ts_ = torch.cuda.Stream()
-        torch.cuda.set_stream(ts_)
         sh = int(_prop(stream, ("handle", "cuda_stream")))
+        with torch.cuda.stream(torch.cuda.Stream()):  # the consumer's own current stream
+            return _bench_cuda_core(cc, dev, stream, sizes, n_lat, n_tput, full, torch, sh)
+    return _bench_cuda_core(cc, dev, stream, sizes, n_lat, n_tput, full, None, None)
+
+
+def _bench_cuda_core(cc, dev, stream, sizes, n_lat, n_tput, full, torch, sh):
     rows = {}
     with gpuipc.spawn(_cuda_core_producer, full, timeout=120) as p:
         c = p.conn
