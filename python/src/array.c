@@ -286,32 +286,34 @@ PyObject *cai_dict(const View *v) {
   return d;
 }
 
-typedef struct {
-  union {
-    DLManagedTensor m;
-    DLManagedTensorVersioned v;
-  } u;
-  int64_t shape[MAXD];
-  int64_t strides[MAXD];
-} DLBox;
-
-static void ctx_release(void *ctx) {
+/* The tensor's owner reference goes (GIL taken: the deleter may run on
+ * any thread). An embedded box is free again from here on. */
+static void ctx_release(void *ctx, DLBox *embedded) {
   if (!ctx) return;
   if (!Py_IsInitialized()) return;
   PyGILState_STATE g = PyGILState_Ensure();
+  if (embedded) embedded->in_use = 0;
   g_count.live_capsule_ctx--;
   Py_DECREF((PyObject *)ctx);
   PyGILState_Release(g);
 }
 static void dl_deleter(DLManagedTensor *self) {
+  DLBox *b = (DLBox *)self;
   void *ctx = self->manager_ctx;
-  PyMem_RawFree(self);
-  ctx_release(ctx);
+  if (!b->embedded) {
+    PyMem_RawFree(b);
+    b = NULL;
+  }
+  ctx_release(ctx, b);
 }
 static void dl_deleter_v(DLManagedTensorVersioned *self) {
+  DLBox *b = (DLBox *)self;
   void *ctx = self->manager_ctx;
-  PyMem_RawFree(self);
-  ctx_release(ctx);
+  if (!b->embedded) {
+    PyMem_RawFree(b);
+    b = NULL;
+  }
+  ctx_release(ctx, b);
 }
 
 /* A capsule nobody consumed (still named "dltensor[_versioned]") deletes
@@ -338,20 +340,60 @@ static void capsule_dtor(PyObject *cap) {
 #endif
 }
 
-/* __dlpack__(stream=None, *, max_version=None, dl_device=None, copy=None) */
-PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"stream", "max_version", "dl_device", "copy", NULL};
-  PyObject *stream = Py_None, *maxv = Py_None, *dldev = Py_None, *copy = Py_None;
-  /* stream may come positionally (older consumers call __dlpack__(s)) */
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$OOO", kwl, &stream, &maxv, &dldev, &copy))
-    return NULL;
-  if (copy != Py_None && PyObject_IsTrue(copy)) {
+DLBox *dlbox_take(DLBox *embedded) {
+  if (embedded && !embedded->in_use) {
+    embedded->in_use = 1;
+    return embedded;
+  }
+  DLBox *b = PyMem_RawCalloc(1, sizeof *b);
+  if (!b) PyErr_NoMemory();
+  return b;
+}
+
+void dl_fill(DLBox *b, PyObject *owner, const View *v, int dev_type, int versioned) {
+  DLTensor *t = versioned ? &b->u.v.dl_tensor : &b->u.m.dl_tensor;
+  t->data = (char *)v->base + v->meta->offset;
+  t->device = (DLDevice){dev_type, dev_type == kDLCPU ? 0 : v->dev_id};
+  t->ndim = v->meta->ndim;
+  gpuipc_dtype_to_dlpack(v->meta->dtype, &t->dtype.code, &t->dtype.bits, &t->dtype.lanes);
+  memcpy(b->shape, v->meta->shape, sizeof(int64_t) * v->meta->ndim);
+  meta_fill_strides(v->meta, b->strides);
+  t->shape = b->shape;
+  t->strides = b->strides;
+  t->byte_offset = 0;
+  Py_INCREF(owner);
+  g_count.live_capsule_ctx++;
+  if (versioned) {
+    b->u.v.version = (DLPackVersion){1, 0};
+    b->u.v.manager_ctx = owner;
+    b->u.v.deleter = dl_deleter_v;
+    b->u.v.flags = 0;
+  } else {
+    b->u.m.manager_ctx = owner;
+    b->u.m.deleter = dl_deleter;
+  }
+}
+
+PyObject *dl_capsule(DLBox *b, int versioned) {
+  PyObject *cap = versioned ? PyCapsule_New(&b->u.v, "dltensor_versioned", capsule_dtor)
+                            : PyCapsule_New(&b->u.m, "dltensor", capsule_dtor);
+  if (!cap) {
+    if (versioned) b->u.v.deleter(&b->u.v);
+    else b->u.m.deleter(&b->u.m);
+  }
+  return cap;
+}
+
+/* __dlpack__ once its arguments are known (NULL: not given). */
+static PyObject *dlpack_export_args(PyObject *owner, const View *v, DLBox *box, PyObject *stream,
+                                    PyObject *maxv, PyObject *dldev, PyObject *copy) {
+  if (copy && copy != Py_None && PyObject_IsTrue(copy)) {
     PyErr_SetString(PyExc_BufferError, "__dlpack__: copy=True is not supported (gpuipc "
                     "exports views of shared memory)");
     return NULL;
   }
   int dev_type = v->dev_type;
-  if (dldev != Py_None) {
+  if (dldev && dldev != Py_None) {
     int dt, di;
     /* PyArg_ParseTuple takes a tuple only (anything else: SystemError). */
     if (!PyTuple_Check(dldev) || PyTuple_GET_SIZE(dldev) != 2) {
@@ -368,7 +410,7 @@ PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject
     }
   }
   int versioned = 0;
-  if (maxv != Py_None) {
+  if (maxv && maxv != Py_None) {
     long major;
     if (!PyTuple_Check(maxv) || PyTuple_GET_SIZE(maxv) < 1) {
       PyErr_SetString(PyExc_TypeError, "max_version must be a (major, minor) tuple");
@@ -379,7 +421,7 @@ PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject
     versioned = major >= 1;
   }
   /* Stream semantics: order the consumer's stream after ours. */
-  if (v->dev_type == kDLCUDA && stream != Py_None) {
+  if (v->dev_type == kDLCUDA && stream && stream != Py_None) {
     long long s = PyLong_AsLongLong(stream);
     if (s == -1 && PyErr_Occurred()) return NULL;
     /* 0 is not a valid CUDA value in the protocol; taken as the legacy
@@ -394,38 +436,28 @@ PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject
   } else if (v->dev_type == kDLCUDA && v->has_stream) {
     if (order_streams(v->dev_id, v->stream, 0) < 0) return NULL;
   }
-  DLBox *b = PyMem_RawCalloc(1, sizeof *b);
-  if (!b) return PyErr_NoMemory();
-  DLTensor *t = versioned ? &b->u.v.dl_tensor : &b->u.m.dl_tensor;
-  t->data = (char *)v->base + v->meta->offset;
-  t->device = (DLDevice){dev_type, dev_type == kDLCPU ? 0 : v->dev_id};
-  t->ndim = v->meta->ndim;
-  gpuipc_dtype_to_dlpack(v->meta->dtype, &t->dtype.code, &t->dtype.bits, &t->dtype.lanes);
-  memcpy(b->shape, v->meta->shape, sizeof(int64_t) * v->meta->ndim);
-  meta_fill_strides(v->meta, b->strides);
-  t->shape = b->shape;
-  t->strides = b->strides;
-  t->byte_offset = 0;
-  Py_INCREF(owner);
-  g_count.live_capsule_ctx++;
-  PyObject *cap;
-  if (versioned) {
-    b->u.v.version = (DLPackVersion){1, 0};
-    b->u.v.manager_ctx = owner;
-    b->u.v.deleter = dl_deleter_v;
-    b->u.v.flags = 0;
-    cap = PyCapsule_New(&b->u.v, "dltensor_versioned", capsule_dtor);
-  } else {
-    b->u.m.manager_ctx = owner;
-    b->u.m.deleter = dl_deleter;
-    cap = PyCapsule_New(&b->u.m, "dltensor", capsule_dtor);
-  }
-  if (!cap) {
-    g_count.live_capsule_ctx--;
-    Py_DECREF(owner);
-    PyMem_RawFree(b);
-  }
-  return cap;
+  DLBox *b = dlbox_take(box);
+  if (!b) return NULL;
+  dl_fill(b, owner, v, dev_type, versioned);
+  return dl_capsule(b, versioned);
+}
+
+/* __dlpack__(stream=None, *, max_version=None, dl_device=None, copy=None) */
+PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject *kw) {
+  static char *kwl[] = {"stream", "max_version", "dl_device", "copy", NULL};
+  PyObject *stream = Py_None, *maxv = Py_None, *dldev = Py_None, *copy = Py_None;
+  /* stream may come positionally (older consumers call __dlpack__(s)) */
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$OOO", kwl, &stream, &maxv, &dldev, &copy))
+    return NULL;
+  return dlpack_export_args(owner, v, NULL, stream, maxv, dldev, copy);
+}
+
+PyObject *dlpack_export_fast(PyObject *owner, const View *v, DLBox *box,
+                             PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"stream", "max_version", "dl_device", "copy"};
+  PyObject *a[4];
+  if (gpy_args("__dlpack__", args, nargs, kwnames, 0, 1, names, 4, a) < 0) return NULL;
+  return dlpack_export_args(owner, v, box, a[0], a[1], a[2], a[3]);
 }
 
 PyObject *dlpack_device(const View *v) { return Py_BuildValue("(ii)", v->dev_type, v->dev_id); }

@@ -1,7 +1,9 @@
 /*
  * conn.c: Listener, Connection and Received. Calls that may wait run the
- * library call without waiting under g_lock and wait in poll(2) with the GIL
- * and the lock released. Memory sent that gpuipc did not allocate (a torch
+ * library call without waiting under g_lock and wait in the package's one
+ * loop (gpy_wait_loop: gpuipc_conn_wait per slice) with the GIL and the
+ * lock released; recv(as_torch=True) and recv_batch(as_torch=True) return
+ * torch tensors made in C (torchc.c) whose deaths release the leases. Memory sent that gpuipc did not allocate (a torch
  * tensor, a CuPy array) is wrapped (gpuipc_buffer_wrap) per send; the
  * wrapper and the Python object owning the memory are kept until the peer
  * released it, or, after the connection closed, until the peer process is
@@ -168,6 +170,9 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
   c->held = 0;
   c->linger = NULL;
   c->weak = NULL;
+  c->spin_us = -1;
+  c->torch_dev = -1;
+  c->waiting = 0;
   gpuipc_peer_info pi = {0};
   c->peer_pid = gpuipc_conn_get_peer(gc, &pi) == GPUIPC_OK ? pi.pid : -1;
   gpuipc_conn_set_nonblocking(gc, 1);
@@ -182,47 +187,86 @@ static int conn_ok(ConnObject *c) {
   return 1;
 }
 
-/* Runs op (under the lock, never waiting) until it does not say
- * WOULD_BLOCK, waiting on the socket in between with neither the GIL nor
- * the lock; *st gets its status (E_TIMEOUT once the limit passed). Returns
- * -1 with an exception set (closed here, a signal), else 0. want_out: the
- * op sends (may wait for room in the socket, or for releases). */
-int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
-                    gpuipc_status *st) {
-  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
-  int out = want_out;
-  for (;;) {
-    if (!conn_ok(c)) return -1;
-    LOCK();
-    conn_reap(c, 0);
-    *st = op(c, ctx);
-    int fd = gpuipc_conn_get_fd(c->c);
-    UNLOCK();
-    flush_decrefs();
-    if (*st != GPUIPC_E_WOULD_BLOCK) return 0;
-    int left = -1;
-    if (deadline >= 0) {
-      int64_t l = deadline - now_ms();
-      if (l <= 0) {
-        *st = GPUIPC_E_TIMEOUT;
-        return 0;
-      }
-      left = (int)l;
-    }
-    if (fd < 0) return 0;
-    if (want_out && !out && (left < 0 || left > 1))
-      left = 1; /* after a POLLOUT that did not help: look again soon */
-    int r = wait_fd(fd, (short)(POLLIN | (out ? POLLOUT : 0)), left);
-    if (r < 0) return -1;
-    if (want_out) {
-      struct pollfd p = {.fd = fd, .events = POLLIN};
-      out = !(r == 1 && poll(&p, 1, 0) == 0); /* POLLOUT alone: back off once */
-    }
+/* A second thread that waits on a connection another thread already
+ * waits on (gpuipc_conn_wait runs beside one other thread's calls, not
+ * beside a second wait): poll on its socket, which the first waiter's
+ * sleep keeps a wake-up channel for the ring too. No GIL. */
+static gpuipc_status conn_wait_second(gpuipc_conn *gc, short events, int timeout_ms) {
+  int fd = gpuipc_conn_get_fd(gc);
+  if (fd < 0) return GPUIPC_E_CLOSED;
+  struct pollfd p = {.fd = fd, .events = events ? events : POLLIN};
+  int n = poll(&p, 1, timeout_ms);
+  if (n > 0 || (n < 0 && errno == EINTR)) return GPUIPC_OK;
+  return n == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_E_SYSTEM;
+}
+
+/* The spin of a call that may wait: spin_us= of the call, else the
+ * connection's spin_us option, else GPY_DEFAULT_SPIN_US. -1 with an
+ * exception for a bad value. */
+static int parse_spin(PyObject *o, ConnObject *c, int *out) {
+  if (!o || o == Py_None) {
+    *out = c->spin_us >= 0 ? c->spin_us : GPY_DEFAULT_SPIN_US;
+    return 0;
   }
+  gpuipc_conn_options t = GPUIPC_CONN_OPTIONS_INIT;
+  if (parse_carrier_opts(NULL, o, NULL, &t) < 0) return -1;
+  *out = t.spin_us;
+  return 0;
+}
+
+typedef struct {
+  ConnObject *c;
+  conn_op op;
+  void *ctx;
+} ConnRun;
+
+static gpuipc_status cr_try(void *v) {
+  ConnRun *r = v;
+  if (!conn_ok(r->c)) return GPY_RAISED;
+  LOCK();
+  conn_reap(r->c, 0);
+  gpuipc_status st = r->op(r->c, r->ctx);
+  UNLOCK();
+  flush_decrefs();
+  return st;
+}
+
+/* Waits on the connection without the GIL or the lock. The wait counts as
+ * something that still uses the connection (c->held): a close from
+ * another thread meanwhile hides it at once but closes it only when this
+ * wait is back (within a slice); the next attempt then says closed. */
+static gpuipc_status cr_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  ConnObject *c = ((ConnRun *)v)->c;
+  gpuipc_conn *gc = c->c;
+  if (!gc) return GPUIPC_OK; /* the attempt says closed */
+  c->held++;
+  int second = c->waiting++ > 0;
+  gpuipc_status w;
+  Py_BEGIN_ALLOW_THREADS
+  w = second ? conn_wait_second(gc, events, timeout_ms)
+             : gpuipc_conn_wait(gc, events, timeout_ms, spin_us);
+  Py_END_ALLOW_THREADS
+  c->waiting--;
+  conn_held_drop(c);
+  return w;
+}
+
+int conn_run_spin(ConnObject *c, int timeout_ms, int spin_us, int want_out, conn_op op,
+                  void *ctx, gpuipc_status *st) {
+  ConnRun r = {c, op, ctx};
+  return gpy_wait_loop(timeout_ms, (short)(POLLIN | (want_out ? POLLOUT : 0)), spin_us,
+                       cr_try, cr_sleep, &r, st);
+}
+
+int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
+             gpuipc_status *st) {
+  return conn_run_spin(c, timeout_ms, c->spin_us >= 0 ? c->spin_us : GPY_DEFAULT_SPIN_US,
+                       want_out, op, ctx, st);
 }
 
 static PyObject *conn_status(gpuipc_status st, const char *what, int timeout_ms) {
   if (st == GPUIPC_E_TIMEOUT) {
+    if (timeout_ms == 0) return raise_miss(what);
     char d[80];
     snprintf(d, sizeof d, "nothing within %d ms", timeout_ms);
     return raise_msg(st, what, d);
@@ -258,12 +302,12 @@ static int get_user_meta(PyObject *o, Py_buffer *view) {
   return PyObject_GetBuffer(o, view, PyBUF_SIMPLE);
 }
 
-static PyObject *Conn_send(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"obj", "stream", "meta", "timeout", "complete", NULL};
-  PyObject *obj, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL, *complete_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOOO", kwl, &obj, &stream_o, &meta_o, &tmo_o,
-                                   &complete_o))
-    return NULL;
+static PyObject *Conn_send(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+  static const char *const names[] = {"obj", "stream", "meta", "timeout", "complete"};
+  PyObject *a[5];
+  if (gpy_args("send", args, nargs, kwnames, 1, 1, names, 5, a) < 0) return NULL;
+  PyObject *obj = a[0], *stream_o = a[1], *meta_o = a[2], *tmo_o = a[3], *complete_o = a[4];
   if (complete_o && !PyBool_Check(complete_o)) {
     PyErr_Format(PyExc_TypeError, "send: complete must be True or False, not %.80s",
                  Py_TYPE(complete_o)->tp_name);
@@ -385,7 +429,10 @@ typedef struct {
   int held;
   int mark; /* release_batch: named in the list being checked */
   ArrMeta meta;
-  PyObject *user; /* bytes */
+  PyObject *user; /* bytes, made from umeta when first asked for */
+  DLBox box;      /* the first DLPack export or torch tensor of it */
+  uint16_t ulen;
+  uint8_t umeta[GPUIPC_META_MAX];
 } ReceivedObject;
 
 
@@ -413,20 +460,30 @@ static PyObject *rx_new(ConnObject *c, const gpuipc_received *rx, uintptr_t stre
   r->held = 1;
   c->held++;
   r->mark = 0;
+  r->user = NULL;
+  r->box.embedded = 1;
+  r->box.in_use = 0;
   const uint8_t *u;
   size_t ul;
   meta_decode(rx->meta, rx->meta_len, rx->length, &r->meta, &u, &ul);
-  r->user = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
+  if (ul > GPUIPC_META_MAX) ul = GPUIPC_META_MAX;
+  memcpy(r->umeta, u, ul);
+  r->ulen = (uint16_t)ul;
   g_count.live_received++;
-  if (!r->user) {
-    if (!release_on_fail) { /* the caller's to release */
-      r->held = 0;
-      conn_held_drop(c);
-    }
-    Py_DECREF(r); /* else released by its dealloc */
-    return NULL;
-  }
   return (PyObject *)r;
+}
+
+static PyObject *rx_user(ReceivedObject *r) {
+  if (!r->user) {
+    r->user = PyBytes_FromStringAndSize((const char *)r->umeta, (Py_ssize_t)r->ulen);
+    if (!r->user) return NULL;
+  }
+  Py_INCREF(r->user);
+  return r->user;
+}
+
+static View rx_view(ReceivedObject *r) {
+  return (View){r->ptr, &r->meta, kDLCUDA, r->device, r->stream, 1};
 }
 
 typedef struct {
@@ -440,19 +497,97 @@ static gpuipc_status op_recv(ConnObject *c, void *v) {
   return gpuipc_conn_recv(c->c, S(x->stream), &x->rx);
 }
 
-static PyObject *Conn_recv(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"stream", "timeout", NULL};
-  PyObject *stream_o = Py_None, *tmo_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OO", kwl, &stream_o, &tmo_o)) return NULL;
+/* bool keyword: NULL/None -> dflt. -1 with a TypeError. */
+static int kw_bool(PyObject *o, const char *fn, const char *name, int dflt, int *out) {
+  if (!o || o == Py_None) {
+    *out = dflt;
+    return 0;
+  }
+  if (!PyBool_Check(o)) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be True or False, not %.80s", fn, name,
+                 Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  *out = o == Py_True;
+  return 0;
+}
+
+/* The stream a receive that returns torch tensors waits on: stream= when
+ * given, else torch's current stream on the device the connection's last
+ * buffer was on (at first: torch's current device). */
+static int torch_recv_stream(ConnObject *c, PyObject *stream_o, int *dev, uintptr_t *stream) {
+  if (torch_ready() < 0) return -1;
+  *dev = c->torch_dev;
+  if (*dev < 0 && torch_current_device(dev) < 0) return -1;
+  if (stream_o && stream_o != Py_None) return parse_stream(stream_o, stream);
+  return torch_current_stream(*dev, stream);
+}
+
+/* After a receive on `stream` (device guessed `dev`; given: stream= was
+ * the caller's) of a buffer on device `bdev`: the stream torch's work on
+ * the tensor runs on (torch's current stream of bdev: `stream` itself when
+ * the guess was right and none was given), ordered after `stream` when it
+ * is another one. That stream is what the lease is released on. */
+static int torch_use_stream(ConnObject *c, int dev, int bdev, int given, uintptr_t stream,
+                            uintptr_t *use) {
+  c->torch_dev = bdev;
+  *use = stream;
+  if (bdev == dev && !given) return 0; /* the guess was right: that stream is torch's */
+  if (torch_current_stream(bdev, use) < 0) return -1;
+  if (*use != stream && order_streams(bdev, stream, *use) < 0) return -1;
+  return 0;
+}
+
+/* Received -> torch tensor (with its meta when with_meta). Takes r. */
+static PyObject *rx_to_torch(ReceivedObject *r, int with_meta) {
+  View v = rx_view(r);
+  v.has_stream = 0; /* ordered already */
+  PyObject *t = torch_tensor((PyObject *)r, &v, &r->box);
+  PyObject *ret = t;
+  if (t && with_meta) {
+    PyObject *m = rx_user(r);
+    ret = m ? PyTuple_Pack(2, t, m) : NULL;
+    Py_XDECREF(m);
+    Py_DECREF(t);
+  }
+  Py_DECREF(r); /* the tensor holds it now */
+  return ret;
+}
+
+static PyObject *Conn_recv(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+  static const char *const names[] = {"stream", "timeout", "spin_us", "as_torch", "with_meta"};
+  PyObject *a[5];
+  if (gpy_args("recv", args, nargs, kwnames, 0, 0, names, 5, a) < 0) return NULL;
   RecvCtx x;
-  memset(&x, 0, sizeof x);
-  int tmo;
-  if (parse_stream(stream_o, &x.stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+  x.stream = 0;
+  int tmo, spin, as_torch, with_meta, dev = 0;
+  if (kw_bool(a[3], "recv", "as_torch", 0, &as_torch) < 0 ||
+      kw_bool(a[4], "recv", "with_meta", 0, &with_meta) < 0 ||
+      parse_timeout(a[1], c->timeout_ms, &tmo) < 0 || parse_spin(a[2], c, &spin) < 0)
+    return NULL;
+  if (with_meta && !as_torch) {
+    PyErr_SetString(PyExc_ValueError, "recv: with_meta=True goes with as_torch=True (a "
+                    "Received has its .meta)");
+    return NULL;
+  }
+  if (as_torch ? torch_recv_stream(c, a[0], &dev, &x.stream) < 0
+               : parse_stream(a[0], &x.stream) < 0)
     return NULL;
   gpuipc_status st;
-  if (conn_run(c, tmo, 0, op_recv, &x, &st) < 0) return NULL;
+  if (conn_run_spin(c, tmo, spin, 0, op_recv, &x, &st) < 0) return NULL;
   if (st != GPUIPC_OK) return conn_status(st, "recv", tmo);
-  return rx_new(c, &x.rx, x.stream, 1);
+  uintptr_t use = x.stream;
+  if (as_torch &&
+      torch_use_stream(c, dev, x.rx.device, a[0] && a[0] != Py_None, x.stream, &use) < 0) {
+    LOCK(); /* the buffer goes back at once */
+    if (c->c) gpuipc_conn_release(c->c, x.rx.id, S(x.stream));
+    UNLOCK();
+    return NULL;
+  }
+  PyObject *r = rx_new(c, &x.rx, use, 1);
+  if (!r || !as_torch) return r;
+  return rx_to_torch((ReceivedObject *)r, with_meta);
 }
 
 /* --- batches and broadcast ------------------------------------------------ */
@@ -606,11 +741,12 @@ static gpuipc_status op_send_batch(ConnObject *c, void *v) {
   return gpuipc_conn_send_batch(c->c, x->blocks, x->n, S(x->stream), x->metas, x->lens);
 }
 
-static PyObject *Conn_send_batch(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"objs", "stream", "metas", "timeout", NULL};
-  PyObject *objs, *stream_o = Py_None, *metas_o = Py_None, *tmo_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$OOO", kwl, &objs, &stream_o, &metas_o, &tmo_o))
-    return NULL;
+static PyObject *Conn_send_batch(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames) {
+  static const char *const names[] = {"objs", "stream", "metas", "timeout"};
+  PyObject *a[4];
+  if (gpy_args("send_batch", args, nargs, kwnames, 1, 1, names, 4, a) < 0) return NULL;
+  PyObject *objs = a[0], *stream_o = a[1], *metas_o = a[2] ? a[2] : Py_None, *tmo_o = a[3];
   if (!conn_ok(c)) return NULL;
   uintptr_t stream;
   int tmo;
@@ -709,19 +845,131 @@ static gpuipc_status op_recv_batch(ConnObject *c, void *v) {
   return gpuipc_conn_recv_batch(c->c, S(x->stream), x->rx, x->max, &x->n);
 }
 
-static PyObject *Conn_recv_batch(ConnObject *c, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"max", "stream", "timeout", NULL};
-  Py_ssize_t max;
-  PyObject *stream_o = Py_None, *tmo_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "n|$OO", kwl, &max, &stream_o, &tmo_o))
-    return NULL;
+/* The leases of one recv_batch(as_torch=True): each tensor's DLPack
+ * tensor holds a reference to it, so it dies with the last of them, and
+ * then gives the whole batch back in one gpuipc_conn_release_batch per
+ * GPUIPC_BATCH_MAX (one release signal), on the stream the tensors were
+ * ordered on. Internal: never seen from Python. */
+typedef struct {
+  PyObject_HEAD
+  ConnObject *conn;
+  uintptr_t stream;
+  size_t n;
+  uint64_t *ids;
+  DLBox *boxes; /* embedded boxes, one per tensor */
+} HoldObject;
+
+static void Hold_dealloc(HoldObject *h) {
+  uint64_t *ids = h->ids;
+  for (size_t i = 0; i < h->n;) {
+    size_t k = h->n - i < GPUIPC_BATCH_MAX ? h->n - i : GPUIPC_BATCH_MAX;
+    LOCK();
+    gpuipc_conn *gc = conn_rx(h->conn); /* a close here keeps them open */
+    if (gc) gpuipc_conn_release_batch(gc, ids + i, k, S(h->stream));
+    UNLOCK();
+    i += k;
+  }
+  g_count.live_received -= (long long)h->n;
+  if (h->n) conn_held_drop(h->conn); /* the last after a close closes it */
+  Py_DECREF(h->conn);
+  PyMem_Free(h->ids);
+  PyMem_Free(h->boxes);
+  PyObject_Free(h);
+}
+
+static PyTypeObject HoldType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc._BatchHold",
+    .tp_basicsize = sizeof(HoldObject),
+    .tp_dealloc = (destructor)Hold_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "the leases of one recv_batch(as_torch=True), given back with its last tensor",
+};
+
+/* The tensors (or (tensor, meta) pairs) of a batch received on stream.
+ * On failure everything received goes back. */
+static PyObject *batch_to_torch(ConnObject *c, const gpuipc_received *rx, size_t n,
+                                uintptr_t stream, int with_meta) {
+  if (PyType_Ready(&HoldType) < 0) return NULL;
+  HoldObject *h = PyObject_New(HoldObject, &HoldType);
+  uint64_t *ids = PyMem_Malloc(n * sizeof *ids);
+  DLBox *boxes = PyMem_Calloc(n, sizeof *boxes);
+  PyObject *list = PyList_New((Py_ssize_t)n);
+  if (!h || !ids || !boxes || !list) {
+    Py_XDECREF(list);
+    PyMem_Free(ids);
+    PyMem_Free(boxes);
+    uint64_t tmp[GPUIPC_BATCH_MAX];
+    for (size_t i = 0; i < n;) {
+      size_t k = 0;
+      for (; k < GPUIPC_BATCH_MAX && i < n; k++, i++) tmp[k] = rx[i].id;
+      LOCK();
+      if (c->c) gpuipc_conn_release_batch(c->c, tmp, k, S(stream));
+      UNLOCK();
+    }
+    if (h) PyObject_Free(h);
+    return PyErr_NoMemory();
+  }
+  Py_INCREF(c);
+  h->conn = c;
+  h->stream = stream;
+  h->n = n;
+  h->ids = ids;
+  h->boxes = boxes;
+  c->held++;
+  g_count.live_received += (long long)n;
+  for (size_t i = 0; i < n; i++) ids[i] = rx[i].id;
+  /* from here on h gives everything back when it dies */
+  for (size_t i = 0; i < n; i++) {
+    ArrMeta m;
+    const uint8_t *u;
+    size_t ul;
+    meta_decode(rx[i].meta, rx[i].meta_len, rx[i].length, &m, &u, &ul);
+    View v = {rx[i].ptr, &m, kDLCUDA, rx[i].device, stream, 0};
+    boxes[i].embedded = 1;
+    PyObject *t = torch_tensor((PyObject *)h, &v, &boxes[i]);
+    if (t && with_meta) {
+      PyObject *mb = PyBytes_FromStringAndSize((const char *)u, (Py_ssize_t)ul);
+      PyObject *pair = mb ? PyTuple_Pack(2, t, mb) : NULL;
+      Py_XDECREF(mb);
+      Py_DECREF(t);
+      t = pair;
+    }
+    if (!t) {
+      Py_DECREF(list);
+      Py_DECREF(h);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+  }
+  Py_DECREF(h); /* the tensors hold it */
+  return list;
+}
+
+static PyObject *Conn_recv_batch(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames) {
+  static const char *const names[] = {"max",     "stream",   "timeout",
+                                      "spin_us", "as_torch", "with_meta"};
+  PyObject *a[6];
+  if (gpy_args("recv_batch", args, nargs, kwnames, 1, 1, names, 6, a) < 0) return NULL;
+  Py_ssize_t max = PyNumber_AsSsize_t(a[0], PyExc_OverflowError);
+  if (max == -1 && PyErr_Occurred()) return NULL;
   if (max < 1) {
     PyErr_Format(PyExc_ValueError, "recv_batch: max must be >= 1, not %zd", max);
     return NULL;
   }
   RecvBatchCtx x = {0};
-  int tmo;
-  if (parse_stream(stream_o, &x.stream) < 0 || parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0)
+  int tmo, spin, as_torch, with_meta, dev = 0;
+  if (kw_bool(a[4], "recv_batch", "as_torch", 0, &as_torch) < 0 ||
+      kw_bool(a[5], "recv_batch", "with_meta", 0, &with_meta) < 0 ||
+      parse_timeout(a[2], c->timeout_ms, &tmo) < 0 || parse_spin(a[3], c, &spin) < 0)
+    return NULL;
+  if (with_meta && !as_torch) {
+    PyErr_SetString(PyExc_ValueError, "recv_batch: with_meta=True goes with as_torch=True "
+                    "(a Received has its .meta)");
+    return NULL;
+  }
+  if (as_torch ? torch_recv_stream(c, a[1], &dev, &x.stream) < 0
+               : parse_stream(a[1], &x.stream) < 0)
     return NULL;
   if (!conn_ok(c)) return NULL;
   /* No more can be queued than a peer may have outstanding (at most 65536). */
@@ -731,8 +979,34 @@ static PyObject *Conn_recv_batch(ConnObject *c, PyObject *args, PyObject *kw) {
   for (size_t i = 0; i < x.max; i++) x.rx[i].size = sizeof x.rx[i];
   PyObject *list = NULL;
   gpuipc_status st;
-  if (conn_run(c, tmo, 0, op_recv_batch, &x, &st) < 0) goto out;
+  if (conn_run_spin(c, tmo, spin, 0, op_recv_batch, &x, &st) < 0) goto out;
   if (st != GPUIPC_OK) { conn_status(st, "recv_batch", tmo); goto out; }
+  if (as_torch) {
+    /* one device per batch: torch's stream of the first buffer's */
+    uintptr_t use = x.stream;
+    if (torch_use_stream(c, dev, x.rx[0].device, a[1] && a[1] != Py_None, x.stream, &use) < 0)
+      use = x.stream;
+    for (size_t i = 1; !PyErr_Occurred() && i < x.n; i++)
+      if (x.rx[i].device != x.rx[0].device) {
+        uintptr_t o;
+        if (torch_current_stream(x.rx[i].device, &o) == 0 && o != x.stream)
+          order_streams(x.rx[i].device, x.stream, o);
+        break;
+      }
+    if (PyErr_Occurred()) {
+      uint64_t ids[GPUIPC_BATCH_MAX];
+      for (size_t i = 0; i < x.n;) {
+        size_t k = 0;
+        for (; k < GPUIPC_BATCH_MAX && i < x.n; k++, i++) ids[k] = x.rx[i].id;
+        LOCK();
+        if (c->c) gpuipc_conn_release_batch(c->c, ids, k, S(x.stream));
+        UNLOCK();
+      }
+      goto out;
+    }
+    list = batch_to_torch(c, x.rx, x.n, use, with_meta);
+    goto out;
+  }
   list = PyList_New((Py_ssize_t)x.n);
   size_t i = 0;
   for (; list && i < x.n; i++) {
@@ -884,7 +1158,150 @@ PyObject *mod_release_batch(PyObject *m, PyObject *args, PyObject *kw) {
  * free slot, no room in its socket, its setup waiting for the peer): those
  * are tried again, in a broadcast of their own, once their sockets say
  * something changed, until each one's timeout. The others are not held
- * back: a connection's failure is its entry in the list. */
+ * back: a connection's failure is its entry in the list. The waits are the
+ * package's one loop (gpy_wait_loop): an attempt is one pass over the
+ * connections still pending, a wait a poll of their sockets (no call of
+ * gpuipc_conn_wait: it watches one connection), bounded by the soonest of
+ * their deadlines. */
+typedef struct {
+  ConnObject **cs;
+  Py_ssize_t n;
+  PyObject *list;
+  ArenaItem *it;
+  uintptr_t stream;
+  const uint8_t *wire;
+  size_t wlen;
+  int have_tmo, tmo;
+  gpuipc_conn **gc;
+  Py_ssize_t *pend, *idx;
+  gpuipc_status *sts;
+  int64_t *deadline; /* ms, -1 none */
+  struct pollfd *pfd;
+  Py_ssize_t np;
+  int64_t soonest; /* ms, -1 none */
+  int pass;
+} BcastRun;
+
+static gpuipc_status bc_try(void *v) {
+  BcastRun *r = v;
+  ConnObject **cs = r->cs;
+  if (r->np == 0) return GPUIPC_OK;
+  /* 1: one broadcast to every connection still pending */
+  Py_ssize_t k = 0, closed_here = 0;
+  gpuipc_status whole = GPUIPC_OK;
+  char why[512] = "";
+  int freed = 0;
+  LOCK();
+  for (Py_ssize_t j = 0; j < r->np; j++) {
+    ConnObject *c = cs[r->pend[j]];
+    if (!c->c) {
+      r->pend[closed_here++] = r->pend[j]; /* answered below, after the lock */
+      continue;
+    }
+    conn_reap(c, 0);
+    r->idx[k] = r->pend[j];
+    r->gc[k++] = c->c;
+  }
+  if (k > 0 && !r->it->blk->b) {
+    freed = 1;
+  } else if (k > 0) {
+    for (Py_ssize_t j = 0; j < k; j++) r->sts[j] = GPUIPC__STATUS_END; /* not set */
+    whole = gpuipc_conn_broadcast(r->gc, (size_t)k, r->it->blk->b, S(r->stream), r->wire,
+                                  r->wlen, r->sts);
+    if (whole != GPUIPC_OK) snprintf(why, sizeof why, "%s", gpuipc_last_error());
+  }
+  for (Py_ssize_t j = 0; j < k; j++) r->pfd[j].fd = gpuipc_conn_get_fd(r->gc[j]);
+  UNLOCK();
+  flush_decrefs();
+  for (Py_ssize_t j = 0; j < closed_here; j++) {
+    PyObject *e = exc_obj(GPUIPC_E_CLOSED, "broadcast", "connection closed here");
+    if (!e) return GPY_RAISED;
+    PyList_SET_ITEM(r->list, r->pend[j], e);
+  }
+  r->np = 0;
+  if (freed || (whole != GPUIPC_OK && k > 0 && r->sts[0] == GPUIPC__STATUS_END)) {
+    /* The call failed as a whole: nothing was sent in this pass. */
+    gpuipc_status st = freed ? GPUIPC_E_INVALID_ARG : whole;
+    const char *d = freed ? "the block was freed meanwhile" : why;
+    if (r->pass == 0) {
+      raise_msg(st, "broadcast", d);
+      return GPY_RAISED;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+      PyObject *e = exc_obj(st, "broadcast", d);
+      if (!e) return GPY_RAISED;
+      PyList_SET_ITEM(r->list, r->idx[j], e);
+    }
+    return GPUIPC_OK;
+  }
+  r->pass++;
+  /* 2: the answers. The library's message tells of the first connection
+   * that failed (after "(the first that failed): "). */
+  Py_ssize_t fj = 0;
+  while (fj < k && r->sts[fj] == GPUIPC_OK) fj++;
+  const char *first = strstr(why, "(the first that failed): ");
+  first = first ? first + strlen("(the first that failed): ") : why;
+  int64_t now = now_ms();
+  r->soonest = -1;
+  for (Py_ssize_t j = 0; j < k; j++) {
+    Py_ssize_t i = r->idx[j];
+    gpuipc_status st = r->sts[j];
+    if (st == GPUIPC_E_WOULD_BLOCK && !(r->deadline[i] >= 0 && now >= r->deadline[i])) {
+      r->pfd[r->np].fd = r->pfd[j].fd;
+      r->pend[r->np++] = i;
+      if (r->deadline[i] >= 0 && (r->soonest < 0 || r->deadline[i] < r->soonest))
+        r->soonest = r->deadline[i];
+      continue;
+    }
+    PyObject *e;
+    if (st == GPUIPC_OK) {
+      e = Py_None;
+      Py_INCREF(e);
+    } else {
+      char d[640];
+      if (st == GPUIPC_E_WOULD_BLOCK) {
+        snprintf(d, sizeof d, "conns[%zd] not ready within %d ms: no free slot, or no "
+                 "room in its socket", i, r->have_tmo ? r->tmo : cs[i]->timeout_ms);
+        st = GPUIPC_E_TIMEOUT;
+      } else if (j == fj) {
+        snprintf(d, sizeof d, "conns[%zd]: %s", i, first);
+      } else {
+        snprintf(d, sizeof d, "conns[%zd], peer pid %d", i, cs[i]->peer_pid);
+      }
+      e = exc_obj(st, "broadcast", d);
+      if (!e) return GPY_RAISED;
+    }
+    PyList_SET_ITEM(r->list, i, e);
+  }
+  return r->np ? GPUIPC_E_WOULD_BLOCK : GPUIPC_OK;
+}
+
+/* 3: until a pending connection's socket has news, a slice, or the
+ * soonest deadline */
+static gpuipc_status bc_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  BcastRun *r = v;
+  int left = timeout_ms;
+  if (r->soonest >= 0) {
+    int64_t l = r->soonest - now_ms();
+    if (l < left) left = l > 0 ? (int)l : 0;
+  }
+  for (Py_ssize_t j = 0; j < r->np; j++) {
+    r->pfd[j].events = events;
+    r->pfd[j].revents = 0;
+  }
+  int n, err;
+  Py_BEGIN_ALLOW_THREADS
+  n = poll(r->pfd, (nfds_t)r->np, left);
+  err = errno;
+  Py_END_ALLOW_THREADS
+  if (n < 0 && err != EINTR) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    return GPY_RAISED;
+  }
+  return n == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_OK;
+}
+
 PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"conns", "block", "stream", "meta", "timeout", NULL};
   PyObject *conns_o, *block_o, *stream_o = Py_None, *meta_o = Py_None, *tmo_o = NULL;
@@ -910,11 +1327,7 @@ PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
   PyObject *list = NULL, *ret = NULL;
   ArenaItem it = {0};
   Py_buffer um = {0};
-  gpuipc_conn **gc = NULL;
-  Py_ssize_t *pend = NULL, *idx = NULL;
-  gpuipc_status *sts = NULL;
-  int64_t *deadline = NULL;
-  struct pollfd *pfd = NULL;
+  BcastRun r = {0};
   if (n > GPUIPC_BROADCAST_MAX) {
     PyErr_Format(PyExc_ValueError, "broadcast: %zd connections, at most %d", n,
                  GPUIPC_BROADCAST_MAX);
@@ -943,128 +1356,35 @@ PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
   if (n == 0) goto done;
   if (order_items(&it, 1, stream) < 0) goto out;
   size_t un = (size_t)n;
-  gc = PyMem_Malloc(un * sizeof *gc);
-  pend = PyMem_Malloc(un * sizeof *pend);
-  idx = PyMem_Malloc(un * sizeof *idx);
-  sts = PyMem_Malloc(un * sizeof *sts);
-  deadline = PyMem_Malloc(un * sizeof *deadline);
-  pfd = PyMem_Malloc(un * sizeof *pfd);
-  if (!gc || !pend || !idx || !sts || !deadline || !pfd) { PyErr_NoMemory(); goto out; }
-  Py_ssize_t np = 0;
+  r.cs = cs;
+  r.n = n;
+  r.list = list;
+  r.it = &it;
+  r.stream = stream;
+  r.wire = wire;
+  r.wlen = wlen;
+  r.have_tmo = have_tmo;
+  r.tmo = tmo;
+  r.soonest = -1;
+  r.gc = PyMem_Malloc(un * sizeof *r.gc);
+  r.pend = PyMem_Malloc(un * sizeof *r.pend);
+  r.idx = PyMem_Malloc(un * sizeof *r.idx);
+  r.sts = PyMem_Malloc(un * sizeof *r.sts);
+  r.deadline = PyMem_Malloc(un * sizeof *r.deadline);
+  r.pfd = PyMem_Malloc(un * sizeof *r.pfd);
+  if (!r.gc || !r.pend || !r.idx || !r.sts || !r.deadline || !r.pfd) {
+    PyErr_NoMemory();
+    goto out;
+  }
   int64_t t0 = now_ms();
   for (Py_ssize_t i = 0; i < n; i++) {
     int t = have_tmo ? tmo : cs[i]->timeout_ms;
-    deadline[i] = t < 0 ? -1 : t0 + t;
-    pend[np++] = i;
+    r.deadline[i] = t < 0 ? -1 : t0 + t;
+    r.pend[r.np++] = i;
   }
-  int want_out = 1, pass = 0;
-  while (np > 0) {
-    /* 1: one broadcast to every connection still pending */
-    Py_ssize_t k = 0, closed_here = 0;
-    gpuipc_status whole = GPUIPC_OK;
-    char why[512] = "";
-    int freed = 0;
-    LOCK();
-    for (Py_ssize_t j = 0; j < np; j++) {
-      ConnObject *c = cs[pend[j]];
-      if (!c->c) {
-        pend[closed_here++] = pend[j]; /* answered below, after the lock */
-        continue;
-      }
-      conn_reap(c, 0);
-      idx[k] = pend[j];
-      gc[k++] = c->c;
-    }
-    if (k > 0 && !it.blk->b) {
-      freed = 1;
-    } else if (k > 0) {
-      for (Py_ssize_t j = 0; j < k; j++) sts[j] = GPUIPC__STATUS_END; /* not set */
-      whole = gpuipc_conn_broadcast(gc, (size_t)k, it.blk->b, S(stream), wire, wlen, sts);
-      if (whole != GPUIPC_OK) snprintf(why, sizeof why, "%s", gpuipc_last_error());
-    }
-    for (Py_ssize_t j = 0; j < k; j++) pfd[j].fd = gpuipc_conn_get_fd(gc[j]);
-    UNLOCK();
-    flush_decrefs();
-    for (Py_ssize_t j = 0; j < closed_here; j++) {
-      PyObject *e = exc_obj(GPUIPC_E_CLOSED, "broadcast", "connection closed here");
-      if (!e) goto out;
-      PyList_SET_ITEM(list, pend[j], e);
-    }
-    if (freed || (whole != GPUIPC_OK && k > 0 && sts[0] == GPUIPC__STATUS_END)) {
-      /* The call failed as a whole: nothing was sent in this pass. */
-      gpuipc_status st = freed ? GPUIPC_E_INVALID_ARG : whole;
-      const char *d = freed ? "the block was freed meanwhile" : why;
-      if (pass == 0) { raise_msg(st, "broadcast", d); goto out; }
-      for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *e = exc_obj(st, "broadcast", d);
-        if (!e) goto out;
-        PyList_SET_ITEM(list, idx[j], e);
-      }
-      break;
-    }
-    /* 2: the answers. The library's message tells of the first connection
-     * that failed (after "(the first that failed): "). */
-    Py_ssize_t fj = 0;
-    while (fj < k && sts[fj] == GPUIPC_OK) fj++;
-    const char *first = strstr(why, "(the first that failed): ");
-    first = first ? first + strlen("(the first that failed): ") : why;
-    np = 0;
-    int64_t now = now_ms(), soonest = -1;
-    for (Py_ssize_t j = 0; j < k; j++) {
-      Py_ssize_t i = idx[j];
-      gpuipc_status s = sts[j];
-      if (s == GPUIPC_E_WOULD_BLOCK && !(deadline[i] >= 0 && now >= deadline[i])) {
-        pfd[np].fd = pfd[j].fd;
-        pend[np++] = i;
-        if (deadline[i] >= 0 && (soonest < 0 || deadline[i] < soonest)) soonest = deadline[i];
-        continue;
-      }
-      PyObject *e;
-      if (s == GPUIPC_OK) {
-        e = Py_None;
-        Py_INCREF(e);
-      } else {
-        char d[640];
-        if (s == GPUIPC_E_WOULD_BLOCK) {
-          snprintf(d, sizeof d, "conns[%zd] not ready within %d ms: no free slot, or no "
-                   "room in its socket", i, have_tmo ? tmo : cs[i]->timeout_ms);
-          s = GPUIPC_E_TIMEOUT;
-        } else if (j == fj) {
-          snprintf(d, sizeof d, "conns[%zd]: %s", i, first);
-        } else {
-          snprintf(d, sizeof d, "conns[%zd], peer pid %d", i, cs[i]->peer_pid);
-        }
-        e = exc_obj(s, "broadcast", d);
-        if (!e) goto out;
-      }
-      PyList_SET_ITEM(list, i, e);
-    }
-    if (np == 0) break;
-    /* 3: wait until a pending connection's socket has news, or a timeout */
-    int left = -1;
-    if (soonest >= 0) left = soonest - now > 0 ? (int)(soonest - now) : 0;
-    if (!want_out && (left < 0 || left > 1)) left = 1; /* POLLOUT alone did not help */
-    for (Py_ssize_t j = 0; j < np; j++) {
-      pfd[j].events = (short)(POLLIN | (want_out ? POLLOUT : 0));
-      pfd[j].revents = 0;
-    }
-    int r, err;
-    Py_BEGIN_ALLOW_THREADS
-    r = poll(pfd, (nfds_t)np, left);
-    err = errno;
-    Py_END_ALLOW_THREADS
-    if (r < 0 && err != EINTR) {
-      errno = err;
-      PyErr_SetFromErrno(PyExc_OSError);
-      goto out;
-    }
-    if (r < 0 && PyErr_CheckSignals() < 0) goto out;
-    int in = 0;
-    for (Py_ssize_t j = 0; r > 0 && j < np; j++)
-      in |= (pfd[j].revents & (POLLIN | POLLHUP | POLLERR)) != 0;
-    want_out = !(r > 0 && !in);
-    pass++;
-  }
+  /* each connection's deadline ends its part (bc_try): no overall one */
+  gpuipc_status st;
+  if (gpy_wait_loop(-1, POLLIN | POLLOUT, 0, bc_try, bc_sleep, &r, &st) < 0) goto out;
 done:
   ret = list;
   list = NULL;
@@ -1072,12 +1392,12 @@ out:
   Py_XDECREF(list);
   Py_XDECREF(it.blk);
   if (um.obj) PyBuffer_Release(&um);
-  PyMem_Free(gc);
-  PyMem_Free(pend);
-  PyMem_Free(idx);
-  PyMem_Free(sts);
-  PyMem_Free(deadline);
-  PyMem_Free(pfd);
+  PyMem_Free(r.gc);
+  PyMem_Free(r.pend);
+  PyMem_Free(r.idx);
+  PyMem_Free(r.sts);
+  PyMem_Free(r.deadline);
+  PyMem_Free(r.pfd);
   Py_DECREF(seq);
   return ret;
 }
@@ -1185,6 +1505,26 @@ static gpuipc_status op_progress(ConnObject *c, void *v) {
   return st;
 }
 
+/* progress(timeout): the wait for something to arrive is the one loop's,
+ * with an attempt that only says whether a wake-up came. */
+typedef struct {
+  ConnRun r;
+  int woke;
+} ProgWait;
+
+static gpuipc_status pw_try(void *v) {
+  ProgWait *p = v;
+  if (!conn_ok(p->r.c)) return GPY_RAISED;
+  return p->woke ? GPUIPC_OK : GPUIPC_E_WOULD_BLOCK;
+}
+
+static gpuipc_status pw_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  ProgWait *p = v;
+  gpuipc_status w = cr_sleep(&p->r, events, timeout_ms, spin_us);
+  if (w != GPUIPC_E_TIMEOUT) p->woke = 1; /* ready, or an error the call says */
+  return w == GPUIPC_E_TIMEOUT ? w : GPUIPC_OK;
+}
+
 static PyObject *Conn_progress(ConnObject *c, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"timeout", NULL};
   PyObject *tmo_o = NULL;
@@ -1193,8 +1533,9 @@ static PyObject *Conn_progress(ConnObject *c, PyObject *args, PyObject *kw) {
   if (tmo_o && parse_timeout(tmo_o, 0, &tmo) < 0) return NULL;
   if (!conn_ok(c)) return NULL;
   if (tmo != 0) {
-    int fd = gpuipc_conn_get_fd(c->c);
-    if (fd >= 0 && wait_fd(fd, POLLIN, tmo) < 0) return NULL;
+    ProgWait p = {{c, NULL, NULL}, 0};
+    gpuipc_status ws;
+    if (gpy_wait_loop(tmo, POLLIN, 0, pw_try, pw_sleep, &p, &ws) < 0) return NULL;
   }
   if (!conn_ok(c)) return NULL;
   LOCK();
@@ -1297,15 +1638,23 @@ static PyObject *Conn_get_npending(ConnObject *c, void *unused) {
 }
 
 static PyMethodDef Conn_methods[] = {
-    {"send", (PyCFunction)(void (*)(void))Conn_send, METH_VARARGS | METH_KEYWORDS,
+    {"send", (PyCFunction)(void (*)(void))Conn_send, METH_FASTCALL | METH_KEYWORDS,
      "send(obj, *, stream=None, meta=None, timeout=..., complete=False): hand a buffer "
      "to the peer. complete=True (arena blocks only): the caller asserts the data is "
      "complete already (it synchronized, or the host wrote it): no stream is queried, "
      "ordered or signalled, and the consumer waits for nothing; if that is not true it "
      "may read stale data"},
-    {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_VARARGS | METH_KEYWORDS,
-     "recv(*, stream=None, timeout=...) -> Received"},
-    {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_VARARGS | METH_KEYWORDS,
+    {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_FASTCALL | METH_KEYWORDS,
+     "recv(*, stream=None, timeout=..., spin_us=None, as_torch=False, with_meta=False) -> "
+     "Received, or a torch.Tensor with as_torch=True ((tensor, meta) with with_meta=True). "
+     "Waits up to timeout (None: forever; 0: not at all), looking for spin_us "
+     "microseconds without sleeping first (default: the connection's spin_us, else 50). "
+     "as_torch=True: the tensor is made in C (torch's DLPack C exchange API where torch "
+     "has it, else torch._C._from_dlpack); its data is ordered on torch's current stream "
+     "of its device (stream= given: the receive waits on that stream and torch's current "
+     "stream is ordered after it), and the lease goes back when the tensor is gone, "
+     "ordered after the work queued on that stream by then"},
+    {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_FASTCALL | METH_KEYWORDS,
      "send_batch(objs, *, stream=None, metas=None, timeout=...): hand many arena buffers "
      "to the peer as one operation (one frame, one signal). objs: Blocks, or arrays "
      "inside arena blocks, each with its array metadata as send() encodes it; metas: "
@@ -1315,10 +1664,13 @@ static PyMethodDef Conn_methods[] = {
      "of frame (48 per buffer plus its encoded metadata), more than max_outstanding, "
      "a timeout while waiting for free slots: nothing was sent. An empty sequence "
      "sends nothing."},
-    {"recv_batch", (PyCFunction)(void (*)(void))Conn_recv_batch, METH_VARARGS | METH_KEYWORDS,
-     "recv_batch(max, *, stream=None, timeout=...) -> [Received]: waits for the first "
-     "buffer, then takes every one already arrived, up to max (one stream wait per "
-     "batch the producer sent among them)"},
+    {"recv_batch", (PyCFunction)(void (*)(void))Conn_recv_batch, METH_FASTCALL | METH_KEYWORDS,
+     "recv_batch(max, *, stream=None, timeout=..., spin_us=None, as_torch=False, "
+     "with_meta=False) -> [Received], or [torch.Tensor] with as_torch=True ([(tensor, "
+     "meta)] with with_meta=True): waits for the first buffer, then takes every one "
+     "already arrived, up to max (one stream wait per batch the producer sent among "
+     "them). as_torch=True: as recv(as_torch=True), and the batch's leases go back "
+     "together, in one release signal, when the last of its tensors is gone"},
     {"release_batch", (PyCFunction)(void (*)(void))Conn_release_batch,
      METH_VARARGS | METH_KEYWORDS,
      "release_batch(received, stream=<each one's receive stream>): give back many "
@@ -1375,10 +1727,6 @@ PyTypeObject ConnType = {
 /* Received                                                                 */
 /* ------------------------------------------------------------------------ */
 
-static View rx_view(ReceivedObject *r) {
-  return (View){r->ptr, &r->meta, kDLCUDA, r->device, r->stream, 1};
-}
-
 static int rx_alive(ReceivedObject *r) {
   if (!r->held) {
     PyErr_SetString(PyExc_ValueError, "buffer already released");
@@ -1398,10 +1746,11 @@ static void rx_release(ReceivedObject *r, uintptr_t stream, gpuipc_status *st) {
   conn_held_drop(r->conn); /* the last after a close closes it */
 }
 
-static PyObject *Rx_release(ReceivedObject *r, PyObject *args, PyObject *kw) {
-  static char *kwl[] = {"stream", NULL};
-  PyObject *stream_o = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwl, &stream_o)) return NULL;
+static PyObject *Rx_release(ReceivedObject *r, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+  static const char *const names[] = {"stream"};
+  PyObject *stream_o;
+  if (gpy_args("release", args, nargs, kwnames, 0, 1, names, 1, &stream_o) < 0) return NULL;
   uintptr_t s = r->stream;
   if (stream_o && parse_stream(stream_o, &s) < 0) return NULL;
   gpuipc_status st;
@@ -1424,10 +1773,11 @@ static PyObject *Rx_cai(ReceivedObject *r, void *u) {
   View v = rx_view(r);
   return cai_dict(&v);
 }
-static PyObject *Rx_dlpack(ReceivedObject *r, PyObject *a, PyObject *k) {
+static PyObject *Rx_dlpack(ReceivedObject *r, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
   if (!rx_alive(r)) return NULL;
   View v = rx_view(r);
-  return dlpack_export((PyObject *)r, &v, a, k);
+  return dlpack_export_fast((PyObject *)r, &v, &r->box, args, nargs, kwnames);
 }
 static PyObject *Rx_dlpack_device(ReceivedObject *r, PyObject *u) {
   View v = rx_view(r);
@@ -1448,7 +1798,7 @@ static PyObject *Rx_get(ReceivedObject *r, void *which) {
   case 1: return PyLong_FromUnsignedLongLong((uintptr_t)r->ptr + r->meta.offset);
   case 2: return PyLong_FromSize_t(meta_extent(&r->meta));
   case 3: return PyLong_FromLong(r->device);
-  case 4: Py_INCREF(r->user); return r->user;
+  case 4: return rx_user(r);
   case 5: return PyBool_FromLong(r->held);
   case 6: return PyLong_FromLongLong(stream_report(r->stream));
   case 7: return PyLong_FromSize_t(r->length);
@@ -1467,9 +1817,10 @@ static PyObject *Rx_repr(ReceivedObject *r) {
 }
 
 static PyMethodDef Rx_methods[] = {
-    {"release", (PyCFunction)(void (*)(void))Rx_release, METH_VARARGS | METH_KEYWORDS,
+    {"release", (PyCFunction)(void (*)(void))Rx_release, METH_FASTCALL | METH_KEYWORDS,
      "release(stream=None): give the buffer back (after the work queued on stream)"},
-    {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_FASTCALL | METH_KEYWORDS,
+     "__dlpack__(stream=None, *, max_version=None, dl_device=None, copy=None)"},
     {"__dlpack_device__", (PyCFunction)Rx_dlpack_device, METH_NOARGS, NULL},
     {"__enter__", gpy_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Rx_exit, METH_VARARGS, NULL},
@@ -1514,6 +1865,7 @@ typedef struct {
   gpuipc_listener *l;
   int timeout_ms;
   unsigned maxo;
+  int spin_us; /* given to listen(), for the connections it accepts; else -1 */
 } ListenerObject;
 
 typedef struct {
@@ -1658,7 +2010,36 @@ PyObject *mod_listen(PyObject *m, PyObject *args, PyObject *kw) {
   o->l = l;
   o->timeout_ms = tmo;
   o->maxo = co.o.max_outstanding;
+  o->spin_us = ks && ks != Py_None ? co.o.spin_us : -1;
   return (PyObject *)o;
+}
+
+typedef struct {
+  ListenerObject *o;
+  gpuipc_conn *c;
+} AcceptRun;
+
+static gpuipc_status ar_try(void *v) {
+  AcceptRun *a = v;
+  if (!a->o->l) {
+    raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
+    return GPY_RAISED;
+  }
+  gpuipc_status st;
+  gpuipc_listener *l = a->o->l;
+  /* gpuipc_accept never waits here (non-blocking listener), but it may
+   * read and answer handshakes */
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_accept(l, &a->c);
+  Py_END_ALLOW_THREADS
+  /* a handshake that timed out is some other peer's end, not ours */
+  return st == GPUIPC_E_TIMEOUT ? GPUIPC_E_WOULD_BLOCK : st;
+}
+
+static gpuipc_status ar_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  AcceptRun *a = v;
+  if (!a->o->l) return GPUIPC_OK; /* the attempt says closed */
+  return gpy_poll_fd(gpuipc_listener_get_fd(a->o->l), events, timeout_ms, spin_us);
 }
 
 static PyObject *Listener_accept(ListenerObject *o, PyObject *args, PyObject *kw) {
@@ -1668,26 +2049,17 @@ static PyObject *Listener_accept(ListenerObject *o, PyObject *args, PyObject *kw
   if (!o->l) return raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
   int tmo;
   if (parse_timeout(tmo_o, o->timeout_ms, &tmo) < 0) return NULL;
-  int64_t deadline = tmo < 0 ? -1 : now_ms() + tmo;
-  for (;;) {
-    int left = deadline < 0 ? -1 : (int)(deadline - now_ms());
-    if (deadline >= 0 && left < 0) left = 0;
-    int r = wait_fd(gpuipc_listener_get_fd(o->l), POLLIN, left);
-    if (r < 0) return NULL;
-    if (r == 0) return raise_msg(GPUIPC_E_TIMEOUT, "accept", "no peer came");
-    if (!o->l) return raise_msg(GPUIPC_E_CLOSED, "accept", "listener closed");
-    gpuipc_conn *c = NULL;
-    gpuipc_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = gpuipc_accept(o->l, &c);
-    Py_END_ALLOW_THREADS
-    if (st == GPUIPC_E_WOULD_BLOCK || st == GPUIPC_E_TIMEOUT) {
-      if (deadline >= 0 && now_ms() >= deadline) return raise_st(st, "accept");
-      continue;
-    }
-    if (st) return raise_st(st, "accept");
-    return conn_new(c, o->timeout_ms, o->maxo, 0);
-  }
+  AcceptRun a = {o, NULL};
+  gpuipc_status st;
+  Py_INCREF(o); /* the waits run without the GIL */
+  int rc = gpy_wait_loop(tmo, POLLIN, 0, ar_try, ar_sleep, &a, &st);
+  Py_DECREF(o);
+  if (rc < 0) return NULL;
+  if (st == GPUIPC_E_TIMEOUT) return raise_msg(GPUIPC_E_TIMEOUT, "accept", "no peer came");
+  if (st) return raise_st(st, "accept");
+  PyObject *c = conn_new(a.c, o->timeout_ms, o->maxo, 0);
+  if (c) ((ConnObject *)c)->spin_us = o->spin_us;
+  return c;
 }
 
 static PyObject *Listener_close(ListenerObject *o, PyObject *u) {
@@ -1729,6 +2101,42 @@ PyTypeObject ListenerType = {
     .tp_getset = Listener_getset,
 };
 
+/* connect(timeout=): nobody listening yet is waited for, within the
+ * timeout (None: forever), trying again after a pause that grows from 1
+ * to 50 ms; anything else ends the call. */
+typedef struct {
+  const char *name;
+  ConnOpts *co;
+  gpuipc_conn *c;
+  int pause_ms;
+  int missed; /* the last attempt found nobody listening */
+  char why[256];
+} ConnectRun;
+
+static gpuipc_status cn_try(void *v) {
+  ConnectRun *r = v;
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_connect(r->name, &r->co->o, &r->c);
+  Py_END_ALLOW_THREADS
+  r->missed = st == GPUIPC_E_NOT_FOUND;
+  if (st == GPUIPC_E_NOT_FOUND) {
+    snprintf(r->why, sizeof r->why, "%s", gpuipc_last_error());
+    return GPUIPC_E_WOULD_BLOCK;
+  }
+  return st;
+}
+
+static gpuipc_status cn_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  ConnectRun *r = v;
+  int t = timeout_ms < 0 || timeout_ms > r->pause_ms ? r->pause_ms : timeout_ms;
+  r->pause_ms = r->pause_ms >= 25 ? 50 : 2 * r->pause_ms;
+  Py_BEGIN_ALLOW_THREADS
+  poll(NULL, 0, t);
+  Py_END_ALLOW_THREADS
+  return GPUIPC_E_TIMEOUT;
+}
+
 PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"name", "timeout", "abstract", "runtime_dir", "allow_uids",
                         "allow_gids", "max_outstanding", "order", "carrier", "spin_us",
@@ -1743,14 +2151,23 @@ PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw) {
     Py_XDECREF(co.rdir);
     return NULL;
   }
-  gpuipc_conn *c = NULL;
+  ConnectRun r = {name, &co, NULL, 1, 0, ""};
   gpuipc_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_connect(name, &co.o, &c);
-  Py_END_ALLOW_THREADS
+  int rc = gpy_wait_loop(tmo, 0, 0, cn_try, cn_sleep, &r, &st);
   Py_XDECREF(co.rdir);
+  if (rc < 0) return NULL;
+  if (st == GPUIPC_E_TIMEOUT && r.missed) {
+    char d[400];
+    if (tmo > 0)
+      snprintf(d, sizeof d, "%s; nobody came within %d ms", r.why, tmo);
+    else
+      snprintf(d, sizeof d, "%s", r.why);
+    return raise_msg(GPUIPC_E_NOT_FOUND, "connect", d);
+  }
   if (st) return raise_st(st, "connect");
-  return conn_new(c, tmo, co.o.max_outstanding, 0);
+  PyObject *c = conn_new(r.c, tmo, co.o.max_outstanding, 0);
+  if (c && ks && ks != Py_None) ((ConnObject *)c)->spin_us = co.o.spin_us;
+  return c;
 }
 
 PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw) {
@@ -1774,7 +2191,9 @@ PyObject *mod_from_fd(PyObject *m, PyObject *args, PyObject *kw) {
   Py_END_ALLOW_THREADS
   Py_XDECREF(co.rdir);
   if (st) return raise_st(st, "from_fd");
-  return conn_new(c, tmo, co.o.max_outstanding, 0);
+  PyObject *r = conn_new(c, tmo, co.o.max_outstanding, 0);
+  if (r && ks && ks != Py_None) ((ConnObject *)r)->spin_us = co.o.spin_us;
+  return r;
 }
 
 PyObject *mod_conn_pair(PyObject *m, PyObject *u) {

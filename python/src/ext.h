@@ -8,6 +8,8 @@
  *   array.c   array metadata (the library's tensor meta), exporting
  *             views (CUDA Array Interface v3, DLPack capsules), reading
  *             foreign arrays (torch, CuPy, cuda.core objects)
+ *   torchc.c  torch tensors made in C (DLPack C exchange API, or
+ *             torch._C._from_dlpack called from C), torch's streams
  *   conn.c    Listener, Connection, Received; buffers kept while peers
  *             hold them; batches and broadcast
  *   arena.c   Arena, Block, and the registry of live blocks
@@ -21,8 +23,9 @@
  * connection processes releases of arena blocks). So every call on a
  * connection, arena or block runs under one module lock, g_lock, held only
  * for calls that do not wait: connections are switched to non-blocking mode
- * and waits happen here, in poll(2) on the connection's socket, with the
- * GIL and the lock released. A thread holding g_lock never needs the GIL,
+ * and waits happen in one loop (gpy_wait_loop, module.c), in
+ * gpuipc_conn_wait (spin, then sleep on the socket), with the GIL and the
+ * lock released. A thread holding g_lock never needs the GIL,
  * so taking g_lock with the GIL held cannot deadlock; a call made without
  * the GIL under g_lock therefore lets g_lock go before it takes the GIL
  * back (Py_BEGIN_ALLOW_THREADS, LOCK, call, UNLOCK, Py_END_ALLOW_THREADS). The other fields
@@ -123,6 +126,21 @@ typedef struct {
   int has_stream;     /* 0: nothing to order (complete data) */
 } View;
 
+/* The storage of one exported DLPack tensor: the managed tensor and its
+ * shape and strides. Allocated per export, or embedded in the object that
+ * owns the memory (a Received), which saves the allocation while one
+ * tensor made from it is alive (in_use; guarded by the GIL). */
+typedef struct DLBox {
+  union {
+    DLManagedTensor m;
+    DLManagedTensorVersioned v;
+  } u;
+  int64_t shape[MAXD];
+  int64_t strides[MAXD];
+  int embedded; /* inside its owner: the deleter frees nothing */
+  int in_use;
+} DLBox;
+
 typedef struct {
   void *ptr;       /* element 0 */
   size_t nbytes;   /* extent from element 0 */
@@ -161,6 +179,9 @@ typedef struct {
   Py_ssize_t held;
   gpuipc_conn *linger;
   PyObject *weak;
+  int spin_us;   /* spin_us= given where it was made, else -1 (the default) */
+  int torch_dev; /* recv(as_torch=True): the device the last buffer was on */
+  int waiting;   /* threads in gpuipc_conn_wait on it (GIL-guarded) */
 } ConnObject;
 
 typedef struct BlockObject BlockObject;
@@ -223,7 +244,40 @@ int order_streams(int dev, uintptr_t from, uintptr_t to);
 PyObject *uuid_str(const gpuipc_uuid *u);
 int parse_uuid(PyObject *o, gpuipc_uuid *u, int *have);
 int ordinal_of(const gpuipc_uuid *u);
-int wait_fd(int fd, short events, int timeout_ms);
+int64_t now_us(void);
+
+/* The one wait loop of the package (module.c). A call that may wait runs
+ * try_ (GIL held; it takes g_lock around its library call, which never
+ * waits) until it says something other than GPUIPC_E_WOULD_BLOCK; in
+ * between, sleep (GIL held on entry and exit: it releases the GIL itself,
+ * and the lock is not held) waits at most one slice of GPY_SLICE_MS for
+ * events, spinning first for spin_us. One deadline, taken at entry
+ * (timeout_ms -1: none). Signals are handled between slices. *st: the
+ * status of the last attempt, GPUIPC_E_TIMEOUT once the deadline passed,
+ * or the error of a wait after which the attempt still could not
+ * proceed. Returns 0, or -1 with an exception set (try_ or sleep returned
+ * GPY_RAISED, a signal handler raised). */
+#define GPY_RAISED ((gpuipc_status)(GPUIPC__STATUS_END + 1))
+#define GPY_SLICE_MS 50
+/* The binding's default spin before a call that may wait sleeps, for
+ * connections whose spin_us was not given (see docs/python.md). */
+#define GPY_DEFAULT_SPIN_US 50
+typedef gpuipc_status (*gpy_try)(void *ctx);
+typedef gpuipc_status (*gpy_sleep)(void *ctx, short events, int timeout_ms, int spin_us);
+int gpy_wait_loop(int timeout_ms, short events, int spin_us, gpy_try try_, gpy_sleep sleep,
+                  void *ctx, gpuipc_status *st);
+/* poll(2) on fd without the GIL, spinning first (a gpy_sleep for what is
+ * no connection). */
+gpuipc_status gpy_poll_fd(int fd, short events, int timeout_ms, int spin_us);
+/* Vectorcall (METH_FASTCALL | METH_KEYWORDS) arguments into out[nnames]:
+ * positional ones first (npos_min to npos_max of them), then keywords by
+ * name; what is not given stays NULL. -1 with a TypeError naming fn. */
+int gpy_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+             Py_ssize_t npos_min, Py_ssize_t npos_max, const char *const *names,
+             Py_ssize_t nnames, PyObject **out);
+/* TimeoutError for a call told not to wait that found nothing (no
+ * formatting per miss). what: a string literal. Returns NULL. */
+PyObject *raise_miss(const char *what);
 PyObject *gpy_enter(PyObject *s, PyObject *unused);
 /* Py_XDECREF later, by flush_decrefs() (GIL held, g_lock not held): for
  * references dropped while g_lock is held. */
@@ -246,6 +300,32 @@ PyObject *shape_tuple(const int64_t *v, int n);
 PyObject *cai_dict(const View *v);
 PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject *kw);
 PyObject *dlpack_device(const View *v);
+/* __dlpack__ as METH_FASTCALL | METH_KEYWORDS, exporting into box (an
+ * embedded one, used when free) or a new allocation (box NULL or busy). */
+PyObject *dlpack_export_fast(PyObject *owner, const View *v, DLBox *box,
+                             PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+/* The pieces: a box (embedded when free, else allocated; NULL with
+ * MemoryError); filled for v, holding a reference to owner that its
+ * deleter drops (the DLPack 1.x versioned layout or the legacy one); a
+ * capsule owning it (on failure the tensor is deleted here). No stream is
+ * ordered by these. */
+DLBox *dlbox_take(DLBox *embedded);
+void dl_fill(DLBox *b, PyObject *owner, const View *v, int dev_type, int versioned);
+PyObject *dl_capsule(DLBox *b, int versioned);
+
+/* torchc.c: torch tensors made in C. torch_ready: imports torch once and
+ * looks up what the others use (0, or -1 with an ImportError saying that
+ * as_torch needs torch). The others need it done. */
+int torch_ready(void);
+/* 1 when torch's DLPack C exchange API is used, 0 when torch._C._from_dlpack. */
+int torch_uses_exchange(void);
+int torch_current_device(int *dev);
+/* torch's current stream on device dev, as a raw CUstream (0: the legacy
+ * default stream, torch's default). */
+int torch_current_stream(int dev, uintptr_t *out);
+/* A torch tensor viewing v, owning a reference to owner (its deleter
+ * drops it); box as for dlpack_export_fast. No stream is ordered. */
+PyObject *torch_tensor(PyObject *owner, const View *v, DLBox *box);
 int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f);
 PyObject *meta_repr_part(const ArrMeta *m);
 
@@ -258,6 +338,9 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
 typedef gpuipc_status (*conn_op)(ConnObject *c, void *ctx);
 int conn_run(ConnObject *c, int timeout_ms, int want_out, conn_op op, void *ctx,
              gpuipc_status *st);
+/* conn_run with the spin given (conn_run: the connection's). */
+int conn_run_spin(ConnObject *c, int timeout_ms, int spin_us, int want_out, conn_op op,
+                  void *ctx, gpuipc_status *st);
 void conn_detach(ConnObject *c);
 /* The C connection received buffers are released on: the open one, or the
  * one a close left open for them (NULL when neither). */

@@ -90,36 +90,69 @@ int parse_timeout(PyObject *o, int dflt, int *out) {
 
 /* A stream argument: None/0/1 -> legacy default stream (handle 0 here),
  * 2 -> per-thread default, an int -> that CUstream, or an object with
- * .cuda_stream (torch), .ptr (CuPy), __cuda_stream__() (cuda.core) or
- * .handle. */
+ * __cuda_stream__() (cuda.core), .cuda_stream (torch), .ptr (CuPy) or
+ * .handle. Which of those a type has is looked up once per type (a torch
+ * Stream then costs one attribute read, not four probes). */
+enum { SK_NONE, SK_PROTO, SK_CUDA_STREAM, SK_PTR, SK_HANDLE };
+#define STREAM_TYPES 8
+static struct { PyTypeObject *t; int kind; } g_stream_types[STREAM_TYPES];
+static int g_nstream_types;
+
+static int stream_kind(PyObject *o) {
+  PyTypeObject *t = Py_TYPE(o);
+  for (int i = 0; i < g_nstream_types; i++)
+    if (g_stream_types[i].t == t) return g_stream_types[i].kind;
+  int k = SK_NONE;
+  if (PyObject_HasAttrString(o, "__cuda_stream__")) k = SK_PROTO;
+  else if (PyObject_HasAttrString(o, "cuda_stream")) k = SK_CUDA_STREAM;
+  else if (PyObject_HasAttrString(o, "ptr")) k = SK_PTR;
+  else if (PyObject_HasAttrString(o, "handle")) k = SK_HANDLE;
+  /* Only heap types go away; keep them alive while cached. */
+  if (k != SK_NONE && g_nstream_types < STREAM_TYPES) {
+    Py_INCREF(t);
+    g_stream_types[g_nstream_types].t = t;
+    g_stream_types[g_nstream_types++].kind = k;
+  }
+  return k;
+}
+
 int parse_stream(PyObject *o, uintptr_t *out) {
   *out = 0;
   if (o == NULL || o == Py_None) return 0;
   PyObject *v = NULL;
+  if (PyLong_CheckExact(o)) {
+    unsigned long long u = PyLong_AsUnsignedLongLong(o);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = (u == 1) ? 0 : (uintptr_t)u;
+    return 0;
+  }
   if (PyLong_Check(o)) {
     v = o;
     Py_INCREF(v);
-  } else if (PyObject_HasAttrString(o, "__cuda_stream__")) {
-    PyObject *t = PyObject_CallMethod(o, "__cuda_stream__", NULL);
-    if (!t) return -1;
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 2) {
+  } else {
+    switch (stream_kind(o)) {
+    case SK_PROTO: {
+      PyObject *t = PyObject_CallMethod(o, "__cuda_stream__", NULL);
+      if (!t) return -1;
+      if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 2) {
+        Py_DECREF(t);
+        PyErr_SetString(PyExc_TypeError, "__cuda_stream__() must return (version, handle)");
+        return -1;
+      }
+      v = PyTuple_GET_ITEM(t, 1);
+      Py_INCREF(v);
       Py_DECREF(t);
-      PyErr_SetString(PyExc_TypeError, "__cuda_stream__() must return (version, handle)");
+      break;
+    }
+    case SK_CUDA_STREAM: v = PyObject_GetAttrString(o, "cuda_stream"); break;
+    case SK_PTR: v = PyObject_GetAttrString(o, "ptr"); break;
+    case SK_HANDLE: v = PyObject_GetAttrString(o, "handle"); break;
+    default:
+      if (PyErr_Occurred()) return -1;
+      PyErr_Format(PyExc_TypeError, "not a stream: %R (give an int CUstream, a "
+                   "torch/CuPy/cuda.core stream, or None)", o);
       return -1;
     }
-    v = PyTuple_GET_ITEM(t, 1);
-    Py_INCREF(v);
-    Py_DECREF(t);
-  } else if (PyObject_HasAttrString(o, "cuda_stream")) {
-    v = PyObject_GetAttrString(o, "cuda_stream");
-  } else if (PyObject_HasAttrString(o, "ptr")) {
-    v = PyObject_GetAttrString(o, "ptr");
-  } else if (PyObject_HasAttrString(o, "handle")) {
-    v = PyObject_GetAttrString(o, "handle");
-  } else {
-    PyErr_Format(PyExc_TypeError, "not a stream: %R (give an int CUstream, a "
-                 "torch/CuPy/cuda.core stream, or None)", o);
-    return -1;
   }
   if (!v) return -1;
   PyObject *iv = PyNumber_Index(v);
@@ -181,27 +214,181 @@ int ordinal_of(const gpuipc_uuid *u) {
   return ord;
 }
 
-/* Waits for fd to become ready (events), up to timeout_ms (-1 forever),
- * with the GIL released. Returns 1 ready, 0 timed out, -1 with an exception
- * (a signal handler raised). */
-int wait_fd(int fd, short events, int timeout_ms) {
+int64_t now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The one wait loop                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Every call of the package that may wait runs here (see ext.h): one
+ * deadline taken at entry; the attempt with the GIL (it takes g_lock for
+ * its library call, which never waits); on WOULD_BLOCK one wait of at
+ * most GPY_SLICE_MS, which releases the GIL itself (the connection's
+ * gpuipc_conn_wait: spin, then sleep on the socket), and the signal
+ * handlers between slices, so that Ctrl-C interrupts a wait of any
+ * length. The spin is spent only on a wait that follows an attempt right
+ * after something happened (the call's first, or one after a wake-up), not
+ * after a slice that timed out. A wait that says "ready" for POLLOUT alone
+ * while the attempt still cannot proceed (a send that waits for a free
+ * slot, not for room in the socket) is followed by one wait for POLLIN of
+ * at most 1 ms, so that such a send looks again now and then without
+ * spinning on a socket that is always writable. */
+int gpy_wait_loop(int timeout_ms, short events, int spin_us, gpy_try try_, gpy_sleep sleep,
+                  void *ctx, gpuipc_status *st) {
+  int64_t deadline = timeout_ms < 0 ? -1 : now_us() + (int64_t)timeout_ms * 1000;
+  int spin = spin_us, backoff = 0;
+  gpuipc_status werr = GPUIPC_OK;
   for (;;) {
-    struct pollfd p = {.fd = fd, .events = events};
-    int n, err;
-    Py_BEGIN_ALLOW_THREADS
-    n = poll(&p, 1, timeout_ms);
-    err = errno;
-    Py_END_ALLOW_THREADS
-    if (n > 0) return 1;
-    if (n == 0) return 0;
-    if (err != EINTR) {
-      errno = err;
-      PyErr_SetFromErrno(PyExc_OSError);
+    *st = try_(ctx);
+    if (*st == GPY_RAISED) return -1;
+    if (*st != GPUIPC_E_WOULD_BLOCK) return 0;
+    if (werr != GPUIPC_OK) { /* the wait failed and the call still cannot proceed */
+      *st = werr;
+      return 0;
+    }
+    int slice = GPY_SLICE_MS;
+    if (deadline >= 0) {
+      int64_t left = deadline - now_us();
+      if (left <= 0) {
+        *st = GPUIPC_E_TIMEOUT;
+        return 0;
+      }
+      if (left < (int64_t)slice * 1000) {
+        slice = (int)((left + 999) / 1000);
+        if (spin > left) spin = (int)left;
+      }
+    }
+    short ev = events;
+    if (backoff) {
+      ev = (short)(events & ~POLLOUT);
+      if (slice > 1) slice = 1;
+    }
+    gpuipc_status w = sleep(ctx, ev, slice, spin);
+    if (w == GPY_RAISED) return -1;
+    if (PyErr_CheckSignals() < 0) return -1;
+    if (w == GPUIPC_OK) {
+      spin = spin_us;
+      backoff = (events & POLLOUT) && !backoff;
+    } else if (w == GPUIPC_E_TIMEOUT) {
+      spin = 0;
+      backoff = 0;
+    } else {
+      werr = w;
+    }
+  }
+}
+
+/* Waits without the GIL until fd is ready for events or timeout_ms
+ * passed, looking for spin_us first without sleeping: GPUIPC_OK (ready,
+ * or a signal came: look again), GPUIPC_E_TIMEOUT, GPUIPC_E_CLOSED for no
+ * fd, GPUIPC_E_SYSTEM when poll fails. For what has no gpuipc_conn_wait (a
+ * listener). */
+gpuipc_status gpy_poll_fd(int fd, short events, int timeout_ms, int spin_us) {
+  if (fd < 0) return GPUIPC_E_CLOSED;
+  struct pollfd p = {.fd = fd, .events = events};
+  int n, err = 0;
+  Py_BEGIN_ALLOW_THREADS
+  n = 0;
+  if (spin_us > 0) {
+    int64_t end = now_us() + spin_us;
+    do {
+      n = poll(&p, 1, 0);
+    } while (n == 0 && now_us() < end);
+  }
+  if (n == 0) n = poll(&p, 1, timeout_ms);
+  err = errno;
+  Py_END_ALLOW_THREADS
+  if (n > 0 || (n < 0 && err == EINTR)) return GPUIPC_OK;
+  if (n == 0) return GPUIPC_E_TIMEOUT;
+  return GPUIPC_E_SYSTEM;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Vectorcall arguments                                                     */
+/* ------------------------------------------------------------------------ */
+
+int gpy_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+             Py_ssize_t npos_min, Py_ssize_t npos_max, const char *const *names, Py_ssize_t nnames,
+             PyObject **out) {
+  for (Py_ssize_t i = 0; i < nnames; i++) out[i] = NULL;
+  if (nargs < npos_min || nargs > npos_max) {
+    if (npos_max == 0)
+      PyErr_Format(PyExc_TypeError, "%s() takes no positional arguments (%zd given)", fn, nargs);
+    else if (nargs < npos_min)
+      PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn,
+                   names[nargs]);
+    else
+      PyErr_Format(PyExc_TypeError, "%s() takes at most %zd positional argument%s (%zd "
+                   "given)", fn, npos_max, npos_max == 1 ? "" : "s", nargs);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+  Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nk; k++) {
+    PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+    Py_ssize_t i = 0;
+    for (; i < nnames; i++)
+      if (PyUnicode_CompareWithASCIIString(key, names[i]) == 0) break;
+    if (i == nnames) {
+      PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, key);
       return -1;
     }
-    if (PyErr_CheckSignals() < 0) return -1;
-    return 1; /* retry the operation, which recomputes the remaining time */
+    if (out[i]) {
+      PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn,
+                   names[i]);
+      return -1;
+    }
+    out[i] = args[nargs + k];
   }
+  for (Py_ssize_t i = nargs; i < npos_min; i++)
+    if (!out[i]) {
+      PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]);
+      return -1;
+    }
+  return 0;
+}
+
+/* A TimeoutError for a call that found nothing ready and was not to wait
+ * (timeout=0): the same class and attributes as raise_msg gives, from
+ * objects made once per message, so that a polling loop pays for no
+ * formatting. what: a string literal (the cache is keyed by its address). */
+PyObject *raise_miss(const char *what) {
+  static struct { const char *what; PyObject *msg; } cache[8];
+  static PyObject *code, *name, *det;
+  PyObject *msg = NULL;
+  int i = 0;
+  for (; i < 8 && cache[i].what; i++)
+    if (cache[i].what == what) { msg = cache[i].msg; break; }
+  if (!msg) {
+    msg = PyUnicode_FromFormat("%s: %s (nothing ready, and timeout=0)", what,
+                               gpuipc_strerror(GPUIPC_E_TIMEOUT));
+    if (!msg) return NULL;
+    if (i < 8) { /* the cache keeps one reference */
+      cache[i].what = what;
+      cache[i].msg = msg;
+      Py_INCREF(msg);
+    }
+  } else {
+    Py_INCREF(msg);
+  }
+  if (!code) code = PyLong_FromLong(GPUIPC_E_TIMEOUT);
+  if (!name) name = PyUnicode_FromString(gpuipc_status_name(GPUIPC_E_TIMEOUT));
+  if (!det) det = PyUnicode_FromString("nothing ready, and timeout=0");
+  PyObject *exc = PyObject_CallOneArg(ErrorClass[GPUIPC_E_TIMEOUT], msg);
+  Py_DECREF(msg);
+  if (!exc) return NULL;
+  if (code && name && det) {
+    PyObject_SetAttrString(exc, "status", code);
+    PyObject_SetAttrString(exc, "status_name", name);
+    PyObject_SetAttrString(exc, "detail", det);
+  }
+  PyErr_SetObject(ErrorClass[GPUIPC_E_TIMEOUT], exc);
+  Py_DECREF(exc);
+  return NULL;
 }
 
 /* References dropped under g_lock, released after it (GIL-guarded). */

@@ -1,0 +1,198 @@
+/*
+ * torchc.c: torch tensors made in C, for recv(as_torch=True) and
+ * recv_batch(as_torch=True), and torch's current stream read from C.
+ *
+ * torch is imported on first use, never at the package's import (gpuipc
+ * needs no torch). What is looked up then is kept for the process:
+ *   - torch's DLPack C exchange API (DLPack 1.3: the PyCapsule
+ *     "dlpack_exchange_api" at torch.Tensor.__dlpack_c_exchange_api__,
+ *     or the older name __c_dlpack_exchange_api__, capsule or int): a
+ *     tensor is then made by one C call from a DLManagedTensorVersioned
+ *     (managed_tensor_to_py_object_no_sync), and the current stream read by
+ *     another (current_work_stream), neither through Python;
+ *   - else torch._C._from_dlpack, called from C with a "dltensor" capsule,
+ *     and torch._C._cuda_getCurrentRawStream(device).
+ * The environment variable GPUIPC_TORCH_EXCHANGE=0 makes it take the
+ * second way even where the first exists (to compare them).
+ *
+ * Either way the tensor's deleter drops the reference the DLPack tensor
+ * holds on its owner (a Received, or a batch's hold), which is what
+ * releases the lease: exactly as torch.from_dlpack(received) does.
+ */
+#include "ext.h"
+
+#include <stdlib.h>
+
+/* DLPack 1.3, dlpack.h: DLPackExchangeAPIHeader and DLPackExchangeAPI.
+ * Only the two entries used here are typed; the layout is the header's. */
+typedef struct XHeader {
+  DLPackVersion version;
+  struct XHeader *prev_api;
+} XHeader;
+
+typedef struct {
+  XHeader header;
+  void *managed_tensor_allocator;
+  void *managed_tensor_from_py_object_no_sync;
+  int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor,
+                                             void **out_py_object);
+  void *dltensor_from_py_object_no_sync;
+  int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_stream);
+} XApi;
+
+static int g_ready;
+static const XApi *g_api;
+static PyObject *g_from_dlpack, *g_raw_stream, *g_get_device;
+
+/* The exchange API of torch.Tensor, or NULL (no exception). */
+static const XApi *find_api(PyObject *torch) {
+  const char *env = getenv("GPUIPC_TORCH_EXCHANGE");
+  if (env && !strcmp(env, "0")) return NULL;
+  PyObject *tt = PyObject_GetAttrString(torch, "Tensor");
+  if (!tt) {
+    PyErr_Clear();
+    return NULL;
+  }
+  const XApi *api = NULL;
+  const char *names[] = {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"};
+  for (int i = 0; i < 2 && !api; i++) {
+    PyObject *o = PyObject_GetAttrString(tt, names[i]);
+    if (!o) {
+      PyErr_Clear();
+      continue;
+    }
+    if (PyCapsule_IsValid(o, "dlpack_exchange_api")) {
+      api = PyCapsule_GetPointer(o, "dlpack_exchange_api");
+    } else if (PyLong_Check(o)) {
+      api = PyLong_AsVoidPtr(o);
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_DECREF(o);
+    /* this code speaks major version 1 */
+    if (api && (api->header.version.major != 1 || !api->managed_tensor_to_py_object_no_sync ||
+                !api->current_work_stream))
+      api = NULL;
+  }
+  Py_DECREF(tt);
+  return api;
+}
+
+int torch_ready(void) {
+  if (g_ready) return 0;
+  PyObject *torch = PyImport_ImportModule("torch");
+  if (!torch) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *cause = PyErr_GetRaisedException();
+#else
+    PyObject *t, *cause, *tb;
+    PyErr_Fetch(&t, &cause, &tb);
+    PyErr_NormalizeException(&t, &cause, &tb);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+#endif
+    PyErr_Format(PyExc_ImportError, "as_torch=True needs torch, which cannot be imported "
+                 "here (%S); without it, take the Received and read it through DLPack or "
+                 "the CUDA Array Interface", cause ? cause : Py_None);
+    if (cause) {
+#if PY_VERSION_HEX >= 0x030C0000
+      PyObject *exc = PyErr_GetRaisedException();
+      PyException_SetCause(exc, cause); /* steals cause */
+      PyErr_SetRaisedException(exc);
+#else
+      PyObject *et, *ev, *etb;
+      PyErr_Fetch(&et, &ev, &etb);
+      PyErr_NormalizeException(&et, &ev, &etb);
+      if (ev) PyException_SetCause(ev, cause);
+      else Py_DECREF(cause);
+      PyErr_Restore(et, ev, etb);
+#endif
+    }
+    return -1;
+  }
+  PyObject *C = PyObject_GetAttrString(torch, "_C");
+  const XApi *api = find_api(torch);
+  Py_DECREF(torch);
+  if (!C) return -1;
+  PyObject *fd = PyObject_GetAttrString(C, "_from_dlpack");
+  PyObject *rs = PyObject_GetAttrString(C, "_cuda_getCurrentRawStream");
+  PyObject *gd = PyObject_GetAttrString(C, "_cuda_getDevice");
+  Py_DECREF(C);
+  if (!api && (!fd || !rs || !gd)) {
+    Py_XDECREF(fd);
+    Py_XDECREF(rs);
+    Py_XDECREF(gd);
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ImportError, "as_torch=True: this torch has neither the DLPack C "
+                    "exchange API nor torch._C._from_dlpack, _cuda_getCurrentRawStream and "
+                    "_cuda_getDevice (a torch built with CUDA is needed)");
+    return -1;
+  }
+  PyErr_Clear();
+  g_api = api;
+  g_from_dlpack = fd;
+  g_raw_stream = rs;
+  g_get_device = gd;
+  g_ready = 1;
+  return 0;
+}
+
+int torch_uses_exchange(void) { return g_api != NULL; }
+
+int torch_current_device(int *dev) {
+  *dev = 0;
+  if (!g_get_device) return 0; /* exchange API: device 0 is the first guess */
+  PyObject *r = PyObject_CallNoArgs(g_get_device);
+  if (!r) return -1;
+  long d = PyLong_AsLong(r);
+  Py_DECREF(r);
+  if (d == -1 && PyErr_Occurred()) return -1;
+  *dev = d < 0 ? 0 : (int)d;
+  return 0;
+}
+
+int torch_current_stream(int dev, uintptr_t *out) {
+  *out = 0;
+  if (g_api) {
+    void *s = NULL;
+    if (g_api->current_work_stream(kDLCUDA, dev, &s) != 0) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "torch's current_work_stream failed");
+      return -1;
+    }
+    *out = (uintptr_t)s;
+    return 0;
+  }
+  PyObject *d = PyLong_FromLong(dev);
+  if (!d) return -1;
+  PyObject *r = PyObject_CallOneArg(g_raw_stream, d);
+  Py_DECREF(d);
+  if (!r) return -1;
+  unsigned long long u = PyLong_AsUnsignedLongLong(r);
+  Py_DECREF(r);
+  if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+  *out = (u == 1) ? 0 : (uintptr_t)u; /* 1 names the legacy stream too */
+  return 0;
+}
+
+PyObject *torch_tensor(PyObject *owner, const View *v, DLBox *box) {
+  DLBox *b = dlbox_take(box);
+  if (!b) return NULL;
+  if (g_api) {
+    dl_fill(b, owner, v, v->dev_type, 1);
+    void *out = NULL;
+    /* takes the managed tensor, also when it fails */
+    if (g_api->managed_tensor_to_py_object_no_sync(&b->u.v, &out) != 0 || !out) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "torch's managed_tensor_to_py_object_no_sync "
+                        "failed");
+      return NULL;
+    }
+    return (PyObject *)out;
+  }
+  dl_fill(b, owner, v, v->dev_type, 0);
+  PyObject *cap = dl_capsule(b, 0);
+  if (!cap) return NULL;
+  PyObject *t = PyObject_CallOneArg(g_from_dlpack, cap);
+  Py_DECREF(cap); /* consumed: torch's now; not consumed: deleted here */
+  return t;
+}
