@@ -454,6 +454,19 @@ GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
  * NULL is a no-op. */
 GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
 
+/* Finishes now what connections closed here still keep, without waiting:
+ * the lease tables of peers whose processes are gone (their leases come
+ * back, and the done callbacks of buffers handed over with
+ * gpuipc_buffer_release_when_done run here, in this thread) or that
+ * released everything, and the imports a close left mapped whose GPU work
+ * completed. The peer watcher does the same on its own when such a peer's
+ * process exits, and connection and arena calls now and then; this call is
+ * for an application without the watcher (watch_peer = 0, or a kernel
+ * without pidfds) or one that wants it done at a given point. Returns how
+ * many closed connections still keep something (their peers live and
+ * still hold leases, or their work is still queued). Thread-safe. */
+GPUIPC_API size_t gpuipc_conn_collect(void);
+
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
  * recv will find something (or learn the peer is gone). Do not read or write
  * it yourself. Valid until gpuipc_conn_close (-1 after a disconnect). */

@@ -385,6 +385,11 @@ size_t gpuipc__handoff_held_poll(void) {
   return left;
 }
 
+size_t gpuipc_conn_collect(void) {
+  size_t n = gpuipc__lease_reap_orphans_now();
+  return n + gpuipc__handoff_held_poll();
+}
+
 static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;
