@@ -6,9 +6,13 @@
  * here, only once the peer holding it is gone (the peer watcher sees it
  * exit, with no call of ours); at once for a buffer never sent. A buffer
  * handed over twice, or an imported one, is refused. The same across pid
- * namespaces (the peer's pid reads 0 there) is in test-conn-ns.c.
+ * namespaces (the peer's pid reads 0 there) is in test-conn-ns.c. Also
+ * destroy when drained (gpuipc_arena_release): an arena given up is
+ * destroyed at once when drained, else once its last block came back.
  */
 #include "test-conn-handoff.h"
+
+#include "conn/arena_int.h"
 
 #include <signal.h>
 #include <stdatomic.h>
@@ -223,5 +227,101 @@ TEST_IMPL(keep_closed_here_then_peer_dies) {
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   ASSERT_CU(gpuipc__cu.cuMemFree(k1.raw));
   ASSERT_CU(gpuipc__cu.cuMemFree(k2.raw));
+  return 0;
+}
+
+/* ---- destroy when drained (gpuipc_arena_release) ----------------------------------- */
+
+/* A block of a filled with seed's pattern, sent with the seed. */
+static gpuipc_block *send_block(gpuipc_conn *c, gpuipc_arena *a, CUstream s,
+                                size_t n, uint32_t seed) {
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  uint8_t *host = malloc(n);
+  ASSERT_NOT_NULL(host);
+  pattern(host, n, seed);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(
+      (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host, n, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  free(host);
+  ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)s, &seed,
+                             sizeof seed));
+  return b;
+}
+
+/* Drained already: destroyed in the call. */
+TEST_IMPL(arena_release_drained_destroys_now) {
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *b = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b));
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_arena_release(a));
+  ASSERT_EQ(gpuipc__arena_given_retry(), 0);
+  ASSERT_OK(gpuipc_arena_release(NULL));
+  return 0;
+}
+
+/* Given up while the caller still has a block and a peer holds another:
+ * kept through the caller's free and while the peer lives; destroyed once
+ * the peer is killed (its blocks come back). */
+TEST_IMPL(arena_release_when_peer_gone) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("keep_consumer", NULL, &fd, "1", "hold", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *held = send_block(c, a, s, 8192, 41);
+  gpuipc_block *mine = NULL;
+  ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &mine));
+  expect_msg(c, "held");
+  ASSERT_OK(gpuipc_block_free(held, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_arena_release(a)); /* kept: two blocks out */
+  ASSERT_EQ(gpuipc__arena_given_retry(), 1);
+  ASSERT_OK(gpuipc_block_free(mine, (struct CUstream_st *)s)); /* still ours */
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < 5; i++)
+    ASSERT_OK(gpuipc_conn_progress(c, 0));
+  ASSERT_EQ(gpuipc__arena_given_retry(), 1); /* the peer holds one */
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  for (int i = 0; i < 3000 && gpuipc__arena_given_retry() > 0; i++)
+    (void)gpuipc_conn_progress(c, 10);
+  ASSERT_EQ(gpuipc__arena_given_retry(), 0);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* The same with the connection closed here first: the arena stays while
+ * the peer lives (gpuipc_conn_collect keeps it), and goes once the
+ * peer's process is gone. */
+TEST_IMPL(arena_release_after_close_when_peer_gone) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("keep_consumer", NULL, &fd, "1", "hold", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_block *held = send_block(c, a, s, 8192, 51);
+  expect_msg(c, "held");
+  ASSERT_OK(gpuipc_block_free(held, (struct CUstream_st *)s));
+  ASSERT_OK(gpuipc_arena_release(a));
+  gpuipc_conn_close(c);
+  ASSERT(gpuipc_conn_collect() >= 2); /* the orphan table and the arena */
+  ASSERT_EQ(gpuipc__arena_given_retry(), 1);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  size_t left = 1;
+  for (int i = 0; i < 3000 && left > 0; i++) {
+    left = gpuipc_conn_collect();
+    if (left > 0)
+      usleep(10000);
+  }
+  ASSERT_EQ(left, 0);
+  ASSERT_EQ(gpuipc__arena_given_retry(), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   return 0;
 }

@@ -593,6 +593,22 @@ GPUIPC_API gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
  * no-op. */
 GPUIPC_API gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena);
 
+/* Destroy when drained: gives the arena up. It is destroyed now when
+ * gpuipc_arena_destroy would succeed without waiting; otherwise gpuipc
+ * keeps it and destroys it once it has drained: every block allocated
+ * from it freed (the caller may still free the blocks it has, with
+ * gpuipc_block_free; nothing else of the arena may be called) and given
+ * back by the peers that held it (released, or their processes gone, also
+ * after their connections closed), and the GPU work its reuse waits for
+ * completed. The check runs where blocks come back, without waiting: in
+ * calls on connections and arenas, gpuipc_block_free, gpuipc_conn_collect,
+ * and the peer watcher when a peer holding blocks exits. From the call
+ * on, the arena is gpuipc's (do not allocate from it, read its statistics
+ * or destroy it). GPUIPC_OK when it was destroyed or kept; another status
+ * (a driver error; nothing changed, the arena is still the caller's)
+ * otherwise. NULL is a no-op. Thread-safe. */
+GPUIPC_API gpuipc_status gpuipc_arena_release(gpuipc_arena *arena);
+
 /* Allocates a block of `bytes` (rounded up to 256) from the arena. Memory
  * that was held by consumers is handed out again only once their releases
  * arrived; if their GPU work may still be running, the allocation is

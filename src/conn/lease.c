@@ -602,6 +602,7 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
   }
   gpuipc__ctx_leave(&g);
   gpuipc__buffer_done_flush();
+  (void)gpuipc__arena_given_retry();
   if (s != GPUIPC_OK)
     GPUIPC__WARN("lease", "ordering reuse after a release failed: %s",
                  gpuipc_last_error());
@@ -645,6 +646,7 @@ gpuipc_status gpuipc__lease_abandoned(gpuipc__lease_table *lt,
   }
   gpuipc__ctx_leave(&g);
   gpuipc__buffer_done_flush();
+  (void)gpuipc__arena_given_retry();
   GPUIPC__INFO("lease",
                "peer pid %d ended the connection on its own error: %zu "
                "lease(s) back, %zu still held",
@@ -708,6 +710,7 @@ static void reclaim_dead(gpuipc__lease_table *lt) {
   }
   gpuipc__ctx_leave(&g);
   gpuipc__buffer_done_flush();
+  (void)gpuipc__arena_given_retry();
   if (n)
     GPUIPC__INFO("lease", "reclaimed %zu block(s) held by dead peer pid %d", n,
                  lt->peer_pid);
