@@ -321,6 +321,12 @@ GPUIPC_API int gpuipc_buffer_is_imported(const gpuipc_buffer *buf);
 GPUIPC_API gpuipc_status gpuipc_buffer_free(gpuipc_buffer *buf,
                                             struct CUstream_st *stream);
 
+/* How many leases connections of this process hold on buf (sent with
+ * gpuipc_conn_send_buffer on any of them, not back yet: not released, or
+ * released in frames no call has read yet). 0 for NULL or an imported
+ * buffer. Thread-safe. */
+GPUIPC_API unsigned gpuipc_buffer_get_holders(const gpuipc_buffer *buf);
+
 /*
  * Keep until released: hands an allocated or wrapped buffer (not an
  * imported one) over to gpuipc, which keeps it, and so the memory behind

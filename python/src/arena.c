@@ -23,23 +23,6 @@ typedef struct {
   int device;
 } ArenaObject;
 
-/* Arenas whose Python object died while peers held blocks. */
-typedef struct DeadArena { struct DeadArena *next; gpuipc_arena *a; } DeadArena;
-static DeadArena *g_dead_arenas;
-
-void dead_arenas_retry_locked(void) {
-  DeadArena **pp = &g_dead_arenas;
-  while (*pp) {
-    if (gpuipc_arena_destroy((*pp)->a) == GPUIPC_OK) {
-      DeadArena *d = *pp;
-      *pp = d->next;
-      PyMem_RawFree(d);
-    } else {
-      pp = &(*pp)->next;
-    }
-  }
-}
-
 static PyObject *Arena_new(PyTypeObject *t, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"device", "chunk_bytes", "max_bytes", NULL};
   int device = 0;
@@ -80,15 +63,10 @@ static PyObject *Arena_close(ArenaObject *a, PyObject *u) {
 
 static void Arena_dealloc(ArenaObject *a) {
   if (a->a) {
+    /* Destroyed by the library now, or once its last block came back
+     * (peers released it or are gone). */
     LOCK();
-    if (gpuipc_arena_destroy(a->a) != GPUIPC_OK) {
-      DeadArena *d = PyMem_RawMalloc(sizeof *d);
-      if (d) {
-        d->a = a->a;
-        d->next = g_dead_arenas;
-        g_dead_arenas = d;
-      }
-    }
+    (void)gpuipc_arena_release(a->a);
     UNLOCK();
   }
   Py_TYPE(a)->tp_free(a);
@@ -128,7 +106,6 @@ static PyObject *Arena_alloc(ArenaObject *a, PyObject *args, PyObject *kw) {
   gpuipc_block *b = NULL;
   gpuipc_status st;
   LOCK();
-  dead_arenas_retry_locked();
   st = gpuipc_arena_alloc(a->a, nbytes ? nbytes : 1, S(stream), &b);
   UNLOCK();
   if (st) return raise_st(st, "alloc");

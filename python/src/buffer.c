@@ -76,7 +76,6 @@ static PyObject *buffer_new(gpuipc_buffer *b, PyObject *pool, PyObject *owner, i
   BufferObject *o = PyObject_New(BufferObject, &BufferType);
   if (!o) { gpuipc_buffer_free(b, NULL); return NULL; }
   o->b = b;
-  o->sent = 0;
   o->weak = NULL;
   Py_XINCREF(pool);
   o->pool = pool;
@@ -192,7 +191,7 @@ View buf_view(BufferObject *b) {
 }
 
 static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
-  if (b->b && b->sent > 0)
+  if (b->b && gpuipc_buffer_get_holders(b->b) > 0)
     return raise_msg(GPUIPC_E_BUSY, "close", "a peer still holds this buffer (sent with "
                      "conn.send and not released)");
   gpuipc_buffer *gb = b->b;
@@ -214,7 +213,19 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
 static void Buffer_dealloc(BufferObject *b) {
   if (b->weak) PyObject_ClearWeakRefs((PyObject *)b);
   if (b->b) {
-    gpuipc_buffer_free(b->b, S(b->stream));
+    Kept *k = NULL;
+    /* Gone while peers hold it (sent with conn.send): handed to the
+     * library, which frees it once they released it or are gone, and
+     * then lets its pool and owner go (kept_done). */
+    if (!b->imported && gpuipc_buffer_get_holders(b->b) > 0 &&
+        (k = kept_new(b->pool, b->owner, NULL, 0)) != NULL) {
+      LOCK();
+      (void)gpuipc_buffer_release_when_done(b->b, S(b->stream), kept_done, k);
+      UNLOCK();
+    } else {
+      PyErr_Clear(); /* no memory for the node: freed now, as before */
+      gpuipc_buffer_free(b->b, S(b->stream));
+    }
     g_count.live_buffers--;
   }
   Py_XDECREF(b->pool);
@@ -322,8 +333,14 @@ static PyMethodDef Buffer_methods[] = {
     {"__enter__", gpy_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Buffer_exit, METH_VARARGS, NULL},
     {NULL}};
+static PyObject *Buffer_holders(BufferObject *b, void *u) {
+  return PyLong_FromUnsignedLong(b->b ? gpuipc_buffer_get_holders(b->b) : 0);
+}
+
 static PyGetSetDef Buffer_getset[] = {
     {"ptr", (getter)Buffer_get, NULL, "address of element 0", (void *)0},
+    {"holders", (getter)Buffer_holders, NULL,
+     "leases peers hold on it (sent with conn.send, not released yet)", NULL},
     {"size", (getter)Buffer_get, NULL, "bytes of the buffer", (void *)1},
     {"kind", (getter)Buffer_get, NULL, NULL, (void *)2},
     {"imported", (getter)Buffer_get, NULL, NULL, (void *)3},

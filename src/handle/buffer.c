@@ -588,6 +588,14 @@ bool gpuipc__buffer_handed(const gpuipc_buffer *b,
   return handed;
 }
 
+unsigned gpuipc_buffer_get_holders(const gpuipc_buffer *b) {
+  if (b == NULL || b->origin == GPUIPC__IMPORTED)
+    return 0;
+  unsigned r = atomic_load(&b->refs);
+  unsigned own = atomic_load(&b->handed) ? 0 : 1;
+  return r > own ? r - own : 0;
+}
+
 gpuipc_status gpuipc_buffer_release_when_done(gpuipc_buffer *b,
                                               struct CUstream_st *stream,
                                               void (*done)(void *ctx),
