@@ -109,7 +109,7 @@ static PyObject *Arena_alloc(ArenaObject *a, PyObject *args, PyObject *kw) {
   st = gpuipc_arena_alloc(a->a, nbytes ? nbytes : 1, S(stream), &b);
   UNLOCK();
   if (st) return raise_st(st, "alloc");
-  BlockObject *bo = PyObject_New(BlockObject, &BlockType);
+  BlockObject *bo = PyObject_GC_New(BlockObject, &BlockType);
   if (!bo) {
     LOCK();
     gpuipc_block_free(b, S(stream));
@@ -128,6 +128,7 @@ static PyObject *Arena_alloc(ArenaObject *a, PyObject *args, PyObject *kw) {
   bo->reg_next = g_blocks;
   if (g_blocks) g_blocks->reg_prev = bo;
   g_blocks = bo;
+  PyObject_GC_Track(bo);
   g_count.live_blocks++;
   return (PyObject *)bo;
 }
@@ -194,7 +195,16 @@ static PyObject *Block_free(BlockObject *b, PyObject *args, PyObject *kw) {
   Py_RETURN_NONE;
 }
 
+/* Its arena holds no references: nothing of a Block closes a cycle, so it
+ * needs no tp_clear; it is visited so that the collector sees the arena
+ * it keeps. */
+static int Block_traverse(BlockObject *b, visitproc visit, void *arg) {
+  Py_VISIT(b->arena);
+  return 0;
+}
+
 static void Block_dealloc(BlockObject *b) {
+  PyObject_GC_UnTrack(b);
   if (b->b) {
     LOCK();
     gpuipc_block_free(b->b, S(b->stream));
@@ -203,7 +213,7 @@ static void Block_dealloc(BlockObject *b) {
     g_count.live_blocks--;
   }
   Py_DECREF(b->arena);
-  PyObject_Free(b);
+  PyObject_GC_Del(b);
 }
 
 static int block_alive(BlockObject *b) {
@@ -306,7 +316,8 @@ PyTypeObject BlockType = {
     .tp_basicsize = sizeof(BlockObject),
     .tp_dealloc = (destructor)Block_dealloc,
     .tp_repr = (reprfunc)Block_repr,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Block_traverse,
     .tp_doc = "A block of an Arena (Arena.alloc); freed with free(), its context, or "
               "when the last view of it is gone.",
     .tp_methods = Block_methods,
