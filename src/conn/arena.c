@@ -425,8 +425,11 @@ fail:
   return s;
 }
 
+/* quiet: a busy arena returns GPUIPC_E_BUSY without recording an error
+ * (the retries of arenas given up run inside other calls, whose own
+ * error message must stay). */
 static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending,
-                                   bool *freed) {
+                                   bool *freed, bool quiet) {
   if (pending)
     *pending = false;
   if (freed)
@@ -438,6 +441,8 @@ static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending,
     size_t n = a->blocks_allocated;
     int u = a->users;
     pthread_mutex_unlock(&a->lock);
+    if (quiet)
+      return GPUIPC_E_BUSY;
     return gpuipc__fail(GPUIPC_E_BUSY,
                         "gpuipc_arena_destroy: %zu block(s) still allocated "
                         "or held, %d connection(s) still use it",
@@ -465,6 +470,8 @@ static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending,
     pthread_mutex_unlock(&a->lock);
     if (pending)
       *pending = true;
+    if (quiet)
+      return GPUIPC_E_BUSY;
     return gpuipc__fail(GPUIPC_E_BUSY,
                         "gpuipc_arena_destroy: GPU work that the reuse of "
                         "the arena's memory waits for has not completed (a "
@@ -992,7 +999,7 @@ gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
   for (;;) {
     reap_orphans();
     bool pending = false;
-    gpuipc_status s = arena_destroy(arena, &pending, NULL);
+    gpuipc_status s = arena_destroy(arena, &pending, NULL, false);
     if (!pending || gpuipc__now_ns() >= deadline)
       return s;
     usleep(1000);
@@ -1028,14 +1035,8 @@ size_t gpuipc__arena_given_retry(void) {
     gpuipc_arena *a = list;
     list = a->next_given;
     a->next_given = NULL;
-    /* Blocks still out: not yet (and no error message made). */
-    pthread_mutex_lock(&a->lock);
-    bool out = a->blocks_allocated || a->users;
-    pthread_mutex_unlock(&a->lock);
     bool freed = false;
-    gpuipc_status s = GPUIPC_OK;
-    if (!out)
-      s = arena_destroy(a, NULL, &freed);
+    gpuipc_status s = arena_destroy(a, NULL, &freed, true);
     if (freed) {
       if (s != GPUIPC_OK)
         GPUIPC__WARN("arena", "destroying a drained arena: %s",
@@ -1056,7 +1057,7 @@ gpuipc_status gpuipc_arena_release(gpuipc_arena *arena) {
     return GPUIPC_OK;
   reap_orphans();
   bool freed = false;
-  gpuipc_status s = arena_destroy(arena, NULL, &freed);
+  gpuipc_status s = arena_destroy(arena, NULL, &freed, true);
   if (freed || s != GPUIPC_E_BUSY)
     return s;
   /* Blocks still out, or GPU work its reuse waits for: kept. */
