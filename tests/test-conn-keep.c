@@ -112,8 +112,10 @@ TEST_IMPL(keep_released_called_once) {
   /* Sent twice: two leases, both must come back. */
   send_seeded(c, b, s, 11);
   send_seeded(c, b, s, 11);
+  ASSERT_EQ(gpuipc_buffer_get_holders(b), 2); /* counted across connections */
   ASSERT_OK(gpuipc_buffer_release_when_done(b, (struct CUstream_st *)s,
                                             on_done, &k));
+  ASSERT_EQ(gpuipc_buffer_get_holders(b), 2); /* still valid until done */
   /* No release was read yet: nothing is done. */
   ASSERT_EQ(atomic_load(&k.calls), 0);
   /* Handed over: a second hand-over is refused and changes nothing. */
@@ -140,6 +142,7 @@ TEST_IMPL(keep_never_sent_done_at_once) {
   REQUIRE_DEVICES(1);
   kept k = {0};
   gpuipc_buffer *b = wrapped(&k, 4096, 1);
+  ASSERT_EQ(gpuipc_buffer_get_holders(b), 0);
   ASSERT_OK(gpuipc_buffer_release_when_done(b, NULL, on_done, &k));
   ASSERT_EQ(atomic_load(&k.calls), 1);
   ASSERT_STATUS(gpuipc_buffer_release_when_done(NULL, NULL, on_done, &k),
