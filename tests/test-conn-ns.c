@@ -16,6 +16,7 @@
 #include "harness.h"
 
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -1097,5 +1098,97 @@ TEST_IMPL(conn_refuses_a_false_pid_namespace) {
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "which /proc does not show");
   ASSERT_STR_CONTAINS(gpuipc_last_error(), "pid namespace");
   close(sv[1]);
+  return 0;
+}
+
+/* ---- keep until released across namespaces --------------------------------------- */
+
+/* A buffer handed over (gpuipc_buffer_release_when_done) and sent
+ * to a peer whose pid reads 0 here (a sibling pid namespace), then the
+ * connection closed here while the peer holds it: the buffer is kept (its
+ * done callback not called) while the peer lives, and is done once its
+ * process is gone, told by the pidfd the kernel gave of the socket's
+ * peer, with no call of ours (the peer watcher). */
+static atomic_int ns_keep_calls;
+static void ns_keep_done(void *ctx) {
+  (void)ctx;
+  atomic_fetch_add(&ns_keep_calls, 1);
+}
+
+HELPER_IMPL(ns_keep_exporter) {
+  (void)argc;
+  check_contained(argv);
+  gpuipc_conn *c = ns_accept(argv[0]);
+  gpuipc_peer_info pi;
+  ASSERT_OK(gpuipc_conn_get_peer(c, &pi));
+  ASSERT_EQ(pi.pid, 0); /* the peer is not in our namespace, nor below */
+  CUstream s = mkstream();
+  /* Pool memory (a legacy handle does not open across pid namespaces). */
+  gpuipc_pool_options po = GPUIPC_POOL_OPTIONS_INIT;
+  po.kind = GPUIPC_POOL_MEMPOOL;
+  gpuipc_pool *pool = NULL;
+  ASSERT_OK(gpuipc_pool_create(&po, &pool));
+  gpuipc_buffer *b = NULL;
+  ASSERT_OK(gpuipc_buffer_alloc(pool, 65536, (struct CUstream_st *)s, &b));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(
+      (CUdeviceptr)(uintptr_t)gpuipc_buffer_get_ptr(b), 0x5a, 65536, s));
+  ASSERT_OK(gpuipc_conn_send_buffer(c, b, (struct CUstream_st *)s, NULL, 0));
+  ASSERT_OK(gpuipc_buffer_release_when_done(b, (struct CUstream_st *)s,
+                                            ns_keep_done, NULL));
+  uint8_t m[8];
+  size_t ml = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, m, sizeof m, &ml, NULL, NULL));
+  ASSERT_EQ(ml, 4); /* "held" */
+  gpuipc_conn_close(c);
+  ASSERT(gpuipc_conn_collect() >= 1);
+  ASSERT_EQ(atomic_load(&ns_keep_calls), 0);
+  harness_send_u64(harness_helper_fd(), 2); /* closed, still kept */
+  ASSERT_UEQ(harness_recv_u64(harness_helper_fd()), 3); /* the peer died */
+  for (int i = 0; i < 3000 && atomic_load(&ns_keep_calls) == 0; i++)
+    usleep(10000);
+  ASSERT_EQ(atomic_load(&ns_keep_calls), 1);
+  (void)gpuipc_conn_collect();
+  ASSERT_EQ(atomic_load(&ns_keep_calls), 1);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  /* The buffer was freed when it was done: the pool is not busy. */
+  ASSERT_OK(gpuipc_pool_destroy(pool));
+  return 0;
+}
+
+HELPER_IMPL(ns_keep_importer) {
+  (void)argc;
+  check_contained(argv);
+  gpuipc_conn *c = ns_connect(argv[0]);
+  CUstream s = mkstream();
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+  expect_bytes(r.ptr, 65536, 0x5a, s);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "held", 4, NULL, 0));
+  /* Holds it, whatever the exporter does, until told to die. */
+  ASSERT_UEQ(harness_recv_u64(harness_helper_fd()), 9);
+  die();
+  return 0;
+}
+
+TEST_IMPL(ns_keep_until_peer_gone) {
+  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
+  pid_t pe, pi;
+  int ex, im;
+  shm_marker(true);
+  if (start_pair("ns_keep_exporter", "ns_keep_importer", "-", &pe, &pi, &ex,
+                 &im) != 0) {
+    shm_marker(false);
+    SKIP("the kernel refused new namespaces here (%s); this test needs "
+         "root or CAP_SYS_ADMIN",
+         ns_why);
+  }
+  ASSERT_UEQ(harness_recv_u64(ex), 2); /* closed there, the buffer kept */
+  harness_send_u64(im, 9);
+  ASSERT_EQ(wait_helper(pi, 90), 128 + SIGKILL);
+  harness_send_u64(ex, 3);
+  ASSERT_EQ(wait_helper(pe, 90), 0);
+  close(ex);
+  close(im);
+  shm_marker(false);
   return 0;
 }

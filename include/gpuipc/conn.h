@@ -457,6 +457,19 @@ GPUIPC_API gpuipc_status gpuipc_conn_from_fd(int fd,
  * NULL is a no-op. */
 GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
 
+/* Finishes now what connections closed here still keep, without waiting:
+ * the lease tables of peers whose processes are gone (their leases come
+ * back, and the done callbacks of buffers handed over with
+ * gpuipc_buffer_release_when_done run here, in this thread) or that
+ * released everything, and the imports a close left mapped whose GPU work
+ * completed. The peer watcher does the same on its own when such a peer's
+ * process exits, and connection and arena calls now and then; this call is
+ * for an application without the watcher (watch_peer = 0, or a kernel
+ * without pidfds) or one that wants it done at a given point. Returns how
+ * many closed connections still keep something (their peers live and
+ * still hold leases, or their work is still queued). Thread-safe. */
+GPUIPC_API size_t gpuipc_conn_collect(void);
+
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
  * recv will find something (or learn the peer is gone). Do not read or write
  * it yourself. Valid until gpuipc_conn_close (-1 after a disconnect). */
@@ -616,6 +629,22 @@ GPUIPC_API gpuipc_status gpuipc_arena_create(const gpuipc_arena_options *opts,
  * counts). Connections that carried its blocks may stay open. NULL is a
  * no-op. */
 GPUIPC_API gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena);
+
+/* Destroy when drained: gives the arena up. It is destroyed now when
+ * gpuipc_arena_destroy would succeed without waiting; otherwise gpuipc
+ * keeps it and destroys it once it has drained: every block allocated
+ * from it freed (the caller may still free the blocks it has, with
+ * gpuipc_block_free; nothing else of the arena may be called) and given
+ * back by the peers that held it (released, or their processes gone, also
+ * after their connections closed), and the GPU work its reuse waits for
+ * completed. The check runs where blocks come back, without waiting: in
+ * calls on connections and arenas, gpuipc_block_free, gpuipc_conn_collect,
+ * and the peer watcher when a peer holding blocks exits. From the call
+ * on, the arena is gpuipc's (do not allocate from it, read its statistics
+ * or destroy it). GPUIPC_OK when it was destroyed or kept; another status
+ * (a driver error; nothing changed, the arena is still the caller's)
+ * otherwise. NULL is a no-op. Thread-safe. */
+GPUIPC_API gpuipc_status gpuipc_arena_release(gpuipc_arena *arena);
 
 /* Allocates a block of `bytes` (rounded up to 256) from the arena. Memory
  * that was held by consumers is handed out again only once their releases

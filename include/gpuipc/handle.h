@@ -321,6 +321,63 @@ GPUIPC_API int gpuipc_buffer_is_imported(const gpuipc_buffer *buf);
 GPUIPC_API gpuipc_status gpuipc_buffer_free(gpuipc_buffer *buf,
                                             struct CUstream_st *stream);
 
+/* How many leases connections of this process hold on buf (sent with
+ * gpuipc_conn_send_buffer on any of them, not back yet: not released, or
+ * released in frames no call has read yet). 0 for NULL or an imported
+ * buffer. Thread-safe. */
+GPUIPC_API unsigned gpuipc_buffer_get_holders(const gpuipc_buffer *buf);
+
+/*
+ * Keep until released: hands an allocated or wrapped buffer (not an
+ * imported one) over to gpuipc, which keeps it, and so the memory behind
+ * it, until every lease that connections of this process took on it
+ * (gpuipc_conn_send_buffer, on any number of connections) has come back,
+ * then closes it (gpuipc_buffer_free(buf, stream)) and calls done(ctx),
+ * exactly once. A lease comes back when the peer released it, when the
+ * peer's process is gone (told by the pidfd taken at the handshake, also
+ * for a peer in a pid namespace this process cannot see, whose pid reads
+ * 0 here), or when the peer said it never used it. A connection closed
+ * here while its peer still holds the buffer does not end the lease: the
+ * buffer stays until that peer released it before the close or its
+ * process is gone.
+ *
+ * Ordering: for each release that arrives from the call on, `stream` (the
+ * stream the owner reuses the memory on; NULL or CU_STREAM_LEGACY: the
+ * legacy stream) is made to wait, on the GPU, for the GPU work the peer
+ * queued before releasing (as gpuipc_conn_buffer_wait does), so the owner
+ * may reuse the memory on `stream` as soon as done runs; a lease whose
+ * peer is gone needs no wait (its GPU work was torn down). Releases that
+ * arrived before the call are ordered only for a connection on which a
+ * later release of the buffer arrives: hand a buffer over right after its
+ * sends, before any call on those connections (or order them yourself
+ * with gpuipc_conn_buffer_wait first). A buffer with no lease out (never
+ * sent, or every lease back) is done at once, inside this call.
+ *
+ * Ownership: from the call on, buf is gpuipc's: the caller must not send,
+ * export, free or otherwise use it again (gpuipc_buffer_get_ptr and the
+ * other accessors stay valid until done runs). ctx is the caller's;
+ * gpuipc only passes it to done. done may be NULL (then nothing is
+ * called).
+ *
+ * Threads: done runs in whichever thread gives the last lease back: in a
+ * gpuipc call of the application's (one that reads the peer's releases
+ * or notices its death: a call on a connection that sent it, including
+ * gpuipc_conn_close; an arena call; gpuipc_conn_collect; this call
+ * itself), or in the peer watcher thread ("gpuipc-watch") when the
+ * process of a peer of a connection closed here exits. No lock of
+ * gpuipc's is held and no CUDA context of gpuipc's is current while it
+ * runs, but it may run in the middle of a call on a connection or arena:
+ * done must not call gpuipc functions, must not block on anything a
+ * thread calling gpuipc may hold (a binding's interpreter lock, say), and
+ * should return quickly (queue the real work elsewhere).
+ *
+ * GPUIPC_E_INVALID_ARG for NULL, an imported buffer, or one handed over
+ * already (nothing changes then). Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_release_when_done(
+    gpuipc_buffer *buf, struct CUstream_st *stream, void (*done)(void *ctx),
+    void *ctx);
+
 /*
  * Exports a buffer (allocated, wrapped or imported: re-exporting an
  * imported buffer is not supported, GPUIPC_E_NOT_SUPPORTED).

@@ -23,23 +23,6 @@ typedef struct {
   int device;
 } ArenaObject;
 
-/* Arenas whose Python object died while peers held blocks. */
-typedef struct DeadArena { struct DeadArena *next; gpuipc_arena *a; } DeadArena;
-static DeadArena *g_dead_arenas;
-
-void dead_arenas_retry_locked(void) {
-  DeadArena **pp = &g_dead_arenas;
-  while (*pp) {
-    if (gpuipc_arena_destroy((*pp)->a) == GPUIPC_OK) {
-      DeadArena *d = *pp;
-      *pp = d->next;
-      PyMem_RawFree(d);
-    } else {
-      pp = &(*pp)->next;
-    }
-  }
-}
-
 static PyObject *Arena_new(PyTypeObject *t, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"device", "chunk_bytes", "max_bytes", NULL};
   int device = 0;
@@ -80,15 +63,10 @@ static PyObject *Arena_close(ArenaObject *a, PyObject *u) {
 
 static void Arena_dealloc(ArenaObject *a) {
   if (a->a) {
+    /* Destroyed by the library now, or once its last block came back
+     * (peers released it or are gone). */
     LOCK();
-    if (gpuipc_arena_destroy(a->a) != GPUIPC_OK) {
-      DeadArena *d = PyMem_RawMalloc(sizeof *d);
-      if (d) {
-        d->a = a->a;
-        d->next = g_dead_arenas;
-        g_dead_arenas = d;
-      }
-    }
+    (void)gpuipc_arena_release(a->a);
     UNLOCK();
   }
   Py_TYPE(a)->tp_free(a);
@@ -128,11 +106,10 @@ static PyObject *Arena_alloc(ArenaObject *a, PyObject *args, PyObject *kw) {
   gpuipc_block *b = NULL;
   gpuipc_status st;
   LOCK();
-  dead_arenas_retry_locked();
   st = gpuipc_arena_alloc(a->a, nbytes ? nbytes : 1, S(stream), &b);
   UNLOCK();
   if (st) return raise_st(st, "alloc");
-  BlockObject *bo = PyObject_New(BlockObject, &BlockType);
+  BlockObject *bo = PyObject_GC_New(BlockObject, &BlockType);
   if (!bo) {
     LOCK();
     gpuipc_block_free(b, S(stream));
@@ -151,6 +128,7 @@ static PyObject *Arena_alloc(ArenaObject *a, PyObject *args, PyObject *kw) {
   bo->reg_next = g_blocks;
   if (g_blocks) g_blocks->reg_prev = bo;
   g_blocks = bo;
+  PyObject_GC_Track(bo);
   g_count.live_blocks++;
   return (PyObject *)bo;
 }
@@ -221,7 +199,16 @@ static PyObject *Block_free(BlockObject *b, PyObject *args, PyObject *kw) {
   Py_RETURN_NONE;
 }
 
+/* Its arena holds no references: nothing of a Block closes a cycle, so it
+ * needs no tp_clear; it is visited so that the collector sees the arena
+ * it keeps. */
+static int Block_traverse(BlockObject *b, visitproc visit, void *arg) {
+  Py_VISIT(b->arena);
+  return 0;
+}
+
 static void Block_dealloc(BlockObject *b) {
+  PyObject_GC_UnTrack(b);
   if (b->b) {
     LOCK();
     gpuipc_block_free(b->b, S(b->stream));
@@ -230,7 +217,7 @@ static void Block_dealloc(BlockObject *b) {
     g_count.live_blocks--;
   }
   Py_DECREF(b->arena);
-  PyObject_Free(b);
+  PyObject_GC_Del(b);
 }
 
 static int block_alive(BlockObject *b) {
@@ -337,7 +324,8 @@ PyTypeObject BlockType = {
     .tp_basicsize = sizeof(BlockObject),
     .tp_dealloc = (destructor)Block_dealloc,
     .tp_repr = (reprfunc)Block_repr,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Block_traverse,
     .tp_doc = "A block of an Arena (Arena.alloc); freed with free(), its context, or "
               "when the last view of it is gone.",
     .tp_methods = Block_methods,

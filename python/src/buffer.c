@@ -73,10 +73,9 @@ static void Pool_dealloc(PoolObject *p) {
 
 static PyObject *buffer_new(gpuipc_buffer *b, PyObject *pool, PyObject *owner, int imported,
                             uintptr_t stream, int has_stream, const ArrMeta *m) {
-  BufferObject *o = PyObject_New(BufferObject, &BufferType);
+  BufferObject *o = PyObject_GC_New(BufferObject, &BufferType);
   if (!o) { gpuipc_buffer_free(b, NULL); return NULL; }
   o->b = b;
-  o->sent = 0;
   o->weak = NULL;
   Py_XINCREF(pool);
   o->pool = pool;
@@ -88,6 +87,7 @@ static PyObject *buffer_new(gpuipc_buffer *b, PyObject *pool, PyObject *owner, i
   if (m) o->meta = *m;
   else meta_bytes1d(&o->meta, gpuipc_buffer_get_size(b));
   g_count.live_buffers++;
+  PyObject_GC_Track(o);
   return (PyObject *)o;
 }
 
@@ -196,7 +196,7 @@ View buf_view(BufferObject *b) {
 }
 
 static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
-  if (b->b && b->sent > 0)
+  if (b->b && gpuipc_buffer_get_holders(b->b) > 0)
     return raise_msg(GPUIPC_E_BUSY, "close", "a peer still holds this buffer (sent with "
                      "conn.send and not released)");
   gpuipc_buffer *gb = b->b;
@@ -215,15 +215,53 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
   Py_RETURN_NONE;
 }
 
-static void Buffer_dealloc(BufferObject *b) {
-  if (b->weak) PyObject_ClearWeakRefs((PyObject *)b);
-  if (b->b) {
-    gpuipc_buffer_free(b->b, S(b->stream));
-    g_count.live_buffers--;
+/* The gpuipc buffer goes: freed now, or, while peers hold it (sent with
+ * conn.send), handed to the library, which frees it once they released
+ * it or are gone, and then lets its pool and owner go (kept_done). */
+static void buf_drop(BufferObject *b) {
+  gpuipc_buffer *gb = b->b;
+  if (!gb) return;
+  b->b = NULL;
+  Kept *k = NULL;
+  if (!b->imported && gpuipc_buffer_get_holders(gb) > 0 &&
+      (k = kept_new(b->pool, b->owner, NULL, 0)) != NULL) {
+    LOCK();
+    (void)gpuipc_buffer_release_when_done(gb, S(b->stream), kept_done, k);
+    UNLOCK();
+  } else {
+    PyErr_Clear(); /* no memory for the node: freed now, as before */
+    gpuipc_buffer_free(gb, S(b->stream));
   }
+  g_count.live_buffers--;
+}
+
+/* The owner is shown to the collector only while no peer holds the
+ * buffer: a cycle through it must not be finalized (the owner's
+ * finalizer may free the memory) while a peer maps the memory. Holders
+ * only decrease while the collector runs (a send needs the GIL), so a
+ * pass sees the owner at most more reachable than it is. */
+static int Buffer_traverse(BufferObject *b, visitproc visit, void *arg) {
+  Py_VISIT(b->pool);
+  if (!b->b || gpuipc_buffer_get_holders(b->b) == 0) Py_VISIT(b->owner);
+  return 0;
+}
+
+/* A cycle through the memory's owner (an object that keeps its Buffer):
+ * the buffer goes first (handed over while held), then the references. */
+static int Buffer_clear(BufferObject *b) {
+  buf_drop(b);
+  Py_CLEAR(b->pool);
+  Py_CLEAR(b->owner);
+  return 0;
+}
+
+static void Buffer_dealloc(BufferObject *b) {
+  PyObject_GC_UnTrack(b);
+  if (b->weak) PyObject_ClearWeakRefs((PyObject *)b);
+  buf_drop(b);
   Py_XDECREF(b->pool);
   Py_XDECREF(b->owner);
-  PyObject_Free(b);
+  PyObject_GC_Del(b);
 }
 
 static PyObject *Buffer_export(BufferObject *b, PyObject *u) {
@@ -332,8 +370,14 @@ static PyMethodDef Buffer_methods[] = {
     {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
     {"__exit__", (PyCFunction)Buffer_exit, METH_VARARGS, "__exit__($self, /, *exc)\n--\n\ncloses it"},
     {NULL}};
+static PyObject *Buffer_holders(BufferObject *b, void *u) {
+  return PyLong_FromUnsignedLong(b->b ? gpuipc_buffer_get_holders(b->b) : 0);
+}
+
 static PyGetSetDef Buffer_getset[] = {
     {"ptr", (getter)Buffer_get, NULL, "address of element 0", (void *)0},
+    {"holders", (getter)Buffer_holders, NULL,
+     "leases peers hold on it (sent with conn.send, not released yet)", NULL},
     {"size", (getter)Buffer_get, NULL, "bytes of the buffer", (void *)1},
     {"kind", (getter)Buffer_get, NULL, NULL, (void *)2},
     {"imported", (getter)Buffer_get, NULL, NULL, (void *)3},
@@ -348,7 +392,9 @@ PyTypeObject BufferType = {
     .tp_basicsize = sizeof(BufferObject),
     .tp_dealloc = (destructor)Buffer_dealloc,
     .tp_repr = (reprfunc)Buffer_repr,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Buffer_traverse,
+    .tp_clear = (inquiry)Buffer_clear,
     .tp_doc = "A gpuipc buffer: allocated from a Pool, wrapped, or opened from a "
               "descriptor (gpuipc.open).",
     .tp_methods = Buffer_methods,
@@ -378,12 +424,23 @@ static PyObject *Shared_close(SharedObject *s, PyObject *u) {
   Py_CLEAR(s->buffer);
   Py_RETURN_NONE;
 }
+static int Shared_traverse(SharedObject *s, visitproc visit, void *arg) {
+  Py_VISIT(s->desc);
+  Py_VISIT(s->fds);
+  Py_VISIT(s->buffer);
+  return 0;
+}
+static int Shared_clear(SharedObject *s) {
+  Py_CLEAR(s->buffer); /* what can lead back here; the fds stay to close */
+  return 0;
+}
 static void Shared_dealloc(SharedObject *s) {
+  PyObject_GC_UnTrack(s);
   PyObject *r = Shared_close(s, NULL);
   Py_XDECREF(r);
   Py_XDECREF(s->fds);
   Py_XDECREF(s->desc);
-  PyObject_Free(s);
+  PyObject_GC_Del(s);
 }
 static PyObject *Shared_exit(SharedObject *s, PyObject *a) { return Shared_close(s, NULL); }
 static PyMemberDef Shared_members[] = {
@@ -403,7 +460,9 @@ PyTypeObject SharedType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Shared",
     .tp_basicsize = sizeof(SharedObject),
     .tp_dealloc = (destructor)Shared_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Shared_traverse,
+    .tp_clear = (inquiry)Shared_clear,
     .tp_doc = "What gpuipc.share() gives: desc (bytes) and fds to carry over any channel; "
               "keep it while peers use the memory.",
     .tp_methods = Shared_methods,
@@ -442,7 +501,7 @@ PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw) {
   int fds[8], nfds = 8;
   gpuipc_status st = gpuipc_buffer_export(b->b, d + 6 + mlen, 1024, &len, fds, &nfds);
   if (st) { Py_DECREF(bufo); return raise_st(st, "share"); }
-  SharedObject *s = PyObject_New(SharedObject, &SharedType);
+  SharedObject *s = PyObject_GC_New(SharedObject, &SharedType);
   if (!s) {
     for (int i = 0; i < nfds; i++) close(fds[i]);
     Py_DECREF(bufo);
@@ -452,6 +511,7 @@ PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw) {
   s->fds = PyTuple_New(nfds);
   for (int i = 0; s->fds && i < nfds; i++) PyTuple_SET_ITEM(s->fds, i, PyLong_FromLong(fds[i]));
   s->buffer = bufo;
+  PyObject_GC_Track(s);
   if (!s->desc || !s->fds) { Py_DECREF(s); return NULL; }
   return (PyObject *)s;
 }

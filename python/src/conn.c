@@ -20,95 +20,8 @@
 #include "ext.h"
 
 /* ------------------------------------------------------------------------ */
-/* Wrapped buffers kept until the peer released them                        */
-/* ------------------------------------------------------------------------ */
-
-static int leases_push(LeaseList *l, Lease x) {
-  if (l->n == l->cap) {
-    size_t c = l->cap ? 2 * l->cap : 16;
-    Lease *nv = PyMem_Realloc(l->v, c * sizeof *nv);
-    if (!nv) { PyErr_NoMemory(); return -1; }
-    l->v = nv;
-    l->cap = c;
-  }
-  l->v[l->n++] = x;
-  return 0;
-}
-
-/* After the connection closed: leases wait for their peer's exit. */
-typedef struct Grave {
-  struct Grave *next;
-  int pid;
-  LeaseList l;
-} Grave;
-static Grave *g_graves;
-
-static void lease_drop(Lease *x) {
-  if (x->sent) {
-    (*x->sent)--;
-  } else {
-    gpuipc_buffer_free(x->buf, NULL);
-    g_count.wraps_live--;
-  }
-  /* Dropping the owner may run any Python code (a __del__, a DLPack
-   * deleter that releases a Received): never under g_lock. */
-  defer_decref(x->owner);
-}
-
-/* Whether pid still runs (a zombie does not: its GPU work is torn down). */
-static int pid_running(int pid) {
-  if (pid <= 0 || kill(pid, 0) != 0) return 0;
-  char path[64], buf[512];
-  snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return 1;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  const char *r = strrchr(buf, ')');
-  return !(r && r[1] == ' ' && (r[2] == 'Z' || r[2] == 'X'));
-}
-
-/* Frees leases of dead peers. GIL held. */
-void graves_reap(void) {
-  Grave **pp = &g_graves;
-  while (*pp) {
-    Grave *g = *pp;
-    if (pid_running(g->pid)) {
-      pp = &g->next;
-      continue;
-    }
-    for (size_t i = 0; i < g->l.n; i++) lease_drop(&g->l.v[i]);
-    g_count.graveyard -= (long long)g->l.n;
-    PyMem_Free(g->l.v);
-    *pp = g->next;
-    PyMem_Free(g);
-  }
-  flush_decrefs(); /* after the walk: it may run code that reaps again */
-}
-
-/* ------------------------------------------------------------------------ */
 /* Connection                                                               */
 /* ------------------------------------------------------------------------ */
-
-/* GIL and lock held. Drops the leases the peer released (wrapped memory,
- * Buffer objects): oldest first, up to the first still held, or all of them
- * when full is set. Their owners go after the lock (defer_decref). */
-static void conn_reap(ConnObject *c, int full) {
-  size_t w = 0;
-  int stop = 0;
-  for (size_t i = 0; i < c->leases.n; i++) {
-    Lease x = c->leases.v[i];
-    if (!stop && gpuipc_conn_get_buffer_holders(c->c, x.buf) == 0) {
-      gpuipc_conn_buffer_wait(c->c, x.buf, S(x.stream));
-      lease_drop(&x);
-      continue;
-    }
-    if (!full) stop = 1;
-    c->leases.v[w++] = x;
-  }
-  c->leases.n = w;
-}
 
 /* Lock held. Hides the connection from Python (c->c NULL: "closed here")
  * and returns what to close now: nothing when it is borrowed, or when
@@ -140,19 +53,10 @@ void conn_held_drop(ConnObject *c) {
 }
 
 void conn_detach(ConnObject *c) {
-  /* lock held, GIL held */
+  /* lock held, GIL held. What the peer holds stays with the library (it
+   * keeps wrapped memory handed to it until the peer released it or its
+   * process is gone, pidfd-told). */
   gpuipc_conn_close(conn_take(c));
-  if (c->leases.n) {
-    Grave *g = PyMem_Calloc(1, sizeof *g);
-    if (g) {
-      g->pid = c->peer_pid;
-      g->l = c->leases;
-      g->next = g_graves;
-      g_graves = g;
-      g_count.graveyard += (long long)c->leases.n;
-      c->leases = (LeaseList){0};
-    }
-  }
 }
 
 PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed) {
@@ -165,7 +69,14 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
   c->timeout_ms = timeout_ms;
   c->max_outstanding = maxo ? maxo : 256;
   c->borrowed = borrowed;
-  c->leases = (LeaseList){0};
+  c->tally = tally_new();
+  if (!c->tally) {
+    c->c = NULL;
+    Py_DECREF(c);
+    if (!borrowed) gpuipc_conn_close(gc);
+    PyErr_NoMemory();
+    return NULL;
+  }
   c->tset_refs = 0;
   c->held = 0;
   c->linger = NULL;
@@ -224,7 +135,6 @@ static gpuipc_status cr_try(void *v) {
   ConnRun *r = v;
   if (!conn_ok(r->c)) return GPY_RAISED;
   LOCK();
-  conn_reap(r->c, 0);
   gpuipc_status st = r->op(r->c, r->ctx);
   UNLOCK();
   flush_decrefs();
@@ -283,13 +193,25 @@ typedef struct {
   const uint8_t *meta;
   size_t meta_len;
   unsigned flags; /* blocks: GPUIPC_SEND_COMPLETE or 0 */
+  Kept *kept;     /* wrapped memory: handed to the library once sent */
 } SendCtx;
 
 static gpuipc_status op_send(ConnObject *c, void *v) {
   SendCtx *x = v;
   if (x->block)
     return gpuipc_conn_send_ex(c->c, x->block, S(x->stream), x->meta, x->meta_len, x->flags);
-  return gpuipc_conn_send_buffer(c->c, x->buf, S(x->stream), x->meta, x->meta_len);
+  gpuipc_status st = gpuipc_conn_send_buffer(c->c, x->buf, S(x->stream), x->meta, x->meta_len);
+  if (st == GPUIPC_OK && x->kept) {
+    /* Under the same lock as the send, so that no release of it is read
+     * before: the library keeps the wrapper (and the owner, through
+     * kept) until the peer released it or is gone, and orders the send
+     * stream after the peer's work before calling back. Cannot fail for
+     * a wrapped buffer not handed over yet. */
+    (void)gpuipc_buffer_release_when_done(x->buf, S(x->stream), kept_done, x->kept);
+    x->kept = NULL;
+    x->buf = NULL;
+  }
+  return st;
 }
 
 static int get_user_meta(PyObject *o, Py_buffer *view) {
@@ -375,6 +297,8 @@ static PyObject *Conn_send(ConnObject *c, PyObject *const *args, Py_ssize_t narg
       if (st) { raise_st(st, "send: wrapping the memory (gpuipc_buffer_wrap)"); goto out; }
       g_count.wraps_live++;
       g_count.wraps_total++;
+      x.kept = kept_new(f.owner, NULL, c->tally, 1);
+      if (!x.kept) goto out;
       x.buf = wrapped;
       gpuipc_uuid u;
       if (gpuipc_buffer_get_device(wrapped, &u) == GPUIPC_OK) dev = ordinal_of(&u);
@@ -389,24 +313,18 @@ static PyObject *Conn_send(ConnObject *c, PyObject *const *args, Py_ssize_t narg
   gpuipc_status st;
   if (conn_run(c, tmo, 1, op_send, &x, &st) < 0) goto out;
   if (st != GPUIPC_OK) { conn_status(st, "send", tmo); goto out; }
-  if (wrapped) {
-    Lease l = {wrapped, f.owner, stream, NULL};
-    int rc = leases_push(&c->leases, l);
-    /* Sent: the peer may map it now, so out of memory here leaks the
-     * wrapper and the owner rather than free what the peer reads. */
-    wrapped = NULL;
-    f.owner = NULL;
-    if (rc < 0) goto out;
-  } else if (x.buf) { /* a Buffer object: kept (and not freed) while held */
-    BufferObject *b = (BufferObject *)obj;
-    Lease l = {b->b, obj, stream, &b->sent};
-    if (leases_push(&c->leases, l) < 0) goto out;
-    Py_INCREF(obj);
-    b->sent++;
-  }
+  /* Wrapped memory was handed to the library with the send (op_send); a
+   * Buffer object sent is the caller's still: it is handed over when it
+   * is closed or goes while held (buffer.c). */
+  if (wrapped && !x.kept) wrapped = NULL;
   ret = Py_None;
   Py_INCREF(ret);
 out:
+  if (x.kept) { /* not sent: nothing handed over (the wrapper goes below) */
+    x.kept->wrapped = 0;
+    kept_undo(x.kept);
+    x.kept = NULL;
+  }
   if (wrapped) {
     gpuipc_buffer_free(wrapped, NULL);
     g_count.wraps_live--;
@@ -1198,7 +1116,6 @@ static gpuipc_status bc_try(void *v) {
       r->pend[closed_here++] = r->pend[j]; /* answered below, after the lock */
       continue;
     }
-    conn_reap(c, 0);
     r->idx[k] = r->pend[j];
     r->gc[k++] = c->c;
   }
@@ -1500,9 +1417,7 @@ out:
 
 static gpuipc_status op_progress(ConnObject *c, void *v) {
   (void)v;
-  gpuipc_status st = gpuipc_conn_progress(c->c, 0);
-  conn_reap(c, 1);
-  return st;
+  return gpuipc_conn_progress(c->c, 0);
 }
 
 /* progress(timeout): the wait for something to arrive is the one loop's,
@@ -1542,7 +1457,6 @@ static PyObject *Conn_progress(ConnObject *c, PyObject *args, PyObject *kw) {
   gpuipc_status st = op_progress(c, NULL);
   UNLOCK();
   flush_decrefs();
-  graves_reap();
   if (st != GPUIPC_OK) return raise_st(st, "progress");
   Py_RETURN_NONE;
 }
@@ -1552,7 +1466,6 @@ static PyObject *Conn_outstanding(ConnObject *c, PyObject *unused) {
   size_t a = 0, b = 0;
   LOCK();
   gpuipc_status st = gpuipc_conn_get_outstanding(c->c, &a, &b);
-  if (st == GPUIPC_OK) conn_reap(c, 1);
   UNLOCK();
   flush_decrefs();
   if (st != GPUIPC_OK) return raise_st(st, "outstanding");
@@ -1592,7 +1505,7 @@ static void Conn_dealloc(ConnObject *c) {
     c->linger = NULL;
     UNLOCK();
   }
-  PyMem_Free(c->leases.v);
+  tally_unref(c->tally); /* what is still kept holds its own references */
   PyObject_Free(c);
 }
 
@@ -1634,7 +1547,8 @@ static int Conn_set_timeout(ConnObject *c, PyObject *v, void *unused) {
   return parse_timeout(v, -1, &c->timeout_ms);
 }
 static PyObject *Conn_get_npending(ConnObject *c, void *unused) {
-  return PyLong_FromSize_t(c->leases.n);
+  flush_decrefs(); /* what the library finished meanwhile */
+  return PyLong_FromLong(c->tally ? atomic_load(&c->tally->pending) : 0);
 }
 
 static PyMethodDef Conn_methods[] = {

@@ -10,8 +10,9 @@
  *             foreign arrays (torch, CuPy, cuda.core objects)
  *   torchc.c  torch tensors made in C (DLPack C exchange API, or
  *             torch._C._from_dlpack called from C), torch's streams
- *   conn.c    Listener, Connection, Received; buffers kept while peers
- *             hold them; batches and broadcast
+ *   conn.c    Listener, Connection, Received; wrapped memory handed to
+ *             the library to keep while peers hold it; batches and
+ *             broadcast
  *   arena.c   Arena, Block, and the registry of live blocks
  *   buffer.c  Pool, Buffer, share/open, Event
  *   proc.c    Child: the spawn helper
@@ -40,6 +41,7 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -98,7 +100,7 @@ extern PyObject *ErrorClass[GPUIPC__STATUS_END];
 /* Counters the tests read (gpuipc._gpuipc.counters()). */
 struct gpy_counters {
   long long live_received, live_blocks, live_buffers, live_capsule_ctx;
-  long long wraps_live, wraps_total, graveyard;
+  long long wraps_live, wraps_total, kept;
 };
 extern struct gpy_counters g_count;
 
@@ -150,17 +152,21 @@ typedef struct {
   PyObject *owner; /* keeps the memory alive: the object or its capsule */
 } Foreign;
 
-typedef struct {
-  gpuipc_buffer *buf;
-  PyObject *owner;
-  uintptr_t stream;
-  int *sent; /* a Buffer object's count of leases out (its buf is not ours) */
-} Lease;
+/* Memory handed over to the library (gpuipc_buffer_release_when_done):
+ * what it keeps alive on the Python side until the library calls back
+ * (any thread, no GIL: kept_done only queues it; flush_decrefs drops the
+ * references, with the GIL). */
+typedef struct Tally {
+  _Atomic long pending; /* wrapped sends of a connection not done yet */
+  _Atomic long refs;
+} Tally;
 
-typedef struct {
-  Lease *v;
-  size_t n, cap;
-} LeaseList;
+typedef struct Kept {
+  struct Kept *next;
+  PyObject *ref[2]; /* the memory's owner; a Buffer's pool */
+  Tally *tally;     /* the connection's count (NULL: none) */
+  int wrapped;      /* counted in g_count.wraps_live */
+} Kept;
 
 typedef struct {
   PyObject_HEAD
@@ -169,7 +175,7 @@ typedef struct {
   unsigned max_outstanding;
   int borrowed;        /* owned by a Child: never closed here */
   int peer_pid;
-  LeaseList leases;    /* wrapped buffers the peer may still hold */
+  Tally *tally;        /* wrapped sends the library still keeps */
   int tset_refs;       /* tensor sets and subscribers using it: no close */
   /* What was received over it and may still be read: Received objects not
    * released, subscribers closed here whose versions still have views.
@@ -202,7 +208,6 @@ struct BlockObject {
 struct BufferObject {
   PyObject_HEAD
   gpuipc_buffer *b;
-  int sent; /* leases peers hold on it (conn.send), not released yet */
   PyObject *pool;  /* allocated from it */
   PyObject *owner; /* wrapped: the object owning the memory */
   int imported;
@@ -282,7 +287,17 @@ PyObject *gpy_enter(PyObject *s, PyObject *unused);
 /* Py_XDECREF later, by flush_decrefs() (GIL held, g_lock not held): for
  * references dropped while g_lock is held. */
 void defer_decref(PyObject *o);
+/* Also drops what the library is done with (kept_done's queue). */
 void flush_decrefs(void);
+/* A node for gpuipc_buffer_release_when_done (GIL held): takes the
+ * references given (NULLs allowed), counts itself in tally; NULL with
+ * MemoryError set. kept_done is the callback (any thread, no GIL). */
+Kept *kept_new(PyObject *ref0, PyObject *ref1, Tally *tally, int wrapped);
+void kept_done(void *ctx);
+/* A node never handed over: undone (GIL held, lock not held). */
+void kept_undo(Kept *k);
+Tally *tally_new(void);
+void tally_unref(Tally *t);
 
 /* array.c */
 void meta_bytes1d(ArrMeta *m, size_t n);
@@ -348,7 +363,6 @@ gpuipc_conn *conn_rx(ConnObject *c);
 /* One of c->held is gone (GIL held, g_lock not): the last closes a
  * connection closed here meanwhile. */
 void conn_held_drop(ConnObject *c);
-void graves_reap(void);
 /* carrier=, spin_us=, polling= into o (NULL or None: the default); -1 with
  * a TypeError or ValueError that names the keyword. */
 int parse_carrier_opts(PyObject *carrier, PyObject *spin_us, PyObject *polling,
@@ -363,7 +377,6 @@ PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw);
 
 /* arena.c */
 BlockObject *block_find(void *p, size_t n);
-void dead_arenas_retry_locked(void);
 
 /* buffer.c */
 View buf_view(BufferObject *b);

@@ -411,10 +411,78 @@ void defer_decref(PyObject *o) {
   g_drops[g_ndrops++] = o;
 }
 
+/* What the library is done with (gpuipc_buffer_release_when_done's
+ * callback, on any thread, without the GIL): a lock-free stack, taken
+ * whole by the next flush_decrefs. */
+static _Atomic(Kept *) g_kept_done;
+
+Tally *tally_new(void) {
+  Tally *t = PyMem_RawMalloc(sizeof *t);
+  if (!t) return NULL;
+  atomic_init(&t->pending, 0);
+  atomic_init(&t->refs, 1);
+  return t;
+}
+
+void tally_unref(Tally *t) {
+  if (t && atomic_fetch_sub(&t->refs, 1) == 1) PyMem_RawFree(t);
+}
+
+Kept *kept_new(PyObject *ref0, PyObject *ref1, Tally *tally, int wrapped) {
+  Kept *k = PyMem_RawMalloc(sizeof *k);
+  if (!k) { PyErr_NoMemory(); return NULL; }
+  k->next = NULL;
+  k->ref[0] = ref0;
+  k->ref[1] = ref1;
+  Py_XINCREF(ref0);
+  Py_XINCREF(ref1);
+  k->tally = tally;
+  if (tally) {
+    atomic_fetch_add(&tally->refs, 1);
+    atomic_fetch_add(&tally->pending, 1);
+  }
+  k->wrapped = wrapped;
+  g_count.kept++;
+  return k;
+}
+
+/* No GIL, maybe no Python thread state, maybe the library's watcher
+ * thread: atomics only. */
+void kept_done(void *ctx) {
+  Kept *k = ctx;
+  if (k->tally) atomic_fetch_sub(&k->tally->pending, 1);
+  Kept *head = atomic_load(&g_kept_done);
+  do k->next = head;
+  while (!atomic_compare_exchange_weak(&g_kept_done, &head, k));
+}
+
+static void kept_drop(Kept *k) {
+  Py_XDECREF(k->ref[0]);
+  Py_XDECREF(k->ref[1]);
+  tally_unref(k->tally);
+  if (k->wrapped) g_count.wraps_live--;
+  g_count.kept--;
+  PyMem_RawFree(k);
+}
+
+void kept_undo(Kept *k) {
+  if (k->tally) atomic_fetch_sub(&k->tally->pending, 1);
+  kept_drop(k);
+}
+
 void flush_decrefs(void) {
-  while (g_ndrops) {
-    PyObject *o = g_drops[--g_ndrops];
-    Py_DECREF(o); /* may defer more: the loop takes them too */
+  for (;;) {
+    while (g_ndrops) {
+      PyObject *o = g_drops[--g_ndrops];
+      Py_DECREF(o); /* may defer more: the loop takes them too */
+    }
+    Kept *k = atomic_exchange(&g_kept_done, NULL);
+    if (!k) break;
+    while (k) { /* each drop may run any Python code */
+      Kept *n = k->next;
+      kept_drop(k);
+      k = n;
+    }
   }
 }
 
@@ -482,16 +550,21 @@ static PyObject *mod_cache_stats(PyObject *m, PyObject *u) {
                        (unsigned long long)s.pool_hits);
 }
 static PyObject *mod_counters(PyObject *m, PyObject *u) {
+  flush_decrefs(); /* what the library finished meanwhile (its watcher) */
   return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "received", g_count.live_received,
                        "blocks", g_count.live_blocks, "buffers", g_count.live_buffers,
                        "capsule_refs", g_count.live_capsule_ctx, "wraps", g_count.wraps_live,
-                       "wraps_total", g_count.wraps_total, "graveyard", g_count.graveyard);
+                       "wraps_total", g_count.wraps_total, "kept", g_count.kept);
 }
 static PyObject *mod_collect(PyObject *m, PyObject *u) {
+  /* The library's: leases of closed connections whose peers are gone,
+   * arenas given up that drained (their callbacks queue, flushed here). */
+  Py_BEGIN_ALLOW_THREADS
   LOCK();
-  dead_arenas_retry_locked();
+  (void)gpuipc_conn_collect();
   UNLOCK();
-  graves_reap();
+  Py_END_ALLOW_THREADS
+  flush_decrefs();
   Py_RETURN_NONE;
 }
 static PyObject *mod_worker_index(PyObject *m, PyObject *u) {
@@ -599,7 +672,8 @@ static PyMethodDef mod_methods[] = {
     {"counters", mod_counters, METH_NOARGS,
      "counters()\n--\n\nthis module's live-object counters"},
     {"collect", mod_collect, METH_NOARGS,
-     "collect()\n--\n\nretry deferred arena destroys and dead peers' leases"},
+     "collect()\n--\n\nfinish now what the library keeps for connections closed here "
+     "(leases of peers that are gone, arenas that drained) and drop what it is done with"},
     {"worker_index", mod_worker_index, METH_NOARGS,
      "worker_index()\n--\n\n(index, count) in a worker"},
     {"status_name", mod_status_name, METH_VARARGS,

@@ -150,7 +150,7 @@ static PyObject *Child_destroy(ChildObject *c, PyObject *args, PyObject *kw) {
   UNLOCK();
   Py_END_ALLOW_THREADS
   c->ended = 1;
-  graves_reap();
+  flush_decrefs();
   return child_status_obj(&c->status);
 }
 

@@ -166,21 +166,32 @@ def test_peer_death_gives_back_blocks_and_wrapped_memory(arena):
     p.close()
 
 
+def wait_kept(want, limit=30.0):
+    """Waits until the library finished all but `want` of what it keeps
+    (gpuipc.collect() drops what it is done with)."""
+    end = time.monotonic() + limit
+    while gpuipc._gpuipc.counters()["kept"] != want and time.monotonic() < end:
+        gpuipc.collect()
+        time.sleep(0.01)
+    return gpuipc._gpuipc.counters()["kept"] == want
+
+
 def test_closed_connection_keeps_wrapped_memory_until_peer_exits():
     p = gpuipc.spawn(peers.holder, 1)
     arr = DeviceArray((256,))
+    before = gpuipc._gpuipc.counters()
     p.conn.send(arr)
     assert report(p.conn) == {"holding": 1}
-    before = gpuipc._gpuipc.counters()
+    assert gpuipc._gpuipc.counters()["kept"] == before["kept"] + 1
     p.conn.close()  # the peer still maps the memory
-    after = gpuipc._gpuipc.counters()
-    assert after["graveyard"] == before["graveyard"] + 1
     gpuipc.collect()
-    assert gpuipc._gpuipc.counters()["graveyard"] == after["graveyard"]
+    after = gpuipc._gpuipc.counters()
+    assert after["kept"] == before["kept"] + 1
+    assert after["wraps"] == before["wraps"] + 1
     p.kill()
     p.join(30)
-    gpuipc.collect()
-    assert gpuipc._gpuipc.counters()["graveyard"] == after["graveyard"] - 1
+    assert wait_kept(before["kept"])  # the library saw the peer exit
+    assert gpuipc._gpuipc.counters()["wraps"] == before["wraps"]
     p.close()
 
 
@@ -260,13 +271,32 @@ def test_pool_buffer_sent_is_kept_while_held(kind):
     p = gpuipc.spawn(peers.holder, 1)
     p.conn.send(buf)
     assert report(p.conn) == {"holding": 1}
-    assert p.conn.wrapped_pending == 1
+    assert buf.holders == 1
     with pytest.raises(gpuipc.BusyError):
         buf.close()
     p.kill()
     p.join(30)
-    assert settle(p.conn, until=lambda: p.conn.wrapped_pending == 0)
+    assert settle(p.conn, until=lambda: buf.holders == 0)
     buf.close()
+    p.close()
+
+
+@pytest.mark.parametrize("kind", ["mempool", "legacy"])
+def test_pool_buffer_dropped_while_held_is_freed_when_released(kind):
+    """A Buffer object that goes while a peer holds it is handed to the
+    library, which frees it (and lets its pool go) once the peer is gone."""
+    pool = gpuipc.Pool(kind=kind)
+    buf = pool.alloc(shape=(32,), dtype="int32")
+    p = gpuipc.spawn(peers.holder, 1)
+    p.conn.send(buf)
+    assert report(p.conn) == {"holding": 1}
+    k0 = gpuipc._gpuipc.counters()["kept"]
+    del buf
+    gc.collect()
+    assert gpuipc._gpuipc.counters()["kept"] == k0 + 1  # kept, with its pool
+    p.kill()
+    p.join(30)
+    assert settle(p.conn, until=lambda: gpuipc._gpuipc.counters()["kept"] == k0)
     p.close()
 
 

@@ -425,9 +425,15 @@ fail:
   return s;
 }
 
-static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending) {
+/* quiet: a busy arena returns GPUIPC_E_BUSY without recording an error
+ * (the retries of arenas given up run inside other calls, whose own
+ * error message must stay). */
+static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending,
+                                   bool *freed, bool quiet) {
   if (pending)
     *pending = false;
+  if (freed)
+    *freed = false;
   if (a == NULL)
     return GPUIPC_OK;
   pthread_mutex_lock(&a->lock);
@@ -435,6 +441,8 @@ static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending) {
     size_t n = a->blocks_allocated;
     int u = a->users;
     pthread_mutex_unlock(&a->lock);
+    if (quiet)
+      return GPUIPC_E_BUSY;
     return gpuipc__fail(GPUIPC_E_BUSY,
                         "gpuipc_arena_destroy: %zu block(s) still allocated "
                         "or held, %d connection(s) still use it",
@@ -462,6 +470,8 @@ static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending) {
     pthread_mutex_unlock(&a->lock);
     if (pending)
       *pending = true;
+    if (quiet)
+      return GPUIPC_E_BUSY;
     return gpuipc__fail(GPUIPC_E_BUSY,
                         "gpuipc_arena_destroy: GPU work that the reuse of "
                         "the arena's memory waits for has not completed (a "
@@ -503,6 +513,8 @@ static gpuipc_status arena_destroy(gpuipc_arena *a, bool *pending) {
   pthread_mutex_destroy(&a->lock);
   gpuipc__stats_add(GPUIPC__ST_ARENAS, -1);
   free(a);
+  if (freed)
+    *freed = true;
   return s;
 }
 
@@ -722,7 +734,9 @@ out:
 }
 
 gpuipc_status gpuipc_block_free(gpuipc_block *b, struct CUstream_st *stream) {
-  return block_free(b, stream, NULL);
+  gpuipc_status s = block_free(b, stream, NULL);
+  (void)gpuipc__arena_given_retry(); /* it may have been the last block */
+  return s;
 }
 
 gpuipc_status gpuipc__block_free_after(gpuipc_block *b,
@@ -964,6 +978,7 @@ gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
                                  struct CUstream_st *stream,
                                  gpuipc_block **out) {
   reap_orphans();
+  (void)gpuipc__arena_given_retry();
   return arena_alloc_block(arena, bytes, stream, out);
 }
 
@@ -984,9 +999,71 @@ gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
   for (;;) {
     reap_orphans();
     bool pending = false;
-    gpuipc_status s = arena_destroy(arena, &pending);
+    gpuipc_status s = arena_destroy(arena, &pending, NULL, false);
     if (!pending || gpuipc__now_ns() >= deadline)
       return s;
     usleep(1000);
   }
+}
+
+/* ---- destroy when drained ---------------------------------------------------------- */
+
+/* Arenas the application gave up, destroyed by the first retry that finds
+ * them drained. The lock guards the list only: the destroys run on arenas
+ * taken off it. */
+static pthread_mutex_t given_lock = PTHREAD_MUTEX_INITIALIZER;
+static gpuipc_arena *given;
+static atomic_int n_given;
+
+static void given_add(gpuipc_arena *a) {
+  pthread_mutex_lock(&given_lock);
+  a->next_given = given;
+  given = a;
+  atomic_fetch_add(&n_given, 1);
+  pthread_mutex_unlock(&given_lock);
+}
+
+size_t gpuipc__arena_given_retry(void) {
+  if (GPUIPC__LIKELY(atomic_load_explicit(&n_given, memory_order_relaxed) ==
+                     0))
+    return 0;
+  pthread_mutex_lock(&given_lock);
+  gpuipc_arena *list = given;
+  given = NULL;
+  pthread_mutex_unlock(&given_lock);
+  while (list) {
+    gpuipc_arena *a = list;
+    list = a->next_given;
+    a->next_given = NULL;
+    bool freed = false;
+    gpuipc_status s = arena_destroy(a, NULL, &freed, true);
+    if (freed) {
+      if (s != GPUIPC_OK)
+        GPUIPC__WARN("arena", "destroying a drained arena: %s",
+                     gpuipc_last_error());
+      atomic_fetch_sub(&n_given, 1);
+      continue;
+    }
+    pthread_mutex_lock(&given_lock);
+    a->next_given = given;
+    given = a;
+    pthread_mutex_unlock(&given_lock);
+  }
+  return (size_t)atomic_load(&n_given);
+}
+
+gpuipc_status gpuipc_arena_release(gpuipc_arena *arena) {
+  if (arena == NULL)
+    return GPUIPC_OK;
+  reap_orphans();
+  bool freed = false;
+  gpuipc_status s = arena_destroy(arena, NULL, &freed, true);
+  if (freed || s != GPUIPC_E_BUSY)
+    return s;
+  /* Blocks still out, or GPU work its reuse waits for: kept. */
+  GPUIPC__DEBUG("arena", "arena %llu given up while busy: destroyed once "
+                         "drained",
+                (unsigned long long)arena->id);
+  given_add(arena);
+  return GPUIPC_OK;
 }

@@ -83,6 +83,9 @@ struct gpuipc_arena {
   size_t chunk_bytes, max_bytes;
   gpuipc__reclaimer own;    /* orders reuse after the owner's frees */
   struct CUstream_st *side; /* non-blocking: writes that unblock */
+  /* Given up (gpuipc_arena_release): in the list of arenas destroyed once
+   * drained (under that list's lock, arena.c). */
+  struct gpuipc_arena *next_given;
   /* Everything below: under `lock`, in arena.c only. */
   pthread_mutex_t lock;
   size_t total_bytes;
@@ -115,6 +118,11 @@ struct gpuipc_block {
  * first, to reclaim what orphaned leases of departed peers held: set by
  * lease.c once it keeps an orphan (until then there is nothing to
  * reclaim); setting it again changes nothing. */
+/* Destroys the arenas given up (gpuipc_arena_release) that have drained
+ * meanwhile; cheap when there are none. Returns how many are left. Takes
+ * no lock of the caller's: called where blocks come back (releases, a
+ * dead peer's reclaim, frees) with no arena lock held. */
+size_t gpuipc__arena_given_retry(void);
 void gpuipc__arena_set_reaper(void (*reap)(void));
 /* The process's arena for connection flag words on a device. */
 gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out);

@@ -159,6 +159,7 @@ static void ho_poll(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   gpuipc__lease_reap_orphans();
   (void)gpuipc__handoff_held_poll();
+  (void)gpuipc__arena_given_retry();
   if (h == NULL || c->state == GPUIPC__CONN_OPEN)
     return;
   /* The peer left: once its process is gone, what it held comes back,
@@ -383,6 +384,12 @@ size_t gpuipc__handoff_held_poll(void) {
     free(e);
   }
   return left;
+}
+
+size_t gpuipc_conn_collect(void) {
+  size_t n = gpuipc__lease_reap_orphans_now();
+  n += gpuipc__arena_given_retry();
+  return n + gpuipc__handoff_held_poll();
 }
 
 static void ho_close(gpuipc_conn *c) {

@@ -46,6 +46,9 @@
 
 static void orphan_add(gpuipc__lease_table *lt);
 static bool words_settled(gpuipc__lease_table *lt);
+static struct gpuipc__watch *watch_new(gpuipc__peer *peer, int pid,
+                                       bool orphan);
+static void watch_unlink(struct gpuipc__watch *w);
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -148,6 +151,10 @@ bool gpuipc__peer_gone(const gpuipc__peer *p) {
 /* ---- the table ---------------------------------------------------------------------- */
 
 static void lease_free(gpuipc__lease_table *lt) {
+  if (lt->owatch) {
+    watch_unlink(lt->owatch);
+    lt->owatch = NULL;
+  }
   if (lt->ctl) {
     /* The flag words go back to the arena after every wait on them that
      * this table's reclaim stream queued (a marker recorded there). */
@@ -261,6 +268,8 @@ void gpuipc__lease_add(gpuipc__lease_table *lt, uint32_t slot,
   gpuipc__txs *t = &lt->tx[slot];
   if (block)
     gpuipc__block_hold(block);
+  if (buf)
+    gpuipc__buffer_lease_begin(buf); /* kept while the peer holds it */
   t->block = block;
   t->buf = buf;
   t->seq = seq;
@@ -310,13 +319,38 @@ void gpuipc__lease_set_release_event(gpuipc__lease_table *lt, uint32_t slot,
   lt->tx[slot].rel_ev = ev;
 }
 
+/* Drops the release records of buf (a handed-over buffer whose owner is
+ * not ordered on them any more: its peer never used it, or is gone).
+ * Context current. */
+static void drop_releases(gpuipc__lease_table *lt, const gpuipc_buffer *buf) {
+  size_t k = 0;
+  for (size_t i = 0; i < lt->nrel; i++) {
+    if (lt->rel[i].buf != buf) {
+      lt->rel[k++] = lt->rel[i];
+      continue;
+    }
+    if (lt->rel[i].local)
+      GPUIPC__CU(cuEventDestroy, (CUevent)lt->rel[i].local);
+  }
+  lt->nrel = k;
+}
+
+/* Context current. A buffer's lease reference goes last: for a buffer
+ * handed over (gpuipc_buffer_release_when_done) it may be the last one,
+ * which closes it and calls its owner back (in this thread). */
 static void slot_free(gpuipc__lease_table *lt, uint32_t slot) {
+  gpuipc_buffer *buf = lt->tx[slot].buf;
   lt->tx[slot].block = NULL;
   lt->tx[slot].buf = NULL;
   lt->tx[slot].seq = 0;
   lt->tx_free[lt->tx_nfree++] = slot;
   lt->tx_out--;
   gpuipc__stats_lease_end(lt->stats_slot, slot);
+  if (buf) {
+    if (gpuipc__buffer_handed(buf, NULL))
+      drop_releases(lt, buf);
+    gpuipc__buffer_lease_end(buf);
+  }
 }
 
 size_t gpuipc__lease_outstanding(const gpuipc__lease_table *lt) {
@@ -355,6 +389,67 @@ size_t gpuipc__lease_take_releases(gpuipc__lease_table *lt,
 
 /* ---- releases ---------------------------------------------------------------------- */
 
+/* Orders `stream` (the owner's of a handed-over buffer) after one
+ * release record (consumed: its local event destroyed). The legacy stream
+ * waits through the table's private stream and an event. Context
+ * current. */
+static gpuipc_status order_one(gpuipc__lease_table *lt,
+                               struct CUstream_st *stream,
+                               gpuipc__relrec r) {
+  CUresult e = CUDA_SUCCESS;
+  if (r.local) {
+    e = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream, (CUevent)r.local, 0);
+    GPUIPC__CU(cuEventDestroy, (CUevent)r.local);
+  } else {
+    CUdeviceptr word = (CUdeviceptr)gpuipc__released_word(
+        lt->ctl->ptr, lt->nslots, r.slot);
+    bool legacy = (stream == NULL || (uintptr_t)stream == 0x1);
+    if (legacy && lt->evq == NULL) {
+      CUstream st;
+      e = GPUIPC__CU(cuStreamCreate, &st, CU_STREAM_NON_BLOCKING);
+      if (e == CUDA_SUCCESS)
+        lt->evq = (struct CUstream_st *)st;
+    }
+    CUstream ws = legacy ? (CUstream)lt->evq : (CUstream)stream;
+    if (e == CUDA_SUCCESS)
+      e = GPUIPC__CU(cuStreamWaitValue64, ws, word, (cuuint64_t)r.seq,
+                     CU_STREAM_WAIT_VALUE_GEQ);
+    if (e == CUDA_SUCCESS && legacy) {
+      CUevent ev = NULL;
+      e = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);
+      if (e == CUDA_SUCCESS)
+        e = GPUIPC__CU(cuEventRecord, ev, ws);
+      if (e == CUDA_SUCCESS)
+        e = GPUIPC__CU(cuStreamWaitEvent, (CUstream)stream, ev, 0);
+      if (ev)
+        GPUIPC__CU(cuEventDestroy, ev);
+    }
+  }
+  if (e != CUDA_SUCCESS)
+    return gpuipc__fail_cuda(e, "cuStreamWaitValue64",
+                             "ordering the owner's stream after a release "
+                             "of a handed-over buffer");
+  return GPUIPC_OK;
+}
+
+static gpuipc_status order_owner(gpuipc__lease_table *lt,
+                                 const gpuipc_buffer *buf,
+                                 struct CUstream_st *stream,
+                                 gpuipc__relrec now) {
+  gpuipc_status s = GPUIPC_OK;
+  gpuipc__relrec recs[32];
+  size_t n;
+  while ((n = gpuipc__lease_take_releases(lt, buf, recs,
+                                          GPUIPC__ARRAY_SIZE(recs))) > 0)
+    for (size_t i = 0; i < n; i++) {
+      gpuipc_status o = order_one(lt, stream, recs[i]);
+      if (s == GPUIPC_OK)
+        s = o;
+    }
+  gpuipc_status o = order_one(lt, stream, now);
+  return s == GPUIPC_OK ? o : s;
+}
+
 /* A released buffer outside any arena: its owner orders reuse with
  * gpuipc_conn_buffer_wait, which needs this release's word (or, in event
  * mode, a local event that completes after the peer's release record).
@@ -387,7 +482,15 @@ static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot,
       s = gpuipc__fail_cuda(r, "cuStreamWaitEvent", "release event");
     local = (struct CUevent_st *)ev;
   }
-  if (t->ordered || local) {
+  struct CUstream_st *owner_stream = NULL;
+  if (gpuipc__buffer_handed(t->buf, &owner_stream) && (t->ordered || local)) {
+    /* Handed over: its owner's stream is ordered now, after this release
+     * and any earlier one of it recorded here, and no record is kept. */
+    gpuipc_status os = order_owner(lt, t->buf, owner_stream,
+                                   (gpuipc__relrec){t->buf, wslot, wseq, local});
+    if (os != GPUIPC_OK && s == GPUIPC_OK)
+      s = os;
+  } else if (t->ordered || local) {
     if (lt->nrel == lt->caprel) {
       size_t cap = lt->caprel ? 2 * lt->caprel : 16;
       gpuipc__relrec *nr =
@@ -498,6 +601,8 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
       s = as;
   }
   gpuipc__ctx_leave(&g);
+  gpuipc__buffer_done_flush();
+  (void)gpuipc__arena_given_retry();
   if (s != GPUIPC_OK)
     GPUIPC__WARN("lease", "ordering reuse after a release failed: %s",
                  gpuipc_last_error());
@@ -540,6 +645,8 @@ gpuipc_status gpuipc__lease_abandoned(gpuipc__lease_table *lt,
     (void)gpuipc__arena_release(a, &lt->rc, &r, 1, true);
   }
   gpuipc__ctx_leave(&g);
+  gpuipc__buffer_done_flush();
+  (void)gpuipc__arena_given_retry();
   GPUIPC__INFO("lease",
                "peer pid %d ended the connection on its own error: %zu "
                "lease(s) back, %zu still held",
@@ -602,6 +709,8 @@ static void reclaim_dead(gpuipc__lease_table *lt) {
     n++;
   }
   gpuipc__ctx_leave(&g);
+  gpuipc__buffer_done_flush();
+  (void)gpuipc__arena_given_retry();
   if (n)
     GPUIPC__INFO("lease", "reclaimed %zu block(s) held by dead peer pid %d", n,
                  lt->peer_pid);
@@ -678,6 +787,11 @@ static void orphan_add(gpuipc__lease_table *lt) {
                 "connection to pid %d closed while it holds %zu block(s): "
                 "reclaimed when that process is gone",
                 lt->peer_pid, lt->tx_out);
+  /* The watcher reaps it when the peer's process exits, with no call of
+   * the application's (what the table keeps, handed-over buffers among
+   * them, comes back then); without a pidfd, calls reap it. */
+  if (lt->owatch == NULL && gpuipc__peer_pidfd(lt->peer) >= 0)
+    lt->owatch = watch_new(lt->peer, lt->peer_pid, true);
   pthread_mutex_lock(&orphan_lock);
   lt->next_orphan = orphans;
   orphans = lt;
@@ -688,6 +802,8 @@ static void orphan_add(gpuipc__lease_table *lt) {
    * statistics and destroy see it. */
   gpuipc__arena_set_reaper(gpuipc__lease_reap_orphans);
 }
+
+static void reap(void);
 
 void gpuipc__lease_reap_orphans(void) {
   if (GPUIPC__LIKELY(atomic_load_explicit(&n_orphans, memory_order_relaxed) ==
@@ -701,6 +817,16 @@ void gpuipc__lease_reap_orphans(void) {
   if (now - prev < 5000000ull ||
       !atomic_compare_exchange_strong(&last_poll, &prev, now))
     return;
+  reap();
+}
+
+size_t gpuipc__lease_reap_orphans_now(void) {
+  if (atomic_load(&n_orphans) > 0)
+    reap();
+  return (size_t)atomic_load(&n_orphans);
+}
+
+static void reap(void) {
   pthread_mutex_lock(&orphan_lock);
   gpuipc__lease_table *list = orphans;
   orphans = NULL;
@@ -858,6 +984,7 @@ static void *watcher(void *arg) {
     }
     if (poll(pf, n, WATCH_RESCAN_MS) <= 0)
       continue;
+    bool reap_now = false;
     for (nfds_t i = 0; i < n; i++) {
       if (!(pf[i].revents & (POLLIN | POLLHUP | POLLERR)))
         continue;
@@ -874,10 +1001,18 @@ static void *watcher(void *arg) {
         continue;
       /* Asked again: the fd polled may have been closed and its number
        * (or the record's address) reused since the list was read. */
-      if (!w->fired && gpuipc__peer_gone(w->peer))
-        watch_fire(w);
+      if (!w->fired && gpuipc__peer_gone(w->peer)) {
+        if (w->orphan)
+          w->fired = reap_now = true;
+        else
+          watch_fire(w);
+      }
       pthread_mutex_unlock(&w->mu);
     }
+    /* Orphans of peers that exited: reaped here, no lock held (done
+     * callbacks of handed-over buffers may run). */
+    if (reap_now)
+      (void)gpuipc__lease_reap_orphans_now();
   }
   free(pf);
   free(ws);
@@ -946,11 +1081,23 @@ gpuipc_status gpuipc__watch_add(gpuipc_conn *c) {
                   c->peer_pid);
     return GPUIPC_OK;
   }
-  struct gpuipc__watch *w = calloc(1, sizeof *w);
+  struct gpuipc__watch *w = watch_new(c->peer, c->peer_pid, false);
   if (w == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "peer watch");
-  w->peer = gpuipc__peer_ref(c->peer);
-  w->pid = c->peer_pid;
+  c->watch = w;
+  return GPUIPC_OK;
+}
+
+/* A watch of peer (a reference is taken), in the list, the thread
+ * started; NULL without memory. */
+static struct gpuipc__watch *watch_new(gpuipc__peer *peer, int pid,
+                                       bool orphan) {
+  struct gpuipc__watch *w = calloc(1, sizeof *w);
+  if (w == NULL)
+    return NULL;
+  w->peer = gpuipc__peer_ref(peer);
+  w->pid = pid;
+  w->orphan = orphan;
   pthread_mutex_init(&w->mu, NULL);
   atomic_init(&w->rx_ordinal, -1);
   atomic_init(&w->tx_ordinal, -1);
@@ -961,8 +1108,7 @@ gpuipc_status gpuipc__watch_add(gpuipc_conn *c) {
   nwatches++;
   watcher_start();
   pthread_mutex_unlock(&watch_lock);
-  c->watch = w;
-  return GPUIPC_OK;
+  return w;
 }
 
 void gpuipc__watch_remove(gpuipc_conn *c) {
@@ -970,6 +1116,10 @@ void gpuipc__watch_remove(gpuipc_conn *c) {
   if (w == NULL)
     return;
   c->watch = NULL;
+  watch_unlink(w);
+}
+
+static void watch_unlink(struct gpuipc__watch *w) {
   pthread_mutex_lock(&watch_lock);
   for (struct gpuipc__watch **pp = &watches; *pp; pp = &(*pp)->next)
     if (*pp == w) {

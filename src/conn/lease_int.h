@@ -48,6 +48,8 @@ struct gpuipc__watch {
   int pid;
   pthread_mutex_t mu; /* held while the words are written */
   bool fired;         /* under mu */
+  bool orphan;        /* watches the peer of an orphan table (no words):
+                         its exit makes the thread reap the orphans */
   _Atomic uint64_t rx_base, tx_base; /* 0: not known yet */
   _Atomic int rx_ordinal, tx_ordinal;
   _Atomic uint32_t rx_nslots, tx_nslots;
@@ -94,6 +96,7 @@ typedef struct gpuipc__lease_table {
   gpuipc__reclaimer rc;    /* orders reuse after this peer's releases */
   /* Everything below: lease.c only. */
   struct gpuipc__lease_table *next_orphan;
+  struct gpuipc__watch *owatch; /* an orphan's watch (NULL: none) */
   bool dead_handled; /* the peer's death was handled (words forced) */
   gpuipc__txs *tx;
   uint32_t *tx_free;
@@ -124,6 +127,8 @@ void gpuipc__lease_poll(gpuipc__lease_table *lt);
  * leases reclaimed first). Cheap when there are none; checks at most every
  * few milliseconds. */
 void gpuipc__lease_reap_orphans(void);
+/* The same at once (no rate limit); returns how many orphans are left. */
+size_t gpuipc__lease_reap_orphans_now(void);
 
 /* n distinct free slots (not taken), or false when fewer are free. */
 bool gpuipc__lease_free_slots(const gpuipc__lease_table *lt, uint32_t n,

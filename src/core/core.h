@@ -246,6 +246,7 @@ typedef enum gpuipc__stat {
   GPUIPC__ST_CACHE_MISSES,
   GPUIPC__ST_CACHE_STALE,
   GPUIPC__ST_CONNS,         /* connections past the handshake, not freed */
+  GPUIPC__ST_KEPT_BUFFERS,  /* buffers handed over, kept until released */
   GPUIPC__ST_COUNT
 } gpuipc__stat;
 

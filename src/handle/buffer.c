@@ -31,6 +31,7 @@ static gpuipc_buffer *buffer_new(void) {
   b->pool_fd = -1;
   b->ordinal = -1;
   b->map_ordinal = -1;
+  atomic_init(&b->refs, 1);
   pthread_mutex_init(&b->lock, NULL);
   return b;
 }
@@ -536,4 +537,87 @@ gpuipc_status gpuipc_buffer_free(gpuipc_buffer *b, struct CUstream_st *stream) {
   }
   buffer_delete(b);
   return s;
+}
+
+/* ---- keep until released ------------------------------------------------------------ */
+
+/* The last reference went: the buffer closes, then its owner is told. */
+static void keep_finish(gpuipc_buffer *b) {
+  void (*done)(void *) = b->done;
+  void *ctx = b->done_ctx;
+  struct CUstream_st *stream = b->done_stream;
+  gpuipc__stats_add(GPUIPC__ST_KEPT_BUFFERS, -1);
+  if (gpuipc_buffer_free(b, stream) != GPUIPC_OK)
+    GPUIPC__WARN("buffer", "closing a buffer handed over for keeping: %s",
+                 gpuipc_last_error());
+  if (done)
+    done(ctx);
+}
+
+void gpuipc__buffer_lease_begin(gpuipc_buffer *b) {
+  atomic_fetch_add_explicit(&b->refs, 1, memory_order_relaxed);
+}
+
+/* Buffers whose last reference went in this thread, finished by the
+ * next gpuipc__buffer_done_flush of this thread (outside the dropper's
+ * context switch and loops). */
+static _Thread_local gpuipc_buffer *done_pending;
+
+void gpuipc__buffer_lease_end(gpuipc_buffer *b) {
+  if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) != 1)
+    return;
+  b->next_done = done_pending;
+  done_pending = b;
+}
+
+void gpuipc__buffer_done_flush(void) {
+  while (done_pending) {
+    gpuipc_buffer *b = done_pending;
+    done_pending = b->next_done;
+    keep_finish(b);
+  }
+}
+
+bool gpuipc__buffer_handed(const gpuipc_buffer *b,
+                           struct CUstream_st **stream) {
+  /* Read by the thread that holds a lease on it (the reference keeps it
+   * alive); set before the caller's reference went. */
+  bool handed = atomic_load_explicit(&b->handed, memory_order_acquire);
+  if (handed && stream)
+    *stream = b->done_stream;
+  return handed;
+}
+
+unsigned gpuipc_buffer_get_holders(const gpuipc_buffer *b) {
+  if (b == NULL || b->origin == GPUIPC__IMPORTED)
+    return 0;
+  unsigned r = atomic_load(&b->refs);
+  unsigned own = atomic_load(&b->handed) ? 0 : 1;
+  return r > own ? r - own : 0;
+}
+
+gpuipc_status gpuipc_buffer_release_when_done(gpuipc_buffer *b,
+                                              struct CUstream_st *stream,
+                                              void (*done)(void *ctx),
+                                              void *ctx) {
+  if (b == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_release_when_done: NULL buffer");
+  if (b->origin == GPUIPC__IMPORTED)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_release_when_done: an imported "
+                        "buffer (close it with gpuipc_buffer_close)");
+  if (atomic_load(&b->handed))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_release_when_done: the buffer was "
+                        "already handed over");
+  b->done = done;
+  b->done_ctx = ctx;
+  b->done_stream = stream;
+  atomic_store_explicit(&b->handed, true, memory_order_release);
+  gpuipc__stats_add(GPUIPC__ST_KEPT_BUFFERS, 1);
+  /* The caller's reference; the leases' keep it from here on. */
+  gpuipc__buffer_lease_end(b);
+  gpuipc__buffer_done_flush();
+  return GPUIPC_OK;
 }

@@ -234,6 +234,22 @@ typedef struct gpuipc__buffer_info {
 gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *buf,
                                       gpuipc__buffer_info *info);
 
+/* Keep until released (gpuipc_buffer_release_when_done): a connection
+ * takes a reference per lease it holds on a buffer (lease_begin, at the
+ * send) and drops it when the lease ends (released, abandoned, or the
+ * peer gone); the last reference of a handed-over buffer closes it and
+ * calls its done callback, in the thread that dropped it, with no lock of
+ * the caller's held (see gpuipc__buffer_done_flush). handed: whether it was handed over (and the stream
+ * the owner reuses the memory on), for the holder of a reference. */
+void gpuipc__buffer_lease_begin(gpuipc_buffer *buf);
+void gpuipc__buffer_lease_end(gpuipc_buffer *buf);
+/* Closes the buffers whose last reference this thread dropped, and calls
+ * their done callbacks (no lock held, no context of the library's
+ * current): every caller of lease_end calls it before it returns. */
+void gpuipc__buffer_done_flush(void);
+bool gpuipc__buffer_handed(const gpuipc_buffer *buf,
+                           struct CUstream_st **stream);
+
 /* The driver's buffer id of the allocation holding ptr (0 when the driver
  * has none for it). Makes no context current: the pointer's own context is
  * implied by unified addressing. */

@@ -74,6 +74,15 @@ struct gpuipc_buffer {
   void *host;           /* PINNED_HOST: the host mapping */
   struct gpuipc__mapping *map; /* IMPORTED: the cache entry */
   gpuipc__identity exporter;   /* IMPORTED: who exported it */
+  /* Keep until released: one reference of the caller's until
+   * gpuipc_buffer_release_when_done, plus one per lease a connection of
+   * this process holds on it; the last closes it and calls done. */
+  atomic_uint refs;
+  atomic_bool handed;
+  void (*done)(void *ctx);
+  void *done_ctx;
+  struct CUstream_st *done_stream;
+  struct gpuipc_buffer *next_done; /* buffer.c: this thread's finished */
 };
 
 struct gpuipc_event {
