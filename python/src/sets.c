@@ -26,6 +26,8 @@
  */
 #include "ext.h"
 
+#include <stdatomic.h>
+
 /* ------------------------------------------------------------------------ */
 /* dtypes                                                                   */
 /* ------------------------------------------------------------------------ */
@@ -75,7 +77,8 @@ static void meta_of(const gpuipc_tensor *t, ArrMeta *m) {
 typedef struct TSubObject TSubObject;
 typedef struct TVerObject TVerObject;
 
-typedef struct {
+typedef struct TSetObject TSetObject;
+struct TSetObject {
   PyObject_HEAD
   gpuipc_tset *s;
   int device;      /* ordinal of the set's memory */
@@ -83,7 +86,19 @@ typedef struct {
   int timeout_ms;  /* limit of begin, unsubscribe, destroy */
   PyObject *conns; /* list of the ConnObjects subscribed */
   PyObject *keep;  /* wrapped: the arrays' owners */
-} TSetObject;
+  TSetObject *reg_next, *reg_prev; /* live sets (sets_let_go) */
+};
+
+/* torch views of a version, kept for the next version of the same layout
+ * and copy (Version.as_torch): valid while their addresses are the same. */
+#define SETS_VCACHE 4
+typedef struct {
+  uint64_t layout;
+  int copy;
+  size_t n;
+  void **ptrs;       /* the tensors' addresses when built */
+  PyObject *tensors; /* tuple of torch tensors */
+} VCache;
 
 struct TSubObject {
   PyObject_HEAD
@@ -92,6 +107,8 @@ struct TSubObject {
   int device;
   TVerObject *held; /* versions not released yet */
   gpuipc_tset_sub *linger; /* closed here, kept open for held (views alive) */
+  VCache vc[SETS_VCACHE];
+  TSubObject *reg_next, *reg_prev; /* open subscribers (sets_let_go) */
 };
 
 struct TVerObject {
@@ -115,6 +132,25 @@ typedef struct {
 } TViewObject;
 
 PyTypeObject TSetType, TSubType, TVerType, TViewType;
+
+/* Live sets and open subscribers, for a connection's context manager
+ * (sets_let_go). Guarded by the GIL. */
+static TSetObject *g_sets;
+static TSubObject *g_subs;
+#define REG_ADD(head, o)                                                       \
+  do {                                                                         \
+    (o)->reg_prev = NULL;                                                      \
+    (o)->reg_next = (head);                                                    \
+    if (head) (head)->reg_prev = (o);                                          \
+    (head) = (o);                                                              \
+  } while (0)
+#define REG_DEL(head, o)                                                       \
+  do {                                                                         \
+    if ((o)->reg_prev) (o)->reg_prev->reg_next = (o)->reg_next;                \
+    else if ((head) == (o)) (head) = (o)->reg_next;                            \
+    if ((o)->reg_next) (o)->reg_next->reg_prev = (o)->reg_prev;                \
+    (o)->reg_next = (o)->reg_prev = NULL;                                      \
+  } while (0)
 
 static int set_ok(TSetObject *o) {
   if (o->s) return 1;
@@ -149,51 +185,493 @@ static PyObject *view_new(PyObject *owner, const gpuipc_tensor *t, int device,
   return (PyObject *)w;
 }
 
-/* Device pointers of a list: None -> NULL (skip), int -> that address, an
- * array (CAI / DLPack) -> its data, checked to span `want[i]` bytes. */
-static void **ptr_list(PyObject *seq, size_t n, const size_t *want, uintptr_t stream,
-                       const char *what) {
+/* ------------------------------------------------------------------------ */
+/* torch at C speed: DLPack's C exchange API                                */
+/* ------------------------------------------------------------------------ */
+
+/* dlpack.h 1.3's DLPackExchangeAPI: a table of C functions a framework
+ * puts on its tensor type as a PyCapsule named "dlpack_exchange_api"
+ * (attribute __dlpack_c_exchange_api__; torch releases before the name
+ * settled used __c_dlpack_exchange_api__, a capsule or an int). Major
+ * version 1 only. Read here: dltensor_from_py_object_no_sync (a
+ * non-owning DLTensor of a tensor, no Python call, no stream work),
+ * managed_tensor_to_py_object_no_sync (a tensor of our DLPack tensor) and
+ * current_work_stream (torch.cuda.current_stream as a raw handle). */
+typedef struct SetsXApiHeader {
+  DLPackVersion version;
+  struct SetsXApiHeader *prev_api;
+} SetsXApiHeader;
+typedef struct {
+  SetsXApiHeader header;
+  void *managed_tensor_allocator;
+  int (*managed_tensor_from_py_object_no_sync)(void *py, DLManagedTensorVersioned **out);
+  int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *t, void **out);
+  int (*dltensor_from_py_object_no_sync)(void *py, DLTensor *out);
+  int (*current_work_stream)(int device_type, int32_t device_id, void **out);
+} SetsXApi;
+
+/* The exchange API of each array type met (NULL: it has none), so that a
+ * type is looked up once. Full: later types are looked up each time. */
+#define SETS_XTYPES 8
+static struct { PyTypeObject *tp; const SetsXApi *api; } g_xtypes[SETS_XTYPES];
+static int g_nxtypes;
+
+static const SetsXApi *xapi_read(PyObject *holder) {
+  static const char *attrs[] = {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"};
+  for (int k = 0; k < 2; k++) {
+    PyObject *a = PyObject_GetAttrString(holder, attrs[k]);
+    if (!a) { PyErr_Clear(); continue; }
+    const SetsXApi *x = NULL;
+    if (PyCapsule_CheckExact(a)) x = PyCapsule_GetPointer(a, "dlpack_exchange_api");
+    else if (PyLong_Check(a)) x = PyLong_AsVoidPtr(a);
+    PyErr_Clear();
+    Py_DECREF(a);
+    if (x && x->header.version.major == 1 && x->dltensor_from_py_object_no_sync &&
+        x->current_work_stream && x->managed_tensor_to_py_object_no_sync)
+      return x;
+  }
+  return NULL;
+}
+
+static const SetsXApi *xapi_of(PyObject *o) {
+  PyTypeObject *tp = Py_TYPE(o);
+  for (int i = 0; i < g_nxtypes; i++)
+    if (g_xtypes[i].tp == tp) return g_xtypes[i].api;
+  const SetsXApi *api = xapi_read((PyObject *)tp);
+  if (g_nxtypes < SETS_XTYPES) {
+    Py_INCREF(tp);
+    g_xtypes[g_nxtypes].tp = tp;
+    g_xtypes[g_nxtypes].api = api;
+    g_nxtypes++;
+  }
+  return api;
+}
+
+/* torch itself, for the views built here (Version.as_torch): looked up
+ * once. Not imported by gpuipc otherwise. */
+static struct {
+  int state;             /* 0 not looked up, 1 ready, -1 not importable */
+  const SetsXApi *api;   /* torch.Tensor's exchange API, or NULL */
+  PyObject *from_dlpack; /* torch._C._from_dlpack, when api is NULL */
+  PyObject *raw_stream;  /* torch._C._cuda_getCurrentRawStream, when api is NULL */
+} g_torch;
+
+static int torch_ready(void) {
+  if (g_torch.state == 1) return 0;
+  PyObject *t = PyImport_ImportModule("torch");
+  if (!t) return -1; /* its ImportError says why */
+  PyObject *tt = PyObject_GetAttrString(t, "Tensor");
+  PyObject *c = PyObject_GetAttrString(t, "_C");
+  Py_DECREF(t);
+  if (!tt || !c) {
+    Py_XDECREF(tt);
+    Py_XDECREF(c);
+    return -1;
+  }
+  g_torch.api = xapi_read(tt);
+  Py_DECREF(tt);
+  if (!g_torch.api) {
+    g_torch.from_dlpack = PyObject_GetAttrString(c, "_from_dlpack");
+    g_torch.raw_stream = PyObject_GetAttrString(c, "_cuda_getCurrentRawStream");
+    if (!g_torch.from_dlpack || !g_torch.raw_stream) {
+      Py_CLEAR(g_torch.from_dlpack);
+      Py_CLEAR(g_torch.raw_stream);
+      Py_DECREF(c);
+      return -1;
+    }
+  }
+  Py_DECREF(c);
+  g_torch.state = 1;
+  return 0;
+}
+
+/* torch's current stream on device dev, as a raw handle (0: legacy). */
+static int torch_stream(const SetsXApi *api, int dev, uintptr_t *out) {
+  if (api) {
+    void *s = NULL;
+    if (api->current_work_stream(kDLCUDA, dev, &s) != 0) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "torch's current_work_stream failed");
+      return -1;
+    }
+    *out = (uintptr_t)s;
+    return 0;
+  }
+  PyObject *r = PyObject_CallFunction(g_torch.raw_stream, "i", dev);
+  if (!r) return -1;
+  *out = (uintptr_t)PyLong_AsUnsignedLongLong(r);
+  Py_DECREF(r);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Resolving the caller's arrays against a set's layout                     */
+/* ------------------------------------------------------------------------ */
+
+/* "(3, 4)" into b. */
+static const char *dims_str(char *b, size_t cap, const int64_t *d, int n) {
+  size_t k = 0;
+  k += (size_t)snprintf(b + k, cap - k, "(");
+  for (int i = 0; i < n && k < cap; i++)
+    k += (size_t)snprintf(b + k, cap - k, i ? ", %lld" : "%lld", (long long)d[i]);
+  if (k < cap) snprintf(b + k, cap - k, n == 1 ? ",)" : ")");
+  return b;
+}
+
+/* Row-major strides (elements) of a shape into out; strides given: those. */
+static void strides_eff(const int64_t *shape, const int64_t *strides, int n, int64_t *out) {
+  int64_t s = 1;
+  for (int i = n - 1; i >= 0; i--) {
+    out[i] = strides ? strides[i] : s;
+    s *= shape[i] > 0 ? shape[i] : 1;
+  }
+}
+
+static const char *dl_dtype_str(char *b, size_t cap, const DLDataType *d) {
+  const char *n = dtype_name(d);
+  if (n) return n;
+  snprintf(b, cap, "dlpack(%d,%d,%d)", d->code, d->bits, d->lanes);
+  return b;
+}
+
+/* Whether an array (dtype, ndim, shape, strides in elements or NULL:
+ * row-major) is laid out as tensor i of the set: same dtype, same shape,
+ * same strides (of the dimensions longer than 1). ValueError naming the
+ * tensor otherwise. */
+static int layout_check(const char *what, size_t i, const gpuipc_tensor *t,
+                        const DLDataType *dt, int ndim, const int64_t *shape,
+                        const int64_t *strides) {
+  char a[160], b[160], c[32], d[32];
+  DLDataType want = dt_dl(t->dtype);
+  if (dt_code(dt) != t->dtype) {
+    PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') is %s, the array given for it %s",
+                 what, i, t->name, dl_dtype_str(c, sizeof c, &want),
+                 dl_dtype_str(d, sizeof d, dt));
+    return -1;
+  }
+  int same = ndim == t->ndim;
+  for (int k = 0; same && k < ndim; k++) same = shape[k] == t->shape[k];
+  if (!same) {
+    PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') has shape %s, the array given for "
+                 "it %s", what, i, t->name, dims_str(a, sizeof a, t->shape, t->ndim),
+                 dims_str(b, sizeof b, shape, ndim));
+    return -1;
+  }
+  int64_t x[GPUIPC_TSET_NDIM_MAX], y[GPUIPC_TSET_NDIM_MAX];
+  strides_eff(t->shape, t->strides, ndim, x);
+  strides_eff(shape, strides, ndim, y);
+  int empty = 0;
+  for (int k = 0; k < ndim; k++) empty |= shape[k] == 0;
+  for (int k = 0; !empty && k < ndim; k++) {
+    if (shape[k] > 1 && x[k] != y[k]) {
+      PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') has strides %s (in elements), the "
+                   "array given for it %s", what, i, t->name, dims_str(a, sizeof a, x, ndim),
+                   dims_str(b, sizeof b, y, ndim));
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* What one resolution (a copy call, or a plan) found out on the way. */
+typedef struct {
+  const char *what;     /* "copy_into" / "copy_from", for errors */
+  uintptr_t stream;     /* where the copies run */
+  int xdev;             /* device of the first array read through the exchange
+                           API (-1: none): torch's current stream on it is
+                           ordered before `stream`, once per call */
+  const SetsXApi *xapi;
+  int xordered;         /* done for this call */
+  uintptr_t cai[8];     /* streams of CUDA-Array-Interface arrays */
+  int ncai;
+  int cai_over;         /* more than 8 of them: each ordered when met */
+  int slow;             /* arrays read through the protocols since the last flush */
+} Resolve;
+
+static int resolve_cai_stream(Resolve *r, uintptr_t s, int now) {
+  if (s == r->stream) return 0;
+  for (int k = 0; k < r->ncai; k++)
+    if (r->cai[k] == s) return 0;
+  if (r->ncai < 8) r->cai[r->ncai++] = s;
+  else r->cai_over = 1;
+  return now ? order_streams(0, s, r->stream) : 0;
+}
+
+/* Orders `stream` after torch's current stream (once per call). */
+static int resolve_order(Resolve *r) {
+  if (r->xdev < 0 || r->xordered) return 0;
+  uintptr_t cur;
+  if (torch_stream(r->xapi, r->xdev, &cur) < 0) return -1;
+  r->xordered = 1;
+  return cur == r->stream ? 0 : order_streams(r->xdev, cur, r->stream);
+}
+
+/* The device address of the array o given for tensor i (t), its layout
+ * checked: None -> NULL (skip), int -> that address as it is, a tensor of
+ * a type with the exchange API (torch) -> read in C, anything else through
+ * __cuda_array_interface__ / __dlpack__ (the array's stream ordered before
+ * the copies as it is met: `now`). */
+static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t, int now,
+                       void **out) {
+  *out = NULL;
+  if (o == Py_None) return 0;
+  if (PyLong_Check(o)) {
+    *out = PyLong_AsVoidPtr(o);
+    return PyErr_Occurred() ? -1 : 0;
+  }
+  const SetsXApi *x = xapi_of(o);
+  if (x) {
+    DLTensor dl;
+    if (x->dltensor_from_py_object_no_sync(o, &dl) != 0) {
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "%s: tensor %zu ('%s'): its %.80s could not be read",
+                     r->what, i, t->name, Py_TYPE(o)->tp_name);
+      return -1;
+    }
+    if (dl.device.device_type != kDLCUDA) {
+      PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s'): the array given for it is not in "
+                   "CUDA device memory (DLPack device type %d)", r->what, i, t->name,
+                   (int)dl.device.device_type);
+      return -1;
+    }
+    if (dl.ndim < 0 || dl.ndim > MAXD) {
+      PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s'): the array given for it has %d "
+                   "dimensions", r->what, i, t->name, (int)dl.ndim);
+      return -1;
+    }
+    if (layout_check(r->what, i, t, &dl.dtype, dl.ndim, dl.shape, dl.strides) < 0) return -1;
+    if (r->xdev < 0) {
+      r->xdev = dl.device.device_id;
+      r->xapi = x;
+    }
+    *out = (char *)dl.data + dl.byte_offset;
+    return 0;
+  }
+  Foreign fo;
+  if (foreign_get(o, r->stream, &fo) < 0) return -1;
+  Py_XDECREF(fo.owner); /* the caller's sequence keeps o */
+  r->slow++;
+  if (fo.has_stream && resolve_cai_stream(r, fo.stream, now) < 0) return -1;
+  if (layout_check(r->what, i, t, &fo.meta.dtype, fo.meta.ndim, fo.meta.shape,
+                   fo.meta.has_strides ? fo.meta.strides : NULL) < 0)
+    return -1;
+  if (fo.nbytes != t->nbytes) {
+    PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') spans %zu bytes, its array %zu",
+                 r->what, i, t->name, t->nbytes, fo.nbytes);
+    return -1;
+  }
+  *out = fo.ptr;
+  return 0;
+}
+
+/* What a copy call works on: the set's or the version's tensors, and the
+ * library call that copies (dsts or srcs; NULL entries skipped). */
+typedef struct {
+  const char *what;
+  size_t n;
+  uint64_t layout;
+  gpuipc_status (*tensor)(void *obj, size_t i, gpuipc_tensor *t);
+  gpuipc_status (*copy)(void *obj, void *const *ptrs, uintptr_t stream);
+  void *obj;
+} CopyJob;
+
+static int job_run(const CopyJob *j, void *const *ptrs, uintptr_t stream) {
+  gpuipc_status st;
+  LOCK();
+  Py_BEGIN_ALLOW_THREADS
+  st = j->copy(j->obj, ptrs, stream);
+  UNLOCK();
+  Py_END_ALLOW_THREADS
+  if (st != GPUIPC_OK) {
+    raise_st(st, j->what);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *seq_of(PyObject *seq, const CopyJob *j) {
   PyObject *f = PySequence_Fast(seq, "a sequence of device arrays, addresses or None");
   if (!f) return NULL;
-  if ((size_t)PySequence_Fast_GET_SIZE(f) != n) {
-    PyErr_Format(PyExc_ValueError, "%s: %zu arrays for a set of %zu tensors", what,
-                 (size_t)PySequence_Fast_GET_SIZE(f), n);
+  if ((size_t)PySequence_Fast_GET_SIZE(f) != j->n) {
+    PyErr_Format(PyExc_ValueError, "%s: %zu arrays for a set of %zu tensors", j->what,
+                 (size_t)PySequence_Fast_GET_SIZE(f), j->n);
     Py_DECREF(f);
     return NULL;
   }
-  void **p = PyMem_Calloc(n ? n : 1, sizeof *p);
-  if (!p) { Py_DECREF(f); PyErr_NoMemory(); return NULL; }
-  for (size_t i = 0; i < n; i++) {
-    PyObject *o = PySequence_Fast_GET_ITEM(f, (Py_ssize_t)i);
-    if (o == Py_None) continue;
-    if (PyLong_Check(o)) {
-      p[i] = PyLong_AsVoidPtr(o);
-      if (PyErr_Occurred()) goto fail;
-      continue;
-    }
-    Foreign fo;
-    if (foreign_get(o, stream, &fo) < 0) goto fail;
-    size_t nb = fo.nbytes;
-    void *ptr = fo.ptr;
-    Py_XDECREF(fo.owner);
-    if (fo.has_stream && fo.stream != stream) {
-      /* the array's pending work comes first */
-      if (order_streams(0, fo.stream, stream) < 0) goto fail;
-    }
-    if (want && nb != want[i]) {
-      PyErr_Format(PyExc_ValueError, "%s: tensor %zu spans %zu bytes, its array %zu", what,
-                   i, want[i], nb);
-      goto fail;
-    }
-    p[i] = ptr;
-  }
-  Py_DECREF(f);
-  return p;
-fail:
-  Py_DECREF(f);
-  PyMem_Free(p);
-  return NULL;
+  return f;
 }
+
+/* Resolves seq and copies as it goes: arrays read in C (torch, addresses)
+ * cost tens of nanoseconds and are copied with one call; arrays read
+ * through the Python protocols go in chunks of 16, each copied as soon as
+ * it is resolved, so the GPU copies while the rest is resolved. Streams
+ * are ordered once per call (torch's current stream, each distinct stream
+ * a CUDA-Array-Interface array names) before the first copy that needs it. */
+#define SETS_CHUNK 16
+static int copy_resolving(const CopyJob *j, PyObject *seq, uintptr_t stream) {
+  PyObject *f = seq_of(seq, j);
+  if (!f) return -1;
+  void **p = PyMem_Calloc(j->n ? j->n : 1, sizeof *p);
+  if (!p) {
+    Py_DECREF(f);
+    PyErr_NoMemory();
+    return -1;
+  }
+  Resolve r = {j->what, stream, -1, NULL, 0, {0}, 0, 0, 0};
+  int rc = 0, pending = 0;
+  size_t lo = 0;
+  for (size_t i = 0; i < j->n; i++) {
+    gpuipc_tensor t;
+    if (j->tensor(j->obj, i, &t) != GPUIPC_OK) {
+      raise_st(GPUIPC_E_INVALID_ARG, j->what);
+      rc = -1;
+      break;
+    }
+    if (resolve_one(&r, PySequence_Fast_GET_ITEM(f, (Py_ssize_t)i), i, &t, 1, &p[i]) < 0) {
+      rc = -1;
+      break;
+    }
+    pending |= p[i] != NULL;
+    if (r.slow >= SETS_CHUNK && pending) {
+      if (resolve_order(&r) < 0 || job_run(j, p, stream) < 0) {
+        rc = -1;
+        break;
+      }
+      memset(p + lo, 0, (i + 1 - lo) * sizeof *p);
+      lo = i + 1;
+      r.slow = 0;
+      pending = 0;
+    }
+  }
+  if (rc == 0 && pending && (resolve_order(&r) < 0 || job_run(j, p, stream) < 0)) rc = -1;
+  PyMem_Free(p);
+  Py_DECREF(f);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* CopyPlan: arrays resolved and checked once, copied per version           */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+  PyObject_HEAD
+  uint64_t layout;
+  int side;         /* 0: a consumer's (copy_into), 1: a producer's (copy_from) */
+  size_t n;
+  void **ptrs;
+  PyObject *refs;   /* the arrays, kept alive */
+  int xdev;         /* torch's device (-1: no torch tensor) */
+  const SetsXApi *xapi;
+  uintptr_t cai[8]; /* CUDA-Array-Interface arrays' streams */
+  int ncai, cai_over;
+} TPlanObject;
+
+static PyTypeObject TPlanType;
+
+static PyObject *plan_make(const CopyJob *j, PyObject *seq, uintptr_t stream, int side) {
+  PyObject *f = seq_of(seq, j);
+  if (!f) return NULL;
+  TPlanObject *pl = PyObject_New(TPlanObject, &TPlanType);
+  if (!pl) {
+    Py_DECREF(f);
+    return NULL;
+  }
+  pl->layout = j->layout;
+  pl->side = side;
+  pl->n = j->n;
+  pl->refs = f;
+  pl->ptrs = PyMem_Calloc(j->n ? j->n : 1, sizeof *pl->ptrs);
+  pl->xdev = -1;
+  pl->xapi = NULL;
+  pl->ncai = pl->cai_over = 0;
+  if (!pl->ptrs) {
+    Py_DECREF(pl);
+    return PyErr_NoMemory();
+  }
+  Resolve r = {j->what, stream, -1, NULL, 0, {0}, 0, 0, 0};
+  for (size_t i = 0; i < j->n; i++) {
+    gpuipc_tensor t;
+    if (j->tensor(j->obj, i, &t) != GPUIPC_OK) {
+      Py_DECREF(pl);
+      return raise_st(GPUIPC_E_INVALID_ARG, j->what);
+    }
+    if (resolve_one(&r, PySequence_Fast_GET_ITEM(f, (Py_ssize_t)i), i, &t, 0, &pl->ptrs[i]) < 0) {
+      Py_DECREF(pl);
+      return NULL;
+    }
+  }
+  if (r.cai_over) {
+    Py_DECREF(pl);
+    return raise_msg(GPUIPC_E_INVALID_ARG, j->what, "a plan takes arrays of at most 8 "
+                     "different streams (copy without a plan)");
+  }
+  pl->xdev = r.xdev;
+  pl->xapi = r.xapi;
+  pl->ncai = r.ncai;
+  memcpy(pl->cai, r.cai, sizeof pl->cai);
+  return (PyObject *)pl;
+}
+
+/* Copies with a plan: its layout checked, its streams ordered once. */
+static int plan_run(const CopyJob *j, TPlanObject *pl, uintptr_t stream, int side) {
+  if (pl->side != side) {
+    raise_msg(GPUIPC_E_INVALID_ARG, j->what, side ? "a plan of copy_into (Version.plan_into) "
+              "given to copy_from" : "a plan of copy_from (TensorSet.plan_from) given to "
+              "copy_into");
+    return -1;
+  }
+  if (pl->layout != j->layout || pl->n != j->n) {
+    char d[160];
+    snprintf(d, sizeof d, "the plan was made for layout %#llx, this is layout %#llx: make a "
+             "new plan", (unsigned long long)pl->layout, (unsigned long long)j->layout);
+    raise_msg(GPUIPC_E_INVALID_ARG, j->what, d);
+    return -1;
+  }
+  for (int k = 0; k < pl->ncai; k++)
+    if (pl->cai[k] != stream && order_streams(0, pl->cai[k], stream) < 0) return -1;
+  if (pl->xdev >= 0) {
+    uintptr_t cur;
+    if (torch_stream(pl->xapi, pl->xdev, &cur) < 0) return -1;
+    if (cur != stream && order_streams(pl->xdev, cur, stream) < 0) return -1;
+  }
+  return job_run(j, pl->ptrs, stream);
+}
+
+static void TPlan_dealloc(TPlanObject *pl) {
+  PyMem_Free(pl->ptrs);
+  Py_XDECREF(pl->refs);
+  PyObject_Free(pl);
+}
+static PyObject *TPlan_get(TPlanObject *pl, void *which) {
+  switch ((int)(intptr_t)which) {
+  case 0: return PyLong_FromUnsignedLongLong(pl->layout);
+  case 1: return PyLong_FromSize_t(pl->n);
+  case 2: return PyUnicode_FromString(pl->side ? "copy_from" : "copy_into");
+  default: Py_INCREF(pl->refs); return pl->refs;
+  }
+}
+static PyObject *TPlan_repr(TPlanObject *pl) {
+  return PyUnicode_FromFormat("<gpuipc.CopyPlan for %s of %zu tensors, layout %llx>",
+                              pl->side ? "copy_from" : "copy_into", pl->n,
+                              (unsigned long long)pl->layout);
+}
+static PyGetSetDef TPlan_getset[] = {
+    {"layout", (getter)TPlan_get, NULL, "the layout it was made for", (void *)0},
+    {"count", (getter)TPlan_get, NULL, "tensors", (void *)1},
+    {"kind", (getter)TPlan_get, NULL, "'copy_into' or 'copy_from'", (void *)2},
+    {"arrays", (getter)TPlan_get, NULL, "the arrays, in the set's order (kept alive)", (void *)3},
+    {NULL}};
+static PyTypeObject TPlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.CopyPlan",
+    .tp_basicsize = sizeof(TPlanObject),
+    .tp_dealloc = (destructor)TPlan_dealloc,
+    .tp_repr = (reprfunc)TPlan_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "the caller's arrays for one layout, resolved and checked once "
+              "(Version.plan_into, TensorSet.plan_from); it keeps them alive, and a copy "
+              "with it reads their addresses as they were then",
+    .tp_getset = TPlan_getset,
+};
 
 /* ------------------------------------------------------------------------ */
 /* Producer: TensorSetC                                                     */
@@ -334,6 +812,7 @@ static PyObject *TSet_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   o->conns = PyList_New(0);
   o->keep = keep;
   keep = NULL;
+  REG_ADD(g_sets, o);
   if (!o->conns) Py_CLEAR(o);
 out:
   Py_DECREF(f);
@@ -506,19 +985,20 @@ static PyObject *TSet_begin(TSetObject *o, PyObject *args, PyObject *kw) {
   return PyLong_FromLong(x.copy);
 }
 
-static size_t *set_extents(TSetObject *o, int copy, size_t n) {
-  size_t *w = PyMem_Calloc(n ? n : 1, sizeof *w);
-  if (!w) { PyErr_NoMemory(); return NULL; }
-  for (size_t i = 0; i < n; i++) {
-    gpuipc_tensor t;
-    if (gpuipc_tset_get_tensor(o->s, copy, i, &t) != GPUIPC_OK) {
-      PyMem_Free(w);
-      raise_st(GPUIPC_E_INVALID_ARG, "tensor");
-      return NULL;
-    }
-    w[i] = t.nbytes;
-  }
-  return w;
+typedef struct { TSetObject *o; int copy; } SetJob;
+static gpuipc_status setjob_tensor(void *obj, size_t i, gpuipc_tensor *t) {
+  SetJob *x = obj;
+  return gpuipc_tset_get_tensor(x->o->s, x->copy, i, t);
+}
+static gpuipc_status setjob_copy(void *obj, void *const *ptrs, uintptr_t stream) {
+  SetJob *x = obj;
+  return gpuipc_tset_copy_from(x->o->s, x->copy, ptrs, S(stream));
+}
+static CopyJob set_job(TSetObject *o, SetJob *x, int copy) {
+  x->o = o;
+  x->copy = copy;
+  return (CopyJob){"copy_from", gpuipc_tset_get_count(o->s), gpuipc_tset_get_layout(o->s),
+                   setjob_tensor, setjob_copy, x};
 }
 
 static PyObject *TSet_copy_from(TSetObject *o, PyObject *args, PyObject *kw) {
@@ -529,23 +1009,22 @@ static PyObject *TSet_copy_from(TSetObject *o, PyObject *args, PyObject *kw) {
   if (!set_ok(o)) return NULL;
   uintptr_t stream;
   if (parse_stream(so, &stream) < 0) return NULL;
-  size_t n = gpuipc_tset_get_count(o->s);
   if (copy < 0 || copy >= gpuipc_tset_get_copies(o->s))
     return raise_msg(GPUIPC_E_INVALID_ARG, "copy_from", "no such copy");
-  size_t *w = set_extents(o, copy, n);
-  if (!w) return NULL;
-  void **p = ptr_list(srcs, n, w, stream, "copy_from");
-  PyMem_Free(w);
-  if (!p) return NULL;
-  gpuipc_status st;
-  LOCK();
-  Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_tset_copy_from(o->s, copy, p, S(stream));
-  UNLOCK();
-  Py_END_ALLOW_THREADS
-  PyMem_Free(p);
-  if (st != GPUIPC_OK) return raise_st(st, "copy_from");
+  SetJob x;
+  CopyJob j = set_job(o, &x, copy);
+  int rc = Py_TYPE(srcs) == &TPlanType ? plan_run(&j, (TPlanObject *)srcs, stream, 1)
+                                       : copy_resolving(&j, srcs, stream);
+  if (rc < 0) return NULL;
   Py_RETURN_NONE;
+}
+
+/* plan(srcs) -> CopyPlan for copy_from (the layout of every copy) */
+static PyObject *TSet_plan(TSetObject *o, PyObject *srcs) {
+  if (!set_ok(o)) return NULL;
+  SetJob x;
+  CopyJob j = set_job(o, &x, 0);
+  return plan_make(&j, srcs, 0, 1);
 }
 
 static PyObject *TSet_publish(TSetObject *o, PyObject *args, PyObject *kw) {
@@ -614,6 +1093,7 @@ static PyObject *TSet_destroy(TSetObject *o, PyObject *args, PyObject *kw) {
 }
 
 static void TSet_dealloc(TSetObject *o) {
+  REG_DEL(g_sets, o);
   if (o->s) {
     gpuipc_status st;
     LOCK();
@@ -656,7 +1136,10 @@ static PyMethodDef TSet_methods[] = {
     {"begin", (PyCFunction)(void (*)(void))TSet_begin, METH_VARARGS | METH_KEYWORDS,
      "begin(*, stream=None, timeout=) -> copy to write"},
     {"copy_from", (PyCFunction)(void (*)(void))TSet_copy_from, METH_VARARGS | METH_KEYWORDS,
-     "copy_from(copy, srcs, *, stream=None): copy arrays (or addresses, None: skip) in"},
+     "copy_from(copy, srcs, *, stream=None): copy arrays (or addresses, None: skip; or a "
+     "CopyPlan) in"},
+    {"plan", (PyCFunction)TSet_plan, METH_O,
+     "plan(srcs) -> CopyPlan: srcs resolved and checked once, for copy_from"},
     {"publish", (PyCFunction)(void (*)(void))TSet_publish, METH_VARARGS | METH_KEYWORDS,
      "publish(*, stream=None) -> version number"},
     {"tensor", (PyCFunction)(void (*)(void))TSet_tensor, METH_VARARGS | METH_KEYWORDS,
@@ -691,6 +1174,8 @@ PyTypeObject TSetType = {
 /* ------------------------------------------------------------------------ */
 /* Consumer: TensorSetSub, TensorSetVersion                                 */
 /* ------------------------------------------------------------------------ */
+
+static void vcache_clear(TSubObject *o);
 
 static void ver_unlink(TVerObject *v) {
   if (!v->sub) return;
@@ -727,6 +1212,7 @@ static PyObject *TSub_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   c->tset_refs++;
   o->device = device;
   o->linger = NULL;
+  REG_ADD(g_subs, o);
   return (PyObject *)o;
 }
 
@@ -743,6 +1229,8 @@ static void sub_close(TSubObject *o) {
    * another thread sees a closed subscriber, never a freed one. */
   gpuipc_tset_sub *s = o->s;
   if (!s) return;
+  vcache_clear(o); /* its torch tensors are valid until this close */
+  REG_DEL(g_subs, o);
   o->s = NULL;
   o->conn->tset_refs--;
   int viewed = 0;
@@ -837,6 +1325,7 @@ static PyObject *TSub_recv(TSubObject *o, PyObject *args, PyObject *kw) {
 static void TSub_dealloc(TSubObject *o) {
   /* No version is left (each keeps its subscriber): nothing lingers. */
   sub_close(o);
+  vcache_clear(o);
   Py_XDECREF(o->conn);
   Py_TYPE(o)->tp_free((PyObject *)o);
 }
@@ -918,6 +1407,172 @@ static PyObject *Ver_tensor(TVerObject *v, PyObject *arg) {
   return view_new((PyObject *)v, &t, v->sub->device, v->stream);
 }
 
+/* A version's torch tensors, built in one call: one allocation holds
+ * every tensor's DLPack struct, freed when the last tensor is gone (any
+ * thread: torch may drop a tensor without the GIL). */
+typedef struct {
+  union {
+    DLManagedTensorVersioned v;
+    DLManagedTensor m;
+  } u;
+  int64_t dims[2 * GPUIPC_TSET_NDIM_MAX];
+} BatchItem;
+typedef struct {
+  atomic_long refs; /* tensors not deleted yet */
+  size_t n;
+  BatchItem it[];
+} Batch;
+
+static void batch_unref(Batch *b) {
+  if (atomic_fetch_sub(&b->refs, 1) == 1) PyMem_RawFree(b);
+}
+static void batch_del_v(DLManagedTensorVersioned *m) { batch_unref(m->manager_ctx); }
+static void batch_del_m(DLManagedTensor *m) { batch_unref(m->manager_ctx); }
+static void batch_capsule_dtor(PyObject *cap) {
+  /* unconsumed (torch refused it): still ours */
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m) m->deleter(m);
+  }
+  PyErr_Clear();
+}
+
+static void vcache_drop(VCache *e) {
+  Py_CLEAR(e->tensors);
+  PyMem_Free(e->ptrs);
+  e->ptrs = NULL;
+  e->n = 0;
+}
+static void vcache_clear(TSubObject *o) {
+  for (int k = 0; k < SETS_VCACHE; k++) vcache_drop(&o->vc[k]);
+}
+
+/* Whether the cached tensors are still what was built (a tensor changed
+ * in place, t.resize_() say, is not handed out again). */
+static int vcache_intact(const VCache *e) {
+  if (!g_torch.api) return 1;
+  for (size_t i = 0; i < e->n; i++) {
+    DLTensor dl;
+    if (g_torch.api->dltensor_from_py_object_no_sync(PyTuple_GET_ITEM(e->tensors, (Py_ssize_t)i),
+                                                     &dl) != 0) {
+      PyErr_Clear();
+      return 0;
+    }
+    if ((char *)dl.data + dl.byte_offset != (char *)e->ptrs[i]) return 0;
+  }
+  return 1;
+}
+
+/* The torch tensors of v's n tensors (a new tuple). */
+static PyObject *torch_build(TVerObject *v, size_t n) {
+  Batch *b = PyMem_RawCalloc(1, sizeof *b + (n ? n : 1) * sizeof(BatchItem));
+  if (!b) return PyErr_NoMemory();
+  b->n = n;
+  atomic_init(&b->refs, (long)n);
+  PyObject *tup = PyTuple_New((Py_ssize_t)n);
+  size_t i = 0;
+  if (!tup) goto fail;
+  for (; i < n; i++) {
+    gpuipc_tensor t;
+    if (gpuipc_tset_version_get_tensor(v->v, i, &t) != GPUIPC_OK) {
+      raise_st(GPUIPC_E_INVALID_ARG, "as_torch");
+      goto fail;
+    }
+    BatchItem *it = &b->it[i];
+    DLTensor *d = g_torch.api ? &it->u.v.dl_tensor : &it->u.m.dl_tensor;
+    d->data = t.ptr;
+    d->device = (DLDevice){kDLCUDA, v->sub->device};
+    d->ndim = t.ndim;
+    d->dtype = dt_dl(t.dtype);
+    for (int k = 0; k < t.ndim; k++) it->dims[k] = t.shape[k];
+    strides_eff(t.shape, t.strides, t.ndim, it->dims + GPUIPC_TSET_NDIM_MAX);
+    d->shape = it->dims;
+    d->strides = it->dims + GPUIPC_TSET_NDIM_MAX;
+    d->byte_offset = 0;
+    PyObject *x = NULL;
+    if (g_torch.api) {
+      it->u.v.version = (DLPackVersion){1, 0};
+      it->u.v.manager_ctx = b;
+      it->u.v.deleter = batch_del_v;
+      if (g_torch.api->managed_tensor_to_py_object_no_sync(&it->u.v, (void **)&x) != 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "as_torch: torch refused");
+        goto fail;
+      }
+    } else {
+      it->u.m.manager_ctx = b;
+      it->u.m.deleter = batch_del_m;
+      PyObject *cap = PyCapsule_New(&it->u.m, "dltensor", batch_capsule_dtor);
+      if (!cap) goto fail;
+      x = PyObject_CallOneArg(g_torch.from_dlpack, cap);
+      Py_DECREF(cap); /* consumed: renamed; else its destructor gave it back */
+      if (!x) {
+        i++;
+        goto fail;
+      }
+    }
+    PyTuple_SET_ITEM(tup, (Py_ssize_t)i, x);
+  }
+  return tup;
+fail:
+  /* items from i on were never handed to torch */
+  for (size_t k = i; k < n; k++) batch_unref(b);
+  Py_XDECREF(tup);
+  return NULL;
+}
+
+/* torch_views(): every tensor of the version as a torch tensor, zero
+ * copy, built in one call; torch's current stream ordered after recv's
+ * stream once. The same tensor objects come back for a later version of
+ * the same layout and copy while their addresses are the same (a copy is
+ * rewritten only once its version was released). */
+static PyObject *Ver_torch_views(TVerObject *v, PyObject *u) {
+  if (!ver_ok(v)) return NULL;
+  if (torch_ready() < 0) return NULL;
+  TSubObject *sub = v->sub;
+  size_t n = gpuipc_tset_version_get_count(v->v);
+  uint64_t layout = gpuipc_tset_version_get_layout(v->v);
+  int copy = gpuipc_tset_version_get_copy(v->v);
+  uintptr_t cur;
+  if (torch_stream(g_torch.api, sub->device, &cur) < 0) return NULL;
+  if (cur != v->stream && order_streams(sub->device, v->stream, cur) < 0) return NULL;
+  void **ptrs = PyMem_Malloc((n ? n : 1) * sizeof *ptrs);
+  if (!ptrs) return PyErr_NoMemory();
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_tensor t;
+    gpuipc_tset_version_get_tensor(v->v, i, &t);
+    ptrs[i] = t.ptr;
+  }
+  VCache *slot = NULL;
+  for (int k = 0; k < SETS_VCACHE; k++) {
+    VCache *e = &sub->vc[k];
+    if (e->tensors && e->layout != layout) vcache_drop(e); /* an older layout's */
+    if (e->tensors && e->copy == copy) slot = e;
+  }
+  if (slot && slot->n == n && !memcmp(slot->ptrs, ptrs, n * sizeof *ptrs) &&
+      vcache_intact(slot)) {
+    PyMem_Free(ptrs);
+    Py_INCREF(slot->tensors);
+    return slot->tensors;
+  }
+  PyObject *tup = torch_build(v, n);
+  if (!tup) {
+    PyMem_Free(ptrs);
+    return NULL;
+  }
+  if (!slot)
+    for (int k = 0; k < SETS_VCACHE && !slot; k++)
+      if (!sub->vc[k].tensors) slot = &sub->vc[k];
+  if (!slot) slot = &sub->vc[0];
+  vcache_drop(slot);
+  slot->layout = layout;
+  slot->copy = copy;
+  slot->n = n;
+  slot->ptrs = ptrs;
+  Py_INCREF(tup);
+  slot->tensors = tup;
+  return tup;
+}
+
 static PyObject *Ver_find(TVerObject *v, PyObject *args) {
   const char *name;
   if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
@@ -943,6 +1598,19 @@ static PyObject *Ver_names(TVerObject *v, PyObject *u) {
   return l;
 }
 
+typedef struct { TVerObject *v; } VerJob;
+static gpuipc_status verjob_tensor(void *obj, size_t i, gpuipc_tensor *t) {
+  return gpuipc_tset_version_get_tensor(((VerJob *)obj)->v->v, i, t);
+}
+static gpuipc_status verjob_copy(void *obj, void *const *ptrs, uintptr_t stream) {
+  return gpuipc_tset_version_copy_into(((VerJob *)obj)->v->v, ptrs, S(stream));
+}
+static CopyJob ver_job(TVerObject *v, VerJob *x) {
+  x->v = v;
+  return (CopyJob){"copy_into", gpuipc_tset_version_get_count(v->v),
+                   gpuipc_tset_version_get_layout(v->v), verjob_tensor, verjob_copy, x};
+}
+
 static PyObject *Ver_copy_into(TVerObject *v, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"dsts", "stream", NULL};
   PyObject *dsts, *so = NULL;
@@ -950,30 +1618,22 @@ static PyObject *Ver_copy_into(TVerObject *v, PyObject *args, PyObject *kw) {
   if (!ver_ok(v)) return NULL;
   uintptr_t stream = v->stream;
   if (so && parse_stream(so, &stream) < 0) return NULL;
-  size_t n = gpuipc_tset_version_get_count(v->v);
-  size_t *w = PyMem_Calloc(n ? n : 1, sizeof *w);
-  if (!w) return PyErr_NoMemory();
-  for (size_t i = 0; i < n; i++) {
-    gpuipc_tensor t;
-    gpuipc_tset_version_get_tensor(v->v, i, &t);
-    w[i] = t.nbytes;
-  }
-  void **p = ptr_list(dsts, n, w, stream, "copy_into");
-  PyMem_Free(w);
-  if (!p) return NULL;
-  if (stream != v->stream && order_streams(v->sub->device, v->stream, stream) < 0) {
-    PyMem_Free(p);
-    return NULL;
-  }
-  gpuipc_status st;
-  LOCK();
-  Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_tset_version_copy_into(v->v, p, S(stream));
-  UNLOCK();
-  Py_END_ALLOW_THREADS
-  PyMem_Free(p);
-  if (st != GPUIPC_OK) return raise_st(st, "copy_into");
+  if (stream != v->stream && order_streams(v->sub->device, v->stream, stream) < 0) return NULL;
+  VerJob x;
+  CopyJob j = ver_job(v, &x);
+  int rc = Py_TYPE(dsts) == &TPlanType ? plan_run(&j, (TPlanObject *)dsts, stream, 0)
+                                       : copy_resolving(&j, dsts, stream);
+  if (rc < 0) return NULL;
   Py_RETURN_NONE;
+}
+
+/* plan(dsts) -> CopyPlan for copy_into, good for every version of this
+ * version's layout */
+static PyObject *Ver_plan(TVerObject *v, PyObject *dsts) {
+  if (!ver_ok(v)) return NULL;
+  VerJob x;
+  CopyJob j = ver_job(v, &x);
+  return plan_make(&j, dsts, v->stream, 0);
 }
 
 static void Ver_dealloc(TVerObject *v) {
@@ -999,7 +1659,13 @@ static PyMethodDef Ver_methods[] = {
     {"find", (PyCFunction)Ver_find, METH_VARARGS, "find(name) -> index (KeyError)"},
     {"names", (PyCFunction)Ver_names, METH_NOARGS, "the names, in the producer's order"},
     {"copy_into", (PyCFunction)(void (*)(void))Ver_copy_into, METH_VARARGS | METH_KEYWORDS,
-     "copy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip)"},
+     "copy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip; or a "
+     "CopyPlan)"},
+    {"plan", (PyCFunction)Ver_plan, METH_O,
+     "plan(dsts) -> CopyPlan: dsts resolved and checked once, for copy_into of every "
+     "version of this layout"},
+    {"torch_views", (PyCFunction)Ver_torch_views, METH_NOARGS,
+     "torch_views() -> tuple of torch tensors, zero-copy, in the producer's order"},
     {"release", (PyCFunction)(void (*)(void))Ver_release, METH_VARARGS | METH_KEYWORDS,
      "release(*, stream=recv's): hand the version back (ordered on stream)"},
     {"__enter__", gpy_enter, METH_NOARGS, NULL},
@@ -1102,3 +1768,41 @@ PyTypeObject TViewType = {
     .tp_methods = TView_methods,
     .tp_getset = TView_getset,
 };
+
+/* ------------------------------------------------------------------------ */
+/* A connection's context manager; module hook                              */
+/* ------------------------------------------------------------------------ */
+
+int sets_let_go(ConnObject *c) {
+  for (TSubObject *o = g_subs; o;) {
+    TSubObject *n = o->reg_next;
+    if (o->conn == c) sub_close(o); /* unlinks o */
+    o = n;
+  }
+  int rc = 0;
+  for (TSetObject *o = g_sets; o && c->tset_refs > 0;) {
+    TSetObject *n = o->reg_next;
+    int uses = 0;
+    for (Py_ssize_t i = 0; o->conns && i < PyList_GET_SIZE(o->conns); i++)
+      uses |= PyList_GET_ITEM(o->conns, i) == (PyObject *)c;
+    if (uses && o->s) {
+      Py_INCREF(o);
+      SetCtx x = {0};
+      x.conn = c;
+      gpuipc_status st;
+      if (tset_wait(o, o->timeout_ms, op_unsub, &x, GPUIPC_E_TIMEOUT, &st) < 0) rc = -1;
+      else if (st == GPUIPC_OK || st == GPUIPC_E_NOT_FOUND) conns_prune(o, c);
+      n = o->reg_next;
+      Py_DECREF(o);
+      if (rc < 0) break;
+    }
+    o = n;
+  }
+  return rc;
+}
+
+int sets_init(PyObject *m) {
+  if (PyType_Ready(&TPlanType) < 0) return -1;
+  Py_INCREF(&TPlanType);
+  return PyModule_AddObject(m, "CopyPlan", (PyObject *)&TPlanType);
+}
