@@ -568,7 +568,10 @@ typedef struct {
 
 static PyTypeObject TPlanType;
 
-static PyObject *plan_make(const CopyJob *j, PyObject *seq, uintptr_t stream, int side) {
+static PyObject *plan_make(const CopyJob *j0, PyObject *seq, uintptr_t stream, int side) {
+  CopyJob jw = *j0;
+  jw.what = side ? "plan_from" : "plan_into";
+  const CopyJob *j = &jw;
   PyObject *f = seq_of(seq, j);
   if (!f) return NULL;
   TPlanObject *pl = PyObject_New(TPlanObject, &TPlanType);
@@ -588,7 +591,8 @@ static PyObject *plan_make(const CopyJob *j, PyObject *seq, uintptr_t stream, in
     Py_DECREF(pl);
     return PyErr_NoMemory();
   }
-  Resolve r = {j->what, stream, -1, NULL, 0, {0}, 0, 0, 0};
+  const char *what = side ? "plan_from" : "plan_into";
+  Resolve r = {what, stream, -1, NULL, 0, {0}, 0, 0, 0};
   for (size_t i = 0; i < j->n; i++) {
     gpuipc_tensor t;
     if (j->tensor(j->obj, i, &t) != GPUIPC_OK) {
@@ -602,7 +606,7 @@ static PyObject *plan_make(const CopyJob *j, PyObject *seq, uintptr_t stream, in
   }
   if (r.cai_over) {
     Py_DECREF(pl);
-    return raise_msg(GPUIPC_E_INVALID_ARG, j->what, "a plan takes arrays of at most 8 "
+    return raise_msg(GPUIPC_E_INVALID_ARG, what, "a plan takes arrays of at most 8 "
                      "different streams (copy without a plan)");
   }
   pl->xdev = r.xdev;

@@ -1,0 +1,81 @@
+"""Peers of test_sets_fast.py, run in child processes (gpuipc.spawn): each
+gets the spawn connection (reports as JSON messages, and the parent's
+word) and the name of a listener whose connection carries the set."""
+import json
+
+import gpuipc
+from cudrv import drv
+
+
+def _report(conn, **kw):
+    conn.send_msg(json.dumps(kw).encode())
+
+
+def produce_when_told(conn, name):
+    """An owned set of one tensor (x: 64 uint8, bytes 0..63): subscribes,
+    publishes version 1 when the parent says 'publish', ends the
+    subscription when it says 'unsubscribe'."""
+    sc = gpuipc.connect(name, timeout=30)
+    ts = gpuipc.TensorSet.empty({"x": ((64,), "uint8")})
+    ts.subscribe(sc)
+    while True:
+        cmd = conn.recv_msg(timeout=60)
+        if cmd == b"publish":
+            ts.begin(timeout=30)
+            drv().htod(ts.tensors()["x"].ptr, bytes(range(64)))
+            ts.publish()
+        elif cmd == b"unsubscribe":
+            ts.unsubscribe(sc, timeout=30)
+            _report(conn, unsubscribed=True)
+        else:
+            break
+    ts.destroy(timeout=30)
+    sc.close()
+
+
+def hold_until_told(conn, name):
+    """Receives version 1, says so, holds it until the parent says
+    'release', then reads versions until the subscription ends."""
+    sc = gpuipc.connect(name, timeout=30)
+    sub = gpuipc.TensorSet.subscribe(sc)
+    v = sub.recv(timeout=30)
+    _report(conn, number=v.number)
+    conn.recv_msg(timeout=60)
+    v.release()
+    n = []
+    try:
+        while True:
+            with sub.recv(timeout=30) as v:
+                n.append(v.number)
+    except gpuipc.CanceledError:
+        pass
+    _report(conn, later=n)
+    sub.close()
+    conn.recv_msg(timeout=60)
+    sc.close()
+
+
+def refuse_messages(conn, name):
+    """A subscriber whose application tries the connection's own messages:
+    reports what recv_msg and send_msg raised, then that the set still
+    works (version 1 read in place)."""
+    sc = gpuipc.connect(name, timeout=30)
+    sub = gpuipc.TensorSet.subscribe(sc)
+    out = {}
+    for what, call in (("recv_msg", lambda: sc.recv_msg(timeout=0)),
+                       ("send_msg", lambda: sc.send_msg(b"hello"))):
+        try:
+            call()
+            out[what] = None
+        except gpuipc.Error as e:
+            out[what] = [type(e).__name__, str(e)]
+    with sub.recv(timeout=30) as v:
+        out["data"] = list(drv().dtoh(v["x"].ptr, 64))
+    _report(conn, **out)
+    try:
+        sub.recv(timeout=30)
+    except gpuipc.CanceledError:
+        pass
+    sub.close()
+    conn.recv_msg(timeout=60)
+    sc.close()
