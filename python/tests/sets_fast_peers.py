@@ -79,3 +79,55 @@ def refuse_messages(conn, name):
     sub.close()
     conn.recv_msg(timeout=60)
     sc.close()
+
+
+def torch_consume(conn, name, versions):
+    """A torch consumer (test_gpu_sets_fast.py): each version through
+    as_torch (checked against the values, and the same tensor objects for
+    a copy seen before), copy_into with a dict and with a plan (checked),
+    a refused wrong dtype; reports one dict per version."""
+    import torch
+
+    import gpu_sets_peers
+
+    torch.cuda.set_device(0)
+    sc = gpuipc.connect(name, timeout=60)
+    sub = gpuipc.TensorSet.subscribe(sc)
+    seen, plan, mine = {}, None, None
+    for _ in range(versions):
+        with sub.recv(timeout=60, stream=torch.cuda.current_stream()) as v:
+            want = gpu_sets_peers.expected(torch, v.number, contiguous=True)
+            views = v.as_torch()
+            r = {"number": v.number, "copy": v.copy}
+            r["views_ok"] = all(torch.equal(views[k], want[k]) for k in want)
+            ids = [id(views[k]) for k in want]
+            r["same_objects"] = seen.get(v.copy) == ids if v.copy in seen else None
+            seen[v.copy] = ids
+            if mine is None:
+                mine = {k: torch.empty_like(t) for k, t in want.items()}
+                plan = v.plan_into(mine)
+            for k in mine:
+                mine[k].zero_()
+            v.copy_into(mine)
+            r["copy_into_ok"] = all(torch.equal(mine[k], want[k]) for k in want)
+            for k in mine:
+                mine[k].zero_()
+            v.copy_into(plan)
+            r["plan_ok"] = all(torch.equal(mine[k], want[k]) for k in want)
+            bad = dict(mine)
+            bad["embed.weight"] = torch.empty_like(mine["embed.weight"], dtype=torch.float16)
+            try:
+                v.copy_into(bad)
+                r["refused"] = None
+            except ValueError as e:
+                r["refused"] = str(e)
+            torch.cuda.synchronize()
+            del views
+        _report(conn, **r)
+    try:
+        sub.recv(timeout=60)
+    except gpuipc.CanceledError:
+        pass
+    sub.close()
+    conn.recv_msg(timeout=60)
+    sc.close()
