@@ -210,17 +210,15 @@ typedef struct {
   int (*current_work_stream)(int device_type, int32_t device_id, void **out);
 } SetsXApi;
 
-/* The exchange API of each array type met (NULL: it has none), so that a
- * type is looked up once. Full: later types are looked up each time. */
-#define SETS_XTYPES 8
-static struct { PyTypeObject *tp; const SetsXApi *api; } g_xtypes[SETS_XTYPES];
-static int g_nxtypes;
-
+/* The exchange API a type (or an object) carries; NULL: none. */
 static const SetsXApi *xapi_read(PyObject *holder) {
   static const char *attrs[] = {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"};
   for (int k = 0; k < 2; k++) {
     PyObject *a = PyObject_GetAttrString(holder, attrs[k]);
-    if (!a) { PyErr_Clear(); continue; }
+    if (!a) {
+      PyErr_Clear();
+      continue;
+    }
     const SetsXApi *x = NULL;
     if (PyCapsule_CheckExact(a)) x = PyCapsule_GetPointer(a, "dlpack_exchange_api");
     else if (PyLong_Check(a)) x = PyLong_AsVoidPtr(a);
@@ -233,56 +231,160 @@ static const SetsXApi *xapi_read(PyObject *holder) {
   return NULL;
 }
 
-static const SetsXApi *xapi_of(PyObject *o) {
+/* torch itself: the tensor type (its tensors are read without the array
+ * protocols), its exchange API where it has one, else the calls read in
+ * its place. Looked up once torch is imported; gpuipc never imports it,
+ * except for Version.as_torch. */
+static const struct { const char *name; DLDataType d; } g_torch_dt[] = {
+    {"bool", {kDLBool, 8, 1}},       {"uint8", {kDLUInt, 8, 1}},
+    {"int8", {kDLInt, 8, 1}},        {"uint16", {kDLUInt, 16, 1}},
+    {"int16", {kDLInt, 16, 1}},      {"uint32", {kDLUInt, 32, 1}},
+    {"int32", {kDLInt, 32, 1}},      {"uint64", {kDLUInt, 64, 1}},
+    {"int64", {kDLInt, 64, 1}},      {"float16", {kDLFloat, 16, 1}},
+    {"bfloat16", {kDLBfloat, 16, 1}}, {"float32", {kDLFloat, 32, 1}},
+    {"float64", {kDLFloat, 64, 1}},  {"complex64", {kDLComplex, 64, 1}},
+    {"complex128", {kDLComplex, 128, 1}}, {"float8_e4m3fn", {10, 8, 1}},
+    {"float8_e5m2", {12, 8, 1}},
+};
+#define TORCH_NDT (sizeof g_torch_dt / sizeof g_torch_dt[0])
+
+static struct {
+  int state;               /* 0 not looked up, 1 ready */
+  PyTypeObject *tensor;    /* torch.Tensor */
+  const SetsXApi *api;     /* its exchange API, or NULL */
+  PyObject *from_dlpack;   /* torch._C._from_dlpack */
+  PyObject *raw_stream;    /* torch._C._cuda_getCurrentRawStream */
+  PyObject *dtypes[TORCH_NDT]; /* torch.bool, ... (NULL: not in this torch) */
+  PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_is_cuda, *s_get_device;
+} g_torch;
+
+/* 1: torch ready; 0: torch not imported (import 0); -1: error set. */
+static int torch_ready(int import) {
+  if (g_torch.state == 1) return 1;
+  PyObject *t;
+  if (import) {
+    t = PyImport_ImportModule("torch");
+    if (!t) return -1; /* its ImportError says why */
+  } else {
+    PyObject *nm = PyUnicode_FromString("torch");
+    t = nm ? PyImport_GetModule(nm) : NULL;
+    Py_XDECREF(nm);
+    if (!t) return PyErr_Occurred() ? -1 : 0;
+  }
+  PyObject *tt = PyObject_GetAttrString(t, "Tensor");
+  PyObject *c = PyObject_GetAttrString(t, "_C");
+  int ok = tt && c && PyType_Check(tt);
+  if (ok) {
+    g_torch.from_dlpack = PyObject_GetAttrString(c, "_from_dlpack");
+    g_torch.raw_stream = PyObject_GetAttrString(c, "_cuda_getCurrentRawStream");
+    ok = g_torch.from_dlpack && g_torch.raw_stream;
+  }
+  for (size_t k = 0; ok && k < TORCH_NDT; k++) {
+    g_torch.dtypes[k] = PyObject_GetAttrString(t, g_torch_dt[k].name);
+    if (!g_torch.dtypes[k]) PyErr_Clear(); /* an older torch: not there */
+  }
+  if (ok) {
+    g_torch.s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    g_torch.s_dtype = PyUnicode_InternFromString("dtype");
+    g_torch.s_shape = PyUnicode_InternFromString("shape");
+    g_torch.s_stride = PyUnicode_InternFromString("stride");
+    g_torch.s_is_cuda = PyUnicode_InternFromString("is_cuda");
+    g_torch.s_get_device = PyUnicode_InternFromString("get_device");
+    ok = g_torch.s_data_ptr && g_torch.s_dtype && g_torch.s_shape && g_torch.s_stride &&
+         g_torch.s_is_cuda && g_torch.s_get_device;
+  }
+  if (ok) {
+    g_torch.api = xapi_read(tt);
+    g_torch.tensor = (PyTypeObject *)tt;
+    Py_INCREF(tt);
+    g_torch.state = 1;
+  } else if (!PyErr_Occurred()) {
+    PyErr_SetString(PyExc_ImportError, "torch has no Tensor, _C._from_dlpack or "
+                    "_C._cuda_getCurrentRawStream");
+  }
+  Py_XDECREF(tt);
+  Py_XDECREF(c);
+  Py_DECREF(t);
+  return ok ? 1 : -1;
+}
+
+/* How an array is read, per type (cached: a type is looked up once; when
+ * full, later types are looked up each time). */
+enum { XK_PROTOCOL = 0, XK_EXCHANGE = 1, XK_TORCH = 2 };
+#define SETS_XTYPES 8
+static struct { PyTypeObject *tp; int kind; const SetsXApi *api; } g_xtypes[SETS_XTYPES];
+static int g_nxtypes;
+
+static int xkind_of(PyObject *o, const SetsXApi **api) {
   PyTypeObject *tp = Py_TYPE(o);
   for (int i = 0; i < g_nxtypes; i++)
-    if (g_xtypes[i].tp == tp) return g_xtypes[i].api;
-  const SetsXApi *api = xapi_read((PyObject *)tp);
+    if (g_xtypes[i].tp == tp) {
+      *api = g_xtypes[i].api;
+      return g_xtypes[i].kind;
+    }
+  *api = xapi_read((PyObject *)tp);
+  int kind = *api ? XK_EXCHANGE : XK_PROTOCOL;
+  if (!*api) {
+    int r = torch_ready(0);
+    if (r < 0) PyErr_Clear();
+    if (r == 1 && PyType_IsSubtype(tp, g_torch.tensor)) kind = XK_TORCH;
+  }
   if (g_nxtypes < SETS_XTYPES) {
     Py_INCREF(tp);
     g_xtypes[g_nxtypes].tp = tp;
-    g_xtypes[g_nxtypes].api = api;
+    g_xtypes[g_nxtypes].kind = kind;
+    g_xtypes[g_nxtypes].api = *api;
     g_nxtypes++;
   }
-  return api;
+  return kind;
 }
 
-/* torch itself, for the views built here (Version.as_torch): looked up
- * once. Not imported by gpuipc otherwise. */
-static struct {
-  int state;             /* 0 not looked up, 1 ready, -1 not importable */
-  const SetsXApi *api;   /* torch.Tensor's exchange API, or NULL */
-  PyObject *from_dlpack; /* torch._C._from_dlpack, when api is NULL */
-  PyObject *raw_stream;  /* torch._C._cuda_getCurrentRawStream, when api is NULL */
-} g_torch;
-
-static int torch_ready(void) {
-  if (g_torch.state == 1) return 0;
-  PyObject *t = PyImport_ImportModule("torch");
-  if (!t) return -1; /* its ImportError says why */
-  PyObject *tt = PyObject_GetAttrString(t, "Tensor");
-  PyObject *c = PyObject_GetAttrString(t, "_C");
-  Py_DECREF(t);
-  if (!tt || !c) {
-    Py_XDECREF(tt);
-    Py_XDECREF(c);
-    return -1;
+/* A torch tensor read through its own attributes (a torch without the
+ * exchange API): data_ptr(), dtype, shape, stride(), is_cuda,
+ * get_device(): about a microsecond, against tens for the protocols. The
+ * DLTensor's shape and strides point into the caller's arrays. */
+static int torch_read(PyObject *o, DLTensor *dl, int64_t *shape, int64_t *strides) {
+  memset(dl, 0, sizeof *dl);
+  PyObject *cu = PyObject_GetAttr(o, g_torch.s_is_cuda);
+  if (!cu) return -1;
+  int is_cuda = PyObject_IsTrue(cu);
+  Py_DECREF(cu);
+  if (is_cuda < 0) return -1;
+  dl->device.device_type = is_cuda ? kDLCUDA : kDLCPU;
+  if (is_cuda) {
+    PyObject *d = PyObject_CallMethodNoArgs(o, g_torch.s_get_device);
+    if (!d) return -1;
+    dl->device.device_id = (int32_t)PyLong_AsLong(d);
+    Py_DECREF(d);
   }
-  g_torch.api = xapi_read(tt);
-  Py_DECREF(tt);
-  if (!g_torch.api) {
-    g_torch.from_dlpack = PyObject_GetAttrString(c, "_from_dlpack");
-    g_torch.raw_stream = PyObject_GetAttrString(c, "_cuda_getCurrentRawStream");
-    if (!g_torch.from_dlpack || !g_torch.raw_stream) {
-      Py_CLEAR(g_torch.from_dlpack);
-      Py_CLEAR(g_torch.raw_stream);
-      Py_DECREF(c);
-      return -1;
+  PyObject *dt = PyObject_GetAttr(o, g_torch.s_dtype);
+  if (!dt) return -1;
+  dl->dtype = (DLDataType){0, 0, 0}; /* lanes 0: no dtype of ours */
+  for (size_t k = 0; k < TORCH_NDT; k++)
+    if (g_torch.dtypes[k] == dt) dl->dtype = g_torch_dt[k].d;
+  Py_DECREF(dt);
+  PyObject *sh = PyObject_GetAttr(o, g_torch.s_shape);
+  PyObject *st = sh ? PyObject_CallMethodNoArgs(o, g_torch.s_stride) : NULL;
+  PyObject *p = st ? PyObject_CallMethodNoArgs(o, g_torch.s_data_ptr) : NULL;
+  int rc = -1;
+  if (p && PyTuple_Check(sh) && PyTuple_Check(st) && PyTuple_GET_SIZE(sh) <= MAXD &&
+      PyTuple_GET_SIZE(st) == PyTuple_GET_SIZE(sh)) {
+    dl->ndim = (int32_t)PyTuple_GET_SIZE(sh);
+    for (int k = 0; k < dl->ndim; k++) {
+      shape[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, k));
+      strides[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(st, k));
     }
+    dl->shape = shape;
+    dl->strides = strides;
+    dl->data = PyLong_AsVoidPtr(p);
+    rc = PyErr_Occurred() ? -1 : 0;
+  } else if (p) {
+    PyErr_SetString(PyExc_TypeError, "a torch tensor whose shape or strides could not be read");
   }
-  Py_DECREF(c);
-  g_torch.state = 1;
-  return 0;
+  Py_XDECREF(sh);
+  Py_XDECREF(st);
+  Py_XDECREF(p);
+  return rc;
 }
 
 /* torch's current stream on device dev, as a raw handle (0: legacy). */
@@ -419,10 +521,14 @@ static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t
     *out = PyLong_AsVoidPtr(o);
     return PyErr_Occurred() ? -1 : 0;
   }
-  const SetsXApi *x = xapi_of(o);
-  if (x) {
+  const SetsXApi *x;
+  int kind = xkind_of(o, &x);
+  if (kind != XK_PROTOCOL) {
     DLTensor dl;
-    if (x->dltensor_from_py_object_no_sync(o, &dl) != 0) {
+    int64_t sh[MAXD], st[MAXD];
+    int rr = kind == XK_EXCHANGE ? x->dltensor_from_py_object_no_sync(o, &dl)
+                                 : torch_read(o, &dl, sh, st);
+    if (rr != 0) {
       if (!PyErr_Occurred())
         PyErr_Format(PyExc_TypeError, "%s: tensor %zu ('%s'): its %.80s could not be read",
                      r->what, i, t->name, Py_TYPE(o)->tp_name);
@@ -442,7 +548,7 @@ static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t
     if (layout_check(r->what, i, t, &dl.dtype, dl.ndim, dl.shape, dl.strides) < 0) return -1;
     if (r->xdev < 0) {
       r->xdev = dl.device.device_id;
-      r->xapi = x;
+      r->xapi = x; /* NULL for XK_TORCH: torch._C's raw stream */
     }
     *out = (char *)dl.data + dl.byte_offset;
     return 0;
@@ -1531,7 +1637,7 @@ fail:
  * rewritten only once its version was released). */
 static PyObject *Ver_torch_views(TVerObject *v, PyObject *u) {
   if (!ver_ok(v)) return NULL;
-  if (torch_ready() < 0) return NULL;
+  if (torch_ready(1) < 0) return NULL;
   TSubObject *sub = v->sub;
   size_t n = gpuipc_tset_version_get_count(v->v);
   uint64_t layout = gpuipc_tset_version_get_layout(v->v);
