@@ -131,3 +131,98 @@ def torch_consume(conn, name, versions):
     sub.close()
     conn.recv_msg(timeout=60)
     sc.close()
+
+
+def fake_torch():
+    """A stand-in 'torch' module (this process only): a Tensor type over
+    device memory with torch's attributes (data_ptr, dtype, shape, stride,
+    is_cuda, get_device) and no array protocol at all, torch._C's raw
+    stream call, counting the calls gpuipc makes."""
+    import sys
+    import types
+
+    from cudrv import DeviceArray
+
+    t = types.ModuleType("torch")
+    calls = {"data_ptr": 0, "raw_stream": 0}
+
+    class dtype:
+        def __init__(self, name, typestr):
+            self.name, self.typestr = name, typestr
+
+    for name, ts in (("float32", "<f4"), ("int32", "<i4"), ("uint8", "|u1"),
+                     ("bfloat16", "<V2")):
+        setattr(t, name, dtype(name, ts))
+
+    class Tensor:
+        is_cuda = True
+
+        def __init__(self, shape, dt, strides=None):
+            self.arr = DeviceArray(shape, dt.typestr if dt.typestr[1] != "V" else "<u2")
+            self.dtype, self.shape = dt, tuple(shape)
+            s, acc = [], 1
+            for d in reversed(self.shape):
+                s.insert(0, acc)
+                acc *= d
+            self._strides = tuple(strides) if strides else tuple(s)
+
+        def get_device(self):
+            return 0
+
+        def data_ptr(self):
+            calls["data_ptr"] += 1
+            return self.arr.ptr
+
+        def stride(self):
+            return self._strides
+
+    def raw_stream(dev):
+        calls["raw_stream"] += 1
+        return 0
+
+    t.Tensor = Tensor
+    c = types.ModuleType("torch._C")
+    c._from_dlpack = lambda cap: None
+    c._cuda_getCurrentRawStream = raw_stream
+    t._C = c
+    sys.modules["torch"] = t
+    return t, calls
+
+
+def fake_torch_copy(conn):
+    """copy_from of 20 stand-in torch tensors (no exchange API, no array
+    protocol): read through their attributes, torch's stream asked once per
+    call, layouts checked; reports what it saw."""
+    from cudrv import pattern
+
+    torch, calls = fake_torch()
+    n = 20
+    ts = gpuipc.TensorSet.empty({f"t{i}": ((4, 2 + i), "float32") for i in range(n)})
+    srcs = {f"t{i}": torch.Tensor((4, 2 + i), torch.float32) for i in range(n)}
+    for i, x in enumerate(srcs.values()):
+        drv().htod(x.arr.ptr, pattern(x.arr.nbytes, i))
+    out = {}
+    ts.begin()
+    ts.copy_from(srcs)
+    out["calls"] = dict(calls)
+    try:
+        ts.copy_from({"t3": torch.Tensor((4, 5), torch.int32)})
+        out["dtype"] = None
+    except ValueError as e:
+        out["dtype"] = str(e)
+    try:
+        ts.copy_from({"t3": torch.Tensor((4, 5), torch.float32, strides=(1, 4))})
+        out["strides"] = None
+    except ValueError as e:
+        out["strides"] = str(e)
+    plan = ts.plan_from(srcs)
+    before = dict(calls)
+    ts.copy_from(plan)
+    out["plan_calls"] = {k: calls[k] - before[k] for k in calls}
+    ts.publish()
+    drv().sync(0)
+    views = ts.tensors(0)
+    out["data_ok"] = all(drv().dtoh(views[f"t{i}"].ptr, 16 * (2 + i)) ==
+                         pattern(16 * (2 + i), i) for i in range(n))
+    ts.destroy()
+    _report(conn, **out)

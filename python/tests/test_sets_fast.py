@@ -312,3 +312,18 @@ def test_as_torch_says_why_without_torch():
     finally:
         assert peer.close() == 0
     peer.sc.close()
+
+
+def test_torch_tensors_without_the_exchange_api_are_read_through_their_attributes():
+    """A torch without DLPack's C exchange API (a stand-in module in a
+    child: tensors with torch's attributes and no array protocol): each
+    tensor read once, torch's current stream asked once per call (not per
+    tensor), layouts checked, and a plan reads nothing again."""
+    with gpuipc.spawn(sets_fast_peers.fake_torch_copy, timeout=60) as p:
+        r = report(p.conn)
+        assert p.join(30) == 0
+    assert r["calls"] == {"data_ptr": 20, "raw_stream": 1}, r
+    assert r["plan_calls"] == {"data_ptr": 0, "raw_stream": 1}, r
+    assert "tensor 3 ('t3') is float32, the array given for it int32" in r["dtype"], r
+    assert "strides" in r["strides"], r
+    assert r["data_ok"], r
