@@ -3,8 +3,18 @@
  * producer's set: owned or wrapping the caller's arrays), TensorSetSub (a
  * consumer's subscriber), TensorSetVersion (one received version) and
  * TensorView (one tensor of a set or version, exported through the CUDA
- * Array Interface and DLPack). The mapping-style classes users see are in
- * gpuipc/sets.py.
+ * Array Interface and DLPack) and CopyPlan (the caller's arrays for
+ * copy_into / copy_from, resolved once). The mapping-style classes users
+ * see are in gpuipc/sets.py.
+ *
+ * Speed (docs/python.md). The caller's arrays are read in C: torch
+ * tensors through DLPack's C exchange API (or their own attributes on a
+ * torch without it), each type looked up once; others through the array
+ * protocols. Each is checked against the layout (dtype, shape, strides);
+ * streams are ordered once per call; arrays read through the protocols are
+ * copied in chunks as they are resolved. A version's torch tensors are
+ * built in one call (Version.torch_views) and kept per (layout, copy) on
+ * the subscriber, valid until their version's release.
  *
  * Waiting. Connections are non-blocking here (ext.h). The producer's set is
  * created with a timeout of 0, so begin, unsubscribe and destroy make
@@ -22,7 +32,10 @@
  * capsule or a CUDA Array Interface consumer holds one): those stay held,
  * with the library's subscriber kept open (linger) and the connection
  * with it (ConnObject.held), until the last view of each dies, which
- * releases it; the last released closes the subscriber.
+ * releases it; the last released closes the subscriber. The torch tensors
+ * of torch_views hold no version: they are valid until its release (the
+ * cache is dropped at the subscriber's close). A connection's context
+ * manager lets go of the sets and subscribers using it (sets_let_go).
  */
 #include "ext.h"
 
@@ -1651,6 +1664,10 @@ static PyObject *Ver_torch_views(TVerObject *v, PyObject *u) {
     gpuipc_tensor t;
     gpuipc_tset_version_get_tensor(v->v, i, &t);
     ptrs[i] = t.ptr;
+  }
+  if (!sub->s) { /* closed here, the version kept by its views: not kept again */
+    PyMem_Free(ptrs);
+    return torch_build(v, n);
   }
   VCache *slot = NULL;
   for (int k = 0; k < SETS_VCACHE; k++) {
