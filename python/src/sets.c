@@ -693,7 +693,7 @@ static PyObject *plan_make(const CopyJob *j0, PyObject *seq, uintptr_t stream, i
   const CopyJob *j = &jw;
   PyObject *f = seq_of(seq, j);
   if (!f) return NULL;
-  TPlanObject *pl = PyObject_New(TPlanObject, &TPlanType);
+  TPlanObject *pl = PyObject_GC_New(TPlanObject, &TPlanType);
   if (!pl) {
     Py_DECREF(f);
     return NULL;
@@ -701,12 +701,14 @@ static PyObject *plan_make(const CopyJob *j0, PyObject *seq, uintptr_t stream, i
   pl->layout = j->layout;
   pl->side = side;
   pl->n = j->n;
-  pl->refs = f;
+  pl->refs = PySequence_List(f); /* its own list: the caller's may change */
+  Py_DECREF(f);
+  f = pl->refs;
   pl->ptrs = PyMem_Calloc(j->n ? j->n : 1, sizeof *pl->ptrs);
   pl->xdev = -1;
   pl->xapi = NULL;
   pl->ncai = pl->cai_over = 0;
-  if (!pl->ptrs) {
+  if (!pl->refs || !pl->ptrs) {
     Py_DECREF(pl);
     return PyErr_NoMemory();
   }
@@ -732,6 +734,7 @@ static PyObject *plan_make(const CopyJob *j0, PyObject *seq, uintptr_t stream, i
   pl->xapi = r.xapi;
   pl->ncai = r.ncai;
   memcpy(pl->cai, r.cai, sizeof pl->cai);
+  PyObject_GC_Track(pl);
   return (PyObject *)pl;
 }
 
@@ -741,6 +744,10 @@ static int plan_run(const CopyJob *j, TPlanObject *pl, uintptr_t stream, int sid
     raise_msg(GPUIPC_E_INVALID_ARG, j->what, side ? "a plan of copy_into (Version.plan_into) "
               "given to copy_from" : "a plan of copy_from (TensorSet.plan_from) given to "
               "copy_into");
+    return -1;
+  }
+  if (!pl->refs) {
+    raise_msg(GPUIPC_E_INVALID_ARG, j->what, "the plan was cleared (garbage collection)");
     return -1;
   }
   if (pl->layout != j->layout || pl->n != j->n) {
@@ -760,17 +767,33 @@ static int plan_run(const CopyJob *j, TPlanObject *pl, uintptr_t stream, int sid
   return job_run(j, pl->ptrs, stream);
 }
 
+/* A plan holds the caller's arrays: the garbage collector sees them (an
+ * array that refers back to its plan makes a cycle it can collect). A
+ * plan is tracked once it is whole. */
+static int TPlan_traverse(TPlanObject *pl, visitproc visit, void *arg) {
+  Py_VISIT(pl->refs);
+  return 0;
+}
+static int TPlan_clear(TPlanObject *pl) {
+  Py_CLEAR(pl->refs);
+  pl->n = 0; /* its addresses are no longer kept alive: never used again */
+  return 0;
+}
 static void TPlan_dealloc(TPlanObject *pl) {
+  if (PyObject_GC_IsTracked((PyObject *)pl)) PyObject_GC_UnTrack(pl);
   PyMem_Free(pl->ptrs);
   Py_XDECREF(pl->refs);
-  PyObject_Free(pl);
+  PyObject_GC_Del(pl);
 }
 static PyObject *TPlan_get(TPlanObject *pl, void *which) {
   switch ((int)(intptr_t)which) {
   case 0: return PyLong_FromUnsignedLongLong(pl->layout);
   case 1: return PyLong_FromSize_t(pl->n);
   case 2: return PyUnicode_FromString(pl->side ? "copy_from" : "copy_into");
-  default: Py_INCREF(pl->refs); return pl->refs;
+  default:
+    if (!pl->refs) Py_RETURN_NONE;
+    Py_INCREF(pl->refs);
+    return pl->refs;
   }
 }
 static PyObject *TPlan_repr(TPlanObject *pl) {
@@ -789,7 +812,9 @@ static PyTypeObject TPlanType = {
     .tp_basicsize = sizeof(TPlanObject),
     .tp_dealloc = (destructor)TPlan_dealloc,
     .tp_repr = (reprfunc)TPlan_repr,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)TPlan_traverse,
+    .tp_clear = (inquiry)TPlan_clear,
     .tp_doc = "the caller's arrays for one layout, resolved and checked once "
               "(Version.plan_into, TensorSet.plan_from); it keeps them alive, and a copy "
               "with it reads their addresses as they were then",

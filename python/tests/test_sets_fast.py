@@ -327,3 +327,21 @@ def test_torch_tensors_without_the_exchange_api_are_read_through_their_attribute
     assert "tensor 3 ('t3') is float32, the array given for it int32" in r["dtype"], r
     assert "strides" in r["strides"], r
     assert r["data_ok"], r
+
+
+def test_a_plan_keeps_its_own_list_and_its_cycles_are_collected():
+    import gc
+    import weakref
+
+    ts = gpuipc.TensorSet.empty({"a": ((4,), "float32")})
+    a = DeviceArray((4,), "<f4")
+    arrays = [a]
+    plan = ts._c.plan(arrays)
+    arrays[0] = None  # the caller's list changes: the plan's does not
+    assert plan.arrays == [a] and plan.arrays is not arrays
+    a.plan = plan  # a cycle: the array refers to its plan
+    w = weakref.ref(a)
+    del a, plan, arrays
+    gc.collect()
+    assert w() is None, "the plan and its array were not collected"
+    ts.destroy()
