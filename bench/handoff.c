@@ -493,10 +493,15 @@ static int consumer(int fd) {
     cmd m;
     size_t len = 0;
     OK(gpuipc_conn_set_nonblocking(k.c, 0));
+    /* Idle consumers wait for their next command as long as the producer
+     * lives: the rows before the fan-out (its first use of consumers 8 and
+     * up) take minutes on a GPU, longer than any per-call limit. */
+    OK(gpuipc_conn_set_timeout(k.c, -1));
     gpuipc_status st = gpuipc_conn_recv_msg(k.c, &m, sizeof m, &len, NULL, NULL);
     if (st == GPUIPC_E_PEER_GONE || (st == GPUIPC_OK && m.op == OP_QUIT))
       break;
     OK(st);
+    OK(gpuipc_conn_set_timeout(k.c, o.timeout_ms));
     consumer_op(&k, &m);
   }
   CU(gpuipc__cu.cuStreamSynchronize(k.s));

@@ -207,6 +207,7 @@ GPUIPC_API gpuipc_status gpuipc_uuid_parse(const char *text, gpuipc_uuid *uuid /
  * helper (gpuipc/mpi.h, library gpuipc_mpi) is included on its own. */
 #include "gpuipc/handle.h"
 #include "gpuipc/conn.h"
+#include "gpuipc/tensor.h"
 #include "gpuipc/sets.h"
 #include "gpuipc/proc.h"
 #include "gpuipc/interop.h"

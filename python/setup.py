@@ -108,6 +108,9 @@ setup(
                 "stream-ordered (torch, CuPy, cuda.core)",
     license="MIT",
     packages=["gpuipc"],
+    # The extension's type stubs and the PEP 561 marker: type checkers read
+    # the installed package's annotations and _gpuipc.pyi.
+    package_data={"gpuipc": ["py.typed", "_gpuipc.pyi"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExt},
     python_requires=">=3.9",

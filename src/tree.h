@@ -12,6 +12,8 @@
  *                    counters, imports kept past a close
  *   conn/wire.h      the connection frame format (docs/protocol.md), for
  *                    the tests and fuzzers that play a peer
+ *   conn/carrier.h   the carriers' ops table, for the fuzzer that drives
+ *                    the ring carrier alone (fuzz-ring-records)
  *   sets/sets.h      the tensor-set table codec (docs/sets.md) and the
  *                    meta of a set's buffers
  *   xfer/xfer.h      copy-engine leak counters, host copy helpers, the
@@ -26,6 +28,7 @@
 #include "handle/handle.h"
 #include "conn/conn.h"
 #include "conn/wire.h"
+#include "conn/carrier.h"
 #include "sets/sets.h"
 #include "xfer/xfer.h"
 

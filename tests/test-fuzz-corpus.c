@@ -19,6 +19,7 @@ int fuzz_handshake_one(const uint8_t *data, size_t size);
 int fuzz_ring_init(int *argc, char ***argv);
 int fuzz_ring_one(const uint8_t *data, size_t size);
 int fuzz_xfer_header_one(const uint8_t *data, size_t size);
+int fuzz_ring_records_one(const uint8_t *data, size_t size);
 
 #define LLVMFuzzerInitialize fuzz_frames_init
 #define LLVMFuzzerTestOneInput fuzz_frames_one
@@ -37,6 +38,9 @@ int fuzz_xfer_header_one(const uint8_t *data, size_t size);
 #undef LLVMFuzzerTestOneInput
 #define LLVMFuzzerTestOneInput fuzz_xfer_header_one
 #include "fuzz/fuzz_xfer_header.c"
+#undef LLVMFuzzerTestOneInput
+#define LLVMFuzzerTestOneInput fuzz_ring_records_one
+#include "fuzz/fuzz_ring_records.c"
 #undef LLVMFuzzerTestOneInput
 
 /* Runs every file of corpus/<name> through one; returns the count. */
@@ -108,6 +112,14 @@ TEST_IMPL(fuzz_corpus_ring) {
   if (n < 0)
     SKIP("no corpus");
   ASSERT_GT(n, 40);
+  return 0;
+}
+
+TEST_IMPL(fuzz_corpus_ring_records) {
+  int n = replay("ring-records", fuzz_ring_records_one);
+  if (n < 0)
+    SKIP("no corpus");
+  ASSERT_GT(n, 10);
   return 0;
 }
 

@@ -157,7 +157,9 @@
  * be used from any thread, but only from one at a time per object (no
  * internal locking on the fast path); a connection and the arena it sends
  * from must be used under the same lock when threads share them.
- * Different connections are independent.
+ * Different connections are independent. One exception: gpuipc_conn_wait
+ * may run in a second thread beside the calls of the first, which is how
+ * a binding waits without holding its own lock.
  *
  * Security. Who may connect is decided by the credential check (and, for
  * socket files, by the 0700 runtime directory). What a peer may touch: a
@@ -186,6 +188,7 @@
 #ifndef GPUIPC_CONN_H
 #define GPUIPC_CONN_H
 
+#include <poll.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -458,6 +461,40 @@ GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
  * recv will find something (or learn the peer is gone). Do not read or write
  * it yourself. Valid until gpuipc_conn_close (-1 after a disconnect). */
 GPUIPC_API int gpuipc_conn_get_fd(const gpuipc_conn *conn);
+
+/* The wait rule: one loop for every binding and event loop that makes its
+ * calls non-blocking (gpuipc_conn_set_nonblocking) and waits between them.
+ *
+ *   for (;;) {
+ *     st = <the call>;                           // e.g. gpuipc_conn_recv
+ *     if (st != GPUIPC_E_WOULD_BLOCK) break;
+ *     st = gpuipc_conn_wait(conn, POLLIN, <time left>, -1);
+ *     if (st != GPUIPC_OK) break;                // GPUIPC_E_TIMEOUT
+ *   }
+ *
+ * Waits until a call on the connection may make progress: for POLLIN
+ * (also when events is 0), a frame arrived on the ring or the socket, or
+ * the peer hung up; for POLLOUT, the socket has room (ask for it when a
+ * send returned GPUIPC_E_WOULD_BLOCK for want of room; a send waiting for
+ * a release wants POLLIN). It reads nothing, so the next call does the
+ * work and says what came (GPUIPC_OK here only means "call again"). On
+ * the ring carrier it first looks at the ring without sleeping for
+ * spin_us microseconds (-1: the connection's option spin_us; 0: no
+ * spin), awake (the peer need not wake it), then sleeps on the socket
+ * with its sleep word set, so a record published meanwhile brings a
+ * wake-up frame; on the socket carrier a spin polls the socket without a
+ * timeout. timeout_ms: -1 forever, 0 look once. Returns GPUIPC_OK,
+ * GPUIPC_E_TIMEOUT, or GPUIPC_E_INVALID_ARG for events other than
+ * POLLIN|POLLOUT or a timeout or spin below -1. A signal does not end
+ * the wait: a binding that must handle signals waits in slices.
+ *
+ * Thread: the one call that may run beside the calls of one other thread
+ * on the same connection (e.g. a waiter without the binding's lock while
+ * another thread sends). Not beside gpuipc_conn_close. An event loop that
+ * waits in its own poll uses gpuipc_conn_get_fd (POLLIN, plus POLLOUT
+ * after a send said it would block) instead. */
+GPUIPC_API gpuipc_status gpuipc_conn_wait(gpuipc_conn *conn, short events,
+                                          int timeout_ms, int spin_us);
 
 /* Sets the timeout of later calls (ms; -1 forever, 0 never wait). */
 GPUIPC_API gpuipc_status gpuipc_conn_set_timeout(gpuipc_conn *conn,

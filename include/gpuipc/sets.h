@@ -107,8 +107,8 @@
  *
  * For bindings: a set is made from an array of (name, dtype, shape,
  * strides, device pointer) entries (gpuipc_tensor), the same struct the
- * consumer gets back per tensor; dtype codes follow DLPack's common types
- * (see gpuipc_dtype).
+ * consumer gets back per tensor; dtype codes are gpuipc_dtype's
+ * (gpuipc/tensor.h), each one DLPack data type (gpuipc_dtype_to_dlpack).
  */
 #ifndef GPUIPC_SETS_H
 #define GPUIPC_SETS_H
@@ -135,31 +135,8 @@ typedef struct gpuipc_tset_version gpuipc_tset_version;
 /* Largest encoded table (docs/sets.md). */
 #define GPUIPC_TSET_TABLE_MAX ((size_t)64 << 20)
 
-/* Element types. Codes are part of the wire format: never renumbered. */
-typedef enum gpuipc_dtype {
-  GPUIPC_DTYPE_BOOL = 1,
-  GPUIPC_DTYPE_U8 = 2,
-  GPUIPC_DTYPE_I8 = 3,
-  GPUIPC_DTYPE_U16 = 4,
-  GPUIPC_DTYPE_I16 = 5,
-  GPUIPC_DTYPE_U32 = 6,
-  GPUIPC_DTYPE_I32 = 7,
-  GPUIPC_DTYPE_U64 = 8,
-  GPUIPC_DTYPE_I64 = 9,
-  GPUIPC_DTYPE_F16 = 10,
-  GPUIPC_DTYPE_BF16 = 11,
-  GPUIPC_DTYPE_F32 = 12,
-  GPUIPC_DTYPE_F64 = 13,
-  GPUIPC_DTYPE_C64 = 14,  /* complex of two f32 */
-  GPUIPC_DTYPE_C128 = 15, /* complex of two f64 */
-  GPUIPC_DTYPE_F8_E4M3FN = 16,
-  GPUIPC_DTYPE_F8_E5M2 = 17
-} gpuipc_dtype;
-
-/* Bytes per element of a dtype; 0 for a code that is not one. */
-GPUIPC_API size_t gpuipc_dtype_get_size(int dtype);
-/* "bool", "u8", ..., "bf16", "f8_e4m3fn"; "unknown" otherwise. Static. */
-GPUIPC_API const char *gpuipc_dtype_name(int dtype);
+/* Element types: gpuipc_dtype, gpuipc_dtype_get_size and gpuipc_dtype_name
+ * are in gpuipc/tensor.h (one vocabulary for sets and the tensor meta). */
 
 /* One tensor of a set. On input (gpuipc_tset_create) the caller's arrays
  * are read during the call only; nbytes is ignored. On output (the

@@ -117,9 +117,9 @@ static PyObject *Arena_alloc(ArenaObject *a, PyObject *args, PyObject *kw) {
     nbytes = PyLong_AsSize_t(nb_o);
     if (PyErr_Occurred()) return NULL;
     if (dtype != Py_None) {
-      DLDataType d;
+      int d;
       if (parse_dtype(dtype, &d) < 0) return NULL;
-      meta_bytes1d(&m, nbytes / itemsize(&d));
+      meta_bytes1d(&m, nbytes / itemsize(d));
       m.dtype = d;
     } else {
       meta_bytes1d(&m, nbytes);
@@ -173,12 +173,15 @@ static PyObject *Arena_exit(ArenaObject *a, PyObject *args) { return Arena_close
 
 static PyMethodDef Arena_methods[] = {
     {"alloc", (PyCFunction)(void (*)(void))Arena_alloc, METH_VARARGS | METH_KEYWORDS,
+     "alloc($self, /, nbytes=None, *, stream=None, shape=None, dtype=None)\n--\n\n"
      "alloc(nbytes=None, *, stream=None, shape=None, dtype=None) -> Block"},
-    {"stats", (PyCFunction)Arena_stats, METH_NOARGS, "counters as a dict"},
+    {"stats", (PyCFunction)Arena_stats, METH_NOARGS,
+     "stats($self, /)\n--\n\ncounters as a dict"},
     {"close", (PyCFunction)Arena_close, METH_NOARGS,
+     "close($self, /)\n--\n\n"
      "destroy the arena (BusyError while blocks are allocated or held)"},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Arena_exit, METH_VARARGS, NULL},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Arena_exit, METH_VARARGS, "__exit__($self, /, *exc)\n--\n\ncloses it"},
     {NULL}};
 
 PyTypeObject ArenaType = {
@@ -186,7 +189,8 @@ PyTypeObject ArenaType = {
     .tp_basicsize = sizeof(ArenaObject),
     .tp_dealloc = (destructor)Arena_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Arena(device=0, chunk_bytes=64 MiB, max_bytes=0): IPC-capable device "
+    .tp_doc = "Arena(device=0, chunk_bytes=67108864, max_bytes=0)\n--\n\n"
+              "Arena(device=0, chunk_bytes=64 MiB, max_bytes=0): IPC-capable device "
               "memory whose blocks go by the fast path.",
     .tp_methods = Arena_methods,
     .tp_new = Arena_new,
@@ -304,13 +308,17 @@ static PyObject *Block_repr(BlockObject *b) {
 
 static PyMethodDef Block_methods[] = {
     {"free", (PyCFunction)(void (*)(void))Block_free, METH_VARARGS | METH_KEYWORDS,
+     "free($self, /, stream=None)\n--\n\n"
      "free(stream=None): give the block back (deferred while peers hold it)"},
     {"wait", (PyCFunction)(void (*)(void))Block_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait($self, /, stream=None)\n--\n\n"
      "wait(stream=None): order stream after the peers' work before their releases"},
-    {"__dlpack__", (PyCFunction)(void (*)(void))Block_dlpack, METH_VARARGS | METH_KEYWORDS, NULL},
-    {"__dlpack_device__", (PyCFunction)Block_dlpack_device, METH_NOARGS, NULL},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Block_exit, METH_VARARGS, NULL},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Block_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, copy=None)\n--\n\nA DLPack capsule of the data (the stream protocol of DLPack: the consumer's stream is ordered after the data's)"},
+    {"__dlpack_device__", (PyCFunction)Block_dlpack_device, METH_NOARGS,
+     "__dlpack_device__($self, /)\n--\n\n(device_type, device_id) of the data"},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Block_exit, METH_VARARGS, "__exit__($self, /, *exc)\n--\n\nfrees it"},
     {NULL}};
 static PyGetSetDef Block_getset[] = {
     {"ptr", (getter)Block_get, NULL, NULL, (void *)0},

@@ -1,6 +1,7 @@
 /*
- * array.c: arrays: the metadata (shape, dtype, strides, offset) and its
- * wire form in a buffer's meta bytes; exporting views of gpuipc's memory
+ * array.c: arrays: the metadata (shape, dtype, strides, offset: the C
+ * library's tensor meta, whose wire form in a buffer's meta bytes is the
+ * library's too) and the Python names of its dtypes; exporting views of gpuipc's memory
  * (CUDA Array Interface v3, DLPack capsules with their naming and deleter
  * rules, versioned and not, with the protocol's stream ordering); reading
  * the arrays of other libraries to send or share them.
@@ -11,51 +12,31 @@
 /* Array metadata                                                           */
 /* ------------------------------------------------------------------------ */
 
+/* ArrMeta is the C library's gpuipc_tensor_meta (ext.h): its format, its
+ * extent and its checks are the library's (include/gpuipc/tensor.h), and
+ * dtypes are gpuipc_dtype codes. The fields user and user_len stay zero
+ * here except inside meta_encode and meta_decode. */
+
 void meta_bytes1d(ArrMeta *m, size_t n) {
   memset(m, 0, sizeof *m);
   m->ndim = 1;
-  m->dtype = (DLDataType){kDLUInt, 8, 1};
+  m->dtype = GPUIPC_DTYPE_U8;
   m->shape[0] = (int64_t)n;
+  m->strides[0] = 1;
 }
 
-size_t itemsize(const DLDataType *d) { return ((size_t)d->bits * d->lanes + 7) / 8; }
+size_t itemsize(int dtype) { return gpuipc_dtype_get_size(dtype); }
 
-int meta_contiguous(const ArrMeta *m) {
-  if (!m->has_strides) return 1;
-  int64_t want = 1;
-  for (int i = m->ndim - 1; i >= 0; i--) {
-    if (m->shape[i] != 1 && m->strides[i] != want) return 0;
-    want *= m->shape[i];
-  }
-  return 1;
-}
+int meta_contiguous(const ArrMeta *m) { return gpuipc_tensor_meta_is_contiguous(m); }
 
-/* Bytes spanned from element 0 (strides must be >= 0). */
-/* The bytes an array spans from its first element, or SIZE_MAX when that
- * does not fit in a size_t (shapes and strides can come from a peer: a
- * product that wrapped around would make a huge view look small). Shapes
- * and strides are non-negative here. */
+/* The bytes an array spans from its first element, or SIZE_MAX when the
+ * library refuses it (a size or stride that is negative, an extent beyond
+ * 2^62 bytes: shapes and strides can come from a peer, and a product that
+ * wrapped around would make a huge view look small). */
 size_t meta_extent(const ArrMeta *m) {
-  size_t isz = itemsize(&m->dtype);
-  for (int i = 0; i < m->ndim; i++)
-    if (m->shape[i] == 0) return 0;
-  if (!m->has_strides) {
-    size_t n = isz;
-    for (int i = 0; i < m->ndim; i++)
-      if (__builtin_mul_overflow(n, (size_t)m->shape[i], &n)) return SIZE_MAX;
-    return n;
-  }
-  size_t last = 0;
-  for (int i = 0; i < m->ndim; i++) {
-    size_t step;
-    if (__builtin_mul_overflow((size_t)(m->shape[i] - 1), (size_t)m->strides[i], &step) ||
-        __builtin_add_overflow(last, step, &last))
-      return SIZE_MAX;
-  }
-  size_t n;
-  if (__builtin_add_overflow(last, (size_t)1, &n) || __builtin_mul_overflow(n, isz, &n))
-    return SIZE_MAX;
-  return n;
+  uint64_t n;
+  if (gpuipc_tensor_meta_get_extent(m, &n) != GPUIPC_OK || n > SIZE_MAX) return SIZE_MAX;
+  return (size_t)n;
 }
 
 void meta_fill_strides(const ArrMeta *m, int64_t *out) {
@@ -63,91 +44,57 @@ void meta_fill_strides(const ArrMeta *m, int64_t *out) {
     memcpy(out, m->strides, sizeof(int64_t) * m->ndim);
     return;
   }
-  int64_t s = 1;
-  for (int i = m->ndim - 1; i >= 0; i--) {
-    out[i] = s;
-    s *= m->shape[i];
-  }
+  ArrMeta c = *m;
+  gpuipc_tensor_meta_set_contiguous(&c);
+  memcpy(out, c.strides, sizeof(int64_t) * m->ndim);
 }
 
-/* Wire form in a buffer's meta bytes (little-endian):
- *   0 'G' 'P'  2 version (1)  3 ndim  4 dtype code  5 bits  6..7 lanes
- *   8 flags (1: strides follow)  9..10 user bytes  11 zero
- *   12..19 offset  20.. shape[ndim] (int64), strides[ndim] if flagged, user. */
-#define WIRE_HDR 20
-
-static void put64(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i)); }
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
+/* The wire form in a buffer's meta bytes is the library's tensor meta
+ * (docs/tensor-meta.md), with the caller's meta= bytes as its user bytes. */
 int meta_encode(const ArrMeta *m, const uint8_t *user, size_t ulen, uint8_t *out,
-                       size_t *len) {
-  int strided = !meta_contiguous(m);
-  size_t need = WIRE_HDR + 8 * (size_t)m->ndim * (strided ? 2 : 1) + ulen;
-  if (need > GPUIPC_META_MAX) {
+                size_t *len) {
+  gpuipc_tensor_meta t = *m;
+  t.user = user;
+  t.user_len = ulen;
+  gpuipc_status st = gpuipc_tensor_meta_encode(&t, out, GPUIPC_META_MAX, len);
+  if (st == GPUIPC_E_LIMIT) {
     PyErr_Format(PyExc_ValueError, "metadata too large: %zu bytes (shape, strides and "
-                 "meta together must fit %d)", need, GPUIPC_META_MAX);
+                 "meta together must fit %d)", *len, GPUIPC_META_MAX);
     return -1;
   }
-  out[0] = 'G'; out[1] = 'P'; out[2] = 1; out[3] = (uint8_t)m->ndim;
-  out[4] = m->dtype.code; out[5] = m->dtype.bits;
-  out[6] = (uint8_t)m->dtype.lanes; out[7] = (uint8_t)(m->dtype.lanes >> 8);
-  out[8] = (uint8_t)strided; out[9] = (uint8_t)ulen; out[10] = (uint8_t)(ulen >> 8); out[11] = 0;
-  put64(out + 12, m->offset);
-  uint8_t *p = out + WIRE_HDR;
-  for (int i = 0; i < m->ndim; i++, p += 8) put64(p, (uint64_t)m->shape[i]);
-  if (strided)
-    for (int i = 0; i < m->ndim; i++, p += 8) put64(p, (uint64_t)m->strides[i]);
-  if (ulen) memcpy(p, user, ulen);
-  *len = need;
+  if (st != GPUIPC_OK) {
+    PyErr_Format(PyExc_ValueError, "metadata: %s", gpuipc_last_error());
+    return -1;
+  }
   return 0;
 }
 
-/* Decodes; anything that is not our form is a 1-D uint8 array of `length`
- * bytes with all of meta as the user's bytes. Sets *user and *ulen. */
+/* Decodes; anything that is not a tensor meta, or one that does not fit
+ * the buffer's `length` bytes, is a 1-D uint8 array of `length` bytes with
+ * all of meta as the user's bytes. Sets *user and *ulen. */
 void meta_decode(const uint8_t *in, size_t len, size_t length, ArrMeta *m,
-                        const uint8_t **user, size_t *ulen) {
+                 const uint8_t **user, size_t *ulen) {
   meta_bytes1d(m, length);
   *user = in;
   *ulen = len;
-  if (len < WIRE_HDR || in[0] != 'G' || in[1] != 'P' || in[2] != 1) return;
-  int nd = in[3], strided = in[8] & 1;
-  size_t ul = in[9] | ((size_t)in[10] << 8);
-  if (nd > MAXD || WIRE_HDR + 8 * (size_t)nd * (strided ? 2 : 1) + ul != len) return;
-  ArrMeta t;
-  memset(&t, 0, sizeof t);
-  t.ndim = nd;
-  t.dtype.code = in[4]; t.dtype.bits = in[5]; t.dtype.lanes = (uint16_t)(in[6] | (in[7] << 8));
-  t.offset = get64(in + 12);
-  const uint8_t *p = in + WIRE_HDR;
-  for (int i = 0; i < nd; i++, p += 8) {
-    t.shape[i] = (int64_t)get64(p);
-    if (t.shape[i] < 0) return;
-  }
-  if (strided) {
-    t.has_strides = 1;
-    for (int i = 0; i < nd; i++, p += 8) {
-      t.strides[i] = (int64_t)get64(p);
-      if (t.strides[i] < 0) return;
-    }
-  }
-  if (t.dtype.lanes == 0 || t.dtype.bits == 0) return;
-  if (t.offset > length || meta_extent(&t) > length - t.offset) return;
+  gpuipc_tensor_meta t;
+  if (gpuipc_tensor_meta_decode(in, len, &t) != GPUIPC_OK ||
+      gpuipc_tensor_meta_check(&t, length) != GPUIPC_OK)
+    return;
+  *user = t.user ? t.user : in + len;
+  *ulen = t.user_len;
+  t.user = NULL;
+  t.user_len = 0;
   *m = t;
-  *user = p;
-  *ulen = ul;
 }
 
-/* typestr ("<f4") <-> DLPack dtype */
-static int typestr_parse(const char *s, DLDataType *d) {
+/* typestr ("<f4") <-> gpuipc_dtype, through the DLPack type each stands for */
+static int typestr_parse(const char *s, int *d) {
   if (!s[0] || !s[1]) goto bad;
   if (s[0] != '<' && s[0] != '|' && s[0] != '=') goto bad;
   char k = s[1];
   long n = strtol(s + 2, NULL, 10);
-  if (n <= 0 || n > 32) goto bad;
+  if (n <= 0 || n > 16) goto bad;
   uint8_t code;
   switch (k) {
   case 'i': code = kDLInt; break;
@@ -157,76 +104,102 @@ static int typestr_parse(const char *s, DLDataType *d) {
   case 'b': code = kDLBool; break;
   default: goto bad;
   }
-  d->code = code;
-  d->bits = (uint8_t)(8 * n);
-  d->lanes = 1;
-  return 0;
+  *d = gpuipc_dtype_from_dlpack(code, (uint8_t)(8 * n), 1);
+  if (*d) return 0;
 bad:
   PyErr_Format(PyExc_TypeError, "unsupported typestr %s", s);
   return -1;
 }
 
-static int typestr_make(const DLDataType *d, char *out) {
+static int typestr_make(int dtype, char *out) {
+  uint8_t code, bits;
+  uint16_t lanes;
+  if (gpuipc_dtype_to_dlpack(dtype, &code, &bits, &lanes) != GPUIPC_OK) return -1;
   char k;
-  switch (d->code) {
+  switch (code) {
   case kDLInt: k = 'i'; break;
   case kDLUInt: k = 'u'; break;
   case kDLFloat: k = 'f'; break;
   case kDLComplex: k = 'c'; break;
   case kDLBool: k = 'b'; break;
-  default: return -1;
+  default: return -1; /* bfloat16, the float8 kinds: no typestr names them */
   }
-  if (d->lanes != 1 || d->bits % 8) return -1;
-  int n = d->bits / 8;
+  int n = bits / 8;
   snprintf(out, 8, "%c%c%d", n == 1 ? '|' : '<', k, n);
   return 0;
 }
 
-static const struct { const char *name; DLDataType d; } dtype_names[] = {
-    {"bool", {kDLBool, 8, 1}},      {"int8", {kDLInt, 8, 1}},
-    {"int16", {kDLInt, 16, 1}},     {"int32", {kDLInt, 32, 1}},
-    {"int64", {kDLInt, 64, 1}},     {"uint8", {kDLUInt, 8, 1}},
-    {"uint16", {kDLUInt, 16, 1}},   {"uint32", {kDLUInt, 32, 1}},
-    {"uint64", {kDLUInt, 64, 1}},   {"float16", {kDLFloat, 16, 1}},
-    {"float32", {kDLFloat, 32, 1}}, {"float64", {kDLFloat, 64, 1}},
-    {"bfloat16", {kDLBfloat, 16, 1}}, {"complex64", {kDLComplex, 64, 1}},
-    {"complex128", {kDLComplex, 128, 1}}, {"half", {kDLFloat, 16, 1}},
-    {"float", {kDLFloat, 32, 1}},   {"double", {kDLFloat, 64, 1}},
-    {"int", {kDLInt, 32, 1}},       {"long", {kDLInt, 64, 1}},
+/* The Python names of gpuipc_dtype (torch's, NumPy's and CuPy's names
+ * without their module): the first of each code is the name dtype reports;
+ * aliases follow. */
+static const struct { const char *name; int d; } dtype_names[] = {
+    {"bool", GPUIPC_DTYPE_BOOL},       {"int8", GPUIPC_DTYPE_I8},
+    {"int16", GPUIPC_DTYPE_I16},       {"int32", GPUIPC_DTYPE_I32},
+    {"int64", GPUIPC_DTYPE_I64},       {"uint8", GPUIPC_DTYPE_U8},
+    {"uint16", GPUIPC_DTYPE_U16},      {"uint32", GPUIPC_DTYPE_U32},
+    {"uint64", GPUIPC_DTYPE_U64},      {"float16", GPUIPC_DTYPE_F16},
+    {"float32", GPUIPC_DTYPE_F32},     {"float64", GPUIPC_DTYPE_F64},
+    {"bfloat16", GPUIPC_DTYPE_BF16},   {"complex64", GPUIPC_DTYPE_C64},
+    {"complex128", GPUIPC_DTYPE_C128},
+    {"float8_e4m3fn", GPUIPC_DTYPE_F8_E4M3FN},
+    {"float8_e5m2", GPUIPC_DTYPE_F8_E5M2},
+    {"float8_e4m3fnuz", GPUIPC_DTYPE_F8_E4M3FNUZ},
+    {"float8_e5m2fnuz", GPUIPC_DTYPE_F8_E5M2FNUZ},
+    {"float8_e8m0fnu", GPUIPC_DTYPE_F8_E8M0FNU},
+    /* aliases */
+    {"half", GPUIPC_DTYPE_F16},        {"float", GPUIPC_DTYPE_F32},
+    {"double", GPUIPC_DTYPE_F64},      {"int", GPUIPC_DTYPE_I32},
+    {"long", GPUIPC_DTYPE_I64},        {"bool_", GPUIPC_DTYPE_BOOL},
+    {"cfloat", GPUIPC_DTYPE_C64},      {"cdouble", GPUIPC_DTYPE_C128},
 };
 
-const char *dtype_name(const DLDataType *d) {
-  for (size_t i = 0; i < 15; i++)
-    if (dtype_names[i].d.code == d->code && dtype_names[i].d.bits == d->bits &&
-        d->lanes == 1)
-      return dtype_names[i].name;
+const char *dtype_name(int dtype) {
+  for (size_t i = 0; i < sizeof dtype_names / sizeof dtype_names[0]; i++)
+    if (dtype_names[i].d == dtype) return dtype_names[i].name;
   return NULL;
 }
 
-/* A dtype: None (uint8), a name ("float32", "torch.float32"), a typestr, or
- * an object with .str (numpy dtype) or whose str() is one of those. */
-int parse_dtype(PyObject *o, DLDataType *d) {
-  *d = (DLDataType){kDLUInt, 8, 1};
+static int dtype_lookup(const char *t) {
+  if (!strncmp(t, "torch.", 6)) t += 6;
+  for (size_t i = 0; i < sizeof dtype_names / sizeof dtype_names[0]; i++)
+    if (!strcmp(t, dtype_names[i].name)) return dtype_names[i].d;
+  return 0;
+}
+
+/* A dtype: None (uint8), a name ("float32", "torch.float32",
+ * "float8_e4m3fn"), a typestr, or an object with .name and .str (a NumPy
+ * or CuPy dtype: its name first, so that ml_dtypes' float8 kinds, whose
+ * typestr is an opaque "<V1", are found) or whose str() is one of those. */
+int parse_dtype(PyObject *o, int *d) {
+  *d = GPUIPC_DTYPE_U8;
   if (o == NULL || o == Py_None) return 0;
   PyObject *s;
   if (PyUnicode_Check(o)) {
     s = o;
     Py_INCREF(s);
   } else if (PyObject_HasAttrString(o, "str") && PyObject_HasAttrString(o, "itemsize")) {
-    s = PyObject_GetAttrString(o, "str"); /* numpy dtype */
+    PyObject *nm = PyObject_GetAttrString(o, "name"); /* numpy dtype */
+    const char *t = nm && PyUnicode_Check(nm) ? PyUnicode_AsUTF8(nm) : NULL;
+    int found = t ? dtype_lookup(t) : 0;
+    Py_XDECREF(nm);
+    PyErr_Clear();
+    if (found) {
+      *d = found;
+      return 0;
+    }
+    s = PyObject_GetAttrString(o, "str");
   } else {
     s = PyObject_Str(o);
   }
   if (!s) return -1;
   const char *t = PyUnicode_AsUTF8(s);
   if (!t) { Py_DECREF(s); return -1; }
-  if (!strncmp(t, "torch.", 6)) t += 6;
-  for (size_t i = 0; i < sizeof dtype_names / sizeof dtype_names[0]; i++)
-    if (!strcmp(t, dtype_names[i].name)) {
-      *d = dtype_names[i].d;
-      Py_DECREF(s);
-      return 0;
-    }
+  int found = dtype_lookup(t);
+  if (found) {
+    *d = found;
+    Py_DECREF(s);
+    return 0;
+  }
   int rc = typestr_parse(t, d);
   Py_DECREF(s);
   return rc;
@@ -281,7 +254,7 @@ PyObject *shape_tuple(const int64_t *v, int n) {
 
 PyObject *cai_dict(const View *v) {
   char ts[8];
-  if (typestr_make(&v->meta->dtype, ts) < 0) {
+  if (typestr_make(v->meta->dtype, ts) < 0) {
     PyErr_SetString(PyExc_AttributeError, "__cuda_array_interface__: this dtype has no "
                     "typestr (use __dlpack__)");
     return NULL;
@@ -293,7 +266,7 @@ PyObject *cai_dict(const View *v) {
     Py_INCREF(strides);
   } else {
     int64_t b[MAXD];
-    size_t isz = itemsize(&v->meta->dtype);
+    size_t isz = itemsize(v->meta->dtype);
     for (int i = 0; i < v->meta->ndim; i++) b[i] = v->meta->strides[i] * (int64_t)isz;
     strides = shape_tuple(b, v->meta->ndim);
   }
@@ -427,7 +400,7 @@ PyObject *dlpack_export(PyObject *owner, const View *v, PyObject *args, PyObject
   t->data = (char *)v->base + v->meta->offset;
   t->device = (DLDevice){dev_type, dev_type == kDLCPU ? 0 : v->dev_id};
   t->ndim = v->meta->ndim;
-  t->dtype = v->meta->dtype;
+  gpuipc_dtype_to_dlpack(v->meta->dtype, &t->dtype.code, &t->dtype.bits, &t->dtype.lanes);
   memcpy(b->shape, v->meta->shape, sizeof(int64_t) * v->meta->ndim);
   meta_fill_strides(v->meta, b->strides);
   t->shape = b->shape;
@@ -479,7 +452,7 @@ static int foreign_from_cai(PyObject *obj, PyObject *d, Foreign *f) {
   if (strides && strides != Py_None) {
     PyObject *seq = PySequence_Fast(strides, "strides must be a sequence");
     if (!seq) return -1;
-    size_t isz = itemsize(&f->meta.dtype);
+    size_t isz = itemsize(f->meta.dtype);
     if (PySequence_Fast_GET_SIZE(seq) != f->meta.ndim) {
       Py_DECREF(seq);
       PyErr_SetString(PyExc_ValueError, "strides and shape differ in length");
@@ -555,7 +528,14 @@ static int foreign_from_dlpack(PyObject *obj, uintptr_t stream, Foreign *f) {
   }
   memset(&f->meta, 0, sizeof f->meta);
   f->meta.ndim = t->ndim;
-  f->meta.dtype = t->dtype;
+  f->meta.dtype = gpuipc_dtype_from_dlpack(t->dtype.code, t->dtype.bits, t->dtype.lanes);
+  if (!f->meta.dtype) {
+    DLDataType dt = t->dtype;
+    Py_DECREF(cap);
+    PyErr_Format(PyExc_TypeError, "DLPack dtype (code %d, bits %d, lanes %d) has no gpuipc "
+                 "dtype (docs/tensor-meta.md lists them)", dt.code, dt.bits, dt.lanes);
+    return -1;
+  }
   for (int i = 0; i < t->ndim; i++) f->meta.shape[i] = t->shape[i];
   if (t->strides) {
     f->meta.has_strides = 1;
@@ -643,10 +623,9 @@ int foreign_get(PyObject *obj, uintptr_t stream, Foreign *f) {
 PyObject *meta_repr_part(const ArrMeta *m) {
   PyObject *shape = shape_tuple(m->shape, m->ndim);
   if (!shape) return NULL;
-  const char *n = dtype_name(&m->dtype);
-  PyObject *r = n ? PyUnicode_FromFormat("shape=%R dtype=%s", shape, n)
-                  : PyUnicode_FromFormat("shape=%R dtype=dlpack(%d,%d,%d)", shape,
-                                         m->dtype.code, m->dtype.bits, m->dtype.lanes);
+  const char *n = dtype_name(m->dtype);
+  PyObject *r = PyUnicode_FromFormat("shape=%R dtype=%s", shape,
+                                     n ? n : gpuipc_dtype_name(m->dtype));
   Py_DECREF(shape);
   return r;
 }

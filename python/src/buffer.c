@@ -154,9 +154,12 @@ static PyObject *Pool_get(PoolObject *p, void *w) {
 
 static PyMethodDef Pool_methods[] = {
     {"alloc", (PyCFunction)(void (*)(void))Pool_alloc, METH_VARARGS | METH_KEYWORDS,
+     "alloc($self, /, nbytes=None, *, stream=None, shape=None, dtype=None)\n--\n\n"
      "alloc(nbytes=None, *, stream=None, shape=None, dtype=None) -> Buffer"},
-    {"export", (PyCFunction)Pool_export, METH_NOARGS, "export() -> (desc bytes, fd) (MEMPOOL)"},
-    {"open", (PyCFunction)Pool_open, METH_VARARGS | METH_CLASS, "Pool.open(desc, fd) -> Pool"},
+    {"export", (PyCFunction)Pool_export, METH_NOARGS,
+     "export($self, /)\n--\n\nexport() -> (desc bytes, fd) (MEMPOOL)"},
+    {"open", (PyCFunction)Pool_open, METH_VARARGS | METH_CLASS,
+     "open($type, desc, fd=-1, /)\n--\n\nPool.open(desc, fd) -> Pool"},
     {NULL}};
 static PyGetSetDef Pool_getset[] = {
     {"kind", (getter)Pool_get, NULL, NULL, (void *)0},
@@ -167,7 +170,8 @@ PyTypeObject PoolType = {
     .tp_basicsize = sizeof(PoolObject),
     .tp_dealloc = (destructor)Pool_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Pool(kind='auto', device=None, capacity=0): buffers shared by descriptor.",
+    .tp_doc = "Pool(kind='auto', device=None, capacity=0)\n--\n\n"
+              "Pool(kind='auto', device=None, capacity=0): buffers shared by descriptor.",
     .tp_methods = Pool_methods,
     .tp_getset = Pool_getset,
     .tp_new = Pool_new,
@@ -312,15 +316,21 @@ static PyObject *Buffer_repr(BufferObject *b) {
 
 static PyMethodDef Buffer_methods[] = {
     {"export", (PyCFunction)Buffer_export, METH_NOARGS,
+     "export($self, /)\n--\n\n"
      "export() -> (desc bytes, [fd]): the fds are the caller's to close"},
-    {"close", (PyCFunction)Buffer_close, METH_NOARGS, "free / close the buffer"},
-    {"free", (PyCFunction)Buffer_close, METH_NOARGS, "free / close the buffer"},
+    {"close", (PyCFunction)Buffer_close, METH_NOARGS,
+     "close($self, /)\n--\n\nfree / close the buffer"},
+    {"free", (PyCFunction)Buffer_close, METH_NOARGS,
+     "free($self, /)\n--\n\nfree / close the buffer"},
     {"wrap", (PyCFunction)(void (*)(void))Buffer_wrap, METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "wrap($type, /, obj, nbytes=None)\n--\n\n"
      "Buffer.wrap(obj) or Buffer.wrap(ptr, nbytes): memory gpuipc did not allocate"},
-    {"__dlpack__", (PyCFunction)(void (*)(void))Buffer_dlpack, METH_VARARGS | METH_KEYWORDS, NULL},
-    {"__dlpack_device__", (PyCFunction)Buffer_dlpack_device, METH_NOARGS, NULL},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Buffer_exit, METH_VARARGS, NULL},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, copy=None)\n--\n\nA DLPack capsule of the data (the stream protocol of DLPack: the consumer's stream is ordered after the data's)"},
+    {"__dlpack_device__", (PyCFunction)Buffer_dlpack_device, METH_NOARGS,
+     "__dlpack_device__($self, /)\n--\n\n(device_type, device_id) of the data"},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Buffer_exit, METH_VARARGS, "__exit__($self, /, *exc)\n--\n\ncloses it"},
     {NULL}};
 static PyGetSetDef Buffer_getset[] = {
     {"ptr", (getter)Buffer_get, NULL, "address of element 0", (void *)0},
@@ -384,9 +394,10 @@ static PyMemberDef Shared_members[] = {
     {NULL}};
 static PyMethodDef Shared_methods[] = {
     {"close", (PyCFunction)Shared_close, METH_NOARGS,
+     "close($self, /)\n--\n\n"
      "close the fds and drop the exported buffer (peers that opened it must be done)"},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Shared_exit, METH_VARARGS, NULL},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Shared_exit, METH_VARARGS, "__exit__($self, /, *exc)\n--\n\ncloses it"},
     {NULL}};
 PyTypeObject SharedType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.Shared",
@@ -654,14 +665,21 @@ static PyObject *Event_handle(EventObject *e, void *u) {
   return PyLong_FromUnsignedLongLong((uintptr_t)gpuipc_event_get_handle(e->e));
 }
 static PyMethodDef Event_methods[] = {
-    {"record", (PyCFunction)(void (*)(void))Event_record, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"record", (PyCFunction)(void (*)(void))Event_record, METH_VARARGS | METH_KEYWORDS,
+     "record($self, /, stream=None)\n--\n\nrecord the event on stream"},
     {"wait", (PyCFunction)(void (*)(void))Event_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait($self, /, stream=None)\n--\n\n"
      "wait(stream=None): the stream waits for the last record (no host wait)"},
-    {"synchronize", (PyCFunction)Event_synchronize, METH_NOARGS, "block until complete"},
-    {"query", (PyCFunction)Event_query, METH_NOARGS, "True when complete"},
-    {"export", (PyCFunction)Event_export, METH_NOARGS, "descriptor bytes (a bearer token)"},
-    {"open", (PyCFunction)Event_open, METH_VARARGS | METH_CLASS, "Event.open(desc) -> Event"},
-    {"close", (PyCFunction)Event_close, METH_NOARGS, NULL},
+    {"synchronize", (PyCFunction)Event_synchronize, METH_NOARGS,
+     "synchronize($self, /)\n--\n\nblock until complete"},
+    {"query", (PyCFunction)Event_query, METH_NOARGS,
+     "query($self, /)\n--\n\nTrue when complete"},
+    {"export", (PyCFunction)Event_export, METH_NOARGS,
+     "export($self, /)\n--\n\ndescriptor bytes (a bearer token)"},
+    {"open", (PyCFunction)Event_open, METH_VARARGS | METH_CLASS,
+     "open($type, desc, /)\n--\n\nEvent.open(desc) -> Event"},
+    {"close", (PyCFunction)Event_close, METH_NOARGS,
+     "close($self, /)\n--\n\ndestroy the event"},
     {NULL}};
 static PyGetSetDef Event_getset[] = {{"handle", (getter)Event_handle, NULL, "the CUevent", NULL}, {NULL}};
 PyTypeObject EventType = {
@@ -669,7 +687,7 @@ PyTypeObject EventType = {
     .tp_basicsize = sizeof(EventObject),
     .tp_dealloc = (destructor)Event_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Event(device=None): an interprocess CUDA event.",
+    .tp_doc = "Event(device=None)\n--\n\nEvent(device=None): an interprocess CUDA event.",
     .tp_methods = Event_methods,
     .tp_getset = Event_getset,
     .tp_new = Event_new,

@@ -5,7 +5,7 @@
  *
  *   module.c  errors, argument helpers (timeouts, streams, devices), the
  *             module's functions and its initialization
- *   array.c   array metadata (its wire form in meta bytes), exporting
+ *   array.c   array metadata (the library's tensor meta), exporting
  *             views (CUDA Array Interface v3, DLPack capsules), reading
  *             foreign arrays (torch, CuPy, cuda.core objects)
  *   conn.c    Listener, Connection, Received; buffers kept while peers
@@ -52,7 +52,9 @@
 /* ------------------------------------------------------------------------ */
 
 enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 };
-enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
+/* Type codes (DLDataTypeCode) that typestrs name; the rest map through
+ * gpuipc_dtype_to_dlpack / gpuipc_dtype_from_dlpack. */
+enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLComplex = 5, kDLBool = 6 };
 
 typedef struct { int32_t device_type; int32_t device_id; } DLDevice;
 typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataType;
@@ -106,15 +108,11 @@ extern PyTypeObject ListenerType, ConnType, ArenaType, BlockType, PoolType, Buff
 /* Shared types                                                             */
 /* ------------------------------------------------------------------------ */
 
-#define MAXD 16
-typedef struct {
-  int ndim;
-  DLDataType dtype;
-  int64_t shape[MAXD];
-  int64_t strides[MAXD]; /* in elements, valid when has_strides */
-  int has_strides;
-  uint64_t offset; /* bytes from the buffer's start to element 0 */
-} ArrMeta;
+/* An array's metadata: the C library's tensor meta (gpuipc/tensor.h):
+ * dtype (a gpuipc_dtype), ndim, shape, strides in elements (valid when
+ * has_strides), offset (bytes from the buffer's start to element 0). */
+#define MAXD GPUIPC_TENSOR_NDIM_MAX
+typedef gpuipc_tensor_meta ArrMeta;
 
 /* What an exporting object tells the two protocols. */
 typedef struct {
@@ -203,10 +201,8 @@ struct BufferObject {
     return shape_tuple(s, (M)->ndim);                                          \
   }                                                                            \
   static PyObject *T##_dtype(PyObject *o, void *u) {                           \
-    const char *n = dtype_name(&(M)->dtype);                                   \
-    if (n) return PyUnicode_FromString(n);                                     \
-    return PyUnicode_FromFormat("dlpack(%d,%d,%d)", (M)->dtype.code,           \
-                                (M)->dtype.bits, (M)->dtype.lanes);            \
+    const char *n = dtype_name((M)->dtype);                                    \
+    return PyUnicode_FromString(n ? n : gpuipc_dtype_name((M)->dtype));        \
   }
 
 /* ------------------------------------------------------------------------ */
@@ -236,15 +232,15 @@ void flush_decrefs(void);
 
 /* array.c */
 void meta_bytes1d(ArrMeta *m, size_t n);
-size_t itemsize(const DLDataType *d);
+size_t itemsize(int dtype);
 int meta_contiguous(const ArrMeta *m);
 size_t meta_extent(const ArrMeta *m);
 void meta_fill_strides(const ArrMeta *m, int64_t *out);
 int meta_encode(const ArrMeta *m, const uint8_t *user, size_t ulen, uint8_t *out, size_t *len);
 void meta_decode(const uint8_t *in, size_t len, size_t length, ArrMeta *m,
                  const uint8_t **user, size_t *ulen);
-const char *dtype_name(const DLDataType *d);
-int parse_dtype(PyObject *o, DLDataType *d);
+const char *dtype_name(int dtype);
+int parse_dtype(PyObject *o, int *dtype);
 int meta_from_shape(PyObject *shape, PyObject *dtype, size_t *nbytes, ArrMeta *m);
 PyObject *shape_tuple(const int64_t *v, int n);
 PyObject *cai_dict(const View *v);

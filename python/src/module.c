@@ -333,14 +333,24 @@ static PyObject *mod_raise_status(PyObject *m, PyObject *args) {
 }
 
 static PyMethodDef mod_methods[] = {
-    {"init", mod_init, METH_NOARGS, "load and initialize the CUDA driver (cuInit)"},
-    {"version", mod_version, METH_NOARGS, "the C library's version"},
-    {"driver_path", mod_driver_path, METH_NOARGS, NULL},
-    {"driver_version", mod_driver_version, METH_NOARGS, NULL},
-    {"device_count", mod_device_count, METH_NOARGS, NULL},
-    {"device_uuid", mod_device_uuid, METH_VARARGS, "device_uuid(ordinal=0) -> 'GPU-...'"},
-    {"device_from_uuid", mod_device_from_uuid, METH_VARARGS, NULL},
+    /* Docstrings open with their signature ("name(...)\n--\n\n": CPython's
+     * __text_signature__ convention, which inspect.signature reads). */
+    {"init", mod_init, METH_NOARGS, "init()\n--\n\nload and initialize the CUDA driver (cuInit)"},
+    {"version", mod_version, METH_NOARGS, "version()\n--\n\nthe C library's version"},
+    {"driver_path", mod_driver_path, METH_NOARGS,
+     "driver_path()\n--\n\nthe path of the CUDA driver library loaded"},
+    {"driver_version", mod_driver_version, METH_NOARGS,
+     "driver_version()\n--\n\nthe CUDA driver's version (cuDriverGetVersion)"},
+    {"device_count", mod_device_count, METH_NOARGS,
+     "device_count()\n--\n\nthe number of devices visible in this process"},
+    {"device_uuid", mod_device_uuid, METH_VARARGS,
+     "device_uuid(ordinal=0, /)\n--\n\ndevice_uuid(ordinal=0) -> 'GPU-...'"},
+    {"device_from_uuid", mod_device_from_uuid, METH_VARARGS,
+     "device_from_uuid(uuid, /)\n--\n\nthe local ordinal of the device named by uuid"},
     {"listen", (PyCFunction)(void (*)(void))mod_listen, METH_VARARGS | METH_KEYWORDS,
+     "listen(name, *, timeout=10, abstract=False, runtime_dir=None, allow_uids=(), "
+     "allow_gids=(), max_outstanding=256, order='memop', carrier='auto', spin_us=0, "
+     "polling=False)\n--\n\n"
      "listen(name, *, timeout=10, abstract=False, runtime_dir=None, allow_uids=(), "
      "allow_gids=(), max_outstanding=256, order='memop', carrier='auto', spin_us=0, "
      "polling=False) -> Listener (connections it accepts take its options). carrier: "
@@ -349,17 +359,26 @@ static PyMethodDef mod_methods[] = {
      "without it is refused); spin_us: ring carrier, how long a waiting call looks at "
      "the ring before it sleeps (0 to 1000000); polling: as Connection.set_polling"},
     {"connect", (PyCFunction)(void (*)(void))mod_connect, METH_VARARGS | METH_KEYWORDS,
-     "connect(name, *, timeout=10, ...) -> Connection"},
+     "connect(name, *, timeout=10, abstract=False, runtime_dir=None, allow_uids=(), "
+     "allow_gids=(), max_outstanding=256, order='memop', carrier='auto', spin_us=0, "
+     "polling=False)\n--\n\nconnect(name, *, timeout=10, ...) -> Connection"},
     {"from_fd", (PyCFunction)(void (*)(void))mod_from_fd, METH_VARARGS | METH_KEYWORDS,
-     "from_fd(fd, *, timeout=10, ...) -> Connection (takes the fd)"},
-    {"conn_pair", mod_conn_pair, METH_NOARGS, "conn_pair() -> (fd, fd), close-on-exec"},
+     "from_fd(fd, *, timeout=10, abstract=False, runtime_dir=None, allow_uids=(), "
+     "allow_gids=(), max_outstanding=256, order='memop', carrier='auto', spin_us=0, "
+     "polling=False)\n--\n\nfrom_fd(fd, *, timeout=10, ...) -> Connection (takes the fd)"},
+    {"conn_pair", mod_conn_pair, METH_NOARGS,
+     "conn_pair()\n--\n\nconn_pair() -> (fd, fd), close-on-exec"},
     {"spawn_connection", (PyCFunction)(void (*)(void))mod_spawn_connection,
-     METH_VARARGS | METH_KEYWORDS, "in a spawned child: -> (Connection, n_pools, n_buffers)"},
+     METH_VARARGS | METH_KEYWORDS, "spawn_connection(*, timeout=10)\n--\n\n"
+     "in a spawned child: -> (Connection, n_pools, n_buffers)"},
     {"spawn_child", (PyCFunction)(void (*)(void))mod_spawn, METH_VARARGS | METH_KEYWORDS,
+     "spawn_child(path, argv, *, env_add=None, timeout=30, search_path=False, "
+     "carrier=None, spin_us=None, polling=None)\n--\n\n"
      "spawn_child(path, argv, *, env_add=None, timeout=30, search_path=False, "
      "carrier=None, spin_us=None, polling=None) -> Child"},
     {"release_batch", (PyCFunction)(void (*)(void))mod_release_batch,
      METH_VARARGS | METH_KEYWORDS,
+     "release_batch(received, stream=None)\n--\n\n"
      "release_batch(received, stream=<each one's receive stream>): give back many "
      "Received at once (gpuipc_conn_release_batch per connection, BATCH_MAX at a "
      "time), after the work queued on stream, by default on each connection's first "
@@ -370,6 +389,7 @@ static PyMethodDef mod_methods[] = {
      "(rare: the driver) stops at that connection: what was released before is "
      "released, the rest still held (see .held)."},
     {"broadcast", (PyCFunction)(void (*)(void))mod_broadcast, METH_VARARGS | METH_KEYWORDS,
+     "broadcast(conns, block, *, stream=None, meta=None, timeout=None)\n--\n\n"
      "broadcast(conns, block, *, stream=None, meta=None, timeout=...) -> list: send one "
      "arena block (a Block, or an array inside one) to every connection as one "
      "operation (one ready signal for those ready), each peer holding its own lease. "
@@ -381,17 +401,27 @@ static PyMethodDef mod_methods[] = {
      "any (bad arguments: not Connections, one twice, a block that is not arena "
      "memory or was freed)."},
     {"share", (PyCFunction)(void (*)(void))mod_share, METH_VARARGS | METH_KEYWORDS,
-     "share(obj) -> Shared (desc bytes + fds)"},
+     "share(obj)\n--\n\nshare(obj) -> Shared (desc bytes + fds)"},
     {"open", (PyCFunction)(void (*)(void))mod_open, METH_VARARGS | METH_KEYWORDS,
+     "open(desc, fds=(), *, device=None, pidfd_getfd=False)\n--\n\n"
      "open(desc, fds=(), *, device=None, pidfd_getfd=False) -> Buffer"},
-    {"desc_info", mod_desc_info, METH_VARARGS, "what a descriptor says, as a dict"},
-    {"cache_stats", mod_cache_stats, METH_NOARGS, "the import cache's counters"},
-    {"counters", mod_counters, METH_NOARGS, "this module's live-object counters"},
-    {"collect", mod_collect, METH_NOARGS, "retry deferred arena destroys and dead peers' leases"},
-    {"worker_index", mod_worker_index, METH_NOARGS, "(index, count) in a worker"},
-    {"status_name", mod_status_name, METH_VARARGS, NULL},
-    {"log_level", mod_log_level, METH_VARARGS, "log_level(level=-1) -> level"},
-    {"_raise_status", mod_raise_status, METH_VARARGS, NULL},
+    {"desc_info", mod_desc_info, METH_VARARGS,
+     "desc_info(desc, /)\n--\n\nwhat a descriptor says, as a dict"},
+    {"cache_stats", mod_cache_stats, METH_NOARGS,
+     "cache_stats()\n--\n\nthe import cache's counters"},
+    {"counters", mod_counters, METH_NOARGS,
+     "counters()\n--\n\nthis module's live-object counters"},
+    {"collect", mod_collect, METH_NOARGS,
+     "collect()\n--\n\nretry deferred arena destroys and dead peers' leases"},
+    {"worker_index", mod_worker_index, METH_NOARGS,
+     "worker_index()\n--\n\n(index, count) in a worker"},
+    {"status_name", mod_status_name, METH_VARARGS,
+     "status_name(status, /)\n--\n\nthe name of a status code, e.g. 'GPUIPC_E_TIMEOUT'"},
+    {"log_level", mod_log_level, METH_VARARGS,
+     "log_level(level=-1, /)\n--\n\nlog_level(level=-1) -> level"},
+    {"_raise_status", mod_raise_status, METH_VARARGS,
+     "_raise_status(status, detail='', /)\n--\n\nraises the gpuipc.Error of a status "
+     "(for tests)"},
     {NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "gpuipc._gpuipc",

@@ -174,10 +174,12 @@ static PyObject *Child_get(ChildObject *c, void *w) {
 
 static PyMethodDef Child_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))Child_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait($self, /, timeout=None)\n--\n\n"
      "wait(timeout=None) -> (code, text) once ended (code < 0: killed by -code), None "
      "while running"},
-    {"kill", (PyCFunction)Child_kill, METH_VARARGS, "kill(sig=SIGKILL)"},
+    {"kill", (PyCFunction)Child_kill, METH_VARARGS, "kill($self, sig=9, /)\n--\n\nkill(sig=SIGKILL)"},
     {"destroy", (PyCFunction)(void (*)(void))Child_destroy, METH_VARARGS | METH_KEYWORDS,
+     "destroy($self, /, timeout=5)\n--\n\n"
      "destroy(timeout=5): close the connection, wait, then kill; -> (code, text)"},
     {NULL}};
 static PyGetSetDef Child_getset[] = {

@@ -45,36 +45,14 @@
 /* dtypes                                                                   */
 /* ------------------------------------------------------------------------ */
 
-static const struct { int code; DLDataType d; } g_dt[] = {
-    {GPUIPC_DTYPE_BOOL, {kDLBool, 8, 1}},    {GPUIPC_DTYPE_U8, {kDLUInt, 8, 1}},
-    {GPUIPC_DTYPE_I8, {kDLInt, 8, 1}},       {GPUIPC_DTYPE_U16, {kDLUInt, 16, 1}},
-    {GPUIPC_DTYPE_I16, {kDLInt, 16, 1}},     {GPUIPC_DTYPE_U32, {kDLUInt, 32, 1}},
-    {GPUIPC_DTYPE_I32, {kDLInt, 32, 1}},     {GPUIPC_DTYPE_U64, {kDLUInt, 64, 1}},
-    {GPUIPC_DTYPE_I64, {kDLInt, 64, 1}},     {GPUIPC_DTYPE_F16, {kDLFloat, 16, 1}},
-    {GPUIPC_DTYPE_BF16, {kDLBfloat, 16, 1}}, {GPUIPC_DTYPE_F32, {kDLFloat, 32, 1}},
-    {GPUIPC_DTYPE_F64, {kDLFloat, 64, 1}},   {GPUIPC_DTYPE_C64, {kDLComplex, 64, 1}},
-    {GPUIPC_DTYPE_C128, {kDLComplex, 128, 1}},
-    /* DLPack 1.0: kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12 */
-    {GPUIPC_DTYPE_F8_E4M3FN, {10, 8, 1}},    {GPUIPC_DTYPE_F8_E5M2, {12, 8, 1}},
-};
-
-static int dt_code(const DLDataType *d) {
-  for (size_t i = 0; i < sizeof g_dt / sizeof g_dt[0]; i++)
-    if (g_dt[i].d.code == d->code && g_dt[i].d.bits == d->bits && d->lanes == 1)
-      return g_dt[i].code;
-  return 0;
-}
-static DLDataType dt_dl(int code) {
-  for (size_t i = 0; i < sizeof g_dt / sizeof g_dt[0]; i++)
-    if (g_dt[i].code == code) return g_dt[i].d;
-  return (DLDataType){kDLUInt, 8, 1};
-}
+/* A set's dtypes are gpuipc_dtype codes, as ArrMeta's are (ext.h): one
+ * vocabulary (gpuipc/tensor.h), nothing to map. */
 
 /* An ArrMeta (offset 0) of a tensor the library gave back. */
 static void meta_of(const gpuipc_tensor *t, ArrMeta *m) {
   memset(m, 0, sizeof *m);
   m->ndim = t->ndim;
-  m->dtype = dt_dl(t->dtype);
+  m->dtype = t->dtype;
   for (int i = 0; i < t->ndim && i < MAXD; i++) {
     m->shape[i] = t->shape[i];
     m->strides[i] = t->strides ? t->strides[i] : 0;
@@ -248,16 +226,16 @@ static const SetsXApi *xapi_read(PyObject *holder) {
  * protocols), its exchange API where it has one, else the calls read in
  * its place. Looked up once torch is imported; gpuipc never imports it,
  * except for Version.as_torch. */
-static const struct { const char *name; DLDataType d; } g_torch_dt[] = {
-    {"bool", {kDLBool, 8, 1}},       {"uint8", {kDLUInt, 8, 1}},
-    {"int8", {kDLInt, 8, 1}},        {"uint16", {kDLUInt, 16, 1}},
-    {"int16", {kDLInt, 16, 1}},      {"uint32", {kDLUInt, 32, 1}},
-    {"int32", {kDLInt, 32, 1}},      {"uint64", {kDLUInt, 64, 1}},
-    {"int64", {kDLInt, 64, 1}},      {"float16", {kDLFloat, 16, 1}},
-    {"bfloat16", {kDLBfloat, 16, 1}}, {"float32", {kDLFloat, 32, 1}},
-    {"float64", {kDLFloat, 64, 1}},  {"complex64", {kDLComplex, 64, 1}},
-    {"complex128", {kDLComplex, 128, 1}}, {"float8_e4m3fn", {10, 8, 1}},
-    {"float8_e5m2", {12, 8, 1}},
+static const struct { const char *name; int d; } g_torch_dt[] = {
+    {"bool", GPUIPC_DTYPE_BOOL},       {"uint8", GPUIPC_DTYPE_U8},
+    {"int8", GPUIPC_DTYPE_I8},         {"uint16", GPUIPC_DTYPE_U16},
+    {"int16", GPUIPC_DTYPE_I16},       {"uint32", GPUIPC_DTYPE_U32},
+    {"int32", GPUIPC_DTYPE_I32},       {"uint64", GPUIPC_DTYPE_U64},
+    {"int64", GPUIPC_DTYPE_I64},       {"float16", GPUIPC_DTYPE_F16},
+    {"bfloat16", GPUIPC_DTYPE_BF16},   {"float32", GPUIPC_DTYPE_F32},
+    {"float64", GPUIPC_DTYPE_F64},     {"complex64", GPUIPC_DTYPE_C64},
+    {"complex128", GPUIPC_DTYPE_C128}, {"float8_e4m3fn", GPUIPC_DTYPE_F8_E4M3FN},
+    {"float8_e5m2", GPUIPC_DTYPE_F8_E5M2},
 };
 #define TORCH_NDT (sizeof g_torch_dt / sizeof g_torch_dt[0])
 
@@ -374,7 +352,9 @@ static int torch_read(PyObject *o, DLTensor *dl, int64_t *shape, int64_t *stride
   if (!dt) return -1;
   dl->dtype = (DLDataType){0, 0, 0}; /* lanes 0: no dtype of ours */
   for (size_t k = 0; k < TORCH_NDT; k++)
-    if (g_torch.dtypes[k] == dt) dl->dtype = g_torch_dt[k].d;
+    if (g_torch.dtypes[k] == dt)
+      gpuipc_dtype_to_dlpack(g_torch_dt[k].d, &dl->dtype.code, &dl->dtype.bits,
+                             &dl->dtype.lanes);
   Py_DECREF(dt);
   PyObject *sh = PyObject_GetAttr(o, g_torch.s_shape);
   PyObject *st = sh ? PyObject_CallMethodNoArgs(o, g_torch.s_stride) : NULL;
@@ -442,26 +422,30 @@ static void strides_eff(const int64_t *shape, const int64_t *strides, int n, int
   }
 }
 
-static const char *dl_dtype_str(char *b, size_t cap, const DLDataType *d) {
-  const char *n = dtype_name(d);
+/* A dtype's name for messages: "float32"; a DLPack type with no dtype of
+ * ours as "dlpack(code,bits,lanes)". */
+static const char *dt_str(char *b, size_t cap, int dtype, const DLDataType *raw) {
+  const char *n = dtype ? dtype_name(dtype) : NULL;
   if (n) return n;
-  snprintf(b, cap, "dlpack(%d,%d,%d)", d->code, d->bits, d->lanes);
+  if (dtype) return gpuipc_dtype_name(dtype);
+  if (raw) snprintf(b, cap, "dlpack(%d,%d,%d)", raw->code, raw->bits, raw->lanes);
+  else snprintf(b, cap, "unknown");
   return b;
 }
 
-/* Whether an array (dtype, ndim, shape, strides in elements or NULL:
- * row-major) is laid out as tensor i of the set: same dtype, same shape,
- * same strides (of the dimensions longer than 1). ValueError naming the
- * tensor otherwise. */
-static int layout_check(const char *what, size_t i, const gpuipc_tensor *t,
-                        const DLDataType *dt, int ndim, const int64_t *shape,
+/* Whether an array (its gpuipc_dtype, 0: none, with the DLPack type it
+ * came as when known; ndim, shape, strides in elements or NULL: row-major)
+ * is laid out as tensor i of the set: same dtype, same shape, same strides
+ * (of the dimensions longer than 1). ValueError naming the tensor
+ * otherwise. */
+static int layout_check(const char *what, size_t i, const gpuipc_tensor *t, int dtype,
+                        const DLDataType *raw, int ndim, const int64_t *shape,
                         const int64_t *strides) {
   char a[160], b[160], c[32], d[32];
-  DLDataType want = dt_dl(t->dtype);
-  if (dt_code(dt) != t->dtype) {
+  if (dtype != t->dtype) {
     PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') is %s, the array given for it %s",
-                 what, i, t->name, dl_dtype_str(c, sizeof c, &want),
-                 dl_dtype_str(d, sizeof d, dt));
+                 what, i, t->name, dt_str(c, sizeof c, t->dtype, NULL),
+                 dt_str(d, sizeof d, dtype, raw));
     return -1;
   }
   int same = ndim == t->ndim;
@@ -558,7 +542,9 @@ static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t
                    "dimensions", r->what, i, t->name, (int)dl.ndim);
       return -1;
     }
-    if (layout_check(r->what, i, t, &dl.dtype, dl.ndim, dl.shape, dl.strides) < 0) return -1;
+    int dtype = gpuipc_dtype_from_dlpack(dl.dtype.code, dl.dtype.bits, dl.dtype.lanes);
+    if (layout_check(r->what, i, t, dtype, &dl.dtype, dl.ndim, dl.shape, dl.strides) < 0)
+      return -1;
     if (r->xdev < 0) {
       r->xdev = dl.device.device_id;
       r->xapi = x; /* NULL for XK_TORCH: torch._C's raw stream */
@@ -571,7 +557,7 @@ static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t
   Py_XDECREF(fo.owner); /* the caller's sequence keeps o */
   r->slow++;
   if (fo.has_stream && resolve_cai_stream(r, fo.stream, now) < 0) return -1;
-  if (layout_check(r->what, i, t, &fo.meta.dtype, fo.meta.ndim, fo.meta.shape,
+  if (layout_check(r->what, i, t, fo.meta.dtype, NULL, fo.meta.ndim, fo.meta.shape,
                    fo.meta.has_strides ? fo.meta.strides : NULL) < 0)
     return -1;
   if (fo.nbytes != t->nbytes) {
@@ -905,7 +891,7 @@ static PyObject *TSet_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
       if (meta_from_shape(PyTuple_GET_ITEM(e, 1), PyTuple_GET_ITEM(e, 2), &nb, &ms[i]) < 0)
         goto out;
     }
-    ts[i].dtype = dt_code(&ms[i].dtype);
+    ts[i].dtype = ms[i].dtype;
     if (!ts[i].dtype) {
       PyErr_Format(PyExc_ValueError, "entry %zd (%s): a dtype tensor sets cannot carry",
                    (Py_ssize_t)i, name);
@@ -1631,7 +1617,7 @@ static PyObject *torch_build(TVerObject *v, size_t n) {
     d->data = t.ptr;
     d->device = (DLDevice){kDLCUDA, v->sub->device};
     d->ndim = t.ndim;
-    d->dtype = dt_dl(t.dtype);
+    gpuipc_dtype_to_dlpack(t.dtype, &d->dtype.code, &d->dtype.bits, &d->dtype.lanes);
     for (int k = 0; k < t.ndim; k++) it->dims[k] = t.shape[k];
     strides_eff(t.shape, t.strides, t.ndim, it->dims + GPUIPC_TSET_NDIM_MAX);
     d->shape = it->dims;

@@ -24,6 +24,7 @@
 #include "core/core.h"
 
 #include <stdbool.h>
+#include <unistd.h>
 
 struct iovec;
 struct gpuipc__carrier;
@@ -51,8 +52,12 @@ typedef struct gpuipc__carrier_ops {
   /* Waits until there is something to read (POLLIN: on the socket or, for
    * a carrier with records, a record), the socket is writable (POLLOUT)
    * or hung up, or the deadline (gpuipc__now_ns; UINT64_MAX: none)
-   * passes. The poll(2) revents, 0 at the deadline, -1 with errno. */
-  int (*wait)(struct gpuipc__carrier *k, short events, uint64_t deadline);
+   * passes; first, for POLLIN, it looks without sleeping for spin_us
+   * (-1: the carrier's own setting). The poll(2) revents, 0 at the
+   * deadline, -1 with errno. It changes nothing a call of another thread
+   * reads without atomics (gpuipc_conn_wait calls it beside one). */
+  int (*wait)(struct gpuipc__carrier *k, short events, uint64_t deadline,
+              int spin_us);
   /* The fd a caller polls for this connection: the socket, readable when
    * something arrived or the peer left (-1 once hung up). */
   int (*fd)(const struct gpuipc__carrier *k);
@@ -90,13 +95,38 @@ typedef struct gpuipc__carrier_ops {
  * carrier's own state. */
 typedef struct gpuipc__carrier {
   const gpuipc__carrier_ops *ops;
-  int fd;
+  int fd; /* written only by the thread of the calls, atomically at hang-up */
   void *impl;
 } gpuipc__carrier;
+
+/* The fd as a second thread (gpuipc_conn_wait) reads it. */
+static inline int gpuipc__carrier_fd_now(const gpuipc__carrier *k) {
+  return __atomic_load_n(&k->fd, __ATOMIC_RELAXED);
+}
+
+/* Closes the fd (once) and makes it -1. */
+static inline void gpuipc__carrier_close_fd(gpuipc__carrier *k) {
+  int fd = k->fd;
+  if (fd >= 0) {
+    __atomic_store_n(&k->fd, -1, __ATOMIC_RELAXED);
+    close(fd);
+  }
+}
 
 /* The socket carrier on the connected Unix stream socket fd (owned from
  * now on; O_NONBLOCK). */
 void gpuipc__carrier_sock_init(gpuipc__carrier *k, int fd);
+
+/* The socket carrier's write, read and fd, which the ring carrier uses
+ * for its socket as they are. */
+gpuipc_status gpuipc__sock_carrier_write(gpuipc__carrier *k,
+                                         const struct iovec *iov, int niov,
+                                         const int *fds, int nfds,
+                                         size_t *written);
+gpuipc_status gpuipc__sock_carrier_read(gpuipc__carrier *k, unsigned char *buf,
+                                        size_t cap, int *fds, int fcap,
+                                        int *nfds, size_t *got);
+int gpuipc__sock_carrier_fd(const gpuipc__carrier *k);
 
 /* ---- the ring carrier (carrier_ring.c) ------------------------------------------ */
 

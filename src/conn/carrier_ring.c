@@ -70,11 +70,13 @@ typedef struct ring {
   uint64_t head;      /* published into our ring */
   uint64_t tail;      /* consumed from the peer's */
   uint64_t woken;     /* the peer's sleep value we sent a WAKE for */
-  uint64_t sleep;     /* our sleep word's value */
-  bool consumed;      /* records taken since our word last changed */
-  bool polling;       /* the application polls: even between calls */
+  /* What gpuipc_conn_wait may touch from a second thread while the first
+   * makes calls: our sleep word (mine->sleep, changed only by the
+   * transitions below), and these. */
+  atomic_bool consumed; /* records taken since our word last changed */
+  atomic_bool polling;  /* the application polls: even between calls */
+  atomic_bool dead;     /* hung up: no more reads or writes */
   int spin_us;
-  bool dead;          /* hung up: no more reads or writes */
 } ring;
 
 static ring *ring_of(gpuipc__carrier *k) { return k->impl; }
@@ -152,29 +154,6 @@ gpuipc_status gpuipc__ring_open_peer(int fd, size_t size, const void **out) {
   return GPUIPC_OK;
 }
 
-/* ---- the socket's operations, as carrier_sock.c has them -------------------------- */
-
-static gpuipc_status ring_write(gpuipc__carrier *k, const struct iovec *iov,
-                                int niov, const int *fds, int nfds,
-                                size_t *written) {
-  if (k->fd < 0)
-    return GPUIPC_E_PEER_GONE;
-  return gpuipc__sock_send(k->fd, iov, niov, fds, nfds, false, MSG_DONTWAIT,
-                           written);
-}
-
-static gpuipc_status ring_read(gpuipc__carrier *k, unsigned char *buf,
-                               size_t cap, int *fds, int fcap, int *nfds,
-                               size_t *got) {
-  *nfds = 0;
-  if (k->fd < 0)
-    return GPUIPC_E_PEER_GONE;
-  return gpuipc__sock_recv(k->fd, buf, cap, MSG_DONTWAIT, fds, fcap, nfds,
-                           NULL, NULL, got);
-}
-
-static int ring_fd(const gpuipc__carrier *k) { return k->fd; }
-
 /* ---- records ----------------------------------------------------------------------- */
 
 static void copy_in(ring *r, uint64_t at, const void *p, size_t n) {
@@ -198,7 +177,7 @@ static uint64_t rec_bytes(uint64_t len) { return (REC_HDR + len + 15) & ~15ull; 
 static gpuipc_status ring_put(gpuipc__carrier *k, const struct iovec *iov,
                               int niov, size_t len, uint64_t barrier) {
   ring *r = ring_of(k);
-  if (r->dead)
+  if (atomic_load_explicit(&r->dead, memory_order_relaxed))
     return GPUIPC_E_PEER_GONE;
   uint64_t tail = atomic_load_explicit(&r->peer->tail, memory_order_acquire);
   if (tail > r->head || r->head - tail > r->size)
@@ -236,24 +215,40 @@ static bool ring_wake(gpuipc__carrier *k) {
   return true;
 }
 
-/* Our sleep word: v, then a fence, so that a sender's look at it after its
- * publish and our next look at its head cannot both miss. */
-static void set_sleep(ring *r, uint64_t v) {
-  r->sleep = v;
-  atomic_store_explicit(&r->mine->sleep, v, memory_order_relaxed);
+/* Our sleep word. Two threads may change it (a call and gpuipc_conn_wait),
+ * so each change is one atomic step from the value it finds; after it, a
+ * fence, so that a sender's look at it after its publish and our next
+ * look at its head cannot both miss. */
+static uint64_t sleep_word(const ring *r) {
+  return atomic_load_explicit(&r->mine->sleep, memory_order_relaxed);
+}
+
+/* Even (awake: no sender need wake us), if it was odd. */
+static void stay_awake(ring *r) {
+  uint64_t v = sleep_word(r);
+  while ((v & 1) && !atomic_compare_exchange_weak_explicit(
+                        &r->mine->sleep, &v, v + 1, memory_order_relaxed,
+                        memory_order_relaxed))
+    ;
   atomic_thread_fence(memory_order_seq_cst);
 }
 
 /* A new odd value, one no sender woke yet. */
 static void sleep_again(ring *r) {
-  set_sleep(r, (r->sleep | 1) + 2);
-  r->consumed = false;
+  atomic_store_explicit(&r->consumed, false, memory_order_relaxed);
+  uint64_t v = sleep_word(r);
+  while (!atomic_compare_exchange_weak_explicit(&r->mine->sleep, &v,
+                                                (v | 1) + 2,
+                                                memory_order_relaxed,
+                                                memory_order_relaxed))
+    ;
+  atomic_thread_fence(memory_order_seq_cst);
 }
 
 static gpuipc_status ring_get(gpuipc__carrier *k, unsigned char *buf,
                               size_t cap, size_t *len, uint64_t *barrier) {
   ring *r = ring_of(k);
-  if (r->dead)
+  if (atomic_load_explicit(&r->dead, memory_order_relaxed))
     return GPUIPC_E_WOULD_BLOCK;
   for (int look = 0; look < 2; look++) {
     uint64_t head = atomic_load_explicit(&r->peer->head, memory_order_acquire);
@@ -267,7 +262,8 @@ static gpuipc_status ring_get(gpuipc__carrier *k, unsigned char *buf,
     if (head == r->tail) {
       /* Empty. Having taken records, make our word a new odd value (the
        * peer may have woken the old one) and look once more. */
-      if (look == 0 && r->consumed && !r->polling) {
+      if (look == 0 && atomic_load_explicit(&r->consumed, memory_order_relaxed) &&
+          !atomic_load_explicit(&r->polling, memory_order_relaxed)) {
         sleep_again(r);
         continue;
       }
@@ -293,7 +289,7 @@ static gpuipc_status ring_get(gpuipc__carrier *k, unsigned char *buf,
     copy_out(r, r->tail + REC_HDR, buf, h32[0]);
     r->tail += need;
     atomic_store_explicit(&r->mine->tail, r->tail, memory_order_release);
-    r->consumed = true;
+    atomic_store_explicit(&r->consumed, true, memory_order_relaxed);
     *len = h32[0];
     *barrier = bar;
     return GPUIPC_OK;
@@ -301,27 +297,38 @@ static gpuipc_status ring_get(gpuipc__carrier *k, unsigned char *buf,
   return GPUIPC_E_WOULD_BLOCK;
 }
 
+/* Reads only what gpuipc_conn_wait may read from a second thread: our
+ * published tail, not the private copy. */
 static bool ring_ready(const ring *r) {
-  return !r->dead &&
-         atomic_load_explicit(&r->peer->head, memory_order_acquire) != r->tail;
+  return !atomic_load_explicit(&r->dead, memory_order_relaxed) &&
+         atomic_load_explicit(&r->peer->head, memory_order_acquire) !=
+             atomic_load_explicit(&r->mine->tail, memory_order_relaxed);
 }
 
 /* Waits as the socket carrier does, but first looks at the ring: for
- * spin_us, awake (the peer need not wake us), then asleep. */
-static int ring_wait(gpuipc__carrier *k, short events, uint64_t deadline) {
+ * spin_us (-1: the connection's), awake (the peer need not wake us), then
+ * asleep. Safe beside a call of another thread (see ring). */
+static int ring_wait(gpuipc__carrier *k, short events, uint64_t deadline,
+                     int spin_us) {
   ring *r = ring_of(k);
+  int fd = gpuipc__carrier_fd_now(k);
+  if (spin_us < 0)
+    spin_us = r->spin_us;
   if ((events & POLLIN) && ring_ready(r))
     return POLLIN;
-  if ((events & POLLIN) && r->spin_us > 0 && !r->dead) {
-    uint64_t until = gpuipc__now_ns() + (uint64_t)r->spin_us * 1000;
+  if (fd < 0)
+    return POLLHUP;
+  if ((events & POLLIN) && spin_us > 0 &&
+      !atomic_load_explicit(&r->dead, memory_order_relaxed)) {
+    uint64_t until = gpuipc__now_ns() + (uint64_t)spin_us * 1000;
     if (deadline < until)
       until = deadline;
-    set_sleep(r, (r->sleep | 1) + 1); /* even: awake */
+    stay_awake(r);
     for (unsigned n = 1;; n++) {
       if (ring_ready(r))
         break;
       if ((n & 255) == 0) {
-        struct pollfd p = {k->fd, events, 0};
+        struct pollfd p = {fd, events, 0};
         if (poll(&p, 1, 0) > 0) {
           sleep_again(r);
           return p.revents;
@@ -336,20 +343,17 @@ static int ring_wait(gpuipc__carrier *k, short events, uint64_t deadline) {
   sleep_again(r);
   if ((events & POLLIN) && ring_ready(r))
     return POLLIN;
-  int ev = gpuipc__wait_fd(k->fd, events, deadline);
+  int ev = gpuipc__wait_fd(fd, events, deadline);
   /* Awake again between calls when the application polls. */
-  if (r->polling && (r->sleep & 1))
-    set_sleep(r, r->sleep + 1);
+  if (atomic_load_explicit(&r->polling, memory_order_relaxed))
+    stay_awake(r);
   return ev;
 }
 
 static void ring_hangup(gpuipc__carrier *k) {
   ring *r = ring_of(k);
-  r->dead = true;
-  if (k->fd >= 0) {
-    close(k->fd);
-    k->fd = -1;
-  }
+  atomic_store_explicit(&r->dead, true, memory_order_relaxed);
+  gpuipc__carrier_close_fd(k);
 }
 
 static void ring_release(gpuipc__carrier *k) {
@@ -364,19 +368,19 @@ static void ring_release(gpuipc__carrier *k) {
 
 static void ring_set_polling(gpuipc__carrier *k, bool on) {
   ring *r = ring_of(k);
-  r->polling = on;
-  if (on && (r->sleep & 1))
-    set_sleep(r, r->sleep + 1);
-  else if (!on && !(r->sleep & 1))
+  atomic_store_explicit(&r->polling, on, memory_order_relaxed);
+  if (on)
+    stay_awake(r);
+  else if (!(sleep_word(r) & 1))
     sleep_again(r);
 }
 
 static const gpuipc__carrier_ops ring_ops = {
     .name = "ring",
-    .write = ring_write,
-    .read = ring_read,
+    .write = gpuipc__sock_carrier_write,
+    .read = gpuipc__sock_carrier_read,
     .wait = ring_wait,
-    .fd = ring_fd,
+    .fd = gpuipc__sock_carrier_fd,
     .hangup = ring_hangup,
     .release = ring_release,
     .put = ring_put,
@@ -398,7 +402,6 @@ gpuipc_status gpuipc__carrier_ring_init(gpuipc__carrier *k, void *mine,
   r->map_len = RING_HDR + size;
   r->size = size;
   r->mask = size - 1;
-  r->sleep = atomic_load_explicit(&r->mine->sleep, memory_order_relaxed);
   r->spin_us = spin_us;
   k->ops = &ring_ops;
   k->impl = r;

@@ -405,7 +405,7 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
     /* While reading is paused (the application holds too many of the
      * peer's messages), wait for room only. */
     int ev = c->k.ops->wait(&c->k, c->rx_paused ? POLLOUT : POLLOUT | POLLIN,
-                            deadline);
+                            deadline, -1);
     if (ev < 0)
       return gpuipc__fail_errno(errno, "poll", "connection to pid %d",
                                 c->peer_pid);
@@ -794,7 +794,7 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
     short ev = POLLIN;
     if (c->tx_len > c->tx_off)
       ev |= POLLOUT;
-    int r = c->k.ops->wait(&c->k, ev, deadline);
+    int r = c->k.ops->wait(&c->k, ev, deadline, -1);
     if (r < 0)
       return gpuipc__fail_errno(errno, "poll", "connection to pid %d",
                                 c->peer_pid);
@@ -831,10 +831,29 @@ void gpuipc_conn_close(gpuipc_conn *conn) {
       if (flush_tx(conn) != GPUIPC_OK)
         break;
       if (conn->tx_len > conn->tx_off)
-        conn->k.ops->wait(&conn->k, POLLOUT, deadline);
+        conn->k.ops->wait(&conn->k, POLLOUT, deadline, -1);
     }
   }
   gpuipc__conn_free(conn);
+}
+
+gpuipc_status gpuipc_conn_wait(gpuipc_conn *conn, short events,
+                               int timeout_ms, int spin_us) {
+  if (conn == NULL || (events & ~(POLLIN | POLLOUT)) != 0 || timeout_ms < -1 ||
+      spin_us < -1)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_wait(conn %p, events %#x, timeout %d ms, "
+                        "spin %d us)",
+                        (void *)conn, (unsigned)events, timeout_ms, spin_us);
+  if (events == 0)
+    events = POLLIN;
+  uint64_t deadline = timeout_ms < 0 ? UINT64_MAX
+                                     : gpuipc__now_ns() +
+                                           (uint64_t)timeout_ms * 1000000ull;
+  int r = conn->k.ops->wait(&conn->k, events, deadline, spin_us);
+  if (r < 0)
+    return gpuipc__fail_errno(errno, "poll", "gpuipc_conn_wait");
+  return r == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_OK;
 }
 
 int gpuipc_conn_get_fd(const gpuipc_conn *conn) {

@@ -12,6 +12,14 @@
 #include "core/core.h"
 #include "handle/handle.h"
 
+/* The bytes a tensor spans from element 0 (tensor.c; the one extent
+ * computation): 0 when a size is 0, else elem * (1 + sum (shape[i]-1) *
+ * strides[i]), strides NULL meaning row-major. ndim is the caller's to
+ * bound. GPUIPC_E_BAD_KIND (dtype), GPUIPC_E_OUT_OF_RANGE (negative sizes
+ * or strides, beyond 2^62). */
+gpuipc_status gpuipc__tensor_extent(int dtype, int ndim, const int64_t *shape,
+                                    const int64_t *strides, uint64_t *out);
+
 /* One connection a producer set feeds. */
 typedef struct gpuipc__tset_peer {
   gpuipc_conn *conn;

@@ -4,42 +4,13 @@
  * consumer accepts. The decoder treats its input as hostile: every count
  * is bounded by the bytes that carry it before anything is allocated,
  * every field is checked, and a table is refused whole (nothing of it is
- * kept) at the first fault. Also dtypes and the meta of the set's buffers.
+ * kept) at the first fault. Also the meta of the set's buffers (dtypes and
+ * extents are tensor.c's).
  */
 #include "sets_int.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-/* ---- dtypes ---------------------------------------------------------------- */
-
-static const struct {
-  const char *name;
-  uint8_t size;
-} dtypes[] = {
-    [GPUIPC_DTYPE_BOOL] = {"bool", 1},  [GPUIPC_DTYPE_U8] = {"u8", 1},
-    [GPUIPC_DTYPE_I8] = {"i8", 1},      [GPUIPC_DTYPE_U16] = {"u16", 2},
-    [GPUIPC_DTYPE_I16] = {"i16", 2},    [GPUIPC_DTYPE_U32] = {"u32", 4},
-    [GPUIPC_DTYPE_I32] = {"i32", 4},    [GPUIPC_DTYPE_U64] = {"u64", 8},
-    [GPUIPC_DTYPE_I64] = {"i64", 8},    [GPUIPC_DTYPE_F16] = {"f16", 2},
-    [GPUIPC_DTYPE_BF16] = {"bf16", 2},  [GPUIPC_DTYPE_F32] = {"f32", 4},
-    [GPUIPC_DTYPE_F64] = {"f64", 8},    [GPUIPC_DTYPE_C64] = {"c64", 8},
-    [GPUIPC_DTYPE_C128] = {"c128", 16},
-    [GPUIPC_DTYPE_F8_E4M3FN] = {"f8_e4m3fn", 1},
-    [GPUIPC_DTYPE_F8_E5M2] = {"f8_e5m2", 1},
-};
-
-size_t gpuipc_dtype_get_size(int dtype) {
-  if (dtype <= 0 || (size_t)dtype >= GPUIPC__ARRAY_SIZE(dtypes))
-    return 0;
-  return dtypes[dtype].size;
-}
-
-const char *gpuipc_dtype_name(int dtype) {
-  if (gpuipc_dtype_get_size(dtype) == 0)
-    return "unknown";
-  return dtypes[dtype].name;
-}
 
 /* ---- checks ------------------------------------------------------------------ */
 
@@ -48,37 +19,13 @@ const char *gpuipc_dtype_name(int dtype) {
 
 gpuipc_status gpuipc__tset_extent(int dtype, int ndim, const int64_t *shape,
                                   const int64_t *strides, uint64_t *out) {
-  uint64_t elem = gpuipc_dtype_get_size(dtype);
-  if (elem == 0)
+  if (gpuipc_dtype_get_size(dtype) == 0)
     return gpuipc__fail(GPUIPC_E_BAD_KIND, "dtype %d is not one", dtype);
   if (ndim < 0 || ndim > GPUIPC_TSET_NDIM_MAX)
     return gpuipc__fail(GPUIPC_E_PROTOCOL, "ndim %d (at most %d)", ndim,
                         GPUIPC_TSET_NDIM_MAX);
-  uint64_t span = 0; /* in elements, beyond the first */
-  for (int i = 0; i < ndim; i++) {
-    if (shape[i] < 0 || strides[i] < 0)
-      return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                          "dimension %d: size %lld, stride %lld (negative)", i,
-                          (long long)shape[i], (long long)strides[i]);
-    if (shape[i] == 0) {
-      *out = 0;
-      return GPUIPC_OK;
-    }
-  }
-  for (int i = 0; i < ndim; i++) {
-    uint64_t n = (uint64_t)shape[i] - 1, s = (uint64_t)strides[i];
-    if (n && s > EXTENT_MAX / n)
-      goto overflow;
-    span += n * s;
-    if (span > EXTENT_MAX)
-      goto overflow;
-  }
-  if (span + 1 > EXTENT_MAX / elem)
-    goto overflow;
-  *out = (span + 1) * elem;
-  return GPUIPC_OK;
-overflow:
-  return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE, "tensor extent beyond 2^62 bytes");
+  /* The one extent computation (tensor.c): strides are always given here. */
+  return gpuipc__tensor_extent(dtype, ndim, shape, strides, out);
 }
 
 /* Strict UTF-8: no overlong forms, no surrogates, nothing past U+10FFFF,

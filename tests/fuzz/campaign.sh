@@ -20,7 +20,7 @@ jobs=${JOBS:-$(nproc)}
 out=${OUT_DIR:-fuzz-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-for t in ${TARGETS:-descriptor frames handshake ring xfer-header sets-table}; do
+for t in ${TARGETS:-descriptor frames handshake ring ring-records xfer-header sets-table tensor-meta}; do
   w=$out/$t
   rm -rf "$w"
   mkdir -p "$w/corpus" "$w/logs"

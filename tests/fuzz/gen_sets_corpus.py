@@ -13,7 +13,8 @@ import struct
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "sets-table")
 
 DTYPE_SIZE = {1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 4, 8: 8, 9: 8, 10: 2,
-              11: 2, 12: 4, 13: 8, 14: 8, 15: 16, 16: 1, 17: 1}
+              11: 2, 12: 4, 13: 8, 14: 8, 15: 16, 16: 1, 17: 1, 18: 1,
+              19: 1, 20: 1}
 
 
 def crc32c(data, crc=0):

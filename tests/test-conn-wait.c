@@ -1,0 +1,181 @@
+/*
+ * test-conn-wait.c: the wait rule (gpuipc_conn_wait): a non-blocking
+ * consumer that waits between its calls gets every buffer whether it
+ * spins first or sleeps at once, learns that the peer left, times out when
+ * nothing comes, and may wait in a second thread beside the calls of the
+ * first. Run over both carriers (NAME and NAME_on_socket).
+ */
+#include "test-conn-handoff.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
+
+/* After the test's "go": argv[0] buffers of 4 KiB, argv[1] microseconds
+ * apart, each with its index as meta; then waits for the test to close. */
+HELPER_IMPL(wait_producer) {
+  ASSERT(argc >= 2);
+  int n = atoi(argv[0]);
+  int gap_us = atoi(argv[1]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  char go[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ready", 5, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, go, sizeof go, &len, NULL, NULL));
+  for (int i = 0; i < n; i++) {
+    if (gap_us > 0)
+      usleep((useconds_t)gap_us);
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
+    ASSERT_OK(gpuipc_conn_send(c, b, NULL, &i, sizeof i));
+    ASSERT_OK(gpuipc_block_free(b, NULL));
+  }
+  ASSERT_OK(gpuipc_conn_recv_msg(c, go, sizeof go, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
+/* The wait rule's loop around a non-blocking call. */
+static gpuipc_status recv_waiting(gpuipc_conn *c, gpuipc_received *r,
+                                  int spin_us) {
+  for (;;) {
+    gpuipc_status s = gpuipc_conn_recv(c, NULL, r);
+    if (s != GPUIPC_E_WOULD_BLOCK)
+      return s;
+    s = gpuipc_conn_wait(c, POLLIN, 30000, spin_us);
+    if (s != GPUIPC_OK)
+      return s;
+  }
+}
+
+static gpuipc_conn *ready_producer(int n, int gap_us, pid_t *pid) {
+  int fd;
+  char ns[16], gs[16];
+  snprintf(ns, sizeof ns, "%d", n);
+  snprintf(gs, sizeof gs, "%d", gap_us);
+  *pid = spawn_helper("wait_producer", NULL, &fd, ns, gs, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  char buf[8];
+  size_t len;
+  /* Its CUDA start can take seconds on a loaded GPU machine. */
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
+  return c;
+}
+
+TEST_IMPL(conn_wait_rule_spinning_and_sleeping) {
+  REQUIRE_DEVICES(1);
+  const int spins[] = {0, 2000, -1};
+  for (int round = 0; round < 3; round++) {
+    pid_t pid;
+    gpuipc_conn *c = ready_producer(4, 20000, &pid);
+    /* Nothing comes before "go": the wait times out (a frame of the
+     * setup that still arrives is taken by progress first). */
+    int timeouts = 0;
+    for (int i = 0; i < 3 && timeouts == 0; i++) {
+      gpuipc_status s = gpuipc_conn_wait(c, POLLIN, 50, spins[round]);
+      if (s == GPUIPC_E_TIMEOUT)
+        timeouts++;
+      else
+        ASSERT_OK(gpuipc_conn_progress(c, 0));
+    }
+    ASSERT_EQ(timeouts, 1);
+    /* Room to send: POLLOUT at once. */
+    ASSERT_OK(gpuipc_conn_wait(c, POLLOUT, 0, 0));
+    ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
+    for (int i = 0; i < 4; i++) {
+      gpuipc_received r = GPUIPC_RECEIVED_INIT;
+      ASSERT_OK(recv_waiting(c, &r, spins[round]));
+      int seq;
+      ASSERT_EQ(r.meta_len, sizeof seq);
+      memcpy(&seq, r.meta, sizeof seq);
+      ASSERT_EQ(seq, i);
+      ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+    }
+    /* The peer leaves: the wait ends (not at its limit) and the call
+     * says so. */
+    ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_STATUS(recv_waiting(c, &r, spins[round]), GPUIPC_E_PEER_GONE);
+    gpuipc_conn_close(c);
+    ASSERT_EQ(wait_helper(pid, 30), 0);
+  }
+  return 0;
+}
+
+TEST_IMPL(conn_wait_argument_checks) {
+  REQUIRE_DEVICES(1);
+  pid_t pid;
+  gpuipc_conn *c = ready_producer(0, 0, &pid);
+  ASSERT_STATUS(gpuipc_conn_wait(NULL, POLLIN, 0, 0), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_conn_wait(c, POLLPRI, 0, 0), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_conn_wait(c, POLLIN, -2, 0), GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_conn_wait(c, POLLIN, 0, -2), GPUIPC_E_INVALID_ARG);
+  ASSERT_STR_CONTAINS(gpuipc_last_error(), "gpuipc_conn_wait");
+  ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}
+
+typedef struct {
+  gpuipc_conn *c;
+  atomic_bool stop;
+  atomic_int woke;
+} waiter;
+
+static void *wait_beside(void *arg) {
+  waiter *w = arg;
+  while (!atomic_load(&w->stop))
+    if (gpuipc_conn_wait(w->c, POLLIN, 10, 20) == GPUIPC_OK)
+      atomic_fetch_add(&w->woke, 1);
+  return NULL;
+}
+
+/* A thread that waits while the first receives and releases (what a
+ * binding does when its waiter holds no lock): every buffer arrives, in
+ * order, and the wait changes nothing the calls depend on. */
+TEST_IMPL(conn_wait_beside_another_thread) {
+  REQUIRE_DEVICES(1);
+  const int n = 200;
+  pid_t pid;
+  gpuipc_conn *c = ready_producer(n, 0, &pid);
+  waiter w = {.c = c};
+  atomic_init(&w.stop, false);
+  atomic_init(&w.woke, 0);
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, wait_beside, &w), 0);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
+  for (int i = 0; i < n; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    gpuipc_status s;
+    int spins = 0;
+    while ((s = gpuipc_conn_recv(c, NULL, &r)) == GPUIPC_E_WOULD_BLOCK) {
+      ASSERT(++spins < 2000000);
+      usleep(20);
+    }
+    ASSERT_OK(s);
+    int seq;
+    memcpy(&seq, r.meta, sizeof seq);
+    ASSERT_EQ(seq, i);
+    ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+  }
+  /* The peer leaves: the waiter, which may have missed every buffer (the
+   * first thread took each before it looked), sees the hang-up within
+   * one of its slices. */
+  int before = atomic_load(&w.woke);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
+  for (int i = 0; i < 10000 && atomic_load(&w.woke) == before; i++)
+    usleep(1000);
+  ASSERT(atomic_load(&w.woke) > before);
+  atomic_store(&w.stop, true);
+  ASSERT_EQ(pthread_join(t, NULL), 0);
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}
