@@ -92,7 +92,7 @@ def main():
     try:
         import torch
         out["torch"] = torch.__version__
-        out["exchange_api"] = hasattr(torch.Tensor, "__c_dlpack_exchange_api__")
+        out["exchange_api"] = any(hasattr(torch.Tensor, a) for a in ("__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"))
         out["c_from_dlpack"] = hasattr(torch._C, "_from_dlpack")
         if torch.cuda.is_available():
             t = torch.empty(1024, device="cuda", dtype=torch.float32)

@@ -23,7 +23,7 @@ from . import _gpuipc
 from ._gpuipc import *  # noqa: F401,F403  the objects, functions and errors
 from ._gpuipc import Arena, Error, Received, errors_by_status  # noqa: F401
 from ._spawn import Process, spawn, spawn_workers  # noqa: F401
-from .sets import Subscriber, TensorSet, Version  # noqa: F401
+from .sets import CopyPlan, Subscriber, TensorSet, Version  # noqa: F401
 
 __version__ = _gpuipc.__version__
 
@@ -45,5 +45,5 @@ __all__ = [
     "Pool", "Process", "Received", "Shared", "connect", "conn_pair", "device_count",
     "device_uuid", "empty", "from_fd", "init", "listen", "open", "share", "spawn",
     "broadcast", "release_batch", "BATCH_MAX", "BATCH_BYTES_MAX", "BROADCAST_MAX",
-    "spawn_workers", "version", "TensorSet", "Subscriber", "Version",
+    "spawn_workers", "version", "TensorSet", "Subscriber", "Version", "CopyPlan",
 ]

@@ -4,19 +4,31 @@ The Python twin of `gpuipc bench sets`: the shapes of Llama-2-7B in bf16
 (291 tensors, 13.48 GB) from a producer process (a trainer: a wrapped set
 over its own weights, one version per sync) into a consumer process's own
 tensors on the same GPU (an engine: recv, copy_into on one stream, release),
-next to the in-process copy floor, in one run:
+next to the floors, in one run:
 
-  floor        in-process device-to-device copy of the same tensors
-               (dst.copy_(src) per tensor), in the consumer
-  copy_into    producer's begin -> consumer's copies done (stream synced)
-  zero-copy    producer's begin -> consumer holding a torch tensor of every
-               entry (recv + torch.from_dlpack of each view), no copy
+  floor (one copy)   in-process: one device-to-device copy of the same bytes
+                     (one flat buffer into another)
+  floor (per tensor) in-process: dst.copy_(src) per tensor
+  C set copy_into    the C set's copy_into through the extension, on the same
+                     tensors given as raw addresses (a plan of ints: no
+                     resolution, no stream work: the binding's floor)
+  copy_into          the same with the torch tensors (a dict by name),
+                     resolved in C each sync
+  copy_into (plan)   the same with a CopyPlan made once (Version.plan_into)
+  zero-copy          consumer holding a torch tensor of every entry
+                     (Version.as_torch: one call; built again only when the
+                     copy's addresses change)
+  zero-copy (old)    the same through torch.from_dlpack of each TensorView
 
-Medians after warm-up; one clock for both processes (CLOCK_MONOTONIC).
-Needs PyTorch with CUDA for the floor and the model sizes. --quick: a small
-model (4 layers of width 512). --emulator (or no torch): an owned set of
-the quick shapes into gpuipc arena blocks, no floor (a smoke run of the
-path, not a measurement).
+Each copy row: producer's begin -> consumer's copies done (stream synced);
+zero-copy rows: producer's begin -> consumer holding the tensors; "build"
+columns: the consumer's own part after recv. Medians after warm-up; one
+clock for both processes (CLOCK_MONOTONIC). Ratios against the C set's row
+and the floors of the same run. Needs PyTorch with CUDA for the floors and
+the torch rows. --quick: a small model (4 layers of width 512).
+--emulator (or no torch): an owned set of the quick shapes into gpuipc
+arena blocks, no floor, no torch rows (a smoke run of the path, not a
+measurement).
 
   python -m gpuipc.bench_sets [--quick] [--iters N] [--json]
 """
@@ -105,11 +117,16 @@ def _producer(conn, name, quick, use_torch):
         sc.close()
 
 
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
 def run(quick, iters, use_torch, out):
     shapes = model_shapes(quick)
     total = _nbytes(shapes)
     name = f"bench-sets-{os.getpid()}"
-    rows = {}
+    rows, build = {}, {}
+    warm = 3
     if use_torch:
         import torch
         torch.cuda.set_device(0)
@@ -117,20 +134,30 @@ def run(quick, iters, use_torch, out):
         src = {n: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda:0") for n, s in shapes}
         stream = torch.cuda.current_stream()
         sync = torch.cuda.synchronize
-        floor = []
-        for i in range(iters + 3):
+        addrs = [t.data_ptr() for t in mine.values()]
+        floor, floor1 = [], []
+        flat_a = torch.empty(total, dtype=torch.uint8, device="cuda:0")
+        flat_b = torch.empty(total, dtype=torch.uint8, device="cuda:0")
+        for i in range(iters + warm):
             sync()
             t0 = time.monotonic_ns()
             for n, t in mine.items():
                 t.copy_(src[n])
             sync()
-            if i >= 3:
-                floor.append((time.monotonic_ns() - t0) / 1e6)
-        del src
-        rows["floor"] = statistics.median(floor)
+            t1 = time.monotonic_ns()
+            flat_b.copy_(flat_a)
+            sync()
+            t2 = time.monotonic_ns()
+            if i >= warm:
+                floor.append((t1 - t0) / 1e6)
+                floor1.append((t2 - t1) / 1e6)
+        del src, flat_a, flat_b
+        rows["floor (per tensor)"] = _median(floor)
+        rows["floor (one copy)"] = _median(floor1)
     else:
         arena = gpuipc.Arena(chunk_bytes=max(64 << 20, 2 * total))
         mine = {n: arena.alloc(shape=s, dtype="bfloat16") for n, s in shapes}
+        addrs = [b.ptr for b in mine.values()]
         stream = None
         ev = gpuipc.Event()
 
@@ -138,31 +165,47 @@ def run(quick, iters, use_torch, out):
             ev.record(stream=None)
             ev.synchronize()
 
+    modes = ["C set copy_into", "copy_into", "copy_into (plan)", "zero-copy"]
+    if use_torch:
+        modes.append("zero-copy (old)")
     with gpuipc.spawn(_producer, name, quick, use_torch, timeout=120) as p:
         assert p.conn.recv_msg(timeout=120) == b"ready"
         sc = gpuipc.connect(name, timeout=60)
         sub = gpuipc.TensorSet.subscribe(sc)
-        for mode in ("copy_into", "zero-copy"):
-            times = []
-            for i in range(iters + 3):
+        raw = plan = None
+        for mode in modes:
+            times, own = [], []
+            for i in range(iters + warm):
                 p.conn.send_msg(b"go")
                 v = sub.recv(stream=stream, timeout=60)
-                if mode == "copy_into":
+                tr = time.monotonic_ns()
+                held = None
+                if mode == "C set copy_into":
+                    if raw is None:
+                        raw = v.plan_into(addrs)
+                    v.copy_into(raw, stream=stream)
+                    sync()
+                elif mode == "copy_into":
                     v.copy_into(mine, stream=stream)
                     sync()
+                elif mode == "copy_into (plan)":
+                    if plan is None:
+                        plan = v.plan_into(mine)
+                    v.copy_into(plan, stream=stream)
+                    sync()
+                elif mode == "zero-copy":
+                    held = v.as_torch() if use_torch else [v[n] for n in v]
                 else:
-                    if use_torch:
-                        held = [torch.from_dlpack(v[n]) for n in v]
-                    else:
-                        held = [v[n] for n in v]
+                    held = [torch.from_dlpack(v[n]) for n in v]
                 t1 = time.monotonic_ns()
-                if mode == "zero-copy":
-                    del held
+                del held
                 v.release(stream=stream)
                 t0 = int(p.conn.recv_msg(timeout=60))
-                if i >= 3:
+                if i >= warm:
                     times.append((t1 - t0) / 1e6)
-            rows[mode] = statistics.median(times)
+                    own.append((t1 - tr) / 1e6)
+            rows[mode] = _median(times)
+            build[mode] = _median(own)
         p.conn.send_msg(b"quit")
         try:
             sub.recv(timeout=60)
@@ -171,27 +214,42 @@ def run(quick, iters, use_torch, out):
         sub.close()
         assert p.join(120) == 0
         sc.close()
-    f = rows.get("floor")
+    c = rows.get("C set copy_into")
+    f1, ft = rows.get("floor (one copy)"), rows.get("floor (per tensor)")
+    ratios = {}
+    for k in ("copy_into", "copy_into (plan)"):
+        if c:
+            ratios[f"{k} / C set"] = rows[k] / c
+        if f1:
+            ratios[f"{k} / floor (one copy)"] = rows[k] / f1
+    if c and f1:
+        ratios["C set / floor (one copy)"] = c / f1
     print(f"weight sync, {len(shapes)} tensors of bf16, {total / 1e9:.2f} GB, "
           f"{'torch' if use_torch else 'gpuipc arena blocks (no torch)'}; "
-          f"median of {iters} after 3 warm-up", file=out)
-    labels = {"floor": "in-process device-to-device copy (floor)",
-              "copy_into": "gpuipc tensor set: copy_into the consumer's tensors",
-              "zero-copy": "gpuipc tensor set: zero-copy views"}
-    for k, label in labels.items():
+          f"median of {iters} after {warm} warm-up", file=out)
+
+    def fmt(m):
+        if m is None:
+            return "        -"
+        return f"{m * 1e3:9.1f} us" if m < 1 else f"{m:9.2f} ms"
+
+    print(f"  {'row':<22} {'begin -> done':>14} {'consumer part':>14}  ratios", file=out)
+    for k in ("floor (one copy)", "floor (per tensor)", *modes):
         if k not in rows:
-            print(f"  {label:<54} (not measured: no torch)", file=out)
+            print(f"  {k:<22} (not measured: no torch)", file=out)
             continue
-        m = rows[k]
         extra = ""
-        if f and k != "floor":
-            extra = f"  ({m / f:.2f}x the floor)"
-        elif k == "floor":
-            extra = f"  ({2 * total / (m / 1e3) / 1e12:.2f} TB/s read+write)"
-        unit = f"{m * 1e3:9.1f} us" if m < 1 else f"{m:9.2f} ms"
-        print(f"  {label:<54} {unit}{extra}", file=out)
+        if k.startswith("copy_into") and c:
+            extra = f"  {rows[k] / c:.3f}x the C set"
+        if f1 and (k.startswith("copy_into") or k.startswith("C set")):
+            extra += f"  {rows[k] / f1:.3f}x one copy"
+        if k == "floor (one copy)":
+            extra = f"  {2 * total / (rows[k] / 1e3) / 1e12:.2f} TB/s read+write"
+        if k == "floor (per tensor)" and f1:
+            extra = f"  {rows[k] / f1:.3f}x one copy"
+        print(f"  {k:<22} {fmt(rows[k]):>14} {fmt(build.get(k)):>14}{extra}", file=out)
     return {"tensors": len(shapes), "bytes": total, "iters": iters, "torch": use_torch,
-            "ms": rows}
+            "ms": rows, "consumer_ms": build, "ratios": ratios}
 
 
 def main(argv=None):

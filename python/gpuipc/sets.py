@@ -25,13 +25,39 @@ Consumer::
 ``TensorSet.subscribe`` is both: on the class it opens a consumer's
 Subscriber on a connection; on a set it subscribes a connection to it.
 Calls that wait release the GIL and take ``timeout=`` in seconds (None:
-forever); errors are gpuipc.Error subclasses.
+forever; left out: the set's or the connection's timeout); errors are
+gpuipc.Error subclasses.
+
+At C speed: torch tensors are read in C (DLPack's C exchange API where
+torch has it), checked against the layout (dtype, shape, strides) and
+copied on one stream with torch's current stream ordered before it once
+per call; ``plan = version.plan_into(mine)`` (``ts.plan_from(mine)``)
+resolves and checks them once, and ``copy_into(plan)`` then costs one
+library call. ``version.as_torch()`` builds every torch tensor of a
+version in one call.
 """
 from collections.abc import Mapping
 
 from . import _gpuipc
 
-__all__ = ["Subscriber", "TensorSet", "Version"]
+__all__ = ["CopyPlan", "Subscriber", "TensorSet", "Version"]
+
+CopyPlan = _gpuipc.CopyPlan
+
+
+class _Default:
+    """The default of a timeout= argument: the set's or the connection's
+    own timeout (None: forever)."""
+
+    def __repr__(self):
+        return "<default>"
+
+
+_DEFAULT = _Default()
+
+
+def _tmo(timeout):
+    return {} if timeout is _DEFAULT else {"timeout": timeout}
 
 
 class _Both:
@@ -59,7 +85,9 @@ def _names_of(mapping):
 
 def _positional(names, index_of, tensors, what):
     """A list in the set's order from a mapping (missing names: skipped)
-    or a sequence (one per tensor, None: skipped)."""
+    or a sequence (one per tensor, None: skipped); a CopyPlan as it is."""
+    if type(tensors) is CopyPlan:
+        return tensors
     if isinstance(tensors, Mapping):
         out = [None] * len(names)
         for k, t in tensors.items():
@@ -158,27 +186,35 @@ class TensorSet:
 
     subscribe = _Both(_open_subscriber, _subscribe)
 
-    def unsubscribe(self, conn, *, timeout=None):
+    def unsubscribe(self, conn, *, timeout=_DEFAULT):
         """Ends conn's subscription and waits until the consumer released
-        everything of the set (the consumer sees the end in its recv)."""
-        if timeout is None:
-            self._c.unsubscribe(conn)
-        else:
-            self._c.unsubscribe(conn, timeout=timeout)
+        everything of the set (the consumer sees the end in its recv), up
+        to ``timeout`` s (default: the set's; None: forever)."""
+        self._c.unsubscribe(conn, **_tmo(timeout))
 
     # --- versions
-    def begin(self, *, stream=None, timeout=None):
+    def begin(self, *, stream=None, timeout=_DEFAULT):
         """Picks the copy to write (one no consumer holds; waits for their
-        releases) and orders ``stream`` after their reads. Returns its
-        index."""
-        kw = {} if timeout is None else {"timeout": timeout}
-        self._copy = self._c.begin(stream=stream, **kw)
+        releases, up to ``timeout`` s: default the set's, None forever) and
+        orders ``stream`` after their reads. Returns its index."""
+        self._copy = self._c.begin(stream=stream, **_tmo(timeout))
         return self._copy
 
+    def plan_from(self, tensors):
+        """A CopyPlan of ``tensors`` (as copy_from takes them) for every
+        later copy_from: resolved and checked against the layout (dtype,
+        shape, strides) once; it keeps the arrays alive and copies from the
+        addresses they had when it was made (make a new plan after
+        replacing a tensor's storage)."""
+        return self._c.plan(_positional(self._names, self._index.__getitem__, tensors,
+                                        "plan_from"))
+
     def copy_from(self, tensors, *, copy=None, stream=None):
-        """Copies ``tensors`` (a mapping by name, names left out skipped; or
-        a sequence in the set's order, None skipped) into copy ``copy``
-        (default: the one begun) on ``stream``; no host wait."""
+        """Copies ``tensors`` (a mapping by name, names left out skipped; a
+        sequence in the set's order, None skipped; or a CopyPlan from
+        plan_from) into copy ``copy`` (default: the one begun) on
+        ``stream``; no host wait. Each array must have its tensor's dtype,
+        shape and strides (ValueError naming the tensor otherwise)."""
         if copy is None:
             if self._copy is None:
                 raise _gpuipc.InvalidArgError("copy_from: begin() first (or give copy=)")
@@ -193,19 +229,19 @@ class TensorSet:
         self._copy = None
         return v
 
-    def update(self, tensors=None, *, stream=None, timeout=None):
+    def update(self, tensors=None, *, stream=None, timeout=_DEFAULT):
         """begin, copy_from(tensors) (when given), publish: one version."""
         self.begin(stream=stream, timeout=timeout)
         if tensors is not None:
             self.copy_from(tensors, stream=stream)
         return self.publish(stream=stream)
 
-    def destroy(self, *, timeout=None):
+    def destroy(self, *, timeout=_DEFAULT):
         """Ends every subscription and frees the set's memory (a wrapped
         set's arrays stay the caller's). BusyError when a consumer still
-        holds something after the timeout (the set stays usable)."""
-        kw = {} if timeout is None else {"timeout": timeout}
-        self._c.destroy(**kw)
+        holds something after the timeout (default: the set's; None:
+        forever); the set stays usable."""
+        self._c.destroy(**_tmo(timeout))
 
     def __enter__(self):
         return self
@@ -224,17 +260,22 @@ class TensorSet:
 class Version(Mapping):
     """One version of a set, as a consumer received it: a read-only mapping
     of names to zero-copy TensorViews (valid until release: a context
-    manager releases), and copy_into for the consumer's own tensors."""
+    manager releases), as_torch() for all of them as torch tensors at
+    once, and copy_into for the consumer's own tensors."""
 
-    def __init__(self, c):
+    def __init__(self, c, sub=None):
         self._c = c
+        self._sub = sub
         self._names = None
         self._index = None
 
     def _load(self):
         if self._names is None:
-            self._names = self._c.names()
-            self._index = {n: i for i, n in enumerate(self._names)}
+            if self._sub is not None:
+                self._names, self._index = self._sub._layout_names(self._c)
+            else:
+                self._names = self._c.names()
+                self._index = {n: i for i, n in enumerate(self._names)}
 
     def __getitem__(self, name):
         return self._c.tensor(name)
@@ -260,14 +301,43 @@ class Version(Mapping):
         """Tensor i (int: in the producer's order) or by name."""
         return self._c.tensor(i)
 
+    def as_torch(self):
+        """{name: torch.Tensor} of every tensor, zero copy, built in one
+        call (torch's current stream is ordered after recv's stream). The
+        tensors are valid until this version is released (release(), the
+        end of its ``with``, its garbage collection or the subscriber's
+        close); they do not keep the version held. A later version of the
+        same layout in the same copy gives back the same tensor objects
+        (the same memory, rewritten by the producer in between); do not
+        change them in place (resize_, set_, as_strided_): a changed one is
+        built again."""
+        self._load()
+        return dict(zip(self._names, self._c.torch_views()))
+
+    def plan_into(self, tensors):
+        """A CopyPlan of ``tensors`` (as copy_into takes them), good for
+        copy_into of this and every later version of the same layout:
+        resolved and checked (dtype, shape, strides) once; it keeps the
+        arrays alive and copies into the addresses they had when it was
+        made (make a new plan after replacing a tensor's storage, or when
+        the layout changes: copy_into then refuses the plan)."""
+        self._load()
+        return self._c.plan(_positional(self._names, self._index.__getitem__, tensors,
+                                        "plan_into"))
+
     def copy_into(self, tensors, *, stream=None):
         """Copies the version into the consumer's tensors (a mapping by
-        name, names left out skipped; or a sequence in the producer's
-        order), each of the same dtype, shape and strides, on ``stream``
-        (default: recv's) with adjacent ranges coalesced. Does not wait on
-        the host; release on the same stream afterwards."""
-        self._load()
-        dsts = _positional(self._names, self._index.__getitem__, tensors, "copy_into")
+        name, names left out skipped; a sequence in the producer's order;
+        or a CopyPlan from plan_into), each of the same dtype, shape and
+        strides (ValueError naming the tensor otherwise), on ``stream``
+        (default: recv's; torch's current stream is ordered before it) with
+        adjacent ranges coalesced. Does not wait on the host; release on
+        the same stream afterwards."""
+        if type(tensors) is CopyPlan:
+            dsts = tensors
+        else:
+            self._load()
+            dsts = _positional(self._names, self._index.__getitem__, tensors, "copy_into")
         if stream is None:
             self._c.copy_into(dsts)
         else:
@@ -304,15 +374,26 @@ class Subscriber:
 
     def __init__(self, conn, *, device=0):
         self._c = _gpuipc.TensorSetSub(conn, device=device)
+        self._layout = None  # the names of the last layout seen, and their index
+        self._names = None
+        self._index = None
 
-    def recv(self, *, stream=None, timeout=None):
-        """The next version (waits up to ``timeout`` s, default the
-        connection's). Work queued on ``stream`` afterwards runs after the
-        producer's writes. CanceledError once when the producer ended the
-        subscription; PeerGoneError when it is gone; ProtocolError (or a
-        decoder error) for a table that was refused."""
-        kw = {} if timeout is None else {"timeout": timeout}
-        return Version(self._c.recv(stream=stream, **kw))
+    def _layout_names(self, vc):
+        """(names, index) of a version's layout, built once per layout."""
+        lay = vc.layout
+        if lay != self._layout:
+            names = vc.names()
+            self._names, self._index = names, {n: i for i, n in enumerate(names)}
+            self._layout = lay
+        return self._names, self._index
+
+    def recv(self, *, stream=None, timeout=_DEFAULT):
+        """The next version (waits up to ``timeout`` s: default the
+        connection's, None forever). Work queued on ``stream`` afterwards
+        runs after the producer's writes. CanceledError once when the
+        producer ended the subscription; PeerGoneError when it is gone;
+        ProtocolError (or a decoder error) for a table that was refused."""
+        return Version(self._c.recv(stream=stream, **_tmo(timeout)), self)
 
     def __iter__(self):
         """Versions until the producer ends the subscription."""

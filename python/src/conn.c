@@ -1333,6 +1333,15 @@ static gpuipc_status op_send_msg(ConnObject *c, void *v) {
   return gpuipc_conn_send_msg(c->c, m->data, m->len, m->fds, m->nfds);
 }
 
+/* A subscribed connection carries its tensor set's frames and nothing else
+ * (include/gpuipc/sets.h): a message of the application's would break it. */
+static int conn_msg_free(ConnObject *c, const char *what) {
+  if (c->tset_refs <= 0) return 1;
+  raise_msg(GPUIPC_E_BUSY, what, "a tensor set or subscriber uses this connection, which "
+            "then carries the set's traffic only (use another connection for messages)");
+  return 0;
+}
+
 static PyObject *Conn_send_msg(ConnObject *c, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"data", "fds", "timeout", NULL};
   Py_buffer data;
@@ -1341,6 +1350,7 @@ static PyObject *Conn_send_msg(ConnObject *c, PyObject *args, PyObject *kw) {
   MsgOut m = {data.buf, (size_t)data.len, {0}, 0};
   int tmo;
   PyObject *ret = NULL;
+  if (!conn_msg_free(c, "send_msg")) goto out;
   if (parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0) goto out;
   if (fds_o && fds_o != Py_None) {
     PyObject *seq = PySequence_Fast(fds_o, "fds must be a sequence of ints");
@@ -1386,6 +1396,7 @@ static PyObject *Conn_recv_msg(ConnObject *c, PyObject *args, PyObject *kw) {
   PyObject *tmo_o = NULL;
   int with_fds = 0;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "|$Op", kwl, &tmo_o, &with_fds)) return NULL;
+  if (!conn_msg_free(c, "recv_msg")) return NULL;
   int tmo;
   if (parse_timeout(tmo_o, c->timeout_ms, &tmo) < 0) return NULL;
   MsgIn m;
@@ -1528,7 +1539,20 @@ static PyObject *Conn_fileno(ConnObject *c, PyObject *unused) {
   return PyLong_FromLong(gpuipc_conn_get_fd(c->c));
 }
 
-static PyObject *Conn_exit(ConnObject *c, PyObject *args) { return Conn_close(c, NULL); }
+/* The context manager lets go of what still uses the connection (its
+ * tensor-set subscribers closed, sets' subscriptions ended) and closes it;
+ * with an exception on its way out, a failure here never replaces it. */
+static PyObject *Conn_exit(ConnObject *c, PyObject *args) {
+  int raising = PyTuple_Check(args) && PyTuple_GET_SIZE(args) > 0 &&
+                PyTuple_GET_ITEM(args, 0) != Py_None;
+  PyObject *r = NULL;
+  if (!(c->c && c->tset_refs > 0 && sets_let_go(c) < 0)) r = Conn_close(c, NULL);
+  if (!r && raising) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  return r;
+}
 
 static PyObject *Conn_get_peer(ConnObject *c, void *unused) {
   if (!conn_ok(c)) return NULL;

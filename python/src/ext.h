@@ -385,6 +385,14 @@ PyObject *mod_open(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *open_desc(ConnObject *conn, PyObject *args, PyObject *kw);
 PyObject *mod_desc_info(PyObject *m, PyObject *args);
 
+/* sets.c */
+/* Lets go of what uses c (a connection's __exit__): closes the subscribers
+ * opened on it, ends the sets' subscriptions of it (each waiting up to its
+ * set's timeout). -1 with an exception set (a signal). */
+int sets_let_go(ConnObject *c);
+/* Adds the types of sets.c the module does not list (CopyPlan). */
+int sets_init(PyObject *m);
+
 /* proc.c */
 PyObject *mod_spawn(PyObject *m, PyObject *args, PyObject *kw);
 

@@ -719,6 +719,7 @@ PyMODINIT_FUNC PyInit__gpuipc(void) {
     Py_INCREF(types[i]);
     PyModule_AddObject(m, names[i], (PyObject *)types[i]);
   }
+  if (sets_init(m) < 0) return NULL;
   ErrorBase = PyErr_NewExceptionWithDoc(
       "gpuipc.Error", "A gpuipc call failed; .status, .status_name and .detail say how.",
       NULL, NULL);

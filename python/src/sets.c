@@ -3,8 +3,18 @@
  * producer's set: owned or wrapping the caller's arrays), TensorSetSub (a
  * consumer's subscriber), TensorSetVersion (one received version) and
  * TensorView (one tensor of a set or version, exported through the CUDA
- * Array Interface and DLPack). The mapping-style classes users see are in
- * gpuipc/sets.py.
+ * Array Interface and DLPack) and CopyPlan (the caller's arrays for
+ * copy_into / copy_from, resolved once). The mapping-style classes users
+ * see are in gpuipc/sets.py.
+ *
+ * Speed (docs/python.md). The caller's arrays are read in C: torch
+ * tensors through DLPack's C exchange API (or their own attributes on a
+ * torch without it), each type looked up once; others through the array
+ * protocols. Each is checked against the layout (dtype, shape, strides);
+ * streams are ordered once per call; arrays read through the protocols are
+ * copied in chunks as they are resolved. A version's torch tensors are
+ * built in one call (Version.torch_views) and kept per (layout, copy) on
+ * the subscriber, valid until their version's release.
  *
  * Waiting. Connections are non-blocking here (ext.h). The producer's set is
  * created with a timeout of 0, so begin, unsubscribe and destroy make
@@ -22,9 +32,14 @@
  * capsule or a CUDA Array Interface consumer holds one): those stay held,
  * with the library's subscriber kept open (linger) and the connection
  * with it (ConnObject.held), until the last view of each dies, which
- * releases it; the last released closes the subscriber.
+ * releases it; the last released closes the subscriber. The torch tensors
+ * of torch_views hold no version: they are valid until its release (the
+ * cache is dropped at the subscriber's close). A connection's context
+ * manager lets go of the sets and subscribers using it (sets_let_go).
  */
 #include "ext.h"
+
+#include <stdatomic.h>
 
 /* ------------------------------------------------------------------------ */
 /* dtypes                                                                   */
@@ -53,7 +68,8 @@ static void meta_of(const gpuipc_tensor *t, ArrMeta *m) {
 typedef struct TSubObject TSubObject;
 typedef struct TVerObject TVerObject;
 
-typedef struct {
+typedef struct TSetObject TSetObject;
+struct TSetObject {
   PyObject_HEAD
   gpuipc_tset *s;
   int device;      /* ordinal of the set's memory */
@@ -61,7 +77,19 @@ typedef struct {
   int timeout_ms;  /* limit of begin, unsubscribe, destroy */
   PyObject *conns; /* list of the ConnObjects subscribed */
   PyObject *keep;  /* wrapped: the arrays' owners */
-} TSetObject;
+  TSetObject *reg_next, *reg_prev; /* live sets (sets_let_go) */
+};
+
+/* torch views of a version, kept for the next version of the same layout
+ * and copy (Version.as_torch): valid while their addresses are the same. */
+#define SETS_VCACHE 4
+typedef struct {
+  uint64_t layout;
+  int copy;
+  size_t n;
+  void **ptrs;       /* the tensors' addresses when built */
+  PyObject *tensors; /* tuple of torch tensors */
+} VCache;
 
 struct TSubObject {
   PyObject_HEAD
@@ -70,6 +98,8 @@ struct TSubObject {
   int device;
   TVerObject *held; /* versions not released yet */
   gpuipc_tset_sub *linger; /* closed here, kept open for held (views alive) */
+  VCache vc[SETS_VCACHE];
+  TSubObject *reg_next, *reg_prev; /* open subscribers (sets_let_go) */
 };
 
 struct TVerObject {
@@ -93,6 +123,25 @@ typedef struct {
 } TViewObject;
 
 PyTypeObject TSetType, TSubType, TVerType, TViewType;
+
+/* Live sets and open subscribers, for a connection's context manager
+ * (sets_let_go). Guarded by the GIL. */
+static TSetObject *g_sets;
+static TSubObject *g_subs;
+#define REG_ADD(head, o)                                                       \
+  do {                                                                         \
+    (o)->reg_prev = NULL;                                                      \
+    (o)->reg_next = (head);                                                    \
+    if (head) (head)->reg_prev = (o);                                          \
+    (head) = (o);                                                              \
+  } while (0)
+#define REG_DEL(head, o)                                                       \
+  do {                                                                         \
+    if ((o)->reg_prev) (o)->reg_prev->reg_next = (o)->reg_next;                \
+    else if ((head) == (o)) (head) = (o)->reg_next;                            \
+    if ((o)->reg_next) (o)->reg_next->reg_prev = (o)->reg_prev;                \
+    (o)->reg_next = (o)->reg_prev = NULL;                                      \
+  } while (0)
 
 static int set_ok(TSetObject *o) {
   if (o->s) return 1;
@@ -127,51 +176,636 @@ static PyObject *view_new(PyObject *owner, const gpuipc_tensor *t, int device,
   return (PyObject *)w;
 }
 
-/* Device pointers of a list: None -> NULL (skip), int -> that address, an
- * array (CAI / DLPack) -> its data, checked to span `want[i]` bytes. */
-static void **ptr_list(PyObject *seq, size_t n, const size_t *want, uintptr_t stream,
-                       const char *what) {
+/* ------------------------------------------------------------------------ */
+/* torch at C speed: DLPack's C exchange API                                */
+/* ------------------------------------------------------------------------ */
+
+/* dlpack.h 1.3's DLPackExchangeAPI: a table of C functions a framework
+ * puts on its tensor type as a PyCapsule named "dlpack_exchange_api"
+ * (attribute __dlpack_c_exchange_api__; torch releases before the name
+ * settled used __c_dlpack_exchange_api__, a capsule or an int). Major
+ * version 1 only. Read here: dltensor_from_py_object_no_sync (a
+ * non-owning DLTensor of a tensor, no Python call, no stream work),
+ * managed_tensor_to_py_object_no_sync (a tensor of our DLPack tensor) and
+ * current_work_stream (torch.cuda.current_stream as a raw handle). */
+typedef struct SetsXApiHeader {
+  DLPackVersion version;
+  struct SetsXApiHeader *prev_api;
+} SetsXApiHeader;
+typedef struct {
+  SetsXApiHeader header;
+  void *managed_tensor_allocator;
+  int (*managed_tensor_from_py_object_no_sync)(void *py, DLManagedTensorVersioned **out);
+  int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *t, void **out);
+  int (*dltensor_from_py_object_no_sync)(void *py, DLTensor *out);
+  int (*current_work_stream)(int device_type, int32_t device_id, void **out);
+} SetsXApi;
+
+/* The exchange API a type (or an object) carries; NULL: none. */
+static const SetsXApi *xapi_read(PyObject *holder) {
+  static const char *attrs[] = {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"};
+  for (int k = 0; k < 2; k++) {
+    PyObject *a = PyObject_GetAttrString(holder, attrs[k]);
+    if (!a) {
+      PyErr_Clear();
+      continue;
+    }
+    const SetsXApi *x = NULL;
+    if (PyCapsule_CheckExact(a)) x = PyCapsule_GetPointer(a, "dlpack_exchange_api");
+    else if (PyLong_Check(a)) x = PyLong_AsVoidPtr(a);
+    PyErr_Clear();
+    Py_DECREF(a);
+    if (x && x->header.version.major == 1 && x->dltensor_from_py_object_no_sync &&
+        x->current_work_stream && x->managed_tensor_to_py_object_no_sync)
+      return x;
+  }
+  return NULL;
+}
+
+/* torch itself: the tensor type (its tensors are read without the array
+ * protocols), its exchange API where it has one, else the calls read in
+ * its place. Looked up once torch is imported; gpuipc never imports it,
+ * except for Version.as_torch. */
+static const struct { const char *name; int d; } g_torch_dt[] = {
+    {"bool", GPUIPC_DTYPE_BOOL},       {"uint8", GPUIPC_DTYPE_U8},
+    {"int8", GPUIPC_DTYPE_I8},         {"uint16", GPUIPC_DTYPE_U16},
+    {"int16", GPUIPC_DTYPE_I16},       {"uint32", GPUIPC_DTYPE_U32},
+    {"int32", GPUIPC_DTYPE_I32},       {"uint64", GPUIPC_DTYPE_U64},
+    {"int64", GPUIPC_DTYPE_I64},       {"float16", GPUIPC_DTYPE_F16},
+    {"bfloat16", GPUIPC_DTYPE_BF16},   {"float32", GPUIPC_DTYPE_F32},
+    {"float64", GPUIPC_DTYPE_F64},     {"complex64", GPUIPC_DTYPE_C64},
+    {"complex128", GPUIPC_DTYPE_C128}, {"float8_e4m3fn", GPUIPC_DTYPE_F8_E4M3FN},
+    {"float8_e5m2", GPUIPC_DTYPE_F8_E5M2},
+};
+#define TORCH_NDT (sizeof g_torch_dt / sizeof g_torch_dt[0])
+
+static struct {
+  int state;               /* 0 not looked up, 1 ready */
+  PyTypeObject *tensor;    /* torch.Tensor */
+  const SetsXApi *api;     /* its exchange API, or NULL */
+  PyObject *from_dlpack;   /* torch._C._from_dlpack */
+  PyObject *raw_stream;    /* torch._C._cuda_getCurrentRawStream */
+  PyObject *dtypes[TORCH_NDT]; /* torch.bool, ... (NULL: not in this torch) */
+  PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_is_cuda, *s_get_device;
+} g_torch;
+
+/* 1: torch ready; 0: torch not imported (import 0); -1: error set. */
+static int sets_torch_ready(int import) {
+  if (g_torch.state == 1) return 1;
+  PyObject *t;
+  if (import) {
+    t = PyImport_ImportModule("torch");
+    if (!t) return -1; /* its ImportError says why */
+  } else {
+    PyObject *nm = PyUnicode_FromString("torch");
+    t = nm ? PyImport_GetModule(nm) : NULL;
+    Py_XDECREF(nm);
+    if (!t) return PyErr_Occurred() ? -1 : 0;
+  }
+  PyObject *tt = PyObject_GetAttrString(t, "Tensor");
+  PyObject *c = PyObject_GetAttrString(t, "_C");
+  int ok = tt && c && PyType_Check(tt);
+  if (ok) {
+    g_torch.from_dlpack = PyObject_GetAttrString(c, "_from_dlpack");
+    g_torch.raw_stream = PyObject_GetAttrString(c, "_cuda_getCurrentRawStream");
+    ok = g_torch.from_dlpack && g_torch.raw_stream;
+  }
+  for (size_t k = 0; ok && k < TORCH_NDT; k++) {
+    g_torch.dtypes[k] = PyObject_GetAttrString(t, g_torch_dt[k].name);
+    if (!g_torch.dtypes[k]) PyErr_Clear(); /* an older torch: not there */
+  }
+  if (ok) {
+    g_torch.s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    g_torch.s_dtype = PyUnicode_InternFromString("dtype");
+    g_torch.s_shape = PyUnicode_InternFromString("shape");
+    g_torch.s_stride = PyUnicode_InternFromString("stride");
+    g_torch.s_is_cuda = PyUnicode_InternFromString("is_cuda");
+    g_torch.s_get_device = PyUnicode_InternFromString("get_device");
+    ok = g_torch.s_data_ptr && g_torch.s_dtype && g_torch.s_shape && g_torch.s_stride &&
+         g_torch.s_is_cuda && g_torch.s_get_device;
+  }
+  if (ok) {
+    g_torch.api = xapi_read(tt);
+    g_torch.tensor = (PyTypeObject *)tt;
+    Py_INCREF(tt);
+    g_torch.state = 1;
+  } else if (!PyErr_Occurred()) {
+    PyErr_SetString(PyExc_ImportError, "torch has no Tensor, _C._from_dlpack or "
+                    "_C._cuda_getCurrentRawStream");
+  }
+  Py_XDECREF(tt);
+  Py_XDECREF(c);
+  Py_DECREF(t);
+  return ok ? 1 : -1;
+}
+
+/* How an array is read, per type (cached: a type is looked up once; when
+ * full, later types are looked up each time). */
+enum { XK_PROTOCOL = 0, XK_EXCHANGE = 1, XK_TORCH = 2 };
+#define SETS_XTYPES 8
+static struct { PyTypeObject *tp; int kind; const SetsXApi *api; } g_xtypes[SETS_XTYPES];
+static int g_nxtypes;
+
+static int xkind_of(PyObject *o, const SetsXApi **api) {
+  PyTypeObject *tp = Py_TYPE(o);
+  for (int i = 0; i < g_nxtypes; i++)
+    if (g_xtypes[i].tp == tp) {
+      *api = g_xtypes[i].api;
+      return g_xtypes[i].kind;
+    }
+  *api = xapi_read((PyObject *)tp);
+  int kind = *api ? XK_EXCHANGE : XK_PROTOCOL;
+  if (!*api) {
+    int r = sets_torch_ready(0);
+    if (r < 0) PyErr_Clear();
+    if (r == 1 && PyType_IsSubtype(tp, g_torch.tensor)) kind = XK_TORCH;
+  }
+  if (g_nxtypes < SETS_XTYPES) {
+    Py_INCREF(tp);
+    g_xtypes[g_nxtypes].tp = tp;
+    g_xtypes[g_nxtypes].kind = kind;
+    g_xtypes[g_nxtypes].api = *api;
+    g_nxtypes++;
+  }
+  return kind;
+}
+
+/* A torch tensor read through its own attributes (a torch without the
+ * exchange API): data_ptr(), dtype, shape, stride(), is_cuda,
+ * get_device(): about a microsecond, against tens for the protocols. The
+ * DLTensor's shape and strides point into the caller's arrays. */
+static int torch_read(PyObject *o, DLTensor *dl, int64_t *shape, int64_t *strides) {
+  memset(dl, 0, sizeof *dl);
+  PyObject *cu = PyObject_GetAttr(o, g_torch.s_is_cuda);
+  if (!cu) return -1;
+  int is_cuda = PyObject_IsTrue(cu);
+  Py_DECREF(cu);
+  if (is_cuda < 0) return -1;
+  dl->device.device_type = is_cuda ? kDLCUDA : kDLCPU;
+  if (is_cuda) {
+    PyObject *d = PyObject_CallMethodNoArgs(o, g_torch.s_get_device);
+    if (!d) return -1;
+    dl->device.device_id = (int32_t)PyLong_AsLong(d);
+    Py_DECREF(d);
+  }
+  PyObject *dt = PyObject_GetAttr(o, g_torch.s_dtype);
+  if (!dt) return -1;
+  dl->dtype = (DLDataType){0, 0, 0}; /* lanes 0: no dtype of ours */
+  for (size_t k = 0; k < TORCH_NDT; k++)
+    if (g_torch.dtypes[k] == dt)
+      gpuipc_dtype_to_dlpack(g_torch_dt[k].d, &dl->dtype.code, &dl->dtype.bits,
+                             &dl->dtype.lanes);
+  Py_DECREF(dt);
+  PyObject *sh = PyObject_GetAttr(o, g_torch.s_shape);
+  PyObject *st = sh ? PyObject_CallMethodNoArgs(o, g_torch.s_stride) : NULL;
+  PyObject *p = st ? PyObject_CallMethodNoArgs(o, g_torch.s_data_ptr) : NULL;
+  int rc = -1;
+  if (p && PyTuple_Check(sh) && PyTuple_Check(st) && PyTuple_GET_SIZE(sh) <= MAXD &&
+      PyTuple_GET_SIZE(st) == PyTuple_GET_SIZE(sh)) {
+    dl->ndim = (int32_t)PyTuple_GET_SIZE(sh);
+    for (int k = 0; k < dl->ndim; k++) {
+      shape[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, k));
+      strides[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(st, k));
+    }
+    dl->shape = shape;
+    dl->strides = strides;
+    dl->data = PyLong_AsVoidPtr(p);
+    rc = PyErr_Occurred() ? -1 : 0;
+  } else if (p) {
+    PyErr_SetString(PyExc_TypeError, "a torch tensor whose shape or strides could not be read");
+  }
+  Py_XDECREF(sh);
+  Py_XDECREF(st);
+  Py_XDECREF(p);
+  return rc;
+}
+
+/* torch's current stream on device dev, as a raw handle (0: legacy). */
+static int torch_stream(const SetsXApi *api, int dev, uintptr_t *out) {
+  if (api) {
+    void *s = NULL;
+    if (api->current_work_stream(kDLCUDA, dev, &s) != 0) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "torch's current_work_stream failed");
+      return -1;
+    }
+    *out = (uintptr_t)s;
+    return 0;
+  }
+  PyObject *r = PyObject_CallFunction(g_torch.raw_stream, "i", dev);
+  if (!r) return -1;
+  *out = (uintptr_t)PyLong_AsUnsignedLongLong(r);
+  Py_DECREF(r);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Resolving the caller's arrays against a set's layout                     */
+/* ------------------------------------------------------------------------ */
+
+/* "(3, 4)" into b. */
+static const char *dims_str(char *b, size_t cap, const int64_t *d, int n) {
+  size_t k = 0;
+  k += (size_t)snprintf(b + k, cap - k, "(");
+  for (int i = 0; i < n && k < cap; i++)
+    k += (size_t)snprintf(b + k, cap - k, i ? ", %lld" : "%lld", (long long)d[i]);
+  if (k < cap) snprintf(b + k, cap - k, n == 1 ? ",)" : ")");
+  return b;
+}
+
+/* Row-major strides (elements) of a shape into out; strides given: those. */
+static void strides_eff(const int64_t *shape, const int64_t *strides, int n, int64_t *out) {
+  int64_t s = 1;
+  for (int i = n - 1; i >= 0; i--) {
+    out[i] = strides ? strides[i] : s;
+    s *= shape[i] > 0 ? shape[i] : 1;
+  }
+}
+
+/* A dtype's name for messages: "float32"; a DLPack type with no dtype of
+ * ours as "dlpack(code,bits,lanes)". */
+static const char *dt_str(char *b, size_t cap, int dtype, const DLDataType *raw) {
+  const char *n = dtype ? dtype_name(dtype) : NULL;
+  if (n) return n;
+  if (dtype) return gpuipc_dtype_name(dtype);
+  if (raw) snprintf(b, cap, "dlpack(%d,%d,%d)", raw->code, raw->bits, raw->lanes);
+  else snprintf(b, cap, "unknown");
+  return b;
+}
+
+/* Whether an array (its gpuipc_dtype, 0: none, with the DLPack type it
+ * came as when known; ndim, shape, strides in elements or NULL: row-major)
+ * is laid out as tensor i of the set: same dtype, same shape, same strides
+ * (of the dimensions longer than 1). ValueError naming the tensor
+ * otherwise. */
+static int layout_check(const char *what, size_t i, const gpuipc_tensor *t, int dtype,
+                        const DLDataType *raw, int ndim, const int64_t *shape,
+                        const int64_t *strides) {
+  char a[160], b[160], c[32], d[32];
+  if (dtype != t->dtype) {
+    PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') is %s, the array given for it %s",
+                 what, i, t->name, dt_str(c, sizeof c, t->dtype, NULL),
+                 dt_str(d, sizeof d, dtype, raw));
+    return -1;
+  }
+  int same = ndim == t->ndim;
+  for (int k = 0; same && k < ndim; k++) same = shape[k] == t->shape[k];
+  if (!same) {
+    PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') has shape %s, the array given for "
+                 "it %s", what, i, t->name, dims_str(a, sizeof a, t->shape, t->ndim),
+                 dims_str(b, sizeof b, shape, ndim));
+    return -1;
+  }
+  int64_t x[GPUIPC_TSET_NDIM_MAX], y[GPUIPC_TSET_NDIM_MAX];
+  strides_eff(t->shape, t->strides, ndim, x);
+  strides_eff(shape, strides, ndim, y);
+  int empty = 0;
+  for (int k = 0; k < ndim; k++) empty |= shape[k] == 0;
+  for (int k = 0; !empty && k < ndim; k++) {
+    if (shape[k] > 1 && x[k] != y[k]) {
+      PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') has strides %s (in elements), the "
+                   "array given for it %s", what, i, t->name, dims_str(a, sizeof a, x, ndim),
+                   dims_str(b, sizeof b, y, ndim));
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* What one resolution (a copy call, or a plan) found out on the way. */
+typedef struct {
+  const char *what;     /* "copy_into" / "copy_from", for errors */
+  uintptr_t stream;     /* where the copies run */
+  int xdev;             /* device of the first array read through the exchange
+                           API (-1: none): torch's current stream on it is
+                           ordered before `stream`, once per call */
+  const SetsXApi *xapi;
+  int xordered;         /* done for this call */
+  uintptr_t cai[8];     /* streams of CUDA-Array-Interface arrays */
+  int ncai;
+  int cai_over;         /* more than 8 of them: each ordered when met */
+  int slow;             /* arrays read through the protocols since the last flush */
+} Resolve;
+
+static int resolve_cai_stream(Resolve *r, uintptr_t s, int now) {
+  if (s == r->stream) return 0;
+  for (int k = 0; k < r->ncai; k++)
+    if (r->cai[k] == s) return 0;
+  if (r->ncai < 8) r->cai[r->ncai++] = s;
+  else r->cai_over = 1;
+  return now ? order_streams(0, s, r->stream) : 0;
+}
+
+/* Orders `stream` after torch's current stream (once per call). */
+static int resolve_order(Resolve *r) {
+  if (r->xdev < 0 || r->xordered) return 0;
+  uintptr_t cur;
+  if (torch_stream(r->xapi, r->xdev, &cur) < 0) return -1;
+  r->xordered = 1;
+  return cur == r->stream ? 0 : order_streams(r->xdev, cur, r->stream);
+}
+
+/* The device address of the array o given for tensor i (t), its layout
+ * checked: None -> NULL (skip), int -> that address as it is, a tensor of
+ * a type with the exchange API (torch) -> read in C, anything else through
+ * __cuda_array_interface__ / __dlpack__ (the array's stream ordered before
+ * the copies as it is met: `now`). */
+static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t, int now,
+                       void **out) {
+  *out = NULL;
+  if (o == Py_None) return 0;
+  if (PyLong_Check(o)) {
+    *out = PyLong_AsVoidPtr(o);
+    return PyErr_Occurred() ? -1 : 0;
+  }
+  const SetsXApi *x;
+  int kind = xkind_of(o, &x);
+  if (kind != XK_PROTOCOL) {
+    DLTensor dl;
+    int64_t sh[MAXD], st[MAXD];
+    int rr = kind == XK_EXCHANGE ? x->dltensor_from_py_object_no_sync(o, &dl)
+                                 : torch_read(o, &dl, sh, st);
+    if (rr != 0) {
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "%s: tensor %zu ('%s'): its %.80s could not be read",
+                     r->what, i, t->name, Py_TYPE(o)->tp_name);
+      return -1;
+    }
+    if (dl.device.device_type != kDLCUDA) {
+      PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s'): the array given for it is not in "
+                   "CUDA device memory (DLPack device type %d)", r->what, i, t->name,
+                   (int)dl.device.device_type);
+      return -1;
+    }
+    if (dl.ndim < 0 || dl.ndim > MAXD) {
+      PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s'): the array given for it has %d "
+                   "dimensions", r->what, i, t->name, (int)dl.ndim);
+      return -1;
+    }
+    int dtype = gpuipc_dtype_from_dlpack(dl.dtype.code, dl.dtype.bits, dl.dtype.lanes);
+    if (layout_check(r->what, i, t, dtype, &dl.dtype, dl.ndim, dl.shape, dl.strides) < 0)
+      return -1;
+    if (r->xdev < 0) {
+      r->xdev = dl.device.device_id;
+      r->xapi = x; /* NULL for XK_TORCH: torch._C's raw stream */
+    }
+    *out = (char *)dl.data + dl.byte_offset;
+    return 0;
+  }
+  Foreign fo;
+  if (foreign_get(o, r->stream, &fo) < 0) return -1;
+  Py_XDECREF(fo.owner); /* the caller's sequence keeps o */
+  r->slow++;
+  if (fo.has_stream && resolve_cai_stream(r, fo.stream, now) < 0) return -1;
+  if (layout_check(r->what, i, t, fo.meta.dtype, NULL, fo.meta.ndim, fo.meta.shape,
+                   fo.meta.has_strides ? fo.meta.strides : NULL) < 0)
+    return -1;
+  if (fo.nbytes != t->nbytes) {
+    PyErr_Format(PyExc_ValueError, "%s: tensor %zu ('%s') spans %zu bytes, its array %zu",
+                 r->what, i, t->name, t->nbytes, fo.nbytes);
+    return -1;
+  }
+  *out = fo.ptr;
+  return 0;
+}
+
+/* What a copy call works on: the set's or the version's tensors, and the
+ * library call that copies (dsts or srcs; NULL entries skipped). */
+typedef struct {
+  const char *what;
+  size_t n;
+  uint64_t layout;
+  gpuipc_status (*tensor)(void *obj, size_t i, gpuipc_tensor *t);
+  gpuipc_status (*copy)(void *obj, void *const *ptrs, uintptr_t stream);
+  void *obj;
+} CopyJob;
+
+static int job_run(const CopyJob *j, void *const *ptrs, uintptr_t stream) {
+  gpuipc_status st;
+  LOCK();
+  Py_BEGIN_ALLOW_THREADS
+  st = j->copy(j->obj, ptrs, stream);
+  UNLOCK();
+  Py_END_ALLOW_THREADS
+  if (st != GPUIPC_OK) {
+    raise_st(st, j->what);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *seq_of(PyObject *seq, const CopyJob *j) {
   PyObject *f = PySequence_Fast(seq, "a sequence of device arrays, addresses or None");
   if (!f) return NULL;
-  if ((size_t)PySequence_Fast_GET_SIZE(f) != n) {
-    PyErr_Format(PyExc_ValueError, "%s: %zu arrays for a set of %zu tensors", what,
-                 (size_t)PySequence_Fast_GET_SIZE(f), n);
+  if ((size_t)PySequence_Fast_GET_SIZE(f) != j->n) {
+    PyErr_Format(PyExc_ValueError, "%s: %zu arrays for a set of %zu tensors", j->what,
+                 (size_t)PySequence_Fast_GET_SIZE(f), j->n);
     Py_DECREF(f);
     return NULL;
   }
-  void **p = PyMem_Calloc(n ? n : 1, sizeof *p);
-  if (!p) { Py_DECREF(f); PyErr_NoMemory(); return NULL; }
-  for (size_t i = 0; i < n; i++) {
-    PyObject *o = PySequence_Fast_GET_ITEM(f, (Py_ssize_t)i);
-    if (o == Py_None) continue;
-    if (PyLong_Check(o)) {
-      p[i] = PyLong_AsVoidPtr(o);
-      if (PyErr_Occurred()) goto fail;
-      continue;
-    }
-    Foreign fo;
-    if (foreign_get(o, stream, &fo) < 0) goto fail;
-    size_t nb = fo.nbytes;
-    void *ptr = fo.ptr;
-    Py_XDECREF(fo.owner);
-    if (fo.has_stream && fo.stream != stream) {
-      /* the array's pending work comes first */
-      if (order_streams(0, fo.stream, stream) < 0) goto fail;
-    }
-    if (want && nb != want[i]) {
-      PyErr_Format(PyExc_ValueError, "%s: tensor %zu spans %zu bytes, its array %zu", what,
-                   i, want[i], nb);
-      goto fail;
-    }
-    p[i] = ptr;
-  }
-  Py_DECREF(f);
-  return p;
-fail:
-  Py_DECREF(f);
-  PyMem_Free(p);
-  return NULL;
+  return f;
 }
+
+/* Resolves seq and copies as it goes: arrays read in C (torch, addresses)
+ * cost tens of nanoseconds and are copied with one call; arrays read
+ * through the Python protocols go in chunks of 16, each copied as soon as
+ * it is resolved, so the GPU copies while the rest is resolved. Streams
+ * are ordered once per call (torch's current stream, each distinct stream
+ * a CUDA-Array-Interface array names) before the first copy that needs it. */
+#define SETS_CHUNK 16
+static int copy_resolving(const CopyJob *j, PyObject *seq, uintptr_t stream) {
+  PyObject *f = seq_of(seq, j);
+  if (!f) return -1;
+  void **p = PyMem_Calloc(j->n ? j->n : 1, sizeof *p);
+  if (!p) {
+    Py_DECREF(f);
+    PyErr_NoMemory();
+    return -1;
+  }
+  Resolve r = {j->what, stream, -1, NULL, 0, {0}, 0, 0, 0};
+  int rc = 0, pending = 0;
+  size_t lo = 0;
+  for (size_t i = 0; i < j->n; i++) {
+    gpuipc_tensor t;
+    if (j->tensor(j->obj, i, &t) != GPUIPC_OK) {
+      raise_st(GPUIPC_E_INVALID_ARG, j->what);
+      rc = -1;
+      break;
+    }
+    if (resolve_one(&r, PySequence_Fast_GET_ITEM(f, (Py_ssize_t)i), i, &t, 1, &p[i]) < 0) {
+      rc = -1;
+      break;
+    }
+    pending |= p[i] != NULL;
+    if (r.slow >= SETS_CHUNK && pending) {
+      if (resolve_order(&r) < 0 || job_run(j, p, stream) < 0) {
+        rc = -1;
+        break;
+      }
+      memset(p + lo, 0, (i + 1 - lo) * sizeof *p);
+      lo = i + 1;
+      r.slow = 0;
+      pending = 0;
+    }
+  }
+  if (rc == 0 && pending && (resolve_order(&r) < 0 || job_run(j, p, stream) < 0)) rc = -1;
+  PyMem_Free(p);
+  Py_DECREF(f);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* CopyPlan: arrays resolved and checked once, copied per version           */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+  PyObject_HEAD
+  uint64_t layout;
+  int side;         /* 0: a consumer's (copy_into), 1: a producer's (copy_from) */
+  size_t n;
+  void **ptrs;
+  PyObject *refs;   /* the arrays, kept alive */
+  int xdev;         /* torch's device (-1: no torch tensor) */
+  const SetsXApi *xapi;
+  uintptr_t cai[8]; /* CUDA-Array-Interface arrays' streams */
+  int ncai, cai_over;
+} TPlanObject;
+
+static PyTypeObject TPlanType;
+
+static PyObject *plan_make(const CopyJob *j0, PyObject *seq, uintptr_t stream, int side) {
+  CopyJob jw = *j0;
+  jw.what = side ? "plan_from" : "plan_into";
+  const CopyJob *j = &jw;
+  PyObject *f = seq_of(seq, j);
+  if (!f) return NULL;
+  TPlanObject *pl = PyObject_GC_New(TPlanObject, &TPlanType);
+  if (!pl) {
+    Py_DECREF(f);
+    return NULL;
+  }
+  pl->layout = j->layout;
+  pl->side = side;
+  pl->n = j->n;
+  pl->refs = PySequence_List(f); /* its own list: the caller's may change */
+  Py_DECREF(f);
+  f = pl->refs;
+  pl->ptrs = PyMem_Calloc(j->n ? j->n : 1, sizeof *pl->ptrs);
+  pl->xdev = -1;
+  pl->xapi = NULL;
+  pl->ncai = pl->cai_over = 0;
+  if (!pl->refs || !pl->ptrs) {
+    Py_DECREF(pl);
+    return PyErr_NoMemory();
+  }
+  const char *what = side ? "plan_from" : "plan_into";
+  Resolve r = {what, stream, -1, NULL, 0, {0}, 0, 0, 0};
+  for (size_t i = 0; i < j->n; i++) {
+    gpuipc_tensor t;
+    if (j->tensor(j->obj, i, &t) != GPUIPC_OK) {
+      Py_DECREF(pl);
+      return raise_st(GPUIPC_E_INVALID_ARG, j->what);
+    }
+    if (resolve_one(&r, PySequence_Fast_GET_ITEM(f, (Py_ssize_t)i), i, &t, 0, &pl->ptrs[i]) < 0) {
+      Py_DECREF(pl);
+      return NULL;
+    }
+  }
+  if (r.cai_over) {
+    Py_DECREF(pl);
+    return raise_msg(GPUIPC_E_INVALID_ARG, what, "a plan takes arrays of at most 8 "
+                     "different streams (copy without a plan)");
+  }
+  pl->xdev = r.xdev;
+  pl->xapi = r.xapi;
+  pl->ncai = r.ncai;
+  memcpy(pl->cai, r.cai, sizeof pl->cai);
+  PyObject_GC_Track(pl);
+  return (PyObject *)pl;
+}
+
+/* Copies with a plan: its layout checked, its streams ordered once. */
+static int plan_run(const CopyJob *j, TPlanObject *pl, uintptr_t stream, int side) {
+  if (pl->side != side) {
+    raise_msg(GPUIPC_E_INVALID_ARG, j->what, side ? "a plan of copy_into (Version.plan_into) "
+              "given to copy_from" : "a plan of copy_from (TensorSet.plan_from) given to "
+              "copy_into");
+    return -1;
+  }
+  if (!pl->refs) {
+    raise_msg(GPUIPC_E_INVALID_ARG, j->what, "the plan was cleared (garbage collection)");
+    return -1;
+  }
+  if (pl->layout != j->layout || pl->n != j->n) {
+    char d[160];
+    snprintf(d, sizeof d, "the plan was made for layout %#llx, this is layout %#llx: make a "
+             "new plan", (unsigned long long)pl->layout, (unsigned long long)j->layout);
+    raise_msg(GPUIPC_E_INVALID_ARG, j->what, d);
+    return -1;
+  }
+  for (int k = 0; k < pl->ncai; k++)
+    if (pl->cai[k] != stream && order_streams(0, pl->cai[k], stream) < 0) return -1;
+  if (pl->xdev >= 0) {
+    uintptr_t cur;
+    if (torch_stream(pl->xapi, pl->xdev, &cur) < 0) return -1;
+    if (cur != stream && order_streams(pl->xdev, cur, stream) < 0) return -1;
+  }
+  return job_run(j, pl->ptrs, stream);
+}
+
+/* A plan holds the caller's arrays: the garbage collector sees them (an
+ * array that refers back to its plan makes a cycle it can collect). A
+ * plan is tracked once it is whole. */
+static int TPlan_traverse(TPlanObject *pl, visitproc visit, void *arg) {
+  Py_VISIT(pl->refs);
+  return 0;
+}
+static int TPlan_clear(TPlanObject *pl) {
+  Py_CLEAR(pl->refs);
+  pl->n = 0; /* its addresses are no longer kept alive: never used again */
+  return 0;
+}
+static void TPlan_dealloc(TPlanObject *pl) {
+  if (PyObject_GC_IsTracked((PyObject *)pl)) PyObject_GC_UnTrack(pl);
+  PyMem_Free(pl->ptrs);
+  Py_XDECREF(pl->refs);
+  PyObject_GC_Del(pl);
+}
+static PyObject *TPlan_get(TPlanObject *pl, void *which) {
+  switch ((int)(intptr_t)which) {
+  case 0: return PyLong_FromUnsignedLongLong(pl->layout);
+  case 1: return PyLong_FromSize_t(pl->n);
+  case 2: return PyUnicode_FromString(pl->side ? "copy_from" : "copy_into");
+  default:
+    if (!pl->refs) Py_RETURN_NONE;
+    Py_INCREF(pl->refs);
+    return pl->refs;
+  }
+}
+static PyObject *TPlan_repr(TPlanObject *pl) {
+  return PyUnicode_FromFormat("<gpuipc.CopyPlan for %s of %zu tensors, layout %llx>",
+                              pl->side ? "copy_from" : "copy_into", pl->n,
+                              (unsigned long long)pl->layout);
+}
+static PyGetSetDef TPlan_getset[] = {
+    {"layout", (getter)TPlan_get, NULL, "the layout it was made for", (void *)0},
+    {"count", (getter)TPlan_get, NULL, "tensors", (void *)1},
+    {"kind", (getter)TPlan_get, NULL, "'copy_into' or 'copy_from'", (void *)2},
+    {"arrays", (getter)TPlan_get, NULL, "the arrays, in the set's order (kept alive)", (void *)3},
+    {NULL}};
+static PyTypeObject TPlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpuipc.CopyPlan",
+    .tp_basicsize = sizeof(TPlanObject),
+    .tp_dealloc = (destructor)TPlan_dealloc,
+    .tp_repr = (reprfunc)TPlan_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)TPlan_traverse,
+    .tp_clear = (inquiry)TPlan_clear,
+    .tp_doc = "the caller's arrays for one layout, resolved and checked once "
+              "(Version.plan_into, TensorSet.plan_from); it keeps them alive, and a copy "
+              "with it reads their addresses as they were then",
+    .tp_getset = TPlan_getset,
+};
 
 /* ------------------------------------------------------------------------ */
 /* Producer: TensorSetC                                                     */
@@ -312,6 +946,7 @@ static PyObject *TSet_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   o->conns = PyList_New(0);
   o->keep = keep;
   keep = NULL;
+  REG_ADD(g_sets, o);
   if (!o->conns) Py_CLEAR(o);
 out:
   Py_DECREF(f);
@@ -484,19 +1119,20 @@ static PyObject *TSet_begin(TSetObject *o, PyObject *args, PyObject *kw) {
   return PyLong_FromLong(x.copy);
 }
 
-static size_t *set_extents(TSetObject *o, int copy, size_t n) {
-  size_t *w = PyMem_Calloc(n ? n : 1, sizeof *w);
-  if (!w) { PyErr_NoMemory(); return NULL; }
-  for (size_t i = 0; i < n; i++) {
-    gpuipc_tensor t;
-    if (gpuipc_tset_get_tensor(o->s, copy, i, &t) != GPUIPC_OK) {
-      PyMem_Free(w);
-      raise_st(GPUIPC_E_INVALID_ARG, "tensor");
-      return NULL;
-    }
-    w[i] = t.nbytes;
-  }
-  return w;
+typedef struct { TSetObject *o; int copy; } SetJob;
+static gpuipc_status setjob_tensor(void *obj, size_t i, gpuipc_tensor *t) {
+  SetJob *x = obj;
+  return gpuipc_tset_get_tensor(x->o->s, x->copy, i, t);
+}
+static gpuipc_status setjob_copy(void *obj, void *const *ptrs, uintptr_t stream) {
+  SetJob *x = obj;
+  return gpuipc_tset_copy_from(x->o->s, x->copy, ptrs, S(stream));
+}
+static CopyJob set_job(TSetObject *o, SetJob *x, int copy) {
+  x->o = o;
+  x->copy = copy;
+  return (CopyJob){"copy_from", gpuipc_tset_get_count(o->s), gpuipc_tset_get_layout(o->s),
+                   setjob_tensor, setjob_copy, x};
 }
 
 static PyObject *TSet_copy_from(TSetObject *o, PyObject *args, PyObject *kw) {
@@ -507,23 +1143,22 @@ static PyObject *TSet_copy_from(TSetObject *o, PyObject *args, PyObject *kw) {
   if (!set_ok(o)) return NULL;
   uintptr_t stream;
   if (parse_stream(so, &stream) < 0) return NULL;
-  size_t n = gpuipc_tset_get_count(o->s);
   if (copy < 0 || copy >= gpuipc_tset_get_copies(o->s))
     return raise_msg(GPUIPC_E_INVALID_ARG, "copy_from", "no such copy");
-  size_t *w = set_extents(o, copy, n);
-  if (!w) return NULL;
-  void **p = ptr_list(srcs, n, w, stream, "copy_from");
-  PyMem_Free(w);
-  if (!p) return NULL;
-  gpuipc_status st;
-  LOCK();
-  Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_tset_copy_from(o->s, copy, p, S(stream));
-  UNLOCK();
-  Py_END_ALLOW_THREADS
-  PyMem_Free(p);
-  if (st != GPUIPC_OK) return raise_st(st, "copy_from");
+  SetJob x;
+  CopyJob j = set_job(o, &x, copy);
+  int rc = Py_TYPE(srcs) == &TPlanType ? plan_run(&j, (TPlanObject *)srcs, stream, 1)
+                                       : copy_resolving(&j, srcs, stream);
+  if (rc < 0) return NULL;
   Py_RETURN_NONE;
+}
+
+/* plan(srcs) -> CopyPlan for copy_from (the layout of every copy) */
+static PyObject *TSet_plan(TSetObject *o, PyObject *srcs) {
+  if (!set_ok(o)) return NULL;
+  SetJob x;
+  CopyJob j = set_job(o, &x, 0);
+  return plan_make(&j, srcs, 0, 1);
 }
 
 static PyObject *TSet_publish(TSetObject *o, PyObject *args, PyObject *kw) {
@@ -592,6 +1227,7 @@ static PyObject *TSet_destroy(TSetObject *o, PyObject *args, PyObject *kw) {
 }
 
 static void TSet_dealloc(TSetObject *o) {
+  REG_DEL(g_sets, o);
   if (o->s) {
     gpuipc_status st;
     LOCK();
@@ -634,7 +1270,10 @@ static PyMethodDef TSet_methods[] = {
     {"begin", (PyCFunction)(void (*)(void))TSet_begin, METH_VARARGS | METH_KEYWORDS,
      "begin(*, stream=None, timeout=) -> copy to write"},
     {"copy_from", (PyCFunction)(void (*)(void))TSet_copy_from, METH_VARARGS | METH_KEYWORDS,
-     "copy_from(copy, srcs, *, stream=None): copy arrays (or addresses, None: skip) in"},
+     "copy_from(copy, srcs, *, stream=None): copy arrays (or addresses, None: skip; or a "
+     "CopyPlan) in"},
+    {"plan", (PyCFunction)TSet_plan, METH_O,
+     "plan(srcs) -> CopyPlan: srcs resolved and checked once, for copy_from"},
     {"publish", (PyCFunction)(void (*)(void))TSet_publish, METH_VARARGS | METH_KEYWORDS,
      "publish(*, stream=None) -> version number"},
     {"tensor", (PyCFunction)(void (*)(void))TSet_tensor, METH_VARARGS | METH_KEYWORDS,
@@ -669,6 +1308,8 @@ PyTypeObject TSetType = {
 /* ------------------------------------------------------------------------ */
 /* Consumer: TensorSetSub, TensorSetVersion                                 */
 /* ------------------------------------------------------------------------ */
+
+static void vcache_clear(TSubObject *o);
 
 static void ver_unlink(TVerObject *v) {
   if (!v->sub) return;
@@ -705,6 +1346,7 @@ static PyObject *TSub_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
   c->tset_refs++;
   o->device = device;
   o->linger = NULL;
+  REG_ADD(g_subs, o);
   return (PyObject *)o;
 }
 
@@ -721,6 +1363,8 @@ static void sub_close(TSubObject *o) {
    * another thread sees a closed subscriber, never a freed one. */
   gpuipc_tset_sub *s = o->s;
   if (!s) return;
+  vcache_clear(o); /* its torch tensors are valid until this close */
+  REG_DEL(g_subs, o);
   o->s = NULL;
   o->conn->tset_refs--;
   int viewed = 0;
@@ -815,6 +1459,7 @@ static PyObject *TSub_recv(TSubObject *o, PyObject *args, PyObject *kw) {
 static void TSub_dealloc(TSubObject *o) {
   /* No version is left (each keeps its subscriber): nothing lingers. */
   sub_close(o);
+  vcache_clear(o);
   Py_XDECREF(o->conn);
   Py_TYPE(o)->tp_free((PyObject *)o);
 }
@@ -896,6 +1541,176 @@ static PyObject *Ver_tensor(TVerObject *v, PyObject *arg) {
   return view_new((PyObject *)v, &t, v->sub->device, v->stream);
 }
 
+/* A version's torch tensors, built in one call: one allocation holds
+ * every tensor's DLPack struct, freed when the last tensor is gone (any
+ * thread: torch may drop a tensor without the GIL). */
+typedef struct {
+  union {
+    DLManagedTensorVersioned v;
+    DLManagedTensor m;
+  } u;
+  int64_t dims[2 * GPUIPC_TSET_NDIM_MAX];
+} BatchItem;
+typedef struct {
+  atomic_long refs; /* tensors not deleted yet */
+  size_t n;
+  BatchItem it[];
+} Batch;
+
+static void batch_unref(Batch *b) {
+  if (atomic_fetch_sub(&b->refs, 1) == 1) PyMem_RawFree(b);
+}
+static void batch_del_v(DLManagedTensorVersioned *m) { batch_unref(m->manager_ctx); }
+static void batch_del_m(DLManagedTensor *m) { batch_unref(m->manager_ctx); }
+static void batch_capsule_dtor(PyObject *cap) {
+  /* unconsumed (torch refused it): still ours */
+  if (PyCapsule_IsValid(cap, "dltensor")) {
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m) m->deleter(m);
+  }
+  PyErr_Clear();
+}
+
+static void vcache_drop(VCache *e) {
+  Py_CLEAR(e->tensors);
+  PyMem_Free(e->ptrs);
+  e->ptrs = NULL;
+  e->n = 0;
+}
+static void vcache_clear(TSubObject *o) {
+  for (int k = 0; k < SETS_VCACHE; k++) vcache_drop(&o->vc[k]);
+}
+
+/* Whether the cached tensors are still what was built (a tensor changed
+ * in place, t.resize_() say, is not handed out again). */
+static int vcache_intact(const VCache *e) {
+  if (!g_torch.api) return 1;
+  for (size_t i = 0; i < e->n; i++) {
+    DLTensor dl;
+    if (g_torch.api->dltensor_from_py_object_no_sync(PyTuple_GET_ITEM(e->tensors, (Py_ssize_t)i),
+                                                     &dl) != 0) {
+      PyErr_Clear();
+      return 0;
+    }
+    if ((char *)dl.data + dl.byte_offset != (char *)e->ptrs[i]) return 0;
+  }
+  return 1;
+}
+
+/* The torch tensors of v's n tensors (a new tuple). */
+static PyObject *torch_build(TVerObject *v, size_t n) {
+  Batch *b = PyMem_RawCalloc(1, sizeof *b + (n ? n : 1) * sizeof(BatchItem));
+  if (!b) return PyErr_NoMemory();
+  b->n = n;
+  atomic_init(&b->refs, (long)n);
+  PyObject *tup = PyTuple_New((Py_ssize_t)n);
+  size_t i = 0;
+  if (!tup) goto fail;
+  for (; i < n; i++) {
+    gpuipc_tensor t;
+    if (gpuipc_tset_version_get_tensor(v->v, i, &t) != GPUIPC_OK) {
+      raise_st(GPUIPC_E_INVALID_ARG, "as_torch");
+      goto fail;
+    }
+    BatchItem *it = &b->it[i];
+    DLTensor *d = g_torch.api ? &it->u.v.dl_tensor : &it->u.m.dl_tensor;
+    d->data = t.ptr;
+    d->device = (DLDevice){kDLCUDA, v->sub->device};
+    d->ndim = t.ndim;
+    gpuipc_dtype_to_dlpack(t.dtype, &d->dtype.code, &d->dtype.bits, &d->dtype.lanes);
+    for (int k = 0; k < t.ndim; k++) it->dims[k] = t.shape[k];
+    strides_eff(t.shape, t.strides, t.ndim, it->dims + GPUIPC_TSET_NDIM_MAX);
+    d->shape = it->dims;
+    d->strides = it->dims + GPUIPC_TSET_NDIM_MAX;
+    d->byte_offset = 0;
+    PyObject *x = NULL;
+    if (g_torch.api) {
+      it->u.v.version = (DLPackVersion){1, 0};
+      it->u.v.manager_ctx = b;
+      it->u.v.deleter = batch_del_v;
+      if (g_torch.api->managed_tensor_to_py_object_no_sync(&it->u.v, (void **)&x) != 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "as_torch: torch refused");
+        goto fail;
+      }
+    } else {
+      it->u.m.manager_ctx = b;
+      it->u.m.deleter = batch_del_m;
+      PyObject *cap = PyCapsule_New(&it->u.m, "dltensor", batch_capsule_dtor);
+      if (!cap) goto fail;
+      x = PyObject_CallOneArg(g_torch.from_dlpack, cap);
+      Py_DECREF(cap); /* consumed: renamed; else its destructor gave it back */
+      if (!x) {
+        i++;
+        goto fail;
+      }
+    }
+    PyTuple_SET_ITEM(tup, (Py_ssize_t)i, x);
+  }
+  return tup;
+fail:
+  /* items from i on were never handed to torch */
+  for (size_t k = i; k < n; k++) batch_unref(b);
+  Py_XDECREF(tup);
+  return NULL;
+}
+
+/* torch_views(): every tensor of the version as a torch tensor, zero
+ * copy, built in one call; torch's current stream ordered after recv's
+ * stream once. The same tensor objects come back for a later version of
+ * the same layout and copy while their addresses are the same (a copy is
+ * rewritten only once its version was released). */
+static PyObject *Ver_torch_views(TVerObject *v, PyObject *u) {
+  if (!ver_ok(v)) return NULL;
+  if (sets_torch_ready(1) < 0) return NULL;
+  TSubObject *sub = v->sub;
+  size_t n = gpuipc_tset_version_get_count(v->v);
+  uint64_t layout = gpuipc_tset_version_get_layout(v->v);
+  int copy = gpuipc_tset_version_get_copy(v->v);
+  uintptr_t cur;
+  if (torch_stream(g_torch.api, sub->device, &cur) < 0) return NULL;
+  if (cur != v->stream && order_streams(sub->device, v->stream, cur) < 0) return NULL;
+  void **ptrs = PyMem_Malloc((n ? n : 1) * sizeof *ptrs);
+  if (!ptrs) return PyErr_NoMemory();
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_tensor t;
+    gpuipc_tset_version_get_tensor(v->v, i, &t);
+    ptrs[i] = t.ptr;
+  }
+  if (!sub->s) { /* closed here, the version kept by its views: not kept again */
+    PyMem_Free(ptrs);
+    return torch_build(v, n);
+  }
+  VCache *slot = NULL;
+  for (int k = 0; k < SETS_VCACHE; k++) {
+    VCache *e = &sub->vc[k];
+    if (e->tensors && e->layout != layout) vcache_drop(e); /* an older layout's */
+    if (e->tensors && e->copy == copy) slot = e;
+  }
+  if (slot && slot->n == n && !memcmp(slot->ptrs, ptrs, n * sizeof *ptrs) &&
+      vcache_intact(slot)) {
+    PyMem_Free(ptrs);
+    Py_INCREF(slot->tensors);
+    return slot->tensors;
+  }
+  PyObject *tup = torch_build(v, n);
+  if (!tup) {
+    PyMem_Free(ptrs);
+    return NULL;
+  }
+  if (!slot)
+    for (int k = 0; k < SETS_VCACHE && !slot; k++)
+      if (!sub->vc[k].tensors) slot = &sub->vc[k];
+  if (!slot) slot = &sub->vc[0];
+  vcache_drop(slot);
+  slot->layout = layout;
+  slot->copy = copy;
+  slot->n = n;
+  slot->ptrs = ptrs;
+  Py_INCREF(tup);
+  slot->tensors = tup;
+  return tup;
+}
+
 static PyObject *Ver_find(TVerObject *v, PyObject *args) {
   const char *name;
   if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
@@ -921,6 +1736,19 @@ static PyObject *Ver_names(TVerObject *v, PyObject *u) {
   return l;
 }
 
+typedef struct { TVerObject *v; } VerJob;
+static gpuipc_status verjob_tensor(void *obj, size_t i, gpuipc_tensor *t) {
+  return gpuipc_tset_version_get_tensor(((VerJob *)obj)->v->v, i, t);
+}
+static gpuipc_status verjob_copy(void *obj, void *const *ptrs, uintptr_t stream) {
+  return gpuipc_tset_version_copy_into(((VerJob *)obj)->v->v, ptrs, S(stream));
+}
+static CopyJob ver_job(TVerObject *v, VerJob *x) {
+  x->v = v;
+  return (CopyJob){"copy_into", gpuipc_tset_version_get_count(v->v),
+                   gpuipc_tset_version_get_layout(v->v), verjob_tensor, verjob_copy, x};
+}
+
 static PyObject *Ver_copy_into(TVerObject *v, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"dsts", "stream", NULL};
   PyObject *dsts, *so = NULL;
@@ -928,30 +1756,22 @@ static PyObject *Ver_copy_into(TVerObject *v, PyObject *args, PyObject *kw) {
   if (!ver_ok(v)) return NULL;
   uintptr_t stream = v->stream;
   if (so && parse_stream(so, &stream) < 0) return NULL;
-  size_t n = gpuipc_tset_version_get_count(v->v);
-  size_t *w = PyMem_Calloc(n ? n : 1, sizeof *w);
-  if (!w) return PyErr_NoMemory();
-  for (size_t i = 0; i < n; i++) {
-    gpuipc_tensor t;
-    gpuipc_tset_version_get_tensor(v->v, i, &t);
-    w[i] = t.nbytes;
-  }
-  void **p = ptr_list(dsts, n, w, stream, "copy_into");
-  PyMem_Free(w);
-  if (!p) return NULL;
-  if (stream != v->stream && order_streams(v->sub->device, v->stream, stream) < 0) {
-    PyMem_Free(p);
-    return NULL;
-  }
-  gpuipc_status st;
-  LOCK();
-  Py_BEGIN_ALLOW_THREADS
-  st = gpuipc_tset_version_copy_into(v->v, p, S(stream));
-  UNLOCK();
-  Py_END_ALLOW_THREADS
-  PyMem_Free(p);
-  if (st != GPUIPC_OK) return raise_st(st, "copy_into");
+  if (stream != v->stream && order_streams(v->sub->device, v->stream, stream) < 0) return NULL;
+  VerJob x;
+  CopyJob j = ver_job(v, &x);
+  int rc = Py_TYPE(dsts) == &TPlanType ? plan_run(&j, (TPlanObject *)dsts, stream, 0)
+                                       : copy_resolving(&j, dsts, stream);
+  if (rc < 0) return NULL;
   Py_RETURN_NONE;
+}
+
+/* plan(dsts) -> CopyPlan for copy_into, good for every version of this
+ * version's layout */
+static PyObject *Ver_plan(TVerObject *v, PyObject *dsts) {
+  if (!ver_ok(v)) return NULL;
+  VerJob x;
+  CopyJob j = ver_job(v, &x);
+  return plan_make(&j, dsts, v->stream, 0);
 }
 
 static void Ver_dealloc(TVerObject *v) {
@@ -977,7 +1797,13 @@ static PyMethodDef Ver_methods[] = {
     {"find", (PyCFunction)Ver_find, METH_VARARGS, "find(name) -> index (KeyError)"},
     {"names", (PyCFunction)Ver_names, METH_NOARGS, "the names, in the producer's order"},
     {"copy_into", (PyCFunction)(void (*)(void))Ver_copy_into, METH_VARARGS | METH_KEYWORDS,
-     "copy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip)"},
+     "copy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip; or a "
+     "CopyPlan)"},
+    {"plan", (PyCFunction)Ver_plan, METH_O,
+     "plan(dsts) -> CopyPlan: dsts resolved and checked once, for copy_into of every "
+     "version of this layout"},
+    {"torch_views", (PyCFunction)Ver_torch_views, METH_NOARGS,
+     "torch_views() -> tuple of torch tensors, zero-copy, in the producer's order"},
     {"release", (PyCFunction)(void (*)(void))Ver_release, METH_VARARGS | METH_KEYWORDS,
      "release(*, stream=recv's): hand the version back (ordered on stream)"},
     {"__enter__", gpy_enter, METH_NOARGS, NULL},
@@ -1080,3 +1906,41 @@ PyTypeObject TViewType = {
     .tp_methods = TView_methods,
     .tp_getset = TView_getset,
 };
+
+/* ------------------------------------------------------------------------ */
+/* A connection's context manager; module hook                              */
+/* ------------------------------------------------------------------------ */
+
+int sets_let_go(ConnObject *c) {
+  for (TSubObject *o = g_subs; o;) {
+    TSubObject *n = o->reg_next;
+    if (o->conn == c) sub_close(o); /* unlinks o */
+    o = n;
+  }
+  int rc = 0;
+  for (TSetObject *o = g_sets; o && c->tset_refs > 0;) {
+    TSetObject *n = o->reg_next;
+    int uses = 0;
+    for (Py_ssize_t i = 0; o->conns && i < PyList_GET_SIZE(o->conns); i++)
+      uses |= PyList_GET_ITEM(o->conns, i) == (PyObject *)c;
+    if (uses && o->s) {
+      Py_INCREF(o);
+      SetCtx x = {0};
+      x.conn = c;
+      gpuipc_status st;
+      if (tset_wait(o, o->timeout_ms, op_unsub, &x, GPUIPC_E_TIMEOUT, &st) < 0) rc = -1;
+      else if (st == GPUIPC_OK || st == GPUIPC_E_NOT_FOUND) conns_prune(o, c);
+      n = o->reg_next;
+      Py_DECREF(o);
+      if (rc < 0) break;
+    }
+    o = n;
+  }
+  return rc;
+}
+
+int sets_init(PyObject *m) {
+  if (PyType_Ready(&TPlanType) < 0) return -1;
+  Py_INCREF(&TPlanType);
+  return PyModule_AddObject(m, "CopyPlan", (PyObject *)&TPlanType);
+}
