@@ -344,6 +344,27 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
                                               int *nfds /* IN/OUT */);
 
 /*
+ * Exports a descriptor of [ptr, ptr + size), a range inside the allocation
+ * buf was allocated or wrapped from (not only buf's own range): the cheap
+ * way to send many views of one allocation (a framework's caching
+ * allocator hands out tensors inside few large allocations), with the
+ * handle made once for all of them. Costs one driver call
+ * (CU_POINTER_ATTRIBUTE_BUFFER_ID of ptr), which checks that ptr still lies
+ * in the allocation buf names. Writes no fds. Returns
+ *   GPUIPC_E_OUT_OF_RANGE   the range leaves the allocation
+ *   GPUIPC_E_STALE          ptr is in another allocation now (the one buf
+ *                           wrapped was freed): wrap the new one
+ *   GPUIPC_E_NOT_SUPPORTED  an imported buffer, memory that travels with an
+ *                           fd (use gpuipc_buffer_export), or memory the
+ *                           driver gives no buffer id
+ * desc/cap/len as gpuipc_buffer_export. Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_export_range(gpuipc_buffer *buf,
+                                                    const void *ptr, size_t size,
+                                                    uint8_t *desc, size_t cap,
+                                                    size_t *len /* OUT */);
+
+/*
  * Imports a buffer descriptor: opens the exporter's memory in this process,
  * on opts->device (NULL opts: the exporter's device). fds/nfds: the file
  * descriptors that travelled with it; they stay owned by the caller (gpuipc

@@ -78,6 +78,7 @@ static PyObject *buffer_new(gpuipc_buffer *b, PyObject *pool, PyObject *owner, i
   o->b = b;
   o->sent = 0;
   o->weak = NULL;
+  o->hold = NULL;
   Py_XINCREF(pool);
   o->pool = pool;
   Py_XINCREF(owner);
@@ -196,6 +197,11 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
     return raise_msg(GPUIPC_E_BUSY, "close", "a peer still holds this buffer (sent with "
                      "conn.send and not released)");
   gpuipc_buffer *gb = b->b;
+  if (b->hold) {
+    struct HoldRef *r = b->hold;
+    b->hold = NULL;
+    hold_release(r);
+  }
   if (gb) {
     /* Taken and cleared before the GIL is released: a close in another
      * thread meanwhile finds it closed, and frees nothing twice. */
@@ -213,6 +219,11 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
 
 static void Buffer_dealloc(BufferObject *b) {
   if (b->weak) PyObject_ClearWeakRefs((PyObject *)b);
+  if (b->hold) {
+    struct HoldRef *r = b->hold;
+    b->hold = NULL;
+    hold_release(r);
+  }
   if (b->b) {
     gpuipc_buffer_free(b->b, S(b->stream));
     g_count.live_buffers--;
@@ -262,6 +273,33 @@ static PyObject *Buffer_wrap(PyTypeObject *t, PyObject *args, PyObject *kw) {
   PyObject *r = buffer_new(b, NULL, f.owner, 0, 0, 0, &f.meta);
   Py_XDECREF(f.owner);
   return r;
+}
+
+/* "GPYS" 1 <meta len> <meta> <desc>: what gpuipc.share gives as .desc. */
+static PyObject *gpys_bytes(const ArrMeta *m, const uint8_t *desc, size_t len) {
+  uint8_t meta[GPUIPC_META_MAX];
+  size_t mlen;
+  if (meta_encode(m, NULL, 0, meta, &mlen) < 0) return NULL;
+  uint8_t d[6 + GPUIPC_META_MAX + GPUIPC_DESC_MAX];
+  memcpy(d, "GPYS", 4);
+  d[4] = 1;
+  d[5] = (uint8_t)mlen;
+  memcpy(d + 6, meta, mlen);
+  memcpy(d + 6 + mlen, desc, len);
+  return PyBytes_FromStringAndSize((const char *)d, (Py_ssize_t)(6 + mlen + len));
+}
+
+static PyObject *Buffer_share_view(BufferObject *b, PyObject *obj) {
+  if (!buf_alive(b)) return NULL;
+  Foreign f;
+  if (foreign_get(obj, 0, &f) < 0) return NULL;
+  Py_XDECREF(f.owner); /* the caller keeps obj alive while peers use it */
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  gpuipc_status st = gpuipc_buffer_export_range(b->b, f.ptr, f.nbytes ? f.nbytes : 1, d,
+                                                sizeof d, &len);
+  if (st) return raise_st(st, "share_view");
+  return gpys_bytes(&f.meta, d, len);
 }
 
 static PyObject *Buffer_cai(BufferObject *b, void *u) {
@@ -314,6 +352,11 @@ static PyMethodDef Buffer_methods[] = {
     {"export", (PyCFunction)Buffer_export, METH_NOARGS,
      "export() -> (desc bytes, [fd]): the fds are the caller's to close"},
     {"close", (PyCFunction)Buffer_close, METH_NOARGS, "free / close the buffer"},
+    {"share_view", (PyCFunction)Buffer_share_view, METH_O,
+     "share_view(array) -> desc bytes (as gpuipc.share(array).desc, for gpuipc.open): an "
+     "array inside the allocation this allocated or wrapped buffer names, exported "
+     "without wrapping it (one driver call checks the allocation is still there: "
+     "StaleError when it was freed); no fds (NotSupportedError for memory that needs one)"},
     {"free", (PyCFunction)Buffer_close, METH_NOARGS, "free / close the buffer"},
     {"wrap", (PyCFunction)(void (*)(void))Buffer_wrap, METH_VARARGS | METH_KEYWORDS | METH_CLASS,
      "Buffer.wrap(obj) or Buffer.wrap(ptr, nbytes): memory gpuipc did not allocate"},
@@ -419,17 +462,10 @@ PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw) {
   }
   BufferObject *b = (BufferObject *)bufo;
   if (!buf_alive(b)) { Py_DECREF(bufo); return NULL; }
-  uint8_t meta[GPUIPC_META_MAX];
-  size_t mlen;
-  if (meta_encode(&b->meta, NULL, 0, meta, &mlen) < 0) { Py_DECREF(bufo); return NULL; }
-  uint8_t d[6 + GPUIPC_META_MAX + 1024];
-  memcpy(d, "GPYS", 4);
-  d[4] = 1;
-  d[5] = (uint8_t)mlen;
-  memcpy(d + 6, meta, mlen);
+  uint8_t d[GPUIPC_DESC_MAX];
   size_t len = 0;
   int fds[8], nfds = 8;
-  gpuipc_status st = gpuipc_buffer_export(b->b, d + 6 + mlen, 1024, &len, fds, &nfds);
+  gpuipc_status st = gpuipc_buffer_export(b->b, d, sizeof d, &len, fds, &nfds);
   if (st) { Py_DECREF(bufo); return raise_st(st, "share"); }
   SharedObject *s = PyObject_New(SharedObject, &SharedType);
   if (!s) {
@@ -437,7 +473,7 @@ PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw) {
     Py_DECREF(bufo);
     return NULL;
   }
-  s->desc = PyBytes_FromStringAndSize((const char *)d, (Py_ssize_t)(6 + mlen + len));
+  s->desc = gpys_bytes(&b->meta, d, len);
   s->fds = PyTuple_New(nfds);
   for (int i = 0; s->fds && i < nfds; i++) PyTuple_SET_ITEM(s->fds, i, PyLong_FromLong(fds[i]));
   s->buffer = bufo;

@@ -416,14 +416,15 @@ PyMODINIT_FUNC PyInit__gpuipc(void) {
   if (!g_lock) return PyErr_NoMemory();
   PyTypeObject *types[] = {&ListenerType, &ConnType, &ArenaType, &BlockType, &PoolType,
                            &BufferType, &EventType, &ReceivedType, &SharedType, &ChildType,
-                           &TSetType, &TSubType, &TVerType, &TViewType};
+                           &TSetType, &TSubType, &TVerType, &TViewType, &HoldLogType};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
     if (PyType_Ready(types[i]) < 0) return NULL;
   PyObject *m = PyModule_Create(&moddef);
   if (!m) return NULL;
   const char *names[] = {"Listener", "Connection", "Arena", "Block", "Pool",
                          "Buffer", "Event", "Received", "Shared", "Child",
-                         "TensorSetC", "TensorSetSub", "TensorSetVersion", "TensorView"};
+                         "TensorSetC", "TensorSetSub", "TensorSetVersion", "TensorView",
+                         "HoldLog"};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
     Py_INCREF(types[i]);
     PyModule_AddObject(m, names[i], (PyObject *)types[i]);
