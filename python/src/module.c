@@ -285,7 +285,7 @@ static PyObject *mod_cache_stats(PyObject *m, PyObject *u) {
   gpuipc_cache_stats s = GPUIPC_CACHE_STATS_INIT;
   gpuipc_status st = gpuipc_cache_get_stats(&s);
   if (st) return raise_st(st, "cache_stats");
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "hits", (unsigned long long)s.hits,
+  PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "hits", (unsigned long long)s.hits,
                        "misses", (unsigned long long)s.misses, "stale",
                        (unsigned long long)s.stale, "driver_opens",
                        (unsigned long long)s.driver_opens, "driver_closes",
@@ -293,6 +293,27 @@ static PyObject *mod_cache_stats(PyObject *m, PyObject *u) {
                        (unsigned long long)s.live_mappings, "pool_imports",
                        (unsigned long long)s.pool_imports, "pool_hits",
                        (unsigned long long)s.pool_hits);
+  PyObject *l = d ? Py_BuildValue("{s:K,s:K,s:K,s:K}", "linger_kept",
+                                  (unsigned long long)s.linger_kept, "linger_hits",
+                                  (unsigned long long)s.linger_hits, "linger_drops",
+                                  (unsigned long long)s.linger_drops, "idle_mappings",
+                                  (unsigned long long)s.idle_mappings)
+                  : NULL;
+  if (!l || PyDict_Update(d, l) < 0) {
+    Py_XDECREF(l);
+    Py_XDECREF(d);
+    return NULL;
+  }
+  Py_DECREF(l);
+  return d;
+}
+static PyObject *mod_cache_trim(PyObject *m, PyObject *u) {
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_cache_trim();
+  Py_END_ALLOW_THREADS
+  if (st) return raise_st(st, "cache_trim");
+  Py_RETURN_NONE;
 }
 static PyObject *mod_counters(PyObject *m, PyObject *u) {
   return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "received", g_count.live_received,
@@ -386,6 +407,9 @@ static PyMethodDef mod_methods[] = {
      "open(desc, fds=(), *, device=None, pidfd_getfd=False) -> Buffer"},
     {"desc_info", mod_desc_info, METH_VARARGS, "what a descriptor says, as a dict"},
     {"cache_stats", mod_cache_stats, METH_NOARGS, "the import cache's counters"},
+    {"cache_trim", mod_cache_trim, METH_NOARGS,
+     "cache_trim(): closes the mappings the import cache keeps idle after their last close "
+     "(GPUIPC_IMPORT_LINGER_MS)"},
     {"counters", mod_counters, METH_NOARGS, "this module's live-object counters"},
     {"collect", mod_collect, METH_NOARGS, "retry deferred arena destroys and dead peers' leases"},
     {"worker_index", mod_worker_index, METH_NOARGS, "(index, count) in a worker"},
