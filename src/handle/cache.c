@@ -150,7 +150,15 @@ static uint64_t cache_now(void) {
          clock_offset;
 }
 
-static void reaper_after_fork(void) { reaper_started = false; }
+/* A fork while the reaper holds the lock would leave the child's lock
+ * held for good: the lock is taken around fork, and the child, which has
+ * no reaper, starts one with its next idle mapping. */
+static void cache_before_fork(void) { pthread_mutex_lock(&cache_lock); }
+static void cache_after_fork_parent(void) { pthread_mutex_unlock(&cache_lock); }
+static void cache_after_fork_child(void) {
+  reaper_started = false;
+  pthread_mutex_unlock(&cache_lock);
+}
 
 static void reaper_init(void) {
   pthread_condattr_t a;
@@ -158,9 +166,8 @@ static void reaper_init(void) {
   pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
   pthread_cond_init(&reaper_cond, &a);
   pthread_condattr_destroy(&a);
-  /* A child forked with idle mappings has no reaper: its next cache call
-   * starts one (and sweeps). */
-  pthread_atfork(NULL, NULL, reaper_after_fork);
+  pthread_atfork(cache_before_fork, cache_after_fork_parent,
+                 cache_after_fork_child);
 }
 
 void gpuipc__cache_count_open(void) {
