@@ -327,7 +327,7 @@ class _Server:
         self.dead = {}  # pidfd -> items held by a gone connection's process
         self.forever = []  # items of a gone peer whose death cannot be seen
         self.events = {}  # (device, stream) -> (gpuipc.Event, descriptor)
-        self.exports = {}  # (device, storage ptr, bytes) -> wrapped gpuipc.Buffer
+        self.exports = {}  # (device, storage ptr, bytes) -> gpuipc.Buffer (no owner)
         self.pid = os.getpid()
         self.sel = selectors.DefaultSelector()
         self.thread = threading.Thread(target=self._run, name="gpuipc.torch", daemon=True)
@@ -353,11 +353,13 @@ class _Server:
         if buf is not None:
             try:
                 return buf.share_view(obj)
-            except (gpuipc.StaleError, gpuipc.OutOfRangeError):
-                del self.exports[key]
             except gpuipc.NotSupportedError:
                 return None
-        buf = gpuipc.Buffer.wrap(obj)
+            except gpuipc.Error:  # another allocation there now: wrapped anew
+                del self.exports[key]
+        # Wrapped by address (key: device, storage address, bytes), so
+        # that the cache keeps no tensor alive.
+        buf = gpuipc.Buffer.wrap(key[1], key[2])
         try:
             desc = buf.share_view(obj)
         except gpuipc.NotSupportedError:

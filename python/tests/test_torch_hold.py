@@ -174,6 +174,22 @@ def test_share_view_exports_inside_the_wrapped_allocation():
         assert isinstance(e.value, gpuipc.StaleError)
 
 
+def test_the_export_cache_keeps_no_array_alive():
+    import weakref
+
+    srv = gt._get_server()
+    arr = DeviceArray((4096,), "|u1")
+    key = (0, arr.ptr, arr.nbytes)
+    d1 = srv._export(arr, key)
+    n = gpuipc._gpuipc.counters()["buffers"]
+    d2 = srv._export(arr, key)  # served by the cached wrap: no new Buffer
+    assert gpuipc._gpuipc.counters()["buffers"] == n
+    assert d1 == d2 and key in srv.exports
+    gone = weakref.ref(arr)
+    del arr
+    assert gone() is None
+
+
 def read_view(conn, desc):
     b = gpuipc.open(desc)
     conn.send_msg(drv().dtoh(b.ptr, 1024))
