@@ -97,11 +97,15 @@ def _from_dlpack(buf):
     if f is None:
         import torch
         c = getattr(torch._C, "_from_dlpack", None)
+        f = torch.from_dlpack
         if c is not None:
-            def f(b):
-                return c(b.__dlpack__())
-        else:
-            f = torch.from_dlpack
+            try:  # the C entry (no Python-level stream handshake) if it takes a capsule
+                t = c(buf.__dlpack__())
+            except TypeError:
+                t = None
+            if t is not None:
+                _from_dlpack_fn = lambda b: c(b.__dlpack__())  # noqa: E731
+                return t
         _from_dlpack_fn = f
     return f(buf)
 

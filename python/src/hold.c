@@ -69,6 +69,11 @@ typedef struct {
   uint64_t reserved;
 } hl_entry;
 
+_Static_assert(offsetof(hl_hdr, head) == 64 && offsetof(hl_hdr, tail) == 128 &&
+                   sizeof(hl_hdr) <= HL_HDR_BYTES,
+               "hold table header layout");
+_Static_assert(sizeof(hl_event) == 256 && sizeof(hl_entry) == 32, "hold table slot sizes");
+
 typedef struct HoldLogObject {
   PyObject_HEAD
   int fd;
