@@ -156,19 +156,27 @@ def _torch_reduce(tensor):
     return r(tensor)
 
 
-def _carrier(tensor):
-    """(tensor to send, dtype name to restore): the CUDA array interface
-    cannot name some dtypes (bfloat16, the float8 kinds: torch writes
-    "<V2"), so those travel viewed as the unsigned integer of their size
-    (same bytes, shape and strides) and the consumer views them back."""
-    import torch
+# The dtypes gpuipc's array metadata names (the rest travel viewed as the
+# unsigned integer of their size and are viewed back by the consumer).
+_NAMED = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "float32", "float64", "bfloat16", "complex64", "complex128"}
+_dtype_specs = {}  # torch dtype -> (gpuipc name, carrier dtype or None, name to restore)
 
-    name = str(tensor.dtype).rsplit(".", 1)[-1]
-    if name == "bfloat16" or name.startswith("float8"):
-        carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                   8: torch.int64}[tensor.element_size()]
-        return tensor.view(carrier), name
-    return tensor, None
+
+def _dtype_spec(dtype):
+    spec = _dtype_specs.get(dtype)
+    if spec is None:
+        import torch
+
+        name = str(dtype).rsplit(".", 1)[-1]
+        if name in _NAMED:
+            spec = (name, None, None)
+        else:
+            size = torch.empty((), dtype=dtype).element_size()
+            carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+            spec = (str(carrier).rsplit(".", 1)[-1], carrier, name)
+        _dtype_specs[dtype] = spec
+    return spec
 
 
 def _restore(t, real):
@@ -188,9 +196,12 @@ def _reduce_tensor(tensor):
     srv = _get_server()
     dev = tensor.get_device()
     stream = _raw_stream(dev)
-    sent, real = _carrier(tensor)
+    name, carrier, real = _dtype_spec(tensor.dtype)
+    sent = tensor if carrier is None else tensor.view(carrier)
     st = tensor.untyped_storage()
-    shared = srv.offer_shared(sent, stream, dev, (dev, st.data_ptr(), st.nbytes()))
+    # The tensor by its numbers (no __cuda_array_interface__ property call).
+    view = (sent.data_ptr(), sent.shape, sent.stride(), name)
+    shared = srv.offer_shared(sent, stream, dev, (dev, st.data_ptr(), st.nbytes()), view)
     if shared is not None:
         token, desc, ev_desc = shared
         return (_rebuild_shared, (srv.name, token, srv.pid, desc, ev_desc, real))
@@ -343,10 +354,13 @@ class _Server:
             self.pending[token] = (tensor, stream)
         return token
 
-    def _export(self, obj, key):
+    def _export(self, obj, key, view=None):
         """obj's descriptor for gpuipc.open, exported from the wrapped
         allocation cached under key (wrapped on first use, or when the
-        allocation there changed); None when its memory needs an fd."""
+        allocation there changed); view: obj as (address, shape, strides,
+        dtype), read instead of obj's array interface. None when its memory
+        needs an fd."""
+        what = obj if view is None else view
         if key is None:
             shared = gpuipc.share(obj)
             if shared.fds:
@@ -356,7 +370,7 @@ class _Server:
         buf = self.exports.get(key)
         if buf is not None:
             try:
-                return buf.share_view(obj)
+                return buf.share_view(what)
             except gpuipc.NotSupportedError:
                 return None
             except gpuipc.Error:  # another allocation there now: wrapped anew
@@ -365,7 +379,7 @@ class _Server:
         # that the cache keeps no tensor alive.
         buf = gpuipc.Buffer.wrap(key[1], key[2])
         try:
-            desc = buf.share_view(obj)
+            desc = buf.share_view(what)
         except gpuipc.NotSupportedError:
             return None
         if len(self.exports) >= EXPORTS_MAX:
@@ -373,14 +387,14 @@ class _Server:
         self.exports[key] = buf
         return desc
 
-    def offer_shared(self, obj, stream, dev, key=None):
+    def offer_shared(self, obj, stream, dev, key=None, view=None):
         """Registers obj for the descriptor route: (token, descriptor,
         event descriptor), the event recorded on stream now; None when its
         memory needs a file descriptor (then use offer). Reads the hold
         tables first (what consumers let go of comes back here)."""
         with self.lock:
             self._poll()
-            desc = self._export(obj, key)
+            desc = self._export(obj, key, view)
             if desc is None:
                 return None
             e = self.events.get((dev, stream))

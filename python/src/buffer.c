@@ -289,11 +289,48 @@ static PyObject *gpys_bytes(const ArrMeta *m, const uint8_t *desc, size_t len) {
   return PyBytes_FromStringAndSize((const char *)d, (Py_ssize_t)(6 + mlen + len));
 }
 
+/* (ptr, shape, strides in elements, dtype) -> a Foreign with no owner: an
+ * array named by its numbers, read without any attribute of the array's
+ * (a torch tensor's __cuda_array_interface__ is a Python property). */
+static int foreign_from_tuple(PyObject *t, Foreign *f) {
+  memset(f, 0, sizeof *f);
+  PyObject *shape = PyTuple_GET_ITEM(t, 1), *strides = PyTuple_GET_ITEM(t, 2);
+  size_t nbytes;
+  if (meta_from_shape(shape, PyTuple_GET_ITEM(t, 3), &nbytes, &f->meta) < 0) return -1;
+  PyObject *seq = PySequence_Fast(strides, "strides must be a sequence of ints");
+  if (!seq) return -1;
+  if (PySequence_Fast_GET_SIZE(seq) != f->meta.ndim) {
+    Py_DECREF(seq);
+    PyErr_SetString(PyExc_ValueError, "share_view: as many strides as dimensions");
+    return -1;
+  }
+  for (int i = 0; i < f->meta.ndim; i++) {
+    f->meta.strides[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (f->meta.strides[i] < 0 && !PyErr_Occurred())
+      PyErr_SetString(PyExc_ValueError, "share_view: negative stride");
+  }
+  Py_DECREF(seq);
+  if (PyErr_Occurred()) return -1;
+  f->meta.has_strides = 1;
+  f->ptr = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 0));
+  if (PyErr_Occurred()) return -1;
+  f->nbytes = meta_extent(&f->meta);
+  if (f->nbytes == SIZE_MAX) {
+    PyErr_SetString(PyExc_ValueError, "share_view: the array's extent overflows");
+    return -1;
+  }
+  return 0;
+}
+
 static PyObject *Buffer_share_view(BufferObject *b, PyObject *obj) {
   if (!buf_alive(b)) return NULL;
   Foreign f;
-  if (foreign_get(obj, 0, &f) < 0) return NULL;
-  Py_XDECREF(f.owner); /* the caller keeps obj alive while peers use it */
+  if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 4) {
+    if (foreign_from_tuple(obj, &f) < 0) return NULL;
+  } else {
+    if (foreign_get(obj, 0, &f) < 0) return NULL;
+    Py_XDECREF(f.owner); /* the caller keeps obj alive while peers use it */
+  }
   uint8_t d[GPUIPC_DESC_MAX];
   size_t len = 0;
   gpuipc_status st = gpuipc_buffer_export_range(b->b, f.ptr, f.nbytes ? f.nbytes : 1, d,
@@ -353,8 +390,10 @@ static PyMethodDef Buffer_methods[] = {
      "export() -> (desc bytes, [fd]): the fds are the caller's to close"},
     {"close", (PyCFunction)Buffer_close, METH_NOARGS, "free / close the buffer"},
     {"share_view", (PyCFunction)Buffer_share_view, METH_O,
-     "share_view(array) -> desc bytes (as gpuipc.share(array).desc, for gpuipc.open): an "
-     "array inside the allocation this allocated or wrapped buffer names, exported "
+     "share_view(array) or share_view((ptr, shape, strides, dtype)) -> desc bytes (as "
+     "gpuipc.share(array).desc, for gpuipc.open): an array (or one named by its address, "
+     "shape, strides in elements and dtype) inside the allocation this allocated or "
+     "wrapped buffer names, exported "
      "without wrapping it (one driver call checks the allocation is still there: "
      "StaleError when it was freed); no fds (NotSupportedError for memory that needs one)"},
     {"free", (PyCFunction)Buffer_close, METH_NOARGS, "free / close the buffer"},

@@ -156,6 +156,14 @@ def test_share_view_exports_inside_the_wrapped_allocation():
     assert info["offset"] == 4096 and info["bytes"] == 1024
     assert info["alloc_bytes"] >= 1 << 16
     assert gpuipc.share(View()).desc[:6 + desc[5]] == desc[:6 + desc[5]]  # the same meta
+    # The same array named by its numbers (what gpuipc.torch passes): the same bytes
+    assert whole.share_view((arr.ptr + 4096, (256,), (1,), "int32")) == desc
+    strided = whole.share_view((arr.ptr, (4, 8), (1, 4), "bfloat16"))
+    assert gpuipc.desc_info(strided)["bytes"] == 2 * (3 * 1 + 7 * 4 + 1)
+    with pytest.raises(ValueError):
+        whole.share_view((arr.ptr, (4, 8), (1,), "int32"))  # strides do not match
+    with pytest.raises(ValueError):
+        whole.share_view((arr.ptr, (4,), (-1,), "int32"))
 
     class Outside:
         __cuda_array_interface__ = {"shape": (64,), "typestr": "|u1",
