@@ -26,6 +26,10 @@ elseif(TARGET cuda-emu)
 else()
   set(GPUIPC_TEST_ENV "GPUIPC_TEST_MODE=emu")
 endif()
+# The tests count driver opens and closes per import: the import cache's
+# linger (idle mappings kept after their last close) is off for them; the
+# tests of the linger (test-handle-linger.c) turn it on themselves.
+list(APPEND GPUIPC_TEST_ENV "GPUIPC_IMPORT_LINGER_MS=0")
 
 # Re-run the configure step when a test file changes, so that a TEST_IMPL
 # added to an existing file becomes a CTest case without a manual re-run.

@@ -93,7 +93,7 @@ class BuildExt(build_ext):
 ext = Extension(
     "gpuipc._gpuipc",
     sources=["src/module.c", "src/array.c", "src/conn.c", "src/arena.c", "src/buffer.c",
-             "src/proc.c", "src/sets.c", "src/torchc.c"],
+             "src/proc.c", "src/sets.c", "src/torchc.c", "src/hold.c"],
     depends=["src/ext.h"],
     libraries=["dl", "pthread"],
     extra_compile_args=["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra",

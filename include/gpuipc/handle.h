@@ -401,6 +401,27 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
                                               int *nfds /* IN/OUT */);
 
 /*
+ * Exports a descriptor of [ptr, ptr + size), a range inside the allocation
+ * buf was allocated or wrapped from (not only buf's own range): the cheap
+ * way to send many views of one allocation (a framework's caching
+ * allocator hands out tensors inside few large allocations), with the
+ * handle made once for all of them. Costs one driver call
+ * (CU_POINTER_ATTRIBUTE_BUFFER_ID of ptr), which checks that ptr still lies
+ * in the allocation buf names. Writes no fds. Returns
+ *   GPUIPC_E_OUT_OF_RANGE   the range leaves the allocation
+ *   GPUIPC_E_STALE          ptr is in another allocation now (the one buf
+ *                           wrapped was freed): wrap the new one
+ *   GPUIPC_E_NOT_SUPPORTED  an imported buffer, memory that travels with an
+ *                           fd (use gpuipc_buffer_export), or memory the
+ *                           driver gives no buffer id
+ * desc/cap/len as gpuipc_buffer_export. Thread-safe.
+ */
+GPUIPC_API gpuipc_status gpuipc_buffer_export_range(gpuipc_buffer *buf,
+                                                    const void *ptr, size_t size,
+                                                    uint8_t *desc, size_t cap,
+                                                    size_t *len /* OUT */);
+
+/*
  * Imports a buffer descriptor: opens the exporter's memory in this process,
  * on opts->device (NULL opts: the exporter's device). fds/nfds: the file
  * descriptors that travelled with it; they stay owned by the caller (gpuipc
@@ -465,8 +486,10 @@ GPUIPC_API gpuipc_status gpuipc_buffer_import(const uint8_t *desc, size_t len,
                                               gpuipc_buffer **buf /* OUT */);
 
 /*
- * Releases an imported buffer: drops its reference on the cached mapping,
- * and unmaps when that was the last (one driver close per driver open).
+ * Releases an imported buffer: drops its reference on the cached mapping;
+ * when that was the last, the mapping stays idle for a bounded time and
+ * count (see "Linger" at the import cache below) and is then unmapped (one
+ * driver close per driver open).
  * For an allocated or wrapped buffer it is gpuipc_buffer_free(buf, NULL).
  * NULL is a no-op. The caller must have finished its GPU work on the
  * buffer. Thread-safe.
@@ -573,6 +596,35 @@ GPUIPC_API gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
 /* The import cache                                                         */
 /* ------------------------------------------------------------------------ */
 
+/*
+ * Linger. The last gpuipc_buffer_close() of a mapping does not close it at
+ * once: the mapping is kept, idle, for a bounded time and count, so that
+ * importing the same allocation again soon (a producer sending from the
+ * same memory over and over) costs no driver open and close (a legacy open
+ * and close cost ~38 + ~28 us). A later import gets it only through the
+ * usual validated hit (same exporter, handle, buffer id, generation; the
+ * exporter's liveness table asked first). An idle mapping is closed
+ *   - when it has been idle GPUIPC_IMPORT_LINGER_MS milliseconds (default
+ *     100), by a thread of the cache (started with the first idle mapping)
+ *     or by the next cache call;
+ *   - oldest first, when more than GPUIPC_IMPORT_LINGER_MAX (default 64) are
+ *     idle;
+ *   - as soon as the exporter's liveness table says the allocation was
+ *     freed (kinds with a generation: vmm, pinned host, memory pools'
+ *     pointers), or the exporter is gone (checked every ~20 ms);
+ *   - when a descriptor of another allocation with the same handle bytes
+ *     arrives, before that one is opened;
+ *   - by gpuipc_cache_trim().
+ * 0 in either variable turns the linger off (the mapping closes with its
+ * last close, as GPUIPC_IMPORT_NO_CACHE imports always do). Meanwhile the
+ * exporter's memory stays mapped here: legacy memory freed by its exporter
+ * is released by the driver only when this process closes it too.
+ */
+
+/* Closes every idle mapping now (see Linger above); mappings still held
+ * are untouched. Returns GPUIPC_OK; thread-safe. */
+GPUIPC_API gpuipc_status gpuipc_cache_trim(void);
+
 /* Counters of this process's import cache since start. */
 typedef struct gpuipc_cache_stats {
   size_t size;             /* sizeof(gpuipc_cache_stats): set by the caller */
@@ -588,6 +640,11 @@ typedef struct gpuipc_cache_stats {
   uint64_t pool_imports;   /* exporter pools imported (each once while
                               held; see gpuipc_pool_import) */
   uint64_t pool_hits;      /* pool imports served from the cache */
+  uint64_t linger_kept;    /* mappings kept idle after their last close */
+  uint64_t linger_hits;    /* hits (counted in hits too) on an idle mapping */
+  uint64_t linger_drops;   /* idle mappings closed: time up, count bound,
+                              exporter freed it or is gone, trimmed */
+  uint64_t idle_mappings;  /* mappings idle now (counted in live_mappings) */
 } gpuipc_cache_stats;
 
 #define GPUIPC_CACHE_STATS_INIT { .size = sizeof(gpuipc_cache_stats) }

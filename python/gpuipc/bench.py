@@ -18,6 +18,9 @@ the reason when its package is absent:
   gpuipc wrapped       torch tensors of PyTorch's allocator, wrapped per
                        send (measured after each tensor's first send)
   gpuipc batch of 16   send_batch -> recv_batch(as_torch=True), per tensor
+  torch.mp Queue floor the same torch.multiprocessing Queue round trip with a
+                       few hundred bytes instead of a CUDA tensor: the
+                       Queue's own cost (runs on the emulator too)
   torch.mp             torch.multiprocessing Queue (PyTorch's CUDA IPC)
   torch.mp + gpuipc    the same Queue with gpuipc.torch.install()
   cupy legacy IPC      ipcGetMemHandle / ipcOpenMemHandle + close per tensor
@@ -377,40 +380,70 @@ def part_c_handoff(quick):
 
 # ---------------------------------------------------------------------------
 # ---------------------------------------------------------------------------
-# torch.multiprocessing, with and without gpuipc's reducers
+# torch.multiprocessing: the plain Queue (no CUDA tensor: the floor), with
+# PyTorch's own reducers, and with gpuipc's
 # ---------------------------------------------------------------------------
 
-def _tmp_producer(q, acks, sizes, n_lat, n_tput, use_gpuipc):
-    import torch
-    if use_gpuipc:
-        import gpuipc.torch
-        gpuipc.torch.install()
-    torch.empty(1, device="cuda")
+TORCH_MP_FLOOR = "torch.mp Queue floor (no CUDA tensor)"
+TORCH_MP = "torch.mp"
+TORCH_MP_GPUIPC = "torch.mp + gpuipc"
+# What the floor row puts in place of the tensor: bytes of about the size of
+# gpuipc's pickled tensor (descriptor, event descriptor, token, names).
+FLOOR_PAYLOAD = 384
+
+
+def _tmp_item(mode, size, torch):
+    if mode == "plain":
+        return b"\0" * FLOOR_PAYLOAD
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
+def _tmp_producer(q, acks, sizes, n_lat, n_tput, mode):
+    """Puts (item, timestamp) on q: one at a time, each after the previous
+    was acknowledged (latency), then n_tput back to back (throughput). The
+    same in every mode; only the item differs (a CUDA tensor, or bytes)."""
+    torch = None
+    if mode != "plain":
+        import torch
+        if mode == "gpuipc":
+            import gpuipc.torch
+            gpuipc.torch.install()
+        torch.empty(1, device="cuda")
     for size in sizes:
         for _ in range(n_lat):
-            t = torch.empty(size, dtype=torch.uint8, device="cuda")
+            t = _tmp_item(mode, size, torch)
             q.put((t, time.monotonic_ns()))
             del t
             acks.get()
         t0 = time.monotonic_ns()
         for _ in range(n_tput):
-            t = torch.empty(size, dtype=torch.uint8, device="cuda")
+            t = _tmp_item(mode, size, torch)
             q.put((t, t0))
             del t
         acks.get()
     acks.get()  # the consumer is done with everything
 
 
-def bench_torch_mp(sizes, n_lat, n_tput, use_gpuipc):
-    import torch
+def bench_torch_mp(sizes, n_lat, n_tput, mode):
+    """One torch.multiprocessing row. mode: "plain" (the Queue with no CUDA
+    tensor: its own floor), "torch" (PyTorch's reducers) or "gpuipc"
+    (gpuipc.torch.install() in the producer); True / False mean "gpuipc" /
+    "torch". The timed window is the same in all three: from the
+    producer's timestamp, taken before q.put, to the consumer holding what
+    q.get returned (a usable tensor: its stream already ordered after the
+    producer's)."""
+    if mode is True or mode is False:
+        mode = "gpuipc" if mode else "torch"
     import torch.multiprocessing as tmp
-    if use_gpuipc:
+    if mode == "gpuipc":
         import gpuipc.torch  # noqa: F401  the consumer side needs only the import
     ctx = tmp.get_context("spawn")
     q, acks = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_tmp_producer, args=(q, acks, sizes, n_lat, n_tput, use_gpuipc))
+    p = ctx.Process(target=_tmp_producer, args=(q, acks, sizes, n_lat, n_tput, mode))
     p.start()
-    torch.empty(1, device="cuda")
+    if mode != "plain":
+        import torch
+        torch.empty(1, device="cuda")
     rows = {}
     try:
         for size in sizes:
@@ -435,6 +468,54 @@ def bench_torch_mp(sizes, n_lat, n_tput, use_gpuipc):
             p.kill()
             p.join()
     return rows
+
+
+def _torch_importable():
+    return _have("torch")
+
+
+def torch_mp_methods():
+    """The torch.mp rows: (name, what it needs, run, runs on the emulator)."""
+    return [
+        (TORCH_MP_FLOOR, _torch_importable,
+         lambda s, nl, nt: bench_torch_mp(s, nl, nt, "plain"), True),
+        (TORCH_MP, _torch_cuda, lambda s, nl, nt: bench_torch_mp(s, nl, nt, "torch"), False),
+        (TORCH_MP_GPUIPC, _torch_cuda,
+         lambda s, nl, nt: bench_torch_mp(s, nl, nt, "gpuipc"), False),
+    ]
+
+
+def torch_mp_summary(results):
+    """Lines comparing gpuipc's reducers with PyTorch's and with the plain
+    Queue's floor of the same run, per size, with the target: >= 3x faster
+    than torch.mp, or, where the floor makes that impossible (floor > a
+    third of torch.mp), within 1.2x of the floor."""
+    floor, own, ours = (results.get(k, {}) for k in (TORCH_MP_FLOOR, TORCH_MP, TORCH_MP_GPUIPC))
+    lines = []
+    for size in sorted(set(own) | set(ours) | set(floor)):
+        f, o, g = floor.get(size), own.get(size), ours.get(size)
+        parts = [f"torch.mp at {_fmt_size(size)}:"]
+        if f:
+            parts.append(f"Queue floor {f['median_us']:.1f} us")
+        if o:
+            parts.append(f"PyTorch's reducers {o['median_us']:.1f} us")
+        if g:
+            parts.append(f"gpuipc's {g['median_us']:.1f} us")
+        if o and g and g["median_us"] > 0:
+            parts.append(f"({o['median_us'] / g['median_us']:.2f}x faster than PyTorch's")
+            if f and f["median_us"] > 0:
+                parts[-1] += f", {g['median_us'] / f['median_us']:.2f}x the floor"
+            parts[-1] += ")"
+            target = o["median_us"] / 3
+            how = ">= 3x faster than torch.mp"
+            if f and f["median_us"] > target:
+                target, how = 1.2 * f["median_us"], "<= 1.2x the Queue floor (3x is below it)"
+            parts.append(f"target {how}: {'met' if g['median_us'] <= target else 'MISSED'}"
+                         f" ({target:.1f} us)")
+        if o and g and o["per_s"] > 0:
+            parts.append(f"throughput {g['per_s'] / o['per_s']:.2f}x PyTorch's")
+        lines.append(parts[0] + " " + ", ".join(parts[1:]))
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -701,8 +782,6 @@ def main(argv=None):
          gp(view="as_torch", spin=SPIN, wrapped=True)),
         (f"gpuipc arena, batch of {BATCH}, polling, {bv} (per tensor)", None,
          gp(view="as_torch", spin=SPIN, batch=BATCH)),
-        ("torch.mp", _torch_cuda, lambda s, nl, nt: bench_torch_mp(s, nl, nt, False)),
-        ("torch.mp + gpuipc", _torch_cuda, lambda s, nl, nt: bench_torch_mp(s, nl, nt, True)),
         ("cupy legacy IPC (a CuPy array, not a torch tensor)", lambda: _have("cupy"), bench_cupy),
         ("cuda.core IPC, export + ordering + torch view in the window",
          lambda: _have("cuda.core") or _need_torch_view(),
@@ -710,13 +789,18 @@ def main(argv=None):
         ("cuda.core IPC (old row: export and sync outside the window, no torch view)",
          lambda: _have("cuda.core"), bench_cuda_core),
     ]
+    on_emu = {"gpuipc"}
+    for name, need, fn, emu_ok in torch_mp_methods():
+        methods.append((name, need, fn))
+        if emu_ok:
+            on_emu.add(name)
     only = {m.strip() for m in a.only.split(",") if m.strip()}
     results = {}
     for name, need, fn in methods:
         if only and not any(o in name for o in only):
             continue
         why = need() if need else None
-        if not why and emu and not name.startswith("gpuipc arena"):
+        if not why and emu and not (name.startswith("gpuipc arena") or name in on_emu):
             why = "on the CUDA driver emulator (the frameworks load libcuda.so.1 themselves)"
         if why:
             print(f"{name}: SKIPPED ({why})", flush=True)
@@ -808,11 +892,11 @@ def main(argv=None):
     nb, rb = row("gpuipc arena, batch of")
     if rb:
         print(f"  {nb}: {rb['median_us']:.2f} us per tensor, {rb['per_s']:,.0f} tensors/s")
-    a1, b1 = results.get("torch.mp", {}).get(MiB), results.get("torch.mp + gpuipc", {}).get(MiB)
-    if a1 and b1:
-        print(f"\ntorch.mp at 1 MiB: {a1['median_us']:.1f} us without gpuipc, "
-              f"{b1['median_us']:.1f} us with gpuipc.torch.install() "
-              f"({a1['median_us'] / b1['median_us']:.1f}x)")
+    tmp_lines = torch_mp_summary(results)
+    if tmp_lines:
+        print()
+        for line in tmp_lines:
+            print(line)
     if a.json:
         doc = {k: {str(sz): r for sz, r in v.items()} for k, v in results.items()}
         doc["_parts"] = parts

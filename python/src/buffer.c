@@ -77,6 +77,7 @@ static PyObject *buffer_new(gpuipc_buffer *b, PyObject *pool, PyObject *owner, i
   if (!o) { gpuipc_buffer_free(b, NULL); return NULL; }
   o->b = b;
   o->weak = NULL;
+  o->hold = NULL;
   Py_XINCREF(pool);
   o->pool = pool;
   Py_XINCREF(owner);
@@ -200,6 +201,11 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
     return raise_msg(GPUIPC_E_BUSY, "close", "a peer still holds this buffer (sent with "
                      "conn.send and not released)");
   gpuipc_buffer *gb = b->b;
+  if (b->hold) {
+    struct HoldRef *r = b->hold;
+    b->hold = NULL;
+    hold_release(r);
+  }
   if (gb) {
     /* Taken and cleared before the GIL is released: a close in another
      * thread meanwhile finds it closed, and frees nothing twice. */
@@ -219,6 +225,11 @@ static PyObject *Buffer_close(BufferObject *b, PyObject *u) {
  * conn.send), handed to the library, which frees it once they released
  * it or are gone, and then lets its pool and owner go (kept_done). */
 static void buf_drop(BufferObject *b) {
+  if (b->hold) {
+    struct HoldRef *r = b->hold;
+    b->hold = NULL;
+    hold_release(r);
+  }
   gpuipc_buffer *gb = b->b;
   if (!gb) return;
   b->b = NULL;
@@ -306,6 +317,70 @@ static PyObject *Buffer_wrap(PyTypeObject *t, PyObject *args, PyObject *kw) {
   return r;
 }
 
+/* "GPYS" 1 <meta len> <meta> <desc>: what gpuipc.share gives as .desc. */
+static PyObject *gpys_bytes(const ArrMeta *m, const uint8_t *desc, size_t len) {
+  uint8_t meta[GPUIPC_META_MAX];
+  size_t mlen;
+  if (meta_encode(m, NULL, 0, meta, &mlen) < 0) return NULL;
+  uint8_t d[6 + GPUIPC_META_MAX + GPUIPC_DESC_MAX];
+  memcpy(d, "GPYS", 4);
+  d[4] = 1;
+  d[5] = (uint8_t)mlen;
+  memcpy(d + 6, meta, mlen);
+  memcpy(d + 6 + mlen, desc, len);
+  return PyBytes_FromStringAndSize((const char *)d, (Py_ssize_t)(6 + mlen + len));
+}
+
+/* (ptr, shape, strides in elements, dtype) -> a Foreign with no owner: an
+ * array named by its numbers, read without any attribute of the array's
+ * (a torch tensor's __cuda_array_interface__ is a Python property). */
+static int foreign_from_tuple(PyObject *t, Foreign *f) {
+  memset(f, 0, sizeof *f);
+  PyObject *shape = PyTuple_GET_ITEM(t, 1), *strides = PyTuple_GET_ITEM(t, 2);
+  size_t nbytes;
+  if (meta_from_shape(shape, PyTuple_GET_ITEM(t, 3), &nbytes, &f->meta) < 0) return -1;
+  PyObject *seq = PySequence_Fast(strides, "strides must be a sequence of ints");
+  if (!seq) return -1;
+  if (PySequence_Fast_GET_SIZE(seq) != f->meta.ndim) {
+    Py_DECREF(seq);
+    PyErr_SetString(PyExc_ValueError, "share_view: as many strides as dimensions");
+    return -1;
+  }
+  for (int i = 0; i < f->meta.ndim; i++) {
+    f->meta.strides[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (f->meta.strides[i] < 0 && !PyErr_Occurred())
+      PyErr_SetString(PyExc_ValueError, "share_view: negative stride");
+  }
+  Py_DECREF(seq);
+  if (PyErr_Occurred()) return -1;
+  f->meta.has_strides = 1;
+  f->ptr = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 0));
+  if (PyErr_Occurred()) return -1;
+  f->nbytes = meta_extent(&f->meta);
+  if (f->nbytes == SIZE_MAX) {
+    PyErr_SetString(PyExc_ValueError, "share_view: the array's extent overflows");
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *Buffer_share_view(BufferObject *b, PyObject *obj) {
+  if (!buf_alive(b)) return NULL;
+  Foreign f;
+  if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 4) {
+    if (foreign_from_tuple(obj, &f) < 0) return NULL;
+  } else {
+    if (foreign_get(obj, 0, &f) < 0) return NULL;
+    Py_XDECREF(f.owner); /* the caller keeps obj alive while peers use it */
+  }
+  uint8_t d[GPUIPC_DESC_MAX];
+  size_t len = 0;
+  gpuipc_status st = gpuipc_buffer_export_range(b->b, f.ptr, f.nbytes ? f.nbytes : 1, d,
+                                                sizeof d, &len);
+  if (st) return raise_st(st, "share_view");
+  return gpys_bytes(&f.meta, d, len);
+}
+
 static PyObject *Buffer_cai(BufferObject *b, void *u) {
   if (!buf_alive(b)) return NULL;
   View v = buf_view(b);
@@ -358,6 +433,14 @@ static PyMethodDef Buffer_methods[] = {
      "export() -> (desc bytes, [fd]): the fds are the caller's to close"},
     {"close", (PyCFunction)Buffer_close, METH_NOARGS,
      "close($self, /)\n--\n\nfree / close the buffer"},
+    {"share_view", (PyCFunction)Buffer_share_view, METH_O,
+     "share_view($self, array, /)\n--\n\n"
+     "share_view(array) or share_view((ptr, shape, strides, dtype)) -> desc bytes (as "
+     "gpuipc.share(array).desc, for gpuipc.open): an array (or one named by its address, "
+     "shape, strides in elements and dtype) inside the allocation this allocated or "
+     "wrapped buffer names, exported "
+     "without wrapping it (one driver call checks the allocation is still there: "
+     "StaleError when it was freed); no fds (NotSupportedError for memory that needs one)"},
     {"free", (PyCFunction)Buffer_close, METH_NOARGS,
      "free($self, /)\n--\n\nfree / close the buffer"},
     {"wrap", (PyCFunction)(void (*)(void))Buffer_wrap, METH_VARARGS | METH_KEYWORDS | METH_CLASS,
@@ -489,17 +572,10 @@ PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw) {
   }
   BufferObject *b = (BufferObject *)bufo;
   if (!buf_alive(b)) { Py_DECREF(bufo); return NULL; }
-  uint8_t meta[GPUIPC_META_MAX];
-  size_t mlen;
-  if (meta_encode(&b->meta, NULL, 0, meta, &mlen) < 0) { Py_DECREF(bufo); return NULL; }
-  uint8_t d[6 + GPUIPC_META_MAX + 1024];
-  memcpy(d, "GPYS", 4);
-  d[4] = 1;
-  d[5] = (uint8_t)mlen;
-  memcpy(d + 6, meta, mlen);
+  uint8_t d[GPUIPC_DESC_MAX];
   size_t len = 0;
   int fds[8], nfds = 8;
-  gpuipc_status st = gpuipc_buffer_export(b->b, d + 6 + mlen, 1024, &len, fds, &nfds);
+  gpuipc_status st = gpuipc_buffer_export(b->b, d, sizeof d, &len, fds, &nfds);
   if (st) { Py_DECREF(bufo); return raise_st(st, "share"); }
   SharedObject *s = PyObject_GC_New(SharedObject, &SharedType);
   if (!s) {
@@ -507,7 +583,7 @@ PyObject *mod_share(PyObject *m, PyObject *args, PyObject *kw) {
     Py_DECREF(bufo);
     return NULL;
   }
-  s->desc = PyBytes_FromStringAndSize((const char *)d, (Py_ssize_t)(6 + mlen + len));
+  s->desc = gpys_bytes(&b->meta, d, len);
   s->fds = PyTuple_New(nfds);
   for (int i = 0; s->fds && i < nfds; i++) PyTuple_SET_ITEM(s->fds, i, PyLong_FromLong(fds[i]));
   s->buffer = bufo;

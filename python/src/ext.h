@@ -16,6 +16,8 @@
  *   arena.c   Arena, Block, and the registry of live blocks
  *   buffer.c  Pool, Buffer, share/open, Event
  *   proc.c    Child: the spawn helper
+ *   hold.c    HoldLog: the hold table of gpuipc.torch (what a consumer
+ *             holds, in shared memory the producer reads)
  *   sets.c    TensorSetC, TensorSetSub, TensorSetVersion, TensorView:
  *             tensor sets (include/gpuipc/sets.h)
  *
@@ -107,7 +109,8 @@ extern struct gpy_counters g_count;
 #define MAX_DEV 64
 
 extern PyTypeObject ListenerType, ConnType, ArenaType, BlockType, PoolType, BufferType,
-    EventType, ReceivedType, SharedType, ChildType, TSetType, TSubType, TVerType, TViewType;
+    EventType, ReceivedType, SharedType, ChildType, TSetType, TSubType, TVerType, TViewType,
+    HoldLogType;
 
 /* ------------------------------------------------------------------------ */
 /* Shared types                                                             */
@@ -215,6 +218,7 @@ struct BufferObject {
   int has_stream;
   ArrMeta meta;
   PyObject *weak; /* weak references (weakref.finalize of an opened buffer) */
+  struct HoldRef *hold; /* hold.c: a hold table's entry, released with it */
 };
 
 #define ARRAY_GETTERS(T, M)                                                    \
@@ -392,6 +396,10 @@ PyObject *mod_desc_info(PyObject *m, PyObject *args);
 int sets_let_go(ConnObject *c);
 /* Adds the types of sets.c the module does not list (CopyPlan). */
 int sets_init(PyObject *m);
+/* hold.c: writes the RELEASE of a held buffer (its Buffer goes; GIL held)
+ * and frees r. */
+struct HoldRef;
+void hold_release(struct HoldRef *r);
 
 /* proc.c */
 PyObject *mod_spawn(PyObject *m, PyObject *args, PyObject *kw);

@@ -540,7 +540,7 @@ static PyObject *mod_cache_stats(PyObject *m, PyObject *u) {
   gpuipc_cache_stats s = GPUIPC_CACHE_STATS_INIT;
   gpuipc_status st = gpuipc_cache_get_stats(&s);
   if (st) return raise_st(st, "cache_stats");
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "hits", (unsigned long long)s.hits,
+  PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "hits", (unsigned long long)s.hits,
                        "misses", (unsigned long long)s.misses, "stale",
                        (unsigned long long)s.stale, "driver_opens",
                        (unsigned long long)s.driver_opens, "driver_closes",
@@ -548,6 +548,27 @@ static PyObject *mod_cache_stats(PyObject *m, PyObject *u) {
                        (unsigned long long)s.live_mappings, "pool_imports",
                        (unsigned long long)s.pool_imports, "pool_hits",
                        (unsigned long long)s.pool_hits);
+  PyObject *l = d ? Py_BuildValue("{s:K,s:K,s:K,s:K}", "linger_kept",
+                                  (unsigned long long)s.linger_kept, "linger_hits",
+                                  (unsigned long long)s.linger_hits, "linger_drops",
+                                  (unsigned long long)s.linger_drops, "idle_mappings",
+                                  (unsigned long long)s.idle_mappings)
+                  : NULL;
+  if (!l || PyDict_Update(d, l) < 0) {
+    Py_XDECREF(l);
+    Py_XDECREF(d);
+    return NULL;
+  }
+  Py_DECREF(l);
+  return d;
+}
+static PyObject *mod_cache_trim(PyObject *m, PyObject *u) {
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_cache_trim();
+  Py_END_ALLOW_THREADS
+  if (st) return raise_st(st, "cache_trim");
+  Py_RETURN_NONE;
 }
 static PyObject *mod_counters(PyObject *m, PyObject *u) {
   flush_decrefs(); /* what the library finished meanwhile (its watcher) */
@@ -669,6 +690,9 @@ static PyMethodDef mod_methods[] = {
      "desc_info(desc, /)\n--\n\nwhat a descriptor says, as a dict"},
     {"cache_stats", mod_cache_stats, METH_NOARGS,
      "cache_stats()\n--\n\nthe import cache's counters"},
+    {"cache_trim", mod_cache_trim, METH_NOARGS,
+     "cache_trim()\n--\n\ncloses the mappings the import cache keeps idle after their "
+     "last close (GPUIPC_IMPORT_LINGER_MS)"},
     {"counters", mod_counters, METH_NOARGS,
      "counters()\n--\n\nthis module's live-object counters"},
     {"collect", mod_collect, METH_NOARGS,
@@ -707,14 +731,15 @@ PyMODINIT_FUNC PyInit__gpuipc(void) {
   if (!g_lock) return PyErr_NoMemory();
   PyTypeObject *types[] = {&ListenerType, &ConnType, &ArenaType, &BlockType, &PoolType,
                            &BufferType, &EventType, &ReceivedType, &SharedType, &ChildType,
-                           &TSetType, &TSubType, &TVerType, &TViewType};
+                           &TSetType, &TSubType, &TVerType, &TViewType, &HoldLogType};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
     if (PyType_Ready(types[i]) < 0) return NULL;
   PyObject *m = PyModule_Create(&moddef);
   if (!m) return NULL;
   const char *names[] = {"Listener", "Connection", "Arena", "Block", "Pool",
                          "Buffer", "Event", "Received", "Shared", "Child",
-                         "TensorSetC", "TensorSetSub", "TensorSetVersion", "TensorView"};
+                         "TensorSetC", "TensorSetSub", "TensorSetVersion", "TensorView",
+                         "HoldLog"};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
     Py_INCREF(types[i]);
     PyModule_AddObject(m, names[i], (PyObject *)types[i]);

@@ -312,6 +312,79 @@ static gpuipc_status make_handle(gpuipc_buffer *b) {
   return s;
 }
 
+/* The descriptor of [offset, offset + size) of b's allocation (*fd: the
+ * kind's fd to pass beside it, -1 if none, still b's). */
+static gpuipc_status describe(gpuipc_buffer *b, uint64_t offset, uint64_t size,
+                              gpuipc__desc *d, int *fd) {
+  memset(d, 0, sizeof *d);
+  d->type = GPUIPC_DESC_BUFFER;
+  d->kind = (uint8_t)b->kind;
+  d->flags = b->origin == GPUIPC__WRAPPED ? GPUIPC__DESC_F_WRAPPED : 0;
+  memcpy(d->device, b->uuid.bytes, 16);
+  GPUIPC__CHECK(gpuipc__desc_set_exporter(d));
+  d->live_key = gpuipc__live_key(); /* names this process's liveness table */
+  d->buffer_id = b->buffer_id;
+  d->generation = b->generation;
+  d->offset = offset;
+  d->size = size;
+  d->alloc_size = b->alloc_size;
+  *fd = -1;
+  b->ops->describe(b, d, fd);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc_buffer_export_range(gpuipc_buffer *b, const void *ptr,
+                                         size_t size, uint8_t *desc, size_t cap,
+                                         size_t *len) {
+  if (b == NULL || ptr == NULL || size == 0 || desc == NULL || len == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_buffer_export_range: NULL, or size 0");
+  if (b->origin == GPUIPC__IMPORTED)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_buffer_export_range: an imported buffer: pass "
+                        "on its descriptor");
+  if (b->buffer_id == 0)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_buffer_export_range: the driver gave this %s "
+                        "buffer no buffer id to check the range against",
+                        gpuipc_pool_kind_name(b->kind));
+  CUdeviceptr p = (CUdeviceptr)(uintptr_t)ptr;
+  CUdeviceptr base = b->alloc_size ? b->base : b->ptr;
+  size_t n = b->alloc_size ? b->alloc_size : b->size;
+  size_t off = (size_t)(p - base);
+  if (p < base || off >= n || size > n - off)
+    return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                        "gpuipc_buffer_export_range: [%p, +%zu) leaves the "
+                        "allocation [0x%llx, +%zu)",
+                        ptr, size, (unsigned long long)base, n);
+  GPUIPC__CHECK(gpuipc__driver());
+  /* The memory at ptr must still be the allocation b names (a wrapped
+   * allocation its owner freed may have another at its address now). */
+  uint64_t now = 0;
+  GPUIPC__CHECK(gpuipc__pointer_buffer_id(p, &now));
+  if (now != b->buffer_id)
+    return gpuipc__fail(GPUIPC_E_STALE,
+                        "gpuipc_buffer_export_range: %p is in another "
+                        "allocation now (buffer id %llu, this buffer's %llu): "
+                        "its memory was freed; wrap the new one",
+                        ptr, (unsigned long long)now,
+                        (unsigned long long)b->buffer_id);
+  pthread_mutex_lock(&b->lock);
+  gpuipc_status s = make_handle(b);
+  pthread_mutex_unlock(&b->lock);
+  if (s != GPUIPC_OK)
+    return s;
+  gpuipc__desc d;
+  int fd = -1;
+  GPUIPC__CHECK(describe(b, off, size, &d, &fd));
+  if (fd >= 0)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "gpuipc_buffer_export_range: %s memory travels with "
+                        "its fd: use gpuipc_buffer_export",
+                        gpuipc_pool_kind_name(b->kind));
+  return gpuipc__desc_encode(&d, desc, cap, len);
+}
+
 gpuipc_status gpuipc_buffer_export(gpuipc_buffer *b, uint8_t *desc, size_t cap,
                                    size_t *len, int *fds, int *nfds) {
   if (b == NULL || desc == NULL || len == NULL ||
@@ -340,20 +413,8 @@ gpuipc_status gpuipc_buffer_export(gpuipc_buffer *b, uint8_t *desc, size_t cap,
     return s;
 
   gpuipc__desc d;
-  memset(&d, 0, sizeof d);
-  d.type = GPUIPC_DESC_BUFFER;
-  d.kind = (uint8_t)b->kind;
-  d.flags = b->origin == GPUIPC__WRAPPED ? GPUIPC__DESC_F_WRAPPED : 0;
-  memcpy(d.device, b->uuid.bytes, 16);
-  GPUIPC__CHECK(gpuipc__desc_set_exporter(&d));
-  d.live_key = gpuipc__live_key(); /* names this process's liveness table */
-  d.buffer_id = b->buffer_id;
-  d.generation = b->generation;
-  d.offset = b->offset;
-  d.size = b->size;
-  d.alloc_size = b->alloc_size;
   int fd = -1;
-  b->ops->describe(b, &d, &fd);
+  GPUIPC__CHECK(describe(b, b->offset, b->size, &d, &fd));
   int newfd = -1;
   if (fd >= 0 && cap_fds > 0) {
     newfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);

@@ -23,6 +23,19 @@
  *   (gpuipc_buffer_import); a hit also re-reads the mapping's local buffer
  *   id, recorded when it was opened, so a mapping replaced under the cache
  *   is never handed out.
+ * Linger: a mapping whose last reference goes is kept, idle, for a bounded
+ * time and count (GPUIPC_IMPORT_LINGER_MS, default 100; _MAX, default 64;
+ * 0 turns it off), so that the next import of the same allocation (a
+ * producer that sends from the same memory again and again) costs no
+ * driver open and close. An idle mapping is never handed out unchecked: a
+ * hit on it is the same validated hit as on a held one. It is closed when
+ * its time is up (by a reaper thread, or by the next cache call), when
+ * more than the count are idle (oldest first), as soon as the exporter's
+ * liveness table says the allocation was freed (kinds with a generation)
+ * or the exporter is gone, when a descriptor with the same key names
+ * another allocation, and before a miss opens memory of the same exporter
+ * on the same device for the kinds whose driver hands back an existing
+ * mapping of the same address (they have a forget).
  * Concurrency: one mutex guards the tables; driver calls happen outside it.
  * An entry being opened is in state OPENING, and threads that want the same
  * key wait for it, so the same memory is never mapped twice; an entry being
@@ -37,6 +50,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* OPENING: the kind's open runs (without the lock); LIVE: usable;
@@ -68,6 +82,11 @@ struct gpuipc__mapping {
   int state;
   bool linked; /* findable by key (false once retired) */
   long refs;
+  bool idle;            /* refs 0, kept for a later import (linger) */
+  bool no_linger;       /* opened with GPUIPC_IMPORT_NO_CACHE */
+  uint64_t idle_since;  /* cache clock (ms) when it became idle */
+  uint64_t idle_seq;    /* order of becoming idle (oldest first) */
+  gpuipc__desc d;       /* what it was opened from: the liveness checks */
   gpuipc__opened o;
   struct gpuipc__mapping *next; /* all entries: live, opening and retired */
 };
@@ -92,6 +111,65 @@ static struct gpuipc__mapping *maps;
 static struct gpuipc__pool_import *pools;
 static gpuipc_cache_stats stats;
 
+/* ---- linger settings, clock and reaper ---------------------------------------- */
+
+static long linger_ms = -1, linger_max = -1; /* -1: not read yet */
+static size_t n_idle;
+static uint64_t idle_seq_next;
+static uint64_t clock_offset; /* tests move the clock (gpuipc__cache_test_advance) */
+static bool reaper_started;
+static pthread_cond_t reaper_cond;
+static pthread_once_t reaper_once = PTHREAD_ONCE_INIT;
+
+static long env_long(const char *name, long dflt) {
+  const char *e = gpuipc__getenv(name);
+  if (e == NULL || *e == 0)
+    return dflt;
+  char *end = NULL;
+  long v = strtol(e, &end, 10);
+  if (*end != 0 || v < 0 || v > 86400000L) {
+    GPUIPC__WARN("handle", "%s=%s: not a count from 0 to 86400000; using %ld",
+                 name, e, dflt);
+    return dflt;
+  }
+  return v;
+}
+
+/* Caller holds cache_lock. */
+static void linger_read_locked(void) {
+  if (linger_ms < 0)
+    linger_ms = env_long("GPUIPC_IMPORT_LINGER_MS", 100);
+  if (linger_max < 0)
+    linger_max = env_long("GPUIPC_IMPORT_LINGER_MAX", 64);
+}
+
+static uint64_t cache_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000u + (uint64_t)t.tv_nsec / 1000000u +
+         clock_offset;
+}
+
+/* A fork while the reaper holds the lock would leave the child's lock
+ * held for good: the lock is taken around fork, and the child, which has
+ * no reaper, starts one with its next idle mapping. */
+static void cache_before_fork(void) { pthread_mutex_lock(&cache_lock); }
+static void cache_after_fork_parent(void) { pthread_mutex_unlock(&cache_lock); }
+static void cache_after_fork_child(void) {
+  reaper_started = false;
+  pthread_mutex_unlock(&cache_lock);
+}
+
+static void reaper_init(void) {
+  pthread_condattr_t a;
+  pthread_condattr_init(&a);
+  pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+  pthread_cond_init(&reaper_cond, &a);
+  pthread_condattr_destroy(&a);
+  pthread_atfork(cache_before_fork, cache_after_fork_parent,
+                 cache_after_fork_child);
+}
+
 void gpuipc__cache_count_open(void) {
   pthread_mutex_lock(&cache_lock);
   stats.driver_opens++;
@@ -101,6 +179,179 @@ void gpuipc__cache_count_close(void) {
   pthread_mutex_lock(&cache_lock);
   stats.driver_closes++;
   pthread_mutex_unlock(&cache_lock);
+}
+
+static void unlink_entry(struct gpuipc__mapping *m);
+static bool any_in_state(uint8_t kind, int map_ordinal, int state);
+static bool base_shared(const struct gpuipc__mapping *m);
+static gpuipc_status close_mapping(struct gpuipc__mapping *m);
+static void *reaper_main(void *unused);
+
+/* Closes m, whose last reference went (or an idle one), and frees it.
+ * Caller holds cache_lock, which is dropped meanwhile and held again on
+ * return. */
+static gpuipc_status close_entry_locked(struct gpuipc__mapping *m) {
+  if (m->idle) {
+    m->idle = false;
+    n_idle--;
+  }
+  m->state = ST_CLOSING;
+  stats.live_mappings--;
+  gpuipc__stats_add(GPUIPC__ST_CACHE_LIVE, -1);
+  /* A pool pointer imported twice is one mapping in the driver (it can
+   * happen when an exporter reallocated at the address of a buffer still
+   * held here, or when an open ran while this close): free it once, with
+   * the last holder. So no open of such a kind runs on this device while
+   * the decision is made and the close runs: the opens in flight finish
+   * first (their mapping is then LIVE and shares this base), and new ones
+   * wait for the close (see gpuipc__cache_acquire). The kinds whose
+   * mappings can be shared so have a forget; legacy opens are counted by
+   * the driver, so each entry closes its own. */
+  while (m->ops->forget != NULL &&
+         any_in_state(m->key.kind, m->key.map_ordinal, ST_OPENING))
+    pthread_cond_wait(&cache_cond, &cache_lock);
+  bool skip = m->ops->forget != NULL && base_shared(m);
+  pthread_mutex_unlock(&cache_lock);
+  gpuipc_status s = GPUIPC_OK;
+  if (skip)
+    m->ops->forget(&m->o);
+  else
+    s = close_mapping(m);
+  pthread_mutex_lock(&cache_lock);
+  unlink_entry(m);
+  pthread_cond_broadcast(&cache_cond);
+  free(m);
+  return s;
+}
+
+/* Why an idle mapping must go now (NULL: it may stay). The cheap reasons
+ * (all, off, time, count) on every cache call; deep ones (the exporter's
+ * liveness table and death: /proc or a pidfd, shared memory) only in the
+ * reaper, gone_cache remembering the last exporter asked. Caller holds
+ * cache_lock. */
+typedef struct {
+  const gpuipc__identity *id;
+  bool gone;
+} gone_memo;
+
+static const char *idle_verdict(const struct gpuipc__mapping *m, uint64_t now,
+                                bool all, gone_memo *deep) {
+  if (all)
+    return "trimmed";
+  if (linger_ms <= 0 || linger_max <= 0)
+    return "linger off";
+  if (now - m->idle_since >= (uint64_t)linger_ms)
+    return "its time is up";
+  if (deep == NULL)
+    return NULL;
+  if (deep->id == NULL || !gpuipc__identity_eq(deep->id, &m->key.exporter)) {
+    deep->id = &m->key.exporter;
+    deep->gone = gpuipc__exporter_gone(&m->key.exporter);
+  }
+  if (deep->gone)
+    return "its exporter is gone";
+  if (m->generation != 0 &&
+      gpuipc__generation_state(&m->d, NULL) == GPUIPC__LIVE_FREED)
+    return "its exporter freed the allocation";
+  return NULL;
+}
+
+/* Closes the idle mappings that must go: all of them, or those idle_verdict
+ * names, then the oldest while more than the count are idle. Returns the
+ * number closed. Caller holds cache_lock (dropped meanwhile). */
+static size_t sweep_idle_locked(bool all, bool deep) {
+  size_t closed = 0;
+  for (;;) {
+    if (n_idle == 0)
+      return closed;
+    uint64_t now = cache_now();
+    struct gpuipc__mapping *victim = NULL, *oldest = NULL;
+    const char *why = NULL;
+    gone_memo memo = {NULL, false};
+    for (struct gpuipc__mapping *e = maps; e; e = e->next) {
+      if (!e->idle)
+        continue;
+      if (oldest == NULL || e->idle_seq < oldest->idle_seq)
+        oldest = e;
+      if ((why = idle_verdict(e, now, all, deep ? &memo : NULL)) != NULL) {
+        victim = e;
+        break;
+      }
+    }
+    if (victim == NULL && oldest != NULL && linger_max > 0 &&
+        n_idle > (size_t)linger_max) {
+      victim = oldest;
+      why = "more than GPUIPC_IMPORT_LINGER_MAX are idle";
+    }
+    if (victim == NULL)
+      return closed;
+    GPUIPC__TRACE("handle", "import cache: closing idle mapping 0x%llx: %s",
+                  (unsigned long long)victim->o.base, why);
+    stats.linger_drops++;
+    (void)close_entry_locked(victim);
+    closed++;
+  }
+}
+
+/* The reaper: closes idle mappings when their time is up (and those the
+ * liveness table or the exporter's death lets go), sleeping while none is
+ * idle. Started with the first idle mapping. */
+static void *reaper_main(void *unused) {
+  (void)unused;
+  pthread_mutex_lock(&cache_lock);
+  for (;;) {
+    sweep_idle_locked(false, true);
+    if (n_idle == 0) {
+      pthread_cond_wait(&reaper_cond, &cache_lock);
+      continue;
+    }
+    uint64_t first = UINT64_MAX;
+    for (struct gpuipc__mapping *e = maps; e; e = e->next)
+      if (e->idle && e->idle_since < first)
+        first = e->idle_since;
+    /* Wakes when the oldest is due, and at least every 20 ms to let go
+     * early of what the liveness table says freed. */
+    uint64_t now = cache_now();
+    uint64_t due = first + (uint64_t)(linger_ms > 0 ? linger_ms : 0);
+    uint64_t wait = due > now ? due - now : 0;
+    if (wait > 20)
+      wait = 20;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    t.tv_nsec += (long)(wait % 1000) * 1000000L;
+    t.tv_sec += (time_t)(wait / 1000) + t.tv_nsec / 1000000000L;
+    t.tv_nsec %= 1000000000L;
+    pthread_cond_timedwait(&reaper_cond, &cache_lock, &t);
+  }
+  return NULL;
+}
+
+/* Makes sure a reaper runs (caller holds cache_lock). Without one (the
+ * thread could not start) idle mappings go at the next cache call. */
+static void reaper_kick_locked(void) {
+  pthread_once(&reaper_once, reaper_init);
+  if (!reaper_started) {
+    pthread_t t;
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &a, reaper_main, NULL) == 0)
+      reaper_started = true;
+    else
+      GPUIPC__INFO("handle", "import cache: no reaper thread: idle mappings "
+                             "close at the next cache call");
+    pthread_attr_destroy(&a);
+  }
+  pthread_cond_signal(&reaper_cond);
+}
+
+/* The next cache call's share of the reaper's work: only when something is
+ * idle and the oldest may be due (or the reaper could not start). */
+static void sweep_due_locked(void) {
+  if (n_idle == 0)
+    return;
+  linger_read_locked();
+  (void)sweep_idle_locked(false, !reaper_started);
 }
 
 static void map_key_of(const gpuipc__desc *d, const gpuipc__kind_ops *ops,
@@ -208,6 +459,7 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
 
   struct gpuipc__mapping *n = NULL;
   pthread_mutex_lock(&cache_lock);
+  sweep_due_locked();
   for (;;) {
     struct gpuipc__mapping *e = NULL;
     if (cacheable)
@@ -223,6 +475,22 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       pthread_cond_wait(&cache_cond, &cache_lock);
       continue;
     }
+    /* Nor while an idle mapping of that exporter on this device could be
+     * the one the driver hands back (it would be another allocation at its
+     * address): close those first. */
+    if (e == NULL && ops->forget != NULL) {
+      struct gpuipc__mapping *idle = NULL;
+      for (idle = maps; idle; idle = idle->next)
+        if (idle->idle && idle->key.kind == key.kind &&
+            idle->key.map_ordinal == map_ordinal &&
+            gpuipc__identity_eq(&idle->key.exporter, &key.exporter))
+          break;
+      if (idle != NULL) {
+        stats.linger_drops++;
+        (void)close_entry_locked(idle);
+        continue;
+      }
+    }
     if (e == NULL)
       break;
     if (e->state == ST_OPENING || e->state == ST_CLOSING) {
@@ -230,6 +498,11 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       continue;
     }
     if (e->buffer_id == d->buffer_id && e->generation == d->generation) {
+      bool was_idle = e->idle;
+      if (was_idle) {
+        e->idle = false;
+        n_idle--;
+      }
       e->refs++;
       pthread_mutex_unlock(&cache_lock);
       /* The mapping must still be the one opened: its local buffer id
@@ -241,6 +514,8 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
       pthread_mutex_lock(&cache_lock);
       if (same) {
         stats.hits++;
+        if (was_idle)
+          stats.linger_hits++;
         gpuipc__stats_add(GPUIPC__ST_CACHE_HITS, 1);
         pthread_mutex_unlock(&cache_lock);
         *out = e;
@@ -266,7 +541,8 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
     }
     /* Same exporter and handle bytes, another allocation: the exporter
      * freed the buffer we hold and reused its address. Retire the entry:
-     * its holders keep their (stale) mapping, nobody new gets it. */
+     * its holders keep their (stale) mapping, nobody new gets it; an idle
+     * one, which nobody holds, is closed before the new one opens. */
     GPUIPC__DEBUG("handle",
                   "import cache: retiring stale mapping 0x%llx (buffer id "
                   "%llu gen %llu; descriptor has %llu gen %llu)",
@@ -278,6 +554,10 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
     e->linked = false;
     stats.stale++;
     gpuipc__stats_add(GPUIPC__ST_CACHE_STALE, 1);
+    if (e->idle) {
+      stats.linger_drops++;
+      (void)close_entry_locked(e);
+    }
   }
   n = calloc(1, sizeof *n);
   if (n == NULL) {
@@ -291,6 +571,8 @@ gpuipc_status gpuipc__cache_acquire(const gpuipc__desc *d, int map_ordinal,
   n->state = ST_OPENING;
   n->linked = cacheable;
   n->refs = 1;
+  n->d = *d;
+  n->no_linger = (flags & GPUIPC_IMPORT_NO_CACHE) != 0;
   n->next = maps;
   maps = n;
   stats.misses++;
@@ -325,34 +607,55 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
     pthread_mutex_unlock(&cache_lock);
     return GPUIPC_OK;
   }
-  m->state = ST_CLOSING;
-  stats.live_mappings--;
-  gpuipc__stats_add(GPUIPC__ST_CACHE_LIVE, -1);
-  /* A pool pointer imported twice is one mapping in the driver (it can
-   * happen when an exporter reallocated at the address of a buffer still
-   * held here, or when an open ran while this close): free it once, with
-   * the last holder. So no open of such a kind runs on this device while
-   * the decision is made and the close runs: the opens in flight finish
-   * first (their mapping is then LIVE and shares this base), and new ones
-   * wait for the close (see gpuipc__cache_acquire). The kinds whose
-   * mappings can be shared so have a forget; legacy opens are counted by
-   * the driver, so each entry closes its own. */
-  while (m->ops->forget != NULL &&
-         any_in_state(m->key.kind, m->key.map_ordinal, ST_OPENING))
-    pthread_cond_wait(&cache_cond, &cache_lock);
-  bool skip = m->ops->forget != NULL && base_shared(m);
+  linger_read_locked();
+  if (m->linked && !m->no_linger && m->state == ST_LIVE && linger_ms > 0 &&
+      linger_max > 0) {
+    /* Kept, idle, for the next import of the same allocation. */
+    m->idle = true;
+    m->idle_since = cache_now();
+    m->idle_seq = ++idle_seq_next;
+    n_idle++;
+    stats.linger_kept++;
+    (void)sweep_idle_locked(false, false); /* the count bound, at once */
+    reaper_kick_locked();
+    pthread_mutex_unlock(&cache_lock);
+    return GPUIPC_OK;
+  }
+  gpuipc_status s = close_entry_locked(m);
   pthread_mutex_unlock(&cache_lock);
-  gpuipc_status s = GPUIPC_OK;
-  if (skip)
-    m->ops->forget(&m->o);
-  else
-    s = close_mapping(m);
-  pthread_mutex_lock(&cache_lock);
-  unlink_entry(m);
-  pthread_cond_broadcast(&cache_cond);
-  pthread_mutex_unlock(&cache_lock);
-  free(m);
   return s;
+}
+
+gpuipc_status gpuipc_cache_trim(void) {
+  pthread_mutex_lock(&cache_lock);
+  (void)sweep_idle_locked(true, false);
+  pthread_mutex_unlock(&cache_lock);
+  return GPUIPC_OK;
+}
+
+void gpuipc__cache_linger_set(long ms, long max) {
+  pthread_mutex_lock(&cache_lock);
+  linger_ms = ms;
+  linger_max = max;
+  (void)sweep_idle_locked(false, false);
+  pthread_mutex_unlock(&cache_lock);
+}
+
+size_t gpuipc__cache_test_advance(uint64_t ms) {
+  pthread_mutex_lock(&cache_lock);
+  clock_offset += ms;
+  size_t n = sweep_idle_locked(false, true);
+  /* What the reaper was closing meanwhile has finished too. */
+  for (;;) {
+    bool closing = false;
+    for (struct gpuipc__mapping *e = maps; e && !closing; e = e->next)
+      closing = e->state == ST_CLOSING;
+    if (!closing)
+      break;
+    pthread_cond_wait(&cache_cond, &cache_lock);
+  }
+  pthread_mutex_unlock(&cache_lock);
+  return n;
 }
 
 CUdeviceptr gpuipc__mapping_base(const struct gpuipc__mapping *m) {
@@ -447,6 +750,8 @@ void gpuipc__pool_import_release(struct gpuipc__pool_import *p) {
 size_t gpuipc__cache_pools_held(void) {
   size_t n = 0;
   pthread_mutex_lock(&cache_lock);
+  /* Idle mappings of gone exporters hold their pools: they go first. */
+  (void)sweep_idle_locked(false, true);
   pool_sweep();
   for (struct gpuipc__pool_import *p = pools; p; p = p->next)
     n++;
@@ -600,6 +905,7 @@ gpuipc_status gpuipc_cache_get_stats(gpuipc_cache_stats *st) {
                         "gpuipc_cache_get_stats: NULL or size unset");
   pthread_mutex_lock(&cache_lock);
   gpuipc_cache_stats x = stats;
+  x.idle_mappings = n_idle;
   pthread_mutex_unlock(&cache_lock);
   x.size = st->size;
   memcpy(st, &x, st->size < sizeof x ? st->size : sizeof x);

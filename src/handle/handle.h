@@ -260,4 +260,16 @@ gpuipc_status gpuipc__pointer_buffer_id(CUdeviceptr ptr, uint64_t *id);
  * holds them). For tests and diagnostics. */
 size_t gpuipc__cache_pools_held(void);
 
+/* ---- the import cache's linger (cache.c), for tests --------------------------- */
+
+/* Linger settings (ms and count; 0 turns it off), as the environment
+ * variables GPUIPC_IMPORT_LINGER_MS and _MAX set them; applied at once (what
+ * the new settings let go is closed). For tests. */
+void gpuipc__cache_linger_set(long ms, long max);
+/* Moves the cache's clock forward by ms and closes what is then due (and
+ * what the exporter's liveness table or death lets go), waiting for closes
+ * in flight: tests of the linger, without sleeping. Returns the number
+ * closed by this call. */
+size_t gpuipc__cache_test_advance(uint64_t ms);
+
 #endif /* GPUIPC_HANDLE_LAYER_H */
