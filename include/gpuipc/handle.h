@@ -621,8 +621,9 @@ GPUIPC_API gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
  * is released by the driver only when this process closes it too.
  */
 
-/* Closes every idle mapping now (see Linger above); mappings still held
- * are untouched. Returns GPUIPC_OK; thread-safe. */
+/* Closes every idle mapping now (see Linger above), and waits for the
+ * closes of idle mappings another thread started: on return none is open.
+ * Mappings still held are untouched. Returns GPUIPC_OK; thread-safe. */
 GPUIPC_API gpuipc_status gpuipc_cache_trim(void);
 
 /* Counters of this process's import cache since start. */

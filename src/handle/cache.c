@@ -115,6 +115,7 @@ static gpuipc_cache_stats stats;
 
 static long linger_ms = -1, linger_max = -1; /* -1: not read yet */
 static size_t n_idle;
+static size_t n_idle_closing; /* idle mappings whose close is under way */
 static uint64_t idle_seq_next;
 static uint64_t clock_offset; /* tests move the clock (gpuipc__cache_test_advance) */
 static bool reaper_started;
@@ -157,6 +158,7 @@ static void cache_before_fork(void) { pthread_mutex_lock(&cache_lock); }
 static void cache_after_fork_parent(void) { pthread_mutex_unlock(&cache_lock); }
 static void cache_after_fork_child(void) {
   reaper_started = false;
+  n_idle_closing = 0; /* the thread closing them is not in the child */
   pthread_mutex_unlock(&cache_lock);
 }
 
@@ -191,9 +193,11 @@ static void *reaper_main(void *unused);
  * Caller holds cache_lock, which is dropped meanwhile and held again on
  * return. */
 static gpuipc_status close_entry_locked(struct gpuipc__mapping *m) {
+  bool was_idle = m->idle;
   if (m->idle) {
     m->idle = false;
     n_idle--;
+    n_idle_closing++;
   }
   m->state = ST_CLOSING;
   stats.live_mappings--;
@@ -219,6 +223,8 @@ static gpuipc_status close_entry_locked(struct gpuipc__mapping *m) {
     s = close_mapping(m);
   pthread_mutex_lock(&cache_lock);
   unlink_entry(m);
+  if (was_idle)
+    n_idle_closing--;
   pthread_cond_broadcast(&cache_cond);
   free(m);
   return s;
@@ -629,6 +635,10 @@ gpuipc_status gpuipc__cache_release(struct gpuipc__mapping *m) {
 gpuipc_status gpuipc_cache_trim(void) {
   pthread_mutex_lock(&cache_lock);
   (void)sweep_idle_locked(true, false);
+  /* Also those another thread (the reaper) is closing right now: on
+   * return no idle mapping is open. */
+  while (n_idle_closing > 0)
+    pthread_cond_wait(&cache_cond, &cache_lock);
   pthread_mutex_unlock(&cache_lock);
   return GPUIPC_OK;
 }
