@@ -12,7 +12,6 @@
  */
 #include "test-conn-handoff.h"
 
-#include "conn/arena_int.h"
 
 #include <signal.h>
 #include <stdatomic.h>

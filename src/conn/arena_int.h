@@ -118,11 +118,7 @@ struct gpuipc_block {
  * first, to reclaim what orphaned leases of departed peers held: set by
  * lease.c once it keeps an orphan (until then there is nothing to
  * reclaim); setting it again changes nothing. */
-/* Destroys the arenas given up (gpuipc_arena_release) that have drained
- * meanwhile; cheap when there are none. Returns how many are left. Takes
- * no lock of the caller's: called where blocks come back (releases, a
- * dead peer's reclaim, frees) with no arena lock held. */
-size_t gpuipc__arena_given_retry(void);
+/* gpuipc__arena_given_retry: in conn.h (the tests count with it). */
 void gpuipc__arena_set_reaper(void (*reap)(void));
 /* The process's arena for connection flag words on a device. */
 gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out);

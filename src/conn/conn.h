@@ -54,4 +54,10 @@ gpuipc_pool_kind gpuipc__arena_chunk_kind(gpuipc_arena *a, uint32_t i);
  * returns how many stay kept. Every close and progress call does this. */
 size_t gpuipc__handoff_held_poll(void);
 
+/* Destroys the arenas given up (gpuipc_arena_release) that have drained
+ * meanwhile; cheap when there are none. Returns how many are left. Takes
+ * no lock of the caller's: called where blocks come back (releases, a
+ * dead peer's reclaim, frees) with no arena lock held. */
+size_t gpuipc__arena_given_retry(void);
+
 #endif /* GPUIPC_CONN_LAYER_H */
