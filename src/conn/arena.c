@@ -962,29 +962,31 @@ gpuipc_pool_kind gpuipc__arena_chunk_kind(gpuipc_arena *a, uint32_t i) {
 
 /* ---- the public calls whose answer depends on orphans -------------------------- */
 
-static void (*_Atomic reaper)(void);
+static void (*_Atomic reaper)(bool now);
 
-void gpuipc__arena_set_reaper(void (*reap)(void)) {
+void gpuipc__arena_set_reaper(void (*reap)(bool now)) {
   atomic_store_explicit(&reaper, reap, memory_order_release);
 }
 
-static void reap_orphans(void) {
-  void (*reap)(void) = atomic_load_explicit(&reaper, memory_order_acquire);
+/* now: look at every orphan's peer (statistics and destroy must see what
+ * a peer gone a moment ago held); else at most every few ms (alloc). */
+static void reap_orphans(bool now) {
+  void (*reap)(bool) = atomic_load_explicit(&reaper, memory_order_acquire);
   if (reap)
-    reap();
+    reap(now);
 }
 
 gpuipc_status gpuipc_arena_alloc(gpuipc_arena *arena, size_t bytes,
                                  struct CUstream_st *stream,
                                  gpuipc_block **out) {
-  reap_orphans();
+  reap_orphans(false);
   (void)gpuipc__arena_given_retry();
   return arena_alloc_block(arena, bytes, stream, out);
 }
 
 gpuipc_status gpuipc_arena_get_stats(gpuipc_arena *arena,
                                      gpuipc_arena_stats *st) {
-  reap_orphans();
+  reap_orphans(true);
   return arena_get_stats(arena, st);
 }
 
@@ -997,7 +999,7 @@ gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena) {
     return GPUIPC_OK;
   uint64_t deadline = gpuipc__now_ns() + DESTROY_WAIT_MS * 1000000ull;
   for (;;) {
-    reap_orphans();
+    reap_orphans(true);
     bool pending = false;
     gpuipc_status s = arena_destroy(arena, &pending, NULL, false);
     if (!pending || gpuipc__now_ns() >= deadline)
@@ -1055,7 +1057,7 @@ size_t gpuipc__arena_given_retry(void) {
 gpuipc_status gpuipc_arena_release(gpuipc_arena *arena) {
   if (arena == NULL)
     return GPUIPC_OK;
-  reap_orphans();
+  reap_orphans(true);
   bool freed = false;
   gpuipc_status s = arena_destroy(arena, NULL, &freed, true);
   if (freed || s != GPUIPC_E_BUSY)

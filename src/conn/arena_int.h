@@ -119,7 +119,7 @@ struct gpuipc_block {
  * lease.c once it keeps an orphan (until then there is nothing to
  * reclaim); setting it again changes nothing. */
 /* gpuipc__arena_given_retry: in conn.h (the tests count with it). */
-void gpuipc__arena_set_reaper(void (*reap)(void));
+void gpuipc__arena_set_reaper(void (*reap)(bool now));
 /* The process's arena for connection flag words on a device. */
 gpuipc_status gpuipc__ctl_arena(int ordinal, gpuipc_arena **out);
 /* Allocates a block (internal: connection flag words, not counted in the

@@ -157,7 +157,7 @@ static void ho_peer_gone(gpuipc_conn *c) {
 
 static void ho_poll(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
-  gpuipc__lease_reap_orphans();
+  gpuipc__lease_reap_orphans(false);
   (void)gpuipc__handoff_held_poll();
   (void)gpuipc__arena_given_retry();
   if (h == NULL || c->state == GPUIPC__CONN_OPEN)

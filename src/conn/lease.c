@@ -805,17 +805,43 @@ static void orphan_add(gpuipc__lease_table *lt) {
 
 static void reap(void);
 
-void gpuipc__lease_reap_orphans(void) {
+/* Reaps in progress (another thread's, the watcher's above all): a caller
+ * that must see their result (now) waits for them. in_reap: this thread
+ * is inside one (a reclaim that comes back here neither reaps nor waits). */
+static pthread_mutex_t reaping_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t reaping_done = PTHREAD_COND_INITIALIZER;
+static int reaping;
+static _Thread_local bool in_reap;
+
+void gpuipc__lease_reap_orphans(bool now) {
+  if (now && !in_reap) {
+    if (atomic_load(&n_orphans) > 0)
+      reap();
+    /* Bounded (2 s): a reap is a pass over the orphans, never a wait. */
+    pthread_mutex_lock(&reaping_lock);
+    for (int i = 0; reaping > 0 && i < 200; i++) {
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += 10000000L;
+      if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+      }
+      pthread_cond_timedwait(&reaping_done, &reaping_lock, &ts);
+    }
+    pthread_mutex_unlock(&reaping_lock);
+    return;
+  }
   if (GPUIPC__LIKELY(atomic_load_explicit(&n_orphans, memory_order_relaxed) ==
                      0))
     return;
   /* Checking costs a /proc read (and maybe a small device copy) per
    * orphan: at most every few milliseconds. */
   static _Atomic uint64_t last_poll;
-  uint64_t now = gpuipc__now_ns();
+  uint64_t t = gpuipc__now_ns();
   uint64_t prev = atomic_load(&last_poll);
-  if (now - prev < 5000000ull ||
-      !atomic_compare_exchange_strong(&last_poll, &prev, now))
+  if (t - prev < 5000000ull ||
+      !atomic_compare_exchange_strong(&last_poll, &prev, t))
     return;
   reap();
 }
@@ -826,7 +852,24 @@ size_t gpuipc__lease_reap_orphans_now(void) {
   return (size_t)atomic_load(&n_orphans);
 }
 
+static void reap_pass(void);
+
 static void reap(void) {
+  if (in_reap)
+    return;
+  in_reap = true;
+  pthread_mutex_lock(&reaping_lock);
+  reaping++;
+  pthread_mutex_unlock(&reaping_lock);
+  reap_pass();
+  pthread_mutex_lock(&reaping_lock);
+  reaping--;
+  pthread_cond_broadcast(&reaping_done);
+  pthread_mutex_unlock(&reaping_lock);
+  in_reap = false;
+}
+
+static void reap_pass(void) {
   pthread_mutex_lock(&orphan_lock);
   gpuipc__lease_table *list = orphans;
   orphans = NULL;
@@ -1036,6 +1079,7 @@ static void watch_atfork_parent(void) {
 static void watch_atfork_child(void) {
   watch_atfork_parent();
   watcher_pid = 0; /* the thread is the parent's */
+  reaping = 0;     /* and so are the reaps it was making */
 }
 
 static void watch_atfork_register(void) {

@@ -126,7 +126,7 @@ void gpuipc__lease_poll(gpuipc__lease_table *lt);
 /* Frees the orphans whose peers released everything or are gone (their
  * leases reclaimed first). Cheap when there are none; checks at most every
  * few milliseconds. */
-void gpuipc__lease_reap_orphans(void);
+void gpuipc__lease_reap_orphans(bool now);
 /* The same at once (no rate limit); returns how many orphans are left. */
 size_t gpuipc__lease_reap_orphans_now(void);
 
