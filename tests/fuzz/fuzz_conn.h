@@ -47,6 +47,9 @@ static inline void fuzz_conn_init(void) {
 #ifdef GPUIPC_EMU_PATH
   setenv("GPUIPC_CUDA_DRIVER", GPUIPC_EMU_PATH, 0);
 #endif
+  /* Imports close with their last reference (the import cache's linger
+   * would keep a mapping, and its descriptor, past the input's check). */
+  setenv("GPUIPC_IMPORT_LINGER_MS", "0", 0);
   if (getenv("GPUIPC_LOG") == NULL)
     gpuipc_log_set_level(GPUIPC_LOG_OFF);
   (void)gpuipc__driver();
