@@ -312,7 +312,14 @@ static gpuipc_status put_record(gpuipc_conn *c, int type,
     c->hup_checked = now;
     struct pollfd p = {c->k.fd, 0, 0};
     if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR))) {
-      (void)pump_once(c); /* what it sent before it left, then its end */
+      /* What it sent before it left, then its end: a pass that brought
+       * records does not read the socket, so read on to the end (a dead
+       * peer's ring holds a bounded number of records). */
+      for (int pass = 0; pass < 64 && c->state == GPUIPC__CONN_OPEN &&
+                         !c->peer_ended;
+           pass++)
+        if (pump_once(c) != GPUIPC_OK)
+          break;
       if (c->state != GPUIPC__CONN_OPEN)
         return gpuipc__conn_ended(c);
       if (c->peer_ended)
