@@ -1242,17 +1242,32 @@ TEST_IMPL(xfer_hcopy_many_jobs) {
  * arrives and the source may be reused on return. */
 /* Copies n pageable bytes (pattern `seed`) to d on st, overwrites the
  * source at once (it is consumed on return), and checks which way the
- * engine took (direct, or staged) and that the data arrived. busy: a
- * device word to set first, slowly (the emulator's copy delay), so that the
- * stream has work pending at the copy; 0: none. */
+ * engine took (direct, or staged) and that the data arrived. busy_word: a
+ * device word (0) that st waits on until it is 1, so that the stream has
+ * work pending at the copy on any driver (a short memset completes at once
+ * on a GPU); the word is set from a second stream after the copy was
+ * issued. 0: none, the stream is idle. */
 static void small_copy(gpuipc_xfer *x, CUstream st, CUdeviceptr d, uint8_t *a,
                        uint8_t *back, size_t n, uint64_t seed,
-                       CUdeviceptr busy, bool direct) {
+                       CUdeviceptr busy_word, bool direct) {
   fill_random(a, n, seed);
-  if (busy)
-    ASSERT_CU(gpuipc__cu.cuMemsetD8Async(busy, 0, 16, st));
+  CUstream opener = NULL;
+  if (busy_word) {
+    opener = new_stream();
+    ASSERT_CU(gpuipc__cu.cuMemsetD32(busy_word, 0, 1));
+    ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(st, busy_word, 1,
+                                             CU_STREAM_WAIT_VALUE_EQ));
+    ASSERT_CU_EQ(gpuipc__cu.cuStreamQuery(st), CUDA_ERROR_NOT_READY);
+  }
   gpuipc_xfer_info before = info_of(x);
-  ASSERT_OK(gpuipc_xfer_to_device(x, D(d), a, n, st, 0));
+  gpuipc_status s = gpuipc_xfer_to_device(x, D(d), a, n, st, 0);
+  if (busy_word) {
+    /* Open the busy_word whatever the copy said, so that st drains. */
+    ASSERT_CU(gpuipc__cu.cuStreamWriteValue32(opener, busy_word, 1, 0));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(opener));
+    ASSERT_CU(gpuipc__cu.cuStreamDestroy(opener));
+  }
+  ASSERT_OK(s);
   memset(a, 0xee, n);
   gpuipc_xfer_info after = info_of(x);
   ASSERT_UEQ(after.direct_bytes - before.direct_bytes, direct ? n : 0);
@@ -1264,7 +1279,6 @@ static void small_copy(gpuipc_xfer *x, CUstream st, CUdeviceptr d, uint8_t *a,
 }
 
 TEST_IMPL(xfer_small_pageable_to_device) {
-  setenv("GPUIPC_EMU_COPY_DELAY_US", "2000", 1);
   gpuipc__ctx_guard g;
   enter0(&g);
   gpuipc_xfer *x = engine(0, 0, 0);
@@ -1274,10 +1288,10 @@ TEST_IMPL(xfer_small_pageable_to_device) {
   uint8_t *a = malloc(n), *back = malloc(n);
   ASSERT_NOT_NULL(a);
   ASSERT_NOT_NULL(back);
-  CUdeviceptr d = dev_alloc(n), busy = dev_alloc(16);
+  CUdeviceptr d = dev_alloc(n), busy_word = dev_alloc(16);
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
   small_copy(x, st, d, a, back, n, 41, 0, true);     /* idle stream: direct */
-  small_copy(x, st, d, a, back, n, 42, busy, false); /* busy stream: staged */
+  small_copy(x, st, d, a, back, n, 42, busy_word, false); /* busy stream: staged */
 
   /* 16 MiB and up: staged even into an idle stream. */
   const size_t big = (size_t)16 << 20;
@@ -1294,7 +1308,7 @@ TEST_IMPL(xfer_small_pageable_to_device) {
   free(bback);
   ASSERT_CU(gpuipc__cu.cuMemFree(d));
   ASSERT_CU(gpuipc__cu.cuMemFree(db));
-  ASSERT_CU(gpuipc__cu.cuMemFree(busy));
+  ASSERT_CU(gpuipc__cu.cuMemFree(busy_word));
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
   gpuipc__ctx_leave(&g);
   return 0;
