@@ -1931,11 +1931,14 @@ TEST_IMPL(sets_example_weight_sync) {
 /* copy_from / copy_into issue one copy per run of ranges contiguous on
  * both sides inside one allocation each: the emulator fails the second
  * cuMemcpyDtoDAsync of the process, so the packed copy (one call) passes
- * and the copy from three separate allocations (three calls) fails. */
+ * and the copy from three separate allocations (three calls) fails. The
+ * per-range way is forced (the batched copy would take the three in one
+ * call: sets_copy_batched). */
 TEST_IMPL(sets_copy_coalesces) {
   REQUIRE_EMULATOR("counts driver calls with GPUIPC_EMU_FAIL");
   setenv("GPUIPC_EMU_FAIL", "cuMemcpyDtoDAsync:2", 1);
   REQUIRE_DEVICES(1);
+  gpuipc__tset_copy_batch = 0;
   CUstream s = mkstream();
   spec_t sp;
   spec("small", &sp);
@@ -2097,4 +2100,133 @@ TEST_IMPL(sets_piece_above_the_mempool_limit_is_vmm) {
   spec_free(&sp);
   gpuipc__arena_mempool_max = saved;
   return 0;
+}
+
+/* ---- whole-set copies as one batch ---------------------------------------------------- */
+
+/* copy_from of the 10,000 tensors of "10k" from sources 64 bytes apart in
+ * one allocation, shuffled (no two ranges merge): fills the sources with
+ * pattern `seed`, copies on s, reads the set's copy 0 back whole and checks
+ * every tensor; checks the calls the copy made. */
+static void copy_round(gpuipc_tset *set, CUdeviceptr base, const size_t *perm,
+                       uint32_t seed, CUstream s, uint64_t want_batches,
+                       uint64_t want_singles) {
+  size_t n = gpuipc_tset_get_count(set);
+  size_t span = n * 64;
+  uint8_t *host = malloc(span);
+  ASSERT_NOT_NULL(host);
+  for (size_t k = 0; k < span; k++)
+    host[k] = (uint8_t)(k * 29 + seed + (k >> 9));
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(base, host, span));
+  void **srcs = malloc(n * sizeof *srcs);
+  ASSERT_NOT_NULL(srcs);
+  for (size_t i = 0; i < n; i++)
+    srcs[i] = (void *)(uintptr_t)(base + (CUdeviceptr)perm[i] * 64);
+  uint64_t b0 = atomic_load(&gpuipc__tset_copy_batches);
+  uint64_t s0 = atomic_load(&gpuipc__tset_copy_singles);
+  ASSERT_OK(gpuipc_tset_copy_from(set, 0, srcs, (struct CUstream_st *)s));
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_batches) - b0, want_batches);
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_singles) - s0, want_singles);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s ? s : NULL));
+  gpuipc_tensor first, last;
+  ASSERT_OK(gpuipc_tset_get_tensor(set, 0, 0, &first));
+  ASSERT_OK(gpuipc_tset_get_tensor(set, 0, n - 1, &last));
+  size_t piece = (size_t)((uintptr_t)last.ptr + last.nbytes - (uintptr_t)first.ptr);
+  uint8_t *back = malloc(piece);
+  ASSERT_NOT_NULL(back);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, (CUdeviceptr)(uintptr_t)first.ptr, piece));
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_tensor t;
+    ASSERT_OK(gpuipc_tset_get_tensor(set, 0, i, &t));
+    size_t off = (size_t)((uintptr_t)t.ptr - (uintptr_t)first.ptr);
+    if (memcmp(back + off, host + perm[i] * 64, t.nbytes) != 0)
+      harness_fail(__FILE__, __LINE__, "tensor %zu of %zu (%zu bytes) differs "
+                   "from its source", i, n, t.nbytes);
+  }
+  free(back);
+  free(srcs);
+  free(host);
+}
+
+/* Whether this driver takes the batched copy (CUDA 13.0's form). */
+static bool driver_batches(void) {
+  int v = 0;
+  ASSERT_CU(gpuipc__cu.cuDriverGetVersion(&v));
+  bool have = v >= 13000 && gpuipc__cu.cuMemcpyBatchAsync != NULL;
+  printf("driver %d: %s\n", v, have ? "batched copies" : "no batched copy");
+  return have;
+}
+
+static int copies_of_10k(bool want_batch) {
+  REQUIRE_DEVICES(1);
+  ASSERT_OK(gpuipc__driver());
+  bool have = driver_batches();
+  if (want_batch)
+    ASSERT(have);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("10k", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  size_t n = sp.n;
+  size_t *perm = malloc(n * sizeof *perm);
+  ASSERT_NOT_NULL(perm);
+  for (size_t i = 0; i < n; i++)
+    perm[i] = i;
+  srand(27);
+  for (size_t i = n - 1; i > 0; i--) {
+    size_t j = (size_t)rand() % (i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  CUdeviceptr base;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&base, n * 64));
+  /* 10,000 ranges: two batches (8,192 at most each), or one call each. */
+  if (have)
+    copy_round(set, base, perm, 1, s, 2, 0);
+  else
+    copy_round(set, base, perm, 1, s, 0, n);
+  /* The per-range way forced: the same bytes. */
+  gpuipc__tset_copy_batch = 0;
+  copy_round(set, base, perm, 2, s, 0, n);
+  gpuipc__tset_copy_batch = 1;
+  /* The legacy NULL stream: the batch refuses it, so per range. */
+  copy_round(set, base, perm, 3, NULL, 0, n);
+  /* Sources that are the set's own tensors, one along: a destination meets
+   * a source, and a batch's copies run in no given order, so per range. */
+  void **own = malloc(n * sizeof *own);
+  ASSERT_NOT_NULL(own);
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_tensor t;
+    ASSERT_OK(gpuipc_tset_get_tensor(set, 0, (i + 1) % n, &t));
+    own[i] = t.ptr;
+  }
+  uint64_t b0 = atomic_load(&gpuipc__tset_copy_batches);
+  ASSERT_OK(gpuipc_tset_copy_from(set, 0, own, (struct CUstream_st *)s));
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_batches) - b0, 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  free(own);
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  ASSERT_CU(gpuipc__cu.cuMemFree(base));
+  free(perm);
+  spec_free(&sp);
+  return 0;
+}
+
+/* A set's non-adjacent ranges go to the driver as batched copies where it
+ * has them (both drivers here: the H200's is 13.0), and per range where it
+ * does not, where forced, on the legacy NULL stream and where ranges
+ * overlap; the data is checked end to end each time. */
+TEST_IMPL(sets_copy_batched) {
+  return copies_of_10k(harness_on_emulator());
+}
+
+/* A driver without cuMemcpyBatchAsync (the emulator told to lack it, as a
+ * driver before 12.8 does): every copy per range, the same bytes. */
+TEST_IMPL(sets_copy_without_the_batched_call) {
+  REQUIRE_EMULATOR("makes the emulator lack cuMemcpyBatchAsync");
+  setenv("GPUIPC_EMU_DISABLE", "batch_copy", 1);
+  ASSERT_OK(gpuipc__driver());
+  ASSERT(gpuipc__cu.cuMemcpyBatchAsync == NULL);
+  return copies_of_10k(false);
 }

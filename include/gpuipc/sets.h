@@ -275,7 +275,9 @@ GPUIPC_API gpuipc_status gpuipc_tset_begin(gpuipc_tset *set,
 /* Copies the producer's own tensors into copy `copy` of an owned set:
  * srcs[i] is the device address of tensor i's source (same dtype, shape and
  * strides; NULL: skip it), copied on `stream` with adjacent ranges
- * coalesced. Does not wait on the host. Call between begin and publish. */
+ * coalesced and the rest as one batched copy where the driver has one
+ * (docs/sets.md, "Whole-set copies"). Does not wait on the host. Call
+ * between begin and publish. */
 GPUIPC_API gpuipc_status gpuipc_tset_copy_from(gpuipc_tset *set, int copy,
                                                void *const *srcs,
                                                struct CUstream_st *stream);
@@ -383,8 +385,9 @@ GPUIPC_API gpuipc_status gpuipc_tset_version_find(const gpuipc_tset_version *v,
  * device address of tensor i's destination (same dtype, shape and strides:
  * its nbytes bytes are copied as they lie; NULL: skip it), on `stream`
  * (the stream given to recv, or one ordered after it), with adjacent
- * ranges coalesced into one copy each. Does not wait on the host: release
- * the version on the same stream afterwards. */
+ * ranges coalesced into one copy each and the copies issued as one batch
+ * where the driver has one (docs/sets.md, "Whole-set copies"). Does not
+ * wait on the host: release the version on the same stream afterwards. */
 GPUIPC_API gpuipc_status gpuipc_tset_version_copy_into(
     const gpuipc_tset_version *v, void *const *dsts, struct CUstream_st *stream);
 /* Gives the version back: its copy may be written again by the producer

@@ -423,6 +423,7 @@ int gpuipc__stats_path(char *out, size_t cap, const char *dir, int pid,
   X(cuMemcpyHtoDAsync)                                                         \
   X(cuMemcpyDtoHAsync)                                                         \
   X(cuMemcpyDtoDAsync)                                                         \
+  X(cuMemcpyBatchAsync)                                                        \
   X(cuMemcpyPeer)                                                              \
   X(cuMemcpyPeerAsync)                                                         \
   X(cuMemsetD8)                                                                \

@@ -61,6 +61,8 @@ static int api_version(const char *name) {
     int version;
   } newer[] = {
       {"cuEventElapsedTime", 12080}, /* cuEventElapsedTime_v2 */
+      {"cuMemcpyBatchAsync", 13000}, /* _v2, without failIdx (used only
+                                       * from a 13.0 driver on) */
   };
   for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(newer); i++)
     if (strcmp(name, newer[i].name) == 0)

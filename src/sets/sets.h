@@ -9,6 +9,7 @@
 
 #include "gpuipc.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 
 /* The table (docs/sets.md). */
@@ -95,5 +96,11 @@ void gpuipc__tset_meta_encode(const gpuipc__tset_meta *m,
                               uint8_t out[GPUIPC__TSET_META_LEN]);
 gpuipc_status gpuipc__tset_meta_decode(const uint8_t *in, size_t len,
                                        gpuipc__tset_meta *m /* OUT */);
+
+/* The whole-set copies (copy.c): gpuipc__tset_copy_batch 0 forces the
+ * per-range copies (tests, where the batched copy would be taken); the
+ * batched and single copy calls made so far. */
+extern int gpuipc__tset_copy_batch;
+extern atomic_ullong gpuipc__tset_copy_batches, gpuipc__tset_copy_singles;
 
 #endif /* GPUIPC_SETS_LAYER_H */

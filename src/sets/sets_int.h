@@ -155,9 +155,10 @@ static inline void gpuipc__tset_wait_end(gpuipc__tset_wait *w) {
 }
 
 /* The fewest device-to-device copies for n (src, dst, len) ranges: sorted
- * by source, adjacent ranges (contiguous on both sides) merged, one
- * cuMemcpyDtoDAsync each, on stream in the device's primary context.
- * srcs[i]/dsts[i]: 0 skips range i. */
+ * by source, adjacent ranges (contiguous on both sides) merged, then one
+ * batched copy (cuMemcpyBatchAsync) where the driver and the ranges allow,
+ * else one cuMemcpyDtoDAsync each (copy.c says when), on stream in the
+ * device's primary context. srcs[i]/dsts[i]: 0 skips range i. */
 gpuipc_status gpuipc__tset_copy(int ordinal, const CUdeviceptr *srcs,
                                 const CUdeviceptr *dsts, const uint64_t *lens,
                                 size_t n, CUstream stream);

@@ -179,6 +179,7 @@ enum {
   DIS_MEMPOOL_IPC = 1u << 7,
   DIS_MEMOPS64 = 1u << 8,
   DIS_HOST_REGISTER = 1u << 9,
+  DIS_BATCH_COPY = 1u << 10, /* no cuMemcpyBatchAsync: a driver before 12.8 */
 };
 
 typedef struct emu_stream emu_stream;
@@ -422,6 +423,7 @@ static void configure(void) {
         {"peer", DIS_PEER},         {"legacy_ipc", DIS_LEGACY_IPC},
         {"posix_fd", DIS_POSIX_FD}, {"mempool_ipc", DIS_MEMPOOL_IPC},
         {"memops64", DIS_MEMOPS64}, {"host_register", DIS_HOST_REGISTER},
+        {"batch_copy", DIS_BATCH_COPY},
     };
     char buf[512];
     snprintf(buf, sizeof buf, "%s", s);
@@ -2346,6 +2348,51 @@ CUresult cuMemcpyDtoDAsync(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t 
   ENTER_INIT("cuMemcpyDtoDAsync");
   RET(copy_common(hStream, dstDevice, srcDevice, ByteCount, 1, 1, false));
 }
+/* cuda.h (CUDA 13.0 variant, without failIdx): count copies as one batch
+ * in stream order, the copies within it in no given order; each entry's
+ * attributes are those of the last attrsIdxs entry at or before it
+ * (attrsIdxs[0] must be 0, the indices increasing, below count). Not on the
+ * legacy NULL stream. Every copy is checked before any is enqueued: a bad
+ * one fails the call and enqueues nothing. */
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                            size_t count, CUmemcpyAttributes *attrs,
+                            size_t *attrsIdxs, size_t numAttrs, CUstream hStream) {
+  ENTER_INIT("cuMemcpyBatchAsync");
+  if (!dsts || !srcs || !sizes || count == 0 || !attrs || !attrsIdxs ||
+      numAttrs == 0 || numAttrs > count || attrsIdxs[0] != 0)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  for (size_t i = 0; i < numAttrs; i++) {
+    if ((i && attrsIdxs[i] <= attrsIdxs[i - 1]) || attrsIdxs[i] >= count)
+      RET(CUDA_ERROR_INVALID_VALUE);
+    CUmemcpySrcAccessOrder o = attrs[i].srcAccessOrder;
+    if (o != CU_MEMCPY_SRC_ACCESS_ORDER_STREAM &&
+        o != CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL &&
+        o != CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
+      RET(CUDA_ERROR_INVALID_VALUE);
+    if (attrs[i].flags & ~(unsigned)CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+      RET(CUDA_ERROR_INVALID_VALUE);
+  }
+  if (hStream == NULL || hStream == CU_STREAM_LEGACY)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  emu_stream *s;
+  CUresult r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS)
+    RET(r);
+  for (size_t i = 0; i < count; i++) {
+    bool page = false;
+    if (!dsts[i] || !srcs[i])
+      RET(CUDA_ERROR_INVALID_VALUE);
+    if ((r = check_any(dsts[i], sizes[i], PROT_WRITE, &page)) != CUDA_SUCCESS ||
+        (r = check_any(srcs[i], sizes[i], PROT_READ, &page)) != CUDA_SUCCESS)
+      RET(r);
+  }
+  for (size_t i = 0; i < count; i++)
+    if ((r = copy_common(hStream, dsts[i], srcs[i], sizes[i], 0, 0, false)) !=
+        CUDA_SUCCESS)
+      RET(r);
+  RET(CUDA_SUCCESS);
+}
+
 CUresult cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
                       CUcontext srcContext, size_t ByteCount) {
   ENTER_INIT("cuMemcpyPeer");
@@ -4481,6 +4528,7 @@ static const struct { const char *name; void *fn; } emu_fns[] = {
     EMU_FN(cuMemcpy) EMU_FN(cuMemcpyAsync) EMU_FN(cuMemcpyHtoD) EMU_FN(cuMemcpyDtoH)
     EMU_FN(cuMemcpyDtoD) EMU_FN(cuMemcpyHtoDAsync) EMU_FN(cuMemcpyDtoHAsync)
     EMU_FN(cuMemcpyDtoDAsync) EMU_FN(cuMemcpyPeer) EMU_FN(cuMemcpyPeerAsync)
+    EMU_FN(cuMemcpyBatchAsync)
     EMU_FN(cuMemsetD8) EMU_FN(cuMemsetD16) EMU_FN(cuMemsetD32)
     EMU_FN(cuMemsetD8Async) EMU_FN(cuMemsetD16Async) EMU_FN(cuMemsetD32Async)
     EMU_FN(cuIpcGetMemHandle) EMU_FN(cuIpcOpenMemHandle) EMU_FN(cuIpcCloseMemHandle)
@@ -4543,6 +4591,8 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuin
   }
   if (chosen < 0) {
     st = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+  } else if (disabled(DIS_BATCH_COPY) && strcmp(symbol, "cuMemcpyBatchAsync") == 0) {
+    /* A driver older than 12.8 has no such symbol. */
   } else if (chosen == mine) {
     for (size_t i = 0; i < sizeof emu_fns / sizeof emu_fns[0]; i++)
       if (strcmp(emu_fns[i].name, symbol) == 0) {
