@@ -1904,7 +1904,11 @@ TEST_IMPL(sets_bench_quick_runs) {
   ASSERT_EQ(harness_run(argv, NULL, out, sizeof out), 0);
   ASSERT_STR_CONTAINS(out, "copy_into the consumer's own tensors");
   ASSERT_STR_CONTAINS(out, "zero-copy: publish to usable views");
-  ASSERT_STR_CONTAINS(out, "KV cache: 1000 blocks");
+  ASSERT_STR_CONTAINS(out, "KV cache blocks as one set");
+  ASSERT_STR_CONTAINS(out, "in-process batched copy, cuMemcpyBatchAsync");
+  /* The rows of 1,000 and 10,000 blocks of 4 KiB. */
+  ASSERT_STR_CONTAINS(out, "\n      1000        4 ");
+  ASSERT_STR_CONTAINS(out, "\n     10000        4 ");
   return 0;
 }
 

@@ -30,6 +30,14 @@ the torch rows. --quick: a small model (4 layers of width 512).
 arena blocks, no floor, no torch rows (a smoke run of the path, not a
 measurement).
 
+Then KV-cache blocks as one set (1,000, 10,000 and 100,000 blocks of
+4 KiB; 1,000 and 10,000 of 256 KiB; --quick: the first two), an owned set
+in the producer, copied into the consumer's paged cache (one allocation,
+block i at a shuffled slot) with a plan of the slots' addresses; beside
+it, in-process in the same run, torch's own way: index_copy_ of all the
+blocks into their slots (one kernel) and a copy_ per block (up to 10,000
+blocks).
+
   python -m gpuipc.bench_sets [--quick] [--iters N] [--json]
 """
 import argparse
@@ -115,6 +123,137 @@ def _producer(conn, name, quick, use_torch):
         ts.unsubscribe(sc, timeout=60)
         ts.destroy(timeout=60)
         sc.close()
+
+
+KV_SETS = [(1000, 4 << 10), (10000, 4 << 10), (100000, 4 << 10),
+           (1000, 256 << 10), (10000, 256 << 10)]
+KV_QUICK = [(1000, 4 << 10), (10000, 4 << 10)]
+
+
+def _kv_producer(conn, name, sets):
+    """The KV side's producer: an owned set per (blocks, bytes), one
+    version per command, reporting the time it began."""
+    with gpuipc.listen(name, timeout=60) as lst:
+        conn.send_msg(b"ready")
+        sc = lst.accept(timeout=60)
+        for n, bsz in sets:
+            ts = gpuipc.TensorSet.empty({f"kv.{i}": ((bsz,), "uint8") for i in range(n)},
+                                        timeout=120)
+            ts.subscribe(sc)
+            while True:
+                cmd = conn.recv_msg(timeout=600)
+                if cmd == b"next":
+                    break
+                t0 = time.monotonic_ns()
+                ts.begin(timeout=120)
+                ts.publish()
+                conn.send_msg(str(t0).encode())
+            ts.unsubscribe(sc, timeout=120)
+            ts.destroy(timeout=120)
+        sc.close()
+
+
+def _slots(n, seed=27):
+    """A fixed shuffle of range(n): block i goes to slot slots[i]."""
+    import random
+    r = random.Random(seed)
+    s = list(range(n))
+    r.shuffle(s)
+    return s
+
+
+def run_kv(quick, iters, use_torch, out):
+    """The KV-cache rows (see the module's doc); returns one dict per set."""
+    sets = KV_QUICK if quick else KV_SETS
+    name = f"bench-kv-{os.getpid()}"
+    results = []
+    warm = 2
+    print(f"KV cache blocks as one set into the consumer's paged cache (blocks at "
+          f"shuffled slots), {'torch' if use_torch else 'gpuipc arena blocks (no torch)'}; "
+          f"median of {iters} after {warm} warm-up", file=out)
+    print(f"  {'blocks':>7} {'KiB':>4} {'copy_into':>12} {'index_copy_':>12} "
+          f"{'per-block':>12}  ratios", file=out)
+    with gpuipc.spawn(_kv_producer, name, sets, timeout=120) as p:
+        assert p.conn.recv_msg(timeout=120) == b"ready"
+        sc = gpuipc.connect(name, timeout=60)
+        sub = gpuipc.TensorSet.subscribe(sc)
+        for n, bsz in sets:
+            slots = _slots(n)
+            rows = {}
+            if use_torch:
+                import torch
+                cache = torch.zeros((n, bsz), dtype=torch.uint8, device="cuda:0")
+                base = cache.data_ptr()
+                sync = torch.cuda.synchronize
+                stream = torch.cuda.current_stream()
+                src = torch.ones((n, bsz), dtype=torch.uint8, device="cuda:0")
+                idx = torch.tensor(slots, dtype=torch.long, device="cuda:0")
+                t_ic, t_pb = [], []
+                for i in range(iters + warm):
+                    sync()
+                    t0 = time.monotonic_ns()
+                    cache.index_copy_(0, idx, src)
+                    sync()
+                    t1 = time.monotonic_ns()
+                    if n <= 10000:
+                        for b in range(n):
+                            cache[slots[b]].copy_(src[b])
+                        sync()
+                    t2 = time.monotonic_ns()
+                    if i >= warm:
+                        t_ic.append((t1 - t0) / 1e6)
+                        if n <= 10000:
+                            t_pb.append((t2 - t1) / 1e6)
+                del src, idx
+                rows["torch index_copy_"] = _median(t_ic)
+                rows["torch copy_ per block"] = _median(t_pb)
+            else:
+                arena = gpuipc.Arena(chunk_bytes=max(64 << 20, 2 * n * bsz))
+                cache = arena.alloc(shape=(n * bsz,), dtype="uint8")
+                base = cache.ptr
+                stream = None
+                ev = gpuipc.Event()
+
+                def sync():
+                    ev.record(stream=None)
+                    ev.synchronize()
+            plan, times = None, []
+            for i in range(iters + warm):
+                p.conn.send_msg(b"go")
+                v = sub.recv(stream=stream, timeout=120)
+                if plan is None:
+                    plan = v.plan_into([base + slots[b] * bsz for b in range(n)])
+                v.copy_into(plan, stream=stream)
+                sync()
+                t1 = time.monotonic_ns()
+                v.release(stream=stream)
+                t0 = int(p.conn.recv_msg(timeout=120))
+                if i >= warm:
+                    times.append((t1 - t0) / 1e6)
+            rows["copy_into"] = _median(times)
+            p.conn.send_msg(b"next")
+            try:
+                while True:
+                    sub.recv(timeout=120)
+            except gpuipc.CanceledError:
+                pass
+            del plan, cache
+            ratios = {}
+            for k in ("torch index_copy_", "torch copy_ per block"):
+                if rows.get(k):
+                    ratios[f"copy_into / {k}"] = rows["copy_into"] / rows[k]
+
+            def fmt(m):
+                return "-" if m is None else f"{m:9.3f} ms"
+            extra = "  ".join(f"{v_:.3f}x {k.split(' / ')[1]}" for k, v_ in ratios.items())
+            print(f"  {n:>7} {bsz >> 10:>4} {fmt(rows['copy_into']):>12} "
+                  f"{fmt(rows.get('torch index_copy_')):>12} "
+                  f"{fmt(rows.get('torch copy_ per block')):>12}  {extra}", file=out)
+            results.append({"blocks": n, "block_bytes": bsz, "ms": rows, "ratios": ratios})
+        sub.close()
+        assert p.join(120) == 0
+        sc.close()
+    return results
 
 
 def _median(xs):
@@ -269,6 +408,7 @@ def main(argv=None):
         print(f"python -m gpuipc.bench_sets: without torch ({why}): the path only, no floor",
               file=sys.stderr)
     r = run(quick, iters, use_torch, sys.stdout)
+    r["kv"] = run_kv(quick, iters, use_torch, sys.stdout)
     if a.json:
         print(json.dumps(r))
     return 0

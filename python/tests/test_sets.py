@@ -359,6 +359,10 @@ def test_bench_sets_runs_on_the_emulator(capsys):
     assert set(r["ms"]) == {"C set copy_into", "copy_into", "copy_into (plan)", "zero-copy"}, out
     assert all(m > 0 for m in r["ms"].values()) and set(r["ratios"]) == {
         "copy_into / C set", "copy_into (plan) / C set"}, out
+    kv = r["kv"]
+    assert [(k["blocks"], k["block_bytes"]) for k in kv] == bench_sets.KV_QUICK, out
+    assert all(k["ms"]["copy_into"] > 0 for k in kv), out
+    assert "KV cache blocks as one set" in out
     assert len(bench_sets.model_shapes(False)) == 291
     assert bench_sets._nbytes(bench_sets.model_shapes(False)) == 13_476_831_232  # 13.48 GB
 
