@@ -46,7 +46,7 @@ static const char *step_name(int step) {
   switch (step) {
   case 1: return "unshare(CLONE_NEWNS | CLONE_NEWIPC [| CLONE_NEWPID])";
   case 2: return "fork into the new pid namespace";
-  case 3: return "mounting a private /dev/shm and /proc";
+  case 3: return "mounting a private /dev/shm, /tmp and /proc";
   default: return "exec of the helper";
   }
 }
@@ -58,8 +58,30 @@ static void report(int fd, int step, int err) {
   _exit(77);
 }
 
+/* Whether path lies under /tmp (which a helper's private /tmp hides). */
+static bool under_tmp(const char *path) {
+  return path && strncmp(path, "/tmp/", 5) == 0;
+}
+
+/* mkdir -p of an absolute path (in the helper's fresh /tmp). */
+static int mkdirs(const char *path) {
+  char p[512];
+  snprintf(p, sizeof p, "%s", path);
+  for (char *q = p + 1; *q; q++)
+    if (*q == '/') {
+      *q = '\0';
+      if (mkdir(p, 0700) != 0 && errno != EEXIST)
+        return -1;
+      *q = '/';
+    }
+  return mkdir(p, 0700) != 0 && errno != EEXIST ? -1 : 0;
+}
+
 /* Starts this binary as helper `name` in new pid, IPC and mount namespaces
- * (pid 1 there, with its own /proc and an empty /dev/shm); with a3 "ipc",
+ * (pid 1 there, with its own /proc, an empty /dev/shm and an empty /tmp,
+ * as a container has: a1, the directory of the sockets, is the one thing
+ * shared, bind-mounted at its path as a volume would be; when this binary
+ * or the driver library lies under /tmp, /tmp stays the test's); with a3 "ipc",
  * in new IPC and mount namespaces only (one pid namespace, as with docker
  * --pid=host or a pod's shareProcessNamespace, but no shared /dev/shm). Returns the pid
  * of the process that waits for it (its exit status is the helper's; when
@@ -87,13 +109,30 @@ static pid_t spawn_ns(const char *name, int *fd, const char *a1,
       report(st[1], 2, errno);
     if (inner == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      /* A container's view: its own /proc, an empty /dev/shm. */
+      char exe[512];
+      ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
+      exe[el > 0 ? el : 0] = '\0';
+      bool own_tmp = !under_tmp(exe) && !under_tmp(getenv("GPUIPC_CUDA_DRIVER"));
+      int shared = a1 && a1[0] == '/' ? open(a1, O_PATH | O_DIRECTORY | O_CLOEXEC) : -1;
+      /* A container's view: its own /proc, an empty /dev/shm and /tmp, the
+       * socket directory shared. */
       if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
           mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
                 "mode=1777") != 0 ||
           mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                 NULL) != 0)
         report(st[1], 3, errno);
+      if (own_tmp && shared >= 0) {
+        char fdp[64];
+        snprintf(fdp, sizeof fdp, "/proc/self/fd/%d", shared);
+        if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+                  "mode=1777") != 0 ||
+            (under_tmp(a1) && mkdirs(a1) != 0) ||
+            (under_tmp(a1) && mount(fdp, a1, NULL, MS_BIND, NULL) != 0))
+          report(st[1], 3, errno);
+      }
+      if (shared >= 0)
+        close(shared);
       if (sv[1] == 3 ? fcntl(3, F_SETFD, 0) != 0 : dup2(sv[1], 3) < 0)
         report(st[1], 4, errno);
       setenv("GPUIPC_TEST_HELPER_FD", "3", 1);
@@ -234,19 +273,30 @@ static void check_contained(char **argv) {
   snprintf(path, sizeof path, "/dev/shm/gpuipc-test-ns-%llu",
            (unsigned long long)test_pidns);
   ASSERT_NE(access(path, F_OK), 0);
+  /* A /tmp of its own too, unless this binary or the driver lies there. */
+  char exe[512];
+  ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  exe[el > 0 ? el : 0] = '\0';
+  snprintf(path, sizeof path, "/tmp/gpuipc-test-ns-%llu",
+           (unsigned long long)test_pidns);
+  if (!under_tmp(exe) && !under_tmp(getenv("GPUIPC_CUDA_DRIVER")))
+    ASSERT_NE(access(path, F_OK), 0);
 }
 
 /* The test's marker in its /dev/shm, which the helpers must not see. */
 static void shm_marker(bool make) {
-  char path[128];
-  snprintf(path, sizeof path, "/dev/shm/gpuipc-test-ns-%llu",
-           (unsigned long long)gpuipc__pid_namespace());
-  if (make) {
-    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
-    ASSERT_GE(fd, 0);
-    close(fd);
-  } else {
-    unlink(path);
+  static const char *const dirs[] = {"/dev/shm", "/tmp"};
+  for (int d = 0; d < 2; d++) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/gpuipc-test-ns-%llu", dirs[d],
+             (unsigned long long)gpuipc__pid_namespace());
+    if (make) {
+      int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+      ASSERT_GE(fd, 0);
+      close(fd);
+    } else {
+      unlink(path);
+    }
   }
 }
 
@@ -405,7 +455,6 @@ static bool run_pair(const char *e, const char *i, const char *mode,
   } while (0)
 
 TEST_IMPL(ns_handoff_arena_pool_vmm_pinned) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   RUN_PAIR("ns_ho_exporter", "ns_ho_importer", "-", 0, 0);
   return 0;
 }
@@ -413,7 +462,6 @@ TEST_IMPL(ns_handoff_arena_pool_vmm_pinned) {
 /* One pid namespace, separate IPC and mount namespaces: the by-name
  * liveness tables are out of reach, the connection's are not. */
 TEST_IMPL(ns_handoff_ipc_only) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   RUN_PAIR("ns_ho_exporter", "ns_ho_importer", "ipc", 0, 0);
   return 0;
 }
@@ -421,7 +469,6 @@ TEST_IMPL(ns_handoff_ipc_only) {
 /* The exporter is this process; the importer is in a pid namespace below
  * ours: we see its pid (the kernel's translation), it does not see ours. */
 TEST_IMPL(ns_handoff_to_child_namespace) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   gpuipc_conn_options o = ns_opts(harness_tmpdir());
   gpuipc_listener *l = NULL;
   ASSERT_OK(gpuipc_listen("ns", &o, &l));
@@ -545,13 +592,11 @@ HELPER_IMPL(ns_stale_importer) {
 }
 
 TEST_IMPL(ns_stale_descriptor) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   RUN_PAIR("ns_stale_exporter", "ns_stale_importer", "-", 0, 0);
   return 0;
 }
 
 TEST_IMPL(ns_stale_descriptor_ipc_only) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   RUN_PAIR("ns_stale_exporter", "ns_stale_importer", "ipc", 0, 0);
   return 0;
 }
@@ -647,7 +692,6 @@ HELPER_IMPL(ns_death_importer) {
 }
 
 TEST_IMPL(ns_peer_death_consumer) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   /* The importer kills itself (status 128 + SIGKILL); the exporter's
    * checks passed (0). */
   RUN_PAIR("ns_death_exporter", "ns_death_importer", "consumer", 0,
@@ -656,7 +700,6 @@ TEST_IMPL(ns_peer_death_consumer) {
 }
 
 TEST_IMPL(ns_peer_death_exporter) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   RUN_PAIR("ns_death_exporter", "ns_death_importer", "exporter",
            128 + SIGKILL, 0);
   return 0;
@@ -871,7 +914,6 @@ HELPER_IMPL(ns_twin) {
  * one's descriptor against that one's table (one live, one freed), and
  * refuses a descriptor of one that arrives over the other's connection. */
 TEST_IMPL(ns_two_exporters_one_pid) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   gpuipc_conn_options o = ns_opts(harness_tmpdir());
   gpuipc_listener *l = NULL;
   ASSERT_OK(gpuipc_listen("ns", &o, &l));
@@ -1184,7 +1226,6 @@ HELPER_IMPL(ns_keep_importer) {
 }
 
 TEST_IMPL(ns_keep_until_peer_gone) {
-  REQUIRE_EMULATOR("the namespaced helpers run on the emulator in CI");
   pid_t pe, pi;
   int ex, im;
   shm_marker(true);
@@ -1204,4 +1245,129 @@ TEST_IMPL(ns_keep_until_peer_gone) {
   close(im);
   shm_marker(false);
   return 0;
+}
+
+/* ---- what the driver itself answers across pid namespaces ------------------------ */
+
+/* The raw handles this test sends a namespaced helper, and its answers. */
+typedef struct raw_handles {
+  CUipcMemHandle mem;
+  CUipcEventHandle ev;
+  uint8_t byte; /* what the memory holds */
+} raw_handles;
+
+typedef struct raw_answers {
+  int32_t open_mem;  /* cuIpcOpenMemHandle */
+  int32_t data_ok;   /* 1: the byte read matched (when it opened) */
+  int32_t open_ev;   /* cuIpcOpenEventHandle */
+  int32_t sync_ev;   /* cuEventSynchronize of the opened event */
+} raw_answers;
+
+static int read_all(int fd, void *p, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = read(fd, (char *)p + got, n - got);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    got += (size_t)r;
+  }
+  return 0;
+}
+
+/* Opens a legacy memory handle and an interprocess event handle of the
+ * test (which is not in its pid namespace, or is, in mode "ipc") with the
+ * driver directly, and says what the driver answered. */
+HELPER_IMPL(ns_raw_opener) {
+  (void)argc;
+  check_contained(argv);
+  int fd = harness_helper_fd();
+  raw_handles h;
+  ASSERT_EQ(read_all(fd, &h, sizeof h), 0);
+  ctx_current();
+  raw_answers a = {0, 0, 0, 0};
+  CUdeviceptr p = 0;
+  a.open_mem = (int32_t)gpuipc__cu.cuIpcOpenMemHandle(
+      &p, h.mem, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  if (a.open_mem == CUDA_SUCCESS) {
+    uint8_t b = 0;
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(&b, p, 1));
+    a.data_ok = b == h.byte;
+    ASSERT_CU(gpuipc__cu.cuIpcCloseMemHandle(p));
+  }
+  CUevent e = NULL;
+  a.open_ev = (int32_t)gpuipc__cu.cuIpcOpenEventHandle(&e, h.ev);
+  if (a.open_ev == CUDA_SUCCESS) {
+    a.sync_ev = (int32_t)gpuipc__cu.cuEventSynchronize(e);
+    ASSERT_CU(gpuipc__cu.cuEventDestroy(e));
+  }
+  ASSERT_EQ(write(fd, &a, sizeof a), (ssize_t)sizeof a);
+  return 0;
+}
+
+static int raw_answers_in(const char *mode) {
+  REQUIRE_DEVICES(1);
+  ctx_current();
+  CUdeviceptr d;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&d, 65536));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(d, 0x5C, 65536));
+  raw_handles h;
+  memset(&h, 0, sizeof h);
+  h.byte = 0x5C;
+  ASSERT_CU(gpuipc__cu.cuIpcGetMemHandle(&h.mem, d));
+  CUevent e;
+  ASSERT_CU(gpuipc__cu.cuEventCreate(&e, CU_EVENT_INTERPROCESS |
+                                             CU_EVENT_DISABLE_TIMING));
+  ASSERT_CU(gpuipc__cu.cuEventRecord(e, NULL));
+  ASSERT_CU(gpuipc__cu.cuIpcGetEventHandle(&h.ev, e));
+  char ns[32];
+  snprintf(ns, sizeof ns, "%llu", (unsigned long long)gpuipc__pid_namespace());
+  shm_marker(true);
+  int fd = -1;
+  pid_t pid = spawn_ns("ns_raw_opener", &fd, harness_tmpdir(), ns, mode);
+  if (pid < 0) {
+    shm_marker(false);
+    SKIP("the kernel refused new namespaces here (%s); these tests need "
+         "root or CAP_SYS_ADMIN",
+         ns_why);
+  }
+  ASSERT_EQ(write(fd, &h, sizeof h), (ssize_t)sizeof h);
+  raw_answers a;
+  ASSERT_EQ(read_all(fd, &a, sizeof a), 0);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  close(fd);
+  shm_marker(false);
+  printf("driver: %s, importer in %s\n",
+         harness_on_emulator() ? "the emulator" : "a real driver",
+         strcmp(mode, "ipc") == 0 ? "the same pid namespace, other IPC and "
+                                    "mount namespaces"
+                                  : "another pid namespace (pid 1 there)");
+  printf("  cuIpcOpenMemHandle: %s%s\n", gpuipc__cuda_error_name(a.open_mem),
+         a.open_mem == CUDA_SUCCESS ? (a.data_ok ? " (the data read back)"
+                                                 : " (the data DIFFERS)")
+                                    : "");
+  printf("  cuIpcOpenEventHandle: %s", gpuipc__cuda_error_name(a.open_ev));
+  if (a.open_ev == CUDA_SUCCESS)
+    printf(" (cuEventSynchronize: %s)", gpuipc__cuda_error_name(a.sync_ev));
+  printf("\n");
+  /* What the driver answers is recorded, not prescribed; memory it lets
+   * open must be the memory. */
+  if (a.open_mem == CUDA_SUCCESS)
+    ASSERT_EQ(a.data_ok, 1);
+  ASSERT_CU(gpuipc__cu.cuEventDestroy(e));
+  ASSERT_CU(gpuipc__cu.cuMemFree(d));
+  return 0;
+}
+
+/* The driver's own answers (docs/driver-behaviour.md records them) for a
+ * legacy memory handle and an interprocess event handle opened in another
+ * pid namespace, and in the same pid namespace with other IPC and mount
+ * namespaces. */
+TEST_IMPL(ns_driver_legacy_and_event_other_pid_namespace) {
+  return raw_answers_in("-");
+}
+
+TEST_IMPL(ns_driver_legacy_and_event_other_ipc_namespace) {
+  return raw_answers_in("ipc");
 }
