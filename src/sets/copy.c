@@ -3,9 +3,11 @@
  * copy_into, a producer's copy_from) with the fewest driver calls: ranges
  * are sorted by source, and ranges contiguous on both sides are merged, so
  * a consumer whose tensors lie in one allocation in the producer's order
- * copies a piece with one call (never across allocations: see below). Each merged range is one cuMemcpyDtoDAsync
- * (the driver's batched copy, cuMemcpyBatchAsync, is not in the driver
- * table: the emulator does not implement it yet).
+ * copies a piece with one call (never across allocations: see below; two
+ * cuMemGetAddressRange lookups per merged range say where they end). Each
+ * merged range is one cuMemcpyDtoDAsync (the driver's batched copy,
+ * cuMemcpyBatchAsync, is not in the driver table: the emulator does not
+ * implement it yet).
  */
 #include "sets_int.h"
 
