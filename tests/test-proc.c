@@ -519,6 +519,26 @@ TEST_IMPL(proc_example_worker_group) {
   return 0;
 }
 
+/* examples/share.c, the README's C example, run the same way. */
+TEST_IMPL(proc_example_share) {
+  REQUIRE_DEVICES(1);
+  char path[4096];
+  snprintf(path, sizeof path, "%s", GPUIPC_CLI_PATH);
+  char *slash = strrchr(path, '/');
+  ASSERT_NOT_NULL(slash);
+  snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path),
+           "examples/share");
+  if (access(path, X_OK) != 0)
+    SKIP("%s not built", path);
+  static char out[4096];
+  char *argv[] = {path, NULL};
+  ASSERT_EQ(harness_run(argv, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "child read \"hello from the parent\" from the "
+                           "parent's GPU memory\n");
+  ASSERT_STR_CONTAINS(out, "child: exit code 0\n");
+  return 0;
+}
+
 /* ---- the parent's connection taken out of the child ------------------------------- */
 
 /* gpuipc_child_take_conn: the caller owns the connection; its close is
