@@ -38,6 +38,29 @@ extern "C" {
 #define GPUIPC_API
 #endif
 
+/* GPUIPC_EXPERIMENTAL marks a function of the experimental tier: tensor
+ * sets (gpuipc/sets.h), the tensor vocabulary and meta (gpuipc/tensor.h),
+ * batches and broadcast, and the calls added last (gpuipc_conn_wait,
+ * gpuipc_conn_collect, gpuipc_arena_release, gpuipc_buffer_get_holders,
+ * gpuipc_buffer_release_when_done, gpuipc_buffer_export_range,
+ * gpuipc_cache_trim). Such a function works and is tested like any other,
+ * but its signature or behaviour may still change in a minor release;
+ * the rest of the API changes only with the major version. Experimental
+ * functions are exported in their own version node of the library
+ * (GPUIPC_EXPERIMENTAL_0.1, src/gpuipc.map), so that a program can see
+ * which of them it links (objdump -T) and one built against a changed
+ * function fails to load instead of calling it wrongly. docs/api.md says
+ * what the tier promises. The macro expands to nothing; a program that
+ * wants to hear of every experimental call it makes defines
+ * GPUIPC_WARN_EXPERIMENTAL before including gpuipc.h (gcc, clang: a
+ * deprecation warning at each use). */
+#if defined(GPUIPC_WARN_EXPERIMENTAL) && defined(__GNUC__)
+#define GPUIPC_EXPERIMENTAL                                                    \
+  __attribute__((deprecated("experimental: may change in a minor release")))
+#else
+#define GPUIPC_EXPERIMENTAL
+#endif
+
 #define GPUIPC_VERSION_MAJOR 0
 #define GPUIPC_VERSION_MINOR 1
 #define GPUIPC_VERSION_PATCH 0

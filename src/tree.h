@@ -5,7 +5,8 @@
  * layer's header for the layers above, never a layer's private *_int.h:
  *
  *   core/core.h      the driver table (gpuipc__cu), contexts, errors, clock,
- *                    the default runtime directory, the stats segment
+ *                    the default runtime directory
+ *   core/stats.h     the stats segment's layout (gpuipc ls reads it)
  *   handle/handle.h  descriptors (decode, encode, identity), buffer info,
  *                    liveness-table constants
  *   conn/conn.h      queued messages, block holders, arena chunk
@@ -25,6 +26,7 @@
 #define GPUIPC_TREE_H
 
 #include "core/core.h"
+#include "core/stats.h"
 #include "handle/handle.h"
 #include "conn/conn.h"
 #include "conn/wire.h"

@@ -492,17 +492,22 @@ TEST_IMPL(proc_worker_index_outside_group) {
 
 /* ---- the example ----------------------------------------------------------------- */
 
-/* examples/worker_group.c, run as built beside the CLI (the examples
- * directory of the build tree). */
+/* The path of example `name` as built beside the CLI (the examples
+ * directory of the build tree); false when it is not built there. */
+static bool example_path(const char *name, char *path, size_t cap) {
+  snprintf(path, cap, "%s", GPUIPC_CLI_PATH);
+  char *slash = strrchr(path, '/');
+  if (slash == NULL)
+    slash = path - 1;
+  snprintf(slash + 1, cap - (size_t)(slash + 1 - path), "examples/%s", name);
+  return access(path, X_OK) == 0;
+}
+
+/* examples/worker_group.c, run as built. */
 TEST_IMPL(proc_example_worker_group) {
   REQUIRE_DEVICES(1);
   char path[4096];
-  snprintf(path, sizeof path, "%s", GPUIPC_CLI_PATH);
-  char *slash = strrchr(path, '/');
-  ASSERT_NOT_NULL(slash);
-  snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path),
-           "examples/worker_group");
-  if (access(path, X_OK) != 0)
+  if (!example_path("worker_group", path, sizeof path))
     SKIP("%s not built", path);
   static char out[16384];
   char *plain[] = {path, "3", NULL};
@@ -516,6 +521,21 @@ TEST_IMPL(proc_example_worker_group) {
   ASSERT_STR_CONTAINS(out, "killed by signal 9 (SIGKILL)");
   ASSERT_STR_CONTAINS(out, "gathered 12 jobs from 3 workers\n");
   ASSERT_STR_CONTAINS(out, "arena: 0 lease(s) out");
+  return 0;
+}
+
+/* examples/share.c, the README's C example, run the same way. */
+TEST_IMPL(proc_example_share) {
+  REQUIRE_DEVICES(1);
+  char path[4096];
+  if (!example_path("share", path, sizeof path))
+    SKIP("%s not built", path);
+  static char out[4096];
+  char *argv[] = {path, NULL};
+  ASSERT_EQ(harness_run(argv, NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "child read \"hello from the parent\" from the "
+                           "parent's GPU memory\n");
+  ASSERT_STR_CONTAINS(out, "child: exit code 0\n");
   return 0;
 }
 

@@ -468,7 +468,7 @@ GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
  * without pidfds) or one that wants it done at a given point. Returns how
  * many closed connections still keep something (their peers live and
  * still hold leases, or their work is still queued). Thread-safe. */
-GPUIPC_API size_t gpuipc_conn_collect(void);
+GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_conn_collect(void);
 
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
  * recv will find something (or learn the peer is gone). Do not read or write
@@ -506,7 +506,7 @@ GPUIPC_API int gpuipc_conn_get_fd(const gpuipc_conn *conn);
  * another thread sends). Not beside gpuipc_conn_close. An event loop that
  * waits in its own poll uses gpuipc_conn_get_fd (POLLIN, plus POLLOUT
  * after a send said it would block) instead. */
-GPUIPC_API gpuipc_status gpuipc_conn_wait(gpuipc_conn *conn, short events,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_conn_wait(gpuipc_conn *conn, short events,
                                           int timeout_ms, int spin_us);
 
 /* Sets the timeout of later calls (ms; -1 forever, 0 never wait). */
@@ -644,7 +644,7 @@ GPUIPC_API gpuipc_status gpuipc_arena_destroy(gpuipc_arena *arena);
  * or destroy it). GPUIPC_OK when it was destroyed or kept; another status
  * (a driver error; nothing changed, the arena is still the caller's)
  * otherwise. NULL is a no-op. Thread-safe. */
-GPUIPC_API gpuipc_status gpuipc_arena_release(gpuipc_arena *arena);
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_arena_release(gpuipc_arena *arena);
 
 /* Allocates a block of `bytes` (rounded up to 256) from the arena. Memory
  * that was held by consumers is handed out again only once their releases
@@ -824,7 +824,7 @@ GPUIPC_API gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
  * progress) until n slots are free; if anything fails, no block of the
  * batch was sent and the peer holds none of them. GPUIPC_E_PEER_GONE once
  * the peer is gone. */
-GPUIPC_API gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
                                                 gpuipc_block *const *blocks,
                                                 size_t n,
                                                 struct CUstream_st *stream,
@@ -842,7 +842,7 @@ GPUIPC_API gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
  * released on its own (gpuipc_conn_release) or together
  * (gpuipc_conn_release_batch). Errors as gpuipc_conn_recv; on an error
  * nothing was received (*n is 0). */
-GPUIPC_API gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
                                                 struct CUstream_st *stream,
                                                 gpuipc_received *out /* OUT */,
                                                 size_t max,
@@ -856,7 +856,7 @@ GPUIPC_API gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
  * (GPUIPC_E_NOT_FOUND, GPUIPC_E_INVALID_ARG) and releases none. Never
  * blocks. If the exporter is gone, the leases are dropped locally and
  * GPUIPC_OK returned. */
-GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
                                                    const uint64_t *ids,
                                                    size_t n,
                                                    struct CUstream_st *stream);
@@ -899,7 +899,7 @@ GPUIPC_API gpuipc_status gpuipc_conn_release_batch(gpuipc_conn *conn,
  * is connection i's status; the call returns GPUIPC_OK when all of them
  * are, else the status of the first that failed. Bad arguments
  * (GPUIPC_E_INVALID_ARG) send nothing. */
-GPUIPC_API gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns,
                                                size_t n, gpuipc_block *block,
                                                struct CUstream_st *stream,
                                                const void *meta,

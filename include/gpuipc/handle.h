@@ -325,7 +325,7 @@ GPUIPC_API gpuipc_status gpuipc_buffer_free(gpuipc_buffer *buf,
  * gpuipc_conn_send_buffer on any of them, not back yet: not released, or
  * released in frames no call has read yet). 0 for NULL or an imported
  * buffer. Thread-safe. */
-GPUIPC_API unsigned gpuipc_buffer_get_holders(const gpuipc_buffer *buf);
+GPUIPC_EXPERIMENTAL GPUIPC_API unsigned gpuipc_buffer_get_holders(const gpuipc_buffer *buf);
 
 /*
  * Keep until released: hands an allocated or wrapped buffer (not an
@@ -374,7 +374,7 @@ GPUIPC_API unsigned gpuipc_buffer_get_holders(const gpuipc_buffer *buf);
  * GPUIPC_E_INVALID_ARG for NULL, an imported buffer, or one handed over
  * already (nothing changes then). Thread-safe.
  */
-GPUIPC_API gpuipc_status gpuipc_buffer_release_when_done(
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_buffer_release_when_done(
     gpuipc_buffer *buf, struct CUstream_st *stream, void (*done)(void *ctx),
     void *ctx);
 
@@ -416,7 +416,7 @@ GPUIPC_API gpuipc_status gpuipc_buffer_export(gpuipc_buffer *buf, uint8_t *desc,
  *                           driver gives no buffer id
  * desc/cap/len as gpuipc_buffer_export. Thread-safe.
  */
-GPUIPC_API gpuipc_status gpuipc_buffer_export_range(gpuipc_buffer *buf,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_buffer_export_range(gpuipc_buffer *buf,
                                                     const void *ptr, size_t size,
                                                     uint8_t *desc, size_t cap,
                                                     size_t *len /* OUT */);
@@ -624,7 +624,7 @@ GPUIPC_API gpuipc_status gpuipc_desc_recv(int sock, uint8_t *desc, size_t cap,
 /* Closes every idle mapping now (see Linger above), and waits for the
  * closes of idle mappings another thread started: on return none is open.
  * Mappings still held are untouched. Returns GPUIPC_OK; thread-safe. */
-GPUIPC_API gpuipc_status gpuipc_cache_trim(void);
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_cache_trim(void);
 
 /* Counters of this process's import cache since start. */
 typedef struct gpuipc_cache_stats {

@@ -4,6 +4,11 @@
  *
  * Included from gpuipc.h; do not include it on its own.
  *
+ * Experimental: every function here is GPUIPC_EXPERIMENTAL (gpuipc.h) and
+ * may still change in a minor release; the table format (docs/sets.md)
+ * carries its own version, so peers of two releases refuse each other
+ * rather than misread.
+ *
  * The model
  * ---------
  * A tensor set (gpuipc_tset) is a table of entries (name, dtype, shape,
@@ -215,7 +220,7 @@ typedef struct gpuipc_tset_options {
  * names it: index, name, what is wrong), a duplicate name, mixed owned
  * and wrapped entries, copies > 1 for a wrapped set. Needs CUDA. Owned
  * by the caller: gpuipc_tset_destroy. */
-GPUIPC_API gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors,
                                             size_t n,
                                             const gpuipc_tset_options *opts,
                                             gpuipc_tset **out /* OUT */);
@@ -231,23 +236,23 @@ GPUIPC_API gpuipc_status gpuipc_tset_create(const gpuipc_tensor *tensors,
  * stays the caller's, and must stay allocated while consumers map it:
  * until they released it or died); the set stays valid: try again. NULL
  * is a no-op. */
-GPUIPC_API gpuipc_status gpuipc_tset_destroy(gpuipc_tset *set);
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_destroy(gpuipc_tset *set);
 
 /* Number of tensors; copies; the id of the set's layout (what consumers
  * see as gpuipc_tset_version_get_layout); the number of the latest
  * published version (0 before the first). */
-GPUIPC_API size_t gpuipc_tset_get_count(const gpuipc_tset *set);
-GPUIPC_API int gpuipc_tset_get_copies(const gpuipc_tset *set);
-GPUIPC_API uint64_t gpuipc_tset_get_layout(const gpuipc_tset *set);
-GPUIPC_API uint64_t gpuipc_tset_get_version(const gpuipc_tset *set);
+GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_tset_get_count(const gpuipc_tset *set);
+GPUIPC_EXPERIMENTAL GPUIPC_API int gpuipc_tset_get_copies(const gpuipc_tset *set);
+GPUIPC_EXPERIMENTAL GPUIPC_API uint64_t gpuipc_tset_get_layout(const gpuipc_tset *set);
+GPUIPC_EXPERIMENTAL GPUIPC_API uint64_t gpuipc_tset_get_version(const gpuipc_tset *set);
 
 /* Tensor i (in creation order) of copy `copy` (0 .. copies-1), with its
  * address in this process. */
-GPUIPC_API gpuipc_status gpuipc_tset_get_tensor(const gpuipc_tset *set,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_get_tensor(const gpuipc_tset *set,
                                                 int copy, size_t i,
                                                 gpuipc_tensor *out /* OUT */);
 /* The index of the tensor named `name`; GPUIPC_E_NOT_FOUND. */
-GPUIPC_API gpuipc_status gpuipc_tset_find(const gpuipc_tset *set,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_find(const gpuipc_tset *set,
                                           const char *name,
                                           size_t *index /* OUT */);
 
@@ -268,7 +273,7 @@ GPUIPC_API gpuipc_status gpuipc_tset_find(const gpuipc_tset *set,
  * or its release has not completed, after the timeout (no hold limit, or
  * a longer one); the status of the allocation when a fresh copy could not
  * be made; GPUIPC_E_INVALID_ARG inside a begin already. */
-GPUIPC_API gpuipc_status gpuipc_tset_begin(gpuipc_tset *set,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_begin(gpuipc_tset *set,
                                            struct CUstream_st *stream,
                                            int *copy /* OUT */);
 
@@ -278,7 +283,7 @@ GPUIPC_API gpuipc_status gpuipc_tset_begin(gpuipc_tset *set,
  * coalesced and the rest as one batched copy where the driver has one
  * (docs/sets.md, "Whole-set copies"). Does not wait on the host. Call
  * between begin and publish. */
-GPUIPC_API gpuipc_status gpuipc_tset_copy_from(gpuipc_tset *set, int copy,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_copy_from(gpuipc_tset *set, int copy,
                                                void *const *srcs,
                                                struct CUstream_st *stream);
 
@@ -287,7 +292,7 @@ GPUIPC_API gpuipc_status gpuipc_tset_copy_from(gpuipc_tset *set, int copy,
  * and one stream memory operation per subscriber. Subscribers found gone
  * are dropped (not an error). Other send failures are returned after the
  * version went to the rest. */
-GPUIPC_API gpuipc_status gpuipc_tset_publish(gpuipc_tset *set,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_publish(gpuipc_tset *set,
                                              struct CUstream_st *stream);
 
 /* Subscribes a connection: sends the table and the pieces (setup cost,
@@ -297,7 +302,7 @@ GPUIPC_API gpuipc_status gpuipc_tset_publish(gpuipc_tset *set,
  * most the connection's timeout in all (GPUIPC_E_TIMEOUT: the consumer
  * did not take them; the set lets go of conn once what was sent drained).
  * GPUIPC_E_EXISTS when conn is subscribed already. */
-GPUIPC_API gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set,
                                                gpuipc_conn *conn,
                                                struct CUstream_st *stream);
 
@@ -312,7 +317,7 @@ GPUIPC_API gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set,
  * wrapped set); the set keeps making progress on conn in its later calls
  * (call again, or destroy the set, before closing conn). A consumer that is
  * gone counts as released. GPUIPC_E_NOT_FOUND when not subscribed. */
-GPUIPC_API gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set,
                                                  gpuipc_conn *conn);
 
 /* Each piece a subscriber holds (one per copy for an owned set, one per
@@ -323,19 +328,19 @@ GPUIPC_API gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset *set,
 
 /* Number of connections subscribed now (ended ones still draining
  * included). */
-GPUIPC_API size_t gpuipc_tset_get_subscribers(const gpuipc_tset *set);
+GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_tset_get_subscribers(const gpuipc_tset *set);
 
 /* ---- the consumer's side ------------------------------------------------- */
 
 /* Opens a subscriber on a connection whose peer subscribes it to a set.
  * The connection stays the caller's; close the subscriber first. */
-GPUIPC_API gpuipc_status gpuipc_tset_sub_open(gpuipc_conn *conn,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_sub_open(gpuipc_conn *conn,
                                               gpuipc_tset_sub **out /* OUT */);
 
 /* Releases every version still held (as gpuipc_tset_version_release on
  * the legacy default stream: their handles become invalid) and the
  * pieces, and frees the subscriber. NULL is a no-op. */
-GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
+GPUIPC_EXPERIMENTAL GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
 
 /* Receives the next version (waiting up to the connection's timeout, one
  * deadline for the whole call however much it skips on the way: pieces of
@@ -361,24 +366,24 @@ GPUIPC_API void gpuipc_tset_sub_close(gpuipc_tset_sub *sub);
  * the last one returned of its layout is refused (GPUIPC_E_PROTOCOL) and
  * changes nothing. A layout left half sent is abandoned when the next
  * layout's first piece comes. Needs CUDA. */
-GPUIPC_API gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_recv(gpuipc_tset_sub *sub,
                                           struct CUstream_st *stream,
                                           gpuipc_tset_version **out /* OUT */);
 
 /* The version's number (1, 2, ... as the producer published them), its
  * layout id (changes when the producer changed sets), which copy, and its
  * number of tensors. */
-GPUIPC_API uint64_t gpuipc_tset_version_get_number(const gpuipc_tset_version *v);
-GPUIPC_API uint64_t gpuipc_tset_version_get_layout(const gpuipc_tset_version *v);
-GPUIPC_API int gpuipc_tset_version_get_copy(const gpuipc_tset_version *v);
-GPUIPC_API size_t gpuipc_tset_version_get_count(const gpuipc_tset_version *v);
+GPUIPC_EXPERIMENTAL GPUIPC_API uint64_t gpuipc_tset_version_get_number(const gpuipc_tset_version *v);
+GPUIPC_EXPERIMENTAL GPUIPC_API uint64_t gpuipc_tset_version_get_layout(const gpuipc_tset_version *v);
+GPUIPC_EXPERIMENTAL GPUIPC_API int gpuipc_tset_version_get_copy(const gpuipc_tset_version *v);
+GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_tset_version_get_count(const gpuipc_tset_version *v);
 /* Tensor i (in the producer's order) with its device address here
  * (zero-copy view, valid until release). Costs no driver call. */
-GPUIPC_API gpuipc_status gpuipc_tset_version_get_tensor(
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_version_get_tensor(
     const gpuipc_tset_version *v, size_t i, gpuipc_tensor *out /* OUT */);
 /* The index of the tensor named `name` (a hash lookup);
  * GPUIPC_E_NOT_FOUND. */
-GPUIPC_API gpuipc_status gpuipc_tset_version_find(const gpuipc_tset_version *v,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_version_find(const gpuipc_tset_version *v,
                                                   const char *name,
                                                   size_t *index /* OUT */);
 /* Copies the version into the consumer's own tensors: dsts[i] is the
@@ -388,12 +393,12 @@ GPUIPC_API gpuipc_status gpuipc_tset_version_find(const gpuipc_tset_version *v,
  * ranges coalesced into one copy each and the copies issued as one batch
  * where the driver has one (docs/sets.md, "Whole-set copies"). Does not
  * wait on the host: release the version on the same stream afterwards. */
-GPUIPC_API gpuipc_status gpuipc_tset_version_copy_into(
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_version_copy_into(
     const gpuipc_tset_version *v, void *const *dsts, struct CUstream_st *stream);
 /* Gives the version back: its copy may be written again by the producer
  * once the work queued on `stream` before this call completed (ordered on
  * the GPU, not waited for here). v is freed. NULL is a no-op. */
-GPUIPC_API gpuipc_status gpuipc_tset_version_release(gpuipc_tset_version *v,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_version_release(gpuipc_tset_version *v,
                                                      struct CUstream_st *stream);
 
 #ifdef __cplusplus

@@ -7,6 +7,9 @@
  *
  * Included from gpuipc.h; do not include it on its own.
  *
+ * Experimental: every function here is GPUIPC_EXPERIMENTAL (gpuipc.h) and
+ * may still change in a minor release.
+ *
  * The byte layout is in docs/tensor-meta.md. A producer fills a
  * gpuipc_tensor_meta, encodes it (gpuipc_tensor_meta_encode) and passes the
  * bytes as the send's meta; a consumer decodes the meta it received
@@ -61,19 +64,19 @@ typedef enum gpuipc_dtype {
 } gpuipc_dtype;
 
 /* Bytes per element of a dtype; 0 for a code that is not one. */
-GPUIPC_API size_t gpuipc_dtype_get_size(int dtype);
+GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_dtype_get_size(int dtype);
 /* "bool", "u8", ..., "bf16", "f8_e4m3fn"; "unknown" otherwise. Static. */
-GPUIPC_API const char *gpuipc_dtype_name(int dtype);
+GPUIPC_EXPERIMENTAL GPUIPC_API const char *gpuipc_dtype_name(int dtype);
 /* The dtype of a DLPack data type (dlpack.h's DLDataType: code, bits,
  * lanes), e.g. (kDLFloat = 2, 32, 1) -> GPUIPC_DTYPE_F32,
  * (kDLFloat8_e4m3fn = 10, 8, 1) -> GPUIPC_DTYPE_F8_E4M3FN; 0 for one that
  * has no gpuipc_dtype (vectors with lanes != 1, sub-byte types, opaque
  * handles). */
-GPUIPC_API int gpuipc_dtype_from_dlpack(uint8_t code, uint8_t bits,
+GPUIPC_EXPERIMENTAL GPUIPC_API int gpuipc_dtype_from_dlpack(uint8_t code, uint8_t bits,
                                         uint16_t lanes);
 /* The DLPack data type of a dtype (lanes is always 1);
  * GPUIPC_E_BAD_KIND for a code that is not one (the outputs untouched). */
-GPUIPC_API gpuipc_status gpuipc_dtype_to_dlpack(int dtype,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_dtype_to_dlpack(int dtype,
                                                 uint8_t *code /* OUT */,
                                                 uint8_t *bits /* OUT */,
                                                 uint16_t *lanes /* OUT */);
@@ -123,7 +126,7 @@ typedef struct gpuipc_tensor_meta {
  * with a length); the message says which. GPUIPC_E_LIMIT when cap is too
  * small: *len then says how many bytes it takes (out may be NULL with cap
  * 0 to ask). Nothing is written to out on failure. */
-GPUIPC_API gpuipc_status gpuipc_tensor_meta_encode(const gpuipc_tensor_meta *m,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tensor_meta_encode(const gpuipc_tensor_meta *m,
                                                    void *out, size_t cap,
                                                    size_t *len /* OUT */);
 
@@ -138,7 +141,7 @@ GPUIPC_API gpuipc_status gpuipc_tensor_meta_encode(const gpuipc_tensor_meta *m,
  * On failure *out is zeroed. A meta that decodes re-encodes to the same
  * bytes. Check it against its buffer (gpuipc_tensor_meta_check) before
  * reading through it. */
-GPUIPC_API gpuipc_status gpuipc_tensor_meta_decode(const void *in, size_t len,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tensor_meta_decode(const void *in, size_t len,
                                                    gpuipc_tensor_meta *out /* OUT */);
 
 /* The bytes the tensor spans from element 0: 0 when a size is 0, else
@@ -146,23 +149,23 @@ GPUIPC_API gpuipc_status gpuipc_tensor_meta_decode(const void *in, size_t len,
  * row-major strides when has_strides is 0). GPUIPC_E_BAD_KIND (dtype),
  * GPUIPC_E_INVALID_ARG (ndim), GPUIPC_E_OUT_OF_RANGE (a negative size or
  * stride, beyond 2^62). */
-GPUIPC_API gpuipc_status gpuipc_tensor_meta_get_extent(const gpuipc_tensor_meta *m,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tensor_meta_get_extent(const gpuipc_tensor_meta *m,
                                                        uint64_t *bytes /* OUT */);
 
 /* Checks that the tensor lies inside a buffer of buffer_bytes bytes:
  * offset + extent <= buffer_bytes (SIZE_MAX: no bound), with the checks of
  * gpuipc_tensor_meta_get_extent first. GPUIPC_E_OUT_OF_RANGE otherwise,
  * the message giving both. */
-GPUIPC_API gpuipc_status gpuipc_tensor_meta_check(const gpuipc_tensor_meta *m,
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tensor_meta_check(const gpuipc_tensor_meta *m,
                                                   size_t buffer_bytes);
 
 /* Fills strides[] with the row-major strides of shape[] (a size 0 counts
  * as 1) and sets has_strides to 0. */
-GPUIPC_API void gpuipc_tensor_meta_set_contiguous(gpuipc_tensor_meta *m);
+GPUIPC_EXPERIMENTAL GPUIPC_API void gpuipc_tensor_meta_set_contiguous(gpuipc_tensor_meta *m);
 
 /* 1 when the layout is row-major contiguous (sizes of 1 and of 0
  * allowed any stride), else 0. */
-GPUIPC_API int gpuipc_tensor_meta_is_contiguous(const gpuipc_tensor_meta *m);
+GPUIPC_EXPERIMENTAL GPUIPC_API int gpuipc_tensor_meta_is_contiguous(const gpuipc_tensor_meta *m);
 
 #ifdef __cplusplus
 }

@@ -26,6 +26,7 @@
  * fits and the arena cannot grow.
  */
 #include "arena_int.h"
+#include "core/stats.h"
 
 #include <stdatomic.h>
 

@@ -17,6 +17,7 @@
  * gpuipc/conn.h).
  */
 #include "conn_int.h"
+#include "core/stats.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -14,6 +14,7 @@
  * hooks installed.
  */
 #include "conn_int.h"
+#include "core/stats.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -33,6 +33,7 @@
  * itself (side stream) so that those waits pass.
  */
 #include "lease_int.h"
+#include "core/stats.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -9,6 +9,7 @@
  * declared in handoff_int.h.
  */
 #include "handoff_int.h"
+#include "core/stats.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -5,6 +5,7 @@
  * primary contexts.
  */
 #include "core_int.h"
+#include "stats.h"
 
 #include <dlfcn.h>
 #include <pthread.h>

@@ -3,14 +3,15 @@
  * file proc-<pid>-<start time>.stats (mode 0600) in the runtime directory,
  * mapped MAP_SHARED and made on first use. Writers only do relaxed atomic
  * stores and adds (no lock, no system call after the first use; the
- * updates of the handoff path are inline in core.h); the layout is in
- * core.h. The file is removed at exit; a process that dies
+ * updates of the handoff path are inline in stats.h); the layout is in
+ * stats.h. The file is removed at exit; a process that dies
  * leaves it behind, and `gpuipc ls` shows it as gone and removes it. When
  * the segment cannot be made, or GPUIPC_STATS=0, the counters go to a
  * private copy (nobody sees them, nothing fails). A forked child starts a
  * segment of its own on its first update.
  */
 #include "core_int.h"
+#include "stats.h"
 
 #include <fcntl.h>
 #include <pthread.h>

@@ -14,6 +14,7 @@
  * on driver 580 every import (legacy or pool) gets importer-local ids.
  */
 #include "handle_int.h"
+#include "core/stats.h"
 
 #include <fcntl.h>
 #include <stdio.h>

@@ -47,6 +47,7 @@
  * same states.
  */
 #include "handle_int.h"
+#include "core/stats.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -5,6 +5,7 @@
  * the process-wide counter behind pool ids.
  */
 #include "handle_int.h"
+#include "core/stats.h"
 
 #include <fcntl.h>
 #include <stdlib.h>

@@ -4,16 +4,20 @@
  * grouping against the kernel's boot ids, and connects every pair of ranks
  * of one machine with gpuipc connections.
  *
- * Connecting without deadlock: every rank of a machine listens first (and
- * an MPI_Barrier makes sure all listen), then each connects to the ranks
- * below it in order and accepts the ranks above it. A connect completes when
+ * Connecting without deadlock: every rank of a machine listens first (an
+ * MPI_Allreduce over the machine's ranks makes sure all listen, and
+ * agrees on a failure to), then each connects to the local ranks below it
+ * in order and accepts the local ranks above it. A connect completes when
  * its peer accepts; the lowest rank only accepts, and each rank's connects
- * wait only on ranks below it that are already accepting, so no cycle can
- * form. The connecting side says who it is, and which of its two
- * connections this is, in its first user message: each pair has one
- * connection for the application (gpuipc_mpi_get_conn) and one of
- * gpuipc_mpi_send / recv's own (sendrecv.c), so that neither ever takes a
- * buffer meant for the other.
+ * wait only on ranks below it, which accept once their own connects (to
+ * ranks further below) are done, so no cycle can form. The connecting
+ * side says who it is, and which of its two connections this is, in its
+ * first user message: each pair has one connection for the application
+ * (gpuipc_mpi_get_conn) and one of gpuipc_mpi_send / recv's own
+ * (sendrecv.c), so that neither ever takes a buffer meant for the other.
+ * Init also duplicates the caller's communicator three times for
+ * sendrecv.c's messages. GPUIPC_MPI_SIMULATE_MACHINES (testing only)
+ * makes the ranks pretend to run on several machines.
  */
 #include "core/core.h"
 

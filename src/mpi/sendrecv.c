@@ -5,16 +5,19 @@
  * pinned host memory in overlapping chunks (gpuipc_xfer copies on the
  * caller's stream, MPI_Isend / MPI_Irecv of other chunks meanwhile).
  *
- * One transfer, on three communicators duplicated from the caller's
- * (c_s2r: sender -> receiver, c_r2s: receiver -> sender, c_data: chunks),
- * all messages with the caller's tag:
+ * One transfer, on three communicators that gpuipc_mpi_init duplicated
+ * from its communicator (c_s2r: sender -> receiver, c_r2s: receiver ->
+ * sender, c_data: chunks), all messages with the caller's tag:
  *   1. sender -> receiver: header (magic, version, size, chunk proposal,
  *      path, the sender's status so far);
  *   2. receiver -> sender: reply (its size, the agreed chunk: the smaller
  *      proposal, its status). A size mismatch or a failure of either side
  *      ends both calls here, with nothing moved;
- *   3. the data: chunks on c_data (MPI paths) or the buffer's descriptor
- *      on the private connection (local path);
+ *   3. the data: chunks on c_data (MPI paths) or, on the local path, the
+ *      sender's memory itself, wrapped and sent on the private connection
+ *      (gpuipc_conn_send_buffer), which the receiver copies into its own
+ *      buffer on its stream. Memory the driver wraps but will not export
+ *      takes an MPI path, decided before the header is sent;
  *   4. sender -> receiver, then receiver -> sender: each side's status of
  *      step 3, so a failure on one side is known on the other. On the
  *      local path the receiver takes the buffer only after the sender's

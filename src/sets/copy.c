@@ -3,7 +3,8 @@
  * copy_into, a producer's copy_from) with the fewest driver calls: ranges
  * are sorted by source, and ranges contiguous on both sides are merged, so
  * a consumer whose tensors lie in one allocation in the producer's order
- * copies a piece with one call (never across allocations: see below).
+ * copies a piece with one call (never across allocations: see below; two
+ * cuMemGetAddressRange lookups per merged range say where they end).
  *
  * The merged ranges then go to the driver as one batched copy
  * (cuMemcpyBatchAsync, CUDA 13.0's form, in chunks of BATCH_MAX), so that
