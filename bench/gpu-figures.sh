@@ -8,15 +8,18 @@
 #            fan-out, batches, flatness) and gpuipc bench ring --quick
 #   python   python3 -m gpuipc.bench (send -> a usable torch tensor, the
 #            peers in the same run), bench/py_profile.py (the raw parts)
-#   sets     python3 -m gpuipc.bench_sets (Llama-2-7B-shaped set)
+#   sets     gpuipc bench sets (Llama-2-7B-shaped set, KV-cache sets of
+#            1,000-100,000 blocks with both floors) and python3 -m
+#            gpuipc.bench_sets (the same from Python, torch's index_copy_)
+#   copy     gpuipc bench copy (pinned and pageable, both directions)
 #
 #   bench/gpu-figures.sh OUT [STEP ...]
 set -u
-out=${1:?usage: bench/gpu-figures.sh OUT [suite|handoff|python|sets ...]}
+out=${1:?usage: bench/gpu-figures.sh OUT [suite|handoff|python|sets|copy ...]}
 shift
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-steps=${*:-suite handoff python sets}
+steps=${*:-suite handoff python sets copy}
 here=$(pwd)
 export NCCL_NVLS_ENABLE=0
 build() {
@@ -53,8 +56,15 @@ for s in $steps; do
     ;;
   sets)
     build && pybuild || exit 1
+    build-gpu/gpuipc bench sets --json "$out/csets.json" >"$out/csets.txt" 2>&1
+    echo "bench sets: exit $?"
     PYTHONPATH=python python3 -m gpuipc.bench_sets --json >"$out/sets.txt" 2>&1
     echo "bench_sets: exit $?"
+    ;;
+  copy)
+    build || exit 1
+    build-gpu/gpuipc bench copy --json "$out/copy.json" >"$out/copy.txt" 2>&1
+    echo "bench copy: exit $?"
     ;;
   *) echo "unknown step $s" >&2; exit 2 ;;
   esac
