@@ -245,6 +245,11 @@ typedef struct doc_report {
   int peer_pidfd_errno;
   xc_verdict xc[XC_COUNT];
 
+  /* environment: every parameter of the library and this command
+   * (src/core/param.h), sorted by name */
+  gpuipc__param *env[64];
+  size_t env_count;
+
   doc_verdict verdict[M_COUNT];
   int usable_count;
   int exit_status;
@@ -434,10 +439,37 @@ static void gather_peers(doc_report *r) {
   }
 }
 
+GPUIPC__PARAM(cuda_visible_devices, "CUDA_VISIBLE_DEVICES",
+              GPUIPC__PARAM_EACH_USE, "all",
+              "the devices CUDA shows this process (the driver reads it; "
+              "gpuipc names devices by UUID across processes)")
+
+static int param_cmp(const void *a, const void *b) {
+  const gpuipc__param *x = *(gpuipc__param *const *)a;
+  const gpuipc__param *y = *(gpuipc__param *const *)b;
+  return strcmp(x->name, y->name);
+}
+
+static void gather_environment(doc_report *r) {
+  size_t n = 0;
+  gpuipc__param *const *all = gpuipc__params(&n);
+  if (n > GPUIPC__ARRAY_SIZE(r->env))
+    n = GPUIPC__ARRAY_SIZE(r->env);
+  for (size_t i = 0; i < n; i++)
+    r->env[i] = all[i];
+  r->env_count = n;
+  qsort(r->env, n, sizeof r->env[0], param_cmp);
+}
+
+static const char *param_when(const gpuipc__param *p) {
+  return p->when == GPUIPC__PARAM_ONCE       ? "once"
+         : p->when == GPUIPC__PARAM_EACH_USE ? "each use"
+                                             : "for the child";
+}
+
 static void gather_driver(doc_report *r) {
   r->library = gpuipc_driver_path();
-  const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
-  r->visible_devices = cvd;
+  r->visible_devices = param_cuda_visible_devices();
   gather_kernel_module(r);
 
   if (gpuipc__driver_load() != GPUIPC_OK) {
@@ -1169,6 +1201,18 @@ static void print_human(FILE *out, const doc_report *r) {
     h_kv(out, xc_info[k].label, "%s: %s", r->xc[k].works ? "works" : "no",
          r->xc[k].why);
 
+  h_section(out, "Environment (docs/environment.md)");
+  for (size_t i = 0; i < r->env_count; i++) {
+    const gpuipc__param *p = r->env[i];
+    const char *v = gpuipc__param_get(r->env[i]);
+    if (v)
+      h_kv(out, p->name, "%s", v);
+    else if (p->dflt)
+      h_kv(out, p->name, "unset (%s)", p->dflt);
+    else
+      h_kv(out, p->name, "unset");
+  }
+
   h_section(out, "Mechanisms");
   for (int m = 0; m < M_COUNT; m++) {
     const doc_verdict *v = &r->verdict[m];
@@ -1511,6 +1555,19 @@ static void print_json(FILE *out, const doc_report *r) {
   jw_obj_end(&w);
   jw_obj_end(&w);
 
+  jw_arr(&w, "environment");
+  for (size_t i = 0; i < r->env_count; i++) {
+    const gpuipc__param *p = r->env[i];
+    jw_obj(&w, NULL);
+    jw_str(&w, "name", p->name);
+    jw_str(&w, "value", gpuipc__param_get(r->env[i]));
+    jw_str(&w, "default", p->dflt);
+    jw_str(&w, "read", param_when(p));
+    jw_str(&w, "what", p->what);
+    jw_obj_end(&w);
+  }
+  jw_arr_end(&w);
+
   jw_obj(&w, "mechanisms");
   for (int m = 0; m < M_COUNT; m++) {
     const doc_verdict *v = &r->verdict[m];
@@ -1583,6 +1640,7 @@ int gpuipc_cmd_doctor(int argc, char **argv) {
   gather_system(r);
   gather_process(r);
   gather_driver(r);
+  gather_environment(r);
   decide(r);
   decide_cross_container(r);
   if (!quiet) {

@@ -35,8 +35,13 @@ static void atfork_child(void) {
     atomic_store(&forked_after_init, 1);
 }
 
+GPUIPC__PARAM(cuda_driver, "GPUIPC_CUDA_DRIVER", GPUIPC__PARAM_EACH_USE,
+              "libcuda.so.1",
+              "the CUDA driver library to load instead (the tests' emulator, a "
+              "forward-compatibility driver); read when the driver is loaded")
+
 const char *gpuipc_driver_path(void) {
-  const char *p = gpuipc__getenv("GPUIPC_CUDA_DRIVER");
+  const char *p = param_cuda_driver();
   return (p && *p) ? p : "libcuda.so.1";
 }
 

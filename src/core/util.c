@@ -140,9 +140,14 @@ gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
   return GPUIPC_OK;
 }
 
+GPUIPC__PARAM(xdg_runtime_dir, "XDG_RUNTIME_DIR", GPUIPC__PARAM_EACH_USE,
+              "/tmp/gpuipc-<uid>",
+              "sockets and stats segments live in $XDG_RUNTIME_DIR/gpuipc when "
+              "it is a usable directory of this user")
+
 void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
                                  size_t why_cap, bool *from_xdg) {
-  const char *xdg = gpuipc__getenv("XDG_RUNTIME_DIR");
+  const char *xdg = param_xdg_runtime_dir();
   char scratch[256];
   if (why == NULL) {
     why = scratch;
