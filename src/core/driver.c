@@ -1,8 +1,9 @@
 /*
  * driver.c: owns the CUDA driver library: loading it at run time (dlopen +
- * cuGetProcAddress), the entry-point table, cuInit, the fork guard, the
- * translation of CUresult into gpuipc statuses, and the cache of retained
- * primary contexts.
+ * cuGetProcAddress; which library, GPUIPC_CUDA_DRIVER), the entry-point
+ * table, cuInit, the fork guard, the translation of CUresult into gpuipc
+ * statuses, the cache of retained primary contexts, and the context guard
+ * that makes one current and restores the caller's.
  */
 #include "core_int.h"
 

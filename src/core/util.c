@@ -1,9 +1,10 @@
 /*
  * util.c: owns small process-level facts and helpers that several layers
- * need: the monotonic clock, the boot id, the pid
- * namespace, the one parser of /proc/<pid>/stat (state, start time),
- * option-struct copying, the version functions, the default runtime
- * directory.
+ * need: the monotonic clock, the boot id, the pid namespace (this
+ * process's and another's), the one parser of /proc/<pid>/stat (state,
+ * start time), option-struct copying, the version functions, and the
+ * runtime directory: the default one (XDG_RUNTIME_DIR, else
+ * /tmp/gpuipc-<uid>) and the checks that make it private (ours, 0700).
  */
 #include "core_int.h"
 
