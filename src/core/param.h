@@ -59,7 +59,7 @@ gpuipc__param *const *gpuipc__params(size_t *count);
   static gpuipc__param gpuipc__param_##id = {env, when, dflt, what, NULL};     \
   static gpuipc__param *const gpuipc__param_reg_##id                           \
       __attribute__((used, section("gpuipc_params"))) = &gpuipc__param_##id;   \
-  static inline const char *param_##id(void) {                                 \
+  __attribute__((unused)) static inline const char *param_##id(void) {         \
     return gpuipc__param_get(&gpuipc__param_##id);                             \
   }
 
