@@ -24,8 +24,8 @@
 
 /* When a parameter is read. */
 enum {
-  /* At its first use; the process keeps that value (thread-safe: the first
-   * readers race to store the same pointer). */
+  /* At its first use; the process keeps that value (thread-safe: of racing
+   * first reads, the first to store its value wins, and all return it). */
   GPUIPC__PARAM_ONCE,
   /* At each use: the variable is read when the thing it sets is made (a
    * connection, a listener, the driver's load), and programs and tests
