@@ -87,3 +87,12 @@ endif()
 if(EXISTS ${PROJECT_SOURCE_DIR}/tests/fuzz/CMakeLists.txt)
   add_subdirectory(${PROJECT_SOURCE_DIR}/tests/fuzz ${PROJECT_BINARY_DIR}/tests/fuzz)
 endif()
+
+# Every environment variable the tree reads is a row of docs/environment.md,
+# and `gpuipc doctor` lists every declared parameter (tools/check-env).
+find_program(GPUIPC_PYTHON3 python3)
+if(GPUIPC_PYTHON3)
+  add_test(NAME env_documented COMMAND ${GPUIPC_PYTHON3}
+    ${PROJECT_SOURCE_DIR}/tools/check-env --cli $<TARGET_FILE:gpuipc_cli>)
+  set_tests_properties(env_documented PROPERTIES LABELS unit)
+endif()

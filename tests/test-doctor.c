@@ -617,6 +617,23 @@ static int check_shape(jval *j, int exit_status) {
     ASSERT_GT(strlen(JREQ(xv, "why", J_STR)->str), 0);
   }
 
+  /* The environment parameters (docs/environment.md), sorted by name. */
+  jval *env = JREQ(j, "environment", J_ARR);
+  ASSERT_GT(env->n, 0);
+  for (size_t k = 0; k < env->n; k++) {
+    jval *ev = env->items[k];
+    ASSERT_EQ(ev->t, J_OBJ);
+    const char *name = JREQ(ev, "name", J_STR)->str;
+    if (k > 0)
+      ASSERT_GT(strcmp(name, JREQ(env->items[k - 1], "name", J_STR)->str), 0);
+    JREQ_OR_NULL(ev, "value", J_STR);
+    JREQ_OR_NULL(ev, "default", J_STR);
+    const char *read = JREQ(ev, "read", J_STR)->str;
+    ASSERT(strcmp(read, "once") == 0 || strcmp(read, "each use") == 0 ||
+           strcmp(read, "for the child") == 0);
+    ASSERT_GT(strlen(JREQ(ev, "what", J_STR)->str), 0);
+  }
+
   int usable = 0;
   for (size_t m = 0; m < sizeof mechanisms / sizeof mechanisms[0]; m++) {
     char path[96];
@@ -827,6 +844,7 @@ TEST_IMPL(doctor_human_sections) {
   ASSERT_EQ(r.status, 0);
   static const char *const sections[] = {"\nSystem\n", "\nDriver\n", "\nDevice 0: ",
                                          "\nPeers", "\nProcess\n", "\nContainers\n",
+                                         "\nEnvironment (docs/environment.md)\n",
                                          "\nMechanisms\n"};
   for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++)
     ASSERT_STR_CONTAINS(r.out, sections[i]);

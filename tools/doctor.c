@@ -3,11 +3,12 @@
  * processes, and by which mechanisms?
  *
  * It gathers everything first (system, driver, each device's attributes, the
- * peer matrix, the process side) into one report, then decides a verdict for
- * each sharing mechanism, then prints the report as aligned text or as one
- * JSON object (the keys are documented in docs/doctor.md and only ever
- * added to). It asks the driver only for attributes: it creates no context
- * and allocates nothing, so it is fast and safe to run beside a busy job.
+ * peer matrix, the process side, the environment parameters) into one
+ * report, then decides a verdict for each sharing mechanism, then walks the
+ * report once (report()), writing it as aligned text or as one JSON object
+ * (the keys are documented in docs/doctor.md and only ever added to). It
+ * asks the driver only for attributes: it creates no context and allocates
+ * nothing, so it is fast and safe to run beside a busy job.
  *
  * It also says whether this process runs in a container (its pid or IPC
  * namespace is not the machine's first, its namespaces differ from those of
@@ -245,6 +246,11 @@ typedef struct doc_report {
   int peer_pidfd_errno;
   xc_verdict xc[XC_COUNT];
 
+  /* environment: every parameter of the library and this command
+   * (src/core/param.h), sorted by name */
+  gpuipc__param *env[64];
+  size_t env_count;
+
   doc_verdict verdict[M_COUNT];
   int usable_count;
   int exit_status;
@@ -434,10 +440,37 @@ static void gather_peers(doc_report *r) {
   }
 }
 
+GPUIPC__PARAM(cuda_visible_devices, "CUDA_VISIBLE_DEVICES",
+              GPUIPC__PARAM_EACH_USE, "all",
+              "the devices CUDA shows this process (the driver reads it; "
+              "gpuipc names devices by UUID across processes)")
+
+static int param_cmp(const void *a, const void *b) {
+  const gpuipc__param *x = *(gpuipc__param *const *)a;
+  const gpuipc__param *y = *(gpuipc__param *const *)b;
+  return strcmp(x->name, y->name);
+}
+
+static void gather_environment(doc_report *r) {
+  size_t n = 0;
+  gpuipc__param *const *all = gpuipc__params(&n);
+  if (n > GPUIPC__ARRAY_SIZE(r->env))
+    n = GPUIPC__ARRAY_SIZE(r->env);
+  for (size_t i = 0; i < n; i++)
+    r->env[i] = all[i];
+  r->env_count = n;
+  qsort(r->env, n, sizeof r->env[0], param_cmp);
+}
+
+static const char *param_when(const gpuipc__param *p) {
+  return p->when == GPUIPC__PARAM_ONCE       ? "once"
+         : p->when == GPUIPC__PARAM_EACH_USE ? "each use"
+                                             : "for the child";
+}
+
 static void gather_driver(doc_report *r) {
   r->library = gpuipc_driver_path();
-  const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
-  r->visible_devices = cvd;
+  r->visible_devices = param_cuda_visible_devices();
   gather_kernel_module(r);
 
   if (gpuipc__driver_load() != GPUIPC_OK) {
@@ -930,13 +963,10 @@ static void decide(doc_report *r) {
 /* ---- human output ------------------------------------------------------------ */
 
 static void sanitize(char *s);
-static void h_section(FILE *out, const char *fmt, ...) GPUIPC__PRINTF(2, 3);
-static void h_section(FILE *out, const char *fmt, ...) {
+static void h_vsection(FILE *out, const char *fmt, va_list ap) GPUIPC__PRINTF(2, 0);
+static void h_vsection(FILE *out, const char *fmt, va_list ap) {
   char line[DOC_WIDTH + 1];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(line, sizeof line, fmt, ap);
-  va_end(ap);
   sanitize(line);
   fprintf(out, "\n%s\n", line);
 }
@@ -951,13 +981,11 @@ static void sanitize(char *s) {
 
 /* "  key                      value", the value wrapped at DOC_WIDTH with a
  * hanging indent, so long error messages stay readable. */
-static void h_kv(FILE *out, const char *key, const char *fmt, ...) GPUIPC__PRINTF(3, 4);
-static void h_kv(FILE *out, const char *key, const char *fmt, ...) {
+static void h_vkv(FILE *out, const char *key, const char *fmt, va_list ap)
+    GPUIPC__PRINTF(3, 0);
+static void h_vkv(FILE *out, const char *key, const char *fmt, va_list ap) {
   char val[2048];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(val, sizeof val, fmt, ap);
-  va_end(ap);
   sanitize(val);
   const int indent = 2 + DOC_KEY_WIDTH + 1;
   const size_t room = DOC_WIDTH - indent;
@@ -1000,208 +1028,6 @@ static void handle_types_text(int mask, char *buf, size_t cap) {
       append(buf, cap, "%s%s", buf[0] ? ", " : "", handle_types[k].name);
   if (buf[0] == '\0')
     snprintf(buf, cap, "none");
-}
-
-static void print_human(FILE *out, const doc_report *r) {
-  fprintf(out, "gpuipc doctor %s: can this machine share GPU memory between "
-               "processes?\n",
-          gpuipc_version_string());
-
-  h_section(out, "System");
-  h_kv(out, "OS", "%s %s%s", r->os, r->machine,
-       r->is_linux ? "" : " (CUDA IPC needs Linux)");
-  h_kv(out, "64-bit process", "%s", yn(r->is_64bit));
-  h_kv(out, "kernel", "%s (2.6.18 or later: %s)", r->have_uname ? r->kernel : "unknown",
-       yn(r->kernel_ok));
-
-  h_section(out, "Driver");
-  h_kv(out, "library", "%s", r->library);
-  if (r->have_driver_path && strcmp(r->driver_path, r->library) != 0)
-    h_kv(out, "loaded from", "%s", r->driver_path);
-  if (!r->loaded) {
-    h_kv(out, "status", "not loaded: %s", r->driver_error);
-  } else {
-    if (r->have_version)
-      h_kv(out, "version", "%d (supports CUDA %d.%d)", r->version, r->version / 1000,
-           (r->version % 1000) / 10);
-    else
-      h_kv(out, "version", "unknown (cuDriverGetVersion failed)");
-    if (r->driver_error[0])
-      h_kv(out, "status", "unusable: %s", r->driver_error);
-  }
-  if (r->have_kmod_version)
-    h_kv(out, "NVIDIA kernel module", "%s", r->kmod_version);
-  h_kv(out, "CUDA_VISIBLE_DEVICES", "%s", r->visible_devices ? r->visible_devices : "(unset)");
-  if (r->loaded && !r->driver_error[0])
-    h_kv(out, "devices", "%d%s", r->device_count_reported,
-         r->device_count_reported > r->device_count ? " (only the first 64 examined)"
-                                                    : "");
-  if (r->device_count == 0) {
-    h_section(out, "Devices");
-    h_kv(out, "none", "%s", r->devices_error[0] ? r->devices_error
-                           : r->loaded        ? "the driver is not usable"
-                                              : "no CUDA driver");
-  }
-
-  for (int i = 0; i < r->device_count; i++) {
-    const doc_device *d = &r->dev[i];
-    char buf[256];
-    h_section(out, "Device %d: %s", i, d->have_name ? d->name : "(name unknown)");
-    if (!d->ok) {
-      h_kv(out, "error", "%s", d->errors);
-      continue;
-    }
-    h_kv(out, "UUID", "%s", d->have_uuid ? d->uuid : "unknown");
-    h_kv(out, "PCI bus id", "%s", d->have_pci ? d->pci : "unknown");
-    if (d->have_attr[A_CC_MAJOR] && d->have_attr[A_CC_MINOR])
-      h_kv(out, "compute capability", "%d.%d", d->attr[A_CC_MAJOR], d->attr[A_CC_MINOR]);
-    else
-      h_kv(out, "compute capability", "unknown");
-    if (d->have_mem)
-      h_kv(out, "total memory", "%.1f GiB (%zu bytes)",
-           (double)d->total_mem / (1024.0 * 1024.0 * 1024.0), d->total_mem);
-    else
-      h_kv(out, "total memory", "unknown");
-    for (int a = 0; a < A_COUNT; a++) {
-      if (a == A_MEMPOOL_TYPES) {
-        if (d->have_attr[a]) {
-          handle_types_text(d->attr[a], buf, sizeof buf);
-          h_kv(out, "pool handle types", "%s", buf);
-        } else {
-          h_kv(out, "pool handle types", "unknown (query failed)");
-        }
-        continue;
-      }
-      if (a == A_MEMOPS64)
-        h_kv(out, "stream memops 32-bit", "%s",
-             yn(r->have_version && r->version >= 12000));
-      if (attr_info[a].label)
-        h_kv(out, attr_info[a].label, "%s", attr_text(d, (enum doc_attr)a, buf, sizeof buf));
-    }
-    if (d->errors[0])
-      h_kv(out, "failed queries", "%s", d->errors);
-  }
-
-  if (r->device_count > 0) {
-    h_section(out, "Peers (from -> to: can the first device access the second's memory)");
-    if (r->device_count == 1) {
-      fprintf(out, "  one device: no pairs\n");
-    } else {
-      fprintf(out, "  %-8s %-16s %-16s %-17s %s\n", "pair", "can access peer",
-              "P2P supported", "performance rank", "native atomics");
-      for (int i = 0; i < r->device_count; i++)
-        for (int j = 0; j < r->device_count; j++) {
-          if (i == j)
-            continue;
-          const doc_peer *p = &r->peer[i][j];
-          char pair[32], rank[16];
-          snprintf(pair, sizeof pair, "%d -> %d", i, j);
-          if (p->have_perf_rank)
-            snprintf(rank, sizeof rank, "%d", p->perf_rank);
-          else
-            snprintf(rank, sizeof rank, "?");
-          fprintf(out, "  %-8s %-16s %-16s %-17s %s\n", pair,
-                  p->have_can_access ? yn(p->can_access) : "?",
-                  p->have_access_supported ? yn(p->access_supported) : "?", rank,
-                  p->have_native_atomic ? yn(p->native_atomic) : "?");
-        }
-    }
-  }
-
-  h_section(out, "Process");
-  if (r->pidfd_available)
-    h_kv(out, "pidfd_getfd", "yes");
-  else
-    h_kv(out, "pidfd_getfd", "no (%s: %s, %s)", r->pidfd_call, errno_name(r->pidfd_errno),
-         strerror(r->pidfd_errno));
-  if (r->yama)
-    h_kv(out, "ptrace policy", "Yama ptrace_scope %d (%s)", r->ptrace_scope, ptrace_meaning(r));
-  else
-    h_kv(out, "ptrace policy", "%s", ptrace_meaning(r));
-  h_kv(out, "runtime directory", "%s (%s)", r->rt_path,
-       strcmp(r->rt_source, "fallback") == 0 ? r->rt_xdg_problem : "from XDG_RUNTIME_DIR");
-  if (r->rt_have_stat)
-    h_kv(out, "", "owner uid %u, mode %04o", (unsigned)r->rt_owner, r->rt_mode);
-  h_kv(out, "", "%s", r->rt_detail);
-  if (r->have_nofile) {
-    char soft[32], hard[32];
-    if (r->nofile_soft < 0)
-      snprintf(soft, sizeof soft, "unlimited");
-    else
-      snprintf(soft, sizeof soft, "%lld", r->nofile_soft);
-    if (r->nofile_hard < 0)
-      snprintf(hard, sizeof hard, "unlimited");
-    else
-      snprintf(hard, sizeof hard, "%lld", r->nofile_hard);
-    h_kv(out, "open-file limit", "%s soft, %s hard", soft, hard);
-  } else {
-    h_kv(out, "open-file limit", "unknown");
-  }
-
-  h_section(out, "Containers");
-  h_kv(out, "in a container", "%s%s", r->in_container ? "yes: " : "",
-       r->container_why);
-  for (int i = 0; i < NS_COUNT; i++) {
-    const doc_ns *n = &r->ns[i];
-    char label[32];
-    snprintf(label, sizeof label, "%s namespace", ns_info[i].name);
-    if (!n->have_self) {
-      h_kv(out, label, "unknown (/proc/self/ns/%s unreadable)", ns_info[i].name);
-      continue;
-    }
-    char pid1[64];
-    if (n->have_pid1)
-      snprintf(pid1, sizeof pid1, "pid 1's %s", n->pid1 == n->self ? "the same" : "differs");
-    else
-      snprintf(pid1, sizeof pid1, "pid 1's unreadable");
-    h_kv(out, label, "%llu (%s%s)", n->self,
-         ns_info[i].init_ino == 0
-             ? ""
-             : (n->self == ns_info[i].init_ino ? "the machine's, " : "its own, "),
-         pid1);
-  }
-  h_kv(out, "cgroup", "%s", r->cgroup[0] ? r->cgroup : "unknown");
-  h_kv(out, "peer pidfd", "%s",
-       r->peer_pidfd ? "yes (SO_PEERPIDFD)" : "no (SO_PEERPIDFD needs Linux 6.5)");
-  h_kv(out, "another container", "with a peer there (its own pid, IPC and mount "
-       "namespaces, only the socket directory shared):");
-  for (int k = 0; k < XC_COUNT; k++)
-    h_kv(out, xc_info[k].label, "%s: %s", r->xc[k].works ? "works" : "no",
-         r->xc[k].why);
-
-  h_section(out, "Mechanisms");
-  for (int m = 0; m < M_COUNT; m++) {
-    const doc_verdict *v = &r->verdict[m];
-    if (!v->usable) {
-      h_kv(out, mech_info[m].label, "%s%s",
-           strncmp(v->reason, "not applicable", 14) == 0 ? "" : "not usable: ", v->reason);
-      continue;
-    }
-    char where[256] = "";
-    if (m == M_PEER) {
-      for (int i = 0; i < r->device_count; i++)
-        for (int j = i + 1; j < r->device_count; j++)
-          if (r->peer[i][j].can_access && r->peer[j][i].can_access)
-            append(where, sizeof where, "%s%d<->%d", where[0] ? ", " : "", i, j);
-      h_kv(out, mech_info[m].label, "usable (pairs %s)", where);
-    } else {
-      int k = 0;
-      for (int i = 0; i < r->device_count; i++)
-        if (v->on_device[i]) {
-          append(where, sizeof where, "%s%d", where[0] ? ", " : "", i);
-          k++;
-        }
-      h_kv(out, mech_info[m].label, "usable (device%s %s)", k == 1 ? "" : "s", where);
-    }
-  }
-
-  fputc('\n', out);
-  if (r->exit_status == 2)
-    fprintf(out, "Result: no usable CUDA driver (exit 2)\n");
-  else if (r->exit_status == 1)
-    fprintf(out, "Result: no sharing mechanism is usable (exit 1)\n");
-  else
-    fprintf(out, "Result: %d of %d mechanisms usable (exit 0)\n", r->usable_count, M_COUNT);
 }
 
 /* ---- JSON output -------------------------------------------------------------- */
@@ -1339,210 +1165,489 @@ static void jw_opt_bool(jw *w, const char *key, bool have, bool v) {
     jw_null(w, key);
 }
 
-static void json_peer_matrix(jw *w, const doc_report *r, const char *key, int which) {
-  jw_arr(w, key);
-  for (int i = 0; i < r->device_count; i++) {
-    jw_arr_inline(w, NULL);
-    for (int j = 0; j < r->device_count; j++) {
-      const doc_peer *p = &r->peer[i][j];
-      if (i == j) {
-        jw_null(w, NULL);
-        continue;
-      }
-      switch (which) {
-      case 0: jw_opt_bool(w, NULL, p->have_can_access, p->can_access != 0); break;
-      case 1:
-        jw_opt_bool(w, NULL, p->have_access_supported, p->access_supported != 0);
-        break;
-      case 2: jw_opt_int(w, NULL, p->have_perf_rank, p->perf_rank); break;
-      default:
-        jw_opt_bool(w, NULL, p->have_native_atomic, p->native_atomic != 0);
-        break;
-      }
-    }
-    jw_arr_end(w);
-  }
-  jw_arr_end(w);
+/* ---- one walk, two outputs ------------------------------------------------------ */
+
+/* The report is walked once, by report() below; each fact is stated there
+ * once, with its JSON key and value and its human label and text side by
+ * side, and the emitter writes the half of its output mode: e_*() calls
+ * are the JSON half, h_*() calls the human half, b_*() both. The two
+ * outputs do not list the facts in quite the same order (the JSON groups
+ * the driver's error with its state, the text puts it after the version),
+ * so a fact one of them shows elsewhere is stated twice, each time for one
+ * side only. */
+typedef struct emit {
+  FILE *f;
+  bool json;
+  jw w;
+} emit;
+
+static void h_title(emit *e, const char *fmt, ...) GPUIPC__PRINTF(2, 3);
+static void h_title(emit *e, const char *fmt, ...) {
+  if (e->json)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  h_vsection(e->f, fmt, ap);
+  va_end(ap);
 }
 
-static void print_json(FILE *out, const doc_report *r) {
-  jw w = {.f = out};
-  jw_obj(&w, NULL);
-  jw_str(&w, "gpuipc_version", gpuipc_version_string());
+static void h_line(emit *e, const char *key, const char *fmt, ...) GPUIPC__PRINTF(3, 4);
+static void h_line(emit *e, const char *key, const char *fmt, ...) {
+  if (e->json)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  h_vkv(e->f, key, fmt, ap);
+  va_end(ap);
+}
 
-  jw_obj(&w, "system");
-  jw_str(&w, "os", r->os);
-  jw_str(&w, "machine", r->have_uname ? r->machine : NULL);
-  jw_bool(&w, "linux", r->is_linux);
-  jw_bool(&w, "process_64bit", r->is_64bit);
-  jw_str(&w, "kernel", r->have_uname ? r->kernel : NULL);
-  jw_bool(&w, "kernel_ok", r->kernel_ok);
-  jw_obj_end(&w);
+static void e_obj(emit *e, const char *key) {
+  if (e->json)
+    jw_obj(&e->w, key);
+}
+static void e_obj_end(emit *e) {
+  if (e->json)
+    jw_obj_end(&e->w);
+}
+static void e_arr(emit *e, const char *key, bool inl) {
+  if (e->json)
+    jw_open(&e->w, key, '[', inl);
+}
+static void e_arr_end(emit *e) {
+  if (e->json)
+    jw_arr_end(&e->w);
+}
+static void e_str(emit *e, const char *key, const char *s) {
+  if (e->json)
+    jw_str(&e->w, key, s);
+}
+static void e_int(emit *e, const char *key, long long v) {
+  if (e->json)
+    jw_int(&e->w, key, v);
+}
+static void e_bool(emit *e, const char *key, bool b) {
+  if (e->json)
+    jw_bool(&e->w, key, b);
+}
+static void e_opt_int(emit *e, const char *key, bool have, long long v) {
+  if (e->json)
+    jw_opt_int(&e->w, key, have, v);
+}
+static void e_opt_bool(emit *e, const char *key, bool have, bool v) {
+  if (e->json)
+    jw_opt_bool(&e->w, key, have, v);
+}
 
-  jw_obj(&w, "driver");
-  jw_bool(&w, "loaded", r->loaded);
-  jw_bool(&w, "initialized", r->initialized);
-  jw_str(&w, "error", r->driver_error[0] ? r->driver_error : NULL);
-  jw_str(&w, "library", r->library);
-  jw_str(&w, "path", r->have_driver_path ? r->driver_path : NULL);
-  jw_opt_int(&w, "version", r->have_version, r->version);
-  if (r->have_version) {
-    char cv[32];
-    snprintf(cv, sizeof cv, "%d.%d", r->version / 1000, (r->version % 1000) / 10);
-    jw_str(&w, "cuda_version", cv);
-  } else {
-    jw_null(&w, "cuda_version");
+/* A section: a JSON object under key and a human title. */
+static void b_section(emit *e, const char *key, const char *title) {
+  e_obj(e, key);
+  h_title(e, "%s", title);
+}
+
+/* A string both show: JSON s (null when NULL), human s or `missing`. */
+static void b_str(emit *e, const char *key, const char *label, const char *s,
+                  const char *missing) {
+  e_str(e, key, s);
+  h_line(e, label, "%s", s ? s : missing);
+}
+
+/* A driver attribute both show: number or boolean, null or "unknown"
+ * when its query failed. */
+static void b_attr(emit *e, const doc_device *d, enum doc_attr a) {
+  char buf[32];
+  if (attr_info[a].boolean)
+    e_opt_bool(e, attr_info[a].key, d->have_attr[a], d->attr[a] != 0);
+  else
+    e_opt_int(e, attr_info[a].key, d->have_attr[a], d->attr[a]);
+  if (attr_info[a].label)
+    h_line(e, attr_info[a].label, "%s", attr_text(d, a, buf, sizeof buf));
+}
+
+static void report_system(emit *e, const doc_report *r) {
+  b_section(e, "system", "System");
+  e_str(e, "os", r->os);
+  h_line(e, "OS", "%s %s%s", r->os, r->machine,
+         r->is_linux ? "" : " (CUDA IPC needs Linux)");
+  e_str(e, "machine", r->have_uname ? r->machine : NULL);
+  e_bool(e, "linux", r->is_linux);
+  e_bool(e, "process_64bit", r->is_64bit);
+  h_line(e, "64-bit process", "%s", yn(r->is_64bit));
+  e_str(e, "kernel", r->have_uname ? r->kernel : NULL);
+  e_bool(e, "kernel_ok", r->kernel_ok);
+  h_line(e, "kernel", "%s (2.6.18 or later: %s)",
+         r->have_uname ? r->kernel : "unknown", yn(r->kernel_ok));
+  e_obj_end(e);
+}
+
+static void report_driver(emit *e, const doc_report *r) {
+  b_section(e, "driver", "Driver");
+  e_bool(e, "loaded", r->loaded);
+  e_bool(e, "initialized", r->initialized);
+  e_str(e, "error", r->driver_error[0] ? r->driver_error : NULL);
+  b_str(e, "library", "library", r->library, "");
+  e_str(e, "path", r->have_driver_path ? r->driver_path : NULL);
+  if (r->have_driver_path && strcmp(r->driver_path, r->library) != 0)
+    h_line(e, "loaded from", "%s", r->driver_path);
+  if (!r->loaded)
+    h_line(e, "status", "not loaded: %s", r->driver_error);
+  e_opt_int(e, "version", r->have_version, r->version);
+  char cv[32];
+  snprintf(cv, sizeof cv, "%d.%d", r->version / 1000, (r->version % 1000) / 10);
+  e_str(e, "cuda_version", r->have_version ? cv : NULL);
+  if (r->loaded) {
+    if (r->have_version)
+      h_line(e, "version", "%d (supports CUDA %s)", r->version, cv);
+    else
+      h_line(e, "version", "unknown (cuDriverGetVersion failed)");
+    if (r->driver_error[0])
+      h_line(e, "status", "unusable: %s", r->driver_error);
   }
-  jw_str(&w, "kernel_module_version", r->have_kmod_version ? r->kmod_version : NULL);
-  jw_str(&w, "cuda_visible_devices", r->visible_devices);
-  jw_int(&w, "device_count", r->device_count);
-  jw_str(&w, "devices_error", r->devices_error[0] ? r->devices_error : NULL);
-  jw_obj_end(&w);
+  e_str(e, "kernel_module_version", r->have_kmod_version ? r->kmod_version : NULL);
+  if (r->have_kmod_version)
+    h_line(e, "NVIDIA kernel module", "%s", r->kmod_version);
+  b_str(e, "cuda_visible_devices", "CUDA_VISIBLE_DEVICES", r->visible_devices,
+        "(unset)");
+  e_int(e, "device_count", r->device_count);
+  if (r->loaded && !r->driver_error[0])
+    h_line(e, "devices", "%d%s", r->device_count_reported,
+           r->device_count_reported > r->device_count ? " (only the first 64 examined)"
+                                                      : "");
+  e_str(e, "devices_error", r->devices_error[0] ? r->devices_error : NULL);
+  e_obj_end(e);
+  if (r->device_count == 0) {
+    h_title(e, "Devices");
+    h_line(e, "none", "%s", r->devices_error[0] ? r->devices_error
+                            : r->loaded        ? "the driver is not usable"
+                                               : "no CUDA driver");
+  }
+}
 
-  jw_arr(&w, "devices");
-  for (int i = 0; i < r->device_count; i++) {
-    const doc_device *d = &r->dev[i];
-    jw_obj(&w, NULL);
-    jw_int(&w, "ordinal", i);
-    jw_str(&w, "name", d->have_name ? d->name : NULL);
-    jw_str(&w, "uuid", d->have_uuid ? d->uuid : NULL);
-    jw_str(&w, "pci_bus_id", d->have_pci ? d->pci : NULL);
-    if (d->have_attr[A_CC_MAJOR] && d->have_attr[A_CC_MINOR]) {
-      char cc[32];
-      snprintf(cc, sizeof cc, "%d.%d", d->attr[A_CC_MAJOR], d->attr[A_CC_MINOR]);
-      jw_str(&w, "compute_capability", cc);
-    } else {
-      jw_null(&w, "compute_capability");
+static void report_device(emit *e, const doc_report *r, int i) {
+  const doc_device *d = &r->dev[i];
+  e_obj(e, NULL);
+  e_int(e, "ordinal", i);
+  e_str(e, "name", d->have_name ? d->name : NULL);
+  h_title(e, "Device %d: %s", i, d->have_name ? d->name : "(name unknown)");
+  if (!d->ok && !e->json) {
+    h_line(e, "error", "%s", d->errors);
+    return;
+  }
+  b_str(e, "uuid", "UUID", d->have_uuid ? d->uuid : NULL, "unknown");
+  b_str(e, "pci_bus_id", "PCI bus id", d->have_pci ? d->pci : NULL, "unknown");
+  char cc[32];
+  bool have_cc = d->have_attr[A_CC_MAJOR] && d->have_attr[A_CC_MINOR];
+  snprintf(cc, sizeof cc, "%d.%d", d->attr[A_CC_MAJOR], d->attr[A_CC_MINOR]);
+  b_str(e, "compute_capability", "compute capability", have_cc ? cc : NULL, "unknown");
+  e_opt_int(e, "total_memory", d->have_mem, (long long)d->total_mem);
+  if (d->have_mem)
+    h_line(e, "total memory", "%.1f GiB (%zu bytes)",
+           (double)d->total_mem / (1024.0 * 1024.0 * 1024.0), d->total_mem);
+  else
+    h_line(e, "total memory", "unknown");
+  for (int a = 0; a < A_COUNT; a++) {
+    if (a == A_MEMOPS64) {
+      bool memops32 = r->have_version && r->version >= 12000;
+      e_bool(e, "stream_memops_32bit", memops32);
+      h_line(e, "stream memops 32-bit", "%s", yn(memops32));
     }
-    jw_opt_int(&w, "total_memory", d->have_mem, (long long)d->total_mem);
-    for (int a = 0; a < A_COUNT; a++) {
-      if (a == A_MEMOPS64)
-        jw_bool(&w, "stream_memops_32bit", r->have_version && r->version >= 12000);
-      if (attr_info[a].boolean)
-        jw_opt_bool(&w, attr_info[a].key, d->have_attr[a], d->attr[a] != 0);
-      else
-        jw_opt_int(&w, attr_info[a].key, d->have_attr[a], d->attr[a]);
-      if (a == A_MEMPOOL_TYPES) {
-        if (d->have_attr[a]) {
-          jw_arr_inline(&w, "mempool_handle_types");
-          for (size_t k = 0; k < GPUIPC__ARRAY_SIZE(handle_types); k++)
-            if (d->attr[a] & handle_types[k].bit)
-              jw_str(&w, NULL, handle_types[k].name);
-          jw_arr_end(&w);
-        } else {
-          jw_null(&w, "mempool_handle_types");
-        }
+    b_attr(e, d, (enum doc_attr)a);
+    if (a == A_MEMPOOL_TYPES) {
+      char buf[256];
+      if (d->have_attr[a]) {
+        e_arr(e, "mempool_handle_types", true);
+        for (size_t k = 0; k < GPUIPC__ARRAY_SIZE(handle_types); k++)
+          if (d->attr[a] & handle_types[k].bit)
+            e_str(e, NULL, handle_types[k].name);
+        e_arr_end(e);
+        handle_types_text(d->attr[a], buf, sizeof buf);
+        h_line(e, "pool handle types", "%s", buf);
+      } else {
+        e_str(e, "mempool_handle_types", NULL);
+        h_line(e, "pool handle types", "unknown (query failed)");
       }
     }
-    jw_str(&w, "errors", d->errors[0] ? d->errors : NULL);
-    jw_obj_end(&w);
   }
-  jw_arr_end(&w);
+  e_str(e, "errors", d->errors[0] ? d->errors : NULL);
+  if (d->errors[0])
+    h_line(e, "failed queries", "%s", d->errors);
+  e_obj_end(e);
+}
 
-  jw_obj(&w, "peers");
-  json_peer_matrix(&w, r, "can_access_peer", 0);
-  json_peer_matrix(&w, r, "access_supported", 1);
-  json_peer_matrix(&w, r, "performance_rank", 2);
-  json_peer_matrix(&w, r, "native_atomic", 3);
-  jw_obj_end(&w);
+/* The JSON's matrix of one peer attribute (which: 0 can access, 1 access
+ * supported, 2 performance rank, 3 native atomics), null on the diagonal
+ * and where the query failed. */
+static void json_peer_matrix(emit *e, const doc_report *r, const char *key, int which) {
+  e_arr(e, key, false);
+  for (int i = 0; i < r->device_count; i++) {
+    e_arr(e, NULL, true);
+    for (int j = 0; j < r->device_count; j++) {
+      const doc_peer *p = &r->peer[i][j];
+      if (i == j)
+        e_str(e, NULL, NULL);
+      else if (which == 0)
+        e_opt_bool(e, NULL, p->have_can_access, p->can_access != 0);
+      else if (which == 1)
+        e_opt_bool(e, NULL, p->have_access_supported, p->access_supported != 0);
+      else if (which == 2)
+        e_opt_int(e, NULL, p->have_perf_rank, p->perf_rank);
+      else
+        e_opt_bool(e, NULL, p->have_native_atomic, p->native_atomic != 0);
+    }
+    e_arr_end(e);
+  }
+  e_arr_end(e);
+}
 
-  jw_obj(&w, "process");
-  jw_int(&w, "uid", (long long)r->euid);
-  jw_obj(&w, "pidfd_getfd");
-  jw_bool(&w, "available", r->pidfd_available);
-  jw_str(&w, "failed_call", r->pidfd_available ? NULL : r->pidfd_call);
-  jw_int(&w, "errno", r->pidfd_available ? 0 : r->pidfd_errno);
-  jw_str(&w, "errno_name", r->pidfd_available ? NULL : errno_name(r->pidfd_errno));
-  jw_obj_end(&w);
-  jw_obj(&w, "ptrace");
-  jw_bool(&w, "yama", r->yama);
-  jw_opt_int(&w, "scope", r->yama && r->ptrace_scope >= 0, r->ptrace_scope);
-  jw_str(&w, "meaning", ptrace_meaning(r));
-  jw_obj_end(&w);
-  jw_obj(&w, "runtime_dir");
-  jw_str(&w, "path", r->rt_path);
-  jw_str(&w, "source", r->rt_source);
-  jw_str(&w, "xdg_problem", r->rt_xdg_problem[0] ? r->rt_xdg_problem : NULL);
-  jw_bool(&w, "exists", r->rt_exists);
-  jw_opt_int(&w, "owner_uid", r->rt_have_stat, (long long)r->rt_owner);
-  if (r->rt_have_stat) {
-    char mode[16];
-    snprintf(mode, sizeof mode, "%04o", r->rt_mode);
-    jw_str(&w, "mode", mode);
+static void report_peers(emit *e, const doc_report *r) {
+  e_obj(e, "peers");
+  json_peer_matrix(e, r, "can_access_peer", 0);
+  json_peer_matrix(e, r, "access_supported", 1);
+  json_peer_matrix(e, r, "performance_rank", 2);
+  json_peer_matrix(e, r, "native_atomic", 3);
+  e_obj_end(e);
+  if (e->json || r->device_count == 0)
+    return;
+  h_title(e, "Peers (from -> to: can the first device access the second's memory)");
+  if (r->device_count == 1) {
+    fprintf(e->f, "  one device: no pairs\n");
+    return;
+  }
+  fprintf(e->f, "  %-8s %-16s %-16s %-17s %s\n", "pair", "can access peer",
+          "P2P supported", "performance rank", "native atomics");
+  for (int i = 0; i < r->device_count; i++)
+    for (int j = 0; j < r->device_count; j++) {
+      if (i == j)
+        continue;
+      const doc_peer *p = &r->peer[i][j];
+      char pair[32], rank[16];
+      snprintf(pair, sizeof pair, "%d -> %d", i, j);
+      if (p->have_perf_rank)
+        snprintf(rank, sizeof rank, "%d", p->perf_rank);
+      else
+        snprintf(rank, sizeof rank, "?");
+      fprintf(e->f, "  %-8s %-16s %-16s %-17s %s\n", pair,
+              p->have_can_access ? yn(p->can_access) : "?",
+              p->have_access_supported ? yn(p->access_supported) : "?", rank,
+              p->have_native_atomic ? yn(p->native_atomic) : "?");
+    }
+}
+
+static void limit_text(long long v, char *buf, size_t cap) {
+  if (v < 0)
+    snprintf(buf, cap, "unlimited");
+  else
+    snprintf(buf, cap, "%lld", v);
+}
+
+static void report_process(emit *e, const doc_report *r) {
+  b_section(e, "process", "Process");
+  e_int(e, "uid", (long long)r->euid);
+  e_obj(e, "pidfd_getfd");
+  e_bool(e, "available", r->pidfd_available);
+  e_str(e, "failed_call", r->pidfd_available ? NULL : r->pidfd_call);
+  e_int(e, "errno", r->pidfd_available ? 0 : r->pidfd_errno);
+  e_str(e, "errno_name", r->pidfd_available ? NULL : errno_name(r->pidfd_errno));
+  e_obj_end(e);
+  if (r->pidfd_available)
+    h_line(e, "pidfd_getfd", "yes");
+  else
+    h_line(e, "pidfd_getfd", "no (%s: %s, %s)", r->pidfd_call,
+           errno_name(r->pidfd_errno), strerror(r->pidfd_errno));
+  e_obj(e, "ptrace");
+  e_bool(e, "yama", r->yama);
+  e_opt_int(e, "scope", r->yama && r->ptrace_scope >= 0, r->ptrace_scope);
+  e_str(e, "meaning", ptrace_meaning(r));
+  e_obj_end(e);
+  if (r->yama)
+    h_line(e, "ptrace policy", "Yama ptrace_scope %d (%s)", r->ptrace_scope,
+           ptrace_meaning(r));
+  else
+    h_line(e, "ptrace policy", "%s", ptrace_meaning(r));
+  e_obj(e, "runtime_dir");
+  e_str(e, "path", r->rt_path);
+  e_str(e, "source", r->rt_source);
+  e_str(e, "xdg_problem", r->rt_xdg_problem[0] ? r->rt_xdg_problem : NULL);
+  e_bool(e, "exists", r->rt_exists);
+  e_opt_int(e, "owner_uid", r->rt_have_stat, (long long)r->rt_owner);
+  char mode[16];
+  snprintf(mode, sizeof mode, "%04o", r->rt_mode);
+  e_str(e, "mode", r->rt_have_stat ? mode : NULL);
+  e_bool(e, "safe", r->rt_safe);
+  e_str(e, "detail", r->rt_detail);
+  e_obj_end(e);
+  h_line(e, "runtime directory", "%s (%s)", r->rt_path,
+         strcmp(r->rt_source, "fallback") == 0 ? r->rt_xdg_problem
+                                               : "from XDG_RUNTIME_DIR");
+  if (r->rt_have_stat)
+    h_line(e, "", "owner uid %u, mode %s", (unsigned)r->rt_owner, mode);
+  h_line(e, "", "%s", r->rt_detail);
+  e_obj(e, "nofile");
+  e_opt_int(e, "soft", r->have_nofile, r->nofile_soft);
+  e_opt_int(e, "hard", r->have_nofile, r->nofile_hard);
+  e_obj_end(e);
+  if (r->have_nofile) {
+    char soft[32], hard[32];
+    limit_text(r->nofile_soft, soft, sizeof soft);
+    limit_text(r->nofile_hard, hard, sizeof hard);
+    h_line(e, "open-file limit", "%s soft, %s hard", soft, hard);
   } else {
-    jw_null(&w, "mode");
+    h_line(e, "open-file limit", "unknown");
   }
-  jw_bool(&w, "safe", r->rt_safe);
-  jw_str(&w, "detail", r->rt_detail);
-  jw_obj_end(&w);
-  jw_obj(&w, "nofile");
-  jw_opt_int(&w, "soft", r->have_nofile, r->nofile_soft);
-  jw_opt_int(&w, "hard", r->have_nofile, r->nofile_hard);
-  jw_obj_end(&w);
-  jw_obj_end(&w);
+  e_obj_end(e);
+}
 
-  jw_obj(&w, "container");
-  jw_bool(&w, "in_container", r->in_container);
-  jw_str(&w, "why", r->container_why);
-  jw_str(&w, "runtime", r->runtime[0] ? r->runtime : NULL);
-  jw_str(&w, "cgroup", r->cgroup[0] ? r->cgroup : NULL);
-  jw_obj(&w, "namespaces");
+static void report_containers(emit *e, const doc_report *r) {
+  b_section(e, "container", "Containers");
+  e_bool(e, "in_container", r->in_container);
+  e_str(e, "why", r->container_why);
+  h_line(e, "in a container", "%s%s", r->in_container ? "yes: " : "", r->container_why);
+  e_str(e, "runtime", r->runtime[0] ? r->runtime : NULL);
+  e_str(e, "cgroup", r->cgroup[0] ? r->cgroup : NULL);
+  e_obj(e, "namespaces");
   for (int i = 0; i < NS_COUNT; i++) {
     const doc_ns *n = &r->ns[i];
-    jw_obj(&w, ns_info[i].name);
-    jw_opt_int(&w, "inode", n->have_self, (long long)n->self);
-    jw_opt_int(&w, "pid1_inode", n->have_pid1, (long long)n->pid1);
-    if (ns_info[i].init_ino != 0 && n->have_self)
-      jw_bool(&w, "initial", n->self == ns_info[i].init_ino);
+    bool known = ns_info[i].init_ino != 0 && n->have_self;
+    e_obj(e, ns_info[i].name);
+    e_opt_int(e, "inode", n->have_self, (long long)n->self);
+    e_opt_int(e, "pid1_inode", n->have_pid1, (long long)n->pid1);
+    e_opt_bool(e, "initial", known, n->self == ns_info[i].init_ino);
+    e_bool(e, "own", n->own);
+    e_obj_end(e);
+    char label[32], pid1[64];
+    snprintf(label, sizeof label, "%s namespace", ns_info[i].name);
+    if (!n->have_self) {
+      h_line(e, label, "unknown (/proc/self/ns/%s unreadable)", ns_info[i].name);
+      continue;
+    }
+    if (n->have_pid1)
+      snprintf(pid1, sizeof pid1, "pid 1's %s", n->pid1 == n->self ? "the same" : "differs");
     else
-      jw_null(&w, "initial");
-    jw_bool(&w, "own", n->own);
-    jw_obj_end(&w);
+      snprintf(pid1, sizeof pid1, "pid 1's unreadable");
+    h_line(e, label, "%llu (%s%s)", n->self,
+           !known ? "" : n->self == ns_info[i].init_ino ? "the machine's, " : "its own, ",
+           pid1);
   }
-  jw_obj_end(&w);
-  jw_bool(&w, "peer_pidfd", r->peer_pidfd);
-  jw_obj(&w, "with_peer_in_another_container");
+  e_obj_end(e);
+  h_line(e, "cgroup", "%s", r->cgroup[0] ? r->cgroup : "unknown");
+  e_bool(e, "peer_pidfd", r->peer_pidfd);
+  h_line(e, "peer pidfd", "%s",
+         r->peer_pidfd ? "yes (SO_PEERPIDFD)" : "no (SO_PEERPIDFD needs Linux 6.5)");
+  e_obj(e, "with_peer_in_another_container");
+  h_line(e, "another container", "with a peer there (its own pid, IPC and mount "
+         "namespaces, only the socket directory shared):");
   for (int k = 0; k < XC_COUNT; k++) {
-    jw_obj(&w, xc_info[k].key);
-    jw_bool(&w, "works", r->xc[k].works);
-    jw_str(&w, "why", r->xc[k].why);
-    jw_obj_end(&w);
+    e_obj(e, xc_info[k].key);
+    e_bool(e, "works", r->xc[k].works);
+    e_str(e, "why", r->xc[k].why);
+    e_obj_end(e);
+    h_line(e, xc_info[k].label, "%s: %s", r->xc[k].works ? "works" : "no", r->xc[k].why);
   }
-  jw_obj_end(&w);
-  jw_obj_end(&w);
+  e_obj_end(e);
+  e_obj_end(e);
+}
 
-  jw_obj(&w, "mechanisms");
+static void report_environment(emit *e, const doc_report *r) {
+  e_arr(e, "environment", false);
+  h_title(e, "Environment (docs/environment.md)");
+  for (size_t i = 0; i < r->env_count; i++) {
+    gpuipc__param *p = r->env[i];
+    const char *v = gpuipc__param_get(p);
+    e_obj(e, NULL);
+    e_str(e, "name", p->name);
+    e_str(e, "value", v);
+    e_str(e, "default", p->dflt);
+    e_str(e, "read", param_when(p));
+    e_str(e, "what", p->what);
+    e_obj_end(e);
+    if (v)
+      h_line(e, p->name, "%s", v);
+    else if (p->dflt)
+      h_line(e, p->name, "unset (%s)", p->dflt);
+    else
+      h_line(e, p->name, "unset");
+  }
+  e_arr_end(e);
+}
+
+static void report_mechanisms(emit *e, const doc_report *r) {
+  b_section(e, "mechanisms", "Mechanisms");
   for (int m = 0; m < M_COUNT; m++) {
     const doc_verdict *v = &r->verdict[m];
-    jw_obj(&w, mech_info[m].key);
-    jw_bool(&w, "usable", v->usable);
-    jw_str(&w, "reason", v->usable ? NULL : v->reason);
+    e_obj(e, mech_info[m].key);
+    e_bool(e, "usable", v->usable);
+    e_str(e, "reason", v->usable ? NULL : v->reason);
+    if (!v->usable)
+      h_line(e, mech_info[m].label, "%s%s",
+             strncmp(v->reason, "not applicable", 14) == 0 ? "" : "not usable: ",
+             v->reason);
+    char where[256] = "";
+    int k = 0;
     if (m == M_PEER) {
-      jw_arr_inline(&w, "pairs");
+      e_arr(e, "pairs", true);
       for (int i = 0; i < r->device_count; i++)
         for (int j = 0; j < r->device_count; j++)
           if (i != j && r->peer[i][j].can_access && r->peer[j][i].can_access) {
-            jw_arr_inline(&w, NULL);
-            jw_int(&w, NULL, i);
-            jw_int(&w, NULL, j);
-            jw_arr_end(&w);
+            e_arr(e, NULL, true);
+            e_int(e, NULL, i);
+            e_int(e, NULL, j);
+            e_arr_end(e);
+            if (i < j)
+              append(where, sizeof where, "%s%d<->%d", where[0] ? ", " : "", i, j);
           }
-      jw_arr_end(&w);
+      e_arr_end(e);
+      if (v->usable)
+        h_line(e, mech_info[m].label, "usable (pairs %s)", where);
     } else {
-      jw_arr_inline(&w, "devices");
+      e_arr(e, "devices", true);
       for (int i = 0; i < r->device_count; i++)
-        if (v->on_device[i])
-          jw_int(&w, NULL, i);
-      jw_arr_end(&w);
+        if (v->on_device[i]) {
+          e_int(e, NULL, i);
+          append(where, sizeof where, "%s%d", where[0] ? ", " : "", i);
+          k++;
+        }
+      e_arr_end(e);
+      if (v->usable)
+        h_line(e, mech_info[m].label, "usable (device%s %s)", k == 1 ? "" : "s", where);
     }
-    jw_obj_end(&w);
+    e_obj_end(e);
   }
-  jw_obj_end(&w);
+  e_obj_end(e);
+}
 
-  jw_int(&w, "usable_mechanisms", r->usable_count);
-  jw_int(&w, "exit_status", r->exit_status);
-  jw_obj_end(&w);
+/* The whole report, as text (json false) or as one JSON object. */
+static void report(FILE *out, const doc_report *r, bool json) {
+  emit e = {.f = out, .json = json, .w = {.f = out}};
+  e_obj(&e, NULL);
+  e_str(&e, "gpuipc_version", gpuipc_version_string());
+  if (!json)
+    fprintf(out, "gpuipc doctor %s: can this machine share GPU memory between "
+                 "processes?\n",
+            gpuipc_version_string());
+  report_system(&e, r);
+  report_driver(&e, r);
+  e_arr(&e, "devices", false);
+  for (int i = 0; i < r->device_count; i++)
+    report_device(&e, r, i);
+  e_arr_end(&e);
+  report_peers(&e, r);
+  report_process(&e, r);
+  report_containers(&e, r);
+  report_environment(&e, r);
+  report_mechanisms(&e, r);
+  e_int(&e, "usable_mechanisms", r->usable_count);
+  e_int(&e, "exit_status", r->exit_status);
+  e_obj_end(&e);
+  if (json) {
+    fputc('\n', out);
+    return;
+  }
   fputc('\n', out);
+  if (r->exit_status == 2)
+    fprintf(out, "Result: no usable CUDA driver (exit 2)\n");
+  else if (r->exit_status == 1)
+    fprintf(out, "Result: no sharing mechanism is usable (exit 1)\n");
+  else
+    fprintf(out, "Result: %d of %d mechanisms usable (exit 0)\n", r->usable_count, M_COUNT);
 }
 
 /* ---- the command ---------------------------------------------------------------- */
@@ -1583,13 +1688,11 @@ int gpuipc_cmd_doctor(int argc, char **argv) {
   gather_system(r);
   gather_process(r);
   gather_driver(r);
+  gather_environment(r);
   decide(r);
   decide_cross_container(r);
   if (!quiet) {
-    if (json)
-      print_json(stdout, r);
-    else
-      print_human(stdout, r);
+    report(stdout, r, json);
     fflush(stdout);
   }
   int status = r->exit_status;

@@ -44,7 +44,10 @@ static int g_ready;
 static const XApi *g_api;
 static PyObject *g_from_dlpack, *g_raw_stream, *g_get_device;
 
-/* The exchange API of torch.Tensor, or NULL (no exception). */
+/* The exchange API of torch.Tensor, or NULL (no exception). The extension
+ * sees only the public API, so it reads its one variable itself (the
+ * library's are GPUIPC__PARAM declarations); docs/environment.md lists it
+ * with the others, and tools/check-env keeps it there. */
 static const XApi *find_api(PyObject *torch) {
   const char *env = getenv("GPUIPC_TORCH_EXCHANGE");
   if (env && !strcmp(env, "0")) return NULL;

@@ -75,12 +75,16 @@ struct gpuipc__hs {
 };
 typedef gpuipc__hs hs;
 
+GPUIPC__PARAM(carrier, "GPUIPC_CARRIER", GPUIPC__PARAM_EACH_USE, "auto",
+              "what carries the frames of a connection whose carrier option is "
+              "AUTO: auto, socket or ring; anything else fails the connection")
+
 /* What this side offers: the options' carrier, or for AUTO the
  * environment's GPUIPC_CARRIER (auto, socket or ring). */
 static gpuipc_status ring_wanted(const gpuipc_conn_options *o, int *out) {
   int carrier = o->carrier;
   if (carrier == GPUIPC_CARRIER_AUTO) {
-    const char *e = gpuipc__getenv("GPUIPC_CARRIER");
+    const char *e = param_carrier();
     if (e == NULL || *e == '\0' || strcmp(e, "auto") == 0)
       carrier = GPUIPC_CARRIER_AUTO;
     else if (strcmp(e, "socket") == 0)

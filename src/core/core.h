@@ -140,11 +140,9 @@ gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
 
 /* ---- environment (env.c) ------------------------------------------------ */
 
-/* getenv() behind one name, so that every variable gpuipc reads is found by
- * searching for it. It does not cache: each variable's user reads it once
- * and keeps the value (one cached getter per variable, beside its user,
- * e.g. the log level in log.c); the README lists them all. */
-const char *gpuipc__getenv(const char *name);
+/* Every environment variable gpuipc reads is a parameter declared with
+ * GPUIPC__PARAM beside its use (param.h); nothing else calls getenv(). */
+#include "param.h"
 
 /* ---- sockets (sock.c) ------------------------------------------------------ */
 

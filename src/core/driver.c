@@ -1,8 +1,9 @@
 /*
  * driver.c: owns the CUDA driver library: loading it at run time (dlopen +
- * cuGetProcAddress), the entry-point table, cuInit, the fork guard, the
- * translation of CUresult into gpuipc statuses, and the cache of retained
- * primary contexts.
+ * cuGetProcAddress; which library, GPUIPC_CUDA_DRIVER), the entry-point
+ * table, cuInit, the fork guard, the translation of CUresult into gpuipc
+ * statuses, the cache of retained primary contexts, and the context guard
+ * that makes one current and restores the caller's.
  */
 #include "core_int.h"
 #include "stats.h"
@@ -36,8 +37,13 @@ static void atfork_child(void) {
     atomic_store(&forked_after_init, 1);
 }
 
+GPUIPC__PARAM(cuda_driver, "GPUIPC_CUDA_DRIVER", GPUIPC__PARAM_EACH_USE,
+              "libcuda.so.1",
+              "the CUDA driver library to load instead (the tests' emulator, a "
+              "forward-compatibility driver); read when the driver is loaded")
+
 const char *gpuipc_driver_path(void) {
-  const char *p = gpuipc__getenv("GPUIPC_CUDA_DRIVER");
+  const char *p = param_cuda_driver();
   return (p && *p) ? p : "libcuda.so.1";
 }
 

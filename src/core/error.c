@@ -1,9 +1,10 @@
 /*
  * error.c: owns status codes and their strings (generated from
- * GPUIPC_STATUS_MAP), and the per-thread record of the last failure (a
- * formatted message, or two constant strings joined only when
- * gpuipc_last_error() asks, for failures a polling loop meets at every
- * turn).
+ * GPUIPC_STATUS_MAP), the translation of errno values into statuses, and
+ * the per-thread record of the last failure (a formatted message, or two
+ * constant strings joined only when gpuipc_last_error() asks, for failures
+ * a polling loop meets at every turn; with the CUresult and errno behind
+ * it).
  */
 #include "core_int.h"
 

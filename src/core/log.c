@@ -1,6 +1,7 @@
 /*
- * log.c: owns the logger. The level comes from GPUIPC_LOG (read once), the
- * destination from GPUIPC_LOG_FILE ("%p" becomes the pid; default stderr).
+ * log.c: owns the logger. The level comes from GPUIPC_LOG, the destination
+ * from GPUIPC_LOG_FILE ("%p" becomes the pid, "%h" the host name; default
+ * stderr), each read once (parameters declared below).
  * GPUIPC_LOG_SUBSYS (read once) selects the modules whose INFO, DEBUG
  * and TRACE lines are written, as NCCL_DEBUG_SUBSYS does: a comma-separated
  * list of module names ("all": every one), or, starting with '^', the
@@ -29,6 +30,15 @@ static char hostname[64];
 static const char *const level_names[] = {"OFF",  "ERROR", "WARN",
                                           "INFO", "DEBUG", "TRACE"};
 
+GPUIPC__PARAM(log_level, "GPUIPC_LOG", GPUIPC__PARAM_ONCE, "warn",
+              "log level: off (or none), error, warn, info, debug, trace; "
+              "anything else is warn")
+GPUIPC__PARAM(log_subsys, "GPUIPC_LOG_SUBSYS", GPUIPC__PARAM_ONCE, "all",
+              "modules whose info, debug and trace lines are written: "
+              "comma-separated names or all; ^ first: the modules to leave out")
+GPUIPC__PARAM(log_file, "GPUIPC_LOG_FILE", GPUIPC__PARAM_ONCE, "stderr",
+              "the log file; %p becomes the pid, %h the host name")
+
 /* GPUIPC_LOG_SUBSYS, parsed once (under log_lock). */
 static bool subsys_read;
 static bool subsys_exclude; /* the list names the modules not to write */
@@ -36,7 +46,7 @@ static char subsys_list[256]; /* ",name,name," lower case; "" none given */
 
 static void subsys_parse(void) {
   subsys_read = true;
-  const char *e = gpuipc__getenv("GPUIPC_LOG_SUBSYS");
+  const char *e = param_log_subsys();
   if (e == NULL)
     return;
   while (*e == ' ')
@@ -94,7 +104,7 @@ int gpuipc__log_level_get(void) {
   int l = atomic_load_explicit(&level_cache, memory_order_relaxed);
   if (GPUIPC__LIKELY(l >= 0))
     return l;
-  l = parse_level(getenv("GPUIPC_LOG"));
+  l = parse_level(param_log_level());
   int expected = -1;
   atomic_compare_exchange_strong(&level_cache, &expected, l);
   return atomic_load(&level_cache);
@@ -142,7 +152,7 @@ static int log_target(void) {
     if (dot)
       *dot = '\0';
   }
-  const char *tmpl = getenv("GPUIPC_LOG_FILE");
+  const char *tmpl = param_log_file();
   if (tmpl == NULL || *tmpl == '\0')
     return STDERR_FILENO;
   pid_t pid = getpid();

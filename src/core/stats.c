@@ -75,8 +75,12 @@ static void fill_header(gpuipc__stats_seg *s, uint64_t start) {
   read_command(s->command, sizeof s->command);
 }
 
+GPUIPC__PARAM(stats, "GPUIPC_STATS", GPUIPC__PARAM_ONCE, "1",
+              "0: the counters gpuipc ls shows stay in private memory (no file "
+              "in the runtime directory)")
+
 static gpuipc__stats_seg *make_segment(void) {
-  const char *env = gpuipc__getenv("GPUIPC_STATS");
+  const char *env = param_stats();
   if (env && strcmp(env, "0") == 0)
     return NULL;
   char dir[200], path[300];

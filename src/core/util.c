@@ -1,9 +1,10 @@
 /*
  * util.c: owns small process-level facts and helpers that several layers
- * need: the monotonic clock, the boot id, the pid
- * namespace, the one parser of /proc/<pid>/stat (state, start time),
- * option-struct copying, the version functions, the default runtime
- * directory.
+ * need: the monotonic clock, the boot id, the pid namespace (this
+ * process's and another's), the one parser of /proc/<pid>/stat (state,
+ * start time), option-struct copying, the version functions, and the
+ * runtime directory: the default one (XDG_RUNTIME_DIR, else
+ * /tmp/gpuipc-<uid>) and the checks that make it private (ours, 0700).
  */
 #include "core_int.h"
 
@@ -140,9 +141,14 @@ gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
   return GPUIPC_OK;
 }
 
+GPUIPC__PARAM(xdg_runtime_dir, "XDG_RUNTIME_DIR", GPUIPC__PARAM_EACH_USE,
+              "/tmp/gpuipc-<uid>",
+              "sockets and stats segments live in $XDG_RUNTIME_DIR/gpuipc when "
+              "it is a usable directory of this user")
+
 void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
                                  size_t why_cap, bool *from_xdg) {
-  const char *xdg = gpuipc__getenv("XDG_RUNTIME_DIR");
+  const char *xdg = param_xdg_runtime_dir();
   char scratch[256];
   if (why == NULL) {
     why = scratch;

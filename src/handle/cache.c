@@ -123,15 +123,21 @@ static bool reaper_started;
 static pthread_cond_t reaper_cond;
 static pthread_once_t reaper_once = PTHREAD_ONCE_INIT;
 
-static long env_long(const char *name, long dflt) {
-  const char *e = gpuipc__getenv(name);
+GPUIPC__PARAM(linger_ms, "GPUIPC_IMPORT_LINGER_MS", GPUIPC__PARAM_ONCE, "100",
+              "milliseconds the import cache keeps a mapping after its last "
+              "close (0: close at the last close)")
+GPUIPC__PARAM(linger_max, "GPUIPC_IMPORT_LINGER_MAX", GPUIPC__PARAM_ONCE, "64",
+              "at most this many idle mappings are kept (0: no linger)")
+
+static long env_long(gpuipc__param *p, long dflt) {
+  const char *e = gpuipc__param_get(p);
   if (e == NULL || *e == 0)
     return dflt;
   char *end = NULL;
   long v = strtol(e, &end, 10);
   if (*end != 0 || v < 0 || v > 86400000L) {
     GPUIPC__WARN("handle", "%s=%s: not a count from 0 to 86400000; using %ld",
-                 name, e, dflt);
+                 p->name, e, dflt);
     return dflt;
   }
   return v;
@@ -140,9 +146,9 @@ static long env_long(const char *name, long dflt) {
 /* Caller holds cache_lock. */
 static void linger_read_locked(void) {
   if (linger_ms < 0)
-    linger_ms = env_long("GPUIPC_IMPORT_LINGER_MS", 100);
+    linger_ms = env_long(&gpuipc__param_linger_ms, 100);
   if (linger_max < 0)
-    linger_max = env_long("GPUIPC_IMPORT_LINGER_MAX", 64);
+    linger_max = env_long(&gpuipc__param_linger_max, 64);
 }
 
 static uint64_t cache_now(void) {

@@ -57,6 +57,11 @@ static void free_g(gpuipc_mpi *g) {
   free(g);
 }
 
+GPUIPC__PARAM(mpi_simulate, "GPUIPC_MPI_SIMULATE_MACHINES",
+              GPUIPC__PARAM_EACH_USE, NULL,
+              "testing only: pretend the ranks are spread over this many "
+              "machines (rank % k); read at each gpuipc_mpi_init")
+
 /* Every rank of the local group learns whether all succeeded: the worst
  * status wins, and the ranks that did not fail themselves say which did. */
 static gpuipc_status agree(gpuipc_mpi *g, gpuipc_status mine) {
@@ -164,7 +169,7 @@ gpuipc_status gpuipc_mpi_init(MPI_Comm comm, const gpuipc_conn_options *opts,
   /* A testing aid: GPUIPC_MPI_SIMULATE_MACHINES=k pretends the ranks run
    * on k machines (rank % k), each with its own boot id, so that one
    * machine can exercise the cross-machine reporting. */
-  const char *sim_env = getenv("GPUIPC_MPI_SIMULATE_MACHINES");
+  const char *sim_env = param_mpi_simulate();
   int sim = sim_env ? atoi(sim_env) : 0;
   if (sim > 1)
     GPUIPC__WARN("mpi", "GPUIPC_MPI_SIMULATE_MACHINES=%d: pretending the "

@@ -72,13 +72,25 @@ static int query_cuda_aware(void) {
   return fn != NULL && fn() == 1;
 }
 
+GPUIPC__PARAM(mpi_cuda_aware, "GPUIPC_MPI_CUDA_AWARE", GPUIPC__PARAM_EACH_USE,
+              "asked of MPI",
+              "0 / 1: take the MPI library as not CUDA-aware / CUDA-aware in "
+              "gpuipc_mpi_send/recv; read at each gpuipc_mpi_init")
+GPUIPC__PARAM(mpi_local, "GPUIPC_MPI_LOCAL", GPUIPC__PARAM_EACH_USE, "1",
+              "0: gpuipc_mpi_send never takes the node-local path; read at "
+              "each gpuipc_mpi_init")
+GPUIPC__PARAM(mpi_chunk_bytes, "GPUIPC_MPI_CHUNK_BYTES", GPUIPC__PARAM_EACH_USE,
+              "bytes/8, 256 KiB to 4 MiB",
+              "chunk of the MPI paths of gpuipc_mpi_send/recv (4096 to 1 GiB); "
+              "read at each gpuipc_mpi_init")
+
 void gpuipc__mpi_sendrecv_init(gpuipc_mpi *g) {
-  const char *e = getenv("GPUIPC_MPI_CUDA_AWARE");
+  const char *e = param_mpi_cuda_aware();
   int forced = e != NULL && (strcmp(e, "0") == 0 || strcmp(e, "1") == 0);
   g->cuda_aware = forced ? e[0] == '1' : query_cuda_aware();
-  e = getenv("GPUIPC_MPI_LOCAL");
+  e = param_mpi_local();
   g->local_path = !(e != NULL && strcmp(e, "0") == 0);
-  e = getenv("GPUIPC_MPI_CHUNK_BYTES");
+  e = param_mpi_chunk_bytes();
   g->chunk_env = 0;
   if (e != NULL) {
     char *end = NULL;

@@ -403,6 +403,16 @@ gpuipc_status gpuipc_child_destroy(gpuipc_child *child, int timeout_ms,
   return s;
 }
 
+GPUIPC__PARAM(conn_fd, GPUIPC_ENV_CONN_FD, GPUIPC__PARAM_CHILD, NULL,
+              "set by gpuipc_spawn for the child: its end of the connection "
+              "(gpuipc_spawn_connection takes it and removes the variable)")
+GPUIPC__PARAM(worker_index, GPUIPC_ENV_WORKER_INDEX, GPUIPC__PARAM_CHILD,
+              NULL, "set for each worker of a gpuipc_group_start group: "
+              "its index (gpuipc_worker_index)")
+GPUIPC__PARAM(worker_count, GPUIPC_ENV_WORKER_COUNT, GPUIPC__PARAM_CHILD,
+              NULL, "set for each worker of a gpuipc_group_start group: "
+              "how many workers the group has")
+
 /* Parses a whole non-negative decimal int; -1 when it is not one. */
 static int parse_nonneg(const char *v) {
   if (v == NULL || *v == '\0')
@@ -421,7 +431,7 @@ gpuipc_status gpuipc_spawn_connection(const gpuipc_conn_options *opts,
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_spawn_connection: NULL conn");
   *conn = NULL;
-  const char *v = getenv(GPUIPC_ENV_CONN_FD);
+  const char *v = param_conn_fd();
   if (v == NULL)
     return gpuipc__fail(GPUIPC_E_NOT_FOUND,
                         "gpuipc_spawn_connection: " GPUIPC_ENV_CONN_FD
@@ -590,8 +600,8 @@ gpuipc_status gpuipc_group_stop(gpuipc_group *g, int timeout_ms,
 }
 
 gpuipc_status gpuipc_worker_index(int *index, int *count) {
-  int i = parse_nonneg(getenv(GPUIPC_ENV_WORKER_INDEX));
-  int n = parse_nonneg(getenv(GPUIPC_ENV_WORKER_COUNT));
+  int i = parse_nonneg(param_worker_index());
+  int n = parse_nonneg(param_worker_count());
   if (i < 0 || n <= 0 || i >= n)
     return gpuipc__fail(GPUIPC_E_NOT_FOUND,
                         "gpuipc_worker_index: " GPUIPC_ENV_WORKER_INDEX
