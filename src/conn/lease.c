@@ -68,19 +68,15 @@ static bool proc_alive(int pid, uint64_t start_time) {
     if (st != 0 && st != start_time)
       return false; /* the pid now names another process */
   }
-  char path[64], buf[2048];
+  char path[64];
   snprintf(path, sizeof path, "/proc/%d/status", pid);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return errno != ENOENT && errno != ESRCH; /* unknown: assume alive */
-  ssize_t n;
-  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
-  close(fd);
-  if (n <= 0)
+  long threads = 0;
+  gpuipc_status s = gpuipc__proc_field(path, "Threads", &threads, NULL);
+  if (s == GPUIPC_E_SYSTEM)
+    return true; /* unknown: assume alive */
+  if (s == GPUIPC_E_NOT_FOUND)
     return false;
-  buf[n] = '\0';
-  const char *t = strstr(buf, "\nThreads:");
-  return t == NULL || strtol(t + 9, NULL, 10) > 0;
+  return s == GPUIPC_E_NOT_SUPPORTED || threads > 0;
 }
 
 gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time) {

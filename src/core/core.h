@@ -205,6 +205,16 @@ uint64_t gpuipc__process_start_time(int pid);
  * thread that called pthread_exit shows 'Z' while other threads run): do
  * not take it for death (a pidfd says that). */
 gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time);
+/* The one reader of /proc's "Key:<tab>numbers" files (/proc/<pid>/status,
+ * /proc/self/fdinfo/<fd>): the first and the last number on the line named
+ * key ("NSpid", "Threads", "Pid") of the file at path, each untouched when
+ * the line has none (either may be NULL). GPUIPC_E_NOT_FOUND when the file
+ * is not there (no such process) or reads as nothing; GPUIPC_E_NOT_SUPPORTED
+ * when it has no such line (an older kernel); GPUIPC_E_SYSTEM when it could
+ * not be opened otherwise (errno says why). Records nothing: what a missing
+ * file means is the caller's to say. */
+gpuipc_status gpuipc__proc_field(const char *path, const char *key,
+                                 long *first, long *last);
 
 
 /* ---- the runtime directory (util.c) ---------------------------------------- */

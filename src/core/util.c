@@ -1,7 +1,9 @@
 /*
  * util.c: owns small process-level facts and helpers that several layers
  * need: the monotonic clock, the boot id, the pid
- * namespace, the one parser of /proc/<pid>/stat (state, start time),
+ * namespace, the one parser of /proc/<pid>/stat (state, start time) and
+ * the one reader of /proc's "Key: numbers" files (/proc/<pid>/status,
+ * fdinfo),
  * option-struct copying, the version functions, the default runtime
  * directory.
  */
@@ -117,6 +119,45 @@ gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time) {
     return gpuipc__fail(GPUIPC_E_SYSTEM, "%s: unexpected format", path);
   if (start_time)
     *start_time = strtoull(p, NULL, 10);
+  return GPUIPC_OK;
+}
+
+gpuipc_status gpuipc__proc_field(const char *path, const char *key,
+                                 long *first, long *last) {
+  char buf[4096];
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return errno == ENOENT || errno == ESRCH ? GPUIPC_E_NOT_FOUND
+                                             : GPUIPC_E_SYSTEM;
+  ssize_t n;
+  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
+  close(fd);
+  if (n <= 0) /* a process reaped between the open and the read: ESRCH */
+    return GPUIPC_E_NOT_FOUND;
+  buf[n] = '\0';
+  size_t klen = strlen(key);
+  const char *t = buf;
+  while (!(strncmp(t, key, klen) == 0 && t[klen] == ':')) {
+    t = strchr(t, '\n');
+    if (t == NULL)
+      return GPUIPC_E_NOT_SUPPORTED;
+    t++;
+  }
+  t += klen + 1;
+  for (bool seen = false;;) {
+    while (*t == ' ' || *t == '\t')
+      t++;
+    char *end;
+    long v = strtol(t, &end, 10);
+    if (end == t)
+      break;
+    if (first && !seen)
+      *first = v;
+    if (last)
+      *last = v;
+    seen = true;
+    t = end;
+  }
   return GPUIPC_OK;
 }
 
