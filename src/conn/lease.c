@@ -488,12 +488,13 @@ static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot,
       s = os;
   } else if (t->ordered || local) {
     if (lt->nrel == lt->caprel) {
-      size_t cap = lt->caprel ? 2 * lt->caprel : 16;
+      /* At most 4096 records (16 doubled). */
       gpuipc__relrec *nr =
-          cap > 4096 ? NULL : realloc(lt->rel, sizeof *nr * cap);
+          lt->caprel >= 4096 ? NULL
+                             : gpuipc__grow(lt->rel, &lt->caprel,
+                                            lt->nrel + 1, sizeof *nr, 16);
       if (nr != NULL) {
         lt->rel = nr;
-        lt->caprel = cap;
       } else if (lt->nrel > 0) {
         /* Bounded: the oldest record goes (its buffer was never waited
          * for). */
@@ -997,6 +998,8 @@ static void *watcher(void *arg) {
       break;
     }
     if (cap < nwatches) {
+      /* Two arrays under one capacity, and a failure tolerated (not
+       * gpuipc__grow's one array that fails whole). */
       size_t want = nwatches + 16;
       struct pollfd *npf = realloc(pf, want * sizeof *pf);
       if (npf)

@@ -461,6 +461,7 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
    * leaves nothing done). */
   size_t flen = sizeof(gpuipc__w_bufs) + bytes;
   if (h->txcap < flen) {
+    /* Once, to the largest frame (not grown: gpuipc__grow). */
     unsigned char *nb = realloc(h->txbuf, GPUIPC__FRAME_MAX);
     if (nb == NULL)
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "batch frame");

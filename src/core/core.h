@@ -215,6 +215,15 @@ gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time);
  * file means is the caller's to say. */
 gpuipc_status gpuipc__proc_field(const char *path, const char *key,
                                  long *first, long *last);
+/* The one growable array: p (an array of *cap elements of elem bytes,
+ * or NULL) made to hold at least need elements, its capacity doubled from
+ * *cap, or from first when it has none, so that a long run of appends
+ * reallocates a logarithmic number of times. Returns the array (p itself
+ * when it is large enough), or NULL, with p and *cap unchanged and still
+ * the caller's, when the memory is not there or the size overflows;
+ * records nothing (the caller says what it was growing). */
+void *gpuipc__grow(void *p, size_t *cap, size_t need, size_t elem,
+                   size_t first);
 
 
 /* ---- the runtime directory (util.c) ---------------------------------------- */

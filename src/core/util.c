@@ -1,11 +1,10 @@
 /*
  * util.c: owns small process-level facts and helpers that several layers
- * need: the monotonic clock, the boot id, the pid
- * namespace, the one parser of /proc/<pid>/stat (state, start time) and
- * the one reader of /proc's "Key: numbers" files (/proc/<pid>/status,
- * fdinfo),
- * option-struct copying, the version functions, the default runtime
- * directory.
+ * need: the monotonic clock, the boot id, the pid namespace, the one
+ * parser of /proc/<pid>/stat (state, start time), the one reader of
+ * /proc's "Key: numbers" files (/proc/<pid>/status, fdinfo), the one
+ * growable array, option-struct copying, the version functions, the
+ * default runtime directory.
  */
 #include "core_int.h"
 
@@ -164,6 +163,21 @@ gpuipc_status gpuipc__proc_field(const char *path, const char *key,
 uint64_t gpuipc__process_start_time(int pid) {
   uint64_t t = 0;
   return gpuipc__proc_stat(pid, NULL, &t) == GPUIPC_OK ? t : 0;
+}
+
+void *gpuipc__grow(void *p, size_t *cap, size_t need, size_t elem,
+                   size_t first) {
+  if (need <= *cap)
+    return p;
+  size_t n = *cap ? *cap : first ? first : 1;
+  while (n < need)
+    n = n > SIZE_MAX / 2 ? need : 2 * n;
+  if (elem == 0 || n > SIZE_MAX / elem)
+    return NULL;
+  void *q = realloc(p, n * elem);
+  if (q != NULL)
+    *cap = n;
+  return q;
 }
 
 gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,
