@@ -7,7 +7,11 @@
  * the connection's life: by pid and start time when this process sees it,
  * else (a sibling container) by the pidfd the kernel gives of the
  * socket's peer; a peer of another pid namespace is named by its own
- * HELLO, checked against /proc where /proc shows it. Both sides run the
+ * HELLO, checked against /proc where /proc shows it. It also settles the
+ * carrier (the `carrier` option or GPUIPC_CARRIER, HELLO's RING flag, the
+ * RING frames that hand the connection to the ring carrier), and holds the
+ * check both ends of listen.c make of a socket's peer before a handshake
+ * starts (SO_PEERCRED against the allow-lists). Both sides run the
  * same small state machine, so that a listener runs the handshakes of all
  * its pending peers at once (listen.c) and a connecting side waits on one
  * (gpuipc__hs_connect). Every connection made here gets the fast path's

@@ -7,9 +7,11 @@
  * the peer still held something lives on as an orphan until the peer
  * released everything or its process is gone; orphans are checked in the
  * arena calls that depend on them (allocation, statistics, destroy), which
- * enter here for that reason. It also owns the peer process handle (a
- * pidfd taken at the handshake) that decides when a peer is gone, and the
- * peer watcher thread (on by default).
+ * reach here through the reaper this file gives arena.c
+ * (gpuipc__arena_set_reaper), so that the arena never calls up. It also
+ * owns the peer process handle (a pidfd taken at the handshake; without
+ * one, /proc's start time and thread count) that decides when a peer is
+ * gone, and the peer watcher thread (on by default).
  *
  * Why reclaiming after a peer's death is safe: a consumer's GPU work on our
  * memory runs in the consumer's CUDA context. When the process exits or is

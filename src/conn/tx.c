@@ -1,6 +1,7 @@
 /*
- * tx.c: owns the sender of the per-buffer fast path: the lease table and
- * the arena chunks exported to a connection (once each), the one
+ * tx.c: owns the sender of the per-buffer fast path: setting up, once per
+ * connection, its lease table (lease.c's) and the arena chunks exported
+ * to it, the one
  * preparation every send shares (a connection made ready, free slots,
  * event mode's records, sequence numbers, and after the frame the ready
  * signal and the leases recorded), the sends of one block, one buffer by

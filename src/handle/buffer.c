@@ -1,12 +1,17 @@
 /*
  * buffer.c: owns the buffer object and what every kind shares: allocating
- * a buffer from a pool (capacity, buffer id, generation), wrapping foreign
- * allocations (finding the kind, base, range and offset), exporting a
- * buffer as a descriptor (+ fd), importing a descriptor (the liveness
- * table's verdict, devices, the import cache, the range check of a cache
- * hit), and closing/freeing. What differs per kind is called through the
- * kind's table (legacy.c, mempool.c, vmm.c, pinned.c); the helpers the
- * kinds' openers share are here too (fd, shadowed mapping, mapped range).
+ * a buffer from a pool (capacity, buffer id, generation; an arena's chunk,
+ * finished before it is handed out), wrapping foreign allocations (finding
+ * the kind, base, range and offset), exporting a buffer as a descriptor
+ * (+ fd), importing a descriptor (the liveness table's verdict, devices,
+ * then gpuipc__buffer_open: the import cache, the range check of a cache
+ * hit, the object; interop.c's raw imports end there too), closing and
+ * freeing, and keeping a buffer until its last lease is released
+ * (gpuipc_buffer_release_when_done). What differs per kind is called
+ * through the kind's table (legacy.c, mempool.c, vmm.c, pinned.c); the
+ * helpers the kinds' openers share are below them, in kind.c (names, the
+ * checks of an imported fd and of a descriptor's range) and import.c (the
+ * fd an import maps, the shadowed-mapping check).
  *
  * Buffer ids: CU_POINTER_ATTRIBUTE_BUFFER_ID is read at the exporter and
  * travels in the descriptor as part of the allocation's identity (cache
