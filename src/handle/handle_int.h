@@ -1,8 +1,9 @@
 /*
  * handle_int.h: the handle layer's own internals, for the files of
  * src/handle/ only: the buffer, pool and event objects, the table of
- * operations each buffer kind implements (one file per kind), the import
- * cache, and the liveness tables.
+ * operations each buffer kind implements (one file per kind), the helpers
+ * the kinds share (kind.c, import.c), the end every import shares
+ * (buffer.c), the import cache, and the liveness tables.
  */
 #ifndef GPUIPC_HANDLE_INT_H
 #define GPUIPC_HANDLE_INT_H
