@@ -146,6 +146,8 @@ gpuipc_status gpuipc__proc_field(const char *path, const char *key,
   for (bool seen = false;;) {
     while (*t == ' ' || *t == '\t')
       t++;
+    if (*t == '\n') /* strtol would read on into the next line */
+      break;
     char *end;
     long v = strtol(t, &end, 10);
     if (end == t)
