@@ -187,12 +187,12 @@ static bool tags_add(gpuipc_arena *a, gpuipc__tags *t, gpuipc__mark *m) {
       return true;
     }
   if (t->n == t->cap) {
-    uint32_t cap = t->cap ? 2 * t->cap : 2;
-    gpuipc__mark **n = realloc(t->m, sizeof *n * cap);
+    size_t cap = t->cap;
+    gpuipc__mark **n = gpuipc__grow(t->m, &cap, cap + 1, sizeof *n, 2);
     if (n == NULL)
       return false;
     t->m = n;
-    t->cap = cap;
+    t->cap = (uint32_t)cap;
   }
   t->m[t->n++] = mark_ref(m);
   return true;

@@ -245,6 +245,14 @@ typedef struct gpuipc__hs gpuipc__hs;
  * (our own uid, or an entry of an allow-list). */
 bool gpuipc__peer_allowed(const gpuipc_conn_options *o, uint32_t uid,
                           uint32_t gid);
+/* The check both ends make of a socket made by connect/accept before its
+ * handshake: the kernel's record of the peer at connect time (SO_PEERCRED)
+ * into *pre, and whether its uid and gid are allowed (above). GPUIPC_OK;
+ * GPUIPC_E_PEER_REFUSED with *pre filled and nothing recorded (the caller,
+ * which knows which end it is, says why); or the getsockopt failure,
+ * recorded. Closes nothing. */
+gpuipc_status gpuipc__peer_cred_check(int fd, const gpuipc_conn_options *o,
+                                      struct ucred *pre);
 /* Writes one handshake frame whole on the socket fd (REFUSE with its
  * reason, to a peer refused before its handshake began). */
 gpuipc_status gpuipc__hs_write(int fd, int type, const void *p, size_t n,

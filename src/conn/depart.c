@@ -1,10 +1,10 @@
 /*
  * depart.c: owns the top of the fast path, where a connection ends: the
- * hook table through which the transport (conn.c) reaches the fast path,
- * the peer's departure (our streams unblocked, its broadcast words written
- * once its process is gone), ABANDON when this side breaks, close (what we
- * hold released and the receiver side unmapped once its GPU work is done),
- * and the receiver sides a close had to keep mapped. It sits above tx.c,
+ * hook table through which the frame layer (frames.c) reaches the fast
+ * path, the peer's departure (our streams unblocked, its broadcast words
+ * written once its process is gone), ABANDON when this side breaks, close
+ * (what we hold released and the receiver side unmapped once its GPU work
+ * is done), and the receiver sides a close had to keep mapped. It sits above tx.c,
  * rx.c and handoff.c and may call all of them; none of them calls it.
  */
 #include "handoff_int.h"

@@ -249,15 +249,12 @@ static gpuipc_status tx_reserve(gpuipc_conn *c, size_t total) {
   }
   if (c->tx_len + total <= c->tx_cap)
     return GPUIPC_OK;
-  size_t cap = c->tx_cap ? c->tx_cap : 4096;
-  while (cap < c->tx_len + total)
-    cap *= 2;
-  unsigned char *n = realloc(c->tx, cap);
+  unsigned char *n =
+      gpuipc__grow(c->tx, &c->tx_cap, c->tx_len + total, 1, 4096);
   if (n == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "transmit queue of %zu bytes",
-                        cap);
+                        c->tx_len + total);
   c->tx = n;
-  c->tx_cap = cap;
   return GPUIPC_OK;
 }
 
@@ -683,6 +680,7 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
       if (need < sizeof(gpuipc__frame_hdr) + GPUIPC__FRAME_MAX)
         need = sizeof(gpuipc__frame_hdr) + GPUIPC__FRAME_MAX;
       if (need > c->rx_cap) {
+        /* Sized to what one read may bring, not doubled (gpuipc__grow). */
         unsigned char *n = realloc(c->rx, need);
         if (n == NULL)
           return gpuipc__fail(GPUIPC_E_NO_MEMORY, "receive buffer");

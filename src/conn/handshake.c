@@ -7,7 +7,11 @@
  * the connection's life: by pid and start time when this process sees it,
  * else (a sibling container) by the pidfd the kernel gives of the
  * socket's peer; a peer of another pid namespace is named by its own
- * HELLO, checked against /proc where /proc shows it. Both sides run the
+ * HELLO, checked against /proc where /proc shows it. It also settles the
+ * carrier (the `carrier` option or GPUIPC_CARRIER, HELLO's RING flag, the
+ * RING frames that hand the connection to the ring carrier), and holds the
+ * check both ends of listen.c make of a socket's peer before a handshake
+ * starts (SO_PEERCRED against the allow-lists). Both sides run the
  * same small state machine, so that a listener runs the handshakes of all
  * its pending peers at once (listen.c) and a connecting side waits on one
  * (gpuipc__hs_connect). Every connection made here gets the fast path's
@@ -35,6 +39,15 @@ bool gpuipc__peer_allowed(const gpuipc_conn_options *o, uint32_t uid,
     if (o->allow_gids[i] == gid)
       return true;
   return false;
+}
+
+gpuipc_status gpuipc__peer_cred_check(int fd, const gpuipc_conn_options *o,
+                                      struct ucred *pre) {
+  socklen_t pl = sizeof *pre;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, pre, &pl) != 0)
+    return gpuipc__fail_errno(errno, "getsockopt", "SO_PEERCRED");
+  return gpuipc__peer_allowed(o, pre->uid, pre->gid) ? GPUIPC_OK
+                                                     : GPUIPC_E_PEER_REFUSED;
 }
 
 /* One handshake, run by both sides alike as a small state machine, so that
@@ -241,31 +254,11 @@ static bool foreign_pid_matches(int pid_here, int pid_there,
                                 uint64_t start_here, uint64_t start_there) {
   if (start_here != start_there)
     return false;
-  char path[64], buf[4096];
+  char path[64];
   snprintf(path, sizeof path, "/proc/%d/status", pid_here);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return false;
-  ssize_t n;
-  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
-  close(fd);
-  if (n <= 0)
-    return false;
-  buf[n] = '\0';
-  const char *t = strstr(buf, "\nNSpid:");
-  if (t == NULL)
-    return false;
-  t += 8;
   long last = -1;
-  for (;;) {
-    char *end;
-    long v = strtol(t, &end, 10);
-    if (end == t)
-      break;
-    last = v;
-    t = end;
-  }
-  return last == pid_there;
+  return gpuipc__proc_field(path, "NSpid", NULL, &last) == GPUIPC_OK &&
+         last == pid_there;
 }
 
 #ifndef SO_PEERPIDFD
@@ -287,23 +280,14 @@ static int invisible_peer_pidfd(int sock, char *why, size_t cap) {
     return -1;
   }
   (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
-  char path[64], buf[512];
+  char path[64];
   snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  ssize_t n = -1;
-  if (fd >= 0) {
-    GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
-    close(fd);
-  }
-  const char *t = NULL;
-  if (n > 0) {
-    buf[n] = '\0';
-    t = strstr(buf, "Pid:");
-  }
-  if (t == NULL || strtol(t + 4, NULL, 10) != 0) {
+  long pid = 0;
+  bool readable = gpuipc__proc_field(path, "Pid", &pid, NULL) == GPUIPC_OK;
+  if (!readable || pid != 0) {
     snprintf(why, cap, "the socket's peer as the kernel recorded it at "
                        "connect time is %s",
-             t == NULL ? "not readable (/proc/self/fdinfo)"
+             !readable ? "not readable (/proc/self/fdinfo)"
                        : "another process, one visible here");
     close(pidfd);
     return -1;

@@ -7,9 +7,11 @@
  * the peer still held something lives on as an orphan until the peer
  * released everything or its process is gone; orphans are checked in the
  * arena calls that depend on them (allocation, statistics, destroy), which
- * enter here for that reason. It also owns the peer process handle (a
- * pidfd taken at the handshake) that decides when a peer is gone, and the
- * peer watcher thread (on by default).
+ * reach here through the reaper this file gives arena.c
+ * (gpuipc__arena_set_reaper), so that the arena never calls up. It also
+ * owns the peer process handle (a pidfd taken at the handshake; without
+ * one, /proc's start time and thread count) that decides when a peer is
+ * gone, and the peer watcher thread (on by default).
  *
  * Why reclaiming after a peer's death is safe: a consumer's GPU work on our
  * memory runs in the consumer's CUDA context. When the process exits or is
@@ -69,19 +71,15 @@ static bool proc_alive(int pid, uint64_t start_time) {
     if (st != 0 && st != start_time)
       return false; /* the pid now names another process */
   }
-  char path[64], buf[2048];
+  char path[64];
   snprintf(path, sizeof path, "/proc/%d/status", pid);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return errno != ENOENT && errno != ESRCH; /* unknown: assume alive */
-  ssize_t n;
-  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
-  close(fd);
-  if (n <= 0)
+  long threads = 0;
+  gpuipc_status s = gpuipc__proc_field(path, "Threads", &threads, NULL);
+  if (s == GPUIPC_E_SYSTEM)
+    return true; /* unknown: assume alive */
+  if (s == GPUIPC_E_NOT_FOUND)
     return false;
-  buf[n] = '\0';
-  const char *t = strstr(buf, "\nThreads:");
-  return t == NULL || strtol(t + 9, NULL, 10) > 0;
+  return s == GPUIPC_E_NOT_SUPPORTED || threads > 0;
 }
 
 gpuipc__peer *gpuipc__peer_open(int pid, uint64_t start_time) {
@@ -493,12 +491,13 @@ static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot,
       s = os;
   } else if (t->ordered || local) {
     if (lt->nrel == lt->caprel) {
-      size_t cap = lt->caprel ? 2 * lt->caprel : 16;
+      /* At most 4096 records (16 doubled). */
       gpuipc__relrec *nr =
-          cap > 4096 ? NULL : realloc(lt->rel, sizeof *nr * cap);
+          lt->caprel >= 4096 ? NULL
+                             : gpuipc__grow(lt->rel, &lt->caprel,
+                                            lt->nrel + 1, sizeof *nr, 16);
       if (nr != NULL) {
         lt->rel = nr;
-        lt->caprel = cap;
       } else if (lt->nrel > 0) {
         /* Bounded: the oldest record goes (its buffer was never waited
          * for). */
@@ -1002,6 +1001,8 @@ static void *watcher(void *arg) {
       break;
     }
     if (cap < nwatches) {
+      /* Two arrays under one capacity, and a failure tolerated (not
+       * gpuipc__grow's one array that fails whole). */
       size_t want = nwatches + 16;
       struct pollfd *npf = realloc(pf, want * sizeof *pf);
       if (npf)

@@ -2,9 +2,10 @@
  * lease_int.h: the sender's lease table of a connection (src/conn/ only):
  * its flag words, which of our blocks and buffers the peer holds in each
  * slot, the releases a buffer's owner has yet to wait for, and what an
- * orphan keeps after its connection closed. lease.c owns every field;
- * the fast path (tx.c, rx.c, depart.c) reads the fields marked immutable and changes the rest through
- * the functions below.
+ * orphan keeps after its connection closed. lease.c owns every field
+ * but stats_slot, which tx.c sets once, right after gpuipc__lease_open;
+ * the fast path (tx.c, rx.c, depart.c) reads the fields marked immutable
+ * and changes the rest through the functions below.
  */
 #ifndef GPUIPC_LEASE_INT_H
 #define GPUIPC_LEASE_INT_H

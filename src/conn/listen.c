@@ -404,13 +404,8 @@ void gpuipc_listener_close(gpuipc_listener *l) {
 static gpuipc_status pending_add(gpuipc_listener *l, int fd) {
   copts o = {l->opts};
   struct ucred pre;
-  socklen_t pl = sizeof pre;
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &pre, &pl) != 0) {
-    int err = errno;
-    close(fd);
-    return gpuipc__fail_errno(err, "getsockopt", "SO_PEERCRED");
-  }
-  if (!gpuipc__peer_allowed(&o.o, pre.uid, pre.gid)) {
+  gpuipc_status cs = gpuipc__peer_cred_check(fd, &o.o, &pre);
+  if (cs == GPUIPC_E_PEER_REFUSED) {
     char why[160];
     snprintf(why, sizeof why,
              "uid %u gid %u is not allowed (same uid %u required, or an "
@@ -423,6 +418,10 @@ static gpuipc_status pending_add(gpuipc_listener *l, int fd) {
     close(fd);
     return gpuipc__fail(GPUIPC_E_PEER_REFUSED, "refused peer pid %d: %s",
                         (int)pre.pid, why);
+  }
+  if (cs != GPUIPC_OK) {
+    close(fd);
+    return cs;
   }
   pend *x = calloc(1, sizeof *x);
   if (x == NULL) {
@@ -594,14 +593,10 @@ gpuipc_status gpuipc_connect(const char *name, const gpuipc_conn_options *opts,
     return gpuipc__fail_errno(err, "connect", "%s", shown);
   }
   struct ucred pre;
-  socklen_t pl = sizeof pre;
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &pre, &pl) != 0) {
-    int err = errno;
+  gpuipc_status cs = gpuipc__peer_cred_check(fd, &o.o, &pre);
+  if (cs != GPUIPC_OK)
     close(fd);
-    return gpuipc__fail_errno(err, "getsockopt", "SO_PEERCRED");
-  }
-  if (!gpuipc__peer_allowed(&o.o, pre.uid, pre.gid)) {
-    close(fd);
+  if (cs == GPUIPC_E_PEER_REFUSED) {
     GPUIPC__WARN("conn", "refusing listener %s: uid %u is not allowed", shown,
                  (unsigned)pre.uid);
     return gpuipc__fail(GPUIPC_E_PEER_REFUSED,
@@ -609,6 +604,8 @@ gpuipc_status gpuipc_connect(const char *name, const gpuipc_conn_options *opts,
                         "not allowed",
                         shown, (unsigned)pre.uid);
   }
+  if (cs != GPUIPC_OK)
+    return cs;
   return gpuipc__hs_connect(fd, &o.o, &pre, out);
 }
 

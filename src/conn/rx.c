@@ -47,14 +47,14 @@ static gpuipc_status on_chunk(gpuipc_conn *c, struct gpuipc__ho *h,
     goto out;
   }
   if (h->nimp == h->cimp) {
-    int cap = h->cimp ? 2 * h->cimp : 4;
-    gpuipc__imp *n = realloc(h->imp, sizeof *n * (size_t)cap);
+    size_t cap = (size_t)h->cimp;
+    gpuipc__imp *n = gpuipc__grow(h->imp, &cap, cap + 1, sizeof *n, 4);
     if (n == NULL) {
       s = gpuipc__fail(GPUIPC_E_NO_MEMORY, "imports");
       goto out;
     }
     h->imp = n;
-    h->cimp = cap;
+    h->cimp = (int)cap;
   }
   /* The one driver import of this memory on this connection (the handle
    * layer's cache makes a second connection to the same exporter free). */
@@ -809,14 +809,11 @@ forget:
     gpuipc_status cs = GPUIPC_OK;
     gpuipc__ctx_guard g;
     CUevent ev = NULL;
-    if (h->nclosing == h->capclosing) {
-      size_t cap = h->capclosing ? 2 * h->capclosing : 8;
-      gpuipc__closing *n = realloc(h->closing, sizeof *n * cap);
-      if (n == NULL)
-        return gpuipc__fail(GPUIPC_E_NO_MEMORY, "closing list");
-      h->closing = n;
-      h->capclosing = cap;
-    }
+    gpuipc__closing *n = gpuipc__grow(h->closing, &h->capclosing,
+                                      h->nclosing + 1, sizeof *n, 8);
+    if (n == NULL)
+      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "closing list");
+    h->closing = n;
     cs = gpuipc__ctx_enter(&g, h->peer_ordinal);
     if (cs == GPUIPC_OK) {
       CUresult cr = GPUIPC__CU(cuEventCreate, &ev, CU_EVENT_DISABLE_TIMING);

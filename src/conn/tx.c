@@ -1,6 +1,7 @@
 /*
- * tx.c: owns the sender of the per-buffer fast path: the lease table and
- * the arena chunks exported to a connection (once each), the one
+ * tx.c: owns the sender of the per-buffer fast path: setting up, once per
+ * connection, its lease table (lease.c's) and the arena chunks exported
+ * to it, the one
  * preparation every send shares (a connection made ready, free slots,
  * event mode's records, sequence numbers, and after the frame the ready
  * signal and the leases recorded), the sends of one block, one buffer by
@@ -461,6 +462,7 @@ gpuipc_status gpuipc_conn_send_batch(gpuipc_conn *conn,
    * leaves nothing done). */
   size_t flen = sizeof(gpuipc__w_bufs) + bytes;
   if (h->txcap < flen) {
+    /* Once, to the largest frame (not grown: gpuipc__grow). */
     unsigned char *nb = realloc(h->txbuf, GPUIPC__FRAME_MAX);
     if (nb == NULL)
       return gpuipc__fail(GPUIPC_E_NO_MEMORY, "batch frame");

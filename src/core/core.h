@@ -205,6 +205,25 @@ uint64_t gpuipc__process_start_time(int pid);
  * thread that called pthread_exit shows 'Z' while other threads run): do
  * not take it for death (a pidfd says that). */
 gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time);
+/* The one reader of /proc's "Key:<tab>numbers" files (/proc/<pid>/status,
+ * /proc/self/fdinfo/<fd>): the first and the last number on the line named
+ * key ("NSpid", "Threads", "Pid") of the file at path, each untouched when
+ * the line has none (either may be NULL). GPUIPC_E_NOT_FOUND when the file
+ * is not there (no such process) or reads as nothing; GPUIPC_E_NOT_SUPPORTED
+ * when it has no such line (an older kernel); GPUIPC_E_SYSTEM when it could
+ * not be opened otherwise (errno says why). Records nothing: what a missing
+ * file means is the caller's to say. */
+gpuipc_status gpuipc__proc_field(const char *path, const char *key,
+                                 long *first, long *last);
+/* The one growable array: p (an array of *cap elements of elem bytes,
+ * or NULL) made to hold at least need elements, its capacity doubled from
+ * *cap, or from first when it has none, so that a long run of appends
+ * reallocates a logarithmic number of times. Returns the array (p itself
+ * when it is large enough), or NULL, with p and *cap unchanged and still
+ * the caller's, when the memory is not there or the size overflows;
+ * records nothing (the caller says what it was growing). */
+void *gpuipc__grow(void *p, size_t *cap, size_t need, size_t elem,
+                   size_t first);
 
 
 /* ---- the runtime directory (util.c) ---------------------------------------- */

@@ -2,9 +2,11 @@
  * util.c: owns small process-level facts and helpers that several layers
  * need: the monotonic clock, the boot id, the pid namespace (this
  * process's and another's), the one parser of /proc/<pid>/stat (state,
- * start time), option-struct copying, the version functions, and the
- * runtime directory: the default one (XDG_RUNTIME_DIR, else
- * /tmp/gpuipc-<uid>) and the checks that make it private (ours, 0700).
+ * start time), the one reader of /proc's "Key: numbers" files
+ * (/proc/<pid>/status, fdinfo), the one growable array, option-struct
+ * copying, the version functions, and the runtime directory: the default
+ * one (XDG_RUNTIME_DIR, else /tmp/gpuipc-<uid>) and the checks that make
+ * it private (ours, 0700).
  */
 #include "core_int.h"
 
@@ -121,9 +123,65 @@ gpuipc_status gpuipc__proc_stat(int pid, char *state, uint64_t *start_time) {
   return GPUIPC_OK;
 }
 
+gpuipc_status gpuipc__proc_field(const char *path, const char *key,
+                                 long *first, long *last) {
+  char buf[4096];
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return errno == ENOENT || errno == ESRCH ? GPUIPC_E_NOT_FOUND
+                                             : GPUIPC_E_SYSTEM;
+  ssize_t n;
+  GPUIPC__EINTR_RETRY(n, read(fd, buf, sizeof buf - 1));
+  close(fd);
+  if (n <= 0) /* a process reaped between the open and the read: ESRCH */
+    return GPUIPC_E_NOT_FOUND;
+  buf[n] = '\0';
+  size_t klen = strlen(key);
+  const char *t = buf;
+  while (!(strncmp(t, key, klen) == 0 && t[klen] == ':')) {
+    t = strchr(t, '\n');
+    if (t == NULL)
+      return GPUIPC_E_NOT_SUPPORTED;
+    t++;
+  }
+  t += klen + 1;
+  for (bool seen = false;;) {
+    while (*t == ' ' || *t == '\t')
+      t++;
+    if (*t == '\n') /* strtol would read on into the next line */
+      break;
+    char *end;
+    long v = strtol(t, &end, 10);
+    if (end == t)
+      break;
+    if (first && !seen)
+      *first = v;
+    if (last)
+      *last = v;
+    seen = true;
+    t = end;
+  }
+  return GPUIPC_OK;
+}
+
 uint64_t gpuipc__process_start_time(int pid) {
   uint64_t t = 0;
   return gpuipc__proc_stat(pid, NULL, &t) == GPUIPC_OK ? t : 0;
+}
+
+void *gpuipc__grow(void *p, size_t *cap, size_t need, size_t elem,
+                   size_t first) {
+  if (need <= *cap)
+    return p;
+  size_t n = *cap ? *cap : first ? first : 1;
+  while (n < need)
+    n = n > SIZE_MAX / 2 ? need : 2 * n;
+  if (elem == 0 || n > SIZE_MAX / elem)
+    return NULL;
+  void *q = realloc(p, n * elem);
+  if (q != NULL)
+    *cap = n;
+  return q;
 }
 
 gpuipc_status gpuipc__options_copy(void *dst, size_t dst_size, const void *src,

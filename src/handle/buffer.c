@@ -1,12 +1,17 @@
 /*
  * buffer.c: owns the buffer object and what every kind shares: allocating
- * a buffer from a pool (capacity, buffer id, generation), wrapping foreign
- * allocations (finding the kind, base, range and offset), exporting a
- * buffer as a descriptor (+ fd), importing a descriptor (the liveness
- * table's verdict, devices, the import cache, the range check of a cache
- * hit), and closing/freeing. What differs per kind is called through the
- * kind's table (legacy.c, mempool.c, vmm.c, pinned.c); the helpers the
- * kinds' openers share are here too (fd, shadowed mapping, mapped range).
+ * a buffer from a pool (capacity, buffer id, generation; an arena's chunk,
+ * finished before it is handed out), wrapping foreign allocations (finding
+ * the kind, base, range and offset), exporting a buffer as a descriptor
+ * (+ fd), importing a descriptor (the liveness table's verdict, devices,
+ * then gpuipc__buffer_open: the import cache, the range check of a cache
+ * hit, the object; interop.c's raw imports end there too), closing and
+ * freeing, and keeping a buffer until its last lease is released
+ * (gpuipc_buffer_release_when_done). What differs per kind is called
+ * through the kind's table (legacy.c, mempool.c, vmm.c, pinned.c); the
+ * helpers the kinds' openers share are below them, in kind.c (names, the
+ * checks of an imported fd and of a descriptor's range) and import.c (the
+ * fd an import maps, the shadowed-mapping check).
  *
  * Buffer ids: CU_POINTER_ATTRIBUTE_BUFFER_ID is read at the exporter and
  * travels in the descriptor as part of the allocation's identity (cache
@@ -496,13 +501,18 @@ gpuipc_status gpuipc__buffer_import_via(const gpuipc__via *via,
     if (opts.device)
       GPUIPC__CHECK(gpuipc_device_from_uuid(opts.device, &map));
   }
+  return gpuipc__buffer_open(&d, ops, home, map, fds, nfds, opts.flags, out);
+}
 
+gpuipc_status gpuipc__buffer_open(const gpuipc__desc *d,
+                                  const gpuipc__kind_ops *ops, int home,
+                                  int map, const int *fds, int nfds,
+                                  unsigned flags, gpuipc_buffer **out) {
   gpuipc_buffer *b = buffer_new();
   if (b == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "buffer");
   struct gpuipc__mapping *m = NULL;
-  gpuipc_status s =
-      gpuipc__cache_acquire(&d, map, fds, nfds, opts.flags, ops, &m);
+  gpuipc_status s = gpuipc__cache_acquire(d, map, fds, nfds, flags, ops, &m);
   if (s != GPUIPC_OK) {
     buffer_delete(b);
     return s;
@@ -510,32 +520,38 @@ gpuipc_status gpuipc__buffer_import_via(const gpuipc__via *via,
   /* A cache hit may come from a descriptor with another offset and size:
    * check them against this mapping too. */
   size_t mapped = gpuipc__mapping_size(m);
-  if (d.offset > mapped || d.size > mapped - d.offset) {
+  if (d->offset > mapped || d->size > mapped - d->offset) {
     gpuipc__cache_release(m);
     buffer_delete(b);
+    if (flags & GPUIPC__IMPORT_RAW)
+      return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
+                          "raw import: offset %llu + size %llu leaves the "
+                          "%zu-byte allocation the handle names",
+                          (unsigned long long)d->offset,
+                          (unsigned long long)d->size, mapped);
     return gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
                         "descriptor claims offset %llu + size %llu, but the "
                         "mapping is %zu bytes: forged or corrupted",
-                        (unsigned long long)d.offset,
-                        (unsigned long long)d.size, mapped);
+                        (unsigned long long)d->offset,
+                        (unsigned long long)d->size, mapped);
   }
   b->origin = GPUIPC__IMPORTED;
-  b->kind = (gpuipc_pool_kind)d.kind;
+  b->kind = (gpuipc_pool_kind)d->kind;
   b->ops = ops;
   b->ordinal = home;
   b->map_ordinal = map;
-  b->uuid = dev;
+  memcpy(b->uuid.bytes, d->device, 16);
   b->base = gpuipc__mapping_base(m);
-  b->ptr = b->base + d.offset;
+  b->ptr = b->base + d->offset;
   if (ops->host_memory)
-    b->ptr = (CUdeviceptr)(uintptr_t)gpuipc__mapping_host(m) + d.offset;
-  b->size = (size_t)d.size;
-  b->offset = (size_t)d.offset;
+    b->ptr = (CUdeviceptr)(uintptr_t)gpuipc__mapping_host(m) + d->offset;
+  b->size = (size_t)d->size;
+  b->offset = (size_t)d->offset;
   b->alloc_size = mapped;
-  b->buffer_id = d.buffer_id;
-  b->generation = d.generation;
-  b->pool_id = d.pool_id;
-  b->exporter = d.exporter;
+  b->buffer_id = d->buffer_id;
+  b->generation = d->generation;
+  b->pool_id = d->pool_id;
+  b->exporter = d->exporter;
   b->map = m;
   *out = b;
   return GPUIPC_OK;

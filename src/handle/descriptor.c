@@ -1,10 +1,13 @@
 /*
  * descriptor.c: owns the descriptor wire format: encoding, decoding and
  * validating descriptors (hostile input: every field is checked and each
- * failure has its own status), CRC32C, the exporter identity, the opt-in
- * pidfd_getfd route for fetching an exporter's fd, and carrying a
- * descriptor plus its fds over a Unix socket. The format is documented in
- * docs/descriptor.md; keep the two in step.
+ * failure has its own status), CRC32C, the exporter identity, the check
+ * of where a descriptor comes from (another machine, this process, another
+ * pid namespace), made with the decode as the first step of every import
+ * (gpuipc__desc_open), the opt-in pidfd_getfd route for fetching an
+ * exporter's fd, and carrying a descriptor plus its fds over a Unix
+ * socket. The format is documented in docs/descriptor.md; keep the two in
+ * step.
  */
 #include "handle_int.h"
 

@@ -2,7 +2,9 @@
  * handle.h: the handle layer, as the layers above see it (the connection
  * layer's arenas and per-buffer fast path, the transfer layer's shared
  * pinned host memory): descriptors (the wire format and exporter
- * identity), buffer information, and chunk allocation. The objects
+ * identity), the liveness tables connections carry, buffer information,
+ * chunk allocation, and the references that keep a handed-over buffer
+ * until its leases are released. The objects
  * themselves, the import cache and the pools live in handle_int.h, which
  * only this folder's files include.
  *
@@ -239,8 +241,9 @@ gpuipc_status gpuipc__buffer_info_get(const gpuipc_buffer *buf,
  * send) and drops it when the lease ends (released, abandoned, or the
  * peer gone); the last reference of a handed-over buffer closes it and
  * calls its done callback, in the thread that dropped it, with no lock of
- * the caller's held (see gpuipc__buffer_done_flush). handed: whether it was handed over (and the stream
- * the owner reuses the memory on), for the holder of a reference. */
+ * the caller's held (see gpuipc__buffer_done_flush). handed: whether it
+ * was handed over (and the stream the owner reuses the memory on), for the
+ * holder of a reference. */
 void gpuipc__buffer_lease_begin(gpuipc_buffer *buf);
 void gpuipc__buffer_lease_end(gpuipc_buffer *buf);
 /* Closes the buffers whose last reference this thread dropped, and calls

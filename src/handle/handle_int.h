@@ -1,8 +1,9 @@
 /*
  * handle_int.h: the handle layer's own internals, for the files of
  * src/handle/ only: the buffer, pool and event objects, the table of
- * operations each buffer kind implements (one file per kind), the import
- * cache, and the liveness tables.
+ * operations each buffer kind implements (one file per kind), the helpers
+ * the kinds share (kind.c, import.c), the end every import shares
+ * (buffer.c), the import cache, and the liveness tables.
  */
 #ifndef GPUIPC_HANDLE_INT_H
 #define GPUIPC_HANDLE_INT_H
@@ -276,6 +277,19 @@ CUmemoryPool gpuipc__pool_import_handle(const struct gpuipc__pool_import *p);
 /* Counters of driver opens and closes (cache.c). */
 void gpuipc__cache_count_open(void);
 void gpuipc__cache_count_close(void);
+
+/* ---- buffers (buffer.c) --------------------------------------------------- */
+
+/* The end every import shares (gpuipc_buffer_import, and interop.c's raw
+ * imports of a descriptor they made up): d's mapping through the import
+ * cache (opened with ops, in the context of device map, with flags), its
+ * range checked against the mapping (a cache hit may come from a
+ * descriptor with another offset and size), as an imported buffer of
+ * device home, closed by gpuipc_buffer_close. */
+gpuipc_status gpuipc__buffer_open(const gpuipc__desc *d,
+                                  const gpuipc__kind_ops *ops, int home,
+                                  int map, const int *fds, int nfds,
+                                  unsigned flags, gpuipc_buffer **out);
 
 /* ---- pools (pool.c; the id counter in kind.c) ----------------------------- */
 

@@ -6,7 +6,8 @@
  * Exports are gpuipc_buffer_export / gpuipc_event_export decoded back into
  * their fields. Imports build the decoded descriptor a gpuipc exporter
  * would have sent, naming a synthetic exporter (see raw_identity), and open
- * it through the handle layer's import cache with the kind's own opener,
+ * it as gpuipc_buffer_import does (gpuipc__buffer_open in buffer.c: the
+ * import cache, the kind's own opener, the range check, the buffer object),
  * flagged GPUIPC__IMPORT_RAW: the opener's check of the exporter's buffer
  * id against a mapping the driver hands back needs an id, which raw bytes
  * do not carry (a raw peer sends none), so that check is the one thing
@@ -56,57 +57,6 @@ static gpuipc_status resolve_devices(const gpuipc_uuid *device,
   return GPUIPC_OK;
 }
 
-/* Makes an imported gpuipc_buffer of a raw descriptor: the same object
- * gpuipc_buffer_import makes (closed by gpuipc_buffer_close). */
-static gpuipc_status import_raw(gpuipc__desc *d, int home, int map,
-                                const gpuipc_uuid *home_uuid, const int *fds,
-                                int nfds, gpuipc_buffer **out) {
-  gpuipc_buffer *b = calloc(1, sizeof *b);
-  if (b == NULL)
-    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "buffer");
-  b->fd = -1;
-  b->pool_fd = -1;
-  pthread_mutex_init(&b->lock, NULL);
-  b->ops = gpuipc__kind_ops_get(d->kind);
-  struct gpuipc__mapping *m = NULL;
-  gpuipc_status s = gpuipc__cache_acquire(d, map, fds, nfds,
-                                          GPUIPC__IMPORT_RAW, b->ops, &m);
-  if (s == GPUIPC_OK) {
-    /* A cache hit may come with another offset and size. */
-    size_t mapped = gpuipc__mapping_size(m);
-    if (d->offset > mapped || d->size > mapped - d->offset) {
-      gpuipc__cache_release(m);
-      s = gpuipc__fail(GPUIPC_E_OUT_OF_RANGE,
-                       "raw import: offset %llu + size %llu leaves the "
-                       "%zu-byte allocation the handle names",
-                       (unsigned long long)d->offset,
-                       (unsigned long long)d->size, mapped);
-    }
-  }
-  if (s != GPUIPC_OK) {
-    pthread_mutex_destroy(&b->lock);
-    free(b);
-    return s;
-  }
-  b->origin = GPUIPC__IMPORTED;
-  b->kind = (gpuipc_pool_kind)d->kind;
-  b->ordinal = home;
-  b->map_ordinal = map;
-  b->uuid = *home_uuid;
-  b->base = gpuipc__mapping_base(m);
-  b->ptr = b->base + d->offset;
-  b->size = (size_t)d->size;
-  b->offset = (size_t)d->offset;
-  b->alloc_size = gpuipc__mapping_size(m);
-  b->buffer_id = 0;
-  b->generation = 0;
-  b->pool_id = d->pool_id;
-  b->exporter = d->exporter;
-  b->map = m;
-  *out = b;
-  return GPUIPC_OK;
-}
-
 static gpuipc_status raw_desc(gpuipc__desc *d, gpuipc_pool_kind kind,
                               const uint8_t handle[64], size_t offset,
                               size_t size, const gpuipc_uuid *home_uuid) {
@@ -143,7 +93,8 @@ gpuipc_status gpuipc_buffer_import_legacy_raw(const uint8_t handle[64],
   gpuipc__desc d;
   GPUIPC__CHECK(raw_desc(&d, GPUIPC_POOL_LEGACY, handle, offset, size,
                          &home_uuid));
-  return import_raw(&d, home, map, &home_uuid, NULL, 0, buf);
+  return gpuipc__buffer_open(&d, gpuipc__kind_ops_get(d.kind), home, map,
+                             NULL, 0, GPUIPC__IMPORT_RAW, buf);
 }
 
 /* Which exported pool a raw pool fd names. The handle layer imports each
@@ -252,7 +203,8 @@ gpuipc_status gpuipc_buffer_import_mempool_raw(
                          &home_uuid));
   GPUIPC__CHECK(raw_pool_id(pool_fd, home, &d.pool_id));
   d.nfds = 1;
-  return import_raw(&d, home, map, &home_uuid, &pool_fd, 1, buf);
+  return gpuipc__buffer_open(&d, gpuipc__kind_ops_get(d.kind), home, map,
+                             &pool_fd, 1, GPUIPC__IMPORT_RAW, buf);
 }
 
 /* ---- exports ----------------------------------------------------------------- */

@@ -1,8 +1,10 @@
 /*
  * pool.c: owns the pool object: options, devices and access lists,
  * choosing a kind for auto, the table of kind operations (each kind's own
- * steps are in its file), destroying, exporting and importing a pool, and
- * the process-wide counter behind pool ids.
+ * steps are in its file), destroying, exporting and importing a pool. The
+ * process-wide counter behind pool ids is kind.c's (gpuipc__next_pool_id),
+ * below the kinds: mempool.c numbers the foreign pools of memory it wraps
+ * from it too.
  */
 #include "handle_int.h"
 #include "core/stats.h"

@@ -89,21 +89,14 @@ static void grave_reap(void) {
 /* Keeps an arena for grave_reap; false when there is no room. */
 static bool grave_add(gpuipc_arena *a) {
   pthread_mutex_lock(&grave_lock);
-  bool ok = true;
-  if (ngrave == grave_cap) {
-    size_t cap = grave_cap ? 2 * grave_cap : 8;
-    gpuipc_arena **g = realloc(grave, cap * sizeof *g);
-    if (g) {
-      grave = g;
-      grave_cap = cap;
-    } else {
-      ok = false;
-    }
-  }
-  if (ok)
+  gpuipc_arena **g =
+      gpuipc__grow(grave, &grave_cap, ngrave + 1, sizeof *g, 8);
+  if (g) {
+    grave = g;
     grave[ngrave++] = a;
+  }
   pthread_mutex_unlock(&grave_lock);
-  return ok;
+  return g != NULL;
 }
 
 /* ---- peers -------------------------------------------------------------------- */
@@ -349,6 +342,7 @@ static gpuipc_status place_wrapped(gpuipc_tset *set, const gpuipc_tensor *ts) {
         break;
       }
       if (np == cap) {
+        /* Three arrays under one capacity (not gpuipc__grow's one). */
         cap *= 2;
         CUdeviceptr *nb = realloc(bases, cap * sizeof *bases);
         if (nb)
@@ -656,14 +650,11 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
   if (peer_find(set, conn) >= 0)
     return gpuipc__fail(GPUIPC_E_EXISTS, "gpuipc_tset_subscribe: connection "
                         "subscribed already");
-  if (set->npeers == set->peers_cap) {
-    size_t cap = set->peers_cap ? 2 * set->peers_cap : 4;
-    gpuipc__tset_peer *p = realloc(set->peers, cap * sizeof *p);
-    if (p == NULL)
-      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_subscribe");
-    set->peers = p;
-    set->peers_cap = cap;
-  }
+  gpuipc__tset_peer *p = gpuipc__grow(set->peers, &set->peers_cap,
+                                      set->npeers + 1, sizeof *p, 4);
+  if (p == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_subscribe");
+  set->peers = p;
   gpuipc_status s = GPUIPC_OK;
   /* The table, in chunk messages. */
   uint8_t *msg = malloc(GPUIPC_CONN_MSG_MAX);
@@ -791,14 +782,11 @@ static gpuipc_status retire(gpuipc_tset *set, int c, CUstream stream) {
   unsigned holders = gpuipc_block_get_holders(set->token[c]);
   bool in_place =
       set->wrapped || retired_owned(set) >= (size_t)set->retired_max;
-  if (set->nretired == set->retired_cap) {
-    size_t cap = set->retired_cap ? 2 * set->retired_cap : 4;
-    gpuipc__tset_retired *r = realloc(set->retired, cap * sizeof *r);
-    if (r == NULL)
-      return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_begin");
-    set->retired = r;
-    set->retired_cap = cap;
-  }
+  gpuipc__tset_retired *r = gpuipc__grow(set->retired, &set->retired_cap,
+                                         set->nretired + 1, sizeof *r, 4);
+  if (r == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_tset_begin");
+  set->retired = r;
   gpuipc_block *piece = NULL, *token = NULL;
   gpuipc_status s = gpuipc_arena_alloc(set->arena, 256,
                                        (struct CUstream_st *)stream, &token);
