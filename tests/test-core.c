@@ -4,6 +4,7 @@
  * driver), the fork guard, versions and UUID text.
  */
 #include "harness.h"
+#include "tree.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -361,5 +362,67 @@ TEST_IMPL(core_desc_recv_too_many_fds) {
   close(fd);
   close(sv[0]);
   close(sv[1]);
+  return 0;
+}
+
+/* The one growable array: doubling from `first`, the array kept whole, and
+ * an overflowing size refused with the array and its capacity untouched. */
+TEST_IMPL(core_grow) {
+  size_t cap = 0;
+  int *a = gpuipc__grow(NULL, &cap, 1, sizeof *a, 4);
+  ASSERT_NOT_NULL(a);
+  ASSERT_UEQ(cap, 4);
+  for (int i = 0; i < 4; i++)
+    a[i] = i;
+  int *same = gpuipc__grow(a, &cap, 3, sizeof *a, 4);
+  ASSERT(same == a);
+  ASSERT_UEQ(cap, 4);
+  a = gpuipc__grow(a, &cap, 5, sizeof *a, 4);
+  ASSERT_NOT_NULL(a);
+  ASSERT_UEQ(cap, 8);
+  a = gpuipc__grow(a, &cap, 100, sizeof *a, 4);
+  ASSERT_NOT_NULL(a);
+  ASSERT(cap >= 100);
+  for (int i = 0; i < 4; i++)
+    ASSERT_EQ(a[i], i);
+  size_t before = cap;
+  ASSERT_NULL(gpuipc__grow(a, &cap, SIZE_MAX / 2, sizeof *a, 4));
+  ASSERT_UEQ(cap, before);
+  ASSERT_EQ(a[3], 3); /* still ours */
+  free(a);
+  return 0;
+}
+
+/* The one reader of /proc's "Key: numbers" lines, on files written here:
+ * the first and last number, a missing line, a missing file, a line that
+ * ends without a number. */
+TEST_IMPL(core_proc_field) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/status", harness_tmpdir());
+  FILE *f = fopen(path, "w");
+  ASSERT_NOT_NULL(f);
+  fprintf(f, "Name:\ttest\nNSpid:\t4242\t17\t1\nThreads:\t9\nPid:\n"
+             "Tgid:\t77\n");
+  fclose(f);
+  long first = -1, last = -1;
+  ASSERT_OK(gpuipc__proc_field(path, "NSpid", &first, &last));
+  ASSERT_EQ(first, 4242);
+  ASSERT_EQ(last, 1);
+  first = last = -1;
+  ASSERT_OK(gpuipc__proc_field(path, "Threads", &first, NULL));
+  ASSERT_EQ(first, 9);
+  /* A line with no number leaves both untouched, and does not read on
+   * into the next line. */
+  first = last = -1;
+  (void)gpuipc__proc_field(path, "Pid", &first, &last);
+  ASSERT_EQ(first, -1);
+  ASSERT_EQ(last, -1);
+  ASSERT_STATUS(gpuipc__proc_field(path, "VmRSS", &first, &last),
+                GPUIPC_E_NOT_SUPPORTED);
+  ASSERT_STATUS(gpuipc__proc_field("/proc/0/status-none", "Pid", &first, NULL),
+                GPUIPC_E_NOT_FOUND);
+  /* This process's own status: its pid. */
+  ASSERT_OK(gpuipc__proc_field("/proc/self/status", "Pid", &first, NULL));
+  ASSERT_EQ(first, getpid());
   return 0;
 }
