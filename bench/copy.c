@@ -9,7 +9,9 @@
  * The stage of the pipeline is a device-to-device copy of the chunk
  * (gpuipc launches no kernels).
  */
-#include "cli.h"
+#define BENCH_NAME "copy"
+#include "bench.h"
+#include "bench_int.h"
 #include "tree.h"
 
 #include <stdio.h>
@@ -32,16 +34,6 @@ typedef struct bench {
   gpuipc_xfer_shared *sh; /* one slot of the largest size, pinned */
   uint64_t seq;
 } bench;
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 enum which {
   RAW_H2D_PINNED,
@@ -69,25 +61,6 @@ static gpuipc_status d2d_stage(void *user, struct CUstream_st *stream,
   return r == CUDA_SUCCESS ? GPUIPC_OK : GPUIPC_E_DRIVER;
 }
 
-#define CU_OK(call)                                                            \
-  do {                                                                         \
-    CUresult r_ = (call);                                                      \
-    if (r_ != CUDA_SUCCESS) {                                                  \
-      fprintf(stderr, "gpuipc bench copy: %s: %s\n", #call,                    \
-              gpuipc__cuda_error_name(r_));                                    \
-      return -1;                                                               \
-    }                                                                          \
-  } while (0)
-#define GP_OK(call)                                                            \
-  do {                                                                         \
-    gpuipc_status s_ = (call);                                                 \
-    if (s_ != GPUIPC_OK) {                                                     \
-      fprintf(stderr, "gpuipc bench copy: %s: %s\n", #call,                    \
-              gpuipc_last_error());                                            \
-      return -1;                                                               \
-    }                                                                          \
-  } while (0)
-
 /* One run of a case; returns seconds, or < 0 on failure. */
 static double run_once(bench *b, int which, size_t n) {
   gpuipc_xfer_stage st = GPUIPC_XFER_STAGE_INIT;
@@ -95,76 +68,76 @@ static double run_once(bench *b, int which, size_t n) {
   uint64_t t0 = gpuipc__now_ns();
   switch (which) {
   case RAW_H2D_PINNED:
-    CU_OK(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    CU_OR(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case RAW_D2H_PINNED:
-    CU_OK(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_b, n, b->s1));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    CU_OR(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_b, n, b->s1), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case RAW_BOTH_PINNED:
-    CU_OK(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1));
-    CU_OK(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_b, n, b->s2));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s2));
+    CU_OR(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1), return -1);
+    CU_OR(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_b, n, b->s2), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s2), return -1);
     break;
   case RAW_H2D_PAGEABLE:
-    CU_OK(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n));
+    CU_OR(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n), return -1);
     break;
   case RAW_D2H_PAGEABLE:
-    CU_OK(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_b, n));
+    CU_OR(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_b, n), return -1);
     break;
   case RAW_SERIAL_PIPE:
-    CU_OK(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1));
-    CU_OK(gpuipc__cu.cuMemcpyDtoDAsync(b->dev_c, b->dev_a, n, b->s1));
-    CU_OK(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_c, n, b->s1));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    CU_OR(gpuipc__cu.cuMemcpyHtoDAsync(b->dev_a, b->pin_a, n, b->s1), return -1);
+    CU_OR(gpuipc__cu.cuMemcpyDtoDAsync(b->dev_c, b->dev_a, n, b->s1), return -1);
+    CU_OR(gpuipc__cu.cuMemcpyDtoHAsync(b->pin_b, b->dev_c, n, b->s1), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_PIPE_PAGEABLE_SERIAL:
-    CU_OK(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n));
-    CU_OK(gpuipc__cu.cuMemcpyDtoDAsync(b->dev_c, b->dev_a, n, b->s1));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
-    CU_OK(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_c, n));
+    CU_OR(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n), return -1);
+    CU_OR(gpuipc__cu.cuMemcpyDtoDAsync(b->dev_c, b->dev_a, n, b->s1), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
+    CU_OR(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_c, n), return -1);
     break;
   case X_H2D_PINNED:
-    GP_OK(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->pin_a, n,
-                                b->s1, 0));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    OK_OR(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->pin_a, n,
+                                b->s1, 0), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_D2H_PINNED:
-    GP_OK(gpuipc_xfer_to_host(b->x, b->pin_b, (void *)(uintptr_t)b->dev_b, n,
-                              b->s1, 0));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    OK_OR(gpuipc_xfer_to_host(b->x, b->pin_b, (void *)(uintptr_t)b->dev_b, n,
+                              b->s1, 0), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_H2D_PAGEABLE:
-    GP_OK(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->page_a, n,
-                                b->s1, 0));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    OK_OR(gpuipc_xfer_to_device(b->x, (void *)(uintptr_t)b->dev_a, b->page_a, n,
+                                b->s1, 0), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_D2H_PAGEABLE:
-    GP_OK(gpuipc_xfer_to_host(b->x, b->page_b, (void *)(uintptr_t)b->dev_b, n,
-                              b->s1, 0));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    OK_OR(gpuipc_xfer_to_host(b->x, b->page_b, (void *)(uintptr_t)b->dev_b, n,
+                              b->s1, 0), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_PIPE_PINNED:
-    GP_OK(gpuipc_xfer_pipeline(b->x, b->pin_b, b->pin_a, n, &st, b->s1, 0));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    OK_OR(gpuipc_xfer_pipeline(b->x, b->pin_b, b->pin_a, n, &st, b->s1, 0), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_PIPE_PAGEABLE:
-    GP_OK(gpuipc_xfer_pipeline(b->x, b->page_b, b->page_a, n, &st, b->s1, 0));
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    OK_OR(gpuipc_xfer_pipeline(b->x, b->page_b, b->page_a, n, &st, b->s1, 0), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_SHARED_H2D: {
     /* The filler's side is in this process too: its acquire and publish
      * are two word operations, then the stream waits, copies, marks. */
     void *p;
     size_t cap;
-    GP_OK(gpuipc_xfer_shared_acquire(b->sh, b->seq, 10000, &p, &cap));
-    GP_OK(gpuipc_xfer_shared_publish(b->sh, b->seq, n));
-    GP_OK(gpuipc_xfer_shared_to_device(
-        b->sh, b->seq, (void *)(uintptr_t)b->dev_a, n, b->s1, 0));
+    OK_OR(gpuipc_xfer_shared_acquire(b->sh, b->seq, 10000, &p, &cap), return -1);
+    OK_OR(gpuipc_xfer_shared_publish(b->sh, b->seq, n), return -1);
+    OK_OR(gpuipc_xfer_shared_to_device(
+        b->sh, b->seq, (void *)(uintptr_t)b->dev_a, n, b->s1, 0), return -1);
     b->seq++;
-    CU_OK(gpuipc__cu.cuStreamSynchronize(b->s1));
+    CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   }
   }
@@ -191,7 +164,7 @@ static int rates(bench *b, size_t n, double out[NCASES]) {
     if (c == RAW_BOTH_PINNED || c == RAW_SERIAL_PIPE || c == X_PIPE_PINNED ||
         c == X_PIPE_PAGEABLE || c == X_PIPE_PAGEABLE_SERIAL)
       moved *= 2;
-    double m = median(t[c], b->reps);
+    double m = bench_median(t[c], b->reps);
     out[c] = m > 0 ? moved / m / 1e9 : 0;
   }
   return 0;
@@ -274,7 +247,7 @@ int gpuipc_bench_copy(int argc, char **argv) {
       usage(stdout);
       return 0;
     }
-  int emulated = gpuipc_cli_pick_driver(&argc, argv, "bench copy");
+  int emulated = gpuipc_bench_pick_driver(&argc, argv, "bench copy");
   if (emulated < 0)
     return 2;
   size_t max = 0, min = MIB;

@@ -16,7 +16,9 @@
  * sample each, after an untimed import of a third pool warms the driver's
  * import path).
  */
-#include "cli.h"
+#define BENCH_NAME "handle"
+#include "bench.h"
+#include "bench_int.h"
 #include "tree.h"
 
 #include <fcntl.h>
@@ -41,37 +43,15 @@ typedef struct import_row {
   int ok;
 } import_row;
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-static double median(double *v, int n) {
-  if (n <= 0)
-    return 0;
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 static double us_since(uint64_t t0) {
   return (double)(gpuipc__now_ns() - t0) / 1000.0;
 }
 
+/* The failures here unwind to the function's out: label. */
 #define BAIL(...)                                                              \
   do {                                                                         \
-    fprintf(stderr, "gpuipc bench handle: " __VA_ARGS__);                      \
-    fprintf(stderr, "\n");                                                     \
+    BENCH_SAY(__VA_ARGS__);                                                    \
     goto out;                                                                  \
-  } while (0)
-#define G(call)                                                                \
-  do {                                                                         \
-    gpuipc_status s_ = (call);                                                 \
-    if (s_ != GPUIPC_OK)                                                       \
-      BAIL("%s: %s", #call, gpuipc_last_error());                              \
-  } while (0)
-#define CU(call)                                                               \
-  do {                                                                         \
-    CUresult r_ = (call);                                                      \
-    if (r_ != CUDA_SUCCESS)                                                    \
-      BAIL("%s: %s", #call, gpuipc__cuda_error_name(r_));                      \
   } while (0)
 
 static int send_u64(int sock, uint64_t v) {
@@ -102,18 +82,18 @@ static int importer(int sock, int iters) {
   CUcontext ctx = NULL;
   if (!tg || !tc || !th || !tr || !trc)
     BAIL("out of memory");
-  G(gpuipc_init());
-  G(gpuipc__primary_ctx(0, &ctx));
-  CU(gpuipc__cu.cuCtxSetCurrent(ctx));
+  OK_OR(gpuipc_init(), goto out);
+  OK_OR(gpuipc__primary_ctx(0, &ctx), goto out);
+  CU_OR(gpuipc__cu.cuCtxSetCurrent(ctx), goto out);
   {
     /* One-time costs of the process (device table, identity, CRC table)
      * are paid here, not in the first timed import. */
     gpuipc_uuid u0;
     int o0;
     gpuipc__identity me;
-    G(gpuipc_device_uuid(0, &u0));
-    G(gpuipc_device_from_uuid(&u0, &o0));
-    G(gpuipc__self_identity(&me));
+    OK_OR(gpuipc_device_uuid(0, &u0), goto out);
+    OK_OR(gpuipc_device_from_uuid(&u0, &o0), goto out);
+    OK_OR(gpuipc__self_identity(&me), goto out);
     (void)gpuipc__crc32c(0, &u0, sizeof u0);
   }
   for (int k = 0; k < NKINDS; k++) {
@@ -143,9 +123,9 @@ static int importer(int sock, int iters) {
           nfds != 1)
         BAIL("recv warm-up pool: %s", gpuipc_last_error());
       CUmemoryPool warm = NULL;
-      CU(gpuipc__cu.cuMemPoolImportFromShareableHandle(
+      CU_OR(gpuipc__cu.cuMemPoolImportFromShareableHandle(
           &warm, (void *)(uintptr_t)fd2, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-          0));
+          0), goto out);
       close(fd2);
       fd2 = -1;
       nfds = 1;
@@ -158,12 +138,12 @@ static int importer(int sock, int iters) {
           nfds != 1)
         BAIL("recv raw pool: %s", gpuipc_last_error());
       uint64_t t0 = gpuipc__now_ns();
-      CU(gpuipc__cu.cuMemPoolImportFromShareableHandle(
+      CU_OR(gpuipc__cu.cuMemPoolImportFromShareableHandle(
           &rawpool, (void *)(uintptr_t)fd2,
-          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), goto out);
       row.pool_r = us_since(t0);
       t0 = gpuipc__now_ns();
-      G(gpuipc_pool_import(d, len, fd, NULL, &ipool));
+      OK_OR(gpuipc_pool_import(d, len, fd, NULL, &ipool), goto out);
       row.first_g = us_since(t0);
       close(fd);
       close(fd2);
@@ -176,16 +156,16 @@ static int importer(int sock, int iters) {
         BAIL("recv: %s", gpuipc_last_error());
       gpuipc_buffer *b1 = NULL, *b2 = NULL;
       uint64_t t0 = gpuipc__now_ns();
-      G(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b1));
+      OK_OR(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b1), goto out);
       tg[i] = us_since(t0);
       t0 = gpuipc__now_ns();
-      G(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b2));
+      OK_OR(gpuipc_buffer_import(d, len, fds, nfds, NULL, &b2), goto out);
       th[i] = us_since(t0);
       for (int j = 0; j < nfds; j++)
         close(fds[j]);
-      G(gpuipc_buffer_close(b2));
+      OK_OR(gpuipc_buffer_close(b2), goto out);
       t0 = gpuipc__now_ns();
-      G(gpuipc_buffer_close(b1));
+      OK_OR(gpuipc_buffer_close(b1), goto out);
       tc[i] = us_since(t0);
 
       /* The raw twin. */
@@ -203,42 +183,42 @@ static int importer(int sock, int iters) {
         CUipcMemHandle h;
         memcpy(&h, raw, 64);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuIpcOpenMemHandle(&p, h,
-                                         CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+        CU_OR(gpuipc__cu.cuIpcOpenMemHandle(&p, h,
+                                         CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), goto out);
         tr[i] = us_since(t0);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuIpcCloseMemHandle(p));
+        CU_OR(gpuipc__cu.cuIpcCloseMemHandle(p), goto out);
         trc[i] = us_since(t0);
       } else if (kind == GPUIPC_POOL_MEMPOOL) {
         CUmemPoolPtrExportData e;
         memcpy(&e, raw, 64);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemPoolImportPointer(&p, rawpool, &e));
+        CU_OR(gpuipc__cu.cuMemPoolImportPointer(&p, rawpool, &e), goto out);
         tr[i] = us_since(t0);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemFree(p));
+        CU_OR(gpuipc__cu.cuMemFree(p), goto out);
         trc[i] = us_since(t0);
       } else if (kind == GPUIPC_POOL_VMM) {
         if (nfds < 1)
           BAIL("no VMM fd");
         CUmemGenericAllocationHandle h;
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemImportFromShareableHandle(
+        CU_OR(gpuipc__cu.cuMemImportFromShareableHandle(
             &h, (void *)(uintptr_t)fds[0],
-            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
-        CU(gpuipc__cu.cuMemAddressReserve(&p, alloc_size, 0, 0, 0));
-        CU(gpuipc__cu.cuMemMap(p, alloc_size, 0, h, 0));
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), goto out);
+        CU_OR(gpuipc__cu.cuMemAddressReserve(&p, alloc_size, 0, 0, 0), goto out);
+        CU_OR(gpuipc__cu.cuMemMap(p, alloc_size, 0, h, 0), goto out);
         CUmemAccessDesc ad;
         memset(&ad, 0, sizeof ad);
         ad.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         ad.location.id = 0;
         ad.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        CU(gpuipc__cu.cuMemSetAccess(p, alloc_size, &ad, 1));
-        CU(gpuipc__cu.cuMemRelease(h));
+        CU_OR(gpuipc__cu.cuMemSetAccess(p, alloc_size, &ad, 1), goto out);
+        CU_OR(gpuipc__cu.cuMemRelease(h), goto out);
         tr[i] = us_since(t0);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemUnmap(p, alloc_size));
-        CU(gpuipc__cu.cuMemAddressFree(p, alloc_size));
+        CU_OR(gpuipc__cu.cuMemUnmap(p, alloc_size), goto out);
+        CU_OR(gpuipc__cu.cuMemAddressFree(p, alloc_size), goto out);
         trc[i] = us_since(t0);
       } else {
         if (nfds < 1)
@@ -248,12 +228,12 @@ static int importer(int sock, int iters) {
                     fds[0], 0);
         if (host == MAP_FAILED)
           BAIL("mmap failed");
-        CU(gpuipc__cu.cuMemHostRegister(host, alloc_size,
+        CU_OR(gpuipc__cu.cuMemHostRegister(host, alloc_size,
                                         CU_MEMHOSTREGISTER_PORTABLE |
-                                            CU_MEMHOSTREGISTER_DEVICEMAP));
+                                            CU_MEMHOSTREGISTER_DEVICEMAP), goto out);
         tr[i] = us_since(t0);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemHostUnregister(host));
+        CU_OR(gpuipc__cu.cuMemHostUnregister(host), goto out);
         munmap(host, alloc_size);
         trc[i] = us_since(t0);
       }
@@ -261,12 +241,12 @@ static int importer(int sock, int iters) {
         close(fds[j]);
     }
     if (ipool)
-      G(gpuipc_pool_destroy(ipool));
-    row.import_g = median(tg, iters);
-    row.close_g = median(tc, iters);
-    row.hit_g = median(th, iters);
-    row.import_r = median(tr, iters);
-    row.close_r = median(trc, iters);
+      OK_OR(gpuipc_pool_destroy(ipool), goto out);
+    row.import_g = bench_median(tg, iters);
+    row.close_g = bench_median(tc, iters);
+    row.hit_g = bench_median(th, iters);
+    row.import_r = bench_median(tr, iters);
+    row.close_r = bench_median(trc, iters);
     row.ok = 1;
     if (gpuipc_desc_send(sock, (uint8_t *)&row, sizeof row, NULL, 0))
       BAIL("send");
@@ -315,7 +295,7 @@ int gpuipc_bench_handle(int argc, char **argv) {
       usage(stdout);
       return 0;
     }
-  int picked = gpuipc_cli_pick_driver(&argc, argv, "bench handle");
+  int picked = gpuipc_bench_pick_driver(&argc, argv, "bench handle");
   if (picked < 0)
     return 2;
   int iters = 100;
@@ -369,11 +349,11 @@ int gpuipc_bench_handle(int argc, char **argv) {
   memset(rows, 0, sizeof rows);
   if (!te || !tr || !bufs)
     BAIL("out of memory");
-  G(gpuipc_init());
-  G(gpuipc__primary_ctx(0, &ctx));
+  OK_OR(gpuipc_init(), goto out);
+  OK_OR(gpuipc__primary_ctx(0, &ctx), goto out);
   /* The primary context stays current, so gpuipc's calls need no push or
    * pop and both paths run in the same context. */
-  CU(gpuipc__cu.cuCtxSetCurrent(ctx));
+  CU_OR(gpuipc__cu.cuCtxSetCurrent(ctx), goto out);
   char devname[256] = "";
   CUdevice dev;
   if (gpuipc__cu.cuDeviceGet(&dev, 0) == CUDA_SUCCESS)
@@ -401,25 +381,25 @@ int gpuipc_bench_handle(int argc, char **argv) {
     }
     /* The raw path's buffers come from a second pool, so that each path
      * imports its own pool for the first time. */
-    G(gpuipc_pool_create(&o, &pool2));
+    OK_OR(gpuipc_pool_create(&o, &pool2), goto out);
     if (send_u64(sock, 1))
       BAIL("importer went away");
     for (int i = 0; i < 2 * iters; i++)
-      G(gpuipc_buffer_alloc(i % 2 ? pool2 : pool, size, NULL, &bufs[i]));
-    CU(gpuipc__cu.cuCtxSynchronize());
+      OK_OR(gpuipc_buffer_alloc(i % 2 ? pool2 : pool, size, NULL, &bufs[i]), goto out);
+    CU_OR(gpuipc__cu.cuCtxSynchronize(), goto out);
     if (kind == GPUIPC_POOL_MEMPOOL) {
       uint8_t d[GPUIPC_DESC_MAX];
       size_t len = 0;
       int fd = -1;
-      G(gpuipc_pool_create(&o, &warm));
-      G(gpuipc_pool_export(warm, d, sizeof d, &len, &fd));
-      G(gpuipc_desc_send(sock, d, len, &fd, 1));
+      OK_OR(gpuipc_pool_create(&o, &warm), goto out);
+      OK_OR(gpuipc_pool_export(warm, d, sizeof d, &len, &fd), goto out);
+      OK_OR(gpuipc_desc_send(sock, d, len, &fd, 1), goto out);
       close(fd);
-      G(gpuipc_pool_export(pool, d, sizeof d, &len, &fd));
-      G(gpuipc_desc_send(sock, d, len, &fd, 1));
+      OK_OR(gpuipc_pool_export(pool, d, sizeof d, &len, &fd), goto out);
+      OK_OR(gpuipc_desc_send(sock, d, len, &fd, 1), goto out);
       close(fd);
-      G(gpuipc_pool_export(pool2, d, sizeof d, &len, &fd));
-      G(gpuipc_desc_send(sock, d, len, &fd, 1));
+      OK_OR(gpuipc_pool_export(pool2, d, sizeof d, &len, &fd), goto out);
+      OK_OR(gpuipc_desc_send(sock, d, len, &fd, 1), goto out);
       close(fd);
     }
     for (int i = 0; i < iters; i++) {
@@ -428,23 +408,23 @@ int gpuipc_bench_handle(int argc, char **argv) {
       size_t len = 0;
       int fds[1] = {-1}, nfds = 1;
       uint64_t t0 = gpuipc__now_ns();
-      G(gpuipc_buffer_export(b, d, sizeof d, &len, fds, &nfds));
+      OK_OR(gpuipc_buffer_export(b, d, sizeof d, &len, fds, &nfds), goto out);
       te[i] = us_since(t0);
-      G(gpuipc_desc_send(sock, d, len, fds, nfds));
+      OK_OR(gpuipc_desc_send(sock, d, len, fds, nfds), goto out);
       for (int j = 0; j < nfds; j++)
         close(fds[j]);
 
       uint8_t raw[64 + 16];
       memset(raw, 0, sizeof raw);
       gpuipc__buffer_info ri;
-      G(gpuipc__buffer_info_get(rb, &ri));
+      OK_OR(gpuipc__buffer_info_get(rb, &ri), goto out);
       uint64_t alloc_size = ri.alloc_size;
       memcpy(raw + 64, &alloc_size, 8);
       int rfd = -1;
       if (kind == GPUIPC_POOL_LEGACY) {
         CUipcMemHandle h;
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuIpcGetMemHandle(&h, ri.base));
+        CU_OR(gpuipc__cu.cuIpcGetMemHandle(&h, ri.base), goto out);
         tr[i] = us_since(t0);
         memcpy(raw, &h, 64);
         rows[k].raw_export = "cuIpcGetMemHandle";
@@ -454,15 +434,15 @@ int gpuipc_bench_handle(int argc, char **argv) {
         CUmemPoolPtrExportData e;
         memset(&e, 0, sizeof e);
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemPoolExportPointer(&e, ri.base));
+        CU_OR(gpuipc__cu.cuMemPoolExportPointer(&e, ri.base), goto out);
         tr[i] = us_since(t0);
         memcpy(raw, &e, 64);
         rows[k].raw_export = "cuMemPoolExportPointer";
         rows[k].raw_import = "cuMemPoolImportPointer / cuMemFree";
       } else if (kind == GPUIPC_POOL_VMM) {
         t0 = gpuipc__now_ns();
-        CU(gpuipc__cu.cuMemExportToShareableHandle(
-            &rfd, (CUmemGenericAllocationHandle)ri.vmm, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+        CU_OR(gpuipc__cu.cuMemExportToShareableHandle(
+            &rfd, (CUmemGenericAllocationHandle)ri.vmm, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), goto out);
         tr[i] = us_since(t0);
         rows[k].raw_export = "cuMemExportToShareableHandle";
         rows[k].raw_import = "cuMemImportFromShareableHandle+Reserve+Map+"
@@ -474,25 +454,25 @@ int gpuipc_bench_handle(int argc, char **argv) {
         rows[k].raw_export = "dup of the memfd (no driver call)";
         rows[k].raw_import = "mmap+cuMemHostRegister / Unregister+munmap";
       }
-      G(gpuipc_desc_send(sock, raw, sizeof raw, &rfd, rfd >= 0 ? 1 : 0));
+      OK_OR(gpuipc_desc_send(sock, raw, sizeof raw, &rfd, rfd >= 0 ? 1 : 0), goto out);
       if (rfd >= 0)
         close(rfd);
     }
-    rows[k].export_g = median(te, iters);
-    rows[k].export_r = median(tr, iters);
+    rows[k].export_g = bench_median(te, iters);
+    rows[k].export_r = bench_median(tr, iters);
     size_t len;
     int nfds = 0;
     if (gpuipc_desc_recv(sock, (uint8_t *)&rows[k].imp, sizeof rows[k].imp,
                          &len, NULL, &nfds) != GPUIPC_OK)
       BAIL("importer: %s", gpuipc_last_error());
     for (int i = 0; i < 2 * iters; i++) {
-      G(gpuipc_buffer_free(bufs[i], NULL));
+      OK_OR(gpuipc_buffer_free(bufs[i], NULL), goto out);
       bufs[i] = NULL;
     }
-    CU(gpuipc__cu.cuCtxSynchronize());
-    G(gpuipc_pool_destroy(pool));
-    G(gpuipc_pool_destroy(pool2));
-    G(gpuipc_pool_destroy(warm));
+    CU_OR(gpuipc__cu.cuCtxSynchronize(), goto out);
+    OK_OR(gpuipc_pool_destroy(pool), goto out);
+    OK_OR(gpuipc_pool_destroy(pool2), goto out);
+    OK_OR(gpuipc_pool_destroy(warm), goto out);
     pool = pool2 = warm = NULL;
   }
 

@@ -58,7 +58,9 @@
  * argument, started before the producer initializes CUDA. Times are
  * CLOCK_MONOTONIC, which all processes of the machine share.
  */
-#include "cli.h"
+#define BENCH_NAME "handoff"
+#include "bench.h"
+#include "bench_int.h"
 #include "tree.h"
 
 #include <errno.h>
@@ -108,37 +110,7 @@ typedef struct reply {
   double a, b, c, d; /* op-specific, microseconds */
 } reply;
 
-static int cmp_double(const void *x, const void *y) {
-  double a = *(const double *)x, b = *(const double *)y;
-  return a < b ? -1 : a > b;
-}
-static double pct(double *v, int n, double p) {
-  if (n <= 0)
-    return 0;
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  int i = (int)(p * (n - 1) + 0.5);
-  return v[i];
-}
 static double now_us(void) { return (double)gpuipc__now_ns() / 1000.0; }
-
-#define DIE(...)                                                               \
-  do {                                                                         \
-    fprintf(stderr, "gpuipc bench handoff: " __VA_ARGS__);                     \
-    fprintf(stderr, " (%s)\n", gpuipc_last_error());                           \
-    exit(1);                                                                   \
-  } while (0)
-#define OK(expr)                                                               \
-  do {                                                                         \
-    gpuipc_status s_ = (expr);                                                 \
-    if (s_ != GPUIPC_OK)                                                       \
-      DIE("%s: %s", #expr, gpuipc_strerror(s_));                               \
-  } while (0)
-#define CU(expr)                                                               \
-  do {                                                                         \
-    CUresult r_ = (expr);                                                      \
-    if (r_ != CUDA_SUCCESS)                                                    \
-      DIE("%s: %s", #expr, gpuipc__cuda_error_name(r_));                       \
-  } while (0)
 
 static void *xcalloc(size_t n, size_t size) {
   void *p = calloc(n ? n : 1, size);
@@ -253,7 +225,7 @@ static reply op_lat(cons *k, const cmd *m) {
       int c = n - i < VEC_CHUNK ? n - i : VEC_CHUNK;
       OK(gpuipc_conn_send_msg(k->c, v + i, (size_t)c * sizeof *v, NULL, 0));
     }
-  reply r = {pct(v, n, 0.5), pct(v, n, 0.9), now_us() - t0, pct(x, n, 0.5)};
+  reply r = {bench_pct(v, n, 0.5), bench_pct(v, n, 0.9), now_us() - t0, bench_pct(x, n, 0.5)};
   free(v);
   free(x);
   return r;
@@ -354,7 +326,7 @@ static reply op_legacy(cons *k, int n) {
     w[i] = t2 - t1;
     OK(gpuipc_conn_send_msg(k->c, "k", 1, NULL, 0));
   }
-  reply r = {pct(v, n, 0.5), pct(w, n, 0.5), 0, 0};
+  reply r = {bench_pct(v, n, 0.5), bench_pct(w, n, 0.5), 0, 0};
   free(v);
   free(w);
   return r;
@@ -391,8 +363,8 @@ static reply op_pool(cons *k, int n) {
     w[i] = t3 - t2;
     OK(gpuipc_conn_send_msg(k->c, "k", 1, NULL, 0));
   }
-  r.a = pct(v, n, 0.5);
-  r.b = pct(w, n, 0.5);
+  r.a = bench_pct(v, n, 0.5);
+  r.b = bench_pct(w, n, 0.5);
   free(v);
   free(w);
   return r;
@@ -637,7 +609,7 @@ static void run_lat(bctx *b, gpuipc_conn *const *cs, int nc, gpuipc_arena *a,
     gate_open(b, p);
     wait_free(cs, nc, blk);
   }
-  f->send = pct(sc, n * nc, 0.5);
+  f->send = bench_pct(sc, n * nc, 0.5);
   free(sc);
   f->med = f->p90 = f->recv = 0;
   for (int k = 0; k < nc; k++) {
@@ -742,7 +714,7 @@ static void run_fan(bctx *b, gpuipc_arena *a, int nc, bool bcast, bool sleep,
     else
       wait_free(b->c, nc, blk);
   }
-  f->call = pct(sc, n, 0.5);
+  f->call = bench_pct(sc, n, 0.5);
   f->med_each = 0;
   for (int k = 0; k < nc; k++) {
     for (int i = 0; i < n; i += VEC_CHUNK) {
@@ -760,8 +732,8 @@ static void run_fan(bctx *b, gpuipc_arena *a, int nc, bool bcast, bool sleep,
   }
   for (int k = 0; k < nc; k++)
     OK(gpuipc_conn_set_polling(b->c[k], 1));
-  f->med_last = pct(last, n, 0.5);
-  f->p90_last = pct(last, n, 0.9);
+  f->med_last = bench_pct(last, n, 0.5);
+  f->p90_last = bench_pct(last, n, 0.9);
   free(sc);
   free(last);
   free(lat);
@@ -805,7 +777,7 @@ static double run_batch(bctx *b, gpuipc_arena *a, int nb, double *call) {
     wait_free(&c, 1, blk[j]);
   double dt = now_us() - t0;
   (void)get_reply(c);
-  *call = pct(sc, batches, 0.5);
+  *call = bench_pct(sc, batches, 0.5);
   free(sc);
   for (int j = 0; j < 2 * nb; j++)
     OK(gpuipc_block_free(blk[j], (struct CUstream_st *)b->s));
@@ -886,7 +858,7 @@ static void raw_legacy(bctx *b, double out[3]) {
     OK(gpuipc_conn_recv_msg(c, &k, 1, &len, NULL, NULL));
   }
   reply r = get_reply(c);
-  out[0] = pct(v, n, 0.5);
+  out[0] = bench_pct(v, n, 0.5);
   out[1] = r.a;
   out[2] = r.b;
   free(v);
@@ -929,7 +901,7 @@ static void raw_pool(bctx *b, double out[4]) {
     CU(gpuipc__cu.cuMemFreeAsync(p, b->s));
   }
   reply r = get_reply(c);
-  out[0] = pct(v, n, 0.5);
+  out[0] = bench_pct(v, n, 0.5);
   out[1] = r.a;
   out[2] = r.b;
   out[3] = r.c;
@@ -1011,7 +983,7 @@ static void raw_floor(bctx *b, gpuipc_conn *c, double out[3]) {
   /* The consumer answers every command, this one too: take its reply, or
    * every later reply read from this consumer is the one before. */
   (void)get_reply(c);
-  out[0] = pct(v, n, 0.5);
+  out[0] = bench_pct(v, n, 0.5);
   CUdeviceptr w;
   CU(gpuipc__cu.cuMemAlloc(&w, 4096));
   CU(gpuipc__cu.cuMemsetD8(w, 0, 4096));
@@ -1020,13 +992,13 @@ static void raw_floor(bctx *b, gpuipc_conn *c, double out[3]) {
     CU(gpuipc__cu.cuStreamWriteValue64(b->s, w, (cuuint64_t)i + 1, 0));
     v[i] = now_us() - t0;
   }
-  out[1] = pct(v, n, 0.5);
+  out[1] = bench_pct(v, n, 0.5);
   for (int i = 0; i < n; i++) {
     double t0 = now_us();
     CU(gpuipc__cu.cuStreamWaitValue64(b->s, w, 1, CU_STREAM_WAIT_VALUE_GEQ));
     v[i] = now_us() - t0;
   }
-  out[2] = pct(v, n, 0.5);
+  out[2] = bench_pct(v, n, 0.5);
   CU(gpuipc__cu.cuStreamSynchronize(b->s));
   CU(gpuipc__cu.cuMemFree(w));
   free(v);
@@ -1538,7 +1510,7 @@ int gpuipc_bench_handoff(int argc, char **argv) {
       return 0;
     }
   static bctx b;
-  b.emu = gpuipc_cli_pick_driver(&argc, argv, "bench handoff");
+  b.emu = gpuipc_bench_pick_driver(&argc, argv, "bench handoff");
   if (b.emu < 0)
     return 1;
   int rc = parse_args(argc, argv, &b);

@@ -10,7 +10,7 @@
  * for the benchmark's own facts (iterations, sizes); tools/bench.c writes
  * the file once every benchmark of the run is done.
  */
-#include "cli.h"
+#include "bench.h"
 #include "tree.h"
 
 #include <stdarg.h>

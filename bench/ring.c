@@ -41,7 +41,9 @@
  * case CASE (KIND exit: it exits; garbage: it publishes a head index far
  * outside the ring): the suite checks that the run then fails cleanly.
  */
-#include "cli.h"
+#define BENCH_NAME "ring"
+#include "bench.h"
+#include "bench_int.h"
 #include "tree.h"
 
 #include <errno.h>
@@ -216,17 +218,6 @@ static inline void cpu_relax(void) {
 #elif defined(__aarch64__)
   __asm__ __volatile__("yield" ::: "memory");
 #endif
-}
-
-static int cmp_double(const void *x, const void *y) {
-  double a = *(const double *)x, b = *(const double *)y;
-  return a < b ? -1 : a > b;
-}
-static double pct(double *v, uint64_t n, double p) {
-  if (n == 0)
-    return 0;
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return v[(size_t)(p * (double)(n - 1) + 0.5)];
 }
 
 /* Milliseconds until the deadline for poll(), at least 0. */
@@ -707,8 +698,8 @@ static int child_case(side *s, int kase, uint64_t n, uint64_t warm,
     if (msg_send(s, c, i) < 0)
       goto fail;
   }
-  out->one_way_med_us = pct(ow, n, 0.5);
-  out->one_way_p90_us = pct(ow, n, 0.9);
+  out->one_way_med_us = bench_pct(ow, n, 0.5);
+  out->one_way_p90_us = bench_pct(ow, n, 0.9);
   out->lat_sleeps = s->sleeps;
   s->sleeps = 0;
   if (c->t == T_RING) {
@@ -1077,7 +1068,7 @@ int gpuipc_bench_ring(int argc, char **argv) {
            (unsigned long long)r.burst_got, (unsigned long long)burst);
       goto out;
     }
-    double rtt_med = pct(rtt, iters, 0.5), rtt_p90 = pct(rtt, iters, 0.9);
+    double rtt_med = bench_pct(rtt, iters, 0.5), rtt_p90 = bench_pct(rtt, iters, 0.9);
     double per_s = secs > 0 ? (double)burst / secs : 0;
     /* Sleeps of both receivers per message: 2 per ping-pong, 1 per burst
      * message (the ack is one more, not counted). */

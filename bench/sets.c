@@ -35,7 +35,12 @@
  * peers (one reduce_tensor per tensor, 512 MiB flattened buckets) are
  * bench/torch_weight_sync.py, to run beside this on the same machine.
  */
-#include "cli.h"
+/* Which process failed: "sets (producer)" or "sets (consumer)". */
+#define BENCH_NAME who
+/* In the producer, a failure says how the consumer process ended. */
+#define BENCH_AT_DIE() child_status()
+#include "bench.h"
+#include "bench_int.h"
 #include "tree.h"
 
 #include <spawn.h>
@@ -47,8 +52,7 @@
 
 extern char **environ;
 
-/* Which process failed, and (in the producer) how the consumer ended. */
-static const char *role = "producer";
+static const char *who = "sets (producer)";
 static pid_t child_pid;
 static void child_status(void) {
   int st = 0;
@@ -65,27 +69,6 @@ static void child_status(void) {
     usleep(10000);
   }
 }
-#define DIE(...)                                                               \
-  do {                                                                         \
-    fprintf(stderr, "gpuipc bench sets (%s): ", role);                         \
-    fprintf(stderr, __VA_ARGS__);                                              \
-    fprintf(stderr, " (%s)\n", gpuipc_last_error());                           \
-    child_status();                                                            \
-    exit(1);                                                                   \
-  } while (0)
-#define OK(expr)                                                               \
-  do {                                                                         \
-    gpuipc_status s_ = (expr);                                                 \
-    if (s_ != GPUIPC_OK)                                                       \
-      DIE("%s: %s", #expr, gpuipc_strerror(s_));                               \
-  } while (0)
-#define CU(expr)                                                               \
-  do {                                                                         \
-    CUresult r_ = (expr);                                                      \
-    if (r_ != CUDA_SUCCESS)                                                    \
-      DIE("%s: %s", #expr, gpuipc__cuda_error_name(r_));                       \
-  } while (0)
-
 enum { OP_LAT = 1, OP_COPY, OP_FLOOR, OP_END, OP_QUIT, OP_PAGED };
 
 typedef struct cmd {
@@ -95,16 +78,6 @@ typedef struct cmd {
 
 static double now_us(void) { return (double)gpuipc__now_ns() / 1000.0; }
 
-static int cmp_double(const void *x, const void *y) {
-  double a = *(const double *)x, b = *(const double *)y;
-  return a < b ? -1 : a > b;
-}
-static double pct(double *v, int n, double p) {
-  if (n <= 0)
-    return 0;
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return v[(int)(p * (n - 1) + 0.5)];
-}
 
 static void current(void) {
   CUcontext c;
@@ -320,7 +293,7 @@ static gpuipc_tset_version *spin_recv(gpuipc_tset_sub *sub, CUstream s) {
 }
 
 static int consumer(int dfd, int cfd) {
-  role = "consumer";
+  who = "sets (consumer)";
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 120000;
   o.max_outstanding = 4096;
@@ -415,8 +388,8 @@ static int consumer(int dfd, int cfd) {
           w[k - 1] = b;
         }
       }
-      send_dbl(ctl, pct(v, (int)m.n, 0.5));
-      send_dbl(ctl, calls ? pct(w, (int)m.n, 0.5) : 0.0 / 0.0);
+      send_dbl(ctl, bench_pct(v, (int)m.n, 0.5));
+      send_dbl(ctl, calls ? bench_pct(w, (int)m.n, 0.5) : 0.0 / 0.0);
       send_dbl(ctl, calls);
       free(v);
       free(w);
@@ -481,8 +454,8 @@ static res run(model *m, gpuipc_conn *data, gpuipc_conn *ctl, CUstream s,
     double t = publish(set, s);
     v[i] = get_dbl(ctl) - t;
   }
-  r.lat99 = pct(v, lat_iters, 0.99);
-  r.lat50 = pct(v, lat_iters, 0.5);
+  r.lat99 = bench_pct(v, lat_iters, 0.99);
+  r.lat50 = bench_pct(v, lat_iters, 0.5);
   send_cmd(ctl, OP_COPY, (uint32_t)copy_iters + 1);
   for (int i = 0; i <= copy_iters; i++) { /* the first is a warm-up */
     double t = publish(set, s);
@@ -490,7 +463,7 @@ static res run(model *m, gpuipc_conn *data, gpuipc_conn *ctl, CUstream s,
     if (i)
       v[i - 1] = d;
   }
-  r.copy50 = pct(v, copy_iters, 0.5) / 1000.0;
+  r.copy50 = bench_pct(v, copy_iters, 0.5) / 1000.0;
   if (floor) {
     send_cmd(ctl, OP_FLOOR, (uint32_t)copy_iters);
     r.floor50 = get_dbl(ctl) / 1000.0;
@@ -540,7 +513,7 @@ static void set_row(const char *table, const char *what, const model *m,
 }
 
 int gpuipc_bench_sets(int argc, char **argv) {
-  int emu = gpuipc_cli_pick_driver(&argc, argv, "bench sets");
+  int emu = gpuipc_bench_pick_driver(&argc, argv, "bench sets");
   if (emu < 0)
     return 1;
   bool quick = false;

@@ -83,6 +83,32 @@ if(NOT GPUIPC_ASAN AND NOT GPUIPC_TSAN AND EXISTS ${PROJECT_SOURCE_DIR}/python/t
     COST 10000 LABELS python ENVIRONMENT "${GPUIPC_TEST_ENV}")
 endif()
 
+# The suite leaves nothing in the user's runtime directory (the one gpuipc
+# ls lists; docs/ls.md). Each test of gpuipc-tests makes its own inside its
+# temporary directory (tests/runner.c); every other case here (MPI, pytest)
+# gets the suite's, GPUIPC_TEST_RUNTIME_DIR. runtime_dir_setup makes that
+# before any case and notes what the user's holds; runtime_dir_untouched,
+# after them all, fails on a segment a case left there
+# (tests/harness-runtime.c). Both see the user's XDG_RUNTIME_DIR.
+string(MD5 GPUIPC_TEST_RUNTIME_ID "${PROJECT_BINARY_DIR}")
+string(SUBSTRING "${GPUIPC_TEST_RUNTIME_ID}" 0 12 GPUIPC_TEST_RUNTIME_ID)
+set(GPUIPC_TEST_RUNTIME_DIR "/tmp/gpuipc-tests-${GPUIPC_TEST_RUNTIME_ID}")
+set(GPUIPC_TEST_RUNTIME_SNAPSHOT "${PROJECT_BINARY_DIR}/tests/runtime-dir-before.txt")
+get_property(GPUIPC_ALL_TESTS DIRECTORY PROPERTY TESTS)
+foreach(t ${GPUIPC_ALL_TESTS})
+  set_property(TEST ${t} APPEND PROPERTY ENVIRONMENT
+    "XDG_RUNTIME_DIR=${GPUIPC_TEST_RUNTIME_DIR}")
+  set_property(TEST ${t} APPEND PROPERTY FIXTURES_REQUIRED runtime_dir)
+endforeach()
+add_test(NAME runtime_dir_setup COMMAND gpuipc-tests --helper runtime_dir_setup
+  ${GPUIPC_TEST_RUNTIME_DIR} ${GPUIPC_TEST_RUNTIME_SNAPSHOT})
+add_test(NAME runtime_dir_untouched COMMAND gpuipc-tests --helper
+  runtime_dir_untouched ${GPUIPC_TEST_RUNTIME_SNAPSHOT} ${PROJECT_BINARY_DIR})
+set_tests_properties(runtime_dir_setup PROPERTIES FIXTURES_SETUP runtime_dir
+  TIMEOUT 60 LABELS unit)
+set_tests_properties(runtime_dir_untouched PROPERTIES FIXTURES_CLEANUP runtime_dir
+  TIMEOUT 60 LABELS unit)
+
 # libFuzzer targets and their corpus replay live under tests/fuzz.
 if(EXISTS ${PROJECT_SOURCE_DIR}/tests/fuzz/CMakeLists.txt)
   add_subdirectory(${PROJECT_SOURCE_DIR}/tests/fuzz ${PROJECT_BINARY_DIR}/tests/fuzz)

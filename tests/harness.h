@@ -9,6 +9,9 @@
  * - ASSERT_* print both values and stay on in release builds.
  * - SKIP("reason") ends a test as skipped (exit code 77, which CTest reports
  *   as skipped); the reason is printed.
+ * - Each test runs with XDG_RUNTIME_DIR set to a directory inside its
+ *   harness_tmpdir(), so its sockets and stats segments (and its helpers')
+ *   never reach the user's runtime directory (harness-runtime.c checks).
  */
 #ifndef GPUIPC_TEST_HARNESS_H
 #define GPUIPC_TEST_HARNESS_H

@@ -107,10 +107,25 @@ static char **build_env(char *const extra[]) {
   return env;
 }
 
+/* The path of this binary, for argv[0] of the processes it re-executes
+ * (set once, by main): their command lines, and so their stats segments,
+ * name the build they belong to, which runtime_dir_untouched
+ * (harness-runtime.c) relies on. */
+static char self_path[4096] = "/proc/self/exe";
+
+static void self_path_init(void) {
+  char path[sizeof self_path];
+  ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+  if (n > 0) {
+    path[n] = '\0';
+    memcpy(self_path, path, (size_t)n + 1);
+  }
+}
+
 pid_t spawn_helper(const char *name, char *const env[], int *fd, ...) {
   char *argv[64];
   int argc = 0;
-  argv[argc++] = "/proc/self/exe";
+  argv[argc++] = self_path;
   argv[argc++] = "--helper";
   argv[argc++] = (char *)name;
   va_list ap;
@@ -419,7 +434,23 @@ int harness_run(char *const argv[], char *const env[], char *out, size_t cap) {
   return wait_helper(pid, 120);
 }
 
+/* A test and the helpers and programs it starts keep their stats segments
+ * and sockets in a runtime directory of its own, inside its temporary
+ * directory and removed with it: never in the user's
+ * ($XDG_RUNTIME_DIR/gpuipc, else /tmp/gpuipc-<uid>), where `gpuipc ls`
+ * would list what a killed helper left. The tests of the runtime
+ * directory itself set XDG_RUNTIME_DIR again. The CTest case
+ * runtime_dir_untouched (harness-runtime.c) checks that a run left
+ * nothing in the user's. */
+static void private_runtime_dir(void) {
+  char dir[sizeof tmpdir + 16];
+  snprintf(dir, sizeof dir, "%s/runtime", harness_tmpdir());
+  ASSERT_EQ(mkdir(dir, 0700), 0);
+  ASSERT_EQ(setenv("XDG_RUNTIME_DIR", dir, 1), 0);
+}
+
 static int run_one(const struct entry *t) {
+  private_runtime_dir();
   int r = t->test();
   fflush(stdout);
   return r;
@@ -459,6 +490,7 @@ static void crash_reporter_install(void) {
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   crash_reporter_install();
+  self_path_init();
   const char *hfd = getenv("GPUIPC_TEST_HELPER_FD");
   if (hfd)
     helper_fd = atoi(hfd);
@@ -488,7 +520,7 @@ int main(int argc, char **argv) {
   /* No argument: run all, each in its own process. */
   int failed = 0, skipped = 0;
   for (int i = 0; i < ntests; i++) {
-    char *args[] = {"/proc/self/exe", (char *)tests[i].name, NULL};
+    char *args[] = {self_path, (char *)tests[i].name, NULL};
     pid_t pid;
     if (posix_spawn(&pid, "/proc/self/exe", NULL, NULL, args, environ) != 0)
       return 1;

@@ -1,6 +1,7 @@
 /*
  * bench.c: `gpuipc bench <what>`: dispatches to the benchmarks under bench/.
  */
+#include "bench.h"
 #include "cli.h"
 
 #include <errno.h>
@@ -198,7 +199,7 @@ int gpuipc_cmd_bench(int argc, char **argv) {
   }
   /* Choose the driver once, here: "bench all" hands the same argv to each
    * benchmark, and each would otherwise remove --emulator from it again. */
-  int emu = help ? 0 : gpuipc_cli_pick_driver(&argc, argv, "bench");
+  int emu = help ? 0 : gpuipc_bench_pick_driver(&argc, argv, "bench");
   if (emu < 0) {
     free(argv0);
     return 2;

@@ -13,6 +13,7 @@
  * Without a GPU (with --emulator PATH, as `make demo` passes) it runs on
  * the CUDA driver emulator and says so.
  */
+#include "bench.h"
 #include "cli.h"
 #include "tree.h"
 
@@ -216,7 +217,7 @@ int gpuipc_cmd_demo(int argc, char **argv) {
       demo_usage(stdout);
       return 0;
     }
-  int emu = gpuipc_cli_pick_driver(&argc, argv, "demo");
+  int emu = gpuipc_bench_pick_driver(&argc, argv, "demo");
   if (emu < 0)
     return 1;
   size_t pattern_bytes = emu ? (size_t)4 << 20 : (size_t)64 << 20;

@@ -27,6 +27,8 @@
 #include <gpuipc.h>
 #include <gpuipc/mpi.h>
 
+#include "../bench_int.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,16 +45,6 @@ static int rank_;
       MPI_Abort(MPI_COMM_WORLD, 1);                                            \
     }                                                                          \
   } while (0)
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 typedef struct ctx {
   gpuipc_xfer *x;
@@ -113,7 +105,7 @@ static double run(ctx *c, gpuipc_mpi *g, enum op op, size_t n,
     MPI_Bcast(&p, 1, MPI_INT, 1, MPI_COMM_WORLD);
     *path = (gpuipc_mpi_path)p;
   }
-  double m = median(t, c->iters);
+  double m = bench_median(t, c->iters);
   free(t);
   return m;
 }

@@ -6,9 +6,12 @@ initializes) the tests run on the CUDA driver emulator of the source tree
 (build/tests/emu/libcuda-emu.so, or GPUIPC_EMU), selected with
 GPUIPC_CUDA_DRIVER exactly as the C suite does; the header line says which.
 """
+import atexit
 import ctypes
 import os
+import shutil
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.dirname(HERE)
@@ -42,11 +45,13 @@ def _pick_driver():
 
 
 DRIVER = _pick_driver()
-# Sockets of the tests go to a private runtime directory.
-if not os.environ.get("XDG_RUNTIME_DIR") or not os.access(os.environ["XDG_RUNTIME_DIR"], os.W_OK):
-    d = f"/tmp/gpuipc-pytest-{os.getuid()}"
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    os.environ["XDG_RUNTIME_DIR"] = d
+# The tests' sockets and stats segments go to a runtime directory of this
+# run's own, removed at its end: never the user's ($XDG_RUNTIME_DIR/gpuipc,
+# else /tmp/gpuipc-<uid>), where `gpuipc ls` would list what a killed
+# child left (the C suite does the same, tests/runner.c).
+RUNTIME_DIR = tempfile.mkdtemp(prefix="gpuipc-pytest-")
+os.environ["XDG_RUNTIME_DIR"] = RUNTIME_DIR
+atexit.register(shutil.rmtree, RUNTIME_DIR, True)
 
 
 def pytest_report_header(config):

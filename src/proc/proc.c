@@ -1,9 +1,11 @@
 /*
  * proc.c: owns the process layer: the spawn helper (posix_spawn and a
- * connection over an inherited socket pair), the child's side of it
- * (gpuipc_spawn_connection), reaping children, and worker groups built on
- * it. Buffers travel on the connections it makes like on any other
- * (conn.h); this file never handles one.
+ * connection over an inherited socket pair, its fd named to the child in
+ * GPUIPC_CONN_FD), the child's side of it (gpuipc_spawn_connection),
+ * waiting for, signalling and reaping children, and worker groups built on
+ * it, with the worker's side (gpuipc_worker_index). Buffers travel on the
+ * connections it makes like on any other (gpuipc/conn.h); this file never
+ * handles one.
  *
  * posix_spawn rather than fork: a CUDA context does not survive fork (the
  * driver's threads and mappings are gone in the child), and a forked child

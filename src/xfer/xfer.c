@@ -1,9 +1,11 @@
 /*
  * xfer.c: owns the copy engine (gpuipc_xfer): its streams and events, the
- * ring of pinned staging buffers for pageable host memory, the device
- * scratch of the copy-in -> stage -> copy-out pipeline, the chunking
- * heuristic, and the three transfer operations. The shared pinned host
- * segment lives in xfer_shared.c.
+ * ring of pinned staging buffers for pageable host memory (filled and
+ * drained by the host copy threads of xfer_host.c), the device scratch of
+ * the copy-in -> stage -> copy-out pipeline, the chunking heuristic, and
+ * the three transfer operations. A small pageable source copied to the
+ * device on an idle stream skips the ring for the driver's own pageable
+ * copy (run()). The shared pinned host segment lives in xfer_shared.c.
  *
  * The one rule everything here serves: a staging slot is written again only
  * after the event recorded behind the last DMA that used it has completed

@@ -1,7 +1,9 @@
 /*
  * xfer.h: the transfer layer, as the in-tree tools and tests see it (not
- * part of the public API): leak counters, the shared segment's header
- * check (a decoder of another process's input), and the host copy helpers.
+ * part of the public API; no layer above uses it): leak counters and the
+ * staging ring's base, the shared segment's header check (a decoder of
+ * another process's input), the host copy helpers, and the size below
+ * which a pageable copy goes to the driver's own path.
  */
 #ifndef GPUIPC_XFER_LAYER_H
 #define GPUIPC_XFER_LAYER_H

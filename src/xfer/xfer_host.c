@@ -8,7 +8,8 @@
  * an H200) and not far above the driver's own pageable path (6 GB/s). A few
  * cores together keep up with the DMA. The threads are started on the
  * engine's first staged copy, block all signals (they belong to the
- * library, not the application), and only ever run memcpy: they make no
+ * library, not the application), and only ever copy memory (memcpy, or
+ * streaming stores into a destination nobody reads soon): they make no
  * driver call.
  */
 #include "xfer_int.h"

@@ -1,8 +1,9 @@
 /*
- * xfer_int.h: what the transfer layer's files share (src/xfer/ only). The
- * copy engine's and the shared segment's structs are private to xfer.c and
- * xfer_shared.c; what they share with each other and with xfer_host.c is
- * declared in xfer.h, because the tests drive the host copy helpers too.
+ * xfer_int.h: what the transfer layer's files share (src/xfer/ only): no
+ * more than xfer.h. The copy engine's and the shared segment's structs are
+ * private to xfer.c and xfer_shared.c, which share nothing with each other;
+ * the host copy helpers xfer.c takes from xfer_host.c are declared in
+ * xfer.h, because the tests drive them too.
  */
 #ifndef GPUIPC_XFER_INT_H
 #define GPUIPC_XFER_INT_H

@@ -1,10 +1,18 @@
 /*
  * xfer_shared.c: owns the shared pinned host segment (gpuipc_xfer_shared):
- * a sealed memfd mapped by a filler and a copier process, its header and
- * control words, pinning it for DMA in the copier, and the sequence-word
- * protocol between the two sides (host stores/loads with release/acquire
- * semantics on one side, cuStreamWaitValue32/cuStreamWriteValue32 on the
- * host-mapped words on the GPU side).
+ * slots of host memory two processes map, one filling them and the other
+ * consuming them, either side being the host or a GPU stream (to_device,
+ * from_device); its header (another process's input: copied once, then
+ * checked) and per-slot control words, and the generation-word protocol
+ * between the two sides (host stores/loads with release/acquire semantics
+ * on one side, cuStreamWaitValue32/cuStreamWriteValue32 on the host-mapped
+ * words on the GPU side).
+ *
+ * The segment is either a sealed memfd of its own (create/open; pinned for
+ * DMA with cuMemHostRegister by gpuipc_xfer_shared_pin), or laid over the
+ * start of a pinned-host gpuipc_buffer (format/attach), which the handle
+ * layer has pinned and shares: then only the event of GPUIPC_XFER_SYNC is
+ * this file's.
  *
  * Why a memfd: it needs no name in a shared namespace, travels as a file
  * descriptor (a capability, as private as the socket that carries it), and

@@ -1,8 +1,9 @@
 /*
  * pick.c: chooses between the real CUDA driver and the emulator for the
- * commands that must run anywhere (demo, bench).
+ * commands that must run anywhere (bench, and `gpuipc demo` through
+ * bench.h).
  */
-#include "cli.h"
+#include "bench.h"
 #include "gpuipc.h"
 
 #include <stdio.h>
@@ -11,7 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-int gpuipc_cli_pick_driver(int *argc, char **argv, const char *what) {
+int gpuipc_bench_pick_driver(int *argc, char **argv, const char *what) {
   const char *emu = NULL;
   for (int i = 1; i < *argc; i++) {
     if (strcmp(argv[i], "--emulator") == 0 && i + 1 < *argc) {
