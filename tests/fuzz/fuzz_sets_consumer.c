@@ -1,0 +1,723 @@
+/*
+ * fuzz_sets_consumer.c: libFuzzer target for the tensor-set consumer's
+ * frame sequence (src/sets/consumer.c, docs/sets.md "On a connection"):
+ * what a hostile producer sends a consumer that opened a subscriber
+ * (gpuipc_tset_sub_open) and calls gpuipc_tset_recv, reads every tensor of
+ * every version it gets (get_tensor, find, copy_into its own device
+ * memory), releases them and closes. It must end cleanly: no crash, no
+ * hang, no leaked memory (LeakSanitizer) or descriptor.
+ *
+ * The set's buffers must be memory really exported by another process
+ * (the driver refuses a process's own handles): at start-up a child
+ * process (a real producer on the emulator) sends to a socket of ours,
+ * over one connection:
+ *   layout A  an owned set of three tensors in two copies: its table
+ *             chunk, two pieces, versions 1 and 2, END (unsubscribed);
+ *   layout B  a wrapped set of three tensors in two allocations (pieces
+ *             sent by descriptor): table chunk, two pieces, version 1,
+ *             END;
+ *   spares    eight arena blocks (4096 bytes) with a meta of no set: the
+ *             input rewrites their meta into the set messages it forges;
+ * then a marker message. Its frames are recorded, their descriptors kept
+ * open here. An "item" is one set message of the recording (a table chunk
+ * message, or a buffer); the arena frames a buffer depends on (CHUNK,
+ * CTL) are sent before it, once per input, whenever an item after them
+ * goes.
+ *
+ * Input: byte 0 says how the consumer behaves,
+ *   bits 0-1  versions it holds at once (0: releases each at once; 3:
+ *             holds them all until gpuipc_tset_sub_close)
+ *   bit 2     no copy_into (get_tensor and find only)
+ *   bit 3     forged tables keep their checksum as it is (else made right)
+ *   bit 4     keep the producer's end open at the end (else it hangs up)
+ *   bits 5-6  the connection's order mode (3: MEMOP)
+ * then ops, one byte each (op & 7, its argument op >> 3) and the bytes
+ * some take:
+ *   0 SEND k       item k (mod the items) as recorded
+ *   1 NEXT n       the next n+1 items of the recording (a cursor)
+ *   2 META k       item k with fields of its set meta replaced: 6 bytes
+ *                  kind, layout, a, b, c (u16); layout 0 keeps it, 1 A,
+ *                  2 B, 3 zero, else that byte times 0x0101..; a, b 0xff
+ *                  keep, 0xfe the largest value; c 0xffff keeps it,
+ *                  0xfffe the length of the last forged table
+ *   3 RAWMETA k    item k with its meta replaced by the next L bytes (L:
+ *                  the next byte, mod 65)
+ *   4 TABLE        a forged table chunk: 1 byte source (bits 0-1: table A,
+ *                  B, or the input's bytes; bit 2: a bad chunk magic; bits
+ *                  3-5: /dev/null descriptors sent with it), chunk index,
+ *                  layout (as in META), u16 offset and u16 length of the
+ *                  source's bytes (input bytes: one length byte, then the
+ *                  bytes), one byte n, then n (u16 position, xor byte)
+ *                  mutations
+ *   5 RECV n       the consumer takes up to n+1 versions now
+ *   6 RELEASE      the consumer releases its oldest version (arg 1: all)
+ *   7 HANGUP       the producer's end shuts down; the ops end
+ * After the ops the consumer receives until nothing more comes, releases
+ * what it holds and closes; the legacy stream it received and copied on
+ * must then drain.
+ */
+#include "fuzz_conn.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+
+#define MARKER "fuzz-sets-consumer: recorded"
+#define MAXF 96
+
+/* The recorded frames, the producer's handshake left out. */
+static struct {
+  uint8_t *p;
+  size_t len;
+  uint8_t type;
+  int nfds;
+  int fds[GPUIPC__FRAME_FDS_MAX];
+  int item; /* its index among the items, or -1 (CHUNK, CTL, ...) */
+} fr[MAXF];
+static int nfr;
+static int item_frame[MAXF];
+static int nitems;
+static uint64_t layout_a, layout_b;
+/* The tables as recorded (their chunk payloads after the chunk header). */
+static uint8_t *table_a, *table_b;
+static size_t table_a_len, table_b_len;
+/* The consumer's own device memory (copy_into). */
+#define DST_BYTES ((size_t)1 << 20)
+static CUdeviceptr dst_base;
+/* FUZZ_SETS_VERBOSE=1: the recording, and what each receive returned. */
+static bool verbose;
+
+static uint64_t rd64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
+
+/* ---- the producer ------------------------------------------------------------- */
+
+static void check(gpuipc_status s, const char *what) {
+  if (s != GPUIPC_OK)
+    fuzz_die(what, s);
+}
+
+static void publish(gpuipc_tset *set) {
+  int copy = -1;
+  check(gpuipc_tset_begin(set, NULL, &copy), "tset_begin");
+  check(gpuipc_tset_publish(set, NULL), "tset_publish");
+}
+
+/* The child: the sets and spares above, then the marker; waits for the
+ * parent's end of `life` to close, exits. */
+static void producer_main(int sv, int life) {
+  fuzz_conn_init();
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 5000;
+  gpuipc_conn *c = NULL;
+  check(gpuipc_conn_from_fd(sv, &o, &c), "producer handshake");
+  CUcontext ctx;
+  check(gpuipc__primary_ctx(0, &ctx), "primary context (is the emulator the "
+        "driver?)");
+  if (gpuipc__cu.cuCtxSetCurrent(ctx) != CUDA_SUCCESS)
+    abort();
+
+  int64_t s0[2] = {4, 4}, s1[1] = {3}, s2[2] = {2, 3}, st2[2] = {4, 1};
+  gpuipc_tensor ta[3] = {
+      {"weights", GPUIPC_DTYPE_F32, 2, s0, NULL, NULL, 0},
+      {"bias", GPUIPC_DTYPE_I64, 1, s1, NULL, NULL, 0},
+      {"mask", GPUIPC_DTYPE_U8, 2, s2, st2, NULL, 0},
+  };
+  gpuipc_tset_options so = GPUIPC_TSET_OPTIONS_INIT;
+  so.copies = 2;
+  so.timeout_ms = 200;
+  so.hold_ms = 50;
+  gpuipc_tset *a = NULL;
+  check(gpuipc_tset_create(ta, 3, &so, &a), "tset_create (owned)");
+  check(gpuipc_tset_subscribe(a, c, NULL), "tset_subscribe (owned)");
+  publish(a);
+  publish(a);
+  check(gpuipc_tset_unsubscribe(a, c), "tset_unsubscribe (owned)");
+
+  CUdeviceptr m1, m2;
+  if (gpuipc__cu.cuMemAlloc(&m1, 8192) != CUDA_SUCCESS ||
+      gpuipc__cu.cuMemAlloc(&m2, 4096) != CUDA_SUCCESS)
+    abort();
+  int64_t b0[1] = {16}, b1[3] = {2, 2, 2}, b2[1] = {5};
+  gpuipc_tensor tb[3] = {
+      {"x", GPUIPC_DTYPE_F64, 1, b0, NULL, (void *)(uintptr_t)(m1 + 256), 0},
+      {"y", GPUIPC_DTYPE_I16, 3, b1, NULL, (void *)(uintptr_t)m2, 0},
+      {"z", GPUIPC_DTYPE_BF16, 1, b2, NULL, (void *)(uintptr_t)(m1 + 4096), 0},
+  };
+  gpuipc_tset_options wo = GPUIPC_TSET_OPTIONS_INIT;
+  wo.timeout_ms = 200;
+  wo.hold_ms = 50;
+  gpuipc_tset *b = NULL;
+  check(gpuipc_tset_create(tb, 3, &wo, &b), "tset_create (wrapped)");
+  check(gpuipc_tset_subscribe(b, c, NULL), "tset_subscribe (wrapped)");
+  publish(b);
+  /* Its END; the wait for our releases times out (we never send any). */
+  (void)gpuipc_tset_unsubscribe(b, c);
+
+  gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
+  ao.chunk_bytes = 1 << 20;
+  gpuipc_arena *arena = NULL;
+  check(gpuipc_arena_create(&ao, &arena), "arena_create");
+  for (int i = 0; i < 8; i++) {
+    gpuipc_block *blk = NULL;
+    check(gpuipc_arena_alloc(arena, 4096, NULL, &blk), "arena_alloc");
+    check(gpuipc_conn_send(c, blk, NULL, "spare", 5), "conn_send");
+  }
+  check(gpuipc_conn_send_msg(c, MARKER, sizeof MARKER - 1, NULL, 0),
+        "send_msg");
+  char ch;
+  while (read(life, &ch, 1) > 0 || errno == EINTR)
+    ;
+  _exit(0);
+}
+
+/* ---- recording ---------------------------------------------------------------- */
+
+/* Whether the marker message is among the complete frames of p. */
+static bool marker_in(const uint8_t *p, size_t len) {
+  size_t off = 0;
+  while (len - off >= sizeof(gpuipc__frame_hdr)) {
+    gpuipc__frame_hdr h;
+    memcpy(&h, p + off, sizeof h);
+    if (h.len > len - off - sizeof h)
+      break;
+    if (h.type == GPUIPC__F_MSG && h.len == sizeof MARKER - 1 &&
+        memcmp(p + off + sizeof h, MARKER, h.len) == 0)
+      return true;
+    off += sizeof h + h.len;
+  }
+  return false;
+}
+
+static void append(uint8_t **t, size_t *len, const uint8_t *p, size_t n) {
+  *t = realloc(*t, *len + n);
+  if (*t == NULL)
+    abort();
+  memcpy(*t + *len, p, n);
+  *len += n;
+}
+
+/* "slot S, sequence N" of a buffer frame (the verbose listing). */
+static const char *buf_slot(int i) {
+  static char b[64];
+  gpuipc__w_buf w;
+  memcpy(&w, fr[i].p + sizeof(gpuipc__frame_hdr), sizeof w);
+  snprintf(b, sizeof b, ", slot %u, sequence %llu", w.slot,
+           (unsigned long long)w.seq);
+  return b;
+}
+
+static void record_producer(void) {
+  int sv[2], life[2];
+  if (gpuipc_conn_pair(sv) != GPUIPC_OK || gpuipc_conn_pair(life) != GPUIPC_OK)
+    abort();
+  int big = 4 << 20;
+  (void)setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+  pid_t pid = fork();
+  if (pid < 0)
+    abort();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(sv[1]);
+    close(life[0]);
+    producer_main(sv[0], life[1]);
+  }
+  close(sv[0]);
+  close(life[1]);
+  /* life[0] stays open for our lifetime: the child exits when it closes. */
+  uint8_t hs[128];
+  size_t hl = fuzz_hello(hs, 256);
+  hl += fuzz_accept_frame(hs + hl);
+  if (fuzz_send(sv[1], hs, hl, 0) != 0)
+    abort();
+  static uint8_t all[1 << 20];
+  size_t got = 0;
+  static int fds[256];
+  int nfds = 0;
+  while (!marker_in(all, got)) {
+    union {
+      char b[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
+      struct cmsghdr align;
+    } cb;
+    struct iovec iov = {all + got, sizeof all - got};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cb.b;
+    mh.msg_controllen = sizeof cb.b;
+    struct pollfd pf = {sv[1], POLLIN, 0};
+    if (poll(&pf, 1, 20000) <= 0)
+      break;
+    ssize_t r = recvmsg(sv[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      break;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int i = 0; i < k && nfds < 256; i++)
+          memcpy(&fds[nfds++], CMSG_DATA(cm) + sizeof(int) * (size_t)i,
+                 sizeof(int));
+      }
+    got += (size_t)r;
+  }
+  close(sv[1]); /* the producer never reads again: its frames are recorded */
+  size_t off = 0;
+  int frame = 0, fdi = 0;
+  while (got - off >= sizeof(gpuipc__frame_hdr)) {
+    gpuipc__frame_hdr h;
+    memcpy(&h, all + off, sizeof h);
+    size_t flen = sizeof h + h.len;
+    if (flen > got - off)
+      break;
+    const uint8_t *pl = all + off + sizeof h;
+    bool marker = h.type == GPUIPC__F_MSG && h.len == sizeof MARKER - 1 &&
+                  memcmp(pl, MARKER, h.len) == 0;
+    /* Frames 0 and 1: the producer's HELLO and ACCEPT. */
+    if (frame >= 2 && !marker && nfr < MAXF) {
+      fr[nfr].p = malloc(flen);
+      if (fr[nfr].p == NULL)
+        abort();
+      memcpy(fr[nfr].p, all + off, flen);
+      fr[nfr].len = flen;
+      fr[nfr].type = h.type;
+      fr[nfr].nfds = h.nfds;
+      for (int i = 0; i < h.nfds && fdi < nfds; i++)
+        fr[nfr].fds[i] = fds[fdi++];
+      fr[nfr].item = -1;
+      if (h.type == GPUIPC__F_MSG || h.type == GPUIPC__F_BUF ||
+          h.type == GPUIPC__F_BUFD) {
+        fr[nfr].item = nitems;
+        item_frame[nitems++] = nfr;
+      }
+      if (h.type == GPUIPC__F_MSG && h.len >= GPUIPC__TSET_CHUNK_HDR) {
+        uint64_t lid = rd64(pl + 8);
+        if (layout_a == 0)
+          layout_a = lid;
+        else if (layout_b == 0 && lid != layout_a)
+          layout_b = lid;
+        if (lid == layout_a)
+          append(&table_a, &table_a_len, pl + GPUIPC__TSET_CHUNK_HDR,
+                 h.len - GPUIPC__TSET_CHUNK_HDR);
+        else
+          append(&table_b, &table_b_len, pl + GPUIPC__TSET_CHUNK_HDR,
+                 h.len - GPUIPC__TSET_CHUNK_HDR);
+      }
+      nfr++;
+    } else {
+      fdi += h.nfds;
+    }
+    off += flen;
+    frame++;
+  }
+  /* The recording this harness (and its seed corpus) counts on: layout A
+   * (chunk, 2 pieces, 2 versions, END), layout B (chunk, 2 pieces, 1
+   * version, END), 8 spares. */
+  verbose = getenv("FUZZ_SETS_VERBOSE") != NULL;
+  if (nitems != 19 || layout_a == 0 || layout_b == 0 || verbose) {
+    fprintf(stderr, "recorded %d frames, %d items (layouts %llx, %llx; "
+            "tables of %zu and %zu bytes)\n", nfr, nitems,
+            (unsigned long long)layout_a, (unsigned long long)layout_b,
+            table_a_len, table_b_len);
+    for (int i = 0; i < nfr; i++)
+      fprintf(stderr, "  frame %d: type %u, %zu bytes, %d fds, item %d%s\n", i,
+              fr[i].type, fr[i].len, fr[i].nfds, fr[i].item,
+              fr[i].type == GPUIPC__F_BUF || fr[i].type == GPUIPC__F_BUFD
+                  ? buf_slot(i) : "");
+    if (nitems != 19 || layout_a == 0 || layout_b == 0)
+      abort();
+  }
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+  (void)argc;
+  (void)argv;
+  record_producer(); /* first: the child starts the driver itself */
+  fuzz_conn_init();
+  CUcontext ctx;
+  check(gpuipc__primary_ctx(0, &ctx), "primary context");
+  if (gpuipc__cu.cuCtxSetCurrent(ctx) != CUDA_SUCCESS ||
+      gpuipc__cu.cuMemAlloc(&dst_base, DST_BYTES) != CUDA_SUCCESS)
+    abort();
+  return 0;
+}
+
+/* ---- one input ---------------------------------------------------------------- */
+
+typedef struct input {
+  const uint8_t *p;
+  size_t len, off;
+} input;
+
+static bool more(const input *in) { return in->off < in->len; }
+
+static uint8_t u8(input *in) { return more(in) ? in->p[in->off++] : 0; }
+
+static uint16_t u16(input *in) {
+  uint16_t lo = u8(in);
+  return (uint16_t)(lo | (uint16_t)u8(in) << 8);
+}
+
+typedef struct state {
+  int fd;            /* the producer's end */
+  bool pre_sent[MAXF];
+  int cursor;        /* NEXT */
+  uint32_t forged_len; /* the last forged table's length */
+  bool keep_crc;       /* forged tables keep their checksum */
+  gpuipc_tset_sub *sub;
+  gpuipc_tset_version *held[8];
+  int nheld, hold_max;
+  bool copy;
+  size_t dst_used;
+  bool ended;
+} state;
+
+/* Sends the frames before frame f that no item is (CHUNK, CTL, ...) and
+ * that did not go yet. */
+static void send_prereqs(state *st, int f) {
+  for (int i = 0; i < f; i++)
+    if (fr[i].item < 0 && !st->pre_sent[i]) {
+      st->pre_sent[i] = true;
+      (void)fuzz_send_fds(st->fd, fr[i].p, fr[i].len, fr[i].fds, fr[i].nfds);
+    }
+}
+
+static void send_item(state *st, int k) {
+  int f = item_frame[k];
+  send_prereqs(st, f);
+  (void)fuzz_send_fds(st->fd, fr[f].p, fr[f].len, fr[f].fds, fr[f].nfds);
+}
+
+/* Item k (a buffer) with meta `meta` (len bytes) in place of its own. A
+ * table chunk item goes as recorded. */
+static void send_with_meta(state *st, int k, const uint8_t *meta, size_t len) {
+  int f = item_frame[k];
+  if (fr[f].type == GPUIPC__F_MSG) {
+    send_item(st, k);
+    return;
+  }
+  gpuipc__frame_hdr h;
+  memcpy(&h, fr[f].p, sizeof h);
+  gpuipc__w_buf w;
+  memcpy(&w, fr[f].p + sizeof h, sizeof w);
+  size_t keep = h.len - w.meta_len; /* what comes before its meta */
+  uint8_t *out = malloc(sizeof h + keep + len + 1);
+  if (out == NULL)
+    abort();
+  w.meta_len = (uint32_t)len;
+  h.len = (uint32_t)(keep + len);
+  h.check = gpuipc__frame_check(&h);
+  memcpy(out, &h, sizeof h);
+  memcpy(out + sizeof h, fr[f].p + sizeof h, keep);
+  memcpy(out + sizeof h, &w, sizeof w);
+  if (len)
+    memcpy(out + sizeof h + keep, meta, len);
+  send_prereqs(st, f);
+  (void)fuzz_send_fds(st->fd, out, sizeof h + keep + len, fr[f].fds,
+                      fr[f].nfds);
+  free(out);
+}
+
+static uint64_t layout_sel(uint8_t b, uint64_t keep) {
+  switch (b) {
+  case 0:
+    return keep;
+  case 1:
+    return layout_a;
+  case 2:
+    return layout_b;
+  case 3:
+    return 0;
+  default:
+    return 0x0101010101010101ull * b;
+  }
+}
+
+static void op_meta(state *st, input *in, int k) {
+  int f = item_frame[k];
+  gpuipc__frame_hdr h;
+  memcpy(&h, fr[f].p, sizeof h);
+  gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, layout_a, 0, 2, 0};
+  if (fr[f].type != GPUIPC__F_MSG) {
+    gpuipc__w_buf w;
+    memcpy(&w, fr[f].p + sizeof h, sizeof w);
+    gpuipc__tset_meta mine;
+    if (gpuipc__tset_meta_decode(fr[f].p + fr[f].len - w.meta_len, w.meta_len,
+                                 &mine) == GPUIPC_OK)
+      m = mine;
+  }
+  uint8_t kind = u8(in), lay = u8(in), a = u8(in), b = u8(in);
+  uint16_t c = u16(in);
+  m.kind = kind;
+  m.layout_id = layout_sel(lay, m.layout_id);
+  if (a != 0xff)
+    m.a = a == 0xfe ? UINT64_MAX : a;
+  if (b != 0xff)
+    m.b = b == 0xfe ? UINT32_MAX : b;
+  if (c != 0xffff)
+    m.c = c == 0xfffe ? st->forged_len : c;
+  uint8_t meta[GPUIPC__TSET_META_LEN];
+  gpuipc__tset_meta_encode(&m, meta);
+  send_with_meta(st, k, meta, sizeof meta);
+}
+
+static void op_rawmeta(state *st, input *in, int k) {
+  uint8_t meta[64];
+  size_t n = u8(in) % 65;
+  for (size_t i = 0; i < n; i++)
+    meta[i] = u8(in);
+  send_with_meta(st, k, meta, n);
+}
+
+static void op_table(state *st, input *in) {
+  uint8_t src = u8(in);
+  uint32_t index = u8(in);
+  uint8_t lay = u8(in);
+  static uint8_t msg[GPUIPC__TSET_CHUNK_HDR + 4096];
+  uint8_t *data = msg + GPUIPC__TSET_CHUNK_HDR;
+  size_t n = 0;
+  const uint8_t *t = (src & 3) == 1 ? table_b : table_a;
+  size_t tl = (src & 3) == 1 ? table_b_len : table_a_len;
+  if ((src & 3) >= 2) {
+    n = u8(in);
+    for (size_t i = 0; i < n; i++)
+      data[i] = u8(in);
+  } else {
+    size_t o = u16(in), l = u16(in);
+    if (o > tl)
+      o = tl;
+    if (l > tl - o)
+      l = tl - o;
+    memcpy(data, t + o, l);
+    n = l;
+  }
+  int muts = u8(in) % 16;
+  for (int i = 0; i < muts; i++) {
+    uint16_t pos = u16(in);
+    uint8_t x = u8(in);
+    if (n > 0)
+      data[pos % n] ^= x;
+  }
+  if (n >= GPUIPC__TSET_HDR_LEN) {
+    uint32_t total;
+    memcpy(&total, data + 8, 4);
+    st->forged_len = total;
+    /* A whole table in this chunk gets a right checksum (unless the
+     * input says not), so that mutations reach the checks behind it. */
+    if (!st->keep_crc && total == n) {
+      memset(data + 12, 0, 4);
+      uint32_t crc = gpuipc__crc32c(0, data, n);
+      memcpy(data + 12, &crc, 4);
+    }
+  }
+  uint32_t magic = (src & 4) ? 0x43535448u : GPUIPC__TSET_CHUNK_MAGIC;
+  uint64_t lid = layout_sel(lay, (src & 3) == 1 ? layout_b : layout_a);
+  memcpy(msg, &magic, 4);
+  memcpy(msg + 4, &index, 4);
+  memcpy(msg + 8, &lid, 8);
+  size_t len = GPUIPC__TSET_CHUNK_HDR + n;
+  int nfds = (src >> 3) & 7;
+  uint8_t frame[sizeof(gpuipc__frame_hdr) + sizeof msg];
+  gpuipc__frame_hdr h = {GPUIPC__FRAME_MAGIC, GPUIPC__FRAME_VERSION,
+                         GPUIPC__F_MSG, (uint16_t)nfds, (uint32_t)len, 0};
+  h.check = gpuipc__frame_check(&h);
+  memcpy(frame, &h, sizeof h);
+  memcpy(frame + sizeof h, msg, len);
+  (void)fuzz_send(st->fd, frame, sizeof h + len, nfds);
+}
+
+static void release_oldest(state *st) {
+  if (st->nheld == 0)
+    return;
+  (void)gpuipc_tset_version_release(st->held[0], NULL);
+  memmove(st->held, st->held + 1, sizeof st->held[0] * (size_t)(st->nheld - 1));
+  st->nheld--;
+}
+
+/* Reads every tensor of v as a consumer would. */
+static void read_version(state *st, gpuipc_tset_version *v) {
+  size_t n = gpuipc_tset_version_get_count(v);
+  (void)gpuipc_tset_version_get_number(v);
+  (void)gpuipc_tset_version_get_layout(v);
+  int copy = gpuipc_tset_version_get_copy(v);
+  if (copy < 0 || copy > 1)
+    fuzz_die("a version of copy out of range", GPUIPC_OK);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_tensor t;
+    gpuipc_status s = gpuipc_tset_version_get_tensor(v, i, &t);
+    if (s != GPUIPC_OK)
+      fuzz_die("get_tensor of a version's tensor", s);
+    if (t.name == NULL || t.ndim < 0 || t.ndim > GPUIPC_TSET_NDIM_MAX)
+      fuzz_die("get_tensor: a bad tensor", GPUIPC_OK);
+    size_t at = (size_t)-1;
+    s = gpuipc_tset_version_find(v, t.name, &at);
+    /* Names are unique: find gives this index (a name with a NUL
+     * inside is refused by the decoder). */
+    if (s != GPUIPC_OK || at != i)
+      fuzz_die("find of a version's own tensor name", s);
+    total += t.nbytes;
+  }
+  if (!st->copy || n == 0 || total > DST_BYTES - st->dst_used)
+    return;
+  void **dsts = malloc(n * sizeof *dsts);
+  if (dsts == NULL)
+    return;
+  uint64_t off = st->dst_used;
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_tensor t;
+    (void)gpuipc_tset_version_get_tensor(v, i, &t);
+    dsts[i] = (void *)(uintptr_t)(dst_base + off);
+    off += t.nbytes;
+  }
+  (void)gpuipc_tset_version_copy_into(v, dsts, NULL);
+  free(dsts);
+}
+
+/* Up to n versions, each read and then released or held. */
+static void consume(state *st, int n) {
+  for (int round = 0; round < n && !st->ended; round++) {
+    gpuipc_tset_version *v = NULL;
+    gpuipc_status s = gpuipc_tset_recv(st->sub, NULL, &v);
+    if (s < 0 || s >= GPUIPC__STATUS_END)
+      fuzz_die("tset_recv: status out of range", s);
+    if (s != GPUIPC_OK && v != NULL)
+      fuzz_die("tset_recv failed with a version", s);
+    if (verbose)
+      fprintf(stderr, "recv: %s%s%s; version %llu of layout %llx\n",
+              gpuipc_status_name(s), s != GPUIPC_OK ? ": " : "",
+              s != GPUIPC_OK ? gpuipc_last_error() : "",
+              (unsigned long long)gpuipc_tset_version_get_number(v),
+              (unsigned long long)gpuipc_tset_version_get_layout(v));
+    if (s == GPUIPC_E_CLOSED || s == GPUIPC_E_PEER_GONE) {
+      st->ended = true;
+      break;
+    }
+    if (s == GPUIPC_E_TIMEOUT || s == GPUIPC_E_WOULD_BLOCK)
+      break;
+    if (s != GPUIPC_OK)
+      continue; /* refused (or CANCELED): the consumer goes on */
+    if (v == NULL)
+      fuzz_die("tset_recv: OK without a version", s);
+    read_version(st, v);
+    if (st->nheld == (int)(sizeof st->held / sizeof st->held[0]))
+      release_oldest(st);
+    st->held[st->nheld++] = v;
+    while (st->nheld > st->hold_max)
+      release_oldest(st);
+  }
+}
+
+/* Whether the legacy stream's work completes within ms milliseconds. */
+static bool drain_legacy(int ms) {
+  for (int i = 0; i < ms; i++) {
+    CUresult r = gpuipc__cu.cuStreamQuery(NULL);
+    if (r != CUDA_ERROR_NOT_READY)
+      return true;
+    usleep(1000);
+  }
+  return false;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  if (size < 1 || size > 8192)
+    return 0;
+  uint8_t ctl = data[0];
+  if (verbose)
+    fprintf(stderr, "input of %zu bytes\n", size);
+  input in = {data, size, 1};
+  state *st = calloc(1, sizeof *st);
+  if (st == NULL)
+    return 0;
+  int hold = ctl & 3;
+  st->hold_max = hold == 3 ? 8 : hold;
+  st->copy = !(ctl & 0x04);
+  st->keep_crc = (ctl & 0x08) != 0;
+
+  int sv[2];
+  if (gpuipc_conn_pair(sv) != GPUIPC_OK)
+    abort();
+  int big = 1 << 20;
+  (void)setsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+  (void)setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+  st->fd = sv[1];
+  uint8_t hs[128];
+  size_t hl = fuzz_hello(hs, 256);
+  hl += fuzz_accept_frame(hs + hl);
+  if (fuzz_send(sv[1], hs, hl, 0) != 0)
+    abort();
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.nonblocking = 1;
+  o.timeout_ms = 1000;
+  int mode = (ctl >> 5) & 3;
+  o.order = mode == 3 ? GPUIPC_ORDER_MEMOP : (gpuipc_order_mode)mode;
+  gpuipc_conn *c = NULL;
+  gpuipc_status s = gpuipc_conn_from_fd(sv[0], &o, &c);
+  if (s != GPUIPC_OK)
+    fuzz_die("the handshake (valid) failed", s);
+  /* The consumer's calls never wait: what was sent is all there is. */
+  (void)gpuipc_conn_set_timeout(c, 0);
+  s = gpuipc_tset_sub_open(c, &st->sub);
+  if (s != GPUIPC_OK)
+    fuzz_die("tset_sub_open", s);
+
+  bool hung_up = false;
+  int ops = 0;
+  while (more(&in) && !hung_up && ops++ < 512) {
+    uint8_t op = u8(&in);
+    int arg = op >> 3;
+    switch (op & 7) {
+    case 0:
+      send_item(st, arg % nitems);
+      break;
+    case 1:
+      for (int i = 0; i <= arg && st->cursor < nitems; i++)
+        send_item(st, st->cursor++);
+      break;
+    case 2:
+      op_meta(st, &in, arg % nitems);
+      break;
+    case 3:
+      op_rawmeta(st, &in, arg % nitems);
+      break;
+    case 4:
+      op_table(st, &in);
+      break;
+    case 5:
+      consume(st, arg + 1);
+      break;
+    case 6:
+      if (arg & 1)
+        while (st->nheld > 0)
+          release_oldest(st);
+      else
+        release_oldest(st);
+      break;
+    default:
+      shutdown(sv[1], SHUT_WR);
+      hung_up = true;
+      break;
+    }
+  }
+  if (!hung_up && !(ctl & 0x10))
+    shutdown(sv[1], SHUT_WR);
+  /* Until nothing more comes (a bounded number of calls). */
+  consume(st, 64);
+  /* Half of the inputs release what they hold themselves, in the order
+   * received; the others leave it to sub_close. */
+  if (hold != 3)
+    while (st->nheld > 0)
+      release_oldest(st);
+  gpuipc_tset_sub_close(st->sub);
+  gpuipc_conn_close(c);
+  if (!drain_legacy(2000) && o.order != GPUIPC_ORDER_EVENT)
+    fuzz_die("the legacy stream is still blocked 2 s after close", GPUIPC_OK);
+  close(sv[1]);
+  free(st);
+  fuzz_check_fds("fuzz-sets-consumer");
+  return 0;
+}
