@@ -58,12 +58,11 @@
  */
 #include "fuzz_conn.h"
 
-#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 
-#define MARKER "fuzz-sets-consumer: recorded"
-#define MAXF 96
+#define SC_MARKER "fuzz-sets-consumer: recorded"
+#define SC_MAXF 96
 
 /* The recorded frames, the producer's handshake left out. */
 static struct {
@@ -73,21 +72,21 @@ static struct {
   int nfds;
   int fds[GPUIPC__FRAME_FDS_MAX];
   int item; /* its index among the items, or -1 (CHUNK, CTL, ...) */
-} fr[MAXF];
-static int nfr;
-static int item_frame[MAXF];
-static int nitems;
-static uint64_t layout_a, layout_b;
+} sc_fr[SC_MAXF];
+static int sc_nfr;
+static int sc_item_frame[SC_MAXF];
+static int sc_nitems;
+static uint64_t sc_layout_a, sc_layout_b;
 /* The tables as recorded (their chunk payloads after the chunk header). */
-static uint8_t *table_a, *table_b;
-static size_t table_a_len, table_b_len;
+static uint8_t *sc_table_a, *sc_table_b;
+static size_t sc_table_a_len, sc_table_b_len;
 /* The consumer's own device memory (copy_into). */
-#define DST_BYTES ((size_t)1 << 20)
-static CUdeviceptr dst_base;
+#define SC_DST_BYTES ((size_t)1 << 20)
+static CUdeviceptr sc_dst_base;
 /* FUZZ_SETS_VERBOSE=1: the recording, and what each receive returned. */
-static bool verbose;
+static bool sc_verbose;
 
-static uint64_t rd64(const uint8_t *p) {
+static uint64_t sc_rd64(const uint8_t *p) {
   uint64_t v;
   memcpy(&v, p, 8);
   return v;
@@ -95,27 +94,27 @@ static uint64_t rd64(const uint8_t *p) {
 
 /* ---- the producer ------------------------------------------------------------- */
 
-static void check(gpuipc_status s, const char *what) {
+static void sc_check(gpuipc_status s, const char *what) {
   if (s != GPUIPC_OK)
     fuzz_die(what, s);
 }
 
-static void publish(gpuipc_tset *set) {
+static void sc_publish(gpuipc_tset *set) {
   int copy = -1;
-  check(gpuipc_tset_begin(set, NULL, &copy), "tset_begin");
-  check(gpuipc_tset_publish(set, NULL), "tset_publish");
+  sc_check(gpuipc_tset_begin(set, NULL, &copy), "tset_begin");
+  sc_check(gpuipc_tset_publish(set, NULL), "tset_publish");
 }
 
 /* The child: the sets and spares above, then the marker; waits for the
  * parent's end of `life` to close, exits. */
-static void producer_main(int sv, int life) {
+static void sc_producer_main(int sv, int life) {
   fuzz_conn_init();
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.timeout_ms = 5000;
   gpuipc_conn *c = NULL;
-  check(gpuipc_conn_from_fd(sv, &o, &c), "producer handshake");
+  sc_check(gpuipc_conn_from_fd(sv, &o, &c), "producer handshake");
   CUcontext ctx;
-  check(gpuipc__primary_ctx(0, &ctx), "primary context (is the emulator the "
+  sc_check(gpuipc__primary_ctx(0, &ctx), "primary context (is the emulator the "
         "driver?)");
   if (gpuipc__cu.cuCtxSetCurrent(ctx) != CUDA_SUCCESS)
     abort();
@@ -131,11 +130,11 @@ static void producer_main(int sv, int life) {
   so.timeout_ms = 200;
   so.hold_ms = 50;
   gpuipc_tset *a = NULL;
-  check(gpuipc_tset_create(ta, 3, &so, &a), "tset_create (owned)");
-  check(gpuipc_tset_subscribe(a, c, NULL), "tset_subscribe (owned)");
-  publish(a);
-  publish(a);
-  check(gpuipc_tset_unsubscribe(a, c), "tset_unsubscribe (owned)");
+  sc_check(gpuipc_tset_create(ta, 3, &so, &a), "tset_create (owned)");
+  sc_check(gpuipc_tset_subscribe(a, c, NULL), "tset_subscribe (owned)");
+  sc_publish(a);
+  sc_publish(a);
+  sc_check(gpuipc_tset_unsubscribe(a, c), "tset_unsubscribe (owned)");
 
   CUdeviceptr m1, m2;
   if (gpuipc__cu.cuMemAlloc(&m1, 8192) != CUDA_SUCCESS ||
@@ -151,22 +150,22 @@ static void producer_main(int sv, int life) {
   wo.timeout_ms = 200;
   wo.hold_ms = 50;
   gpuipc_tset *b = NULL;
-  check(gpuipc_tset_create(tb, 3, &wo, &b), "tset_create (wrapped)");
-  check(gpuipc_tset_subscribe(b, c, NULL), "tset_subscribe (wrapped)");
-  publish(b);
+  sc_check(gpuipc_tset_create(tb, 3, &wo, &b), "tset_create (wrapped)");
+  sc_check(gpuipc_tset_subscribe(b, c, NULL), "tset_subscribe (wrapped)");
+  sc_publish(b);
   /* Its END; the wait for our releases times out (we never send any). */
   (void)gpuipc_tset_unsubscribe(b, c);
 
   gpuipc_arena_options ao = GPUIPC_ARENA_OPTIONS_INIT;
   ao.chunk_bytes = 1 << 20;
-  gpuipc_arena *arena = NULL;
-  check(gpuipc_arena_create(&ao, &arena), "arena_create");
+  gpuipc_arena *spare_arena = NULL;
+  sc_check(gpuipc_arena_create(&ao, &spare_arena), "arena_create");
   for (int i = 0; i < 8; i++) {
     gpuipc_block *blk = NULL;
-    check(gpuipc_arena_alloc(arena, 4096, NULL, &blk), "arena_alloc");
-    check(gpuipc_conn_send(c, blk, NULL, "spare", 5), "conn_send");
+    sc_check(gpuipc_arena_alloc(spare_arena, 4096, NULL, &blk), "arena_alloc");
+    sc_check(gpuipc_conn_send(c, blk, NULL, "spare", 5), "conn_send");
   }
-  check(gpuipc_conn_send_msg(c, MARKER, sizeof MARKER - 1, NULL, 0),
+  sc_check(gpuipc_conn_send_msg(c, SC_MARKER, sizeof SC_MARKER - 1, NULL, 0),
         "send_msg");
   char ch;
   while (read(life, &ch, 1) > 0 || errno == EINTR)
@@ -177,22 +176,22 @@ static void producer_main(int sv, int life) {
 /* ---- recording ---------------------------------------------------------------- */
 
 /* Whether the marker message is among the complete frames of p. */
-static bool marker_in(const uint8_t *p, size_t len) {
+static bool sc_marker_in(const uint8_t *p, size_t len) {
   size_t off = 0;
   while (len - off >= sizeof(gpuipc__frame_hdr)) {
     gpuipc__frame_hdr h;
     memcpy(&h, p + off, sizeof h);
     if (h.len > len - off - sizeof h)
       break;
-    if (h.type == GPUIPC__F_MSG && h.len == sizeof MARKER - 1 &&
-        memcmp(p + off + sizeof h, MARKER, h.len) == 0)
+    if (h.type == GPUIPC__F_MSG && h.len == sizeof SC_MARKER - 1 &&
+        memcmp(p + off + sizeof h, SC_MARKER, h.len) == 0)
       return true;
     off += sizeof h + h.len;
   }
   return false;
 }
 
-static void append(uint8_t **t, size_t *len, const uint8_t *p, size_t n) {
+static void sc_append(uint8_t **t, size_t *len, const uint8_t *p, size_t n) {
   *t = realloc(*t, *len + n);
   if (*t == NULL)
     abort();
@@ -201,16 +200,16 @@ static void append(uint8_t **t, size_t *len, const uint8_t *p, size_t n) {
 }
 
 /* "slot S, sequence N" of a buffer frame (the verbose listing). */
-static const char *buf_slot(int i) {
+static const char *sc_buf_slot(int i) {
   static char b[64];
   gpuipc__w_buf w;
-  memcpy(&w, fr[i].p + sizeof(gpuipc__frame_hdr), sizeof w);
+  memcpy(&w, sc_fr[i].p + sizeof(gpuipc__frame_hdr), sizeof w);
   snprintf(b, sizeof b, ", slot %u, sequence %llu", w.slot,
            (unsigned long long)w.seq);
   return b;
 }
 
-static void record_producer(void) {
+static void sc_record_producer(void) {
   int sv[2], life[2];
   if (gpuipc_conn_pair(sv) != GPUIPC_OK || gpuipc_conn_pair(life) != GPUIPC_OK)
     abort();
@@ -223,7 +222,7 @@ static void record_producer(void) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     close(sv[1]);
     close(life[0]);
-    producer_main(sv[0], life[1]);
+    sc_producer_main(sv[0], life[1]);
   }
   close(sv[0]);
   close(life[1]);
@@ -234,37 +233,10 @@ static void record_producer(void) {
   if (fuzz_send(sv[1], hs, hl, 0) != 0)
     abort();
   static uint8_t all[1 << 20];
-  size_t got = 0;
   static int fds[256];
   int nfds = 0;
-  while (!marker_in(all, got)) {
-    union {
-      char b[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-      struct cmsghdr align;
-    } cb;
-    struct iovec iov = {all + got, sizeof all - got};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cb.b;
-    mh.msg_controllen = sizeof cb.b;
-    struct pollfd pf = {sv[1], POLLIN, 0};
-    if (poll(&pf, 1, 20000) <= 0)
-      break;
-    ssize_t r = recvmsg(sv[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0)
-      break;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
-      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-        for (int i = 0; i < k && nfds < 256; i++)
-          memcpy(&fds[nfds++], CMSG_DATA(cm) + sizeof(int) * (size_t)i,
-                 sizeof(int));
-      }
-    got += (size_t)r;
-  }
+  size_t got = fuzz_record(sv[1], all, sizeof all, fds, 256, &nfds, sc_marker_in,
+                           20000);
   close(sv[1]); /* the producer never reads again: its frames are recorded */
   size_t off = 0;
   int frame = 0, fdi = 0;
@@ -275,39 +247,39 @@ static void record_producer(void) {
     if (flen > got - off)
       break;
     const uint8_t *pl = all + off + sizeof h;
-    bool marker = h.type == GPUIPC__F_MSG && h.len == sizeof MARKER - 1 &&
-                  memcmp(pl, MARKER, h.len) == 0;
+    bool marker = h.type == GPUIPC__F_MSG && h.len == sizeof SC_MARKER - 1 &&
+                  memcmp(pl, SC_MARKER, h.len) == 0;
     /* Frames 0 and 1: the producer's HELLO and ACCEPT. */
-    if (frame >= 2 && !marker && nfr < MAXF) {
-      fr[nfr].p = malloc(flen);
-      if (fr[nfr].p == NULL)
+    if (frame >= 2 && !marker && sc_nfr < SC_MAXF) {
+      sc_fr[sc_nfr].p = malloc(flen);
+      if (sc_fr[sc_nfr].p == NULL)
         abort();
-      memcpy(fr[nfr].p, all + off, flen);
-      fr[nfr].len = flen;
-      fr[nfr].type = h.type;
-      fr[nfr].nfds = h.nfds;
+      memcpy(sc_fr[sc_nfr].p, all + off, flen);
+      sc_fr[sc_nfr].len = flen;
+      sc_fr[sc_nfr].type = h.type;
+      sc_fr[sc_nfr].nfds = h.nfds;
       for (int i = 0; i < h.nfds && fdi < nfds; i++)
-        fr[nfr].fds[i] = fds[fdi++];
-      fr[nfr].item = -1;
+        sc_fr[sc_nfr].fds[i] = fds[fdi++];
+      sc_fr[sc_nfr].item = -1;
       if (h.type == GPUIPC__F_MSG || h.type == GPUIPC__F_BUF ||
           h.type == GPUIPC__F_BUFD) {
-        fr[nfr].item = nitems;
-        item_frame[nitems++] = nfr;
+        sc_fr[sc_nfr].item = sc_nitems;
+        sc_item_frame[sc_nitems++] = sc_nfr;
       }
       if (h.type == GPUIPC__F_MSG && h.len >= GPUIPC__TSET_CHUNK_HDR) {
-        uint64_t lid = rd64(pl + 8);
-        if (layout_a == 0)
-          layout_a = lid;
-        else if (layout_b == 0 && lid != layout_a)
-          layout_b = lid;
-        if (lid == layout_a)
-          append(&table_a, &table_a_len, pl + GPUIPC__TSET_CHUNK_HDR,
+        uint64_t lid = sc_rd64(pl + 8);
+        if (sc_layout_a == 0)
+          sc_layout_a = lid;
+        else if (sc_layout_b == 0 && lid != sc_layout_a)
+          sc_layout_b = lid;
+        if (lid == sc_layout_a)
+          sc_append(&sc_table_a, &sc_table_a_len, pl + GPUIPC__TSET_CHUNK_HDR,
                  h.len - GPUIPC__TSET_CHUNK_HDR);
         else
-          append(&table_b, &table_b_len, pl + GPUIPC__TSET_CHUNK_HDR,
+          sc_append(&sc_table_b, &sc_table_b_len, pl + GPUIPC__TSET_CHUNK_HDR,
                  h.len - GPUIPC__TSET_CHUNK_HDR);
       }
-      nfr++;
+      sc_nfr++;
     } else {
       fdi += h.nfds;
     }
@@ -317,18 +289,18 @@ static void record_producer(void) {
   /* The recording this harness (and its seed corpus) counts on: layout A
    * (chunk, 2 pieces, 2 versions, END), layout B (chunk, 2 pieces, 1
    * version, END), 8 spares. */
-  verbose = getenv("FUZZ_SETS_VERBOSE") != NULL;
-  if (nitems != 19 || layout_a == 0 || layout_b == 0 || verbose) {
+  sc_verbose = getenv("FUZZ_SETS_VERBOSE") != NULL;
+  if (sc_nitems != 19 || sc_layout_a == 0 || sc_layout_b == 0 || sc_verbose) {
     fprintf(stderr, "recorded %d frames, %d items (layouts %llx, %llx; "
-            "tables of %zu and %zu bytes)\n", nfr, nitems,
-            (unsigned long long)layout_a, (unsigned long long)layout_b,
-            table_a_len, table_b_len);
-    for (int i = 0; i < nfr; i++)
+            "tables of %zu and %zu bytes)\n", sc_nfr, sc_nitems,
+            (unsigned long long)sc_layout_a, (unsigned long long)sc_layout_b,
+            sc_table_a_len, sc_table_b_len);
+    for (int i = 0; i < sc_nfr; i++)
       fprintf(stderr, "  frame %d: type %u, %zu bytes, %d fds, item %d%s\n", i,
-              fr[i].type, fr[i].len, fr[i].nfds, fr[i].item,
-              fr[i].type == GPUIPC__F_BUF || fr[i].type == GPUIPC__F_BUFD
-                  ? buf_slot(i) : "");
-    if (nitems != 19 || layout_a == 0 || layout_b == 0)
+              sc_fr[i].type, sc_fr[i].len, sc_fr[i].nfds, sc_fr[i].item,
+              sc_fr[i].type == GPUIPC__F_BUF || sc_fr[i].type == GPUIPC__F_BUFD
+                  ? sc_buf_slot(i) : "");
+    if (sc_nitems != 19 || sc_layout_a == 0 || sc_layout_b == 0)
       abort();
   }
 }
@@ -336,35 +308,35 @@ static void record_producer(void) {
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc;
   (void)argv;
-  record_producer(); /* first: the child starts the driver itself */
+  sc_record_producer(); /* first: the child starts the driver itself */
   fuzz_conn_init();
   CUcontext ctx;
-  check(gpuipc__primary_ctx(0, &ctx), "primary context");
+  sc_check(gpuipc__primary_ctx(0, &ctx), "primary context");
   if (gpuipc__cu.cuCtxSetCurrent(ctx) != CUDA_SUCCESS ||
-      gpuipc__cu.cuMemAlloc(&dst_base, DST_BYTES) != CUDA_SUCCESS)
+      gpuipc__cu.cuMemAlloc(&sc_dst_base, SC_DST_BYTES) != CUDA_SUCCESS)
     abort();
   return 0;
 }
 
 /* ---- one input ---------------------------------------------------------------- */
 
-typedef struct input {
+typedef struct sc_input {
   const uint8_t *p;
   size_t len, off;
-} input;
+} sc_input;
 
-static bool more(const input *in) { return in->off < in->len; }
+static bool sc_more(const sc_input *in) { return in->off < in->len; }
 
-static uint8_t u8(input *in) { return more(in) ? in->p[in->off++] : 0; }
+static uint8_t sc_u8(sc_input *in) { return sc_more(in) ? in->p[in->off++] : 0; }
 
-static uint16_t u16(input *in) {
-  uint16_t lo = u8(in);
-  return (uint16_t)(lo | (uint16_t)u8(in) << 8);
+static uint16_t sc_u16(sc_input *in) {
+  uint16_t lo = sc_u8(in);
+  return (uint16_t)(lo | (uint16_t)sc_u8(in) << 8);
 }
 
-typedef struct state {
+typedef struct sc_state {
   int fd;            /* the producer's end */
-  bool pre_sent[MAXF];
+  bool pre_sent[SC_MAXF];
   int cursor;        /* NEXT */
   uint32_t forged_len; /* the last forged table's length */
   bool keep_crc;       /* forged tables keep their checksum */
@@ -374,36 +346,36 @@ typedef struct state {
   bool copy;
   size_t dst_used;
   bool ended;
-} state;
+} sc_state;
 
 /* Sends the frames before frame f that no item is (CHUNK, CTL, ...) and
  * that did not go yet. */
-static void send_prereqs(state *st, int f) {
+static void sc_send_prereqs(sc_state *st, int f) {
   for (int i = 0; i < f; i++)
-    if (fr[i].item < 0 && !st->pre_sent[i]) {
+    if (sc_fr[i].item < 0 && !st->pre_sent[i]) {
       st->pre_sent[i] = true;
-      (void)fuzz_send_fds(st->fd, fr[i].p, fr[i].len, fr[i].fds, fr[i].nfds);
+      (void)fuzz_send_fds(st->fd, sc_fr[i].p, sc_fr[i].len, sc_fr[i].fds, sc_fr[i].nfds);
     }
 }
 
-static void send_item(state *st, int k) {
-  int f = item_frame[k];
-  send_prereqs(st, f);
-  (void)fuzz_send_fds(st->fd, fr[f].p, fr[f].len, fr[f].fds, fr[f].nfds);
+static void sc_send_item(sc_state *st, int k) {
+  int f = sc_item_frame[k];
+  sc_send_prereqs(st, f);
+  (void)fuzz_send_fds(st->fd, sc_fr[f].p, sc_fr[f].len, sc_fr[f].fds, sc_fr[f].nfds);
 }
 
 /* Item k (a buffer) with meta `meta` (len bytes) in place of its own. A
  * table chunk item goes as recorded. */
-static void send_with_meta(state *st, int k, const uint8_t *meta, size_t len) {
-  int f = item_frame[k];
-  if (fr[f].type == GPUIPC__F_MSG) {
-    send_item(st, k);
+static void sc_send_with_meta(sc_state *st, int k, const uint8_t *meta, size_t len) {
+  int f = sc_item_frame[k];
+  if (sc_fr[f].type == GPUIPC__F_MSG) {
+    sc_send_item(st, k);
     return;
   }
   gpuipc__frame_hdr h;
-  memcpy(&h, fr[f].p, sizeof h);
+  memcpy(&h, sc_fr[f].p, sizeof h);
   gpuipc__w_buf w;
-  memcpy(&w, fr[f].p + sizeof h, sizeof w);
+  memcpy(&w, sc_fr[f].p + sizeof h, sizeof w);
   size_t keep = h.len - w.meta_len; /* what comes before its meta */
   uint8_t *out = malloc(sizeof h + keep + len + 1);
   if (out == NULL)
@@ -412,24 +384,24 @@ static void send_with_meta(state *st, int k, const uint8_t *meta, size_t len) {
   h.len = (uint32_t)(keep + len);
   h.check = gpuipc__frame_check(&h);
   memcpy(out, &h, sizeof h);
-  memcpy(out + sizeof h, fr[f].p + sizeof h, keep);
+  memcpy(out + sizeof h, sc_fr[f].p + sizeof h, keep);
   memcpy(out + sizeof h, &w, sizeof w);
   if (len)
     memcpy(out + sizeof h + keep, meta, len);
-  send_prereqs(st, f);
-  (void)fuzz_send_fds(st->fd, out, sizeof h + keep + len, fr[f].fds,
-                      fr[f].nfds);
+  sc_send_prereqs(st, f);
+  (void)fuzz_send_fds(st->fd, out, sizeof h + keep + len, sc_fr[f].fds,
+                      sc_fr[f].nfds);
   free(out);
 }
 
-static uint64_t layout_sel(uint8_t b, uint64_t keep) {
+static uint64_t sc_layout_sel(uint8_t b, uint64_t keep) {
   switch (b) {
   case 0:
     return keep;
   case 1:
-    return layout_a;
+    return sc_layout_a;
   case 2:
-    return layout_b;
+    return sc_layout_b;
   case 3:
     return 0;
   default:
@@ -437,23 +409,23 @@ static uint64_t layout_sel(uint8_t b, uint64_t keep) {
   }
 }
 
-static void op_meta(state *st, input *in, int k) {
-  int f = item_frame[k];
+static void sc_op_meta(sc_state *st, sc_input *in, int k) {
+  int f = sc_item_frame[k];
   gpuipc__frame_hdr h;
-  memcpy(&h, fr[f].p, sizeof h);
-  gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, layout_a, 0, 2, 0};
-  if (fr[f].type != GPUIPC__F_MSG) {
+  memcpy(&h, sc_fr[f].p, sizeof h);
+  gpuipc__tset_meta m = {GPUIPC__TSET_PIECE, sc_layout_a, 0, 2, 0};
+  if (sc_fr[f].type != GPUIPC__F_MSG) {
     gpuipc__w_buf w;
-    memcpy(&w, fr[f].p + sizeof h, sizeof w);
+    memcpy(&w, sc_fr[f].p + sizeof h, sizeof w);
     gpuipc__tset_meta mine;
-    if (gpuipc__tset_meta_decode(fr[f].p + fr[f].len - w.meta_len, w.meta_len,
+    if (gpuipc__tset_meta_decode(sc_fr[f].p + sc_fr[f].len - w.meta_len, w.meta_len,
                                  &mine) == GPUIPC_OK)
       m = mine;
   }
-  uint8_t kind = u8(in), lay = u8(in), a = u8(in), b = u8(in);
-  uint16_t c = u16(in);
+  uint8_t kind = sc_u8(in), lay = sc_u8(in), a = sc_u8(in), b = sc_u8(in);
+  uint16_t c = sc_u16(in);
   m.kind = kind;
-  m.layout_id = layout_sel(lay, m.layout_id);
+  m.layout_id = sc_layout_sel(lay, m.layout_id);
   if (a != 0xff)
     m.a = a == 0xfe ? UINT64_MAX : a;
   if (b != 0xff)
@@ -462,32 +434,32 @@ static void op_meta(state *st, input *in, int k) {
     m.c = c == 0xfffe ? st->forged_len : c;
   uint8_t meta[GPUIPC__TSET_META_LEN];
   gpuipc__tset_meta_encode(&m, meta);
-  send_with_meta(st, k, meta, sizeof meta);
+  sc_send_with_meta(st, k, meta, sizeof meta);
 }
 
-static void op_rawmeta(state *st, input *in, int k) {
+static void sc_op_rawmeta(sc_state *st, sc_input *in, int k) {
   uint8_t meta[64];
-  size_t n = u8(in) % 65;
+  size_t n = sc_u8(in) % 65;
   for (size_t i = 0; i < n; i++)
-    meta[i] = u8(in);
-  send_with_meta(st, k, meta, n);
+    meta[i] = sc_u8(in);
+  sc_send_with_meta(st, k, meta, n);
 }
 
-static void op_table(state *st, input *in) {
-  uint8_t src = u8(in);
-  uint32_t index = u8(in);
-  uint8_t lay = u8(in);
+static void sc_op_table(sc_state *st, sc_input *in) {
+  uint8_t src = sc_u8(in);
+  uint32_t index = sc_u8(in);
+  uint8_t lay = sc_u8(in);
   static uint8_t msg[GPUIPC__TSET_CHUNK_HDR + 4096];
   uint8_t *data = msg + GPUIPC__TSET_CHUNK_HDR;
   size_t n = 0;
-  const uint8_t *t = (src & 3) == 1 ? table_b : table_a;
-  size_t tl = (src & 3) == 1 ? table_b_len : table_a_len;
+  const uint8_t *t = (src & 3) == 1 ? sc_table_b : sc_table_a;
+  size_t tl = (src & 3) == 1 ? sc_table_b_len : sc_table_a_len;
   if ((src & 3) >= 2) {
-    n = u8(in);
+    n = sc_u8(in);
     for (size_t i = 0; i < n; i++)
-      data[i] = u8(in);
+      data[i] = sc_u8(in);
   } else {
-    size_t o = u16(in), l = u16(in);
+    size_t o = sc_u16(in), l = sc_u16(in);
     if (o > tl)
       o = tl;
     if (l > tl - o)
@@ -495,10 +467,10 @@ static void op_table(state *st, input *in) {
     memcpy(data, t + o, l);
     n = l;
   }
-  int muts = u8(in) % 16;
+  int muts = sc_u8(in) % 16;
   for (int i = 0; i < muts; i++) {
-    uint16_t pos = u16(in);
-    uint8_t x = u8(in);
+    uint16_t pos = sc_u16(in);
+    uint8_t x = sc_u8(in);
     if (n > 0)
       data[pos % n] ^= x;
   }
@@ -515,7 +487,7 @@ static void op_table(state *st, input *in) {
     }
   }
   uint32_t magic = (src & 4) ? 0x43535448u : GPUIPC__TSET_CHUNK_MAGIC;
-  uint64_t lid = layout_sel(lay, (src & 3) == 1 ? layout_b : layout_a);
+  uint64_t lid = sc_layout_sel(lay, (src & 3) == 1 ? sc_layout_b : sc_layout_a);
   memcpy(msg, &magic, 4);
   memcpy(msg + 4, &index, 4);
   memcpy(msg + 8, &lid, 8);
@@ -530,7 +502,7 @@ static void op_table(state *st, input *in) {
   (void)fuzz_send(st->fd, frame, sizeof h + len, nfds);
 }
 
-static void release_oldest(state *st) {
+static void sc_release_oldest(sc_state *st) {
   if (st->nheld == 0)
     return;
   (void)gpuipc_tset_version_release(st->held[0], NULL);
@@ -539,7 +511,7 @@ static void release_oldest(state *st) {
 }
 
 /* Reads every tensor of v as a consumer would. */
-static void read_version(state *st, gpuipc_tset_version *v) {
+static void sc_read_version(sc_state *st, gpuipc_tset_version *v) {
   size_t n = gpuipc_tset_version_get_count(v);
   (void)gpuipc_tset_version_get_number(v);
   (void)gpuipc_tset_version_get_layout(v);
@@ -562,7 +534,7 @@ static void read_version(state *st, gpuipc_tset_version *v) {
       fuzz_die("find of a version's own tensor name", s);
     total += t.nbytes;
   }
-  if (!st->copy || n == 0 || total > DST_BYTES - st->dst_used)
+  if (!st->copy || n == 0 || total > SC_DST_BYTES - st->dst_used)
     return;
   void **dsts = malloc(n * sizeof *dsts);
   if (dsts == NULL)
@@ -571,7 +543,7 @@ static void read_version(state *st, gpuipc_tset_version *v) {
   for (size_t i = 0; i < n; i++) {
     gpuipc_tensor t;
     (void)gpuipc_tset_version_get_tensor(v, i, &t);
-    dsts[i] = (void *)(uintptr_t)(dst_base + off);
+    dsts[i] = (void *)(uintptr_t)(sc_dst_base + off);
     off += t.nbytes;
   }
   (void)gpuipc_tset_version_copy_into(v, dsts, NULL);
@@ -579,7 +551,7 @@ static void read_version(state *st, gpuipc_tset_version *v) {
 }
 
 /* Up to n versions, each read and then released or held. */
-static void consume(state *st, int n) {
+static void sc_consume(sc_state *st, int n) {
   for (int round = 0; round < n && !st->ended; round++) {
     gpuipc_tset_version *v = NULL;
     gpuipc_status s = gpuipc_tset_recv(st->sub, NULL, &v);
@@ -587,7 +559,7 @@ static void consume(state *st, int n) {
       fuzz_die("tset_recv: status out of range", s);
     if (s != GPUIPC_OK && v != NULL)
       fuzz_die("tset_recv failed with a version", s);
-    if (verbose)
+    if (sc_verbose)
       fprintf(stderr, "recv: %s%s%s; version %llu of layout %llx\n",
               gpuipc_status_name(s), s != GPUIPC_OK ? ": " : "",
               s != GPUIPC_OK ? gpuipc_last_error() : "",
@@ -603,34 +575,23 @@ static void consume(state *st, int n) {
       continue; /* refused (or CANCELED): the consumer goes on */
     if (v == NULL)
       fuzz_die("tset_recv: OK without a version", s);
-    read_version(st, v);
+    sc_read_version(st, v);
     if (st->nheld == (int)(sizeof st->held / sizeof st->held[0]))
-      release_oldest(st);
+      sc_release_oldest(st);
     st->held[st->nheld++] = v;
     while (st->nheld > st->hold_max)
-      release_oldest(st);
+      sc_release_oldest(st);
   }
-}
-
-/* Whether the legacy stream's work completes within ms milliseconds. */
-static bool drain_legacy(int ms) {
-  for (int i = 0; i < ms; i++) {
-    CUresult r = gpuipc__cu.cuStreamQuery(NULL);
-    if (r != CUDA_ERROR_NOT_READY)
-      return true;
-    usleep(1000);
-  }
-  return false;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1 || size > 8192)
     return 0;
   uint8_t ctl = data[0];
-  if (verbose)
+  if (sc_verbose)
     fprintf(stderr, "input of %zu bytes\n", size);
-  input in = {data, size, 1};
-  state *st = calloc(1, sizeof *st);
+  sc_input in = {data, size, 1};
+  sc_state *st = calloc(1, sizeof *st);
   if (st == NULL)
     return 0;
   int hold = ctl & 3;
@@ -667,35 +628,35 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   bool hung_up = false;
   int ops = 0;
-  while (more(&in) && !hung_up && ops++ < 512) {
-    uint8_t op = u8(&in);
+  while (sc_more(&in) && !hung_up && ops++ < 512) {
+    uint8_t op = sc_u8(&in);
     int arg = op >> 3;
     switch (op & 7) {
     case 0:
-      send_item(st, arg % nitems);
+      sc_send_item(st, arg % sc_nitems);
       break;
     case 1:
-      for (int i = 0; i <= arg && st->cursor < nitems; i++)
-        send_item(st, st->cursor++);
+      for (int i = 0; i <= arg && st->cursor < sc_nitems; i++)
+        sc_send_item(st, st->cursor++);
       break;
     case 2:
-      op_meta(st, &in, arg % nitems);
+      sc_op_meta(st, &in, arg % sc_nitems);
       break;
     case 3:
-      op_rawmeta(st, &in, arg % nitems);
+      sc_op_rawmeta(st, &in, arg % sc_nitems);
       break;
     case 4:
-      op_table(st, &in);
+      sc_op_table(st, &in);
       break;
     case 5:
-      consume(st, arg + 1);
+      sc_consume(st, arg + 1);
       break;
     case 6:
       if (arg & 1)
         while (st->nheld > 0)
-          release_oldest(st);
+          sc_release_oldest(st);
       else
-        release_oldest(st);
+        sc_release_oldest(st);
       break;
     default:
       shutdown(sv[1], SHUT_WR);
@@ -706,15 +667,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!hung_up && !(ctl & 0x10))
     shutdown(sv[1], SHUT_WR);
   /* Until nothing more comes (a bounded number of calls). */
-  consume(st, 64);
+  sc_consume(st, 64);
   /* Half of the inputs release what they hold themselves, in the order
    * received; the others leave it to sub_close. */
   if (hold != 3)
     while (st->nheld > 0)
-      release_oldest(st);
+      sc_release_oldest(st);
   gpuipc_tset_sub_close(st->sub);
   gpuipc_conn_close(c);
-  if (!drain_legacy(2000) && o.order != GPUIPC_ORDER_EVENT)
+  if (!fuzz_drain_legacy(2000) && o.order != GPUIPC_ORDER_EVENT)
     fuzz_die("the legacy stream is still blocked 2 s after close", GPUIPC_OK);
   close(sv[1]);
   free(st);
