@@ -14,6 +14,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -171,6 +173,36 @@ static inline size_t fuzz_accept_frame(uint8_t *out) {
   h.check = gpuipc__frame_check(&h);
   memcpy(out, &h, sizeof h);
   return sizeof h;
+}
+
+/* Starts a recorded peer: a child process that runs peer_main(sv, life)
+ * on its end of a socket pair (a connection's handshake, then what it
+ * sends) and exits when the parent's end of `life` closes (kept open for
+ * the parent's lifetime), or with the parent. Answers the child's HELLO
+ * as a peer of its pid would (the kernel vouches for our credentials, and
+ * the HELLO must agree with them). Returns our end of the pair. */
+static inline int fuzz_spawn_peer(void (*peer_main)(int sv, int life)) {
+  int sv[2], life[2];
+  if (gpuipc_conn_pair(sv) != GPUIPC_OK || gpuipc_conn_pair(life) != GPUIPC_OK)
+    abort();
+  pid_t pid = fork();
+  if (pid < 0)
+    abort();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(sv[1]);
+    close(life[0]);
+    peer_main(sv[0], life[1]);
+    _exit(0);
+  }
+  close(sv[0]);
+  close(life[1]);
+  uint8_t hs[128];
+  size_t hl = fuzz_hello(hs, 256);
+  hl += fuzz_accept_frame(hs + hl);
+  if (fuzz_send(sv[1], hs, hl, 0) != 0)
+    abort();
+  return sv[1];
 }
 
 /* Reads what a recorded peer sends on fd into buf (cap bytes), the

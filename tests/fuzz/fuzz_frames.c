@@ -33,9 +33,6 @@
  */
 #include "fuzz_conn.h"
 
-#include <signal.h>
-#include <sys/prctl.h>
-
 /* The recorded frames: bytes, and for each frame that carries
  * descriptors, where it starts and the descriptors (kept open here). */
 static uint8_t rec[16384];
@@ -94,36 +91,14 @@ static bool two_bufs_in(const uint8_t *p, size_t len) {
 }
 
 static void record_exporter(void) {
-  int sv[2], life[2];
-  if (gpuipc_conn_pair(sv) != GPUIPC_OK || gpuipc_conn_pair(life) != GPUIPC_OK)
-    abort();
-  pid_t pid = fork();
-  if (pid < 0)
-    abort();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(sv[1]);
-    close(life[0]);
-    exporter_main(sv[0], life[1]);
-  }
-  close(sv[0]);
-  close(life[1]);
-  /* life[0] stays open for our lifetime: the child exits when it closes. */
-  /* The child's handshake: it sends HELLO first; we answer as a peer of
-   * its pid would (the kernel vouches for our credentials, and the HELLO
-   * must agree with them). */
-  uint8_t hs[128];
-  size_t hl = fuzz_hello(hs, 256);
-  hl += fuzz_accept_frame(hs + hl);
-  if (fuzz_send(sv[1], hs, hl, 0) != 0)
-    abort();
+  int fd = fuzz_spawn_peer(exporter_main);
   /* Read what it sent: its HELLO, ACCEPT, then the frames to keep (until
    * both BUF frames are in, or the child is silent for 10 s). */
   uint8_t all[sizeof rec + 256];
   int fds[64], nfds = 0;
-  size_t got = fuzz_record(sv[1], all, sizeof all, fds, 64, &nfds, two_bufs_in,
+  size_t got = fuzz_record(fd, all, sizeof all, fds, 64, &nfds, two_bufs_in,
                            10000);
-  close(sv[1]); /* the exporter never reads again; its frames are recorded */
+  close(fd); /* the exporter never reads again; its frames are recorded */
   size_t off = 0;
   int frame = 0, fdi = 0;
   while (got - off >= sizeof(gpuipc__frame_hdr)) {

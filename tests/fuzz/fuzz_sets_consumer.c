@@ -58,9 +58,6 @@
  */
 #include "fuzz_conn.h"
 
-#include <signal.h>
-#include <sys/prctl.h>
-
 #define SC_MARKER "fuzz-sets-consumer: recorded"
 #define SC_MAXF 96
 
@@ -210,34 +207,13 @@ static const char *sc_buf_slot(int i) {
 }
 
 static void sc_record_producer(void) {
-  int sv[2], life[2];
-  if (gpuipc_conn_pair(sv) != GPUIPC_OK || gpuipc_conn_pair(life) != GPUIPC_OK)
-    abort();
-  int big = 4 << 20;
-  (void)setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
-  pid_t pid = fork();
-  if (pid < 0)
-    abort();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(sv[1]);
-    close(life[0]);
-    sc_producer_main(sv[0], life[1]);
-  }
-  close(sv[0]);
-  close(life[1]);
-  /* life[0] stays open for our lifetime: the child exits when it closes. */
-  uint8_t hs[128];
-  size_t hl = fuzz_hello(hs, 256);
-  hl += fuzz_accept_frame(hs + hl);
-  if (fuzz_send(sv[1], hs, hl, 0) != 0)
-    abort();
+  int fd = fuzz_spawn_peer(sc_producer_main);
   static uint8_t all[1 << 20];
   static int fds[256];
   int nfds = 0;
-  size_t got = fuzz_record(sv[1], all, sizeof all, fds, 256, &nfds, sc_marker_in,
+  size_t got = fuzz_record(fd, all, sizeof all, fds, 256, &nfds, sc_marker_in,
                            20000);
-  close(sv[1]); /* the producer never reads again: its frames are recorded */
+  close(fd); /* the producer never reads again: its frames are recorded */
   size_t off = 0;
   int frame = 0, fdi = 0;
   while (got - off >= sizeof(gpuipc__frame_hdr)) {
