@@ -175,6 +175,16 @@ static inline size_t fuzz_accept_frame(uint8_t *out) {
   return sizeof h;
 }
 
+/* Sends on fd what a peer of this process sends in the handshake: HELLO
+ * (a peer of 256 outstanding buffers), then ACCEPT. */
+static inline void fuzz_hello_accept(int fd) {
+  uint8_t hs[128];
+  size_t hl = fuzz_hello(hs, 256);
+  hl += fuzz_accept_frame(hs + hl);
+  if (fuzz_send(fd, hs, hl, 0) != 0)
+    abort();
+}
+
 /* Starts a recorded peer: a child process that runs peer_main(sv, life)
  * on its end of a socket pair (a connection's handshake, then what it
  * sends) and exits when the parent's end of `life` closes (kept open for
@@ -197,11 +207,7 @@ static inline int fuzz_spawn_peer(void (*peer_main)(int sv, int life)) {
   }
   close(sv[0]);
   close(life[1]);
-  uint8_t hs[128];
-  size_t hl = fuzz_hello(hs, 256);
-  hl += fuzz_accept_frame(hs + hl);
-  if (fuzz_send(sv[1], hs, hl, 0) != 0)
-    abort();
+  fuzz_hello_accept(sv[1]);
   return sv[1];
 }
 

@@ -299,11 +299,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     abort();
   int big = 1 << 20;
   (void)setsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
-  uint8_t hs[128];
-  size_t hl = fuzz_hello(hs, 256);
-  hl += fuzz_accept_frame(hs + hl);
-  if (fuzz_send(sv[1], hs, hl, 0) != 0)
-    abort();
+  fuzz_hello_accept(sv[1]);
   if (ctl & 0x80)
     send_recorded(sv[1]);
   (void)fuzz_send(sv[1], stream, n, ctl & 7);

@@ -582,11 +582,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   (void)setsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
   (void)setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
   st->fd = sv[1];
-  uint8_t hs[128];
-  size_t hl = fuzz_hello(hs, 256);
-  hl += fuzz_accept_frame(hs + hl);
-  if (fuzz_send(sv[1], hs, hl, 0) != 0)
-    abort();
+  fuzz_hello_accept(sv[1]);
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
   o.nonblocking = 1;
   o.timeout_ms = 1000;
