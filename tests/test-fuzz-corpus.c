@@ -1,6 +1,7 @@
 /*
  * test-fuzz-corpus.c: replays the seed corpora of the connection and xfer
- * fuzz targets (tests/fuzz/corpus/{frames,handshake,ring,xfer-header}) through
+ * fuzz targets (tests/fuzz/corpus/{frames,handshake,ring,ring-records,
+ * xfer-header}) and of the tensor-set consumer's (sets-consumer) through
  * the targets' own harnesses, compiled in here under other names, as
  * ordinary tests: every input must run through without a crash, a hang, a
  * leaked descriptor (the harness aborts on one) or, under ASan, leaked
@@ -20,6 +21,8 @@ int fuzz_ring_init(int *argc, char ***argv);
 int fuzz_ring_one(const uint8_t *data, size_t size);
 int fuzz_xfer_header_one(const uint8_t *data, size_t size);
 int fuzz_ring_records_one(const uint8_t *data, size_t size);
+int fuzz_sets_consumer_init(int *argc, char ***argv);
+int fuzz_sets_consumer_one(const uint8_t *data, size_t size);
 
 #define LLVMFuzzerInitialize fuzz_frames_init
 #define LLVMFuzzerTestOneInput fuzz_frames_one
@@ -41,6 +44,11 @@ int fuzz_ring_records_one(const uint8_t *data, size_t size);
 #undef LLVMFuzzerTestOneInput
 #define LLVMFuzzerTestOneInput fuzz_ring_records_one
 #include "fuzz/fuzz_ring_records.c"
+#undef LLVMFuzzerTestOneInput
+#define LLVMFuzzerInitialize fuzz_sets_consumer_init
+#define LLVMFuzzerTestOneInput fuzz_sets_consumer_one
+#include "fuzz/fuzz_sets_consumer.c"
+#undef LLVMFuzzerInitialize
 #undef LLVMFuzzerTestOneInput
 
 /* Runs every file of corpus/<name> through one; returns the count. */
@@ -138,6 +146,19 @@ TEST_IMPL(fuzz_corpus_ring_records) {
   if (n < 0)
     SKIP("no corpus");
   ASSERT_GT(n, 10);
+  return 0;
+}
+
+/* A hostile producer's frame sequence to a tensor-set consumer
+ * (fuzz_sets_consumer.c): its harness records a real producer first. */
+TEST_IMPL(fuzz_corpus_sets_consumer) {
+  REQUIRE_EMULATOR("the harness makes the emulator the driver");
+  fuzz_sets_consumer_init(NULL, NULL);
+  fuzz_fd_baseline = -1;
+  int n = replay("sets-consumer", fuzz_sets_consumer_one);
+  if (n < 0)
+    SKIP("no corpus");
+  ASSERT_GT(n, 40);
   return 0;
 }
 

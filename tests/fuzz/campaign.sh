@@ -20,7 +20,7 @@ jobs=${JOBS:-$(nproc)}
 out=${OUT_DIR:-fuzz-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-for t in ${TARGETS:-descriptor frames handshake ring ring-records xfer-header sets-table tensor-meta}; do
+for t in ${TARGETS:-descriptor frames handshake ring ring-records xfer-header sets-table sets-consumer tensor-meta}; do
   w=$out/$t
   rm -rf "$w"
   mkdir -p "$w/corpus" "$w/logs"

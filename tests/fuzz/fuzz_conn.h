@@ -13,6 +13,9 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,6 +173,99 @@ static inline size_t fuzz_accept_frame(uint8_t *out) {
   h.check = gpuipc__frame_check(&h);
   memcpy(out, &h, sizeof h);
   return sizeof h;
+}
+
+/* Sends on fd what a peer of this process sends in the handshake: HELLO
+ * (a peer of 256 outstanding buffers), then ACCEPT. */
+static inline void fuzz_hello_accept(int fd) {
+  uint8_t hs[128];
+  size_t hl = fuzz_hello(hs, 256);
+  hl += fuzz_accept_frame(hs + hl);
+  if (fuzz_send(fd, hs, hl, 0) != 0)
+    abort();
+}
+
+/* Starts a recorded peer: a child process that runs peer_main(sv, life)
+ * on its end of a socket pair (a connection's handshake, then what it
+ * sends) and exits when the parent's end of `life` closes (kept open for
+ * the parent's lifetime), or with the parent. Answers the child's HELLO
+ * as a peer of its pid would (the kernel vouches for our credentials, and
+ * the HELLO must agree with them). Returns our end of the pair. */
+static inline int fuzz_spawn_peer(void (*peer_main)(int sv, int life)) {
+  int sv[2], life[2];
+  if (gpuipc_conn_pair(sv) != GPUIPC_OK || gpuipc_conn_pair(life) != GPUIPC_OK)
+    abort();
+  pid_t pid = fork();
+  if (pid < 0)
+    abort();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(sv[1]);
+    close(life[0]);
+    peer_main(sv[0], life[1]);
+    _exit(0);
+  }
+  close(sv[0]);
+  close(life[1]);
+  fuzz_hello_accept(sv[1]);
+  return sv[1];
+}
+
+/* Reads what a recorded peer sends on fd into buf (cap bytes), the
+ * descriptors that come with it into fds (at most maxfds, *nfds of them),
+ * until done(buf, got) says it is all there, the peer is silent for
+ * quiet_ms, or it hangs up. Returns the bytes read. */
+static inline size_t fuzz_record(int fd, uint8_t *buf, size_t cap, int *fds,
+                                 int maxfds, int *nfds,
+                                 bool (*done)(const uint8_t *, size_t),
+                                 int quiet_ms) {
+  size_t got = 0;
+  *nfds = 0;
+  while (!done(buf, got) && got < cap) {
+    union {
+      char b[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
+      struct cmsghdr align;
+    } cb;
+    struct iovec iov = {buf + got, cap - got};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cb.b;
+    mh.msg_controllen = sizeof cb.b;
+    struct pollfd pf = {fd, POLLIN, 0};
+    if (poll(&pf, 1, quiet_ms) <= 0)
+      break;
+    ssize_t r = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      break;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int i = 0; i < k; i++) {
+          int d;
+          memcpy(&d, CMSG_DATA(cm) + sizeof(int) * (size_t)i, sizeof d);
+          if (*nfds < maxfds)
+            fds[(*nfds)++] = d;
+          else
+            close(d);
+        }
+      }
+    got += (size_t)r;
+  }
+  return got;
+}
+
+/* Whether the legacy stream's work completes within ms milliseconds. */
+static inline bool fuzz_drain_legacy(int ms) {
+  for (int i = 0; i < ms; i++) {
+    CUresult r = gpuipc__cu.cuStreamQuery(NULL);
+    if (r != CUDA_ERROR_NOT_READY)
+      return true;
+    usleep(1000);
+  }
+  return false;
 }
 
 static inline void fuzz_die(const char *what, gpuipc_status s) {

@@ -33,10 +33,6 @@
  */
 #include "fuzz_conn.h"
 
-#include <poll.h>
-#include <signal.h>
-#include <sys/prctl.h>
-
 /* The recorded frames: bytes, and for each frame that carries
  * descriptors, where it starts and the descriptors (kept open here). */
 static uint8_t rec[16384];
@@ -79,8 +75,8 @@ static void exporter_main(int sv, int life) {
   _exit(0);
 }
 
-/* Complete BUF frames in p. */
-static int bufs_in(const uint8_t *p, size_t len) {
+/* Whether both BUF frames are among the complete frames of p. */
+static bool two_bufs_in(const uint8_t *p, size_t len) {
   size_t off = 0;
   int n = 0;
   while (len - off >= sizeof(gpuipc__frame_hdr)) {
@@ -91,69 +87,18 @@ static int bufs_in(const uint8_t *p, size_t len) {
     n += h.type == GPUIPC__F_BUF;
     off += sizeof h + h.len;
   }
-  return n;
+  return n >= 2;
 }
 
 static void record_exporter(void) {
-  int sv[2], life[2];
-  if (gpuipc_conn_pair(sv) != GPUIPC_OK || gpuipc_conn_pair(life) != GPUIPC_OK)
-    abort();
-  pid_t pid = fork();
-  if (pid < 0)
-    abort();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(sv[1]);
-    close(life[0]);
-    exporter_main(sv[0], life[1]);
-  }
-  close(sv[0]);
-  close(life[1]);
-  /* life[0] stays open for our lifetime: the child exits when it closes. */
-  /* The child's handshake: it sends HELLO first; we answer as a peer of
-   * its pid would (the kernel vouches for our credentials, and the HELLO
-   * must agree with them). */
-  uint8_t hs[128];
-  size_t hl = fuzz_hello(hs, 256);
-  hl += fuzz_accept_frame(hs + hl);
-  if (fuzz_send(sv[1], hs, hl, 0) != 0)
-    abort();
-  /* Read what it sent: its HELLO, ACCEPT, then the frames to keep. */
+  int fd = fuzz_spawn_peer(exporter_main);
+  /* Read what it sent: its HELLO, ACCEPT, then the frames to keep (until
+   * both BUF frames are in, or the child is silent for 10 s). */
   uint8_t all[sizeof rec + 256];
-  size_t got = 0;
   int fds[64], nfds = 0;
-  for (;;) {
-    union {
-      char b[CMSG_SPACE(sizeof(int) * GPUIPC__FRAME_FDS_MAX)];
-      struct cmsghdr align;
-    } cb;
-    struct iovec iov = {all + got, sizeof all - got};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cb.b;
-    mh.msg_controllen = sizeof cb.b;
-    /* Until both BUF frames are in (or the child is silent for 10 s). */
-    if (bufs_in(all, got) >= 2)
-      break;
-    struct pollfd pf = {sv[1], POLLIN, 0};
-    if (poll(&pf, 1, 10000) <= 0)
-      break;
-    ssize_t r = recvmsg(sv[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0)
-      break;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
-      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-        int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-        for (int i = 0; i < k && nfds < 64; i++)
-          memcpy(&fds[nfds++], CMSG_DATA(cm) + sizeof(int) * (size_t)i,
-                 sizeof(int));
-      }
-    got += (size_t)r;
-  }
-  close(sv[1]); /* the exporter never reads again; its frames are recorded */
+  size_t got = fuzz_record(fd, all, sizeof all, fds, 64, &nfds, two_bufs_in,
+                           10000);
+  close(fd); /* the exporter never reads again; its frames are recorded */
   size_t off = 0;
   int frame = 0, fdi = 0;
   while (got - off >= sizeof(gpuipc__frame_hdr)) {
@@ -324,17 +269,6 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   return 0;
 }
 
-/* Whether the legacy stream's work completes within ms milliseconds. */
-static bool drain_legacy(int ms) {
-  for (int i = 0; i < ms; i++) {
-    CUresult r = gpuipc__cu.cuStreamQuery(NULL);
-    if (r != CUDA_ERROR_NOT_READY)
-      return true;
-    usleep(1000);
-  }
-  return false;
-}
-
 /* Sends the recorded frames: those with descriptors each on its own. */
 static void send_recorded(int fd) {
   size_t off = 0;
@@ -365,11 +299,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     abort();
   int big = 1 << 20;
   (void)setsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
-  uint8_t hs[128];
-  size_t hl = fuzz_hello(hs, 256);
-  hl += fuzz_accept_frame(hs + hl);
-  if (fuzz_send(sv[1], hs, hl, 0) != 0)
-    abort();
+  fuzz_hello_accept(sv[1]);
   if (ctl & 0x80)
     send_recorded(sv[1]);
   (void)fuzz_send(sv[1], stream, n, ctl & 7);
@@ -397,7 +327,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
    * hold the legacy stream, and every later input's work on it, for good
    * (as a hostile exporter could, which only stalls the streams that
    * received from it). Event mode is left out: its documented limit. */
-  if (!drain_legacy(2000) && o.order != GPUIPC_ORDER_EVENT)
+  if (!fuzz_drain_legacy(2000) && o.order != GPUIPC_ORDER_EVENT)
     fuzz_die("the legacy stream is still blocked 2 s after close", GPUIPC_OK);
   /* A close that could not unmap yet (the peer's words not written when
    * it ran) is finished by a later call: here, now that they are. */
