@@ -14,6 +14,7 @@
  */
 #include "harness.h"
 
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -739,6 +740,70 @@ TEST_IMPL(sets_late_joiner_gets_latest) {
   gpuipc_conn_close(c2);
   ASSERT_EQ(wait_helper(p1, 120), 0);
   ASSERT_EQ(wait_helper(p2, 120), 0);
+  spec_free(&sp);
+  return 0;
+}
+
+/* begin, unsubscribe and destroy of a set made with a timeout of 0 say
+ * what would wait, and a caller waiting itself on gpuipc_tset_get_wait_fds
+ * between calls gets there: the descriptors are the subscribed
+ * connections' sockets, and a short poll on them (a release's GPU work
+ * wakes no descriptor) until the call succeeds. */
+static gpuipc_status polled(gpuipc_tset *set, int what, int *copy,
+                            gpuipc_conn *c, gpuipc_status again) {
+  uint64_t end = gpuipc__now_ns() + 60ull * 1000000000ull;
+  for (;;) {
+    gpuipc_status st = what == 0   ? gpuipc_tset_begin(set, NULL, copy)
+                       : what == 1 ? gpuipc_tset_unsubscribe(set, c)
+                                   : gpuipc_tset_destroy(set);
+    if (st != again || gpuipc__now_ns() > end)
+      return st;
+    int fds[4];
+    size_t n = gpuipc_tset_get_wait_fds(set, fds, 4);
+    ASSERT_LE(n, 1);
+    struct pollfd p = {.fd = n ? fds[0] : -1, .events = POLLIN};
+    (void)poll(&p, 1, 5);
+  }
+}
+
+TEST_IMPL(sets_wait_fds_for_a_caller_that_waits_itself) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_consumer", NULL, &fd, "small", "2", "check",
+                           NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("small", &sp);
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.timeout_ms = 0;
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, &o, &set));
+  int fds[2] = {-1, -1};
+  ASSERT_EQ(gpuipc_tset_get_wait_fds(set, fds, 2), 0);
+  ASSERT_EQ(gpuipc_tset_get_wait_fds(NULL, fds, 2), 0);
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  ASSERT_EQ(gpuipc_tset_get_wait_fds(set, NULL, 0), 1);
+  ASSERT_EQ(gpuipc_tset_get_wait_fds(set, fds, 2), 1);
+  ASSERT_EQ(fds[0], gpuipc_conn_get_fd(c));
+  ASSERT_EQ(fds[1], -1);
+  uint8_t *host = malloc(owned_bytes(set) + 1);
+  ASSERT_NOT_NULL(host);
+  for (uint64_t v = 1; v <= 2; v++) {
+    /* one copy: the second begin waits for the consumer's release of
+     * the first version */
+    int copy = -1;
+    ASSERT_OK(polled(set, 0, &copy, NULL, GPUIPC_E_TIMEOUT));
+    write_version(set, copy, v, host, s);
+    ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  }
+  free(host);
+  hear(c, "ok");
+  ASSERT_OK(polled(set, 1, NULL, c, GPUIPC_E_TIMEOUT));
+  ASSERT_EQ(gpuipc_tset_get_wait_fds(set, fds, 2), 0);
+  ASSERT_OK(polled(set, 2, NULL, NULL, GPUIPC_E_BUSY));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 120), 0);
   spec_free(&sp);
   return 0;
 }

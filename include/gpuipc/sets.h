@@ -330,6 +330,22 @@ GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_tset_unsubscribe(gpuipc_tset
  * included). */
 GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_tset_get_subscribers(const gpuipc_tset *set);
 
+/* For a caller that waits itself (an event loop; a binding that must not
+ * block while it holds its own lock): create the set with a timeout of 0,
+ * so that begin, unsubscribe and destroy make progress once and return
+ * GPUIPC_E_TIMEOUT (destroy: GPUIPC_E_BUSY) where they would wait, and
+ * wait between calls for these descriptors to become readable (POLLIN): the
+ * sockets of the subscribed connections, where a consumer's release or
+ * hang-up arrives. Some of what those calls wait for wakes no descriptor
+ * (a release's GPU work completing, the hold limit passing): wait at most
+ * a few milliseconds at a time. Writes up to max descriptors into fds
+ * (NULL when max is 0) and returns how many there are, which may be more
+ * than max. The descriptors belong to the connections: do not close them;
+ * the list changes with each call that subscribes or drops a subscriber.
+ * Not thread-safe against other calls on the set. */
+GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_tset_get_wait_fds(const gpuipc_tset *set, int *fds,
+                                           size_t max);
+
 /* ---- the consumer's side ------------------------------------------------- */
 
 /* Opens a subscriber on a connection whose peer subscribes it to a set.

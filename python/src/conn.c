@@ -1206,17 +1206,12 @@ static gpuipc_status bc_sleep(void *v, short events, int timeout_ms, int spin_us
     r->pfd[j].events = events;
     r->pfd[j].revents = 0;
   }
-  int n, err;
-  Py_BEGIN_ALLOW_THREADS
-  n = poll(r->pfd, (nfds_t)r->np, left);
-  err = errno;
-  Py_END_ALLOW_THREADS
-  if (n < 0 && err != EINTR) {
-    errno = err;
+  gpuipc_status w = gpy_poll_fds(r->pfd, (nfds_t)r->np, left, 0);
+  if (w == GPUIPC_E_SYSTEM) {
     PyErr_SetFromErrno(PyExc_OSError);
     return GPY_RAISED;
   }
-  return n == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_OK;
+  return w;
 }
 
 PyObject *mod_broadcast(PyObject *m, PyObject *args, PyObject *kw) {
@@ -2069,9 +2064,7 @@ static gpuipc_status cn_sleep(void *v, short events, int timeout_ms, int spin_us
   ConnectRun *r = v;
   int t = timeout_ms < 0 || timeout_ms > r->pause_ms ? r->pause_ms : timeout_ms;
   r->pause_ms = r->pause_ms >= 25 ? 50 : 2 * r->pause_ms;
-  Py_BEGIN_ALLOW_THREADS
-  poll(NULL, 0, t);
-  Py_END_ALLOW_THREADS
+  (void)gpy_poll_fds(NULL, 0, t, 0);
   return GPUIPC_E_TIMEOUT;
 }
 

@@ -275,9 +275,10 @@ typedef gpuipc_status (*gpy_try)(void *ctx);
 typedef gpuipc_status (*gpy_sleep)(void *ctx, short events, int timeout_ms, int spin_us);
 int gpy_wait_loop(int timeout_ms, short events, int spin_us, gpy_try try_, gpy_sleep sleep,
                   void *ctx, gpuipc_status *st);
-/* poll(2) on fd without the GIL, spinning first (a gpy_sleep for what is
- * no connection). */
+/* poll(2) on fd, or on n descriptors (n 0: a sleep), without the GIL,
+ * spinning first (what a gpy_sleep for what is no connection calls). */
 gpuipc_status gpy_poll_fd(int fd, short events, int timeout_ms, int spin_us);
+gpuipc_status gpy_poll_fds(struct pollfd *p, nfds_t n, int timeout_ms, int spin_us);
 /* Vectorcall (METH_FASTCALL | METH_KEYWORDS) arguments into out[nnames]:
  * positional ones first (npos_min to npos_max of them), then keywords by
  * name; what is not given stays NULL. -1 with a TypeError naming fn. */

@@ -282,29 +282,36 @@ int gpy_wait_loop(int timeout_ms, short events, int spin_us, gpy_try try_, gpy_s
   }
 }
 
-/* Waits without the GIL until fd is ready for events or timeout_ms
- * passed, looking for spin_us first without sleeping: GPUIPC_OK (ready,
- * or a signal came: look again), GPUIPC_E_TIMEOUT, GPUIPC_E_CLOSED for no
- * fd, GPUIPC_E_SYSTEM when poll fails. For what has no gpuipc_conn_wait (a
- * listener). */
+/* Waits without the GIL until one of the n descriptors of p is ready for
+ * its events or timeout_ms passed, looking for spin_us first without
+ * sleeping: GPUIPC_OK (ready, or a signal came: look again),
+ * GPUIPC_E_TIMEOUT, GPUIPC_E_SYSTEM when poll fails (errno kept). With
+ * n 0 it sleeps timeout_ms. For what has no gpuipc_conn_wait (a listener,
+ * a tensor set's connections). */
+gpuipc_status gpy_poll_fds(struct pollfd *p, nfds_t n, int timeout_ms, int spin_us) {
+  int r, err = 0;
+  Py_BEGIN_ALLOW_THREADS
+  r = 0;
+  if (spin_us > 0 && n > 0) {
+    int64_t end = now_us() + spin_us;
+    do {
+      r = poll(p, n, 0);
+    } while (r == 0 && now_us() < end);
+  }
+  if (r == 0) r = poll(n ? p : NULL, n, timeout_ms);
+  err = errno;
+  Py_END_ALLOW_THREADS
+  if (r > 0 || (r < 0 && err == EINTR)) return GPUIPC_OK;
+  if (r == 0) return GPUIPC_E_TIMEOUT;
+  errno = err;
+  return GPUIPC_E_SYSTEM;
+}
+
+/* gpy_poll_fds on one descriptor; GPUIPC_E_CLOSED for no fd. */
 gpuipc_status gpy_poll_fd(int fd, short events, int timeout_ms, int spin_us) {
   if (fd < 0) return GPUIPC_E_CLOSED;
   struct pollfd p = {.fd = fd, .events = events};
-  int n, err = 0;
-  Py_BEGIN_ALLOW_THREADS
-  n = 0;
-  if (spin_us > 0) {
-    int64_t end = now_us() + spin_us;
-    do {
-      n = poll(&p, 1, 0);
-    } while (n == 0 && now_us() < end);
-  }
-  if (n == 0) n = poll(&p, 1, timeout_ms);
-  err = errno;
-  Py_END_ALLOW_THREADS
-  if (n > 0 || (n < 0 && err == EINTR)) return GPUIPC_OK;
-  if (n == 0) return GPUIPC_E_TIMEOUT;
-  return GPUIPC_E_SYSTEM;
+  return gpy_poll_fds(&p, 1, timeout_ms, spin_us);
 }
 
 /* ------------------------------------------------------------------------ */

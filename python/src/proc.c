@@ -84,6 +84,26 @@ out:
   return ret;
 }
 
+/* Child.wait in the package's one loop (gpy_wait_loop): an attempt that
+ * does not wait, then waits of a slice without the GIL. */
+static gpuipc_status cw_try(void *v) {
+  ChildObject *c = v;
+  if (!c->ch) return c->ended ? GPUIPC_OK : GPUIPC_E_CLOSED; /* destroyed meanwhile */
+  gpuipc_status st = gpuipc_child_wait(c->ch, 0, &c->status);
+  return st == GPUIPC_E_TIMEOUT ? GPUIPC_E_WOULD_BLOCK : st;
+}
+
+static gpuipc_status cw_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  ChildObject *c = v;
+  gpuipc_child *ch = c->ch;
+  if (!ch) return GPUIPC_OK; /* the attempt says why */
+  gpuipc_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gpuipc_child_wait(ch, timeout_ms, &c->status);
+  Py_END_ALLOW_THREADS
+  return st;
+}
+
 static PyObject *Child_wait(ChildObject *c, PyObject *args, PyObject *kw) {
   static char *kwl[] = {"timeout", NULL};
   PyObject *kt = Py_None;
@@ -92,26 +112,12 @@ static PyObject *Child_wait(ChildObject *c, PyObject *args, PyObject *kw) {
   if (!c->ch) Py_RETURN_NONE;
   int tmo;
   if (parse_timeout(kt, -1, &tmo) < 0) return NULL;
-  int64_t deadline = tmo < 0 ? -1 : now_ms() + tmo;
-  for (;;) {
-    /* wait in slices so that signals (Ctrl-C) are seen */
-    int slice = 100;
-    if (deadline >= 0) {
-      int64_t l = deadline - now_ms();
-      if (l < slice) slice = l < 0 ? 0 : (int)l;
-    }
-    gpuipc_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = gpuipc_child_wait(c->ch, slice, &c->status);
-    Py_END_ALLOW_THREADS
-    if (st == GPUIPC_OK) {
-      c->ended = 1;
-      return child_status_obj(&c->status);
-    }
-    if (st != GPUIPC_E_TIMEOUT) return raise_st(st, "wait");
-    if (PyErr_CheckSignals() < 0) return NULL;
-    if (deadline >= 0 && now_ms() >= deadline) Py_RETURN_NONE;
-  }
+  gpuipc_status st;
+  if (gpy_wait_loop(tmo, 0, 0, cw_try, cw_sleep, c, &st) < 0) return NULL;
+  if (st == GPUIPC_E_TIMEOUT) Py_RETURN_NONE;
+  if (st != GPUIPC_OK) return raise_st(st, "wait");
+  c->ended = 1;
+  return child_status_obj(&c->status);
 }
 
 static PyObject *Child_kill(ChildObject *c, PyObject *args) {

@@ -18,8 +18,9 @@
  *
  * Waiting. Connections are non-blocking here (ext.h). The producer's set is
  * created with a timeout of 0, so begin, unsubscribe and destroy make
- * progress once and return; the waits happen here, in poll(2) on the
- * subscribed connections' sockets with neither the GIL nor the module lock
+ * progress once and return; the waits happen in the package's one loop
+ * (gpy_wait_loop, tset_wait below), on the descriptors the library names
+ * (gpuipc_tset_get_wait_fds) with neither the GIL nor the module lock
  * held. subscribe and publish send several frames that must all go out, so
  * they run with the connections switched to blocking mode (GIL released,
  * module lock held). recv uses the connection's own wait loop (conn_run).
@@ -959,52 +960,61 @@ out:
 
 typedef gpuipc_status (*tset_op)(TSetObject *o, void *ctx);
 
+/* What gpy_wait_loop needs for a call of the producer's set (begin,
+ * unsubscribe, destroy; made with a timeout of 0): the call, the status
+ * that says it would wait, and the descriptors to wait on, taken with the
+ * attempt (gpuipc_tset_get_wait_fds: the subscribed connections' sockets,
+ * where a release or a hang-up arrives). */
+#define TSET_WAIT_FDS 64
+typedef struct {
+  TSetObject *o;
+  tset_op op;
+  void *ctx;
+  gpuipc_status again;
+  struct pollfd fds[TSET_WAIT_FDS];
+  nfds_t nf;
+} TSetRun;
+
+static gpuipc_status ts_try(void *v) {
+  TSetRun *r = v;
+  int fds[TSET_WAIT_FDS];
+  LOCK();
+  gpuipc_status st = r->op(r->o, r->ctx);
+  size_t n = r->o->s ? gpuipc_tset_get_wait_fds(r->o->s, fds, TSET_WAIT_FDS) : 0;
+  UNLOCK();
+  flush_decrefs();
+  r->nf = (nfds_t)(n < TSET_WAIT_FDS ? n : TSET_WAIT_FDS);
+  for (nfds_t i = 0; i < r->nf; i++) r->fds[i] = (struct pollfd){.fd = fds[i], .events = POLLIN};
+  return st == r->again ? GPUIPC_E_WOULD_BLOCK : st;
+}
+
+/* At most 5 ms at a time: GPU completion and the hold limit wake no
+ * socket. A hung-up socket stays readable: a wait that ends on one sleeps
+ * a millisecond more rather than spin on it. */
+static gpuipc_status ts_sleep(void *v, short events, int timeout_ms, int spin_us) {
+  TSetRun *r = v;
+  gpuipc_status w = gpy_poll_fds(r->fds, r->nf, timeout_ms < 5 ? timeout_ms : 5, 0);
+  if (w == GPUIPC_E_SYSTEM) {
+    PyErr_SetFromErrno(PyExc_OSError);
+    return GPY_RAISED;
+  }
+  int hup = 0;
+  for (nfds_t i = 0; w == GPUIPC_OK && i < r->nf; i++)
+    hup |= r->fds[i].revents & (POLLHUP | POLLERR);
+  if (hup) (void)gpy_poll_fds(NULL, 0, 1, 0);
+  return w;
+}
+
 /* Runs op under the lock until it stops returning `again` or the time is
- * up, polling the subscribed connections in between without the GIL or
- * the lock (a release arrives there; a peer's death hangs them up). */
+ * up (*st: `again` then), waiting in between in the package's one loop
+ * (gpy_wait_loop) without the GIL or the lock. -1 with an exception set
+ * (a signal, poll failing). */
 static int tset_wait(TSetObject *o, int timeout_ms, tset_op op, void *ctx,
                      gpuipc_status again, gpuipc_status *st) {
-  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
-  for (;;) {
-    struct pollfd fds[64];
-    nfds_t nf = 0;
-    LOCK();
-    *st = op(o, ctx);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o->conns) && nf < 64; i++) {
-      ConnObject *c = (ConnObject *)PyList_GET_ITEM(o->conns, i);
-      if (c->c) fds[nf++] = (struct pollfd){.fd = gpuipc_conn_get_fd(c->c), .events = POLLIN};
-    }
-    UNLOCK();
-    flush_decrefs();
-    if (*st != again) return 0;
-    int left = 5; /* GPU completion wakes no socket: look again soon */
-    if (deadline >= 0) {
-      int64_t l = deadline - now_ms();
-      if (l <= 0) return 0;
-      if (l < left) left = (int)l;
-    }
-    int n, err;
-    Py_BEGIN_ALLOW_THREADS
-    n = nf ? poll(fds, nf, left) : poll(NULL, 0, left);
-    err = errno;
-    Py_END_ALLOW_THREADS
-    if (n < 0 && err != EINTR) {
-      errno = err;
-      PyErr_SetFromErrno(PyExc_OSError);
-      return -1;
-    }
-    if (PyErr_CheckSignals() < 0) return -1;
-    if (n > 0) {
-      /* a hung-up socket stays readable: do not spin on it */
-      int hup = 0;
-      for (nfds_t i = 0; i < nf; i++) hup |= fds[i].revents & (POLLHUP | POLLERR);
-      if (hup) {
-        Py_BEGIN_ALLOW_THREADS
-        poll(NULL, 0, 1);
-        Py_END_ALLOW_THREADS
-      }
-    }
-  }
+  TSetRun r = {.o = o, .op = op, .ctx = ctx, .again = again};
+  if (gpy_wait_loop(timeout_ms, POLLIN, 0, ts_try, ts_sleep, &r, st) < 0) return -1;
+  if (*st == GPUIPC_E_TIMEOUT) *st = again;
+  return 0;
 }
 
 /* Runs f with every subscribed connection (and `extra`) in blocking mode:

@@ -177,19 +177,19 @@ static void peers_progress(gpuipc_tset *set) {
 /* Waits up to ms for any peer's socket to become readable (or sleeps that
  * long when there are none). */
 static void peers_wait(gpuipc_tset *set, int ms) {
-  struct pollfd pf[64];
-  nfds_t n = 0;
-  for (size_t i = 0; i < set->npeers && n < 64; i++) {
-    int fd = gpuipc_conn_get_fd(set->peers[i].conn);
-    if (fd >= 0)
-      pf[n++] = (struct pollfd){.fd = fd, .events = POLLIN};
-  }
+  int fds[64];
+  size_t n = gpuipc_tset_get_wait_fds(set, fds, 64);
   if (n == 0) {
     struct timespec ts = {0, (long)ms * 1000000L};
     nanosleep(&ts, NULL);
     return;
   }
-  (void)poll(pf, n, ms);
+  struct pollfd pf[64];
+  if (n > 64)
+    n = 64;
+  for (size_t i = 0; i < n; i++)
+    pf[i] = (struct pollfd){.fd = fds[i], .events = POLLIN};
+  (void)poll(pf, (nfds_t)n, ms);
 }
 
 static bool past(uint64_t deadline) {
@@ -589,6 +589,19 @@ uint64_t gpuipc_tset_get_version(const gpuipc_tset *set) {
 }
 size_t gpuipc_tset_get_subscribers(const gpuipc_tset *set) {
   return set ? set->npeers : 0;
+}
+
+size_t gpuipc_tset_get_wait_fds(const gpuipc_tset *set, int *fds, size_t max) {
+  size_t n = 0;
+  for (size_t i = 0; set != NULL && i < set->npeers; i++) {
+    int fd = gpuipc_conn_get_fd(set->peers[i].conn);
+    if (fd < 0)
+      continue;
+    if (fds != NULL && n < max)
+      fds[n] = fd;
+    n++;
+  }
+  return n;
 }
 
 gpuipc_status gpuipc_tset_get_tensor(const gpuipc_tset *set, int copy, size_t i,
