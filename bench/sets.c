@@ -242,40 +242,39 @@ static void own_for(own *o, gpuipc_tset_version *v) {
   o->layout = gpuipc_tset_version_get_layout(v);
 }
 
-/* The batched floor: the n ranges from src (packed) into dst in one
- * cuMemcpyBatchAsync, or in calls of 8,192 where the driver refuses one
- * call of all; the calls it took in *calls, 0 when the driver has none
+/* The batched floor: the n ranges in calls of *per ranges (0: all in one),
+ * made calls of 8,192 from then on where the driver refuses one call of
+ * all; the calls taken in *calls, 0 when the driver has no batched copy
  * (then the time is NaN). */
 static double batched_copy(CUdeviceptr *dsts, CUdeviceptr *srcs,
-                           size_t *sizes, size_t n, CUstream s, int *calls) {
+                           size_t *sizes, size_t n, CUstream s, size_t *per,
+                           int *calls) {
   int ver = 0;
   CU(gpuipc__cu.cuDriverGetVersion(&ver));
-  if (ver < 13000 || gpuipc__cu.cuMemcpyBatchAsync == NULL || n == 0) {
-    *calls = 0;
+  *calls = 0;
+  if (ver < 13000 || gpuipc__cu.cuMemcpyBatchAsync == NULL || n == 0)
     return 0.0 / 0.0;
-  }
   CUmemcpyAttributes at;
   memset(&at, 0, sizeof at);
   at.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
   at.srcLocHint.type = CU_MEM_LOCATION_TYPE_DEVICE;
   at.dstLocHint = at.srcLocHint;
-  size_t idx = 0, per = *calls > 1 ? 8192 : n;
+  size_t idx = 0, step = *per ? *per : n;
   double t0 = now_us();
-  int k = 0;
-  for (size_t from = 0; from < n; from += per, k++) {
-    size_t m = n - from < per ? n - from : per;
+  for (size_t from = 0; from < n; from += step, ++*calls) {
+    size_t m = n - from < step ? n - from : step;
     CUresult r = gpuipc__cu.cuMemcpyBatchAsync(dsts + from, srcs + from,
                                                sizes + from, m, &at, &idx, 1, s);
-    if (r != CUDA_SUCCESS) {
-      if (per == n && n > 8192) { /* one call of all refused: chunks */
-        *calls = 2;
-        return batched_copy(dsts, srcs, sizes, n, s, calls);
-      }
-      DIE("cuMemcpyBatchAsync of %zu ranges: %s", m, gpuipc__cuda_error_name(r));
+    if (r == CUDA_SUCCESS)
+      continue;
+    if (step == n && n > 8192) { /* one call of all refused: chunks */
+      CU(gpuipc__cu.cuStreamSynchronize(s));
+      *per = 8192;
+      return batched_copy(dsts, srcs, sizes, n, s, per, calls);
     }
+    DIE("cuMemcpyBatchAsync of %zu ranges: %s", m, gpuipc__cuda_error_name(r));
   }
   CU(gpuipc__cu.cuStreamSynchronize(s));
-  *calls = k;
   return now_us() - t0;
 }
 
@@ -375,14 +374,15 @@ static int consumer(int dfd, int cfd) {
         }
         off += mine.len[i];
       }
-      int calls = 1;
+      int calls = 0;
+      size_t per = 0;
       for (uint32_t k = 0; k <= m.n; k++) { /* the first is a warm-up */
         double t0 = now_us();
         for (size_t i = 0; i < nb; i++)
           CU(gpuipc__cu.cuMemcpyDtoDAsync(bd[i], bs[i], bn[i], s));
         CU(gpuipc__cu.cuStreamSynchronize(s));
         double t1 = now_us();
-        double b = batched_copy(bd, bs, bn, nb, s, &calls);
+        double b = batched_copy(bd, bs, bn, nb, s, &per, &calls);
         if (k) {
           v[k - 1] = t1 - t0;
           w[k - 1] = b;

@@ -63,6 +63,15 @@ static bool under_tmp(const char *path) {
   return path && strncmp(path, "/tmp/", 5) == 0;
 }
 
+/* Whether a namespaced helper gets a /tmp of its own: not when this binary
+ * or the driver library lies under /tmp (the fresh one would hide them). */
+static bool private_tmp(void) {
+  char exe[512];
+  ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  exe[el > 0 ? el : 0] = '\0';
+  return !under_tmp(exe) && !under_tmp(getenv("GPUIPC_CUDA_DRIVER"));
+}
+
 /* mkdir -p of an absolute path (in the helper's fresh /tmp). */
 static int mkdirs(const char *path) {
   char p[512];
@@ -109,10 +118,7 @@ static pid_t spawn_ns(const char *name, int *fd, const char *a1,
       report(st[1], 2, errno);
     if (inner == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      char exe[512];
-      ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
-      exe[el > 0 ? el : 0] = '\0';
-      bool own_tmp = !under_tmp(exe) && !under_tmp(getenv("GPUIPC_CUDA_DRIVER"));
+      bool own_tmp = private_tmp();
       int shared = a1 && a1[0] == '/' ? open(a1, O_PATH | O_DIRECTORY | O_CLOEXEC) : -1;
       /* A container's view: its own /proc, an empty /dev/shm and /tmp, the
        * socket directory shared. */
@@ -274,12 +280,9 @@ static void check_contained(char **argv) {
            (unsigned long long)test_pidns);
   ASSERT_NE(access(path, F_OK), 0);
   /* A /tmp of its own too, unless this binary or the driver lies there. */
-  char exe[512];
-  ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  exe[el > 0 ? el : 0] = '\0';
   snprintf(path, sizeof path, "/tmp/gpuipc-test-ns-%llu",
            (unsigned long long)test_pidns);
-  if (!under_tmp(exe) && !under_tmp(getenv("GPUIPC_CUDA_DRIVER")))
+  if (private_tmp())
     ASSERT_NE(access(path, F_OK), 0);
 }
 
