@@ -1403,6 +1403,53 @@ TEST_IMPL(sets_stuck_consumers_past_the_cap_written_in_place) {
   return 0;
 }
 
+/* A late joiner's hold limit counts from when subscribe hands it the
+ * latest version, not from that version's publish: joining 3.1 s after
+ * the publish, with a 3 s limit, it still holds its copy, so the begin
+ * that needs the copy waits (here: times out, 0.5 s) rather than write
+ * over it at once; past the limit from its hand-out the copy is retired
+ * (set aside, untouched) as for any holder. */
+TEST_IMPL(sets_late_joiner_holds_from_its_hand_out) {
+  REQUIRE_DEVICES(1);
+  CUstream s = mkstream();
+  spec_t sp;
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  gpuipc_tset *set = small_set(a, 500, 3000, 2, &sp);
+  produce(set, NULL, 1, s); /* version 1 (one copy) */
+  usleep(3100 * 1000);
+  int fd;
+  pid_t pid = spawn_helper("ts_stuck", NULL, &fd, "die", "1", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  hear(c, "got");
+  int copy = -1;
+  gpuipc_status st = gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy);
+  if (st != GPUIPC_E_TIMEOUT)
+    harness_fail(__FILE__, __LINE__, "begin on the late joiner's copy: %s "
+                 "(copy %d), want GPUIPC_E_TIMEOUT: the copy it was just "
+                 "handed counted as held past the limit", gpuipc_status_name(st),
+                 copy);
+  ASSERT_NOT_NULL(strstr(gpuipc_last_error(), "still held"));
+  for (int i = 0; i < 40 && st == GPUIPC_E_TIMEOUT; i++)
+    st = gpuipc_tset_begin(set, (struct CUstream_st *)s, &copy);
+  ASSERT_OK(st);
+  ASSERT_EQ(copy, 0);
+  ASSERT_OK(gpuipc_tset_publish(set, (struct CUstream_st *)s));
+  say(c, "check"); /* set aside: what it holds was not written */
+  hear(c, "same");
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  for (int i = 0; i < 1000 && arena_blocks(a, NULL) != 0; i++)
+    (void)gpuipc_conn_progress(c, 10);
+  arena_empty(a);
+  gpuipc_conn_close(c);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  spec_free(&sp);
+  return 0;
+}
+
 /* destroy with a subscriber that holds version 1: it completes after the
  * hold limit; the memory is not reused while held (a block allocated
  * after it and written does not show in the consumer's version 1); it

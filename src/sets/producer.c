@@ -24,7 +24,8 @@
  * every subscribed connection and drops those whose peer is gone.
  *
  * Why a consumer that never releases cannot stall the producer: a copy
- * still held hold_ms after its version was published is retired (owned
+ * still held hold_ms after its version was published (or, for a late
+ * joiner, handed to it: once per version) is retired (owned
  * sets): its piece and token are set aside (kept, so no one else gets the
  * memory, until no holder is left; then freed, the arena deferring the
  * reuse until the holders' GPU work is done) and begin writes a fresh
@@ -715,8 +716,17 @@ gpuipc_status gpuipc_tset_subscribe(gpuipc_tset *set, gpuipc_conn *conn,
   }
   /* A late joiner starts at the latest version (not one being rewritten). */
   if (s == GPUIPC_OK && set->latest >= 0 && set->writing != set->latest &&
-      (s = sub_wait_next(&w)) == GPUIPC_OK)
-    s = send_version(set, conn, (CUstream)stream);
+      (s = sub_wait_next(&w)) == GPUIPC_OK &&
+      (s = send_version(set, conn, (CUstream)stream)) == GPUIPC_OK &&
+      !set->rejoined[set->latest]) {
+    /* Its hold limit counts from now, not from a publish that may lie
+     * longer ago than the limit (a subscriber that took a second to start
+     * would find its first version written over while it reads it). Once
+     * per version: joiners that keep coming cannot hold a copy longer
+     * than twice the limit. */
+    set->pub_ns[set->latest] = gpuipc__now_ns();
+    set->rejoined[set->latest] = true;
+  }
   gpuipc__tset_wait_end(&w);
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)
     return s;
@@ -943,6 +953,7 @@ gpuipc_status gpuipc_tset_publish(gpuipc_tset *set, struct CUstream_st *stream) 
   set->latest = set->writing;
   set->writing = -1;
   set->pub_ns[set->latest] = gpuipc__now_ns();
+  set->rejoined[set->latest] = false;
   gpuipc_status first = GPUIPC_OK;
   char why[256] = "";
   for (size_t i = 0; i < set->npeers;) {

@@ -57,7 +57,10 @@ struct gpuipc_tset {
   int timeout_ms;
   int hold_ms;                /* -1: none */
   int retired_max;
-  uint64_t pub_ns[2];         /* when copy c last got a version */
+  uint64_t pub_ns[2];         /* when copy c's hold clock started: its
+                               * publish, or a late joiner's hand-out */
+  bool rejoined[2];           /* copy c's clock was restarted for a late
+                               * joiner since its publish (once only) */
   uint32_t gen[2];            /* copy c's generation: retirements so far */
   gpuipc__tset_retired *retired;
   size_t nretired, retired_cap;
