@@ -64,8 +64,10 @@
 #include "tree.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -482,6 +484,70 @@ static int consumer(int fd) {
   return 0;
 }
 
+/* ---- producer: the watchdog ----------------------------------------------------- */
+
+/* Where the producer is: a figure that stalls (no buffer done within
+ * WATCH_S seconds) ends the run with its stage named, rather than leave
+ * the consumers to time out one by one with nothing said. */
+enum { WATCH_S = 60 };
+static char watch_what[96];
+static const char *volatile watch_step = "start";
+static volatile int watch_i, watch_k;
+
+static void watch_put(const char *s) {
+  ssize_t w = write(2, s, strlen(s));
+  (void)w;
+}
+
+static void watch_int(int v) {
+  char buf[16];
+  int n = sizeof buf;
+  unsigned u = v < 0 ? 0u - (unsigned)v : (unsigned)v;
+  buf[--n] = 0;
+  do
+    buf[--n] = (char)('0' + u % 10);
+  while ((u /= 10) && n > 1);
+  if (v < 0)
+    buf[--n] = '-';
+  watch_put(buf + n);
+}
+
+static void watch_fire(int sig) {
+  (void)sig;
+  watch_put("gpuipc bench handoff: stalled ");
+  watch_int(WATCH_S);
+  watch_put(" s in ");
+  watch_put(watch_what);
+  watch_put(", buffer ");
+  watch_int(watch_i);
+  watch_put(", step ");
+  watch_put(watch_step);
+  watch_put(", connection ");
+  watch_int(watch_k);
+  watch_put("\n");
+  _exit(3);
+}
+
+/* A new figure (printf-style name): the watch restarts. */
+static void watch_figure(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void watch_figure(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(watch_what, sizeof watch_what, fmt, ap);
+  va_end(ap);
+  watch_i = 0;
+  watch_k = -1;
+  watch_step = "start";
+  signal(SIGALRM, watch_fire);
+  alarm(WATCH_S);
+}
+
+/* Buffer i of the figure is under way. */
+static void watch_buffer(int i) {
+  watch_i = i;
+  alarm(WATCH_S);
+}
+
 /* ---- producer: paths, the gate, sending --------------------------------------- */
 
 typedef enum { P_ORDERED, P_IDLE, P_COMPLETE } path_id;
@@ -566,15 +632,19 @@ static double send_t(bctx *b, gpuipc_conn *c, gpuipc_block *blk, path_id p) {
 
 /* Waits for blk's leases to come back, polling the connections. */
 static void wait_free(gpuipc_conn *const *cs, int nc, gpuipc_block *blk) {
+  watch_step = "waiting for the releases (polling)";
   while (gpuipc_block_get_holders(blk) > 0)
-    for (int k = 0; k < nc; k++)
+    for (int k = 0; k < nc; k++) {
+      watch_k = k;
       OK(gpuipc_conn_progress(cs[k], 0));
+    }
 }
 
 /* The same, sleeping in poll() on the connections' fds in between. */
 static void wait_free_sleep(gpuipc_conn *const *cs, int nc,
                             gpuipc_block *blk) {
   struct pollfd p[NCONS];
+  watch_step = "waiting for the releases (sleeping)";
   while (gpuipc_block_get_holders(blk) > 0) {
     for (int k = 0; k < nc; k++)
       p[k] = (struct pollfd){gpuipc_conn_get_fd(cs[k]), POLLIN, 0};
@@ -698,9 +768,13 @@ static void run_fan(bctx *b, gpuipc_arena *a, int nc, bool bcast, bool sleep,
     /* The producer polls the library, or sleeps in poll() on the fds. */
     OK(gpuipc_conn_set_polling(b->c[k], !sleep));
   }
+  watch_figure("fan-out to %d consumers (%s, %s)", nc,
+               bcast ? "broadcast" : "each", sleep ? "sleeping" : "spinning");
   for (int i = 0; i < n; i++) {
+    watch_buffer(i);
     gate_close(b, P_ORDERED);
     double t = now_us();
+    watch_step = bcast ? "gpuipc_conn_broadcast" : "gpuipc_conn_send";
     if (bcast)
       OK(gpuipc_conn_broadcast(b->c, (size_t)nc, blk, (struct CUstream_st *)b->s,
                                &t, sizeof t, NULL));
@@ -716,7 +790,9 @@ static void run_fan(bctx *b, gpuipc_arena *a, int nc, bool bcast, bool sleep,
   }
   f->call = bench_pct(sc, n, 0.5);
   f->med_each = 0;
+  watch_step = "the consumers' latencies";
   for (int k = 0; k < nc; k++) {
+    watch_k = k;
     for (int i = 0; i < n; i += VEC_CHUNK) {
       size_t len = 0;
       int want = n - i < VEC_CHUNK ? n - i : VEC_CHUNK;
@@ -761,13 +837,17 @@ static double run_batch(bctx *b, gpuipc_arena *a, int nb, double *call) {
   gpuipc_conn *c = b->c[0];
   send_cmd(c, OP_TPUTB, (uint32_t)(batches * nb));
   double t0 = now_us();
+  watch_figure("batches of %d", nb);
   for (int i = 0; i < batches; i++) {
+    watch_buffer(i);
+    watch_step = "waiting for the releases (polling)";
     gpuipc_block **g = blk + (i % 2) * nb;
     for (int j = 0; j < nb; j++)
       wait_free(&c, 1, g[j]);
     gate_close(b, P_ORDERED);
     double t = now_us();
     stamp = t;
+    watch_step = "gpuipc_conn_send_batch";
     OK(gpuipc_conn_send_batch(c, g, (size_t)nb, (struct CUstream_st *)b->s,
                               metas, lens));
     sc[i] = now_us() - t;
@@ -777,6 +857,7 @@ static double run_batch(bctx *b, gpuipc_arena *a, int nb, double *call) {
     wait_free(&c, 1, blk[j]);
   double dt = now_us() - t0;
   (void)get_reply(c);
+  alarm(0);
   *call = bench_pct(sc, batches, 0.5);
   free(sc);
   for (int j = 0; j < 2 * nb; j++)
@@ -1278,6 +1359,7 @@ static void fan_rows(bctx *b, gpuipc_arena *a, summary *sum) {
           sum->bc8_p90 = f.p90_last;
         }
       }
+  alarm(0);
 }
 
 static void batch_rows(bctx *b, gpuipc_arena *a, summary *sum) {
