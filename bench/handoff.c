@@ -487,9 +487,10 @@ static int consumer(int fd) {
 /* ---- producer: the watchdog ----------------------------------------------------- */
 
 /* Where the producer is: a figure that stalls (no buffer done within
- * WATCH_S seconds) ends the run with its stage named, rather than leave
+ * watch_s seconds, --watch) ends the run with its stage named, rather than leave
  * the consumers to time out one by one with nothing said. */
-enum { WATCH_S = 60 };
+enum { WATCH_S_DEFAULT = 60 };
+static int watch_s = WATCH_S_DEFAULT;
 static char watch_what[96];
 static const char *volatile watch_step = "start";
 static volatile int watch_i, watch_k;
@@ -515,7 +516,7 @@ static void watch_int(int v) {
 static void watch_fire(int sig) {
   (void)sig;
   watch_put("gpuipc bench handoff: stalled ");
-  watch_int(WATCH_S);
+  watch_int(watch_s);
   watch_put(" s in ");
   watch_put(watch_what);
   watch_put(", buffer ");
@@ -539,13 +540,13 @@ static void watch_figure(const char *fmt, ...) {
   watch_k = -1;
   watch_step = "start";
   signal(SIGALRM, watch_fire);
-  alarm(WATCH_S);
+  alarm((unsigned)watch_s);
 }
 
 /* Buffer i of the figure is under way. */
 static void watch_buffer(int i) {
   watch_i = i;
-  alarm(WATCH_S);
+  alarm((unsigned)watch_s);
 }
 
 /* ---- producer: paths, the gate, sending --------------------------------------- */
@@ -583,7 +584,26 @@ typedef struct bctx {
   uint32_t *gate_h;
   CUdeviceptr gate_d;
   uint32_t gate_seq;
+  const char *only; /* --only: the tables to run (comma list); NULL: all */
 } bctx;
+
+static const char *const TABLES[] = {"raw", "pair", "sizes", "fanout",
+                                     "batches", "flatness"};
+
+/* Whether table `name` runs (--only). */
+static bool table_on(const bctx *b, const char *name) {
+  if (b->only == NULL)
+    return true;
+  size_t n = strlen(name);
+  for (const char *p = b->only; *p;) {
+    const char *e = strchr(p, ',');
+    size_t len = e ? (size_t)(e - p) : strlen(p);
+    if (len == n && strncmp(p, name, n) == 0)
+      return true;
+    p += len + (e != NULL);
+  }
+  return false;
+}
 
 /* What the summary lines and the record's info report. */
 typedef struct summary {
@@ -1549,8 +1569,14 @@ static void usage(FILE *f) {
              "  --quick    %d iterations, 4 KiB and 1 MiB only, 16 consumers "
              "(fan-out to 8 and 16,\n"
              "             flatness to 10000 leases)\n"
-             "  --iters N  iterations per figure (default 2000)\n",
-          MAXC, NCONS, 200);
+             "  --iters N  iterations per figure (default 2000)\n"
+             "  --only T,..  only these tables: raw, pair, sizes, fanout, "
+             "batches, flatness\n"
+             "             (the summary needs them all)\n"
+             "  --watch S  end the run, naming where, when one figure makes "
+             "no progress for S s\n"
+             "             (default %d)\n",
+          MAXC, NCONS, 200, WATCH_S_DEFAULT);
 }
 
 /* -1: go on (the producer); else the exit status. */
@@ -1562,6 +1588,25 @@ static int parse_args(int argc, char **argv, bctx *b) {
       b->quick = true;
     else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc)
       b->iters = atoi(argv[++i]);
+    else if (strcmp(argv[i], "--watch") == 0 && i + 1 < argc)
+      watch_s = atoi(argv[++i]) > 0 ? atoi(argv[i]) : WATCH_S_DEFAULT;
+    else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+      b->only = argv[++i];
+      for (const char *p = b->only; *p;) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        bool known = false;
+        for (size_t t = 0; t < sizeof TABLES / sizeof *TABLES; t++)
+          known |= strlen(TABLES[t]) == len && strncmp(p, TABLES[t], len) == 0;
+        if (!known) {
+          fprintf(stderr, "gpuipc bench handoff: --only: unknown table "
+                          "'%.*s'\n", (int)len, p);
+          usage(stderr);
+          return 2;
+        }
+        p += len + (e != NULL);
+      }
+    }
     else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       usage(stdout);
       return 0;
@@ -1626,13 +1671,20 @@ int gpuipc_bench_handoff(int argc, char **argv) {
   gpuipc_arena *a = NULL;
   OK(gpuipc_arena_create(&ao, &a));
   summary sum = {0};
-  raw_rows(&b, &sum);
-  pair_rows(&b, a, &sum);
-  size_rows(&b, a);
-  fan_rows(&b, a, &sum);
-  batch_rows(&b, a, &sum);
-  flat_rows(&b);
-  summary_rows(&b, &sum);
+  if (table_on(&b, "raw"))
+    raw_rows(&b, &sum);
+  if (table_on(&b, "pair"))
+    pair_rows(&b, a, &sum);
+  if (table_on(&b, "sizes"))
+    size_rows(&b, a);
+  if (table_on(&b, "fanout"))
+    fan_rows(&b, a, &sum);
+  if (table_on(&b, "batches"))
+    batch_rows(&b, a, &sum);
+  if (table_on(&b, "flatness"))
+    flat_rows(&b);
+  if (b.only == NULL)
+    summary_rows(&b, &sum);
 
   rc = stop_consumers(&b);
   CU(gpuipc__cu.cuStreamSynchronize(b.s));
