@@ -173,8 +173,9 @@ static CUfunction gather_fn(int ordinal, CUfunction stale) {
 static void gather_off(int ordinal, size_t n, CUresult cr) {
   pthread_mutex_lock(&gather_mu);
   if (gather_mods[ordinal].state == 1)
-    GPUIPC__INFO("sets", "device %d: a gather kernel launch (a copy of %zu ranges): %s; "
-                 "copying without it from now on", ordinal, n, cu_name(cr));
+    GPUIPC__INFO("sets", "device %d: a gather kernel launch (a copy of %zu "
+                 "ranges): %s; copying without it from now on", ordinal, n,
+                 cu_name(cr));
   gather_mods[ordinal].state = -1;
   pthread_mutex_unlock(&gather_mu);
 }
