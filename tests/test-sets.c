@@ -64,6 +64,17 @@ static uint8_t fill(size_t i, uint64_t v, size_t k) {
 
 /* ---- specs: the tensor lists both sides build ---------------------------------------- */
 
+enum { GATHER_T = 3000, GATHER_LONG_EVERY = 500 };
+
+/* Tensor i of spec "gather": odd sizes from 1 byte to 5,000, and every
+ * GATHER_LONG_EVERY-th one past 1 MiB (the gather kernel leaves those to
+ * the driver's copies). */
+static size_t gather_size(size_t i) {
+  if (i % GATHER_LONG_EVERY == 7)
+    return ((size_t)1 << 20) + 3 + i;
+  return 1 + (i * 7919) % 5000;
+}
+
 typedef struct spec_t {
   size_t n;
   gpuipc_tensor *t;
@@ -128,6 +139,16 @@ static void spec(const char *name, spec_t *s) {
     s->t[i].ndim = 1;
     s->shape[i][0] = 33;
     s->t[i].shape = s->shape[i];
+  } else if (strcmp(name, "gather") == 0) {
+    spec_alloc(s, GATHER_T);
+    for (size_t i = 0; i < s->n; i++) {
+      snprintf(s->names[i], 64, "kv.%zu", i);
+      s->t[i].name = s->names[i];
+      s->t[i].dtype = GPUIPC_DTYPE_U8;
+      s->t[i].ndim = 1;
+      s->shape[i][0] = (int64_t)gather_size(i);
+      s->t[i].shape = s->shape[i];
+    }
   } else if (strcmp(name, "10k") == 0) {
     spec_alloc(s, 10000);
     for (size_t i = 0; i < s->n; i++) {
@@ -2351,16 +2372,6 @@ TEST_IMPL(sets_copy_without_the_batched_call) {
 
 /* ---- whole-set copies through the gather kernel ---------------------------------------- */
 
-enum { GATHER_T = 3000, GATHER_LONG_EVERY = 500 };
-
-/* Tensor i of the gather tests: odd sizes from 1 byte to 5,000, and every
- * GATHER_LONG_EVERY-th one past 1 MiB (the kernel leaves those to the
- * driver's copies). */
-static size_t gather_size(size_t i) {
-  if (i % GATHER_LONG_EVERY == 7)
-    return ((size_t)1 << 20) + 3 + i;
-  return 1 + (i * 7919) % 5000;
-}
 
 typedef struct gather_fix {
   spec_t sp;
@@ -2371,31 +2382,16 @@ typedef struct gather_fix {
   size_t shorts;      /* tensors below 1 MiB */
 } gather_fix;
 
-/* A set of GATHER_T U8 tensors (packed at 16 bytes) and their sources in
- * one allocation, placed in a shuffled order with gaps between them, every
- * third at a 16-byte boundary and the others at odd offsets, so that no
- * two ranges merge and the kernel meets every alignment. */
-static void gather_setup(gather_fix *f) {
-  memset(f, 0, sizeof *f);
-  spec_alloc(&f->sp, GATHER_T);
-  for (size_t i = 0; i < GATHER_T; i++) {
-    snprintf(f->sp.names[i], 64, "kv.%zu", i);
-    f->sp.t[i].name = f->sp.names[i];
-    f->sp.t[i].dtype = GPUIPC_DTYPE_U8;
-    f->sp.t[i].ndim = 1;
-    f->sp.shape[i][0] = (int64_t)gather_size(i);
-    f->sp.t[i].shape = f->sp.shape[i];
-    f->shorts += gather_size(i) < GPUIPC__GATHER_LEN_MAX;
-  }
-  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
-  o.align = 16;
-  ASSERT_OK(gpuipc_tset_create(f->sp.t, f->sp.n, &o, &f->set));
+/* Places GATHER_T tensors of spec "gather" in one allocation of *span
+ * bytes: in a shuffled order with gaps between them, every third at a
+ * 16-byte boundary and the others at odd offsets, so that no two ranges
+ * merge and the kernel meets every alignment. off[i]: tensor i's offset. */
+static void gather_slots(size_t *off, size_t *span, unsigned seed) {
   size_t *perm = malloc(GATHER_T * sizeof *perm);
-  f->off = malloc(GATHER_T * sizeof *f->off);
-  ASSERT(perm && f->off);
+  ASSERT_NOT_NULL(perm);
   for (size_t i = 0; i < GATHER_T; i++)
     perm[i] = i;
-  srand(25);
+  srand(seed);
   for (size_t i = GATHER_T - 1; i > 0; i--) {
     size_t j = (size_t)rand() % (i + 1), t = perm[i];
     perm[i] = perm[j];
@@ -2409,13 +2405,34 @@ static void gather_setup(gather_fix *f) {
       at = (at + 15) & ~(size_t)15;
     else if (at % 2 == 0)
       at++;
-    f->off[i] = at;
+    off[i] = at;
     at += gather_size(i);
   }
-  f->span = at + 16;
+  *span = at + 16;
+  free(perm);
+}
+
+static size_t gather_shorts(void) {
+  size_t n = 0;
+  for (size_t i = 0; i < GATHER_T; i++)
+    n += gather_size(i) < GPUIPC__GATHER_LEN_MAX;
+  return n;
+}
+
+/* A set of spec "gather" (packed at 16 bytes) and its sources in one
+ * allocation at gather_slots. */
+static void gather_setup(gather_fix *f) {
+  memset(f, 0, sizeof *f);
+  spec("gather", &f->sp);
+  f->shorts = gather_shorts();
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.align = 16;
+  ASSERT_OK(gpuipc_tset_create(f->sp.t, f->sp.n, &o, &f->set));
+  f->off = malloc(GATHER_T * sizeof *f->off);
+  ASSERT_NOT_NULL(f->off);
+  gather_slots(f->off, &f->span, 25);
   ctx_current();
   ASSERT_CU(gpuipc__cu.cuMemAlloc(&f->src, f->span));
-  free(perm);
 }
 
 static void gather_teardown(gather_fix *f) {
@@ -2483,6 +2500,94 @@ static void gather_round(gather_fix *f, uint32_t seed, CUstream s,
 
 static uint64_t gather_chunks(const gather_fix *f) {
   return (f->shorts + GPUIPC__GATHER_N - 1) / GPUIPC__GATHER_N;
+}
+
+/* The consumer of sets_copy_into_gathered: each of argv[0] versions of
+ * spec "gather" copied with copy_into into its own paged cache (one
+ * allocation, the tensors at gather_slots: shuffled, odd offsets, gaps),
+ * in ceil(n / 1360) launches of the gather kernel, the data checked byte
+ * for byte against the producer's pattern. */
+HELPER_IMPL(ts_gather_into) {
+  ASSERT(argc >= 1);
+  int count = atoi(argv[0]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  size_t *off = malloc(GATHER_T * sizeof *off), span = 0;
+  void **dsts = malloc(GATHER_T * sizeof *dsts);
+  ASSERT(off && dsts);
+  uint64_t want = (gather_shorts() + GPUIPC__GATHER_N - 1) / GPUIPC__GATHER_N;
+  for (int r = 0; r < count; r++) {
+    gpuipc_tset_version *v = NULL;
+    ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+    uint64_t num = gpuipc_tset_version_get_number(v);
+    ASSERT_EQ(gpuipc_tset_version_get_count(v), GATHER_T);
+    gather_slots(off, &span, 40 + (unsigned)r);
+    CUdeviceptr mine;
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&mine, span));
+    ASSERT_CU(gpuipc__cu.cuMemsetD8(mine, 0, span));
+    for (size_t i = 0; i < GATHER_T; i++)
+      dsts[i] = (void *)(uintptr_t)(mine + off[i]);
+    uint64_t k0 = atomic_load(&gpuipc__tset_copy_kernels);
+    ASSERT_OK(gpuipc_tset_version_copy_into(v, dsts, (struct CUstream_st *)s));
+    uint64_t kernels = atomic_load(&gpuipc__tset_copy_kernels) - k0;
+    printf("version %llu: %llu kernel launches\n", (unsigned long long)num,
+           (unsigned long long)kernels);
+    ASSERT_UEQ(kernels, want);
+    uint8_t *back = malloc(span);
+    ASSERT_NOT_NULL(back);
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(back, mine, span, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    for (size_t i = 0; i < GATHER_T; i++)
+      for (size_t k = 0; k < gather_size(i); k++)
+        if (back[off[i] + k] != fill(i, num, k)) {
+          harness_fail(__FILE__, __LINE__, "version %llu, tensor %zu (%zu "
+                       "bytes at offset %zu), byte %zu: %u, want %u",
+                       (unsigned long long)num, i, gather_size(i), off[i], k,
+                       back[off[i] + k], fill(i, num, k));
+          break;
+        }
+    free(back);
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    ASSERT_CU(gpuipc__cu.cuMemFree(mine));
+  }
+  say(c, "ok");
+  gpuipc_tset_version *end = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &end),
+                GPUIPC_E_CANCELED);
+  free(off);
+  free(dsts);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* copy_into of a set of 3,000 tensors of odd sizes (six past 1 MiB) into
+ * a consumer process's paged cache (shuffled slots, odd alignments): the
+ * gather kernel, the long ones by the driver's copies, two versions, data
+ * checked byte for byte (ts_gather_into). */
+TEST_IMPL(sets_copy_into_gathered) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_gather_into", NULL, &fd, "2", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("gather", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 2, s);
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, c));
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
 }
 
 /* 3,000 non-adjacent tensors of odd sizes and alignments, shuffled: the
