@@ -180,6 +180,17 @@ static void gather_off(int ordinal, size_t n, CUresult cr) {
   pthread_mutex_unlock(&gather_mu);
 }
 
+/* Whether device ordinal is known to copy without the kernel (then a copy
+ * does not build a launch's parameter to learn it). */
+static bool gather_off_already(int ordinal) {
+  if (ordinal < 0 || ordinal >= GATHER_DEVICES)
+    return true;
+  pthread_mutex_lock(&gather_mu);
+  bool off = gather_mods[ordinal].state < 0;
+  pthread_mutex_unlock(&gather_mu);
+  return off;
+}
+
 /* One launch for the a->n ranges of a (1 to GPUIPC__GATHER_N). Returns
  * CUDA_SUCCESS, or why not (then nothing was enqueued): CUDA_ERROR_
  * NOT_SUPPORTED where the device has no kernel, or the launch's error. */
@@ -356,7 +367,7 @@ static size_t copy_gathered(int ordinal, range *r, size_t k, CUstream stream,
   size_t shorts = 0;
   for (size_t i = 0; i < k; i++)
     shorts += r[i].len < GPUIPC__GATHER_LEN_MAX;
-  if (shorts < 2)
+  if (shorts < 2 || gather_off_already(ordinal))
     return k;
   gpuipc__gather_args *a = malloc(sizeof *a);
   if (a == NULL)
