@@ -36,6 +36,9 @@
  *                              memops64    only the 64-bit stream memops
  *                              peer        peer access between devices
  *                              host_register cuMemHostRegister
+ *                              batch_copy  cuMemcpyBatchAsync (not found)
+ *                              kernels     cuModuleLoadData
+ *                                          (NO_BINARY_FOR_GPU)
  *   CUDA_VISIBLE_DEVICES     honoured as the real driver does: ordinals or
  *                            UUIDs ("GPU-" and a unique prefix), reordering
  *                            and hiding; an invalid entry ends the list there;
