@@ -16,19 +16,34 @@
  */
 #include "gather.h"
 
+/* Bytes [lo, hi) of the entry, in T-sized moves (src and dst aligned to
+ * sizeof(T), lo a multiple of 16), then the bytes past the last whole T.
+ * Four loads in flight per thread before their stores (the ranges do not
+ * overlap: __restrict__ lets them be issued together). */
 template <typename T>
 __device__ __forceinline__ void copy_as(uint64_t src, uint64_t dst,
                                         uint64_t lo, uint64_t hi) {
   const uint64_t w = sizeof(T);
   const uint64_t body = lo + (hi - lo) / w * w;
-  const T *s = reinterpret_cast<const T *>(src);
-  T *d = reinterpret_cast<T *>(dst);
-  for (uint64_t i = lo / w + threadIdx.x; i < body / w; i += blockDim.x)
+  const T *__restrict__ s = reinterpret_cast<const T *>(src);
+  T *__restrict__ d = reinterpret_cast<T *>(dst);
+  const uint64_t step = blockDim.x, end = body / w;
+  uint64_t i = lo / w + threadIdx.x;
+  for (; i + 3 * step < end; i += 4 * step) {
+    const T a0 = s[i], a1 = s[i + step], a2 = s[i + 2 * step],
+            a3 = s[i + 3 * step];
+    d[i] = a0;
+    d[i + step] = a1;
+    d[i + 2 * step] = a2;
+    d[i + 3 * step] = a3;
+  }
+  for (; i < end; i += step)
     d[i] = s[i];
-  const unsigned char *sb = reinterpret_cast<const unsigned char *>(src);
-  unsigned char *db = reinterpret_cast<unsigned char *>(dst);
-  for (uint64_t i = body + threadIdx.x; i < hi; i += blockDim.x)
-    db[i] = sb[i];
+  const unsigned char *__restrict__ sb =
+      reinterpret_cast<const unsigned char *>(src);
+  unsigned char *__restrict__ db = reinterpret_cast<unsigned char *>(dst);
+  for (uint64_t j = body + threadIdx.x; j < hi; j += step)
+    db[j] = sb[j];
 }
 
 extern "C" __global__ void __launch_bounds__(GPUIPC__GATHER_THREADS)
