@@ -24,7 +24,11 @@
  * local allocation into those same tensors in-process: tensor by tensor
  * (one cuMemcpyDtoDAsync each), and as one batched copy
  * (cuMemcpyBatchAsync, all ranges in one call where the driver takes them,
- * else in calls of 8,192; n/a on a driver without it). --quick uses a
+ * else in calls of 8,192; n/a on a driver without it); for the KV sets
+ * also through the library's gather kernel alone (gpuipc__tset_gather: the
+ * same ranges, unsorted, 1,360 per launch; n/a where the device cannot
+ * load it) and the contiguous bound (one cuMemcpyDtoDAsync of all the
+ * bytes into a second allocation). --quick uses a
  * small model (4 layers of width 512), 1,000 and 10,000 KV blocks of
  * 4 KiB, and fewer iterations.
  *
@@ -374,6 +378,21 @@ static int consumer(int dfd, int cfd) {
         }
         off += mine.len[i];
       }
+      /* The gather floor where every range is one the kernel takes (the
+       * KV sets), and then the contiguous bound: one copy of all the
+       * bytes into a second allocation. */
+      bool gather = nb > 0;
+      for (size_t i = 0; i < nb && gather; i++)
+        gather = bn[i] < GPUIPC__GATHER_LEN_MAX;
+      CUdeviceptr contig = 0;
+      if (gather)
+        CU(gpuipc__cu.cuMemAlloc(&contig, total));
+      double *x = calloc(m.n + 1, sizeof *x), *y = calloc(m.n + 1, sizeof *y);
+      uint64_t *gl = calloc(nb + 1, sizeof *gl);
+      if (!x || !y || !gl)
+        DIE("out of memory");
+      for (size_t i = 0; i < nb; i++)
+        gl[i] = bn[i];
       int calls = 0;
       size_t per = 0;
       for (uint32_t k = 0; k <= m.n; k++) { /* the first is a warm-up */
@@ -383,14 +402,39 @@ static int consumer(int dfd, int cfd) {
         CU(gpuipc__cu.cuStreamSynchronize(s));
         double t1 = now_us();
         double b = batched_copy(bd, bs, bn, nb, s, &per, &calls);
+        double g = 0.0 / 0.0, c = 0.0 / 0.0;
+        if (gather) {
+          double t2 = now_us();
+          gpuipc_status gs = gpuipc__tset_gather(0, bs, bd, gl, nb, s);
+          if (gs == GPUIPC_E_NOT_SUPPORTED) {
+            gather = false; /* the device cannot load it: n/a */
+          } else {
+            OK(gs);
+            CU(gpuipc__cu.cuStreamSynchronize(s));
+            g = now_us() - t2;
+            double t3 = now_us();
+            CU(gpuipc__cu.cuMemcpyDtoDAsync(contig, src, total, s));
+            CU(gpuipc__cu.cuStreamSynchronize(s));
+            c = now_us() - t3;
+          }
+        }
         if (k) {
           v[k - 1] = t1 - t0;
           w[k - 1] = b;
+          x[k - 1] = g;
+          y[k - 1] = c;
         }
       }
       send_dbl(ctl, bench_pct(v, (int)m.n, 0.5));
       send_dbl(ctl, calls ? bench_pct(w, (int)m.n, 0.5) : 0.0 / 0.0);
       send_dbl(ctl, calls);
+      send_dbl(ctl, gather ? bench_pct(x, (int)m.n, 0.5) : 0.0 / 0.0);
+      send_dbl(ctl, gather ? bench_pct(y, (int)m.n, 0.5) : 0.0 / 0.0);
+      if (contig)
+        CU(gpuipc__cu.cuMemFree(contig));
+      free(gl);
+      free(x);
+      free(y);
       free(v);
       free(w);
       free(bd);
@@ -418,6 +462,9 @@ typedef struct res {
   double setup_ms, lat50, lat99, copy50, floor50;
   double batch50; /* the batched floor (NaN: the driver has none) */
   int batch_calls;
+  double gather50; /* the gather kernel's floor (NaN: ranges of 1 MiB or
+                    * more, or a device that cannot load it) */
+  double contig50; /* one copy of all the bytes (NaN where gather50 is) */
 } res;
 
 /* One version: begin (no writes: the data is whatever the copy holds),
@@ -433,7 +480,7 @@ static double publish(gpuipc_tset *set, CUstream s) {
 
 static res run(model *m, gpuipc_conn *data, gpuipc_conn *ctl, CUstream s,
                int lat_iters, int copy_iters, bool floor) {
-  res r = {0, 0, 0, 0, 0, 0, 0};
+  res r = {0, 0, 0, 0, 0, 0, 0, 0, 0};
   gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
   o.timeout_ms = 120000;
   gpuipc_tset *set = NULL;
@@ -469,6 +516,8 @@ static res run(model *m, gpuipc_conn *data, gpuipc_conn *ctl, CUstream s,
     r.floor50 = get_dbl(ctl) / 1000.0;
     r.batch50 = get_dbl(ctl) / 1000.0;
     r.batch_calls = (int)get_dbl(ctl);
+    r.gather50 = get_dbl(ctl) / 1000.0;
+    r.contig50 = get_dbl(ctl) / 1000.0;
   }
   free(v);
   send_cmd(ctl, OP_END, 0);
@@ -507,6 +556,14 @@ static void set_row(const char *table, const char *what, const model *m,
                         floor ? r->copy50 / r->floor50 : 0.0 / 0.0);
   gpuipc_bench_json_num("copy_into_vs_batched_floor",
                         floor ? r->copy50 / r->batch50 : 0.0 / 0.0);
+  if (strcmp(table, "kv") == 0) {
+    gpuipc_bench_json_num("floor_gather_ms", floor ? r->gather50 : 0.0 / 0.0);
+    gpuipc_bench_json_num("floor_contig_ms", floor ? r->contig50 : 0.0 / 0.0);
+    gpuipc_bench_json_num("copy_into_vs_gather_floor",
+                          floor ? r->copy50 / r->gather50 : 0.0 / 0.0);
+    gpuipc_bench_json_num("copy_into_vs_contig",
+                          floor ? r->copy50 / r->contig50 : 0.0 / 0.0);
+  }
   gpuipc_bench_json_num("zero_copy_median_us", r->lat50);
   gpuipc_bench_json_num("zero_copy_p99_us", r->lat99);
   gpuipc_bench_json_row_end();
@@ -625,9 +682,10 @@ int gpuipc_bench_sets(int argc, char **argv) {
          "(one allocation, blocks at shuffled slots), producer process -> "
          "consumer process, same GPU, idle stream (medians; floors: the same "
          "layout in-process)\n");
-  printf("  %8s %8s %9s %10s %12s %12s %12s %9s %9s %11s\n", "blocks",
-         "KiB each", "MiB", "setup ms", "per-block ms", "batched ms",
-         "copy_into ms", "x batched", "x per-blk", "zero-copy us");
+  printf("  %8s %8s %9s %10s %12s %12s %10s %10s %12s %9s %9s %9s %9s "
+         "%11s\n", "blocks", "KiB each", "MiB", "setup ms", "per-block ms",
+         "batched ms", "gather ms", "contig ms", "copy_into ms", "x batched",
+         "x per-blk", "x gather", "x contig", "zero-copy us");
   send_cmd(ctl, OP_PAGED, 1);
   for (size_t q = 0; q < sizeof kvs / sizeof kvs[0]; q++) {
     if (quick && (kvs[q].blocks > 10000 || kvs[q].bytes > (4 << 10)))
@@ -640,10 +698,12 @@ int gpuipc_bench_sets(int argc, char **argv) {
     snprintf(what, sizeof what, "KV cache, %d blocks of %lld KiB", kvs[q].blocks,
              (long long)(kvs[q].bytes >> 10));
     set_row("kv", what, &k, &b, true);
-    printf("  %8d %8lld %9.1f %10.2f %12.3f %12.3f %12.3f %9.3f %9.3f %11.2f\n",
+    printf("  %8d %8lld %9.1f %10.2f %12.3f %12.3f %10.3f %10.3f %12.3f %9.3f "
+           "%9.3f %9.3f %9.3f %11.2f\n",
            kvs[q].blocks, (long long)(kvs[q].bytes >> 10), k.bytes / 1048576.0,
-           b.setup_ms, b.floor50, b.batch50, b.copy50, b.copy50 / b.batch50,
-           b.copy50 / b.floor50, b.lat50);
+           b.setup_ms, b.floor50, b.batch50, b.gather50, b.contig50, b.copy50,
+           b.copy50 / b.batch50, b.copy50 / b.floor50, b.copy50 / b.gather50,
+           b.copy50 / b.contig50, b.lat50);
     free_model(&k);
   }
   send_cmd(ctl, OP_PAGED, 0);

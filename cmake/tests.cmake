@@ -122,3 +122,9 @@ if(GPUIPC_PYTHON3)
     ${PROJECT_SOURCE_DIR}/tools/check-env --cli $<TARGET_FILE:gpuipc_cli>)
   set_tests_properties(env_documented PROPERTIES LABELS unit)
 endif()
+
+# The checked-in gather kernel image is what tools/gen-gather makes of
+# src/sets/gather.cu (skipped, with the reason, where there is no nvcc).
+add_test(NAME check_gather_image COMMAND sh ${PROJECT_SOURCE_DIR}/tools/check-gather)
+set_tests_properties(check_gather_image PROPERTIES LABELS unit SKIP_RETURN_CODE 77
+  TIMEOUT 300)

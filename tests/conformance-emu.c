@@ -475,3 +475,69 @@ TEST_IMPL(emu_two_devices_peer_access_and_copy) {
 TEST_IMPL(emu_two_devices_stream_wait_event_other_device) {
   return run_with_two_devices("conformance_stream_wait_event_other_device");
 }
+
+/* ---- the one kernel ----------------------------------------------------------- */
+
+/* The emulator's modules and its gather kernel (the library's whole-set
+ * copies launch it; on a GPU the real image runs, tested by the sets_
+ * tests): an image that is no fatbin is refused, a fatbin's functions are
+ * gpuipc_gather alone, a launch checks the parameter and the grid, copies
+ * in stream order (after a memset queued before it), and fails after the
+ * module is unloaded. */
+TEST_IMPL(emu_gather_kernel) {
+  REQUIRE_EMULATOR("the emulator's stand-in for a kernel");
+  gpuipc__ctx_guard g;
+  ASSERT_OK(gpuipc__driver());
+  ASSERT_OK(gpuipc__ctx_enter(&g, 0));
+  CUmodule mod = NULL;
+  static const uint32_t not_fatbin[4] = {0x464c457fu, 0, 0, 0}; /* ELF */
+  static const uint32_t fatbin[4] = {0xBA55ED50u, 0x00100001u, 0, 0};
+  ASSERT_EQ(gpuipc__cu.cuModuleLoadData(&mod, not_fatbin), CUDA_ERROR_INVALID_IMAGE);
+  ASSERT_CU(gpuipc__cu.cuModuleLoadData(&mod, fatbin));
+  CUfunction fn = NULL;
+  ASSERT_EQ(gpuipc__cu.cuModuleGetFunction(&fn, mod, "other"), CUDA_ERROR_NOT_FOUND);
+  ASSERT_CU(gpuipc__cu.cuModuleGetFunction(&fn, mod, GPUIPC__GATHER_NAME));
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  enum { LEN = 4096 };
+  CUdeviceptr src, dst;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&src, 2 * LEN));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&dst, 2 * LEN));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(src, 7, 2 * LEN));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(dst, 0, 2 * LEN));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(src, 9, LEN, s));
+  static gpuipc__gather_args a;
+  a.n = 2;
+  a.e[0] = (gpuipc__gather_entry){src, dst + LEN, LEN};
+  a.e[1] = (gpuipc__gather_entry){src + LEN, dst + 1, LEN - 1};
+  void *params[] = {&a};
+  /* grid.x must be the count. */
+  ASSERT_EQ(gpuipc__cu.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, params, NULL),
+            CUDA_ERROR_INVALID_VALUE);
+  ASSERT_EQ(gpuipc__cu.cuLaunchKernel(fn, 2, 1, 1, 512, 1, 1, 0, s, params, NULL),
+            CUDA_ERROR_INVALID_VALUE);
+  ASSERT_CU(gpuipc__cu.cuLaunchKernel(fn, 2, 4, 1, 256, 1, 1, 0, s, params, NULL));
+  a.n = 0; /* the parameter was taken at the launch */
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  static uint8_t back[2 * LEN];
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, dst, sizeof back));
+  ASSERT_EQ(back[0], 0);
+  for (size_t k = 1; k < LEN; k++)
+    ASSERT_EQ(back[k], 7);
+  for (size_t k = LEN; k < 2 * LEN; k++)
+    ASSERT_EQ(back[k], 9);
+  /* A range outside device memory fails the launch. */
+  a.n = 1;
+  a.e[0] = (gpuipc__gather_entry){src, dst + LEN, 2 * LEN};
+  ASSERT_EQ(gpuipc__cu.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, params, NULL),
+            CUDA_ERROR_ILLEGAL_ADDRESS);
+  ASSERT_CU(gpuipc__cu.cuModuleUnload(mod));
+  a.e[0].len = LEN;
+  ASSERT_EQ(gpuipc__cu.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, s, params, NULL),
+            CUDA_ERROR_INVALID_HANDLE);
+  ASSERT_CU(gpuipc__cu.cuMemFree(src));
+  ASSERT_CU(gpuipc__cu.cuMemFree(dst));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}

@@ -64,6 +64,17 @@ static uint8_t fill(size_t i, uint64_t v, size_t k) {
 
 /* ---- specs: the tensor lists both sides build ---------------------------------------- */
 
+enum { GATHER_T = 3000, GATHER_LONG_EVERY = 500 };
+
+/* Tensor i of spec "gather": odd sizes from 1 byte to 5,000, and every
+ * GATHER_LONG_EVERY-th one past 1 MiB (the gather kernel leaves those to
+ * the driver's copies). */
+static size_t gather_size(size_t i) {
+  if (i % GATHER_LONG_EVERY == 7)
+    return ((size_t)1 << 20) + 3 + i;
+  return 1 + (i * 7919) % 5000;
+}
+
 typedef struct spec_t {
   size_t n;
   gpuipc_tensor *t;
@@ -128,6 +139,16 @@ static void spec(const char *name, spec_t *s) {
     s->t[i].ndim = 1;
     s->shape[i][0] = 33;
     s->t[i].shape = s->shape[i];
+  } else if (strcmp(name, "gather") == 0) {
+    spec_alloc(s, GATHER_T);
+    for (size_t i = 0; i < s->n; i++) {
+      snprintf(s->names[i], 64, "kv.%zu", i);
+      s->t[i].name = s->names[i];
+      s->t[i].dtype = GPUIPC_DTYPE_U8;
+      s->t[i].ndim = 1;
+      s->shape[i][0] = (int64_t)gather_size(i);
+      s->t[i].shape = s->shape[i];
+    }
   } else if (strcmp(name, "10k") == 0) {
     spec_alloc(s, 10000);
     for (size_t i = 0; i < s->n; i++) {
@@ -2054,6 +2075,7 @@ TEST_IMPL(sets_copy_coalesces) {
   REQUIRE_EMULATOR("counts driver calls with GPUIPC_EMU_FAIL");
   setenv("GPUIPC_EMU_FAIL", "cuMemcpyDtoDAsync:2", 1);
   REQUIRE_DEVICES(1);
+  gpuipc__tset_copy_kernel = 0;
   gpuipc__tset_copy_batch = 0;
   CUstream s = mkstream();
   spec_t sp;
@@ -2276,6 +2298,7 @@ static bool driver_batches(void) {
 static int copies_of_10k(bool want_batch) {
   REQUIRE_DEVICES(1);
   ASSERT_OK(gpuipc__driver());
+  gpuipc__tset_copy_kernel = 0; /* the kernel would take these ranges */
   bool have = driver_batches();
   if (want_batch)
     ASSERT(have);
@@ -2329,8 +2352,8 @@ static int copies_of_10k(bool want_batch) {
   return 0;
 }
 
-/* A set's non-adjacent ranges go to the driver as batched copies where it
- * has them (both drivers here: the H200's is 13.0), and per range where it
+/* A set's non-adjacent ranges (the gather kernel kept off) go to the
+ * driver as batched copies where it has them (both drivers here: the H200's is 13.0), and per range where it
  * does not, where forced, on the legacy NULL stream and where ranges
  * overlap; the data is checked end to end each time. */
 TEST_IMPL(sets_copy_batched) {
@@ -2345,4 +2368,329 @@ TEST_IMPL(sets_copy_without_the_batched_call) {
   ASSERT_OK(gpuipc__driver());
   ASSERT(gpuipc__cu.cuMemcpyBatchAsync == NULL);
   return copies_of_10k(false);
+}
+
+/* ---- whole-set copies through the gather kernel ---------------------------------------- */
+
+
+typedef struct gather_fix {
+  spec_t sp;
+  gpuipc_tset *set;
+  CUdeviceptr src;    /* the sources: one allocation, shuffled slots */
+  size_t span;        /* its size */
+  size_t *off;        /* tensor i's source offset */
+  size_t shorts;      /* tensors below 1 MiB */
+} gather_fix;
+
+/* Places GATHER_T tensors of spec "gather" in one allocation of *span
+ * bytes: in a shuffled order with gaps between them, every third at a
+ * 16-byte boundary and the others at odd offsets, so that no two ranges
+ * merge and the kernel meets every alignment. off[i]: tensor i's offset. */
+static void gather_slots(size_t *off, size_t *span, unsigned seed) {
+  size_t *perm = malloc(GATHER_T * sizeof *perm);
+  ASSERT_NOT_NULL(perm);
+  for (size_t i = 0; i < GATHER_T; i++)
+    perm[i] = i;
+  srand(seed);
+  for (size_t i = GATHER_T - 1; i > 0; i--) {
+    size_t j = (size_t)rand() % (i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  size_t at = 0;
+  for (size_t k = 0; k < GATHER_T; k++) {
+    size_t i = perm[k];
+    at += 1 + (k % 5); /* a gap: never adjacent */
+    if (k % 3 == 0)
+      at = (at + 15) & ~(size_t)15;
+    else if (at % 2 == 0)
+      at++;
+    off[i] = at;
+    at += gather_size(i);
+  }
+  *span = at + 16;
+  free(perm);
+}
+
+static size_t gather_shorts(void) {
+  size_t n = 0;
+  for (size_t i = 0; i < GATHER_T; i++)
+    n += gather_size(i) < GPUIPC__GATHER_LEN_MAX;
+  return n;
+}
+
+/* A set of spec "gather" (packed at 16 bytes) and its sources in one
+ * allocation at gather_slots. */
+static void gather_setup(gather_fix *f) {
+  memset(f, 0, sizeof *f);
+  spec("gather", &f->sp);
+  f->shorts = gather_shorts();
+  gpuipc_tset_options o = GPUIPC_TSET_OPTIONS_INIT;
+  o.align = 16;
+  ASSERT_OK(gpuipc_tset_create(f->sp.t, f->sp.n, &o, &f->set));
+  f->off = malloc(GATHER_T * sizeof *f->off);
+  ASSERT_NOT_NULL(f->off);
+  gather_slots(f->off, &f->span, 25);
+  ctx_current();
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&f->src, f->span));
+}
+
+static void gather_teardown(gather_fix *f) {
+  ASSERT_OK(gpuipc_tset_destroy(f->set));
+  ASSERT_CU(gpuipc__cu.cuMemFree(f->src));
+  free(f->off);
+  spec_free(&f->sp);
+}
+
+/* One whole-set copy of the fixture's sources (pattern `seed`) into the
+ * set's copy 0 on s, its launches and calls counted: want_kernels launches
+ * of the gather kernel, and at least the long tensors by the driver's
+ * copies (all of them where want_kernels is 0). The set is read back and
+ * every tensor compared byte for byte. */
+static void gather_round(gather_fix *f, uint32_t seed, CUstream s,
+                         uint64_t want_kernels) {
+  uint8_t *host = malloc(f->span);
+  ASSERT_NOT_NULL(host);
+  for (size_t k = 0; k < f->span; k++)
+    host[k] = (uint8_t)(k * 31 + seed + (k >> 11));
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(f->src, host, f->span));
+  void *srcs[GATHER_T];
+  for (size_t i = 0; i < GATHER_T; i++)
+    srcs[i] = (void *)(uintptr_t)(f->src + f->off[i]);
+  uint64_t k0 = atomic_load(&gpuipc__tset_copy_kernels);
+  uint64_t b0 = atomic_load(&gpuipc__tset_copy_batches);
+  uint64_t s0 = atomic_load(&gpuipc__tset_copy_singles);
+  ASSERT_OK(gpuipc_tset_copy_from(f->set, 0, srcs, (struct CUstream_st *)s));
+  uint64_t kernels = atomic_load(&gpuipc__tset_copy_kernels) - k0;
+  uint64_t batches = atomic_load(&gpuipc__tset_copy_batches) - b0;
+  uint64_t singles = atomic_load(&gpuipc__tset_copy_singles) - s0;
+  printf("seed %u: %llu kernel launches, %llu batches, %llu single copies\n",
+         seed, (unsigned long long)kernels, (unsigned long long)batches,
+         (unsigned long long)singles);
+  ASSERT_UEQ(kernels, want_kernels);
+  size_t longs = GATHER_T - f->shorts;
+  if (want_kernels > 0)
+    ASSERT(batches > 0 || singles == longs);
+  else
+    ASSERT(batches > 0 || singles == GATHER_T);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  gpuipc_tensor first, last;
+  ASSERT_OK(gpuipc_tset_get_tensor(f->set, 0, 0, &first));
+  ASSERT_OK(gpuipc_tset_get_tensor(f->set, 0, GATHER_T - 1, &last));
+  size_t piece = (size_t)((uintptr_t)last.ptr + last.nbytes - (uintptr_t)first.ptr);
+  uint8_t *back = malloc(piece);
+  ASSERT_NOT_NULL(back);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, (CUdeviceptr)(uintptr_t)first.ptr, piece));
+  for (size_t i = 0; i < GATHER_T; i++) {
+    gpuipc_tensor t;
+    ASSERT_OK(gpuipc_tset_get_tensor(f->set, 0, i, &t));
+    size_t off = (size_t)((uintptr_t)t.ptr - (uintptr_t)first.ptr);
+    for (size_t k = 0; k < t.nbytes; k++)
+      if (back[off + k] != host[f->off[i] + k]) {
+        harness_fail(__FILE__, __LINE__, "seed %u: tensor %zu of %d (%zu "
+                     "bytes, source offset %zu), byte %zu: %u, want %u", seed,
+                     i, GATHER_T, t.nbytes, f->off[i], k, back[off + k],
+                     host[f->off[i] + k]);
+        break;
+      }
+  }
+  free(back);
+  free(host);
+}
+
+static uint64_t gather_chunks(const gather_fix *f) {
+  return (f->shorts + GPUIPC__GATHER_N - 1) / GPUIPC__GATHER_N;
+}
+
+/* The consumer of sets_copy_into_gathered: each of argv[0] versions of
+ * spec "gather" copied with copy_into into its own paged cache (one
+ * allocation, the tensors at gather_slots: shuffled, odd offsets, gaps),
+ * in ceil(n / 1360) launches of the gather kernel, the data checked byte
+ * for byte against the producer's pattern. */
+HELPER_IMPL(ts_gather_into) {
+  ASSERT(argc >= 1);
+  int count = atoi(argv[0]);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  CUstream s = mkstream();
+  gpuipc_tset_sub *sub = NULL;
+  ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
+  size_t *off = malloc(GATHER_T * sizeof *off), span = 0;
+  void **dsts = malloc(GATHER_T * sizeof *dsts);
+  ASSERT(off && dsts);
+  uint64_t want = (gather_shorts() + GPUIPC__GATHER_N - 1) / GPUIPC__GATHER_N;
+  for (int r = 0; r < count; r++) {
+    gpuipc_tset_version *v = NULL;
+    ASSERT_OK(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &v));
+    uint64_t num = gpuipc_tset_version_get_number(v);
+    ASSERT_EQ(gpuipc_tset_version_get_count(v), GATHER_T);
+    gather_slots(off, &span, 40 + (unsigned)r);
+    CUdeviceptr mine;
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&mine, span));
+    ASSERT_CU(gpuipc__cu.cuMemsetD8(mine, 0, span));
+    for (size_t i = 0; i < GATHER_T; i++)
+      dsts[i] = (void *)(uintptr_t)(mine + off[i]);
+    uint64_t k0 = atomic_load(&gpuipc__tset_copy_kernels);
+    ASSERT_OK(gpuipc_tset_version_copy_into(v, dsts, (struct CUstream_st *)s));
+    uint64_t kernels = atomic_load(&gpuipc__tset_copy_kernels) - k0;
+    printf("version %llu: %llu kernel launches\n", (unsigned long long)num,
+           (unsigned long long)kernels);
+    ASSERT_UEQ(kernels, want);
+    uint8_t *back = malloc(span);
+    ASSERT_NOT_NULL(back);
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(back, mine, span, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    for (size_t i = 0; i < GATHER_T; i++)
+      for (size_t k = 0; k < gather_size(i); k++)
+        if (back[off[i] + k] != fill(i, num, k)) {
+          harness_fail(__FILE__, __LINE__, "version %llu, tensor %zu (%zu "
+                       "bytes at offset %zu), byte %zu: %u, want %u",
+                       (unsigned long long)num, i, gather_size(i), off[i], k,
+                       back[off[i] + k], fill(i, num, k));
+          break;
+        }
+    free(back);
+    ASSERT_OK(gpuipc_tset_version_release(v, (struct CUstream_st *)s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    ASSERT_CU(gpuipc__cu.cuMemFree(mine));
+  }
+  say(c, "ok");
+  gpuipc_tset_version *end = NULL;
+  ASSERT_STATUS(gpuipc_tset_recv(sub, (struct CUstream_st *)s, &end),
+                GPUIPC_E_CANCELED);
+  free(off);
+  free(dsts);
+  gpuipc_tset_sub_close(sub);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* copy_into of a set of 3,000 tensors of odd sizes (six past 1 MiB) into
+ * a consumer process's paged cache (shuffled slots, odd alignments): the
+ * gather kernel, the long ones by the driver's copies, two versions, data
+ * checked byte for byte (ts_gather_into). */
+TEST_IMPL(sets_copy_into_gathered) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("ts_gather_into", NULL, &fd, "2", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  CUstream s = mkstream();
+  spec_t sp;
+  spec("gather", &sp);
+  gpuipc_tset *set = NULL;
+  ASSERT_OK(gpuipc_tset_create(sp.t, sp.n, NULL, &set));
+  ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
+  produce(set, c, 2, s);
+  hear(c, "ok");
+  ASSERT_OK(gpuipc_tset_unsubscribe(set, c));
+  ASSERT_EQ(wait_helper(pid, 120), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_OK(gpuipc_tset_destroy(set));
+  gpuipc_conn_close(c);
+  spec_free(&sp);
+  return 0;
+}
+
+/* 3,000 non-adjacent tensors of odd sizes and alignments, shuffled: the
+ * ones below 1 MiB in ceil(n / 1360) launches of the gather kernel, the
+ * long ones by the driver's copies; on a stream, on the legacy NULL stream
+ * (the kernel takes it, the batch does not), and with the kernel forced
+ * off (the batched or per-range way, the same bytes). */
+TEST_IMPL(sets_copy_gathered) {
+  REQUIRE_DEVICES(1);
+  ASSERT_OK(gpuipc__driver());
+  gather_fix f;
+  gather_setup(&f);
+  CUstream s = mkstream();
+  gather_round(&f, 1, s, gather_chunks(&f));
+  gather_round(&f, 2, NULL, gather_chunks(&f));
+  gpuipc__tset_copy_kernel = 0;
+  gather_round(&f, 3, s, 0);
+  gpuipc__tset_copy_kernel = 1;
+  gather_round(&f, 4, s, gather_chunks(&f));
+  gather_teardown(&f);
+  return 0;
+}
+
+/* A device that cannot load the kernel (the emulator's cuModuleLoadData
+ * answers CUDA_ERROR_NO_BINARY_FOR_GPU): every copy by the driver's
+ * copies, the same bytes, and no launch. */
+TEST_IMPL(sets_copy_gathered_without_kernels) {
+  REQUIRE_EMULATOR("makes the emulator refuse to load modules");
+  setenv("GPUIPC_EMU_DISABLE", "kernels", 1);
+  REQUIRE_DEVICES(1);
+  ASSERT_OK(gpuipc__driver());
+  gather_fix f;
+  gather_setup(&f);
+  CUstream s = mkstream();
+  gather_round(&f, 1, s, 0);
+  gather_round(&f, 2, s, 0);
+  gather_teardown(&f);
+  return 0;
+}
+
+/* Launches the driver refuses: the first as an invalid handle (a reset
+ * primary context), which loads the module again and launches once more;
+ * then one refused otherwise, whose chunk and the rest go by the driver's
+ * copies, after which the device copies without the kernel. */
+TEST_IMPL(sets_copy_gather_launch_refused) {
+  REQUIRE_EMULATOR("fails launches with GPUIPC_EMU_FAIL");
+  setenv("GPUIPC_EMU_FAIL",
+         "cuLaunchKernel:1:CUDA_ERROR_INVALID_HANDLE,"
+         "cuLaunchKernel:2:CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", 1);
+  REQUIRE_DEVICES(1);
+  ASSERT_OK(gpuipc__driver());
+  gather_fix f;
+  gather_setup(&f);
+  ASSERT(gather_chunks(&f) >= 2);
+  CUstream s = mkstream();
+  /* Launch 1 refused, 2 (again, the module reloaded) done, 3 refused (the
+   * second fault counts the calls the first lets through). */
+  gather_round(&f, 1, s, 1);
+  gather_round(&f, 2, s, 0);
+  gather_teardown(&f);
+  return 0;
+}
+
+/* The kernel alone (as the benchmark runs it): ranges from every other
+ * slot into reversed slots, after a memset on the same stream that the
+ * copies must see, with no host wait between; as the ordering conformance
+ * check of the batched call (conformance_batch_copy_arrives_in_stream_order)
+ * does. */
+TEST_IMPL(sets_gather_arrives_in_stream_order) {
+  REQUIRE_DEVICES(1);
+  ASSERT_OK(gpuipc__driver());
+  enum { N = 64, LEN = 4096 };
+  ctx_current();
+  CUstream s;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr src, dst;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&src, 2 * N * LEN));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&dst, N * LEN));
+  static uint8_t host[2 * N * LEN], back[N * LEN];
+  for (size_t k = 0; k < sizeof host; k++)
+    host[k] = (uint8_t)(k * 13 + (k >> 12));
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(src, host, sizeof host));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(dst, 0, N * LEN));
+  /* The first slot is overwritten on the stream before the kernel. */
+  ASSERT_CU(gpuipc__cu.cuMemsetD8Async(src, 0x5A, LEN, s));
+  memset(host, 0x5A, LEN);
+  CUdeviceptr dsts[N], srcs[N];
+  uint64_t lens[N];
+  for (int i = 0; i < N; i++) {
+    srcs[i] = src + (CUdeviceptr)(2 * i) * LEN;
+    dsts[i] = dst + (CUdeviceptr)(N - 1 - i) * LEN;
+    lens[i] = LEN;
+  }
+  uint64_t k0 = atomic_load(&gpuipc__tset_copy_kernels);
+  ASSERT_OK(gpuipc__tset_gather(0, srcs, dsts, lens, N, s));
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_kernels) - k0, 1);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, dst, sizeof back));
+  for (int i = 0; i < N; i++)
+    ASSERT_MEM_EQ(back + (size_t)(N - 1 - i) * LEN, host + (size_t)(2 * i) * LEN,
+                  LEN);
+  ASSERT_CU(gpuipc__cu.cuMemFree(src));
+  ASSERT_CU(gpuipc__cu.cuMemFree(dst));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(s));
+  return 0;
 }

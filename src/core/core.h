@@ -346,6 +346,10 @@ void gpuipc__default_runtime_dir(char *dir, size_t cap, char *why,
   X(cuMemFreeHost)                                                             \
   X(cuMemHostRegister)                                                         \
   X(cuMemHostUnregister)                                                       \
+  X(cuModuleLoadData)                                                          \
+  X(cuModuleUnload)                                                            \
+  X(cuModuleGetFunction)                                                       \
+  X(cuLaunchKernel)                                                            \
   X(cuMemHostGetDevicePointer)                                                 \
   X(cuStreamCreate)                                                            \
   X(cuStreamDestroy)                                                           \

@@ -1,34 +1,83 @@
 /*
  * copy.c: the device-to-device copies of a whole set (a consumer's
- * copy_into, a producer's copy_from) with the fewest driver calls: ranges
- * are sorted by source, and ranges contiguous on both sides are merged, so
- * a consumer whose tensors lie in one allocation in the producer's order
- * copies a piece with one call (never across allocations: see below; two
- * cuMemGetAddressRange lookups per merged range say where they end).
+ * copy_into, a producer's copy_from) with the fewest launches and driver
+ * calls: ranges are sorted by source, and ranges contiguous on both sides
+ * are merged, so a consumer whose tensors lie in one allocation in the
+ * producer's order copies a piece with one call (never across
+ * allocations: see below; two cuMemGetAddressRange lookups per merged
+ * range say where they end).
  *
- * The merged ranges then go to the driver as one batched copy
- * (cuMemcpyBatchAsync, CUDA 13.0's form, in chunks of BATCH_MAX), so that
- * a set of many small tensors that are not adjacent (a paged KV cache, a
- * model's experts) costs one call, not one per tensor. In stream order
- * like every copy (the source read in stream order), so the guarantees of
- * the per-range copies hold: after the producer's writes, before the
- * release, no host wait. The per-range cuMemcpyDtoDAsync copies stay the
- * way where the batch cannot go: a driver before 13.0 or without the call,
- * the legacy NULL stream (the batch refuses it), one range, destinations
- * that overlap each other or a source (a batch's copies run in no given
- * order), a batch the driver refused (then the chunk is copied per range,
- * which writes the same bytes).
+ * The merged ranges then go three ways, tried in this order:
+ *
+ *  1. The gather kernel (gather.cu, its image gather_image.h): ranges
+ *     shorter than GPUIPC__GATHER_LEN_MAX, in launches of up to
+ *     GPUIPC__GATHER_N, the ranges in the launch's parameter (copied by
+ *     the driver at the launch: nothing on the host outlives it). A set of
+ *     many small tensors that are not adjacent (a paged KV cache, a
+ *     model's experts) costs one launch per 1360 ranges, where the
+ *     driver's copies, batched or not, are issued one by one (each some
+ *     microseconds on the GPU). The module is loaded per device on the
+ *     first copy that can use it, in the device's primary context; a
+ *     device that cannot load it (no SASS nor PTX the driver takes, a
+ *     driver before 12.1, which has not the room for the parameter) logs
+ *     it once and stays on ways 2 and 3; a launch refused as an invalid
+ *     handle (the user reset the primary context, so the module is gone)
+ *     loads it again once; a launch refused otherwise copies that chunk
+ *     the other ways, and when those succeed, the device leaves the
+ *     kernel for good.
+ *  2. The batched copy (cuMemcpyBatchAsync, CUDA 13.0's form, in chunks of
+ *     BATCH_MAX) for the ranges left: those of 1 MiB and longer (the
+ *     driver's copies are at the bandwidth bound there), or all of them
+ *     without the kernel.
+ *  3. Per-range cuMemcpyDtoDAsync copies where neither can go: a driver
+ *     before 13.0 or without the batched call, the legacy NULL stream (the
+ *     batch refuses it; the kernel takes it), one range, destinations that
+ *     overlap each other or a source (the kernel's and a batch's copies run
+ *     in no given order), a batch the driver refused (then the chunk is
+ *     copied per range, which writes the same bytes).
+ *
+ * All in stream order like every copy (the source read in stream order),
+ * so the guarantees of the per-range copies hold whichever way is taken:
+ * after the producer's writes, before the release, no host wait. The ways
+ * mix within one copy (the ranges do not overlap, so their order does not
+ * matter). Tests force the kernel off with gpuipc__tset_copy_kernel and
+ * the batch off with gpuipc__tset_copy_batch, and count the launches and
+ * calls of each way.
  */
 #include "sets_int.h"
 
+#include "gather_image.h"
+
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
-/* The batched copy: 1 allowed (where the driver has it), 0 never (tests
- * force the per-range way with it). Counts of the calls made, for tests. */
+/* The gather kernel and the batched copy: 1 allowed (where the device and
+ * the driver have them), 0 never (tests force the ways after them). Counts
+ * of the launches and calls made, for tests. */
+int gpuipc__tset_copy_kernel = 1;
 int gpuipc__tset_copy_batch = 1;
-atomic_ullong gpuipc__tset_copy_batches, gpuipc__tset_copy_singles;
+atomic_ullong gpuipc__tset_copy_kernels, gpuipc__tset_copy_batches,
+    gpuipc__tset_copy_singles;
+
+_Static_assert(sizeof(gpuipc__gather_args) <= 32764,
+               "the gather kernel's parameter exceeds CUDA's 32,764 bytes");
+_Static_assert(sizeof(gpuipc__gather_entry) == 24 &&
+                   offsetof(gpuipc__gather_args, e) == 8,
+               "the gather kernel's parameter layout is that of gather.cu");
+
+/* The gather module of each device ordinal (of its primary context), under
+ * gather_mu: state 0 not loaded yet, 1 loaded (fn usable), -1 not usable on
+ * this device (said once). */
+enum { GATHER_DEVICES = 64 };
+static pthread_mutex_t gather_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  int state;
+  CUmodule mod;
+  CUfunction fn;
+} gather_mods[GATHER_DEVICES];
 
 enum { BATCH_MAX = 8192 };
 
@@ -66,6 +115,147 @@ static bool batch_usable(void) {
     atomic_store_explicit(&batch_state, st, memory_order_relaxed);
   }
   return st > 0;
+}
+
+static const char *cu_name(CUresult cr) {
+  const char *name = NULL;
+  (void)GPUIPC__CU(cuGetErrorName, cr, &name);
+  return name ? name : "error";
+}
+
+/* The kernel of device ordinal (its primary context current), loaded on
+ * first use; NULL where it cannot be. stale: a function a launch refused
+ * as an invalid handle: if it is still the one cached, the module is
+ * loaded again (the one it came from went with its context, so it is not
+ * unloaded). */
+static CUfunction gather_fn(int ordinal, CUfunction stale) {
+  if (ordinal < 0 || ordinal >= GATHER_DEVICES)
+    return NULL;
+  pthread_mutex_lock(&gather_mu);
+  if (stale != NULL && gather_mods[ordinal].state == 1 &&
+      gather_mods[ordinal].fn == stale)
+    gather_mods[ordinal].state = 0;
+  if (gather_mods[ordinal].state == 0) {
+    int v = 0;
+    CUmodule mod = NULL;
+    CUfunction fn = NULL;
+    CUresult cr = GPUIPC__CU(cuDriverGetVersion, &v);
+    if (cr == CUDA_SUCCESS && v < 12010)
+      cr = CUDA_ERROR_NOT_SUPPORTED; /* 4 KiB of parameters at most */
+    if (cr == CUDA_SUCCESS)
+      cr = GPUIPC__CU(cuModuleLoadData, &mod, gpuipc__gather_image);
+    if (cr == CUDA_SUCCESS) {
+      cr = GPUIPC__CU(cuModuleGetFunction, &fn, mod, GPUIPC__GATHER_NAME);
+      if (cr != CUDA_SUCCESS)
+        (void)GPUIPC__CU(cuModuleUnload, mod);
+    }
+    if (cr == CUDA_SUCCESS) {
+      gather_mods[ordinal].mod = mod;
+      gather_mods[ordinal].fn = fn;
+      gather_mods[ordinal].state = 1;
+      GPUIPC__DEBUG("sets", "device %d: gather kernel loaded%s", ordinal,
+                    stale ? " again" : "");
+    } else {
+      gather_mods[ordinal].state = -1;
+      GPUIPC__INFO("sets", "device %d: the gather copy kernel cannot be "
+                   "loaded (%s, driver %d); whole-set copies use the "
+                   "driver's copies", ordinal, cu_name(cr), v);
+    }
+  }
+  CUfunction fn = gather_mods[ordinal].state == 1 ? gather_mods[ordinal].fn
+                                                  : NULL;
+  pthread_mutex_unlock(&gather_mu);
+  return fn;
+}
+
+/* Device ordinal leaves the kernel for good (a launch of good ranges was
+ * refused). */
+static void gather_off(int ordinal, size_t n, CUresult cr) {
+  pthread_mutex_lock(&gather_mu);
+  if (gather_mods[ordinal].state == 1)
+    GPUIPC__INFO("sets", "device %d: a gather kernel launch (a copy of %zu "
+                 "ranges): %s; copying without it from now on", ordinal, n,
+                 cu_name(cr));
+  gather_mods[ordinal].state = -1;
+  pthread_mutex_unlock(&gather_mu);
+}
+
+/* Whether device ordinal is known to copy without the kernel (then a copy
+ * does not build a launch's parameter to learn it). */
+static bool gather_off_already(int ordinal) {
+  if (ordinal < 0 || ordinal >= GATHER_DEVICES)
+    return true;
+  pthread_mutex_lock(&gather_mu);
+  bool off = gather_mods[ordinal].state < 0;
+  pthread_mutex_unlock(&gather_mu);
+  return off;
+}
+
+/* One launch for the a->n ranges of a (1 to GPUIPC__GATHER_N). Returns
+ * CUDA_SUCCESS, or why not (then nothing was enqueued): CUDA_ERROR_
+ * NOT_SUPPORTED where the device has no kernel, or the launch's error. */
+static CUresult gather_launch(int ordinal, gpuipc__gather_args *a,
+                              CUstream stream) {
+  uint64_t maxlen = 0;
+  for (uint64_t i = 0; i < a->n; i++)
+    if (a->e[i].len > maxlen)
+      maxlen = a->e[i].len;
+  uint64_t split = (maxlen + GPUIPC__GATHER_SLICE - 1) / GPUIPC__GATHER_SLICE;
+  if (split < 1)
+    split = 1;
+  if (split > GPUIPC__GATHER_SPLIT_MAX)
+    split = GPUIPC__GATHER_SPLIT_MAX;
+  void *params[] = {a};
+  CUfunction stale = NULL;
+  for (int attempt = 0;; attempt++) {
+    CUfunction fn = gather_fn(ordinal, stale);
+    if (fn == NULL)
+      return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult cr = GPUIPC__CU(cuLaunchKernel, fn, (unsigned)a->n,
+                             (unsigned)split, 1, GPUIPC__GATHER_THREADS, 1, 1,
+                             0, stream, params, NULL);
+    if (cr == CUDA_SUCCESS) {
+      atomic_fetch_add_explicit(&gpuipc__tset_copy_kernels, 1,
+                                memory_order_relaxed);
+      return cr;
+    }
+    if (attempt > 0 || (cr != CUDA_ERROR_INVALID_HANDLE &&
+                        cr != CUDA_ERROR_INVALID_CONTEXT &&
+                        cr != CUDA_ERROR_CONTEXT_IS_DESTROYED))
+      return cr;
+    stale = fn;
+  }
+}
+
+gpuipc_status gpuipc__tset_gather(int ordinal, const CUdeviceptr *srcs,
+                                  const CUdeviceptr *dsts,
+                                  const uint64_t *lens, size_t n,
+                                  CUstream stream) {
+  gpuipc__gather_args *a = malloc(sizeof *a);
+  if (a == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gather of %zu ranges", n);
+  gpuipc__ctx_guard g;
+  gpuipc_status s = gpuipc__ctx_enter(&g, ordinal);
+  if (s != GPUIPC_OK) {
+    free(a);
+    return s;
+  }
+  for (size_t from = 0; from < n && s == GPUIPC_OK; from += a->n) {
+    a->n = n - from < GPUIPC__GATHER_N ? n - from : GPUIPC__GATHER_N;
+    for (uint64_t i = 0; i < a->n; i++)
+      a->e[i] = (gpuipc__gather_entry){srcs[from + i], dsts[from + i],
+                                       lens[from + i]};
+    CUresult cr = gather_launch(ordinal, a, stream);
+    if (cr == CUDA_ERROR_NOT_SUPPORTED)
+      s = gpuipc__fail(GPUIPC_E_NOT_SUPPORTED, "device %d cannot load the "
+                       "gather kernel", ordinal);
+    else if (cr != CUDA_SUCCESS)
+      s = gpuipc__fail_cuda(cr, "cuLaunchKernel", "gather of %llu ranges",
+                            (unsigned long long)a->n);
+  }
+  gpuipc__ctx_leave(&g);
+  free(a);
+  return s;
 }
 
 /* Whether the k ranges (sorted by source) may be copied in any order: no
@@ -166,6 +356,46 @@ static gpuipc_status copy_batched(int ordinal, const range *r, size_t k,
   return s;
 }
 
+/* The ranges of r shorter than GPUIPC__GATHER_LEN_MAX through the kernel,
+ * where there are two or more and the device has it. Returns how many
+ * ranges are left for the other ways, moved to the front of r: the long
+ * ones, and from a chunk the driver did not launch on, every short one
+ * too (*refused is then the launch's error, CUDA_SUCCESS else). */
+static size_t copy_gathered(int ordinal, range *r, size_t k, CUstream stream,
+                            CUresult *refused) {
+  *refused = CUDA_SUCCESS;
+  size_t shorts = 0;
+  for (size_t i = 0; i < k; i++)
+    shorts += r[i].len < GPUIPC__GATHER_LEN_MAX;
+  if (shorts < 2 || gather_off_already(ordinal))
+    return k;
+  gpuipc__gather_args *a = malloc(sizeof *a);
+  if (a == NULL)
+    return k;
+  a->n = 0;
+  size_t left = 0; /* r[left..i) is free: each range there went to a */
+  bool on = true;
+  for (size_t i = 0; i < k; i++) {
+    if (on && r[i].len < GPUIPC__GATHER_LEN_MAX)
+      a->e[a->n++] = (gpuipc__gather_entry){r[i].src, r[i].dst, r[i].len};
+    else
+      r[left++] = r[i];
+    if (a->n > 0 && (a->n == GPUIPC__GATHER_N || i + 1 == k)) {
+      CUresult cr = gather_launch(ordinal, a, stream);
+      if (cr != CUDA_SUCCESS) {
+        for (uint64_t j = 0; j < a->n; j++)
+          r[left++] = (range){a->e[j].src, a->e[j].dst, a->e[j].len};
+        if (cr != CUDA_ERROR_NOT_SUPPORTED)
+          *refused = cr;
+        on = false;
+      }
+      a->n = 0;
+    }
+  }
+  free(a);
+  return left;
+}
+
 gpuipc_status gpuipc__tset_copy(int ordinal, const CUdeviceptr *srcs,
                                 const CUdeviceptr *dsts, const uint64_t *lens,
                                 size_t n, CUstream stream) {
@@ -220,11 +450,19 @@ gpuipc_status gpuipc__tset_copy(int ordinal, const CUdeviceptr *srcs,
     r[k++] = r[i];
     known = false;
   }
-  if (k >= 2 && gpuipc__tset_copy_batch && stream != NULL &&
-      stream != CU_STREAM_LEGACY && batch_usable() && order_free(r, k))
+  /* The kernel first, then the batch or single copies for what is left. */
+  bool any_order = k >= 2 && order_free(r, k);
+  size_t all = k;
+  CUresult refused = CUDA_SUCCESS;
+  if (any_order && gpuipc__tset_copy_kernel)
+    k = copy_gathered(ordinal, r, k, stream, &refused);
+  if (k >= 2 && any_order && gpuipc__tset_copy_batch && stream != NULL &&
+      stream != CU_STREAM_LEGACY && batch_usable())
     s = copy_batched(ordinal, r, k, stream);
   else
     s = copy_each(r, 0, k, k, stream);
+  if (s == GPUIPC_OK && refused != CUDA_SUCCESS)
+    gather_off(ordinal, all, refused); /* the ranges were good */
   gpuipc__ctx_leave(&g);
   free(r);
   return s;

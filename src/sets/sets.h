@@ -2,12 +2,15 @@
  * sets/sets.h: what the tensor-set layer offers the in-tree programs
  * (through src/tree.h): the table codec of docs/sets.md and the meta
  * format of the buffers a set sends, so that tests and the fuzz target can
- * build and decode tables (hostile ones included) byte for byte.
+ * build and decode tables (hostile ones included) byte for byte, and the
+ * gather kernel of whole-set copies, for the benchmark's floor.
  */
 #ifndef GPUIPC_SETS_LAYER_H
 #define GPUIPC_SETS_LAYER_H
 
 #include "gpuipc.h"
+#include "core/core.h"
+#include "gather.h"
 
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -97,10 +100,23 @@ void gpuipc__tset_meta_encode(const gpuipc__tset_meta *m,
 gpuipc_status gpuipc__tset_meta_decode(const uint8_t *in, size_t len,
                                        gpuipc__tset_meta *m /* OUT */);
 
-/* The whole-set copies (copy.c): gpuipc__tset_copy_batch 0 forces the
- * per-range copies (tests, where the batched copy would be taken); the
- * batched and single copy calls made so far. */
-extern int gpuipc__tset_copy_batch;
-extern atomic_ullong gpuipc__tset_copy_batches, gpuipc__tset_copy_singles;
+/* The whole-set copies (copy.c): gpuipc__tset_copy_kernel 0 keeps the
+ * gather kernel off, gpuipc__tset_copy_batch 0 the batched call (tests
+ * force the ways after them with these); the kernel launches, batched and
+ * single copy calls made so far. */
+extern int gpuipc__tset_copy_kernel, gpuipc__tset_copy_batch;
+extern atomic_ullong gpuipc__tset_copy_kernels, gpuipc__tset_copy_batches,
+    gpuipc__tset_copy_singles;
+
+/* The gather kernel alone (for the benchmark's floor): the n ranges as
+ * they are (not sorted, not merged; each shorter than
+ * GPUIPC__GATHER_LEN_MAX, none overlapping another), in launches of
+ * GPUIPC__GATHER_N on stream, on device ordinal's primary context (made
+ * current for the call). GPUIPC_E_NOT_SUPPORTED where the device cannot
+ * load the kernel. */
+gpuipc_status gpuipc__tset_gather(int ordinal, const CUdeviceptr *srcs,
+                                  const CUdeviceptr *dsts,
+                                  const uint64_t *lens, size_t n,
+                                  CUstream stream);
 
 #endif /* GPUIPC_SETS_LAYER_H */

@@ -36,6 +36,9 @@
  *                              memops64    only the 64-bit stream memops
  *                              peer        peer access between devices
  *                              host_register cuMemHostRegister
+ *                              batch_copy  cuMemcpyBatchAsync (not found)
+ *                              kernels     cuModuleLoadData
+ *                                          (NO_BINARY_FOR_GPU)
  *   CUDA_VISIBLE_DEVICES     honoured as the real driver does: ordinals or
  *                            UUIDs ("GPU-" and a unique prefix), reordering
  *                            and hiding; an invalid entry ends the list there;
@@ -180,6 +183,7 @@ enum {
   DIS_MEMOPS64 = 1u << 8,
   DIS_HOST_REGISTER = 1u << 9,
   DIS_BATCH_COPY = 1u << 10, /* no cuMemcpyBatchAsync: a driver before 12.8 */
+  DIS_KERNELS = 1u << 11,    /* cuModuleLoadData: CUDA_ERROR_NO_BINARY_FOR_GPU */
 };
 
 typedef struct emu_stream emu_stream;
@@ -423,7 +427,7 @@ static void configure(void) {
         {"peer", DIS_PEER},         {"legacy_ipc", DIS_LEGACY_IPC},
         {"posix_fd", DIS_POSIX_FD}, {"mempool_ipc", DIS_MEMPOOL_IPC},
         {"memops64", DIS_MEMOPS64}, {"host_register", DIS_HOST_REGISTER},
-        {"batch_copy", DIS_BATCH_COPY},
+        {"batch_copy", DIS_BATCH_COPY}, {"kernels", DIS_KERNELS},
     };
     char buf[512];
     snprintf(buf, sizeof buf, "%s", s);
@@ -1100,6 +1104,8 @@ typedef struct handle_set {
 } handle_set;
 static handle_set live_streams = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static handle_set live_events = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static handle_set live_modules = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static handle_set live_functions = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static size_t hs_lower(const handle_set *h, uintptr_t x) {
   size_t lo = 0, hi = h->n;
@@ -2389,6 +2395,147 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
   for (size_t i = 0; i < count; i++)
     if ((r = copy_common(hStream, dsts[i], srcs[i], sizes[i], 0, 0, false)) !=
         CUDA_SUCCESS)
+      RET(r);
+  RET(CUDA_SUCCESS);
+}
+
+/* ======================================================================== */
+/* modules and kernels                                                       */
+/* ======================================================================== */
+
+/* The one kernel the emulator runs: gpuipc's gather copy (src/sets/
+ * gather.cu), performed on the host. Its parameter, as src/sets/gather.h
+ * lays it out (mirrored here: the emulator includes nothing of the
+ * library): a count, then that many {src, dst, len} entries; block x of
+ * the grid copies entry x. */
+enum { EMU_GATHER_N = 1360, EMU_GATHER_THREADS = 256 };
+typedef struct emu_gather_args {
+  uint64_t n;
+  struct { uint64_t src, dst, len; } e[EMU_GATHER_N];
+} emu_gather_args;
+
+typedef struct emu_module emu_module;
+typedef struct emu_function {
+  emu_module *mod;
+} emu_function;
+struct emu_module {
+  emu_ctx *ctx;
+  emu_function gather;
+};
+
+/* A CUDA fatbin starts with this magic (little-endian); the emulator takes
+ * any fatbin as an image that holds the gather kernel, and nothing else
+ * (no PTX text, no bare cubin). */
+#define EMU_FATBIN_MAGIC 0xBA55ED50u
+
+CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+  ENTER_INIT("cuModuleLoadData");
+  NEED_CTX(c);
+  if (!module || !image)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  if (disabled(DIS_KERNELS))
+    RET(CUDA_ERROR_NO_BINARY_FOR_GPU);
+  uint32_t magic;
+  memcpy(&magic, image, sizeof magic);
+  if (magic != EMU_FATBIN_MAGIC)
+    RET(CUDA_ERROR_INVALID_IMAGE);
+  emu_module *m = calloc(1, sizeof *m);
+  if (!m)
+    RET(CUDA_ERROR_OUT_OF_MEMORY);
+  m->ctx = c;
+  m->gather.mod = m;
+  if (!hs_add(&live_modules, m)) {
+    free(m);
+    RET(CUDA_ERROR_OUT_OF_MEMORY);
+  }
+  if (!hs_add(&live_functions, &m->gather)) {
+    hs_del(&live_modules, m);
+    free(m);
+    RET(CUDA_ERROR_OUT_OF_MEMORY);
+  }
+  *module = (CUmodule)m;
+  RET(CUDA_SUCCESS);
+}
+
+CUresult cuModuleUnload(CUmodule hmod) {
+  ENTER_INIT("cuModuleUnload");
+  emu_module *m = (emu_module *)hmod;
+  if (!m || !hs_del(&live_modules, m))
+    RET(CUDA_ERROR_INVALID_HANDLE);
+  hs_del(&live_functions, &m->gather);
+  free(m);
+  RET(CUDA_SUCCESS);
+}
+
+CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+  ENTER_INIT("cuModuleGetFunction");
+  if (!hfunc || !name)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  emu_module *m = (emu_module *)hmod;
+  if (!m || !hs_has(&live_modules, m))
+    RET(CUDA_ERROR_INVALID_HANDLE);
+  if (strcmp(name, "gpuipc_gather") != 0)
+    RET(CUDA_ERROR_NOT_FOUND);
+  *hfunc = (CUfunction)&m->gather;
+  RET(CUDA_SUCCESS);
+}
+
+/* The gather kernel, in stream order: each entry becomes one of the
+ * stream's copies, as cuMemcpyDtoDAsync enqueues it (the entries may not
+ * overlap, so their order does not matter). Checked as the real kernel
+ * cannot check: the parameter only through kernelParams (not extra), a
+ * grid of exactly n blocks across (grid.y splits them), at most 256
+ * threads across, every entry inside device memory (a real kernel would
+ * fault later, as CUDA_ERROR_ILLEGAL_ADDRESS; here the launch fails with
+ * it and enqueues nothing). */
+CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                        unsigned int gridDimZ, unsigned int blockDimX,
+                        unsigned int blockDimY, unsigned int blockDimZ,
+                        unsigned int sharedMemBytes, CUstream hStream,
+                        void **kernelParams, void **extra) {
+  ENTER_INIT("cuLaunchKernel");
+  emu_function *fn = (emu_function *)f;
+  if (!fn || !hs_has(&live_functions, fn))
+    RET(CUDA_ERROR_INVALID_HANDLE);
+  emu_stream *s;
+  CUresult r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS)
+    RET(r);
+  if (s->ctx != fn->mod->ctx)
+    RET(CUDA_ERROR_INVALID_HANDLE);
+  if (extra || !kernelParams || !kernelParams[0]) {
+    emu_msg("cuLaunchKernel(gpuipc_gather): the parameter must come through "
+            "kernelParams");
+    RET(CUDA_ERROR_INVALID_VALUE);
+  }
+  if (gridDimX == 0 || gridDimY == 0 || gridDimY > 65535 || gridDimZ != 1 ||
+      blockDimX == 0 || blockDimX > EMU_GATHER_THREADS || blockDimY != 1 ||
+      blockDimZ != 1 || sharedMemBytes > 48 * 1024)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  const emu_gather_args *a = kernelParams[0];
+  if (a->n == 0 || a->n > EMU_GATHER_N || a->n != gridDimX) {
+    emu_msg("cuLaunchKernel(gpuipc_gather): %llu entries (1..%d), grid.x %u",
+            (unsigned long long)a->n, EMU_GATHER_N, gridDimX);
+    RET(CUDA_ERROR_INVALID_VALUE);
+  }
+  for (uint64_t i = 0; i < a->n; i++) {
+    size_t len = (size_t)a->e[i].len;
+    if (len == 0)
+      continue;
+    if (check_dev(a->e[i].src, len, PROT_READ, NULL) != CUDA_SUCCESS ||
+        check_dev(a->e[i].dst, len, PROT_WRITE, NULL) != CUDA_SUCCESS) {
+      emu_msg("cuLaunchKernel(gpuipc_gather): entry %llu (%#llx -> %#llx, %zu "
+              "bytes) is not inside device memory", (unsigned long long)i,
+              (unsigned long long)a->e[i].src, (unsigned long long)a->e[i].dst,
+              len);
+      RET(CUDA_ERROR_ILLEGAL_ADDRESS);
+    }
+  }
+  for (uint64_t i = 0; i < a->n; i++)
+    if (a->e[i].len &&
+        (r = do_copy(s, (void *)(uintptr_t)a->e[i].dst,
+                     (const void *)(uintptr_t)a->e[i].src, (size_t)a->e[i].len,
+                     false, false, false)) != CUDA_SUCCESS)
       RET(r);
   RET(CUDA_SUCCESS);
 }
@@ -4529,6 +4676,8 @@ static const struct { const char *name; void *fn; } emu_fns[] = {
     EMU_FN(cuMemcpyDtoD) EMU_FN(cuMemcpyHtoDAsync) EMU_FN(cuMemcpyDtoHAsync)
     EMU_FN(cuMemcpyDtoDAsync) EMU_FN(cuMemcpyPeer) EMU_FN(cuMemcpyPeerAsync)
     EMU_FN(cuMemcpyBatchAsync)
+    EMU_FN(cuModuleLoadData) EMU_FN(cuModuleUnload) EMU_FN(cuModuleGetFunction)
+    EMU_FN(cuLaunchKernel)
     EMU_FN(cuMemsetD8) EMU_FN(cuMemsetD16) EMU_FN(cuMemsetD32)
     EMU_FN(cuMemsetD8Async) EMU_FN(cuMemsetD16Async) EMU_FN(cuMemsetD32Async)
     EMU_FN(cuIpcGetMemHandle) EMU_FN(cuIpcOpenMemHandle) EMU_FN(cuIpcCloseMemHandle)
