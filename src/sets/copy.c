@@ -58,6 +58,26 @@
  * the driver have them), 0 never (tests force the ways after them). Counts
  * of the launches and calls made, for tests. */
 int gpuipc__tset_copy_kernel = 1;
+
+GPUIPC__PARAM(copy_kernel, "GPUIPC_COPY_KERNEL", GPUIPC__PARAM_ONCE, "1",
+              "1: whole-set copies of many small ranges use the gather "
+              "kernel; 0: the driver's copies only")
+
+/* GPUIPC_COPY_KERNEL: whether the process may use the gather kernel. */
+static bool kernel_allowed(void) {
+  static atomic_int allowed; /* 0: not read yet; 1 yes; -1 no */
+  int a = atomic_load_explicit(&allowed, memory_order_relaxed);
+  if (a == 0) {
+    const char *e = gpuipc__param_get(&gpuipc__param_copy_kernel);
+    a = 1;
+    if (e != NULL && strcmp(e, "0") == 0)
+      a = -1;
+    else if (e != NULL && *e != 0 && strcmp(e, "1") != 0)
+      GPUIPC__WARN("sets", "GPUIPC_COPY_KERNEL=%s: not 0 or 1; using 1", e);
+    atomic_store_explicit(&allowed, a, memory_order_relaxed);
+  }
+  return a > 0;
+}
 int gpuipc__tset_copy_batch = 1;
 atomic_ullong gpuipc__tset_copy_kernels, gpuipc__tset_copy_batches,
     gpuipc__tset_copy_singles;
@@ -454,7 +474,7 @@ gpuipc_status gpuipc__tset_copy(int ordinal, const CUdeviceptr *srcs,
   bool any_order = k >= 2 && order_free(r, k);
   size_t all = k;
   CUresult refused = CUDA_SUCCESS;
-  if (any_order && gpuipc__tset_copy_kernel)
+  if (any_order && gpuipc__tset_copy_kernel && kernel_allowed())
     k = copy_gathered(ordinal, r, k, stream, &refused);
   if (k >= 2 && any_order && gpuipc__tset_copy_batch && stream != NULL &&
       stream != CU_STREAM_LEGACY && batch_usable())
