@@ -1,5 +1,16 @@
-/* Which driver calls wait for a stream that is blocked on a host-signalled
- * cuStreamWaitValue32? Each step in a fresh child, 4 s alarm. */
+/*
+ * stream_gate.c: which driver calls wait behind a stream that is blocked on
+ * a host-signalled cuStreamWaitValue32 (the "gate" of gpuipc bench
+ * handoff's ordered rows)? Each step named on the command line runs in a
+ * fresh child with the gate closed and a 4 s alarm; a step that does not
+ * return is reported HUNG. EXTRA=N creates N more streams between the
+ * gated one and the one the step uses (to find hardware-queue sharing).
+ * Not part of the build; on a machine with a GPU:
+ *
+ *   gcc -O1 -I/usr/local/cuda/include -o /tmp/stream_gate \
+ *       tests/gpu-probes/stream_gate.c -lcuda
+ *   /tmp/stream_gate query memset_sync_other memalloc vmm pool streamcreate
+ */
 #include <cuda.h>
 #include <signal.h>
 #include <stdio.h>
