@@ -1552,8 +1552,8 @@ static int stop_consumers(bctx *b) {
 }
 
 static void usage(FILE *f) {
-  fprintf(f, "usage: gpuipc bench handoff [--quick] [--iters N] [--json FILE] "
-             "[--emulator PATH]\n"
+  fprintf(f, "usage: gpuipc bench handoff [--quick] [--iters N] [--only T,...] "
+             "[--watch S] [--json FILE] [--emulator PATH]\n"
              "  one pair, 4 KiB: the stream-ordered path (a busy producer "
              "stream), the idle-stream path\n"
              "    and the asserted-complete send (GPUIPC_SEND_COMPLETE),\n"

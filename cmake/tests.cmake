@@ -121,6 +121,10 @@ if(GPUIPC_PYTHON3)
   add_test(NAME env_documented COMMAND ${GPUIPC_PYTHON3}
     ${PROJECT_SOURCE_DIR}/tools/check-env --cli $<TARGET_FILE:gpuipc_cli>)
   set_tests_properties(env_documented PROPERTIES LABELS unit)
+  # The man page says what the command's --help says (tools/check-man).
+  add_test(NAME man_page_matches_help COMMAND ${GPUIPC_PYTHON3}
+    ${PROJECT_SOURCE_DIR}/tools/check-man $<TARGET_FILE:gpuipc_cli>)
+  set_tests_properties(man_page_matches_help PROPERTIES LABELS unit)
 endif()
 
 # The checked-in gather kernel image is what tools/gen-gather makes of

@@ -207,6 +207,11 @@ int gpuipc_cmd_bench(int argc, char **argv) {
   gpuipc_bench_json_emulated(emu);
   int rc = 0;
   bool all = strcmp(argv[1], "all") == 0;
+  if (all && help) { /* every benchmark's options: each one's --help */
+    usage(stdout);
+    free(argv0);
+    return 0;
+  }
   bool found = false;
   for (size_t i = 0; i < sizeof benches / sizeof benches[0]; i++) {
     /* "all" runs the in-process benchmarks; mpi needs mpirun and ranks. */

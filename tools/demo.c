@@ -204,8 +204,8 @@ static int child_main(int fd, size_t pattern_bytes) {
 }
 
 static void demo_usage(FILE *f) {
-  fprintf(f, "usage: gpuipc demo [--emulator PATH]\n"
-             "  two processes sharing GPU memory: one fills a buffer, the "
+  gpuipc_cli_usage_line(f, "demo");
+  fprintf(f, "  two processes sharing GPU memory: one fills a buffer, the "
              "other checks it\n"
              "  --emulator PATH  the CUDA driver emulator, when no GPU driver "
              "is usable\n");

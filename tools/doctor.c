@@ -1653,8 +1653,8 @@ static void report(FILE *out, const doc_report *r, bool json) {
 /* ---- the command ---------------------------------------------------------------- */
 
 static void usage(FILE *f) {
-  fprintf(f, "usage: gpuipc doctor [--json] [--quiet]\n"
-             "  Reports whether this machine can share GPU memory between processes,\n"
+  gpuipc_cli_usage_line(f, "doctor");
+  fprintf(f, "  Reports whether this machine can share GPU memory between processes,\n"
              "  and by which mechanisms.\n"
              "  --json    one JSON object (keys documented in docs/doctor.md)\n"
              "  --quiet   print nothing; only the exit status\n"

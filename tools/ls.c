@@ -359,16 +359,15 @@ static void print_json(FILE *f, const char *dir, const ls_proc *v, int n) {
 }
 
 static void ls_usage(FILE *f, bool top) {
+  gpuipc_cli_usage_line(f, top ? "top" : "ls");
   if (top)
-    fprintf(f, "usage: gpuipc top [--interval SECONDS] [--count N]\n"
-               "\n"
+    fprintf(f, "\n"
                "  the gpuipc ls listing, refreshed (plain ANSI; ^C ends)\n"
                "  --interval S  seconds between refreshes (default 1)\n"
                "  --count N     stop after N refreshes (default: until ^C)\n"
                "  -h, --help    this text\n");
   else
-    fprintf(f, "usage: gpuipc ls [--json]\n"
-               "\n"
+    fprintf(f, "\n"
                "  every gpuipc process of this user: devices, pools, arenas,\n"
                "  connections, import cache. Entries of processes that died\n"
                "  are shown as gone and removed.\n"
