@@ -79,6 +79,30 @@ TEST_IMPL(cli_help_of_every_command) {
   return 0;
 }
 
+/* A build without MPI has no gpuipc-bench-mpi beside the command: `bench
+ * mpi` says so and why, and exits 1, rather than leave mpirun to say it
+ * cannot find an executable. */
+TEST_IMPL(cli_bench_mpi_without_its_program_says_why) {
+  char prog[600];
+  snprintf(prog, sizeof prog, "%s", GPUIPC_CLI_PATH);
+  char *slash = strrchr(prog, '/');
+  ASSERT_NOT_NULL(slash);
+  snprintf(slash + 1, sizeof prog - (size_t)(slash + 1 - prog),
+           "gpuipc-bench-mpi");
+  if (access(prog, X_OK) == 0)
+    SKIP("this build found MPI: %s exists (the message is for a build "
+         "without it)", prog);
+  static const char *const args[] = {"bench", "mpi", "--quick", NULL};
+  char out[4096], err[4096];
+  int rc = cli(args, out, sizeof out, err, sizeof err);
+  if (rc != 1 || strstr(err, "gpuipc-bench-mpi was not built") == NULL ||
+      strstr(err, "MPI") == NULL)
+    harness_fail(__FILE__, __LINE__, "gpuipc bench mpi without its program: "
+                 "exit %d, stderr: %s", rc, err);
+  ASSERT_EQ(out[0], '\0');
+  return 0;
+}
+
 TEST_IMPL(cli_version) {
   static const char *const cases[][2] = {{"--version"}, {"version"}};
   for (size_t i = 0; i < 2; i++) {

@@ -15,8 +15,8 @@
 
 /* `gpuipc bench mpi`: the MPI benchmark is a program of its own,
  * gpuipc-bench-mpi (built where MPI was found; this command never links
- * MPI), run here under mpirun with two ranks: the one beside this program,
- * else the one on PATH; mpirun from $GPUIPC_MPIRUN or PATH. */
+ * MPI), run here under mpirun with two ranks: the one beside this program
+ * (a build without MPI says so); mpirun from $GPUIPC_MPIRUN or PATH. */
 /* Replays the records gpuipc-bench-mpi wrote ("info\tnum|str\tkey\tvalue",
  * "row\ttable", "num|str\tkey\tvalue", "end") into the JSON report. */
 static void replay_rows(const char *path) {
@@ -79,18 +79,29 @@ static int bench_mpi(int argc, char **argv) {
              "  plain MPI transfer. mpirun: $GPUIPC_MPIRUN, else PATH.\n");
       return 0;
     }
+  /* The MPI program lives beside this command (the build folder, or the
+   * installed bin/); without it, say why rather than leave mpirun to say
+   * that it cannot find an executable. */
   char self[PATH_MAX], bench[PATH_MAX + 32];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  snprintf(bench, sizeof bench, "gpuipc-bench-mpi");
+  bool found = false;
   if (n > 0) {
     self[n] = '\0';
     char *slash = strrchr(self, '/');
     if (slash) {
       *slash = '\0';
       snprintf(bench, sizeof bench, "%s/gpuipc-bench-mpi", self);
-      if (access(bench, X_OK) != 0)
-        snprintf(bench, sizeof bench, "gpuipc-bench-mpi");
+      found = access(bench, X_OK) == 0;
     }
+  }
+  if (!found) {
+    fprintf(stderr,
+            "gpuipc bench mpi: gpuipc-bench-mpi was not built: the build "
+            "found no MPI\n  (CMake's find_package(MPI) when the build was "
+            "configured; it prints \"gpuipc: MPI found\"\n  when it finds "
+            "one). Install an MPI with its compiler wrapper (Debian: "
+            "libopenmpi-dev)\n  and configure again.\n");
+    return 1;
   }
   const char *mpirun = getenv("GPUIPC_MPIRUN");
   if (mpirun == NULL || *mpirun == '\0')
