@@ -779,6 +779,81 @@ TEST_IMPL(handoff_broadcast_64_consumers) {
   return 0;
 }
 
+/* A broadcast from a stream the host holds back (a wait on a host word it
+ * writes only after the call returned: the ordered path of `gpuipc bench
+ * handoff`) to 16 connections never used before, each with 65,536 slots
+ * (1 MiB of flag words each, so the control arena grows during the call):
+ * the call must neither wait for that stream nor for anything queued
+ * behind it, and must return within the connections' timeout. On the H200
+ * the bench's first such broadcast (64 consumers, two of them with 65,536
+ * slots) stalled inside the call; this is its shape as a test. */
+TEST_IMPL(handoff_broadcast_held_stream_fresh_connections) {
+  REQUIRE_DEVICES(1);
+  enum { N = 16 };
+  gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  o.max_outstanding = 65536;
+  o.runtime_dir = rt_dir();
+  gpuipc_listener *l = NULL;
+  ASSERT_OK(gpuipc_listen("bcheld", &o, &l));
+  gpuipc_arena *a = mkarena((size_t)4 << 20);
+  CUstream s = mkstream();
+  pid_t pids[N];
+  gpuipc_conn *cs[N];
+  for (int i = 0; i < N; i++)
+    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "bcheld", "1",
+                           (char *)rt_dir(), NULL);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(gpuipc_accept(l, &cs[i]));
+  gpuipc_block *b = NULL;
+  size_t n = 65536;
+  ASSERT_OK(gpuipc_arena_alloc(a, n, (struct CUstream_st *)s, &b));
+  uint8_t *host = malloc(n);
+  ASSERT_NOT_NULL(host);
+  uint32_t seed = 3000u;
+  pattern(host, n, seed);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(
+      (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host, n, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  free(host);
+  void *gate_h = NULL;
+  CUdeviceptr gate_d = 0;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc(&gate_h, 4096,
+                                      CU_MEMHOSTALLOC_DEVICEMAP |
+                                          CU_MEMHOSTALLOC_PORTABLE));
+  memset(gate_h, 0, 4096);
+  ASSERT_CU(gpuipc__cu.cuMemHostGetDevicePointer(&gate_d, gate_h, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(s, gate_d, 1,
+                                           CU_STREAM_WAIT_VALUE_GEQ));
+  uint64_t t0 = gpuipc__now_ns();
+  gpuipc_status st = gpuipc_conn_broadcast(cs, N, b, (struct CUstream_st *)s,
+                                           &seed, sizeof seed, NULL);
+  long long ms = (long long)((gpuipc__now_ns() - t0) / 1000000u);
+  __atomic_store_n((uint32_t *)gate_h, 1u, __ATOMIC_RELEASE);
+  if (st != GPUIPC_OK)
+    harness_fail(__FILE__, __LINE__, "gpuipc_conn_broadcast from a held "
+                 "stream to %d fresh connections: %s after %lld ms (%s)", N,
+                 gpuipc_status_name(st), ms, gpuipc_last_error());
+  printf("broadcast from a held stream to %d fresh connections: %lld ms\n",
+         N, ms);
+  ASSERT_EQ(gpuipc_block_get_holders(b), N);
+  ASSERT_OK(gpuipc_block_free(b, (struct CUstream_st *)s));
+  for (int i = 0; i < N; i++) {
+    char buf[4];
+    size_t len;
+    ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
+  }
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  for (int i = 0; i < N; i++)
+    gpuipc_conn_close(cs[i]);
+  for (int i = 0; i < N; i++)
+    ASSERT_EQ(wait_helper(pids[i], 60), 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(gate_h));
+  gpuipc_listener_close(l);
+  return 0;
+}
+
 /* ---- batches: driver calls ----------------------------------------------------------- */
 
 /* A batch costs one ready write (producer), one wait (consumer, for the
