@@ -2611,6 +2611,99 @@ TEST_IMPL(sets_copy_gathered) {
   return 0;
 }
 
+/* The kernel reads and writes only device memory of the copy's device:
+ * short ranges into pinned host memory mapped for the device, and (with
+ * two devices) into the other device's memory, go by the driver's copies
+ * (no launch), the bytes right; the same ranges into device memory of the
+ * copy's device take the kernel. */
+static void gather_dst_check(CUdeviceptr dst, const uint8_t *host_dst,
+                             CUdeviceptr src, const uint8_t *want, int n,
+                             size_t len, CUstream s, uint64_t want_kernels,
+                             const char *what) {
+  CUdeviceptr srcs[64], dsts[64];
+  uint64_t lens[64];
+  for (int i = 0; i < n; i++) {
+    srcs[i] = src + (CUdeviceptr)(2 * i) * len; /* every other slot */
+    dsts[i] = dst + (CUdeviceptr)(n - 1 - i) * len; /* reversed */
+    lens[i] = len;
+  }
+  uint64_t k0 = atomic_load(&gpuipc__tset_copy_kernels);
+  ASSERT_OK(gpuipc__tset_copy(0, srcs, dsts, lens, (size_t)n, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  uint64_t kernels = atomic_load(&gpuipc__tset_copy_kernels) - k0;
+  if (kernels != want_kernels)
+    harness_fail(__FILE__, __LINE__, "%s: %llu kernel launches, want %llu",
+                 what, (unsigned long long)kernels,
+                 (unsigned long long)want_kernels);
+  uint8_t *back = malloc((size_t)n * len);
+  ASSERT_NOT_NULL(back);
+  if (host_dst)
+    memcpy(back, host_dst, (size_t)n * len);
+  else
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(back, dst, (size_t)n * len));
+  for (int i = 0; i < n; i++)
+    for (size_t b = 0; b < len; b++)
+      if (back[(size_t)(n - 1 - i) * len + b] != want[(size_t)(2 * i) * len + b])
+        harness_fail(__FILE__, __LINE__, "%s: range %d, byte %zu: %u, want "
+                     "%u", what, i, b, back[(size_t)(n - 1 - i) * len + b],
+                     want[(size_t)(2 * i) * len + b]);
+  free(back);
+}
+
+TEST_IMPL(sets_copy_gather_only_into_its_device) {
+  REQUIRE_DEVICES(1);
+  ASSERT_OK(gpuipc__driver());
+  enum { N = 64 };
+  size_t len = 4096;
+  CUstream s = mkstream();
+  CUdeviceptr src;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&src, 2 * N * len));
+  uint8_t *want = malloc(2 * N * len);
+  ASSERT_NOT_NULL(want);
+  for (size_t i = 0; i < 2 * N * len; i++)
+    want[i] = (uint8_t)(i * 7 + i / 4096);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(src, want, 2 * N * len));
+  /* Device memory of device 0: the kernel. */
+  CUdeviceptr mine;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&mine, N * len));
+  gather_dst_check(mine, NULL, src, want, N, len, s, 1, "device memory");
+  /* Pinned host memory mapped for the device: the driver's copies. */
+  void *h = NULL;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc(&h, N * len, CU_MEMHOSTALLOC_DEVICEMAP |
+                                                       CU_MEMHOSTALLOC_PORTABLE));
+  CUdeviceptr hd = 0;
+  ASSERT_CU(gpuipc__cu.cuMemHostGetDevicePointer(&hd, h, 0));
+  memset(h, 0, N * len);
+  gather_dst_check(hd, h, src, want, N, len, s, 0, "mapped pinned host memory");
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(h));
+  ASSERT_CU(gpuipc__cu.cuMemFree(mine));
+  int ndev = 0;
+  ASSERT_CU(gpuipc__cu.cuDeviceGetCount(&ndev));
+  if (ndev >= 2) {
+    /* Another device's memory: the driver's copies (peer or staged). */
+    CUdevice d1;
+    CUcontext c1;
+    ASSERT_CU(gpuipc__cu.cuDeviceGet(&d1, 1));
+    ASSERT_CU(gpuipc__cu.cuDevicePrimaryCtxRetain(&c1, d1));
+    ASSERT_CU(gpuipc__cu.cuCtxPushCurrent(c1));
+    CUdeviceptr other;
+    ASSERT_CU(gpuipc__cu.cuMemAlloc(&other, N * len));
+    CUcontext popped;
+    ASSERT_CU(gpuipc__cu.cuCtxPopCurrent(&popped));
+    gather_dst_check(other, NULL, src, want, N, len, s, 0,
+                     "another device's memory");
+    ASSERT_CU(gpuipc__cu.cuCtxPushCurrent(c1));
+    ASSERT_CU(gpuipc__cu.cuMemFree(other));
+    ASSERT_CU(gpuipc__cu.cuCtxPopCurrent(&popped));
+    ASSERT_CU(gpuipc__cu.cuDevicePrimaryCtxRelease(d1));
+  } else {
+    printf("one device: the other device's memory is not tried\n");
+  }
+  ASSERT_CU(gpuipc__cu.cuMemFree(src));
+  free(want);
+  return 0;
+}
+
 /* A device that cannot load the kernel (the emulator's cuModuleLoadData
  * answers CUDA_ERROR_NO_BINARY_FOR_GPU): every copy by the driver's
  * copies, the same bytes, and no launch. */

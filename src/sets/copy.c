@@ -381,6 +381,53 @@ static gpuipc_status copy_batched(int ordinal, const range *r, size_t k,
  * ranges are left for the other ways, moved to the front of r: the long
  * ones, and from a chunk the driver did not launch on, every short one
  * too (*refused is then the launch's error, CUDA_SUCCESS else). */
+/* What is known of the allocations a copy's ranges lie in: whether one is
+ * device memory of the copy's device, which the kernel may read and write
+ * (the driver's copies also reach another device's memory, or host memory
+ * mapped for the device; the kernel would fault there). A few entries:
+ * sources come sorted, destinations in any order (a paged cache is one
+ * allocation, a model's tensors many). */
+enum { WHERE_N = 4 };
+typedef struct where {
+  struct {
+    CUdeviceptr base;
+    size_t size;
+    bool ok;
+  } e[WHERE_N];
+  unsigned next;
+} where;
+
+/* Whether [p, p + len) lies in one allocation that is device memory of
+ * device ordinal. */
+static bool on_device(where *w, CUdeviceptr p, uint64_t len, int ordinal) {
+  for (int i = 0; i < WHERE_N; i++)
+    if (w->e[i].size && p >= w->e[i].base &&
+        p - w->e[i].base < w->e[i].size)
+      return w->e[i].ok && len <= w->e[i].size - (p - w->e[i].base);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  int type = 0, dev = -1;
+  bool ok = GPUIPC__CU(cuMemGetAddressRange, &base, &size, p) ==
+                CUDA_SUCCESS &&
+            size > 0 &&
+            GPUIPC__CU(cuPointerGetAttribute, &type,
+                       CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p) == CUDA_SUCCESS &&
+            type == CU_MEMORYTYPE_DEVICE &&
+            GPUIPC__CU(cuPointerGetAttribute, &dev,
+                       CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p) ==
+                CUDA_SUCCESS &&
+            dev == ordinal;
+  if (size == 0) { /* unknown to the driver: this range only */
+    base = p;
+    size = len ? (size_t)len : 1;
+  }
+  unsigned i = w->next++ % WHERE_N;
+  w->e[i].base = base;
+  w->e[i].size = size;
+  w->e[i].ok = ok;
+  return ok && len <= size - (p - base);
+}
+
 static size_t copy_gathered(int ordinal, range *r, size_t k, CUstream stream,
                             CUresult *refused) {
   *refused = CUDA_SUCCESS;
@@ -395,8 +442,13 @@ static size_t copy_gathered(int ordinal, range *r, size_t k, CUstream stream,
   a->n = 0;
   size_t left = 0; /* r[left..i) is free: each range there went to a */
   bool on = true;
+  where ws, wd;
+  memset(&ws, 0, sizeof ws);
+  memset(&wd, 0, sizeof wd);
   for (size_t i = 0; i < k; i++) {
-    if (on && r[i].len < GPUIPC__GATHER_LEN_MAX)
+    if (on && r[i].len < GPUIPC__GATHER_LEN_MAX &&
+        on_device(&ws, r[i].src, r[i].len, ordinal) &&
+        on_device(&wd, r[i].dst, r[i].len, ordinal))
       a->e[a->n++] = (gpuipc__gather_entry){r[i].src, r[i].dst, r[i].len};
     else
       r[left++] = r[i];

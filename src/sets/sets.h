@@ -108,6 +108,17 @@ extern int gpuipc__tset_copy_kernel, gpuipc__tset_copy_batch;
 extern atomic_ullong gpuipc__tset_copy_kernels, gpuipc__tset_copy_batches,
     gpuipc__tset_copy_singles;
 
+/* The fewest device-to-device copies for n (src, dst, len) ranges: sorted
+ * by source, adjacent ranges (contiguous on both sides) merged, then the
+ * gather kernel for the short ones that lie in device memory of device
+ * ordinal, then one batched copy (cuMemcpyBatchAsync) where the driver and
+ * the ranges allow, else one cuMemcpyDtoDAsync each (copy.c says when), on
+ * stream in the device's primary context. srcs[i]/dsts[i]: 0 skips range
+ * i. (Declared here for the tests.) */
+gpuipc_status gpuipc__tset_copy(int ordinal, const CUdeviceptr *srcs,
+                                const CUdeviceptr *dsts, const uint64_t *lens,
+                                size_t n, CUstream stream);
+
 /* The gather kernel alone (for the benchmark's floor): the n ranges as
  * they are (not sorted, not merged; each shorter than
  * GPUIPC__GATHER_LEN_MAX, none overlapping another), in launches of

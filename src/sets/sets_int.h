@@ -157,13 +157,4 @@ static inline void gpuipc__tset_wait_end(gpuipc__tset_wait *w) {
     (void)gpuipc_conn_set_timeout(w->conn, w->timeout_ms);
 }
 
-/* The fewest device-to-device copies for n (src, dst, len) ranges: sorted
- * by source, adjacent ranges (contiguous on both sides) merged, then one
- * batched copy (cuMemcpyBatchAsync) where the driver and the ranges allow,
- * else one cuMemcpyDtoDAsync each (copy.c says when), on stream in the
- * device's primary context. srcs[i]/dsts[i]: 0 skips range i. */
-gpuipc_status gpuipc__tset_copy(int ordinal, const CUdeviceptr *srcs,
-                                const CUdeviceptr *dsts, const uint64_t *lens,
-                                size_t n, CUstream stream);
-
 #endif /* GPUIPC_SETS_INT_H */
