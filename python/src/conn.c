@@ -1626,7 +1626,8 @@ static PyMethodDef Conn_methods[] = {
      "recv_msg($self, /, *, timeout, with_fds=False)\n--\n\n"
      "recv_msg(*, timeout=..., with_fds=False) -> bytes, or (bytes, [fd]) with with_fds"},
     {"progress", (PyCFunction)(void (*)(void))Conn_progress, METH_VARARGS | METH_KEYWORDS,
-     "progress($self, /, timeout=0)\n--\n\nprogress(timeout=0): handle incoming releases and departures"},
+     "progress($self, /, timeout=0)\n--\n\n"
+     "progress(timeout=0): handle incoming releases and departures"},
     {"outstanding", (PyCFunction)Conn_outstanding, METH_NOARGS,
      "outstanding($self, /)\n--\n\noutstanding() -> (held_by_peer, held_here)"},
     {"open", (PyCFunction)(void (*)(void))Conn_open, METH_VARARGS | METH_KEYWORDS,
@@ -1635,13 +1636,16 @@ static PyMethodDef Conn_methods[] = {
      "this connection from its peer (checked against the peer's liveness table; "
      "fd-based kinds also from another container)"},
     {"close", (PyCFunction)Conn_close, METH_NOARGS,
-     "close($self, /)\n--\n\nclose the connection: later calls raise ClosedError. Buffers received and not "
+     "close($self, /)\n--\n\n"
+     "close the connection: later calls raise ClosedError. Buffers received and not "
      "released (a Received alive, or a tensor made from it) stay mapped and held, and "
      "the connection open underneath, until the last of them is released or dies; the "
      "peer learns of the close then"},
-    {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS, "fileno($self, /)\n--\n\nthe socket, for selectors/poll"},
+    {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS,
+     "fileno($self, /)\n--\n\nthe socket, for selectors/poll"},
     {"set_polling", (PyCFunction)Conn_set_polling, METH_O,
-     "set_polling($self, on, /)\n--\n\nset_polling(on): ring carrier: True says this process calls into the connection "
+     "set_polling($self, on, /)\n--\n\n"
+     "set_polling(on): ring carrier: True says this process calls into the connection "
      "often (recv, progress, a send) and does not sleep on fileno() meanwhile, so the "
      "peer sends no wake-up with its buffers; switch it off before sleeping on fileno() "
      "(while on, a buffer makes it readable only at the next call). Calls that wait in "

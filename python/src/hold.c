@@ -462,12 +462,15 @@ static PyMethodDef HoldLog_methods[] = {
      "attach(buffer, token, device, stream) -> entries not read yet: writes HOLD now and "
      "RELEASE (after an event recorded on the release stream) when the buffer goes"},
     {"open", (PyCFunction)HoldLog_open, METH_O | METH_CLASS,
-     "open($type, fd, /)\n--\n\nHoldLog.open(fd): the producer's view of a consumer's table (fd stays the caller's)"},
+     "open($type, fd, /)\n--\n\n"
+     "HoldLog.open(fd): the producer's view of a consumer's table (fd stays the caller's)"},
     {"drain", (PyCFunction)(void (*)(void))HoldLog_drain, METH_FASTCALL,
-     "drain($self, max_n=4096, /)\n--\n\ndrain(max_n=4096) -> [(op, token, event slot or -1)]: 1 HOLD, 2 RELEASE; "
+     "drain($self, max_n=4096, /)\n--\n\n"
+     "drain(max_n=4096) -> [(op, token, event slot or -1)]: 1 HOLD, 2 RELEASE; "
      "ProtocolError when the table breaks its rules (then always)"},
     {"event_desc", (PyCFunction)HoldLog_event_desc, METH_O,
-     "event_desc($self, slot, /)\n--\n\nevent_desc(slot) -> bytes: the consumer's event descriptor in that slot"},
+     "event_desc($self, slot, /)\n--\n\n"
+     "event_desc(slot) -> bytes: the consumer's event descriptor in that slot"},
     {NULL}};
 static PyGetSetDef HoldLog_getset[] = {
     {"fd", (getter)HoldLog_get, NULL, "the memfd to pass to the producer (-1 there)", (void *)0},

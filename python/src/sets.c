@@ -1277,17 +1277,21 @@ static PyObject *TSet_get_destroyed(TSetObject *o, void *u) { return PyBool_From
  * constructor's timeout=), None waits forever: no default there. */
 static PyMethodDef TSet_methods[] = {
     {"subscribe", (PyCFunction)(void (*)(void))TSet_subscribe, METH_VARARGS | METH_KEYWORDS,
-     "subscribe($self, /, conn, *, stream=None)\n--\n\nsubscribe(conn, *, stream=None): send the table and pieces (and the latest version)"},
+     "subscribe($self, /, conn, *, stream=None)\n--\n\n"
+     "subscribe(conn, *, stream=None): send the table and pieces (and the latest version)"},
     {"unsubscribe", (PyCFunction)(void (*)(void))TSet_unsubscribe, METH_VARARGS | METH_KEYWORDS,
-     "unsubscribe($self, /, conn, *, timeout)\n--\n\nunsubscribe(conn, *, timeout=): end it and wait for the consumer's releases"},
+     "unsubscribe($self, /, conn, *, timeout)\n--\n\n"
+     "unsubscribe(conn, *, timeout=): end it and wait for the consumer's releases"},
     {"begin", (PyCFunction)(void (*)(void))TSet_begin, METH_VARARGS | METH_KEYWORDS,
-     "begin($self, /, *, stream=None, timeout)\n--\n\nbegin(*, stream=None, timeout=) -> copy to write"},
+     "begin($self, /, *, stream=None, timeout)\n--\n\n"
+     "begin(*, stream=None, timeout=) -> copy to write"},
     {"copy_from", (PyCFunction)(void (*)(void))TSet_copy_from, METH_VARARGS | METH_KEYWORDS,
      "copy_from($self, /, copy, srcs, *, stream=None)\n--\n\n"
      "copy_from(copy, srcs, *, stream=None): copy arrays (or addresses, None: skip; or a "
      "CopyPlan) in"},
     {"plan", (PyCFunction)TSet_plan, METH_O,
-     "plan($self, srcs, /)\n--\n\nplan(srcs) -> CopyPlan: srcs resolved and checked once, for copy_from"},
+     "plan($self, srcs, /)\n--\n\n"
+     "plan(srcs) -> CopyPlan: srcs resolved and checked once, for copy_from"},
     {"publish", (PyCFunction)(void (*)(void))TSet_publish, METH_VARARGS | METH_KEYWORDS,
      "publish($self, /, *, stream=None)\n--\n\npublish(*, stream=None) -> version number"},
     {"tensor", (PyCFunction)(void (*)(void))TSet_tensor, METH_VARARGS | METH_KEYWORDS,
@@ -1296,7 +1300,8 @@ static PyMethodDef TSet_methods[] = {
      "find($self, name, /)\n--\n\nfind(name) -> index (KeyError)"},
     {"names", (PyCFunction)TSet_names, METH_NOARGS, "names($self, /)\n--\n\nthe names, in order"},
     {"destroy", (PyCFunction)(void (*)(void))TSet_destroy, METH_VARARGS | METH_KEYWORDS,
-     "destroy($self, /, *, timeout)\n--\n\ndestroy(*, timeout=): end every subscription and free the memory"},
+     "destroy($self, /, *, timeout)\n--\n\n"
+     "destroy(*, timeout=): end every subscription and free the memory"},
     {NULL}};
 static PyGetSetDef TSet_getset[] = {
     {"count", (getter)TSet_get, NULL, NULL, (void *)0},
@@ -1491,9 +1496,11 @@ static PyObject *TSub_get_conn(TSubObject *o, void *u) {
  * waits forever: no default in its signature. */
 static PyMethodDef TSub_methods[] = {
     {"recv", (PyCFunction)(void (*)(void))TSub_recv, METH_VARARGS | METH_KEYWORDS,
-     "recv($self, /, *, stream=None, timeout)\n--\n\nrecv(*, stream=None, timeout=) -> TensorSetVersion"},
+     "recv($self, /, *, stream=None, timeout)\n--\n\n"
+     "recv(*, stream=None, timeout=) -> TensorSetVersion"},
     {"close", (PyCFunction)TSub_close, METH_NOARGS,
-     "close($self, /)\n--\n\nrelease every version still held and the pieces; a version with views alive "
+     "close($self, /)\n--\n\n"
+     "release every version still held and the pieces; a version with views alive "
      "(TensorView objects, and what was made from them) stays held, and mapped, until "
      "its last view dies"},
     {NULL}};
@@ -1506,7 +1513,8 @@ PyTypeObject TSubType = {
     .tp_basicsize = sizeof(TSubObject),
     .tp_dealloc = (destructor)TSub_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "TensorSetSub(conn, *, device=0)\n--\n\nTensorSetSub(conn, *, device=0): a consumer's subscriber (gpuipc_tset_sub)",
+    .tp_doc = "TensorSetSub(conn, *, device=0)\n--\n\n"
+              "TensorSetSub(conn, *, device=0): a consumer's subscriber (gpuipc_tset_sub)",
     .tp_methods = TSub_methods,
     .tp_getset = TSub_getset,
     .tp_new = TSub_new,
@@ -1821,15 +1829,19 @@ static PyMethodDef Ver_methods[] = {
     {"names", (PyCFunction)Ver_names, METH_NOARGS,
      "names($self, /)\n--\n\nthe names, in the producer's order"},
     {"copy_into", (PyCFunction)(void (*)(void))Ver_copy_into, METH_VARARGS | METH_KEYWORDS,
-     "copy_into($self, /, dsts, *, stream)\n--\n\ncopy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip; or a "
+     "copy_into($self, /, dsts, *, stream)\n--\n\n"
+     "copy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip; or a "
      "CopyPlan)"},
     {"plan", (PyCFunction)Ver_plan, METH_O,
-     "plan($self, dsts, /)\n--\n\nplan(dsts) -> CopyPlan: dsts resolved and checked once, for copy_into of every "
+     "plan($self, dsts, /)\n--\n\n"
+     "plan(dsts) -> CopyPlan: dsts resolved and checked once, for copy_into of every "
      "version of this layout"},
     {"torch_views", (PyCFunction)Ver_torch_views, METH_NOARGS,
-     "torch_views($self, /)\n--\n\ntorch_views() -> tuple of torch tensors, zero-copy, in the producer's order"},
+     "torch_views($self, /)\n--\n\n"
+     "torch_views() -> tuple of torch tensors, zero-copy, in the producer's order"},
     {"release", (PyCFunction)(void (*)(void))Ver_release, METH_VARARGS | METH_KEYWORDS,
-     "release($self, /, *, stream)\n--\n\nrelease(*, stream=recv's): hand the version back (ordered on stream)"},
+     "release($self, /, *, stream)\n--\n\n"
+     "release(*, stream=recv's): hand the version back (ordered on stream)"},
     {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
     {"__exit__", (PyCFunction)Ver_exit, METH_VARARGS,
      "__exit__($self, /, *exc)\n--\n\nreleases it"},
