@@ -1570,14 +1570,22 @@ static PyObject *Conn_get_npending(ConnObject *c, void *unused) {
   return PyLong_FromLong(c->tally ? atomic_load(&c->tally->pending) : 0);
 }
 
+/* Docstrings open with their signature ("name($self, /, ...)\n--\n\n", which
+ * inspect.signature reads). A timeout left out is the connection's own
+ * timeout (Connection.timeout) and None waits forever, so timeout has no
+ * default there; release_batch's stream left out is each one's receive
+ * stream (None: the legacy stream): no default either. */
 static PyMethodDef Conn_methods[] = {
     {"send", (PyCFunction)(void (*)(void))Conn_send, METH_FASTCALL | METH_KEYWORDS,
+     "send($self, /, obj, *, stream=None, meta=None, timeout, complete=False)\n--\n\n"
      "send(obj, *, stream=None, meta=None, timeout=..., complete=False): hand a buffer "
      "to the peer. complete=True (arena blocks only): the caller asserts the data is "
      "complete already (it synchronized, or the host wrote it): no stream is queried, "
      "ordered or signalled, and the consumer waits for nothing; if that is not true it "
      "may read stale data"},
     {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_FASTCALL | METH_KEYWORDS,
+     "recv($self, /, *, stream=None, timeout, spin_us=None, as_torch=False, "
+     "with_meta=False)\n--\n\n"
      "recv(*, stream=None, timeout=..., spin_us=None, as_torch=False, with_meta=False) -> "
      "Received, or a torch.Tensor with as_torch=True ((tensor, meta) with with_meta=True). "
      "Waits up to timeout (None: forever; 0: not at all), looking for spin_us "
@@ -1588,6 +1596,7 @@ static PyMethodDef Conn_methods[] = {
      "stream is ordered after it), and the lease goes back when the tensor is gone, "
      "ordered after the work queued on that stream by then"},
     {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_FASTCALL | METH_KEYWORDS,
+     "send_batch($self, /, objs, *, stream=None, metas=None, timeout)\n--\n\n"
      "send_batch(objs, *, stream=None, metas=None, timeout=...): hand many arena buffers "
      "to the peer as one operation (one frame, one signal). objs: Blocks, or arrays "
      "inside arena blocks, each with its array metadata as send() encodes it; metas: "
@@ -1598,6 +1607,8 @@ static PyMethodDef Conn_methods[] = {
      "a timeout while waiting for free slots: nothing was sent. An empty sequence "
      "sends nothing."},
     {"recv_batch", (PyCFunction)(void (*)(void))Conn_recv_batch, METH_FASTCALL | METH_KEYWORDS,
+     "recv_batch($self, /, max, *, stream=None, timeout, spin_us=None, as_torch=False, "
+     "with_meta=False)\n--\n\n"
      "recv_batch(max, *, stream=None, timeout=..., spin_us=None, as_torch=False, "
      "with_meta=False) -> [Received], or [torch.Tensor] with as_torch=True ([(tensor, "
      "meta)] with with_meta=True): waits for the first buffer, then takes every one "
@@ -1606,34 +1617,42 @@ static PyMethodDef Conn_methods[] = {
      "together, in one release signal, when the last of its tensors is gone"},
     {"release_batch", (PyCFunction)(void (*)(void))Conn_release_batch,
      METH_VARARGS | METH_KEYWORDS,
+     "release_batch($self, /, received, stream)\n--\n\n"
      "release_batch(received, stream=<each one's receive stream>): give back many "
      "buffers of this connection at once, as gpuipc.release_batch"},
     {"send_msg", (PyCFunction)(void (*)(void))Conn_send_msg, METH_VARARGS | METH_KEYWORDS,
-     "send_msg(data, fds=(), *, timeout=...)"},
+     "send_msg($self, /, data, fds=(), *, timeout)\n--\n\nsend_msg(data, fds=(), *, timeout=...)"},
     {"recv_msg", (PyCFunction)(void (*)(void))Conn_recv_msg, METH_VARARGS | METH_KEYWORDS,
+     "recv_msg($self, /, *, timeout, with_fds=False)\n--\n\n"
      "recv_msg(*, timeout=..., with_fds=False) -> bytes, or (bytes, [fd]) with with_fds"},
     {"progress", (PyCFunction)(void (*)(void))Conn_progress, METH_VARARGS | METH_KEYWORDS,
+     "progress($self, /, timeout=0)\n--\n\n"
      "progress(timeout=0): handle incoming releases and departures"},
     {"outstanding", (PyCFunction)Conn_outstanding, METH_NOARGS,
-     "outstanding() -> (held_by_peer, held_here)"},
+     "outstanding($self, /)\n--\n\noutstanding() -> (held_by_peer, held_here)"},
     {"open", (PyCFunction)(void (*)(void))Conn_open, METH_VARARGS | METH_KEYWORDS,
+     "open($self, /, desc, fds=(), *, device=None, pidfd_getfd=False)\n--\n\n"
      "open(desc, fds=(), *, device=None) -> Buffer: a descriptor that came over "
      "this connection from its peer (checked against the peer's liveness table; "
      "fd-based kinds also from another container)"},
     {"close", (PyCFunction)Conn_close, METH_NOARGS,
+     "close($self, /)\n--\n\n"
      "close the connection: later calls raise ClosedError. Buffers received and not "
      "released (a Received alive, or a tensor made from it) stay mapped and held, and "
      "the connection open underneath, until the last of them is released or dies; the "
      "peer learns of the close then"},
-    {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS, "the socket, for selectors/poll"},
+    {"fileno", (PyCFunction)Conn_fileno, METH_NOARGS,
+     "fileno($self, /)\n--\n\nthe socket, for selectors/poll"},
     {"set_polling", (PyCFunction)Conn_set_polling, METH_O,
+     "set_polling($self, on, /)\n--\n\n"
      "set_polling(on): ring carrier: True says this process calls into the connection "
      "often (recv, progress, a send) and does not sleep on fileno() meanwhile, so the "
      "peer sends no wake-up with its buffers; switch it off before sleeping on fileno() "
      "(while on, a buffer makes it readable only at the next call). Calls that wait in "
      "gpuipc sleep safely either way. No effect on the socket carrier"},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Conn_exit, METH_VARARGS, NULL},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Conn_exit, METH_VARARGS,
+     "__exit__($self, /, *exc)\n--\n\ncloses it"},
     {NULL}};
 
 static PyGetSetDef Conn_getset[] = {
@@ -1749,14 +1768,20 @@ static PyObject *Rx_repr(ReceivedObject *r) {
   return o;
 }
 
+/* release's stream left out is the receive stream (None: the legacy
+ * stream): no default in its signature. */
 static PyMethodDef Rx_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Rx_release, METH_FASTCALL | METH_KEYWORDS,
-     "release(stream=None): give the buffer back (after the work queued on stream)"},
+     "release($self, /, stream)\n--\n\n"
+     "release(stream=<the receive stream>): give the buffer back (after the work queued on stream)"},
     {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_FASTCALL | METH_KEYWORDS,
-     "__dlpack__(stream=None, *, max_version=None, dl_device=None, copy=None)"},
-    {"__dlpack_device__", (PyCFunction)Rx_dlpack_device, METH_NOARGS, NULL},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Rx_exit, METH_VARARGS, NULL},
+     "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "A DLPack capsule of the data"},
+    {"__dlpack_device__", (PyCFunction)Rx_dlpack_device, METH_NOARGS,
+     "__dlpack_device__($self, /)\n--\n\n(device_type, device_id) of the data"},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Rx_exit, METH_VARARGS,
+     "__exit__($self, /, *exc)\n--\n\nreleases it"},
     {NULL}};
 
 static PyGetSetDef Rx_getset[] = {
@@ -2014,13 +2039,17 @@ static PyObject *Listener_path(ListenerObject *o, void *u) {
 }
 static PyObject *Listener_exit(ListenerObject *o, PyObject *a) { return Listener_close(o, NULL); }
 
+/* accept's timeout left out is the listener's (listen(timeout=)), None
+ * waits forever: no default in its signature. */
 static PyMethodDef Listener_methods[] = {
     {"accept", (PyCFunction)(void (*)(void))Listener_accept, METH_VARARGS | METH_KEYWORDS,
-     "accept(timeout=...) -> Connection"},
-    {"close", (PyCFunction)Listener_close, METH_NOARGS, NULL},
-    {"fileno", (PyCFunction)Listener_fileno, METH_NOARGS, NULL},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Listener_exit, METH_VARARGS, NULL},
+     "accept($self, /, timeout)\n--\n\naccept(timeout=...) -> Connection"},
+    {"close", (PyCFunction)Listener_close, METH_NOARGS, "close($self, /)\n--\n\n"},
+    {"fileno", (PyCFunction)Listener_fileno, METH_NOARGS,
+     "fileno($self, /)\n--\n\nthe listening socket, for selectors/poll"},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Listener_exit, METH_VARARGS,
+     "__exit__($self, /, *exc)\n--\n\ncloses it"},
     {NULL}};
 static PyGetSetDef Listener_getset[] = {{"path", (getter)Listener_path, NULL, NULL, NULL}, {NULL}};
 

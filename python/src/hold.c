@@ -458,14 +458,18 @@ static PyObject *HoldLog_get(HoldLogObject *l, void *w) {
 
 static PyMethodDef HoldLog_methods[] = {
     {"attach", (PyCFunction)(void (*)(void))HoldLog_attach, METH_FASTCALL,
+     "attach($self, buffer, token, device, stream, /)\n--\n\n"
      "attach(buffer, token, device, stream) -> entries not read yet: writes HOLD now and "
      "RELEASE (after an event recorded on the release stream) when the buffer goes"},
     {"open", (PyCFunction)HoldLog_open, METH_O | METH_CLASS,
+     "open($type, fd, /)\n--\n\n"
      "HoldLog.open(fd): the producer's view of a consumer's table (fd stays the caller's)"},
     {"drain", (PyCFunction)(void (*)(void))HoldLog_drain, METH_FASTCALL,
+     "drain($self, max_n=4096, /)\n--\n\n"
      "drain(max_n=4096) -> [(op, token, event slot or -1)]: 1 HOLD, 2 RELEASE; "
      "ProtocolError when the table breaks its rules (then always)"},
     {"event_desc", (PyCFunction)HoldLog_event_desc, METH_O,
+     "event_desc($self, slot, /)\n--\n\n"
      "event_desc(slot) -> bytes: the consumer's event descriptor in that slot"},
     {NULL}};
 static PyGetSetDef HoldLog_getset[] = {
@@ -479,7 +483,8 @@ PyTypeObject HoldLogType = {
     .tp_basicsize = sizeof(HoldLogObject),
     .tp_dealloc = (destructor)HoldLog_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "HoldLog(nentries=4096, *, stream_of=None): a consumer's hold table in shared "
+    .tp_doc = "HoldLog(nentries=4096, *, stream_of=None)\n--\n\n"
+              "HoldLog(nentries=4096, *, stream_of=None): a consumer's hold table in shared "
               "memory (gpuipc.torch); HoldLog.open(fd): the producer's view of one.",
     .tp_methods = HoldLog_methods,
     .tp_getset = HoldLog_getset,

@@ -666,7 +666,9 @@ static PyMethodDef mod_methods[] = {
      "carrier=None, spin_us=None, polling=None) -> Child"},
     {"release_batch", (PyCFunction)(void (*)(void))mod_release_batch,
      METH_VARARGS | METH_KEYWORDS,
-     "release_batch(received, stream=None)\n--\n\n"
+     /* stream left out: each one's receive stream (None: the legacy stream), so
+      * no default in the signature */
+     "release_batch(received, stream)\n--\n\n"
      "release_batch(received, stream=<each one's receive stream>): give back many "
      "Received at once (gpuipc_conn_release_batch per connection, BATCH_MAX at a "
      "time), after the work queued on stream, by default on each connection's first "

@@ -1272,25 +1272,35 @@ static PyObject *TSet_get(TSetObject *o, void *which) {
 }
 static PyObject *TSet_get_destroyed(TSetObject *o, void *u) { return PyBool_FromLong(o->s == NULL); }
 
+/* Docstrings open with their signature ("name($self, /, ...)\n--\n\n", which
+ * inspect.signature reads). A timeout left out is the set's own (its
+ * constructor's timeout=), None waits forever: no default there. */
 static PyMethodDef TSet_methods[] = {
     {"subscribe", (PyCFunction)(void (*)(void))TSet_subscribe, METH_VARARGS | METH_KEYWORDS,
+     "subscribe($self, /, conn, *, stream=None)\n--\n\n"
      "subscribe(conn, *, stream=None): send the table and pieces (and the latest version)"},
     {"unsubscribe", (PyCFunction)(void (*)(void))TSet_unsubscribe, METH_VARARGS | METH_KEYWORDS,
+     "unsubscribe($self, /, conn, *, timeout)\n--\n\n"
      "unsubscribe(conn, *, timeout=): end it and wait for the consumer's releases"},
     {"begin", (PyCFunction)(void (*)(void))TSet_begin, METH_VARARGS | METH_KEYWORDS,
+     "begin($self, /, *, stream=None, timeout)\n--\n\n"
      "begin(*, stream=None, timeout=) -> copy to write"},
     {"copy_from", (PyCFunction)(void (*)(void))TSet_copy_from, METH_VARARGS | METH_KEYWORDS,
+     "copy_from($self, /, copy, srcs, *, stream=None)\n--\n\n"
      "copy_from(copy, srcs, *, stream=None): copy arrays (or addresses, None: skip; or a "
      "CopyPlan) in"},
     {"plan", (PyCFunction)TSet_plan, METH_O,
+     "plan($self, srcs, /)\n--\n\n"
      "plan(srcs) -> CopyPlan: srcs resolved and checked once, for copy_from"},
     {"publish", (PyCFunction)(void (*)(void))TSet_publish, METH_VARARGS | METH_KEYWORDS,
-     "publish(*, stream=None) -> version number"},
+     "publish($self, /, *, stream=None)\n--\n\npublish(*, stream=None) -> version number"},
     {"tensor", (PyCFunction)(void (*)(void))TSet_tensor, METH_VARARGS | METH_KEYWORDS,
-     "tensor(copy, index) -> TensorView of that copy"},
-    {"find", (PyCFunction)TSet_find, METH_VARARGS, "find(name) -> index (KeyError)"},
-    {"names", (PyCFunction)TSet_names, METH_NOARGS, "the names, in order"},
+     "tensor($self, /, copy, index)\n--\n\ntensor(copy, index) -> TensorView of that copy"},
+    {"find", (PyCFunction)TSet_find, METH_VARARGS,
+     "find($self, name, /)\n--\n\nfind(name) -> index (KeyError)"},
+    {"names", (PyCFunction)TSet_names, METH_NOARGS, "names($self, /)\n--\n\nthe names, in order"},
     {"destroy", (PyCFunction)(void (*)(void))TSet_destroy, METH_VARARGS | METH_KEYWORDS,
+     "destroy($self, /, *, timeout)\n--\n\n"
      "destroy(*, timeout=): end every subscription and free the memory"},
     {NULL}};
 static PyGetSetDef TSet_getset[] = {
@@ -1308,7 +1318,9 @@ PyTypeObject TSetType = {
     .tp_basicsize = sizeof(TSetObject),
     .tp_dealloc = (destructor)TSet_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "TensorSetC(entries, *, copies=1, align=256, device=None, timeout=10, hold=10, retired_max=2): the "
+    .tp_doc = "TensorSetC(entries, *, copies=1, align=256, device=None, timeout=10, hold=10, "
+              "retired_max=2)\n--\n\n"
+              "TensorSetC(entries, *, copies=1, align=256, device=None, timeout=10, hold=10, retired_max=2): the "
               "producer's tensor set (gpuipc_tset)",
     .tp_methods = TSet_methods,
     .tp_getset = TSet_getset,
@@ -1480,10 +1492,14 @@ static PyObject *TSub_get_conn(TSubObject *o, void *u) {
   return (PyObject *)o->conn;
 }
 
+/* recv's timeout left out is the connection's (Connection.timeout), None
+ * waits forever: no default in its signature. */
 static PyMethodDef TSub_methods[] = {
     {"recv", (PyCFunction)(void (*)(void))TSub_recv, METH_VARARGS | METH_KEYWORDS,
+     "recv($self, /, *, stream=None, timeout)\n--\n\n"
      "recv(*, stream=None, timeout=) -> TensorSetVersion"},
     {"close", (PyCFunction)TSub_close, METH_NOARGS,
+     "close($self, /)\n--\n\n"
      "release every version still held and the pieces; a version with views alive "
      "(TensorView objects, and what was made from them) stays held, and mapped, until "
      "its last view dies"},
@@ -1497,7 +1513,8 @@ PyTypeObject TSubType = {
     .tp_basicsize = sizeof(TSubObject),
     .tp_dealloc = (destructor)TSub_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "TensorSetSub(conn, *, device=0): a consumer's subscriber (gpuipc_tset_sub)",
+    .tp_doc = "TensorSetSub(conn, *, device=0)\n--\n\n"
+              "TensorSetSub(conn, *, device=0): a consumer's subscriber (gpuipc_tset_sub)",
     .tp_methods = TSub_methods,
     .tp_getset = TSub_getset,
     .tp_new = TSub_new,
@@ -1802,22 +1819,32 @@ static PyObject *Ver_get(TVerObject *v, void *which) {
 static PyObject *Ver_get_released(TVerObject *v, void *u) { return PyBool_FromLong(v->v == NULL); }
 static PyObject *Ver_get_stream(TVerObject *v, void *u) { return PyLong_FromLongLong(stream_report(v->stream)); }
 
+/* copy_into's and release's stream left out is the version's receive
+ * stream (None: the legacy stream): no default in their signatures. */
 static PyMethodDef Ver_methods[] = {
-    {"tensor", (PyCFunction)Ver_tensor, METH_O, "tensor(index or name) -> TensorView"},
-    {"find", (PyCFunction)Ver_find, METH_VARARGS, "find(name) -> index (KeyError)"},
-    {"names", (PyCFunction)Ver_names, METH_NOARGS, "the names, in the producer's order"},
+    {"tensor", (PyCFunction)Ver_tensor, METH_O,
+     "tensor($self, key, /)\n--\n\ntensor(index or name) -> TensorView"},
+    {"find", (PyCFunction)Ver_find, METH_VARARGS,
+     "find($self, name, /)\n--\n\nfind(name) -> index (KeyError)"},
+    {"names", (PyCFunction)Ver_names, METH_NOARGS,
+     "names($self, /)\n--\n\nthe names, in the producer's order"},
     {"copy_into", (PyCFunction)(void (*)(void))Ver_copy_into, METH_VARARGS | METH_KEYWORDS,
+     "copy_into($self, /, dsts, *, stream)\n--\n\n"
      "copy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip; or a "
      "CopyPlan)"},
     {"plan", (PyCFunction)Ver_plan, METH_O,
+     "plan($self, dsts, /)\n--\n\n"
      "plan(dsts) -> CopyPlan: dsts resolved and checked once, for copy_into of every "
      "version of this layout"},
     {"torch_views", (PyCFunction)Ver_torch_views, METH_NOARGS,
+     "torch_views($self, /)\n--\n\n"
      "torch_views() -> tuple of torch tensors, zero-copy, in the producer's order"},
     {"release", (PyCFunction)(void (*)(void))Ver_release, METH_VARARGS | METH_KEYWORDS,
+     "release($self, /, *, stream)\n--\n\n"
      "release(*, stream=recv's): hand the version back (ordered on stream)"},
-    {"__enter__", gpy_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Ver_exit, METH_VARARGS, NULL},
+    {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
+    {"__exit__", (PyCFunction)Ver_exit, METH_VARARGS,
+     "__exit__($self, /, *exc)\n--\n\nreleases it"},
     {NULL}};
 static PyGetSetDef Ver_getset[] = {
     {"number", (getter)Ver_get, NULL, NULL, (void *)0},
@@ -1892,8 +1919,11 @@ static void TView_dealloc(TViewObject *w) {
   PyObject_Free(w);
 }
 static PyMethodDef TView_methods[] = {
-    {"__dlpack__", (PyCFunction)(void (*)(void))TView_dlpack, METH_VARARGS | METH_KEYWORDS, NULL},
-    {"__dlpack_device__", (PyCFunction)TView_dlpack_device, METH_NOARGS, NULL},
+    {"__dlpack__", (PyCFunction)(void (*)(void))TView_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, copy=None)\n--\n\n"
+     "A DLPack capsule of the tensor"},
+    {"__dlpack_device__", (PyCFunction)TView_dlpack_device, METH_NOARGS,
+     "__dlpack_device__($self, /)\n--\n\n(device_type, device_id) of the tensor"},
     {NULL}};
 static PyGetSetDef TView_getset[] = {
     {"__cuda_array_interface__", (getter)TView_cai, NULL, NULL, NULL},
