@@ -1572,19 +1572,19 @@ static PyObject *Conn_get_npending(ConnObject *c, void *unused) {
 
 /* Docstrings open with their signature ("name($self, /, ...)\n--\n\n", which
  * inspect.signature reads). A timeout left out is the connection's own
- * timeout (Connection.timeout) and None waits forever, so timeout has no
- * default there; release_batch's stream left out is each one's receive
- * stream (None: the legacy stream): no default either. */
+ * timeout (Connection.timeout) and None waits forever, so its signature's default is
+ * `...` (left out); release_batch's stream left out is each one's receive
+ * stream (None: the legacy stream): `...` there too. */
 static PyMethodDef Conn_methods[] = {
     {"send", (PyCFunction)(void (*)(void))Conn_send, METH_FASTCALL | METH_KEYWORDS,
-     "send($self, /, obj, *, stream=None, meta=None, timeout, complete=False)\n--\n\n"
+     "send($self, /, obj, *, stream=None, meta=None, timeout=..., complete=False)\n--\n\n"
      "send(obj, *, stream=None, meta=None, timeout=..., complete=False): hand a buffer "
      "to the peer. complete=True (arena blocks only): the caller asserts the data is "
      "complete already (it synchronized, or the host wrote it): no stream is queried, "
      "ordered or signalled, and the consumer waits for nothing; if that is not true it "
      "may read stale data"},
     {"recv", (PyCFunction)(void (*)(void))Conn_recv, METH_FASTCALL | METH_KEYWORDS,
-     "recv($self, /, *, stream=None, timeout, spin_us=None, as_torch=False, "
+     "recv($self, /, *, stream=None, timeout=..., spin_us=None, as_torch=False, "
      "with_meta=False)\n--\n\n"
      "recv(*, stream=None, timeout=..., spin_us=None, as_torch=False, with_meta=False) -> "
      "Received, or a torch.Tensor with as_torch=True ((tensor, meta) with with_meta=True). "
@@ -1596,7 +1596,7 @@ static PyMethodDef Conn_methods[] = {
      "stream is ordered after it), and the lease goes back when the tensor is gone, "
      "ordered after the work queued on that stream by then"},
     {"send_batch", (PyCFunction)(void (*)(void))Conn_send_batch, METH_FASTCALL | METH_KEYWORDS,
-     "send_batch($self, /, objs, *, stream=None, metas=None, timeout)\n--\n\n"
+     "send_batch($self, /, objs, *, stream=None, metas=None, timeout=...)\n--\n\n"
      "send_batch(objs, *, stream=None, metas=None, timeout=...): hand many arena buffers "
      "to the peer as one operation (one frame, one signal). objs: Blocks, or arrays "
      "inside arena blocks, each with its array metadata as send() encodes it; metas: "
@@ -1607,7 +1607,7 @@ static PyMethodDef Conn_methods[] = {
      "a timeout while waiting for free slots: nothing was sent. An empty sequence "
      "sends nothing."},
     {"recv_batch", (PyCFunction)(void (*)(void))Conn_recv_batch, METH_FASTCALL | METH_KEYWORDS,
-     "recv_batch($self, /, max, *, stream=None, timeout, spin_us=None, as_torch=False, "
+     "recv_batch($self, /, max, *, stream=None, timeout=..., spin_us=None, as_torch=False, "
      "with_meta=False)\n--\n\n"
      "recv_batch(max, *, stream=None, timeout=..., spin_us=None, as_torch=False, "
      "with_meta=False) -> [Received], or [torch.Tensor] with as_torch=True ([(tensor, "
@@ -1617,13 +1617,13 @@ static PyMethodDef Conn_methods[] = {
      "together, in one release signal, when the last of its tensors is gone"},
     {"release_batch", (PyCFunction)(void (*)(void))Conn_release_batch,
      METH_VARARGS | METH_KEYWORDS,
-     "release_batch($self, /, received, stream)\n--\n\n"
+     "release_batch($self, /, received, stream=...)\n--\n\n"
      "release_batch(received, stream=<each one's receive stream>): give back many "
      "buffers of this connection at once, as gpuipc.release_batch"},
     {"send_msg", (PyCFunction)(void (*)(void))Conn_send_msg, METH_VARARGS | METH_KEYWORDS,
-     "send_msg($self, /, data, fds=(), *, timeout)\n--\n\nsend_msg(data, fds=(), *, timeout=...)"},
+     "send_msg($self, /, data, fds=(), *, timeout=...)\n--\n\nsend_msg(data, fds=(), *, timeout=...)"},
     {"recv_msg", (PyCFunction)(void (*)(void))Conn_recv_msg, METH_VARARGS | METH_KEYWORDS,
-     "recv_msg($self, /, *, timeout, with_fds=False)\n--\n\n"
+     "recv_msg($self, /, *, timeout=..., with_fds=False)\n--\n\n"
      "recv_msg(*, timeout=..., with_fds=False) -> bytes, or (bytes, [fd]) with with_fds"},
     {"progress", (PyCFunction)(void (*)(void))Conn_progress, METH_VARARGS | METH_KEYWORDS,
      "progress($self, /, timeout=0)\n--\n\n"
@@ -1769,10 +1769,10 @@ static PyObject *Rx_repr(ReceivedObject *r) {
 }
 
 /* release's stream left out is the receive stream (None: the legacy
- * stream): no default in its signature. */
+ * stream): its signature's default is `...` (left out). */
 static PyMethodDef Rx_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Rx_release, METH_FASTCALL | METH_KEYWORDS,
-     "release($self, /, stream)\n--\n\n"
+     "release($self, /, stream=...)\n--\n\n"
      "release(stream=<the receive stream>): give the buffer back (after the work queued on stream)"},
     {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, copy=None)\n--\n\n"
@@ -2040,10 +2040,10 @@ static PyObject *Listener_path(ListenerObject *o, void *u) {
 static PyObject *Listener_exit(ListenerObject *o, PyObject *a) { return Listener_close(o, NULL); }
 
 /* accept's timeout left out is the listener's (listen(timeout=)), None
- * waits forever: no default in its signature. */
+ * waits forever: its signature's default is `...` (left out). */
 static PyMethodDef Listener_methods[] = {
     {"accept", (PyCFunction)(void (*)(void))Listener_accept, METH_VARARGS | METH_KEYWORDS,
-     "accept($self, /, timeout)\n--\n\naccept(timeout=...) -> Connection"},
+     "accept($self, /, timeout=...)\n--\n\naccept(timeout=...) -> Connection"},
     {"close", (PyCFunction)Listener_close, METH_NOARGS, "close($self, /)\n--\n\n"},
     {"fileno", (PyCFunction)Listener_fileno, METH_NOARGS,
      "fileno($self, /)\n--\n\nthe listening socket, for selectors/poll"},

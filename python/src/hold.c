@@ -458,7 +458,7 @@ static PyObject *HoldLog_get(HoldLogObject *l, void *w) {
 
 static PyMethodDef HoldLog_methods[] = {
     {"attach", (PyCFunction)(void (*)(void))HoldLog_attach, METH_FASTCALL,
-     "attach($self, buffer, token, device, stream, /)\n--\n\n"
+     "attach($self, buffer, token, device, stream=..., /)\n--\n\n"
      "attach(buffer, token, device, stream) -> entries not read yet: writes HOLD now and "
      "RELEASE (after an event recorded on the release stream) when the buffer goes"},
     {"open", (PyCFunction)HoldLog_open, METH_O | METH_CLASS,

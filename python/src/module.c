@@ -667,8 +667,8 @@ static PyMethodDef mod_methods[] = {
     {"release_batch", (PyCFunction)(void (*)(void))mod_release_batch,
      METH_VARARGS | METH_KEYWORDS,
      /* stream left out: each one's receive stream (None: the legacy stream), so
-      * no default in the signature */
-     "release_batch(received, stream)\n--\n\n"
+      * the signature's default is `...` (left out) */
+     "release_batch(received, stream=...)\n--\n\n"
      "release_batch(received, stream=<each one's receive stream>): give back many "
      "Received at once (gpuipc_conn_release_batch per connection, BATCH_MAX at a "
      "time), after the work queued on stream, by default on each connection's first "

@@ -1274,16 +1274,16 @@ static PyObject *TSet_get_destroyed(TSetObject *o, void *u) { return PyBool_From
 
 /* Docstrings open with their signature ("name($self, /, ...)\n--\n\n", which
  * inspect.signature reads). A timeout left out is the set's own (its
- * constructor's timeout=), None waits forever: no default there. */
+ * constructor's timeout=), None waits forever: its default is `...` (left out). */
 static PyMethodDef TSet_methods[] = {
     {"subscribe", (PyCFunction)(void (*)(void))TSet_subscribe, METH_VARARGS | METH_KEYWORDS,
      "subscribe($self, /, conn, *, stream=None)\n--\n\n"
      "subscribe(conn, *, stream=None): send the table and pieces (and the latest version)"},
     {"unsubscribe", (PyCFunction)(void (*)(void))TSet_unsubscribe, METH_VARARGS | METH_KEYWORDS,
-     "unsubscribe($self, /, conn, *, timeout)\n--\n\n"
+     "unsubscribe($self, /, conn, *, timeout=...)\n--\n\n"
      "unsubscribe(conn, *, timeout=): end it and wait for the consumer's releases"},
     {"begin", (PyCFunction)(void (*)(void))TSet_begin, METH_VARARGS | METH_KEYWORDS,
-     "begin($self, /, *, stream=None, timeout)\n--\n\n"
+     "begin($self, /, *, stream=None, timeout=...)\n--\n\n"
      "begin(*, stream=None, timeout=) -> copy to write"},
     {"copy_from", (PyCFunction)(void (*)(void))TSet_copy_from, METH_VARARGS | METH_KEYWORDS,
      "copy_from($self, /, copy, srcs, *, stream=None)\n--\n\n"
@@ -1300,7 +1300,7 @@ static PyMethodDef TSet_methods[] = {
      "find($self, name, /)\n--\n\nfind(name) -> index (KeyError)"},
     {"names", (PyCFunction)TSet_names, METH_NOARGS, "names($self, /)\n--\n\nthe names, in order"},
     {"destroy", (PyCFunction)(void (*)(void))TSet_destroy, METH_VARARGS | METH_KEYWORDS,
-     "destroy($self, /, *, timeout)\n--\n\n"
+     "destroy($self, /, *, timeout=...)\n--\n\n"
      "destroy(*, timeout=): end every subscription and free the memory"},
     {NULL}};
 static PyGetSetDef TSet_getset[] = {
@@ -1493,10 +1493,10 @@ static PyObject *TSub_get_conn(TSubObject *o, void *u) {
 }
 
 /* recv's timeout left out is the connection's (Connection.timeout), None
- * waits forever: no default in its signature. */
+ * waits forever: its signature's default is `...` (left out). */
 static PyMethodDef TSub_methods[] = {
     {"recv", (PyCFunction)(void (*)(void))TSub_recv, METH_VARARGS | METH_KEYWORDS,
-     "recv($self, /, *, stream=None, timeout)\n--\n\n"
+     "recv($self, /, *, stream=None, timeout=...)\n--\n\n"
      "recv(*, stream=None, timeout=) -> TensorSetVersion"},
     {"close", (PyCFunction)TSub_close, METH_NOARGS,
      "close($self, /)\n--\n\n"
@@ -1820,7 +1820,7 @@ static PyObject *Ver_get_released(TVerObject *v, void *u) { return PyBool_FromLo
 static PyObject *Ver_get_stream(TVerObject *v, void *u) { return PyLong_FromLongLong(stream_report(v->stream)); }
 
 /* copy_into's and release's stream left out is the version's receive
- * stream (None: the legacy stream): no default in their signatures. */
+ * stream (None: the legacy stream): their signatures' default is `...` (left out). */
 static PyMethodDef Ver_methods[] = {
     {"tensor", (PyCFunction)Ver_tensor, METH_O,
      "tensor($self, key, /)\n--\n\ntensor(index or name) -> TensorView"},
@@ -1829,7 +1829,7 @@ static PyMethodDef Ver_methods[] = {
     {"names", (PyCFunction)Ver_names, METH_NOARGS,
      "names($self, /)\n--\n\nthe names, in the producer's order"},
     {"copy_into", (PyCFunction)(void (*)(void))Ver_copy_into, METH_VARARGS | METH_KEYWORDS,
-     "copy_into($self, /, dsts, *, stream)\n--\n\n"
+     "copy_into($self, /, dsts, *, stream=...)\n--\n\n"
      "copy_into(dsts, *, stream=recv's): copy into arrays (or addresses; None: skip; or a "
      "CopyPlan)"},
     {"plan", (PyCFunction)Ver_plan, METH_O,
@@ -1840,7 +1840,7 @@ static PyMethodDef Ver_methods[] = {
      "torch_views($self, /)\n--\n\n"
      "torch_views() -> tuple of torch tensors, zero-copy, in the producer's order"},
     {"release", (PyCFunction)(void (*)(void))Ver_release, METH_VARARGS | METH_KEYWORDS,
-     "release($self, /, *, stream)\n--\n\n"
+     "release($self, /, *, stream=...)\n--\n\n"
      "release(*, stream=recv's): hand the version back (ordered on stream)"},
     {"__enter__", gpy_enter, METH_NOARGS, "__enter__($self, /)\n--\n\n"},
     {"__exit__", (PyCFunction)Ver_exit, METH_VARARGS,
