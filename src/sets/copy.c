@@ -10,7 +10,9 @@
  * The merged ranges then go three ways, tried in this order:
  *
  *  1. The gather kernel (gather.cu, its image gather_image.h): ranges
- *     shorter than GPUIPC__GATHER_LEN_MAX, in launches of up to
+ *     shorter than GPUIPC__GATHER_LEN_MAX, both ends in device memory of
+ *     the copy's device (another device's memory and mapped host memory
+ *     go by the driver's copies, which reach them), in launches of up to
  *     GPUIPC__GATHER_N, the ranges in the launch's parameter (copied by
  *     the driver at the launch: nothing on the host outlives it). A set of
  *     many small tensors that are not adjacent (a paged KV cache, a
@@ -58,6 +60,9 @@
  * the driver have them), 0 never (tests force the ways after them). Counts
  * of the launches and calls made, for tests. */
 int gpuipc__tset_copy_kernel = 1;
+int gpuipc__tset_copy_batch = 1;
+atomic_ullong gpuipc__tset_copy_kernels, gpuipc__tset_copy_batches,
+    gpuipc__tset_copy_singles;
 
 GPUIPC__PARAM(copy_kernel, "GPUIPC_COPY_KERNEL", GPUIPC__PARAM_ONCE, "1",
               "1: whole-set copies of many small ranges use the gather "
@@ -78,9 +83,6 @@ static bool kernel_allowed(void) {
   }
   return a > 0;
 }
-int gpuipc__tset_copy_batch = 1;
-atomic_ullong gpuipc__tset_copy_kernels, gpuipc__tset_copy_batches,
-    gpuipc__tset_copy_singles;
 
 _Static_assert(sizeof(gpuipc__gather_args) <= 32764,
                "the gather kernel's parameter exceeds CUDA's 32,764 bytes");
@@ -137,12 +139,6 @@ static bool batch_usable(void) {
   return st > 0;
 }
 
-static const char *cu_name(CUresult cr) {
-  const char *name = NULL;
-  (void)GPUIPC__CU(cuGetErrorName, cr, &name);
-  return name ? name : "error";
-}
-
 /* The kernel of device ordinal (its primary context current), loaded on
  * first use; NULL where it cannot be. stale: a function a launch refused
  * as an invalid handle: if it is still the one cached, the module is
@@ -179,7 +175,7 @@ static CUfunction gather_fn(int ordinal, CUfunction stale) {
       gather_mods[ordinal].state = -1;
       GPUIPC__INFO("sets", "device %d: the gather copy kernel cannot be "
                    "loaded (%s, driver %d); whole-set copies use the "
-                   "driver's copies", ordinal, cu_name(cr), v);
+                   "driver's copies", ordinal, gpuipc__cuda_error_name(cr), v);
     }
   }
   CUfunction fn = gather_mods[ordinal].state == 1 ? gather_mods[ordinal].fn
@@ -195,7 +191,7 @@ static void gather_off(int ordinal, size_t n, CUresult cr) {
   if (gather_mods[ordinal].state == 1)
     GPUIPC__INFO("sets", "device %d: a gather kernel launch (a copy of %zu "
                  "ranges): %s; copying without it from now on", ordinal, n,
-                 cu_name(cr));
+                 gpuipc__cuda_error_name(cr));
   gather_mods[ordinal].state = -1;
   pthread_mutex_unlock(&gather_mu);
 }
@@ -363,10 +359,8 @@ static gpuipc_status copy_batched(int ordinal, const range *r, size_t k,
     s = copy_each(r, from, from + n, k, stream);
     if (s == GPUIPC_OK && n >= 2) {
       /* The ranges were good: the driver refused the batch itself. */
-      const char *name = NULL;
-      (void)GPUIPC__CU(cuGetErrorName, cr, &name);
       GPUIPC__INFO("sets", "cuMemcpyBatchAsync of %zu ranges: %s; copying "
-                   "per range from now on", n, name ? name : "error");
+                   "per range from now on", n, gpuipc__cuda_error_name(cr));
       atomic_store_explicit(&batch_state, -1, memory_order_relaxed);
     }
   }
@@ -376,11 +370,6 @@ static gpuipc_status copy_batched(int ordinal, const range *r, size_t k,
   return s;
 }
 
-/* The ranges of r shorter than GPUIPC__GATHER_LEN_MAX through the kernel,
- * where there are two or more and the device has it. Returns how many
- * ranges are left for the other ways, moved to the front of r: the long
- * ones, and from a chunk the driver did not launch on, every short one
- * too (*refused is then the launch's error, CUDA_SUCCESS else). */
 /* What is known of the allocations a copy's ranges lie in: whether one is
  * device memory of the copy's device, which the kernel may read and write
  * (the driver's copies also reach another device's memory, or host memory
@@ -428,6 +417,12 @@ static bool on_device(where *w, CUdeviceptr p, uint64_t len, int ordinal) {
   return ok && len <= size - (p - base);
 }
 
+/* The ranges of r shorter than GPUIPC__GATHER_LEN_MAX whose source and
+ * destination are device memory of device ordinal (on_device) through the
+ * kernel, where there are two or more and the device has it. Returns how many
+ * ranges are left for the other ways, moved to the front of r: the long
+ * ones, and from a chunk the driver did not launch on, every short one
+ * too (*refused is then the launch's error, CUDA_SUCCESS else). */
 static size_t copy_gathered(int ordinal, range *r, size_t k, CUstream stream,
                             CUresult *refused) {
   *refused = CUDA_SUCCESS;
