@@ -590,12 +590,9 @@ typedef struct bctx {
 static const char *const TABLES[] = {"raw", "pair", "sizes", "fanout",
                                      "batches", "flatness"};
 
-/* Whether table `name` runs (--only). */
-static bool table_on(const bctx *b, const char *name) {
-  if (b->only == NULL)
-    return true;
-  size_t n = strlen(name);
-  for (const char *p = b->only; *p;) {
+/* Whether the comma list names `name` (len bytes). */
+static bool listed(const char *list, const char *name, size_t n) {
+  for (const char *p = list; *p;) {
     const char *e = strchr(p, ',');
     size_t len = e ? (size_t)(e - p) : strlen(p);
     if (len == n && strncmp(p, name, n) == 0)
@@ -603,6 +600,11 @@ static bool table_on(const bctx *b, const char *name) {
     p += len + (e != NULL);
   }
   return false;
+}
+
+/* Whether table `name` runs (--only). */
+static bool table_on(const bctx *b, const char *name) {
+  return b->only == NULL || listed(b->only, name, strlen(name));
 }
 
 /* What the summary lines and the record's info report. */
@@ -1597,7 +1599,7 @@ static int parse_args(int argc, char **argv, bctx *b) {
         size_t len = e ? (size_t)(e - p) : strlen(p);
         bool known = false;
         for (size_t t = 0; t < sizeof TABLES / sizeof *TABLES; t++)
-          known |= strlen(TABLES[t]) == len && strncmp(p, TABLES[t], len) == 0;
+          known |= listed(TABLES[t], p, len);
         if (!known) {
           fprintf(stderr, "gpuipc bench handoff: --only: unknown table "
                           "'%.*s'\n", (int)len, p);
