@@ -18,7 +18,9 @@
 
 #include "tree.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -954,4 +956,108 @@ TEST_IMPL(conformance_stream_value64_geq_interprocess) {
 TEST_IMPL(conformance_stream_value64_eq_interprocess) {
   return value_interprocess(64, CU_STREAM_WAIT_VALUE_EQ, 0x200000003ull, 0x3,
                             0x200000003ull, false);
+}
+
+/* ---- the stream room ---------------------------------------------------------- */
+
+enum { ROOM_STREAMS = 200 };
+static atomic_int room_made, room_over;
+static CUcontext room_ctx;
+
+static void *room_creator(void *arg) {
+  CUstream *st = arg;
+  if (gpuipc__cu.cuCtxSetCurrent(room_ctx) == CUDA_SUCCESS)
+    for (int i = 0; i < ROOM_STREAMS; i++) {
+      if (gpuipc__cu.cuStreamCreate(&st[i], CU_STREAM_NON_BLOCKING) !=
+          CUDA_SUCCESS)
+        break;
+      atomic_store(&room_made, i + 1);
+    }
+  atomic_store(&room_over, 1);
+  return NULL;
+}
+
+/* In a fresh process (argv[0] says what it expects): a stream is held on
+ * a host word; a thread creates ROOM_STREAMS more, one at a time. "waits":
+ * the creation must stop (no stream made for a second, fewer than all)
+ * until the host opens the gate, then finish; "free": all must be made
+ * while the stream is still held. Prints where creation stopped. */
+HELPER_IMPL(conf_stream_room) {
+  ASSERT(argc >= 1);
+  bool want_wait = strcmp(argv[0], "waits") == 0;
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  ASSERT_CU(gpuipc__cu.cuCtxGetCurrent(&room_ctx));
+  CUstream held = new_stream(CU_STREAM_NON_BLOCKING);
+  void *gate_h = NULL;
+  CUdeviceptr gate_d = 0;
+  ASSERT_CU(gpuipc__cu.cuMemHostAlloc(&gate_h, 4096, CU_MEMHOSTALLOC_DEVICEMAP));
+  memset(gate_h, 0, 4096);
+  ASSERT_CU(gpuipc__cu.cuMemHostGetDevicePointer(&gate_d, gate_h, 0));
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue32(held, gate_d, 1,
+                                           CU_STREAM_WAIT_VALUE_GEQ));
+  expect_held(held);
+  static CUstream st[ROOM_STREAMS];
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, room_creator, st), 0);
+  /* Free: all made within 30 s (fast; the bound guards against a hang).
+   * Waits: made stops growing for a second before all are made. */
+  int last = -1, still = 0;
+  for (int i = 0; i < 30000 && !atomic_load(&room_over); i++) {
+    usleep(1000);
+    int m = atomic_load(&room_made);
+    still = m == last ? still + 1 : 0;
+    last = m;
+    if (want_wait && still >= 1000)
+      break;
+  }
+  bool over = atomic_load(&room_over);
+  int made = atomic_load(&room_made);
+  printf("streams made behind the held stream: %d of %d%s\n", made,
+         ROOM_STREAMS, over ? "" : " (creation waiting)");
+  __atomic_store_n((uint32_t *)gate_h, 1u, __ATOMIC_RELEASE);
+  for (int i = 0; i < 60000 && !atomic_load(&room_over); i++)
+    usleep(1000);
+  if (!atomic_load(&room_over))
+    harness_fail(__FILE__, __LINE__, "stream creation did not finish within "
+                 "60 s of the held stream's release");
+  pthread_join(t, NULL);
+  ASSERT_EQ(atomic_load(&room_made), ROOM_STREAMS);
+  if (want_wait && over)
+    harness_fail(__FILE__, __LINE__, "all %d streams were made behind a held "
+                 "stream: the driver's stream creation did not wait (the "
+                 "emulator models a wait from the 33rd stream)", ROOM_STREAMS);
+  if (!want_wait && !over)
+    harness_fail(__FILE__, __LINE__, "stream creation waited behind a held "
+                 "stream after %d of %d, with gpuipc's stream room reserved",
+                 made, ROOM_STREAMS);
+  ASSERT_CU(stream_done(held, 60));
+  for (int i = 0; i < ROOM_STREAMS; i++)
+    ASSERT_CU(gpuipc__cu.cuStreamDestroy(st[i]));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(held));
+  ASSERT_CU(gpuipc__cu.cuMemFreeHost(gate_h));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+/* The driver keeps a context's stream resources in a pool that grows in
+ * steps, and a cuStreamCreate that needs a step waits until the context's
+ * streams drain: behind a stream held on a wait it waits until the stream
+ * is released (the H200, driver 580: the 34th stream of a context). A
+ * fresh process, told to reserve no room. */
+TEST_IMPL(conformance_stream_create_waits_for_room_behind_a_held_stream) {
+  char *const env[] = {"GPUIPC_STREAM_ROOM=0", NULL};
+  pid_t p = spawn_helper("conf_stream_room", env, NULL, "waits", NULL);
+  ASSERT_EQ(wait_helper(p, 120), 0);
+  return 0;
+}
+
+/* What gpuipc does about it: the first use of a device makes room for
+ * GPUIPC_STREAM_ROOM streams (default 256), so 200 streams are made
+ * behind a held stream without waiting. */
+TEST_IMPL(stream_room_reserved_behind_a_held_stream) {
+  char *const env[] = {"GPUIPC_STREAM_ROOM=", NULL};
+  pid_t p = spawn_helper("conf_stream_room", env, NULL, "free", NULL);
+  ASSERT_EQ(wait_helper(p, 120), 0);
+  return 0;
 }

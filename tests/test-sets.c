@@ -468,6 +468,9 @@ TEST_IMPL(sets_table_hostile) {
 /* argv: spec, versions to check, then a mode:
  *   "check"   check each version and release it; "ok" after the last;
  *   "late"    as check, but the first version must be argv[3]'s number;
+ *             with argv[4] "ready", say "ready" once CUDA is up (so the
+ *             producer's hold clock, which starts at the hand-out, does
+ *             not also time this process's start);
  *   "hold"    check the first version, start a (slow) read of it, say
  *             "got" and wait to be killed;
  *   "change"  check the versions of spec, then of spec argv[3] (a new
@@ -480,6 +483,8 @@ HELPER_IMPL(ts_consumer) {
   const char *mode = argv[2];
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   CUstream s = mkstream();
+  if (strcmp(mode, "late") == 0 && argc > 4 && strcmp(argv[4], "ready") == 0)
+    say(c, "ready");
   gpuipc_tset_sub *sub = NULL;
   ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
   uint64_t layout = 0, last = 0;
@@ -1174,7 +1179,8 @@ TEST_IMPL(sets_producer_killed_mid_publish) {
  * "released". Mode "die": it waits to be killed. Mode "wrapped": as
  * "release", without the second check (a wrapped set's memory is written
  * in place once its holder is dropped). argv[1], when given: the number
- * of the first version (a late joiner's), 1 otherwise. */
+ * of the first version (a late joiner's), 1 otherwise; argv[2] "ready":
+ * say "ready" once CUDA is up, before taking anything. */
 HELPER_IMPL(ts_stuck) {
   ASSERT(argc >= 1);
   const char *mode = argv[0];
@@ -1182,6 +1188,8 @@ HELPER_IMPL(ts_stuck) {
   spec("small", &sp);
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   CUstream s = mkstream();
+  if (argc > 2 && strcmp(argv[2], "ready") == 0)
+    say(c, "ready"); /* CUDA is up: what follows is timed by the producer */
   gpuipc_tset_sub *sub = NULL;
   ASSERT_OK(gpuipc_tset_sub_open(c, &sub));
   gpuipc_tset_version *v1 = NULL;
@@ -1391,8 +1399,11 @@ TEST_IMPL(sets_stuck_consumers_past_the_cap_written_in_place) {
   produce(set, NULL, 2, s);
   int fdh;
   pid_t ph = spawn_helper("ts_consumer", NULL, &fdh, "small", "3", "late", "6",
-                          NULL);
+                          "ready", NULL);
   gpuipc_conn *ch = pair_conn(fdh);
+  /* Its CUDA start (seconds on a loaded GPU machine) must not count
+   * against the hold limit of the copy it is about to be handed. */
+  hear(ch, "ready");
   ASSERT_OK(gpuipc_tset_subscribe(set, ch, (struct CUstream_st *)s));
   produce(set, NULL, 2, s);
   hear(ch, "ok");
@@ -1439,8 +1450,10 @@ TEST_IMPL(sets_late_joiner_holds_from_its_hand_out) {
   produce(set, NULL, 1, s); /* version 1 (one copy) */
   usleep(3100 * 1000);
   int fd;
-  pid_t pid = spawn_helper("ts_stuck", NULL, &fd, "die", "1", NULL);
+  pid_t pid = spawn_helper("ts_stuck", NULL, &fd, "die", "1", "ready", NULL);
   gpuipc_conn *c = pair_conn(fd);
+  /* Its CUDA start (seconds on a loaded GPU machine) is not its hold. */
+  hear(c, "ready");
   ASSERT_OK(gpuipc_tset_subscribe(set, c, (struct CUstream_st *)s));
   hear(c, "got");
   int copy = -1;

@@ -2,14 +2,17 @@
  * driver.c: owns the CUDA driver library: loading it at run time (dlopen +
  * cuGetProcAddress; which library, GPUIPC_CUDA_DRIVER), the entry-point
  * table, cuInit, the fork guard, the translation of CUresult into gpuipc
- * statuses, the cache of retained primary contexts, and the context guard
- * that makes one current and restores the caller's.
+ * statuses, the cache of retained primary contexts (with the stream room
+ * reserved in each), and the context guard that makes one current and
+ * restores the caller's.
  */
 #include "core_int.h"
 #include "stats.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -302,6 +305,96 @@ gpuipc_status gpuipc__fail_cuda(int curesult, const char *call,
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic(CUcontext) primary[GPUIPC__MAX_DEVICES];
 
+GPUIPC__PARAM(stream_room, "GPUIPC_STREAM_ROOM", GPUIPC__PARAM_ONCE, "256",
+              "streams each device's context is given room for when gpuipc "
+              "first uses it (0: none)");
+
+/* The stream room. The driver keeps a context's stream resources in a
+ * pool that grows in steps, and a cuStreamCreate that needs a new step
+ * waits until the context's streams have drained: behind a stream held on
+ * a cuStreamWaitValue (a producer's stream waiting for a word the host
+ * writes later) it waits as long as the stream is held (measured on an
+ * H200, driver 580: the 34th stream of a context waits; a context that
+ * once had 256 streams, destroyed since, creates 128 at once behind the
+ * same held stream; docs/driver-behaviour.md). gpuipc makes a stream per
+ * connection (its reclaim stream), often while the application holds its
+ * own, so it grows the pool once, when it first uses a device, by creating
+ * and destroying this many streams. */
+static int stream_room(void) {
+  const char *e = param_stream_room();
+  if (e == NULL || *e == '\0')
+    return 256;
+  char *end;
+  long n = strtol(e, &end, 10);
+  if (*end != '\0' || n < 0 || n > 65536) {
+    GPUIPC__WARN("driver", "GPUIPC_STREAM_ROOM=%s: not a number from 0 to "
+                 "65536; using 256", e);
+    return 256;
+  }
+  return (int)n;
+}
+
+static void stream_room_make(CUcontext c, int n) {
+  if (GPUIPC__CU(cuCtxPushCurrent, c) != CUDA_SUCCESS)
+    return;
+  CUstream *st = calloc((size_t)n, sizeof *st);
+  int made = 0;
+  uint64_t t0 = gpuipc__now_ns();
+  while (st && made < n &&
+         GPUIPC__CU(cuStreamCreate, &st[made], CU_STREAM_NON_BLOCKING) ==
+             CUDA_SUCCESS)
+    made++;
+  for (int i = 0; i < made; i++)
+    GPUIPC__CU(cuStreamDestroy, st[i]);
+  free(st);
+  CUcontext popped;
+  GPUIPC__CU(cuCtxPopCurrent, &popped);
+  GPUIPC__DEBUG("driver", "stream room for %d streams made in %.2f ms", made,
+                (double)(gpuipc__now_ns() - t0) / 1e6);
+}
+
+struct room_job {
+  CUcontext c;
+  int n;
+};
+
+static void *stream_room_thread(void *arg) {
+  struct room_job j = *(struct room_job *)arg;
+  free(arg);
+  stream_room_make(j.c, j.n);
+  return NULL;
+}
+
+/* A context that was not active before gpuipc retained it has no stream
+ * of the application's yet, so nothing can hold the growth: it is made
+ * here. In a context the application already uses, one of its streams may
+ * be held right now, and the growth would wait for it: a thread of its own
+ * makes it (and waits, if it must, alone). */
+static void stream_room_reserve(CUcontext c, bool was_active) {
+  int n = stream_room();
+  if (n == 0)
+    return;
+  if (!was_active) {
+    stream_room_make(c, n);
+    return;
+  }
+  struct room_job *j = malloc(sizeof *j);
+  if (j == NULL)
+    return;
+  *j = (struct room_job){c, n};
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old); /* its signals are the app's */
+  pthread_t t;
+  if (pthread_create(&t, &attr, stream_room_thread, j) != 0)
+    free(j);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  pthread_attr_destroy(&attr);
+}
+
 gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx) {
   GPUIPC__CHECK(gpuipc__driver());
   if (ordinal < 0 || ordinal >= GPUIPC__MAX_DEVICES)
@@ -322,6 +415,11 @@ gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx) {
       s = gpuipc__fail_cuda(r, "cuDeviceGet", "ordinal %d", ordinal);
       goto out;
     }
+    unsigned flags = 0;
+    int active = 1;
+    if (GPUIPC__CU(cuDevicePrimaryCtxGetState, dev, &flags, &active) !=
+        CUDA_SUCCESS)
+      active = 1;
     /* Retained for the life of the process: releasing the primary context
      * would destroy every allocation and import made in it. */
     r = GPUIPC__CU(cuDevicePrimaryCtxRetain, &c, dev);
@@ -330,6 +428,7 @@ gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx) {
                             ordinal);
       goto out;
     }
+    stream_room_reserve(c, active != 0);
     atomic_store_explicit(&primary[ordinal], c, memory_order_release);
     CUuuid u;
     if (GPUIPC__CU(cuDeviceGetUuid, &u, dev) != CUDA_SUCCESS)

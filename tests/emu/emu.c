@@ -57,6 +57,12 @@
  *                            a stream worker first sleeps N microseconds, so
  *                            tests of stream ordering catch a missing wait
  *                            (the data would otherwise usually win the race).
+ *   GPUIPC_EMU_STREAM_ROOM=N streams a context has room for before its room
+ *                            grows (default 32, as measured on the H200;
+ *                            0: never wait). Growing the room waits until
+ *                            every stream of the context has drained, as
+ *                            the real driver's cuStreamCreate does behind a
+ *                            stream held by a wait (docs/driver-behaviour.md).
  *   GPUIPC_EMU_LOG=1         print every call and its result to stderr.
  *                            Otherwise the emulator prints only when a
  *                            function it does not implement is called.
@@ -197,6 +203,10 @@ typedef struct emu_ctx {
   emu_stream *streams; /* every live stream of the context */
   emu_stream *legacy;  /* the legacy NULL stream, created on first use */
   unsigned peer_enabled;
+  /* The driver's stream resources (see stream_room): streams alive and the
+   * most the context has room for; growing the room waits for the device. */
+  int nlive, room;
+  pthread_mutex_t grow_mu; /* one growth at a time */
 } emu_ctx;
 #define CTX_MAGIC 0x43545845u
 
@@ -217,6 +227,7 @@ static struct {
   unsigned disable;
   size_t total_mem;
   unsigned copy_delay_us;
+  int stream_room;
   int log;
   fault faults[32];
   int nfaults;
@@ -419,6 +430,8 @@ static void configure(void) {
   E.total_mem = round_up(E.total_mem, EMU_GRAN);
   s = getenv("GPUIPC_EMU_COPY_DELAY_US");
   E.copy_delay_us = s && *s ? (unsigned)strtoul(s, NULL, 10) : 0;
+  s = getenv("GPUIPC_EMU_STREAM_ROOM");
+  E.stream_room = s && *s ? atoi(s) : 32;
   s = getenv("GPUIPC_EMU_DISABLE");
   if (s && *s) {
     static const struct { const char *n; unsigned bit; } caps[] = {
@@ -465,6 +478,8 @@ static void configure(void) {
     c->ordinal = i;
     c->phys = E.vis[i];
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->grow_mu, NULL);
+    c->room = E.stream_room;
   }
   pthread_atfork(NULL, NULL, atfork_child);
 }
@@ -1585,6 +1600,7 @@ static void *stream_worker(void *arg) {
   for (emu_stream **pp = &c->streams; *pp; pp = &(*pp)->next)
     if (*pp == s) {
       *pp = s->next;
+      c->nlive--;
       break;
     }
   pthread_mutex_unlock(&c->mu);
@@ -1626,6 +1642,7 @@ static emu_stream *stream_new(emu_ctx *c, unsigned flags, int kind) {
   pthread_mutex_lock(&c->mu);
   s->next = c->streams;
   c->streams = s;
+  c->nlive++;
   pthread_mutex_unlock(&c->mu);
   return s;
 }
@@ -1887,12 +1904,43 @@ CUresult cuCtxSynchronize_v2(CUcontext ctx) {
   RET(CUDA_SUCCESS);
 }
 
+/* Makes room for one more stream of c, as the real driver does: its
+ * contexts keep stream resources in a pool that grows in steps (the H200's
+ * driver 580 gives the 34th stream of a fresh context a new step), and a
+ * cuStreamCreate that needs a step waits until every stream of the context
+ * has drained: behind a stream held by a cuStreamWaitValue it waits as
+ * long as the stream is held. Streams destroyed leave their room behind,
+ * so a context that once had N streams creates up to N again at once.
+ * Called with c->grow_mu held. */
+static void stream_room(emu_ctx *c) {
+  if (E.stream_room <= 0)
+    return;
+  pthread_mutex_lock(&c->mu);
+  bool full = c->nlive >= c->room;
+  pthread_mutex_unlock(&c->mu);
+  if (!full)
+    return;
+  ctx_sync(c);
+  pthread_mutex_lock(&c->mu);
+  while (c->room <= c->nlive)
+    c->room += E.stream_room;
+  pthread_mutex_unlock(&c->mu);
+}
+
+static emu_stream *user_stream_new(emu_ctx *c, unsigned flags) {
+  pthread_mutex_lock(&c->grow_mu);
+  stream_room(c);
+  emu_stream *s = stream_new(c, flags, SK_USER);
+  pthread_mutex_unlock(&c->grow_mu);
+  return s;
+}
+
 CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
   ENTER_INIT("cuStreamCreate");
   if (!phStream || (Flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
     RET(CUDA_ERROR_INVALID_VALUE);
   NEED_CTX(c);
-  emu_stream *s = stream_new(c, Flags, SK_USER);
+  emu_stream *s = user_stream_new(c, Flags);
   if (!s)
     RET(CUDA_ERROR_OUT_OF_MEMORY);
   if (!hs_add(&live_streams, s)) {
@@ -1908,7 +1956,7 @@ CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int 
   if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
     RET(CUDA_ERROR_INVALID_VALUE);
   NEED_CTX(c);
-  emu_stream *s = stream_new(c, flags, SK_USER);
+  emu_stream *s = user_stream_new(c, flags);
   if (!s)
     RET(CUDA_ERROR_OUT_OF_MEMORY);
   /* Clamped to the range, as CUDA does (-5 greatest, 0 least). */

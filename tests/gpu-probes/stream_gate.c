@@ -10,6 +10,12 @@
  *   gcc -O1 -I/usr/local/cuda/include -o /tmp/stream_gate \
  *       tests/gpu-probes/stream_gate.c -lcuda
  *   /tmp/stream_gate query memset_sync_other memalloc vmm pool streamcreate
+ *   /tmp/stream_gate streamcount prewarm prekeep eventcreate hostalloc
+ *
+ * streamcount creates streams one at a time and prints each count (the
+ * last printed is where creation waits); prewarm creates and destroys 256
+ * streams before the gate closes, prekeep creates 256 and keeps them; both
+ * then create 128 behind the gate.
  */
 #include <cuda.h>
 #include <signal.h>
@@ -22,6 +28,11 @@
 static void step(const char *name) {
   CUcontext ctx; CUdevice dev;
   CK(cuInit(0)); CK(cuDeviceGet(&dev, 0)); CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  CUstream pre[256];
+  if (!strcmp(name, "prewarm") || !strcmp(name, "prekeep")) {
+    for (int i = 0; i < 256; i++) CK(cuStreamCreate(&pre[i], CU_STREAM_NON_BLOCKING));
+    if (!strcmp(name, "prewarm")) for (int i = 0; i < 256; i++) CK(cuStreamDestroy(pre[i]));
+  }
   CUstream s, o; CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
   int nextra = atoi(getenv("EXTRA") ? getenv("EXTRA") : "0");
   for (int i = 0; i < nextra; i++) { CUstream x; CK(cuStreamCreate(&x, CU_STREAM_NON_BLOCKING)); }
@@ -44,6 +55,10 @@ static void step(const char *name) {
     CUmemPoolProps pp; memset(&pp, 0, sizeof pp); pp.allocType = CU_MEM_ALLOCATION_TYPE_PINNED; pp.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; pp.location.type = CU_MEM_LOCATION_TYPE_DEVICE; pp.location.id = 0;
     CUmemoryPool mp; CK(cuMemPoolCreate(&mp, &pp)); CUdeviceptr p; CK(cuMemAllocFromPoolAsync(&p, 1 << 20, mp, o)); CK(cuStreamSynchronize(o));
   } else if (!strcmp(name, "streamcreate")) { for (int i = 0; i < 64; i++) { CUstream x; CK(cuStreamCreate(&x, CU_STREAM_NON_BLOCKING)); } }
+  else if (!strcmp(name, "streamcount")) { for (int i = 0; i < 512; i++) { CUstream x; CK(cuStreamCreate(&x, CU_STREAM_NON_BLOCKING)); printf("  streams created behind the gate: %d\n", i + 1); fflush(stdout); } }
+  else if (!strcmp(name, "prewarm") || !strcmp(name, "prekeep")) { for (int i = 0; i < 128; i++) { CUstream x; CK(cuStreamCreate(&x, CU_STREAM_NON_BLOCKING)); } }
+  else if (!strcmp(name, "eventcreate")) { for (int i = 0; i < 512; i++) { CUevent e; CK(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS)); } }
+  else if (!strcmp(name, "hostalloc")) { for (int i = 0; i < 64; i++) { void *p; CK(cuMemHostAlloc(&p, 1 << 20, CU_MEMHOSTALLOC_DEVICEMAP)); } }
   else if (!strcmp(name, "query")) { CUresult q = cuStreamQuery(s); printf("  query %d\n", q); }
   printf("%s (extra streams %d): returned\n", name, nextra); fflush(stdout);
   *h = 1; CK(cuStreamSynchronize(s));
