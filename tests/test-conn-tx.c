@@ -19,6 +19,12 @@
 
 /* ---- small tools --------------------------------------------------------------------- */
 
+/* The env of consumers started by the dozen: one connection each needs no
+ * stream room, and 64 processes with the default's 70 MiB of device memory
+ * each are 4.5 GB besides their contexts, in a suite that runs many such
+ * tests at once on one GPU. */
+static char *const few_streams[] = {"GPUIPC_STREAM_ROOM=8", NULL};
+
 static const char *rt_dir(void) {
   static char dir[300];
   snprintf(dir, sizeof dir, "%s/rt", harness_tmpdir());
@@ -156,7 +162,7 @@ TEST_IMPL(handoff_64_consumers) {
   char rounds[8];
   snprintf(rounds, sizeof rounds, "%d", ROUNDS);
   for (int i = 0; i < N; i++)
-    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "fanout", rounds,
+    pids[i] = spawn_helper("ho_consumer", few_streams, NULL, "fanout", rounds,
                            (char *)rt_dir(), NULL);
   for (int i = 0; i < N; i++)
     ASSERT_OK(gpuipc_accept(l, &cs[i]));
@@ -717,7 +723,7 @@ TEST_IMPL(handoff_broadcast_64_consumers) {
   char rounds[8];
   snprintf(rounds, sizeof rounds, "%d", ROUNDS);
   for (int i = 0; i < N; i++)
-    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "bcast", rounds,
+    pids[i] = spawn_helper("ho_consumer", few_streams, NULL, "bcast", rounds,
                            (char *)rt_dir(), NULL);
   for (int i = 0; i < N; i++)
     ASSERT_OK(gpuipc_accept(l, &cs[i]));
@@ -804,7 +810,7 @@ TEST_IMPL(handoff_broadcast_held_stream_fresh_connections) {
   pid_t pids[N];
   gpuipc_conn *cs[N];
   for (int i = 0; i < N; i++)
-    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "bcheld", "1",
+    pids[i] = spawn_helper("ho_consumer", few_streams, NULL, "bcheld", "1",
                            (char *)rt_dir(), NULL);
   for (int i = 0; i < N; i++)
     ASSERT_OK(gpuipc_accept(l, &cs[i]));
