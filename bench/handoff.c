@@ -1638,6 +1638,10 @@ int gpuipc_bench_handoff(int argc, char **argv) {
       usage(stdout);
       return 0;
     }
+  /* The fan-out rows make 64 connections while the producer's stream is
+   * held: without room made first, the driver's 34th stream would wait
+   * for that stream (docs/driver-behaviour.md). The consumers inherit it. */
+  setenv("GPUIPC_STREAM_ROOM", "128", 0);
   static bctx b;
   b.emu = gpuipc_bench_pick_driver(&argc, argv, "bench handoff");
   if (b.emu < 0)

@@ -1048,17 +1048,17 @@ HELPER_IMPL(conf_stream_room) {
  * is released (the H200, driver 580: the 34th stream of a context). A
  * fresh process, told to reserve no room. */
 TEST_IMPL(conformance_stream_create_waits_for_room_behind_a_held_stream) {
-  char *const env[] = {"GPUIPC_STREAM_ROOM=0", NULL};
+  char *const env[] = {"GPUIPC_STREAM_ROOM=", NULL};
   pid_t p = spawn_helper("conf_stream_room", env, NULL, "waits", NULL);
   ASSERT_EQ(wait_helper(p, 120), 0);
   return 0;
 }
 
-/* What gpuipc does about it: the first use of a device makes room for
- * GPUIPC_STREAM_ROOM streams (default 128), so 100 streams are made
- * behind a held stream without waiting. */
+/* What gpuipc does about it: told GPUIPC_STREAM_ROOM=128, its first use of
+ * a device makes room for 128 streams, so 100 are made behind a held
+ * stream without waiting. */
 TEST_IMPL(stream_room_reserved_behind_a_held_stream) {
-  char *const env[] = {"GPUIPC_STREAM_ROOM=", NULL};
+  char *const env[] = {"GPUIPC_STREAM_ROOM=128", NULL};
   pid_t p = spawn_helper("conf_stream_room", env, NULL, "free", NULL);
   ASSERT_EQ(wait_helper(p, 120), 0);
   return 0;

@@ -794,9 +794,11 @@ TEST_IMPL(handoff_broadcast_64_consumers) {
  * the bench's first such broadcast to 64 consumers never returned: each
  * fresh connection makes its reclaim stream, and the driver's 34th stream
  * of a context waits for the held one (the emulator models that; the
- * stream room gpuipc reserves at its first use of the device is the fix).
+ * stream room GPUIPC_STREAM_ROOM makes at gpuipc's first use of the device
+ * is the fix).
  * 48 connections: past the driver's first step of 32. */
 TEST_IMPL(handoff_broadcast_held_stream_fresh_connections) {
+  setenv("GPUIPC_STREAM_ROOM", "128", 1); /* read at the device's first use */
   REQUIRE_DEVICES(1);
   enum { N = 48 };
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;

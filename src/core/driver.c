@@ -305,7 +305,7 @@ gpuipc_status gpuipc__fail_cuda(int curesult, const char *call,
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic(CUcontext) primary[GPUIPC__MAX_DEVICES];
 
-GPUIPC__PARAM(stream_room, "GPUIPC_STREAM_ROOM", GPUIPC__PARAM_ONCE, "128",
+GPUIPC__PARAM(stream_room, "GPUIPC_STREAM_ROOM", GPUIPC__PARAM_ONCE, "0",
               "streams each device's context is given room for when gpuipc "
               "first uses it (0: none)");
 
@@ -319,21 +319,24 @@ GPUIPC__PARAM(stream_room, "GPUIPC_STREAM_ROOM", GPUIPC__PARAM_ONCE, "128",
  * same held stream; docs/driver-behaviour.md). gpuipc makes a stream per
  * connection (its reclaim stream), often while the application holds its
  * own, so it grows the pool once, when it first uses a device, by creating
- * and destroying this many streams. Each stream of room costs about
- * 0.55 MiB of device memory and 30 us (the H200): 128 are 70 MiB. Growing
+ * and destroying this many streams, when told to. Each stream of room
+ * costs about 0.55 MiB of device memory and 30 us (the H200): 128 are
+ * 70 MiB. Not by default: with every process of the GPU suite making room
+ * for 128 (or 256), hundreds of processes at once, the suite ran at half
+ * its speed and connections timed out, the cause not established. Growing
  * it later, ahead of need, cannot be made safe: a thread that makes room
  * fills it as it goes, so the caller's next stream needs the growth that
  * thread waits for. */
 static int stream_room(void) {
   const char *e = param_stream_room();
   if (e == NULL || *e == '\0')
-    return 128;
+    return 0;
   char *end;
   long n = strtol(e, &end, 10);
   if (*end != '\0' || n < 0 || n > 65536) {
     GPUIPC__WARN("driver", "GPUIPC_STREAM_ROOM=%s: not a number from 0 to "
-                 "65536; using 128", e);
-    return 128;
+                 "65536; using none", e);
+    return 0;
   }
   return (int)n;
 }
