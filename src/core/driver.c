@@ -377,10 +377,7 @@ static void *stream_room_thread(void *arg) {
  * here. In a context the application already uses, one of its streams may
  * be held right now, and the growth would wait for it: a thread of its own
  * makes it (and waits, if it must, alone). */
-static void stream_room_reserve(CUcontext c, bool was_active) {
-  int n = stream_room();
-  if (n == 0)
-    return;
+static void stream_room_reserve(CUcontext c, int n, bool was_active) {
   if (!was_active) {
     stream_room_make(c, n);
     return;
@@ -422,10 +419,11 @@ gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx) {
       s = gpuipc__fail_cuda(r, "cuDeviceGet", "ordinal %d", ordinal);
       goto out;
     }
+    int room = stream_room();
     unsigned flags = 0;
     int active = 1;
-    if (GPUIPC__CU(cuDevicePrimaryCtxGetState, dev, &flags, &active) !=
-        CUDA_SUCCESS)
+    if (room > 0 && GPUIPC__CU(cuDevicePrimaryCtxGetState, dev, &flags,
+                               &active) != CUDA_SUCCESS)
       active = 1;
     /* Retained for the life of the process: releasing the primary context
      * would destroy every allocation and import made in it. */
@@ -435,7 +433,8 @@ gpuipc_status gpuipc__primary_ctx(int ordinal, CUcontext *ctx) {
                             ordinal);
       goto out;
     }
-    stream_room_reserve(c, active != 0);
+    if (room > 0)
+      stream_room_reserve(c, room, active != 0);
     atomic_store_explicit(&primary[ordinal], c, memory_order_release);
     CUuuid u;
     if (GPUIPC__CU(cuDeviceGetUuid, &u, dev) != CUDA_SUCCESS)
