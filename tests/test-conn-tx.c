@@ -19,11 +19,11 @@
 
 /* ---- small tools --------------------------------------------------------------------- */
 
-/* The env of consumers started by the dozen: one connection each needs no
- * stream room, and 64 processes with the default's 70 MiB of device memory
- * each are 4.5 GB besides their contexts, in a suite that runs many such
- * tests at once on one GPU. */
-static char *const few_streams[] = {"GPUIPC_STREAM_ROOM=8", NULL};
+/* The env of the consumers of a test that makes stream room for itself
+ * (GPUIPC_STREAM_ROOM, set before its first use of the device): they
+ * inherit it, and need none (one connection each; 128 streams of room
+ * are 70 MiB of device memory per process). */
+static char *const no_stream_room[] = {"GPUIPC_STREAM_ROOM=0", NULL};
 
 static const char *rt_dir(void) {
   static char dir[300];
@@ -162,7 +162,7 @@ TEST_IMPL(handoff_64_consumers) {
   char rounds[8];
   snprintf(rounds, sizeof rounds, "%d", ROUNDS);
   for (int i = 0; i < N; i++)
-    pids[i] = spawn_helper("ho_consumer", few_streams, NULL, "fanout", rounds,
+    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "fanout", rounds,
                            (char *)rt_dir(), NULL);
   for (int i = 0; i < N; i++)
     ASSERT_OK(gpuipc_accept(l, &cs[i]));
@@ -723,7 +723,7 @@ TEST_IMPL(handoff_broadcast_64_consumers) {
   char rounds[8];
   snprintf(rounds, sizeof rounds, "%d", ROUNDS);
   for (int i = 0; i < N; i++)
-    pids[i] = spawn_helper("ho_consumer", few_streams, NULL, "bcast", rounds,
+    pids[i] = spawn_helper("ho_consumer", NULL, NULL, "bcast", rounds,
                            (char *)rt_dir(), NULL);
   for (int i = 0; i < N; i++)
     ASSERT_OK(gpuipc_accept(l, &cs[i]));
@@ -812,7 +812,7 @@ TEST_IMPL(handoff_broadcast_held_stream_fresh_connections) {
   pid_t pids[N];
   gpuipc_conn *cs[N];
   for (int i = 0; i < N; i++)
-    pids[i] = spawn_helper("ho_consumer", few_streams, NULL, "bcheld", "1",
+    pids[i] = spawn_helper("ho_consumer", no_stream_room, NULL, "bcheld", "1",
                            (char *)rt_dir(), NULL);
   for (int i = 0; i < N; i++)
     ASSERT_OK(gpuipc_accept(l, &cs[i]));
