@@ -427,6 +427,35 @@ gpuipc_status gpuipc__status_from_cuda(int curesult);
 gpuipc_status gpuipc__resolve_device(const gpuipc_uuid *uuid, int ordinal,
                                      int *out /* OUT */);
 
+/* The IMEX channels that fabric handles (CU_MEM_HANDLE_TYPE_FABRIC) need.
+ * cuda.h (cuMemCreate, cuMemPoolCreate) asks for two things: the driver's
+ * character device nvidia-caps-imex-channels listed in /proc/devices, and
+ * a channel file /dev/nvidia-caps-imex-channels/channel<N> that the user
+ * can open; a process without one is refused (CUDA_ERROR_NOT_PERMITTED, as
+ * documented for the imports). gpuipc shares no memory by fabric handles
+ * yet: `gpuipc doctor` and the fabric conformance test report this state
+ * beside the driver's answers, so that a refusal names what is missing. */
+#define GPUIPC__IMEX_DIR "/dev/nvidia-caps-imex-channels"
+#define GPUIPC__IMEX_MAX 16
+typedef struct gpuipc__imex {
+  int dir_errno; /* 0: the directory was listed; else why not (ENOENT: missing) */
+  int major;     /* nvidia-caps-imex-channels in /proc/devices; -1: not listed */
+  int count;     /* entries of the directory (the first GPUIPC__IMEX_MAX below) */
+  struct {
+    char name[256]; /* "channel0" */
+    int open_errno; /* 0: this process can open it (read-only) */
+  } channel[GPUIPC__IMEX_MAX];
+} gpuipc__imex;
+
+/* Fills *x: lists the directory (names sorted), tries to open each entry
+ * read-only (and closes it again), finds the device's major number. Needs
+ * no driver; creates nothing. */
+void gpuipc__imex_probe(gpuipc__imex *x /* OUT */);
+/* The state in one line, e.g. "/dev/nvidia-caps-imex-channels is missing
+ * (nvidia-caps-imex-channels is not in /proc/devices)" or
+ * "/dev/nvidia-caps-imex-channels: channel0 (opens)". */
+void gpuipc__imex_describe(const gpuipc__imex *x, char *buf, size_t cap);
+
 /* ---- contexts ------------------------------------------------------------ */
 
 /* gpuipc works in each device's primary context and restores whatever

@@ -1,13 +1,19 @@
 /*
  * device.c: owns device naming. Devices cross process boundaries as UUIDs,
  * never ordinals, because CUDA_VISIBLE_DEVICES may differ between processes
- * (DESIGN rule 4); this file maps between the two.
+ * (DESIGN rule 4); this file maps between the two. It also reads the IMEX
+ * channels that fabric handles need (gpuipc__imex_probe), for the reports
+ * that say why the driver refuses them.
  */
 #include "core_int.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 gpuipc_status gpuipc_device_count(int *count) {
   if (count == NULL)
@@ -137,4 +143,116 @@ gpuipc_status gpuipc_uuid_parse(const char *text, gpuipc_uuid *uuid) {
                         text);
   memcpy(uuid->bytes, out, 16);
   return GPUIPC_OK;
+}
+
+/* ---- IMEX channels ------------------------------------------------------ */
+
+/* The major number of a character device named name in /proc/devices
+ * ("Character devices:" lines "234 nvidia-caps-imex-channels"), -1 when
+ * it is not listed. */
+static int char_device_major(const char *name) {
+  FILE *f = fopen("/proc/devices", "re");
+  if (f == NULL)
+    return -1;
+  char line[256];
+  bool chars = false;
+  int major = -1;
+  while (major < 0 && fgets(line, sizeof line, f) != NULL) {
+    if (strncmp(line, "Character devices:", 18) == 0) {
+      chars = true;
+      continue;
+    }
+    if (strncmp(line, "Block devices:", 14) == 0)
+      chars = false;
+    int m;
+    char dev[128];
+    if (chars && sscanf(line, "%d %127s", &m, dev) == 2 && strcmp(dev, name) == 0)
+      major = m;
+  }
+  fclose(f);
+  return major;
+}
+
+static int imex_name_cmp(const void *a, const void *b) {
+  return strcmp((const char *)a, (const char *)b);
+}
+
+void gpuipc__imex_probe(gpuipc__imex *x) {
+  memset(x, 0, sizeof *x);
+  x->major = char_device_major("nvidia-caps-imex-channels");
+  DIR *d = opendir(GPUIPC__IMEX_DIR);
+  if (d == NULL) {
+    x->dir_errno = errno;
+    return;
+  }
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+      continue;
+    if (x->count < GPUIPC__IMEX_MAX)
+      snprintf(x->channel[x->count].name, sizeof x->channel[0].name, "%s", e->d_name);
+    x->count++;
+  }
+  closedir(d);
+  int n = x->count < GPUIPC__IMEX_MAX ? x->count : GPUIPC__IMEX_MAX;
+  qsort(x->channel, (size_t)n, sizeof x->channel[0], imex_name_cmp);
+  /* Opening a channel read-only and closing it again is what tells
+   * whether this user may use it (the driver checks the same access). */
+  for (int i = 0; i < n; i++) {
+    char path[sizeof GPUIPC__IMEX_DIR + sizeof x->channel[0].name + 1];
+    snprintf(path, sizeof path, "%s/%s", GPUIPC__IMEX_DIR, x->channel[i].name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+      x->channel[i].open_errno = errno;
+    } else {
+      close(fd);
+    }
+  }
+}
+
+static void imex_append(char *buf, size_t cap, const char *fmt, ...) GPUIPC__PRINTF(3, 4);
+static void imex_append(char *buf, size_t cap, const char *fmt, ...) {
+  size_t len = strlen(buf);
+  if (len + 1 >= cap)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf + len, cap - len, fmt, ap);
+  va_end(ap);
+}
+
+void gpuipc__imex_describe(const gpuipc__imex *x, char *buf, size_t cap) {
+  if (cap == 0)
+    return;
+  buf[0] = '\0';
+  bool usable = false;
+  if (x->dir_errno == ENOENT) {
+    imex_append(buf, cap, "%s is missing", GPUIPC__IMEX_DIR);
+  } else if (x->dir_errno != 0) {
+    imex_append(buf, cap, "%s cannot be listed (%s)", GPUIPC__IMEX_DIR,
+                strerror(x->dir_errno));
+  } else if (x->count == 0) {
+    imex_append(buf, cap, "%s is empty", GPUIPC__IMEX_DIR);
+  } else {
+    imex_append(buf, cap, "%s:", GPUIPC__IMEX_DIR);
+    int n = x->count < GPUIPC__IMEX_MAX ? x->count : GPUIPC__IMEX_MAX;
+    for (int i = 0; i < n; i++) {
+      if (x->channel[i].open_errno == 0)
+        usable = true;
+      imex_append(buf, cap, "%s %s (%s%s)", i ? "," : "", x->channel[i].name,
+                  x->channel[i].open_errno ? "cannot open: " : "opens",
+                  x->channel[i].open_errno ? strerror(x->channel[i].open_errno) : "");
+    }
+    if (x->count > n)
+      imex_append(buf, cap, " and %d more", x->count - n);
+  }
+  if (usable)
+    return;
+  if (x->major < 0)
+    imex_append(buf, cap, "; /proc/devices does not list nvidia-caps-imex-channels");
+  else
+    imex_append(buf, cap,
+                "; /proc/devices lists nvidia-caps-imex-channels as major %d "
+                "(cuda.h: mknod %s/channel0 c %d 0 makes channel 0)",
+                x->major, GPUIPC__IMEX_DIR, x->major);
 }
