@@ -63,6 +63,21 @@
  *                            every stream of the context has drained, as
  *                            the real driver's cuStreamCreate does behind a
  *                            stream held by a wait (docs/driver-behaviour.md).
+ *   GPUIPC_EMU_FABRIC=MODE   fabric handles (CU_MEM_HANDLE_TYPE_FABRIC):
+ *                              (unset, no) the device reports them
+ *                                          unsupported; every FABRIC request
+ *                                          fails with NOT_SUPPORTED
+ *                              no-channel  supported, but this process has
+ *                                          no IMEX channel: cuMemCreate,
+ *                                          cuMemPoolCreate and the imports
+ *                                          with FABRIC fail with
+ *                                          NOT_PERMITTED (what an H200
+ *                                          without one is expected to say)
+ *                              yes         they work: a fabric handle names
+ *                                          the exporter's memfd, opened
+ *                                          through /proc as legacy handles
+ *                                          are (same user, same pid
+ *                                          namespace)
  *   GPUIPC_EMU_LOG=1         print every call and its result to stderr.
  *                            Otherwise the emulator prints only when a
  *                            function it does not implement is called.
@@ -192,6 +207,9 @@ enum {
   DIS_KERNELS = 1u << 11,    /* cuModuleLoadData: CUDA_ERROR_NO_BINARY_FOR_GPU */
 };
 
+/* GPUIPC_EMU_FABRIC */
+enum { FABRIC_OFF, FABRIC_NO_CHANNEL, FABRIC_ON };
+
 typedef struct emu_stream emu_stream;
 
 typedef struct emu_ctx {
@@ -225,6 +243,7 @@ static struct {
   int ord[EMU_MAX_DEV];  /* physical index -> visible ordinal or -1 */
   bool no_devices;       /* CUDA_VISIBLE_DEVICES hid them all */
   unsigned disable;
+  int fabric; /* FABRIC_OFF, FABRIC_NO_CHANNEL, FABRIC_ON */
   size_t total_mem;
   unsigned copy_delay_us;
   int stream_room;
@@ -458,6 +477,15 @@ static void configure(void) {
   }
   if (E.disable & DIS_MEMOPS)
     E.disable |= DIS_MEMOPS64;
+  s = getenv("GPUIPC_EMU_FABRIC");
+  if (s && *s && strcmp(s, "no") != 0 && strcmp(s, "0") != 0) {
+    if (strcmp(s, "no-channel") == 0)
+      E.fabric = FABRIC_NO_CHANNEL;
+    else if (strcmp(s, "yes") == 0 || strcmp(s, "1") == 0)
+      E.fabric = FABRIC_ON;
+    else
+      emu_msg("GPUIPC_EMU_FABRIC: unknown mode '%s' (no, no-channel, yes)", s);
+  }
   s = getenv("GPUIPC_EMU_FAIL");
   if (s && *s)
     parse_faults(s);
@@ -545,6 +573,25 @@ static CUresult emu_ret(const char *name, CUresult r) {
   } while (0)
 
 static bool disabled(unsigned bit) { return (E.disable & bit) != 0; }
+
+/* Fabric handles are a kind of VMM and pool handle: they exist only where
+ * VMM (for cuMemCreate) and pools with handles (for cuMemPoolCreate) do. */
+static bool fabric_supported(void) { return E.fabric != FABRIC_OFF && !disabled(DIS_VMM); }
+static bool fabric_pools(void) {
+  return E.fabric != FABRIC_OFF && !disabled(DIS_MEMPOOL) && !disabled(DIS_MEMPOOL_IPC);
+}
+
+/* The answer to a request for a fabric handle that is refused: the device
+ * does not support them at all, or this process has no IMEX channel (cuda.h:
+ * "the importer process has not been granted access to the same IMEX
+ * channel ... CUDA_ERROR_NOT_PERMITTED"; the same is expected of
+ * cuMemCreate and cuMemPoolCreate, not yet seen on a real driver).
+ * CUDA_SUCCESS: fabric handles work. */
+static CUresult fabric_refusal(bool supported) {
+  if (!supported)
+    return CUDA_ERROR_NOT_SUPPORTED;
+  return E.fabric == FABRIC_NO_CHANNEL ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
+}
 
 /* ======================================================================== */
 /* initialization, errors, version                                           */
@@ -822,9 +869,10 @@ static int attr_value(int a, int dev) {
   case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: return 0;
   case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: return 0;
   case CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES:
-    return disabled(DIS_MEMPOOL) || disabled(DIS_MEMPOOL_IPC) || disabled(DIS_POSIX_FD)
-               ? 0
-               : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    return (disabled(DIS_MEMPOOL) || disabled(DIS_MEMPOOL_IPC) || disabled(DIS_POSIX_FD)
+                ? 0
+                : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) |
+           (fabric_pools() ? CU_MEM_HANDLE_TYPE_FABRIC : 0);
   case CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH: return 1;
   case CU_DEVICE_ATTRIBUTE_DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED: return 1;
   case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: return !disabled(DIS_MEMOPS64);
@@ -833,7 +881,7 @@ static int attr_value(int a, int dev) {
   case CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED: return !disabled(DIS_IPC_EVENT);
   case CU_DEVICE_ATTRIBUTE_MEM_SYNC_DOMAIN_COUNT: return 4;
   case CU_DEVICE_ATTRIBUTE_TENSOR_MAP_ACCESS_SUPPORTED: return 1;
-  case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: return 0;
+  case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: return fabric_supported();
   case CU_DEVICE_ATTRIBUTE_UNIFIED_FUNCTION_POINTERS: return 1;
   case CU_DEVICE_ATTRIBUTE_NUMA_CONFIG: return 0;
   case CU_DEVICE_ATTRIBUTE_NUMA_ID: return -1;
@@ -3437,11 +3485,17 @@ CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
   if (r != CUDA_SUCCESS)
     RET(r == CUDA_ERROR_INVALID_DEVICE ? CUDA_ERROR_INVALID_VALUE : r);
   unsigned ht = (unsigned)poolProps->handleTypes;
-  if (ht & ~(unsigned)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-    RET(ht & (CU_MEM_HANDLE_TYPE_FABRIC | CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT)
+  if (ht & ~(unsigned)(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC))
+    RET(ht & (CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT)
             ? CUDA_ERROR_NOT_SUPPORTED
             : CUDA_ERROR_INVALID_VALUE);
-  if (ht && (disabled(DIS_MEMPOOL_IPC) || disabled(DIS_POSIX_FD)))
+  if (ht & CU_MEM_HANDLE_TYPE_FABRIC) {
+    r = fabric_refusal(fabric_pools());
+    if (r != CUDA_SUCCESS)
+      RET(r);
+  }
+  if ((ht & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) &&
+      (disabled(DIS_MEMPOOL_IPC) || disabled(DIS_POSIX_FD)))
     RET(CUDA_ERROR_NOT_SUPPORTED);
   if (poolProps->win32SecurityAttributes)
     RET(CUDA_ERROR_INVALID_VALUE);
@@ -3706,11 +3760,29 @@ CUresult cuMemPoolExportToShareableHandle(void *handle_out, CUmemoryPool pool,
   ENTER_INIT("cuMemPoolExportToShareableHandle");
   if (!handle_out || flags)
     RET(CUDA_ERROR_INVALID_VALUE);
+  if (handleType == CU_MEM_HANDLE_TYPE_FABRIC && !fabric_pools())
+    RET(CUDA_ERROR_NOT_SUPPORTED);
   pthread_mutex_lock(&E.mu);
   emu_pool *p = pool_from(pool);
   CUresult r = CUDA_SUCCESS;
-  if (!p || p->imported || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR ||
-      !(p->props.handleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+  if (p && !p->imported && handleType == CU_MEM_HANDLE_TYPE_FABRIC &&
+      (p->props.handleTypes & CU_MEM_HANDLE_TYPE_FABRIC)) {
+    /* The pool's memfd stays open while the pool lives: the handle names
+     * it, as a legacy handle names an allocation's. */
+    ipc_wire w;
+    memset(&w, 0, sizeof w);
+    w.magic = EMU_WIRE_MAGIC;
+    w.kind = HK_POOL;
+    w.pid = E.pid;
+    w.fd = p->fd;
+    w.ino = p->ino;
+    w.dev = p->dev;
+    w.id = p->id;
+    w.start_time = E.start_time;
+    memcpy(handle_out, &w, sizeof w);
+    p->exported = true;
+  } else if (!p || p->imported || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR ||
+             !(p->props.handleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
     int fd = fcntl(p->fd, F_DUPFD_CLOEXEC, 3);
@@ -3725,39 +3797,31 @@ CUresult cuMemPoolExportToShareableHandle(void *handle_out, CUmemoryPool pool,
   RET(r);
 }
 
-CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool_out, void *handle,
-                                            CUmemAllocationHandleType handleType,
-                                            unsigned long long flags) {
-  ENTER_INIT("cuMemPoolImportFromShareableHandle");
-  if (!pool_out || flags)
-    RET(CUDA_ERROR_INVALID_VALUE);
-  if (disabled(DIS_MEMPOOL))
-    RET(CUDA_ERROR_NOT_SUPPORTED);
-  if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-    RET(CUDA_ERROR_INVALID_VALUE);
-  int fd = (int)(intptr_t)handle;
+/* Imports the pool whose memfd fd is (a descriptor received, or one opened
+ * through the exporter's /proc entry for a fabric handle). */
+static CUresult pool_import_fd(int fd, CUmemoryPool *pool_out) {
   struct stat st;
   shm_hdr h;
   if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
       pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h || h.magic != EMU_HDR_MAGIC ||
       h.kind != HK_POOL || (uint64_t)st.st_size < EMU_PAGE + h.size)
-    RET(CUDA_ERROR_INVALID_VALUE);
+    return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&E.mu);
   /* The same pool, through whatever descriptor, is imported once. */
   for (emu_pool *p = pools; p; p = p->next)
     if (p->imported && p->ino == (uint64_t)st.st_ino && p->dev == (uint64_t)st.st_dev) {
       *pool_out = (CUmemoryPool)p;
       pthread_mutex_unlock(&E.mu);
-      RET(CUDA_SUCCESS);
+      return CUDA_SUCCESS;
     }
   pthread_mutex_unlock(&E.mu);
   emu_pool *p = calloc(1, sizeof *p);
   if (!p)
-    RET(CUDA_ERROR_OUT_OF_MEMORY);
+    return CUDA_ERROR_OUT_OF_MEMORY;
   void *m = map_import(fd, h.size, h.owner_addr);
   if (!m) {
     free(p);
-    RET(CUDA_ERROR_OUT_OF_MEMORY);
+    return CUDA_ERROR_OUT_OF_MEMORY;
   }
   p->magic = POOL_MAGIC;
   p->imported = true;
@@ -3781,13 +3845,44 @@ CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool_out, void *handle
       pthread_mutex_unlock(&E.mu);
       munmap(m, p->cap);
       free(p);
-      RET(CUDA_SUCCESS);
+      return CUDA_SUCCESS;
     }
   p->next = pools;
   pools = p;
   pthread_mutex_unlock(&E.mu);
   *pool_out = (CUmemoryPool)p;
-  RET(CUDA_SUCCESS);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool_out, void *handle,
+                                            CUmemAllocationHandleType handleType,
+                                            unsigned long long flags) {
+  ENTER_INIT("cuMemPoolImportFromShareableHandle");
+  if (!pool_out || flags)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  if (disabled(DIS_MEMPOOL))
+    RET(CUDA_ERROR_NOT_SUPPORTED);
+  if (handleType == CU_MEM_HANDLE_TYPE_FABRIC) {
+    CUresult r = fabric_refusal(fabric_pools());
+    if (r != CUDA_SUCCESS)
+      RET(r);
+    if (!handle)
+      RET(CUDA_ERROR_INVALID_VALUE);
+    ipc_wire w;
+    memcpy(&w, handle, sizeof w);
+    shm_hdr h;
+    int fd = w.magic == EMU_WIRE_MAGIC && w.kind == HK_POOL && w.pid > 0
+                 ? shm_open_peer(w.pid, w.fd, w.ino, w.dev, HK_POOL, &h)
+                 : -1;
+    if (fd < 0)
+      RET(CUDA_ERROR_INVALID_VALUE);
+    r = h.id == w.id && h.live ? pool_import_fd(fd, pool_out) : CUDA_ERROR_INVALID_VALUE;
+    close(fd);
+    RET(r);
+  }
+  if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  RET(pool_import_fd((int)(intptr_t)handle, pool_out));
 }
 
 CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *shareData_out, CUdeviceptr ptr) {
@@ -3805,7 +3900,8 @@ CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *shareData_out, CUdevicep
   CUresult res = CUDA_SUCCESS;
   /* The real driver (580) refuses to export a pointer of a pool that was
    * never exported itself (cuMemPoolExportToShareableHandle first). */
-  if (!(p->props.handleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ||
+  if (!(p->props.handleTypes &
+        (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC)) ||
       !p->exported) {
     res = CUDA_ERROR_INVALID_VALUE;
   } else {
@@ -4087,11 +4183,16 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
   if (r != CUDA_SUCCESS)
     RET(r);
   unsigned ht = (unsigned)prop->requestedHandleTypes;
-  if (ht & ~(unsigned)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-    RET(ht & (CU_MEM_HANDLE_TYPE_FABRIC | CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT)
+  if (ht & ~(unsigned)(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC))
+    RET(ht & (CU_MEM_HANDLE_TYPE_WIN32 | CU_MEM_HANDLE_TYPE_WIN32_KMT)
             ? CUDA_ERROR_NOT_SUPPORTED
             : CUDA_ERROR_INVALID_VALUE);
-  if (ht && disabled(DIS_POSIX_FD))
+  if (ht & CU_MEM_HANDLE_TYPE_FABRIC) {
+    r = fabric_refusal(fabric_supported());
+    if (r != CUDA_SUCCESS)
+      RET(r);
+  }
+  if ((ht & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) && disabled(DIS_POSIX_FD))
     RET(CUDA_ERROR_NOT_SUPPORTED);
   if (size == 0 || size % EMU_GRAN)
     RET(CUDA_ERROR_INVALID_VALUE);
@@ -4143,10 +4244,34 @@ CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocat
   ENTER_INIT("cuMemExportToShareableHandle");
   if (!shareableHandle || flags)
     RET(CUDA_ERROR_INVALID_VALUE);
+  if (handleType == CU_MEM_HANDLE_TYPE_FABRIC && !fabric_supported())
+    RET(CUDA_ERROR_NOT_SUPPORTED);
   pthread_mutex_lock(&E.mu);
   emu_phys *p = phys_from(handle);
   CUresult r = CUDA_SUCCESS;
-  if (!p || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR ||
+  if (p && handleType == CU_MEM_HANDLE_TYPE_FABRIC &&
+      (p->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC)) {
+    /* A fabric handle names the allocation's memfd, which stays open while
+     * a handle of this process holds the allocation. An imported
+     * allocation's memfd is this process's own descriptor too, so it can
+     * be exported onwards. */
+    ipc_wire w;
+    memset(&w, 0, sizeof w);
+    w.magic = EMU_WIRE_MAGIC;
+    w.kind = HK_VMM;
+    w.pid = E.pid;
+    w.fd = p->fd;
+    struct stat st;
+    if (fstat(p->fd, &st) != 0) {
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+      w.ino = (uint64_t)st.st_ino;
+      w.dev = (uint64_t)st.st_dev;
+      w.id = p->id;
+      w.start_time = E.start_time;
+      memcpy(shareableHandle, &w, sizeof w);
+    }
+  } else if (!p || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR ||
       !(p->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
     r = CUDA_ERROR_INVALID_VALUE;
   } else {
@@ -4160,30 +4285,22 @@ CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocat
   RET(r);
 }
 
-CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
-                                        CUmemAllocationHandleType shHandleType) {
-  ENTER_INIT("cuMemImportFromShareableHandle");
-  if (!handle)
-    RET(CUDA_ERROR_INVALID_VALUE);
-  if (disabled(DIS_VMM))
-    RET(CUDA_ERROR_NOT_SUPPORTED);
-  if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-    RET(shHandleType == CU_MEM_HANDLE_TYPE_FABRIC ? CUDA_ERROR_NOT_SUPPORTED
-                                                  : CUDA_ERROR_INVALID_VALUE);
-  int fd = (int)(intptr_t)osHandle;
+/* Imports the VMM allocation whose memfd fd is (a descriptor received, or
+ * one opened through the exporter's /proc entry for a fabric handle). */
+static CUresult phys_import_fd(int fd, CUmemGenericAllocationHandle *handle) {
   struct stat st;
   shm_hdr h;
   if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
       pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h || h.magic != EMU_HDR_MAGIC ||
       h.kind != HK_VMM || (uint64_t)st.st_size < EMU_PAGE + h.size)
-    RET(CUDA_ERROR_INVALID_VALUE);
+    return CUDA_ERROR_INVALID_VALUE;
   emu_phys *p = calloc(1, sizeof *p);
   if (!p)
-    RET(CUDA_ERROR_OUT_OF_MEMORY);
+    return CUDA_ERROR_OUT_OF_MEMORY;
   p->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
   if (p->fd < 0) {
     free(p);
-    RET(CUDA_ERROR_OUT_OF_MEMORY);
+    return CUDA_ERROR_OUT_OF_MEMORY;
   }
   p->magic = PHYS_MAGIC;
   p->refs = 1;
@@ -4201,7 +4318,37 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
   phys_list = p;
   pthread_mutex_unlock(&E.mu);
   *handle = (CUmemGenericAllocationHandle)(uintptr_t)p;
-  RET(CUDA_SUCCESS);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                        CUmemAllocationHandleType shHandleType) {
+  ENTER_INIT("cuMemImportFromShareableHandle");
+  if (!handle)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  if (disabled(DIS_VMM))
+    RET(CUDA_ERROR_NOT_SUPPORTED);
+  if (shHandleType == CU_MEM_HANDLE_TYPE_FABRIC) {
+    CUresult r = fabric_refusal(fabric_supported());
+    if (r != CUDA_SUCCESS)
+      RET(r);
+    if (!osHandle)
+      RET(CUDA_ERROR_INVALID_VALUE);
+    ipc_wire w;
+    memcpy(&w, osHandle, sizeof w); /* a CUmemFabricHandle */
+    shm_hdr h;
+    int fd = w.magic == EMU_WIRE_MAGIC && w.kind == HK_VMM && w.pid > 0
+                 ? shm_open_peer(w.pid, w.fd, w.ino, w.dev, HK_VMM, &h)
+                 : -1;
+    if (fd < 0)
+      RET(CUDA_ERROR_INVALID_VALUE);
+    r = h.id == w.id ? phys_import_fd(fd, handle) : CUDA_ERROR_INVALID_VALUE;
+    close(fd);
+    RET(r);
+  }
+  if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    RET(CUDA_ERROR_INVALID_VALUE);
+  RET(phys_import_fd((int)(intptr_t)osHandle, handle));
 }
 
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
