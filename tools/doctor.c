@@ -6,9 +6,15 @@
  * peer matrix, the process side, the environment parameters) into one
  * report, then decides a verdict for each sharing mechanism, then walks the
  * report once (report()), writing it as aligned text or as one JSON object
- * (the keys are documented in docs/doctor.md and only ever added to). It
- * asks the driver only for attributes: it creates no context and allocates
- * nothing, so it is fast and safe to run beside a busy job.
+ * (the keys are documented in docs/doctor.md and only ever added to). For
+ * its verdicts it asks the driver only for attributes. One probe goes
+ * further: fabric handles (CU_MEM_HANDLE_TYPE_FABRIC) are refused by the
+ * driver for reasons no attribute tells (an IMEX channel this process can
+ * open), so the doctor tries them on each device (gather_fabric: the
+ * device's primary context, one VMM allocation and one pool, all given
+ * back) and reports the call that refused and the IMEX channels. gpuipc
+ * does not share memory by fabric handles yet, so the probe counts in no
+ * verdict and is skipped under --quiet.
  *
  * It also says whether this process runs in a container (its pid or IPC
  * namespace is not the machine's first, its namespaces differ from those of
@@ -189,6 +195,27 @@ typedef struct xc_verdict {
   char why[320];
 } xc_verdict;
 
+/* One path of the fabric export probe on a device: a VMM allocation
+ * (cuMemCreate, cuMemExportToShareableHandle, cuMemImportFromShareableHandle)
+ * or a memory pool (cuMemPoolCreate, cuMemAllocFromPoolAsync,
+ * cuMemPoolExportToShareableHandle, cuMemPoolExportPointer, then
+ * cuMemPoolImportFromShareableHandle and cuMemPoolImportPointer). */
+typedef struct doc_fabric_path {
+  bool exported;           /* every call up to the export succeeded */
+  const char *failed_call; /* else the first that failed */
+  CUresult error;          /* and its answer */
+  bool import_tried;       /* exported: imported again in this process */
+  const char *import_failed_call; /* NULL: the import succeeded */
+  CUresult import_error;
+  bool import_same; /* the import gave back the exporter's own handle or pool */
+} doc_fabric_path;
+
+typedef struct doc_fabric {
+  bool probed;           /* the device was examined */
+  doc_fabric_path vmm, pool;
+  char cleanup[256];     /* calls that failed while giving back, "; "-separated */
+} doc_fabric;
+
 typedef struct doc_verdict {
   bool usable;
   bool on_device[DOC_MAX_DEVICES]; /* not used by M_PEER */
@@ -251,6 +278,13 @@ typedef struct doc_report {
   gpuipc__param *env[64];
   size_t env_count;
 
+  /* the fabric export probe (gather_fabric), per device, and the IMEX
+   * channels it needs */
+  bool fabric_probed;
+  doc_fabric fabric[DOC_MAX_DEVICES];
+  gpuipc__imex imex;
+  doc_verdict fabric_verdict; /* counted in no result */
+
   doc_verdict verdict[M_COUNT];
   int usable_count;
   int exit_status;
@@ -288,6 +322,8 @@ static const char *errno_name(int e) {
   case ENOTDIR: return "ENOTDIR";
   case ELOOP: return "ELOOP";
   case ENAMETOOLONG: return "ENAMETOOLONG";
+  case ENXIO: return "ENXIO";
+  case ENODEV: return "ENODEV";
   default: return "errno";
   }
 }
@@ -513,6 +549,166 @@ static void gather_driver(doc_report *r) {
   for (int i = 0; i < r->device_count; i++)
     gather_device(r, i);
   gather_peers(r);
+}
+
+/* ---- gathering: the fabric export probe ------------------------------------ */
+
+/* Records the first failure of a path: the call and its answer. */
+static bool fab_fail(doc_fabric_path *p, const char *call, CUresult cr) {
+  if (cr == CUDA_SUCCESS)
+    return false;
+  p->failed_call = call;
+  p->error = cr;
+  return true;
+}
+
+static void fab_cleanup(doc_fabric *f, const char *call, CUresult cr) {
+  if (cr != CUDA_SUCCESS)
+    append(f->cleanup, sizeof f->cleanup, "%s%s: %s", f->cleanup[0] ? "; " : "", call,
+           gpuipc__cuda_error_name(cr));
+}
+
+/* A VMM allocation of one granule with a fabric handle: exported into a
+ * CUmemFabricHandle, then those bytes imported in this very process (the
+ * driver's answer is recorded, whatever it is). */
+static void fabric_vmm(doc_fabric *f, CUdevice dev, size_t *gran_out) {
+  doc_fabric_path *p = &f->vmm;
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = (int)dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  size_t gran = 0;
+  if (fab_fail(p, "cuMemGetAllocationGranularity",
+               GPUIPC__CU(cuMemGetAllocationGranularity, &gran, &prop,
+                          CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+    return;
+  if (gran == 0) {
+    fab_fail(p, "cuMemGetAllocationGranularity", CUDA_ERROR_INVALID_VALUE);
+    return;
+  }
+  *gran_out = gran;
+  CUmemGenericAllocationHandle h = 0;
+  if (fab_fail(p, "cuMemCreate", GPUIPC__CU(cuMemCreate, &h, gran, &prop, 0)))
+    return;
+  CUmemFabricHandle fh;
+  memset(&fh, 0, sizeof fh);
+  if (!fab_fail(p, "cuMemExportToShareableHandle",
+                GPUIPC__CU(cuMemExportToShareableHandle, &fh, h,
+                           CU_MEM_HANDLE_TYPE_FABRIC, 0))) {
+    p->exported = true;
+    p->import_tried = true;
+    CUmemGenericAllocationHandle h2 = 0;
+    p->import_error = GPUIPC__CU(cuMemImportFromShareableHandle, &h2, &fh,
+                                 CU_MEM_HANDLE_TYPE_FABRIC);
+    if (p->import_error != CUDA_SUCCESS) {
+      p->import_failed_call = "cuMemImportFromShareableHandle";
+    } else {
+      /* Each import is a handle of its own to release (cuda.h), even if the
+       * driver hands back the value it already gave. */
+      p->import_same = h2 == h;
+      fab_cleanup(f, "cuMemRelease", GPUIPC__CU(cuMemRelease, h2));
+    }
+  }
+  fab_cleanup(f, "cuMemRelease", GPUIPC__CU(cuMemRelease, h));
+}
+
+/* A pool with a fabric handle type and one allocation from it: the pool and
+ * the pointer exported, then imported in this very process. */
+static void fabric_pool(doc_fabric *f, CUdevice dev, size_t bytes) {
+  doc_fabric_path *p = &f->pool;
+  CUmemPoolProps props;
+  memset(&props, 0, sizeof props);
+  props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+  props.handleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  props.location.id = (int)dev;
+  CUmemoryPool pool = NULL;
+  if (fab_fail(p, "cuMemPoolCreate", GPUIPC__CU(cuMemPoolCreate, &pool, &props)))
+    return;
+  CUdeviceptr ptr = 0;
+  if (fab_fail(p, "cuMemAllocFromPoolAsync",
+               GPUIPC__CU(cuMemAllocFromPoolAsync, &ptr, bytes, pool, (CUstream)0)))
+    goto destroy;
+  if (fab_fail(p, "cuStreamSynchronize", GPUIPC__CU(cuStreamSynchronize, (CUstream)0)))
+    goto free_ptr;
+  CUmemFabricHandle fh;
+  memset(&fh, 0, sizeof fh);
+  if (fab_fail(p, "cuMemPoolExportToShareableHandle",
+               GPUIPC__CU(cuMemPoolExportToShareableHandle, &fh, pool,
+                          CU_MEM_HANDLE_TYPE_FABRIC, 0)))
+    goto free_ptr;
+  CUmemPoolPtrExportData data;
+  memset(&data, 0, sizeof data);
+  if (fab_fail(p, "cuMemPoolExportPointer", GPUIPC__CU(cuMemPoolExportPointer, &data, ptr)))
+    goto free_ptr;
+  p->exported = true;
+  p->import_tried = true;
+  CUmemoryPool pool2 = NULL;
+  p->import_error = GPUIPC__CU(cuMemPoolImportFromShareableHandle, &pool2, &fh,
+                               CU_MEM_HANDLE_TYPE_FABRIC, 0);
+  if (p->import_error != CUDA_SUCCESS) {
+    p->import_failed_call = "cuMemPoolImportFromShareableHandle";
+  } else if (pool2 == pool) {
+    /* The driver gave back the pool itself: nothing of its own to import
+     * into or destroy. */
+    p->import_same = true;
+  } else {
+    CUdeviceptr ptr2 = 0;
+    p->import_error = GPUIPC__CU(cuMemPoolImportPointer, &ptr2, pool2, &data);
+    if (p->import_error != CUDA_SUCCESS) {
+      p->import_failed_call = "cuMemPoolImportPointer";
+    } else {
+      fab_cleanup(f, "cuMemFreeAsync", GPUIPC__CU(cuMemFreeAsync, ptr2, (CUstream)0));
+      fab_cleanup(f, "cuStreamSynchronize", GPUIPC__CU(cuStreamSynchronize, (CUstream)0));
+    }
+    /* An imported pool is destroyed only once no pointer of it is open
+     * (docs/driver-behaviour.md). */
+    fab_cleanup(f, "cuMemPoolDestroy", GPUIPC__CU(cuMemPoolDestroy, pool2));
+  }
+free_ptr:
+  fab_cleanup(f, "cuMemFreeAsync", GPUIPC__CU(cuMemFreeAsync, ptr, (CUstream)0));
+  fab_cleanup(f, "cuStreamSynchronize", GPUIPC__CU(cuStreamSynchronize, (CUstream)0));
+destroy:
+  fab_cleanup(f, "cuMemPoolDestroy", GPUIPC__CU(cuMemPoolDestroy, pool));
+}
+
+/* The fabric export probe on every device, each in its primary context
+ * (retained, made current, then popped and released: the doctor leaves no
+ * context behind it), and the IMEX channels (needed whatever the driver
+ * says, so that a refusal comes with what is missing). */
+static void gather_fabric(doc_report *r) {
+  gpuipc__imex_probe(&r->imex);
+  if (!r->initialized)
+    return;
+  r->fabric_probed = true;
+  for (int i = 0; i < r->device_count; i++) {
+    doc_fabric *f = &r->fabric[i];
+    if (!r->dev[i].ok)
+      continue;
+    f->probed = true;
+    CUdevice dev = r->dev[i].dev;
+    CUcontext ctx = NULL;
+    CUresult cr = GPUIPC__CU(cuDevicePrimaryCtxRetain, &ctx, dev);
+    if (cr != CUDA_SUCCESS) {
+      fab_fail(&f->vmm, "cuDevicePrimaryCtxRetain", cr);
+      fab_fail(&f->pool, "cuDevicePrimaryCtxRetain", cr);
+      continue;
+    }
+    cr = GPUIPC__CU(cuCtxPushCurrent, ctx);
+    if (cr != CUDA_SUCCESS) {
+      fab_fail(&f->vmm, "cuCtxPushCurrent", cr);
+      fab_fail(&f->pool, "cuCtxPushCurrent", cr);
+    } else {
+      size_t gran = (size_t)2 << 20;
+      fabric_vmm(f, dev, &gran);
+      fabric_pool(f, dev, gran);
+      CUcontext popped = NULL;
+      fab_cleanup(f, "cuCtxPopCurrent", GPUIPC__CU(cuCtxPopCurrent, &popped));
+    }
+    fab_cleanup(f, "cuDevicePrimaryCtxRelease", GPUIPC__CU(cuDevicePrimaryCtxRelease, dev));
+  }
 }
 
 /* ---- gathering: the process side ------------------------------------------ */
@@ -958,6 +1154,38 @@ static void decide(doc_report *r) {
     r->exit_status = 2;
   else
     r->exit_status = r->usable_count > 0 ? 0 : 1;
+}
+
+/* The fabric export probe's verdict: usable on a device where a VMM
+ * allocation or a pool exported a fabric handle; else the first refusal.
+ * Counted in no result (gpuipc does not share by fabric handles yet). */
+static void decide_fabric(doc_report *r) {
+  doc_verdict *v = &r->fabric_verdict;
+  if (!r->loaded || (!r->initialized && r->driver_error[0])) {
+    snprintf(v->reason, sizeof v->reason, "no CUDA driver");
+    return;
+  }
+  if (r->device_count == 0 || !r->fabric_probed) {
+    snprintf(v->reason, sizeof v->reason, "%s",
+             r->device_count == 0 ? "no device" : "not probed");
+    return;
+  }
+  for (int i = 0; i < r->device_count; i++) {
+    const doc_fabric *f = &r->fabric[i];
+    v->on_device[i] = f->probed && (f->vmm.exported || f->pool.exported);
+    v->usable = v->usable || v->on_device[i];
+  }
+  if (v->usable)
+    return;
+  for (int i = 0; i < r->device_count; i++) {
+    const doc_fabric *f = &r->fabric[i];
+    if (f->probed) {
+      snprintf(v->reason, sizeof v->reason, "%s returned %s (device %d)",
+               f->vmm.failed_call, gpuipc__cuda_error_name(f->vmm.error), i);
+      return;
+    }
+  }
+  snprintf(v->reason, sizeof v->reason, "no device could be examined");
 }
 
 /* ---- human output ------------------------------------------------------------ */
@@ -1614,6 +1842,112 @@ static void report_mechanisms(emit *e, const doc_report *r) {
   e_obj_end(e);
 }
 
+/* One path of the fabric probe in words: "yes", with what the import in
+ * this process answered, or "no: <call> returned <error>". */
+static void fabric_path_text(const doc_fabric_path *p, bool pool, char *buf, size_t cap) {
+  if (!p->exported)
+    snprintf(buf, cap, "no: %s returned %s", p->failed_call,
+             gpuipc__cuda_error_name(p->error));
+  else if (p->import_failed_call)
+    snprintf(buf, cap, "yes; import in this process: %s returned %s", p->import_failed_call,
+             gpuipc__cuda_error_name(p->import_error));
+  else if (p->import_same)
+    snprintf(buf, cap, "yes; imported in this process (%s)",
+             pool ? "as the same pool" : "as the same handle");
+  else
+    snprintf(buf, cap, "yes; imported in this process");
+}
+
+static void json_fabric_path(emit *e, const char *key, const doc_fabric_path *p) {
+  e_obj(e, key);
+  e_bool(e, "exported", p->exported);
+  e_str(e, "failed_call", p->exported ? NULL : p->failed_call);
+  e_str(e, "error", p->exported ? NULL : gpuipc__cuda_error_name(p->error));
+  e_opt_bool(e, "imported", p->import_tried, p->import_failed_call == NULL);
+  e_str(e, "import_failed_call", p->import_failed_call);
+  e_str(e, "import_error",
+        p->import_failed_call ? gpuipc__cuda_error_name(p->import_error) : NULL);
+  e_opt_bool(e, "import_same", p->import_tried && p->import_failed_call == NULL,
+             p->import_same);
+  e_obj_end(e);
+}
+
+static const char *imex_state(const gpuipc__imex *x) {
+  return x->dir_errno == ENOENT ? "missing"
+         : x->dir_errno != 0    ? "unreadable"
+         : x->count == 0        ? "empty"
+                                : "present";
+}
+
+/* The fabric export probe: in the JSON an object of its own beside
+ * "mechanisms" (it counts in no result), in the text the last lines of the
+ * Mechanisms section. */
+static void report_fabric(emit *e, const doc_report *r) {
+  const doc_verdict *v = &r->fabric_verdict;
+  e_obj(e, "fabric_export");
+  e_bool(e, "probed", r->fabric_probed);
+  e_bool(e, "usable", v->usable);
+  e_str(e, "reason", v->usable ? NULL : v->reason);
+  e_arr(e, "devices", true);
+  for (int i = 0; i < r->device_count; i++)
+    if (v->on_device[i])
+      e_int(e, NULL, i);
+  e_arr_end(e);
+  bool refused = false, first = true;
+  e_arr(e, "probes", false);
+  for (int i = 0; i < r->device_count; i++) {
+    const doc_fabric *f = &r->fabric[i];
+    if (!f->probed)
+      continue;
+    e_obj(e, NULL);
+    e_int(e, "ordinal", i);
+    e_opt_bool(e, "attribute", r->dev[i].have_attr[A_FABRIC], r->dev[i].attr[A_FABRIC] != 0);
+    json_fabric_path(e, "vmm", &f->vmm);
+    json_fabric_path(e, "pool", &f->pool);
+    e_str(e, "cleanup_errors", f->cleanup[0] ? f->cleanup : NULL);
+    e_obj_end(e);
+    char text[256];
+    fabric_path_text(&f->vmm, false, text, sizeof text);
+    h_line(e, first ? "fabric export" : "", "device %d VMM: %s", i, text);
+    first = false;
+    fabric_path_text(&f->pool, true, text, sizeof text);
+    h_line(e, "", "device %d pool: %s", i, text);
+    if (f->cleanup[0])
+      h_line(e, "", "device %d, giving back: %s", i, f->cleanup);
+    refused = refused || !f->vmm.exported || !f->pool.exported ||
+              f->vmm.import_failed_call || f->pool.import_failed_call;
+  }
+  e_arr_end(e);
+  if (!r->fabric_probed)
+    h_line(e, "fabric export", "not usable: %s", v->reason);
+
+  const gpuipc__imex *x = &r->imex;
+  char detail[1024];
+  gpuipc__imex_describe(x, detail, sizeof detail);
+  e_obj(e, "imex_channels");
+  e_str(e, "path", GPUIPC__IMEX_DIR);
+  e_str(e, "state", imex_state(x));
+  e_str(e, "errno_name", x->dir_errno && x->dir_errno != ENOENT ? errno_name(x->dir_errno)
+                                                                : NULL);
+  e_opt_int(e, "device_major", x->major >= 0, x->major);
+  e_int(e, "count", x->count);
+  e_arr(e, "channels", false);
+  for (int k = 0; k < x->count && k < GPUIPC__IMEX_MAX; k++) {
+    e_obj(e, NULL);
+    e_str(e, "name", x->channel[k].name);
+    e_bool(e, "opens", x->channel[k].open_errno == 0);
+    e_str(e, "errno_name",
+          x->channel[k].open_errno ? errno_name(x->channel[k].open_errno) : NULL);
+    e_obj_end(e);
+  }
+  e_arr_end(e);
+  e_str(e, "detail", detail);
+  e_obj_end(e);
+  if (refused)
+    h_line(e, "", "IMEX channels: %s", detail);
+  e_obj_end(e);
+}
+
 /* The whole report, as text (json false) or as one JSON object. */
 static void report(FILE *out, const doc_report *r, bool json) {
   emit e = {.f = out, .json = json, .w = {.f = out}};
@@ -1634,6 +1968,7 @@ static void report(FILE *out, const doc_report *r, bool json) {
   report_containers(&e, r);
   report_environment(&e, r);
   report_mechanisms(&e, r);
+  report_fabric(&e, r);
   e_int(&e, "usable_mechanisms", r->usable_count);
   e_int(&e, "exit_status", r->exit_status);
   e_obj_end(&e);
@@ -1689,8 +2024,13 @@ int gpuipc_cmd_doctor(int argc, char **argv) {
   gather_process(r);
   gather_driver(r);
   gather_environment(r);
+  /* The fabric probe counts in no verdict: --quiet, which prints only the
+   * exit status, does not make it. */
+  if (!quiet)
+    gather_fabric(r);
   decide(r);
   decide_cross_container(r);
+  decide_fabric(r);
   if (!quiet) {
     report(stdout, r, json);
     fflush(stdout);
