@@ -45,8 +45,30 @@ if [ -z "$PY" ]; then
   exit 77
 fi
 out="$build/python"
+# A build with AddressSanitizer (GPUIPC_ASAN): the extension is built with
+# it too, and the interpreter, which is not, starts with its runtime
+# preloaded (it must come first) and with Python's allocator replaced by
+# malloc, so that the sanitizer sees the objects' memory. Leak checking is
+# off: the interpreter keeps much of its memory to the end by design.
+san_env=""
+if grep -q '^GPUIPC_ASAN:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null; then
+  cc=$(sed -n 's/^CMAKE_C_COMPILER:[A-Z]*=//p' "$build/CMakeCache.txt")
+  rt=$("${cc:-cc}" -print-file-name=libasan.so)
+  case "$rt" in
+    /*) ;;
+    *) echo "FAIL: the ASan build's compiler (${cc:-cc}) names no libasan.so to preload"; exit 1 ;;
+  esac
+  san="-fsanitize=address,undefined -fno-omit-frame-pointer"
+  export CFLAGS="${CFLAGS:-} $san" LDFLAGS="${LDFLAGS:-} $san"
+  san_env="LD_PRELOAD=$rt PYTHONMALLOC=malloc"
+  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+  export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+  echo "python: AddressSanitizer build: the extension is built with it, $rt is preloaded"
+fi
 echo "python: building the extension with $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')) into $out/lib"
 (cd "$pkg" && GPUIPC_BUILD_DIR="$build" "$PY" setup.py -q build --force --build-lib "$out/lib" \
    --build-temp "$out/tmp" >"$out.log" 2>&1) || { cat "$out.log"; echo "FAIL: building the extension"; exit 1; }
 cd "$here" || exit 1
-GPUIPC_PKG_DIR="$out/lib" exec "$PY" -m pytest -p no:cacheprovider -q -rs --durations=12 "$@" "$here"
+# shellcheck disable=SC2086
+GPUIPC_PKG_DIR="$out/lib" exec env $san_env "$PY" -m pytest -p no:cacheprovider -q -rs \
+  --durations=12 "$@" "$here"

@@ -17,7 +17,11 @@ PyCapsule_GetPointer.restype = ctypes.c_void_p
 PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 PyCapsule_SetName = ctypes.pythonapi.PyCapsule_SetName
 PyCapsule_SetName.restype = ctypes.c_int
-PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_void_p]
+# A capsule keeps the pointer to its name, not a copy: the names a consumer
+# renames a capsule to must outlive it (as a C consumer's literals do).
+USED_NAMES = {False: ctypes.create_string_buffer(b"used_dltensor"),
+              True: ctypes.create_string_buffer(b"used_dltensor_versioned")}
 PyCapsule_GetName = ctypes.pythonapi.PyCapsule_GetName
 PyCapsule_GetName.restype = ctypes.c_char_p
 PyCapsule_GetName.argtypes = [ctypes.py_object]
@@ -76,7 +80,7 @@ def consume(cap, versioned):
     if versioned:
         fields["version"] = (m.version.major, m.version.minor)
         fields["flags"] = m.flags
-    assert PyCapsule_SetName(cap, b"used_" + name) == 0
+    assert PyCapsule_SetName(cap, ctypes.addressof(USED_NAMES[versioned])) == 0
     deleter = m.deleter
 
     def delete():

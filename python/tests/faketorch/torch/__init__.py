@@ -135,5 +135,8 @@ if __import__("os").environ.get("FAKETORCH_EXCHANGE") == "1":
     _api = _Api(1, 3, None, None, None, _to_py, None, _work_stream)
     _new = ctypes.pythonapi.PyCapsule_New
     _new.restype = ctypes.py_object
-    _new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    Tensor.__dlpack_c_exchange_api__ = _new(ctypes.addressof(_api), b"dlpack_exchange_api", None)
+    _new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    # A capsule keeps the pointer to its name: the name lives as long as it.
+    _api_name = ctypes.create_string_buffer(b"dlpack_exchange_api")
+    Tensor.__dlpack_c_exchange_api__ = _new(ctypes.addressof(_api), ctypes.addressof(_api_name),
+                                            None)
