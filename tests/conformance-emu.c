@@ -3,9 +3,11 @@
  * which make sense only on the emulator (each test starts with
  * REQUIRE_EMULATOR and is skipped on a real GPU): fault injection
  * (GPUIPC_EMU_FAIL), capabilities turned off (GPUIPC_EMU_DISABLE), the
- * number of emulated devices (GPUIPC_EMU_DEVICES), the promise that two
- * processes never see one allocation at the same address, and the
- * conformance checks that need two devices, run with two emulated devices.
+ * number of emulated devices (GPUIPC_EMU_DEVICES), fabric handles
+ * (GPUIPC_EMU_FABRIC: the fabric conformance test in each mode), the
+ * promise that two processes never see one allocation at the same address,
+ * and the conformance checks that need two devices, run with two emulated
+ * devices.
  *
  * Settings are read by the emulator once, at its first call, so every
  * scenario runs in a helper process started with the setting in its
@@ -474,6 +476,88 @@ TEST_IMPL(emu_two_devices_peer_access_and_copy) {
 }
 TEST_IMPL(emu_two_devices_stream_wait_event_other_device) {
   return run_with_two_devices("conformance_stream_wait_event_other_device");
+}
+
+/* ---- fabric handles ----------------------------------------------------------- */
+
+/* Runs conformance_fabric_handle_export_import in a child with
+ * GPUIPC_EMU_FABRIC=mode (empty: unset) and, when fail is not NULL,
+ * GPUIPC_EMU_FAIL=fail; returns its exit status, its output in out. */
+static int run_fabric(const char *mode, const char *fail, char *out, size_t cap) {
+  char fabric[64], faults[128];
+  snprintf(fabric, sizeof fabric, "GPUIPC_EMU_FABRIC=%s", mode);
+  snprintf(faults, sizeof faults, "GPUIPC_EMU_FAIL=%s", fail ? fail : "");
+  char *env[] = {fabric, faults, NULL};
+  char *argv[] = {"/proc/self/exe", "conformance_fabric_handle_export_import", NULL};
+  int st = harness_run(argv, env, out, cap);
+  printf("GPUIPC_EMU_FABRIC=%s%s%s: exit %d\n%s", mode, fail ? " GPUIPC_EMU_FAIL=" : "",
+         fail ? fail : "", st, out);
+  return st;
+}
+
+/* What the skip line says of the IMEX channels: this machine's state, as
+ * the library describes it. */
+static void imex_line(char *buf, size_t cap) {
+  gpuipc__imex x;
+  gpuipc__imex_probe(&x);
+  char state[1024];
+  gpuipc__imex_describe(&x, state, sizeof state);
+  snprintf(buf, cap, "IMEX channels: %s\n", state);
+}
+
+/* Unsupported (the default): the attribute is 0 and cuMemCreate refuses;
+ * the fabric test skips, saying so. */
+TEST_IMPL(emu_fabric_unsupported_is_refused) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FABRIC");
+  char out[8192];
+  ASSERT_EQ(run_fabric("", NULL, out, sizeof out), TEST_SKIP);
+  ASSERT_STR_CONTAINS(out, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0\n");
+  ASSERT_STR_CONTAINS(out, "fabric: cuMemCreate -> CUDA_ERROR_NOT_SUPPORTED\n");
+  ASSERT_STR_CONTAINS(out, "SKIP: fabric handles not supported (attribute 0), and cuMemCreate "
+                           "refused them with CUDA_ERROR_NOT_SUPPORTED");
+  return 0;
+}
+
+/* Supported, no IMEX channel: cuMemCreate refuses with NOT_PERMITTED and
+ * the test skips with that answer and the channels' state; it does not
+ * pass. */
+TEST_IMPL(emu_fabric_no_channel_skips_with_the_answer) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FABRIC");
+  char out[8192], imex[1100];
+  ASSERT_EQ(run_fabric("no-channel", NULL, out, sizeof out), TEST_SKIP);
+  ASSERT_STR_CONTAINS(out, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 1\n");
+  ASSERT_STR_CONTAINS(out, "SKIP: the device reports fabric handles supported (attribute 1), "
+                           "but cuMemCreate returned CUDA_ERROR_NOT_PERMITTED; IMEX channels: "
+                           GPUIPC__IMEX_DIR);
+  imex_line(imex, sizeof imex);
+  ASSERT_STR_CONTAINS(out, imex);
+  return 0;
+}
+
+/* Fabric handles that work: the allocation's bytes cross to the importer
+ * and back, and the test passes. */
+TEST_IMPL(emu_fabric_handles_cross_processes) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FABRIC");
+  char out[8192];
+  ASSERT_EQ(run_fabric("yes", NULL, out, sizeof out), 0);
+  ASSERT_STR_CONTAINS(out, "fabric: cuMemExportToShareableHandle -> CUDA_SUCCESS\n");
+  ASSERT_STR_CONTAINS(out, "fabric: cuMemImportFromShareableHandle (another process) -> "
+                           "CUDA_SUCCESS\n");
+  return 0;
+}
+
+/* The export works but the other process's import is refused (injected
+ * into the importer, a process of its own): a skip with the import's
+ * answer, not a pass. */
+TEST_IMPL(emu_fabric_import_refused_skips) {
+  REQUIRE_EMULATOR("GPUIPC_EMU_FABRIC");
+  char out[8192];
+  ASSERT_EQ(run_fabric("yes", "cuMemImportFromShareableHandle:1:CUDA_ERROR_NOT_PERMITTED", out,
+                       sizeof out),
+            TEST_SKIP);
+  ASSERT_STR_CONTAINS(out, "SKIP: the export succeeded, but cuMemImportFromShareableHandle in "
+                           "another process returned CUDA_ERROR_NOT_PERMITTED; IMEX channels: ");
+  return 0;
 }
 
 /* ---- the one kernel ----------------------------------------------------------- */

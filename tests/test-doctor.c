@@ -10,6 +10,9 @@
  */
 #include "harness.h"
 
+#include "tree.h"
+
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -488,6 +491,82 @@ static void doctor_run_free(doctor_run *r) {
 static const char *const mechanisms[] = {"legacy_handles", "pool_fds", "vmm_fds",
                                          "ipc_events", "stream_memops", "peer_access"};
 
+/* One path of the fabric probe: the failed call and its error exactly when
+ * not exported; an import answer exactly when exported. */
+static void check_fabric_path(jval *p) {
+  ASSERT_EQ(p->t, J_OBJ);
+  bool exported = JREQ(p, "exported", J_BOOL)->b;
+  jval *imported = JREQ_OR_NULL(p, "imported", J_BOOL);
+  if (exported) {
+    ASSERT_EQ(JREQ(p, "failed_call", J_NULL)->t, J_NULL);
+    ASSERT_EQ(JREQ(p, "error", J_NULL)->t, J_NULL);
+    ASSERT_EQ(imported->t, J_BOOL);
+    if (imported->b) {
+      ASSERT_EQ(JREQ(p, "import_failed_call", J_NULL)->t, J_NULL);
+      JREQ(p, "import_same", J_BOOL);
+    } else {
+      ASSERT_EQ(strncmp(JREQ(p, "import_failed_call", J_STR)->str, "cu", 2), 0);
+      ASSERT_EQ(strncmp(JREQ(p, "import_error", J_STR)->str, "CUDA_ERROR_", 11), 0);
+    }
+  } else {
+    ASSERT_EQ(strncmp(JREQ(p, "failed_call", J_STR)->str, "cu", 2), 0);
+    ASSERT_EQ(strncmp(JREQ(p, "error", J_STR)->str, "CUDA_ERROR_", 11), 0);
+    ASSERT_EQ(imported->t, J_NULL);
+    ASSERT_EQ(JREQ(p, "import_failed_call", J_NULL)->t, J_NULL);
+    ASSERT_EQ(JREQ(p, "import_same", J_NULL)->t, J_NULL);
+  }
+}
+
+/* The fabric export probe (docs/doctor.md): a probe per device examined,
+ * and the IMEX channels in every case. */
+static void check_fabric_shape(jval *j, int n) {
+  jval *fx = JREQ(j, "fabric_export", J_OBJ);
+  bool probed = JREQ(fx, "probed", J_BOOL)->b;
+  bool usable = JREQ(fx, "usable", J_BOOL)->b;
+  if (usable)
+    ASSERT_EQ(JREQ(fx, "reason", J_NULL)->t, J_NULL);
+  else
+    ASSERT_GT(strlen(JREQ(fx, "reason", J_STR)->str), 0);
+  jval *devs = JREQ(fx, "devices", J_ARR);
+  ASSERT_EQ(devs->n > 0, usable);
+  for (size_t k = 0; k < devs->n; k++) {
+    ASSERT_EQ(devs->items[k]->t, J_NUM);
+    ASSERT(devs->items[k]->num >= 0 && devs->items[k]->num < n);
+  }
+  jval *probes = JREQ(fx, "probes", J_ARR);
+  if (!probed)
+    ASSERT_EQ(probes->n, 0);
+  ASSERT_LE(probes->n, n);
+  for (size_t k = 0; k < probes->n; k++) {
+    jval *pr = probes->items[k];
+    ASSERT_EQ(pr->t, J_OBJ);
+    double ord = JREQ(pr, "ordinal", J_NUM)->num;
+    ASSERT(ord >= 0 && ord < n);
+    JREQ_OR_NULL(pr, "attribute", J_BOOL);
+    check_fabric_path(JREQ(pr, "vmm", J_OBJ));
+    check_fabric_path(JREQ(pr, "pool", J_OBJ));
+    JREQ_OR_NULL(pr, "cleanup_errors", J_STR);
+  }
+  jval *x = JREQ(fx, "imex_channels", J_OBJ);
+  ASSERT_STR_EQ(JREQ(x, "path", J_STR)->str, GPUIPC__IMEX_DIR);
+  const char *state = JREQ(x, "state", J_STR)->str;
+  ASSERT(strcmp(state, "missing") == 0 || strcmp(state, "unreadable") == 0 ||
+         strcmp(state, "empty") == 0 || strcmp(state, "present") == 0);
+  JREQ_OR_NULL(x, "errno_name", J_STR);
+  JREQ_OR_NULL(x, "device_major", J_NUM);
+  int count = (int)JREQ(x, "count", J_NUM)->num;
+  ASSERT_EQ(count > 0, strcmp(state, "present") == 0);
+  jval *chans = JREQ(x, "channels", J_ARR);
+  ASSERT_EQ(chans->n, count < GPUIPC__IMEX_MAX ? count : GPUIPC__IMEX_MAX);
+  for (size_t k = 0; k < chans->n; k++) {
+    jval *c = chans->items[k];
+    ASSERT_GT(strlen(JREQ(c, "name", J_STR)->str), 0);
+    bool opens = JREQ(c, "opens", J_BOOL)->b;
+    ASSERT_EQ(JREQ_OR_NULL(c, "errno_name", J_STR)->t, opens ? J_NULL : J_STR);
+  }
+  ASSERT_STR_CONTAINS(JREQ(x, "detail", J_STR)->str, GPUIPC__IMEX_DIR);
+}
+
 /* Checks everything the JSON promises regardless of the driver: keys, types,
  * matrix dimensions, verdict consistency. Returns the device count. */
 static int check_shape(jval *j, int exit_status) {
@@ -661,6 +740,7 @@ static int check_shape(jval *j, int exit_status) {
   }
   ASSERT_EQ(JREQ(j, "usable_mechanisms", J_NUM)->num, usable);
   ASSERT_EQ(JREQ(j, "exit_status", J_NUM)->num, exit_status);
+  check_fabric_shape(j, n);
   return n;
 }
 
@@ -727,7 +807,185 @@ TEST_IMPL(doctor_json_shape) {
   if (n == 1)
     ASSERT_STR_CONTAINS(JREQ(r.json, "mechanisms.peer_access.reason", J_STR)->str,
                         "one device");
+  /* The fabric probe examined every device, and says what each attribute
+   * said beside the driver's answers. */
+  ASSERT(JREQ(r.json, "fabric_export.probed", J_BOOL)->b);
+  jval *probes = JREQ(r.json, "fabric_export.probes", J_ARR);
+  ASSERT_EQ(probes->n, n);
+  for (int i = 0; i < n; i++) {
+    ASSERT_EQ(JREQ(probes->items[i], "ordinal", J_NUM)->num, i);
+    jval *a = JREQ_OR_NULL(probes->items[i], "attribute", J_BOOL);
+    jval *b = JREQ_OR_NULL(devs->items[i], "fabric_handles", J_BOOL);
+    ASSERT_EQ(a->t, b->t);
+    if (a->t == J_BOOL)
+      ASSERT_EQ(a->b, b->b);
+  }
   doctor_run_free(&r);
+  return 0;
+}
+
+/* What the doctor must say of /dev/nvidia-caps-imex-channels, found here
+ * independently of the library: "missing", "unreadable", "empty" or
+ * "present". */
+static const char *imex_state_here(void) {
+  DIR *d = opendir(GPUIPC__IMEX_DIR);
+  if (d == NULL)
+    return errno == ENOENT ? "missing" : "unreadable";
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+      n++;
+  closedir(d);
+  return n ? "present" : "empty";
+}
+
+/* One path of a probe: refused by `call` with `error`, or (call NULL)
+ * exported and imported again in the same process. */
+static void check_fabric_path_is(jval *probe, const char *path, const char *call,
+                                 const char *error) {
+  char key[64];
+  snprintf(key, sizeof key, "%s.exported", path);
+  ASSERT_EQ(JREQ(probe, key, J_BOOL)->b, call == NULL);
+  if (call) {
+    snprintf(key, sizeof key, "%s.failed_call", path);
+    ASSERT_STR_EQ(JREQ(probe, key, J_STR)->str, call);
+    snprintf(key, sizeof key, "%s.error", path);
+    ASSERT_STR_EQ(JREQ(probe, key, J_STR)->str, error);
+  } else {
+    snprintf(key, sizeof key, "%s.imported", path);
+    ASSERT(JREQ(probe, key, J_BOOL)->b);
+    snprintf(key, sizeof key, "%s.import_same", path);
+    ASSERT(!JREQ(probe, key, J_BOOL)->b);
+  }
+}
+
+static void check_line_widths(const char *out);
+
+/* The doctor in one GPUIPC_EMU_FABRIC mode (empty: unset) on two devices:
+ * JSON and text. */
+static void run_fabric_mode(const char *mode, const char *fail, doctor_run *json,
+                            doctor_run *text) {
+  char envf[64], envx[128];
+  snprintf(envf, sizeof envf, "GPUIPC_EMU_FABRIC=%s", mode);
+  snprintf(envx, sizeof envx, "GPUIPC_EMU_FAIL=%s", fail ? fail : "");
+  char *env[] = {envf, envx, "GPUIPC_EMU_DEVICES=2", "CUDA_VISIBLE_DEVICES=", NULL};
+  *json = run_doctor(env, "--json", NULL);
+  ASSERT_EQ(json->status, 0);
+  ASSERT_EQ(check_shape(json->json, 0), 2);
+  /* The probe counts in no result: the six mechanisms are usable as
+   * without it. */
+  ASSERT_EQ(JREQ(json->json, "usable_mechanisms", J_NUM)->num, 6);
+  *text = run_doctor(env, NULL, NULL);
+  ASSERT_EQ(text->status, 0);
+  check_line_widths(text->out);
+  ASSERT_STR_CONTAINS(text->out, "\nResult: 6 of 6 mechanisms usable (exit 0)\n");
+}
+
+/* The fabric export probe on the emulator's three fabric modes: by default
+ * the device says no and the driver refuses with NOT_SUPPORTED; without an
+ * IMEX channel it says yes and refuses with NOT_PERMITTED (what an H200
+ * without one is expected to answer), the IMEX channels' state beside it;
+ * with fabric handles that work, both paths export and import. */
+TEST_IMPL(doctor_fabric_export_probe) {
+  REQUIRE_EMULATOR("sets GPUIPC_EMU_FABRIC");
+  const char *state = imex_state_here();
+  gpuipc__imex x;
+  gpuipc__imex_probe(&x);
+  char detail[1024];
+  gpuipc__imex_describe(&x, detail, sizeof detail);
+
+  static const struct {
+    const char *mode, *error;
+    bool attribute;
+  } refusing[] = {{"", "CUDA_ERROR_NOT_SUPPORTED", false},
+                  {"no-channel", "CUDA_ERROR_NOT_PERMITTED", true}};
+  for (size_t m = 0; m < GPUIPC__ARRAY_SIZE(refusing); m++) {
+    doctor_run j, t;
+    run_fabric_mode(refusing[m].mode, NULL, &j, &t);
+    jval *fx = JREQ(j.json, "fabric_export", J_OBJ);
+    ASSERT(JREQ(fx, "probed", J_BOOL)->b);
+    ASSERT(!JREQ(fx, "usable", J_BOOL)->b);
+    char reason[128];
+    snprintf(reason, sizeof reason, "cuMemCreate returned %s (device 0)", refusing[m].error);
+    ASSERT_STR_EQ(JREQ(fx, "reason", J_STR)->str, reason);
+    jval *probes = JREQ(fx, "probes", J_ARR);
+    ASSERT_EQ(probes->n, 2);
+    for (int i = 0; i < 2; i++) {
+      jval *pr = probes->items[i];
+      jval *dev = JREQ(j.json, "devices", J_ARR)->items[i];
+      ASSERT_EQ(JREQ(dev, "fabric_handles", J_BOOL)->b, refusing[m].attribute);
+      ASSERT_EQ(JREQ(pr, "attribute", J_BOOL)->b, refusing[m].attribute);
+      /* The pools' handle types name fabric exactly where the attribute does. */
+      jval *types = JREQ(dev, "mempool_handle_types", J_ARR);
+      ASSERT_EQ(types->n, refusing[m].attribute ? 2 : 1);
+      check_fabric_path_is(pr, "vmm", "cuMemCreate", refusing[m].error);
+      check_fabric_path_is(pr, "pool", "cuMemPoolCreate", refusing[m].error);
+      ASSERT_EQ(JREQ(pr, "cleanup_errors", J_NULL)->t, J_NULL);
+      char want[160];
+      snprintf(want, sizeof want, "device %d VMM: no: cuMemCreate returned %s\n", i,
+               refusing[m].error);
+      ASSERT_STR_CONTAINS(t.out, want);
+      snprintf(want, sizeof want, "device %d pool: no: cuMemPoolCreate returned %s\n", i,
+               refusing[m].error);
+      ASSERT_STR_CONTAINS(t.out, want);
+    }
+    char first[160];
+    snprintf(first, sizeof first,
+             "\n  fabric export            device 0 VMM: no: cuMemCreate returned %s\n",
+             refusing[m].error);
+    ASSERT_STR_CONTAINS(t.out, first);
+    ASSERT_STR_CONTAINS(t.out, refusing[m].attribute ? "pool handle types        posix_fd, fabric\n"
+                                                     : "pool handle types        posix_fd\n");
+    /* The IMEX channels: this machine's, in the JSON and (the text wraps
+     * it) as the line's first words. */
+    jval *xj = JREQ(fx, "imex_channels", J_OBJ);
+    ASSERT_STR_EQ(JREQ(xj, "state", J_STR)->str, state);
+    ASSERT_STR_EQ(JREQ(xj, "detail", J_STR)->str, detail);
+    ASSERT_STR_CONTAINS(t.out, "IMEX channels: " GPUIPC__IMEX_DIR);
+    if (strcmp(state, "missing") == 0)
+      ASSERT_STR_CONTAINS(t.out, "IMEX channels: " GPUIPC__IMEX_DIR " is missing");
+    doctor_run_free(&j);
+    doctor_run_free(&t);
+  }
+
+  /* Fabric handles that work: yes on both paths, the import in the same
+   * process too; no IMEX line in the text (nothing was refused). */
+  doctor_run j, t;
+  run_fabric_mode("yes", NULL, &j, &t);
+  jval *fx = JREQ(j.json, "fabric_export", J_OBJ);
+  ASSERT(JREQ(fx, "usable", J_BOOL)->b);
+  ASSERT_EQ(JREQ(fx, "devices", J_ARR)->n, 2);
+  for (int i = 0; i < 2; i++) {
+    jval *pr = JREQ(fx, "probes", J_ARR)->items[i];
+    check_fabric_path_is(pr, "vmm", NULL, NULL);
+    check_fabric_path_is(pr, "pool", NULL, NULL);
+  }
+  ASSERT_STR_CONTAINS(t.out, "  fabric export            device 0 VMM: yes; imported in this "
+                             "process\n");
+  ASSERT_STR_CONTAINS(t.out, "device 1 pool: yes; imported in this process\n");
+  ASSERT(strstr(t.out, "IMEX channels:") == NULL);
+  doctor_run_free(&j);
+  doctor_run_free(&t);
+
+  /* A refused import in the same process and a failure while giving back
+   * are reported, and everything else is still given back. */
+  run_fabric_mode("yes", "cuMemPoolImportPointer:1:CUDA_ERROR_NOT_PERMITTED,cuMemRelease:1",
+                  &j, &t);
+  jval *pr = JREQ(j.json, "fabric_export.probes", J_ARR)->items[0];
+  ASSERT(JREQ(pr, "pool.exported", J_BOOL)->b);
+  ASSERT(!JREQ(pr, "pool.imported", J_BOOL)->b);
+  ASSERT_STR_EQ(JREQ(pr, "pool.import_failed_call", J_STR)->str, "cuMemPoolImportPointer");
+  ASSERT_STR_EQ(JREQ(pr, "pool.import_error", J_STR)->str, "CUDA_ERROR_NOT_PERMITTED");
+  ASSERT_STR_EQ(JREQ(pr, "cleanup_errors", J_STR)->str, "cuMemRelease: CUDA_ERROR_UNKNOWN");
+  /* (the text wraps the line before "returned") */
+  ASSERT_STR_CONTAINS(t.out, "device 0 pool: yes; import in this process: "
+                             "cuMemPoolImportPointer\n");
+  ASSERT_STR_CONTAINS(t.out, " returned CUDA_ERROR_NOT_PERMITTED\n");
+  ASSERT_STR_CONTAINS(t.out, "device 0, giving back: cuMemRelease: CUDA_ERROR_UNKNOWN\n");
+  ASSERT_STR_CONTAINS(t.out, "IMEX channels: " GPUIPC__IMEX_DIR);
+  doctor_run_free(&j);
+  doctor_run_free(&t);
   return 0;
 }
 
