@@ -2717,6 +2717,97 @@ TEST_IMPL(sets_copy_gather_only_into_its_device) {
   return 0;
 }
 
+/* n indices 0..n-1 in an order of seed's. */
+static size_t *shuffled(size_t n, unsigned seed) {
+  size_t *p = malloc(n * sizeof *p);
+  ASSERT_NOT_NULL(p);
+  for (size_t i = 0; i < n; i++)
+    p[i] = i;
+  srand(seed);
+  for (size_t i = n - 1; i > 0; i--) {
+    size_t j = (size_t)rand() % (i + 1), t = p[i];
+    p[i] = p[j];
+    p[j] = t;
+  }
+  return p;
+}
+
+/* A whole-set copy sorts its ranges by source and checks its destinations
+ * sorted (a radix sort past 64 ranges): 5,000 ranges, sources and
+ * destinations both at shuffled slots, each byte lands where its range
+ * says and nothing else is written; then one destination moved to meet
+ * another, which only the sorted order shows, and every range goes by its
+ * own copy (neither the kernel nor a batch, whose copies run in no given
+ * order). */
+TEST_IMPL(sets_copy_sorts_many_ranges) {
+  REQUIRE_DEVICES(1);
+  enum { N = 5000, SLOT = 512, LEN = 256 };
+  const size_t span = (size_t)N * SLOT;
+  ctx_current();
+  CUdeviceptr src, dst;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&src, span));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&dst, span));
+  uint8_t *h = malloc(span), *got = malloc(span);
+  ASSERT_NOT_NULL(h);
+  ASSERT_NOT_NULL(got);
+  for (size_t i = 0; i < span; i++)
+    h[i] = (uint8_t)(i * 131 + i / 251 + 7);
+  ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(src, h, span));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(dst, 0, span));
+  size_t *ps = shuffled(N, 11), *pd = shuffled(N, 12);
+  CUdeviceptr *s = malloc(N * sizeof *s), *d = malloc(N * sizeof *d);
+  uint64_t *l = malloc(N * sizeof *l);
+  ASSERT(s && d && l);
+  for (size_t i = 0; i < N; i++) {
+    s[i] = src + ps[i] * SLOT;
+    d[i] = dst + pd[i] * SLOT;
+    l[i] = LEN + i % 7; /* never adjacent: nothing merges */
+  }
+  CUstream st;
+  ASSERT_CU(gpuipc__cu.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+  uint64_t s0 = atomic_load(&gpuipc__tset_copy_singles);
+  ASSERT_OK(gpuipc__tset_copy(0, s, d, l, N, st));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  /* Found free of overlaps (so sorted right): by the kernel or batches. */
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_singles) - s0, 0);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(got, dst, span));
+  size_t wrong = 0;
+  for (size_t i = 0; i < N; i++) {
+    const uint8_t *slot = got + pd[i] * SLOT;
+    if (memcmp(slot, h + ps[i] * SLOT, l[i]) != 0)
+      wrong++;
+    for (size_t b = l[i]; b < SLOT; b++)
+      if (slot[b] != 0) {
+        wrong++;
+        break;
+      }
+  }
+  if (wrong)
+    printf("%zu of %d slots hold other bytes than their range's\n", wrong, N);
+  ASSERT_UEQ(wrong, 0);
+  /* Range N/2's destination now starts 8 bytes into range N/3's. */
+  d[N / 2] = d[N / 3] + 8;
+  uint64_t k0 = atomic_load(&gpuipc__tset_copy_kernels),
+           b0 = atomic_load(&gpuipc__tset_copy_batches);
+  s0 = atomic_load(&gpuipc__tset_copy_singles);
+  ASSERT_OK(gpuipc__tset_copy(0, s, d, l, N, st));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_kernels) - k0, 0);
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_batches) - b0, 0);
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_singles) - s0, N);
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
+  ASSERT_CU(gpuipc__cu.cuMemFree(src));
+  ASSERT_CU(gpuipc__cu.cuMemFree(dst));
+  free(s);
+  free(d);
+  free(l);
+  free(ps);
+  free(pd);
+  free(h);
+  free(got);
+  return 0;
+}
+
 /* A device that cannot load the kernel (the emulator's cuModuleLoadData
  * answers CUDA_ERROR_NO_BINARY_FOR_GPU): every copy by the driver's
  * copies, the same bytes, and no launch. */
