@@ -2395,21 +2395,27 @@ typedef struct gather_fix {
   size_t shorts;      /* tensors below 1 MiB */
 } gather_fix;
 
+/* n indices 0..n-1 in an order of seed's. */
+static size_t *shuffled(size_t n, unsigned seed) {
+  size_t *p = malloc(n * sizeof *p);
+  ASSERT_NOT_NULL(p);
+  for (size_t i = 0; i < n; i++)
+    p[i] = i;
+  srand(seed);
+  for (size_t i = n - 1; i > 0; i--) {
+    size_t j = (size_t)rand() % (i + 1), t = p[i];
+    p[i] = p[j];
+    p[j] = t;
+  }
+  return p;
+}
+
 /* Places GATHER_T tensors of spec "gather" in one allocation of *span
  * bytes: in a shuffled order with gaps between them, every third at a
  * 16-byte boundary and the others at odd offsets, so that no two ranges
  * merge and the kernel meets every alignment. off[i]: tensor i's offset. */
 static void gather_slots(size_t *off, size_t *span, unsigned seed) {
-  size_t *perm = malloc(GATHER_T * sizeof *perm);
-  ASSERT_NOT_NULL(perm);
-  for (size_t i = 0; i < GATHER_T; i++)
-    perm[i] = i;
-  srand(seed);
-  for (size_t i = GATHER_T - 1; i > 0; i--) {
-    size_t j = (size_t)rand() % (i + 1), t = perm[i];
-    perm[i] = perm[j];
-    perm[j] = t;
-  }
+  size_t *perm = shuffled(GATHER_T, seed);
   size_t at = 0;
   for (size_t k = 0; k < GATHER_T; k++) {
     size_t i = perm[k];
@@ -2715,21 +2721,6 @@ TEST_IMPL(sets_copy_gather_only_into_its_device) {
   ASSERT_CU(gpuipc__cu.cuMemFree(src));
   free(want);
   return 0;
-}
-
-/* n indices 0..n-1 in an order of seed's. */
-static size_t *shuffled(size_t n, unsigned seed) {
-  size_t *p = malloc(n * sizeof *p);
-  ASSERT_NOT_NULL(p);
-  for (size_t i = 0; i < n; i++)
-    p[i] = i;
-  srand(seed);
-  for (size_t i = n - 1; i > 0; i--) {
-    size_t j = (size_t)rand() % (i + 1), t = p[i];
-    p[i] = p[j];
-    p[j] = t;
-  }
-  return p;
 }
 
 /* A whole-set copy sorts its ranges by source and checks its destinations

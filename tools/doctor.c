@@ -292,17 +292,6 @@ typedef struct doc_report {
 
 /* ---- small helpers --------------------------------------------------------- */
 
-static void append(char *buf, size_t cap, const char *fmt, ...) GPUIPC__PRINTF(3, 4);
-static void append(char *buf, size_t cap, const char *fmt, ...) {
-  size_t len = strlen(buf);
-  if (len + 1 >= cap)
-    return;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf + len, cap - len, fmt, ap);
-  va_end(ap);
-}
-
 /* The symbolic name of an errno value (strerrorname_np is too recent to rely
  * on); the few that the probes below can see. */
 static const char *errno_name(int e) {
@@ -402,7 +391,7 @@ static void gather_driver_path(doc_report *r) {
 }
 
 static void dev_error(doc_device *d, const char *call, CUresult cr) {
-  append(d->errors, sizeof d->errors, "%s%s: %s", d->errors[0] ? "; " : "",
+  gpuipc__appendf(d->errors, sizeof d->errors, "%s%s: %s", d->errors[0] ? "; " : "",
          call, gpuipc__cuda_error_name(cr));
 }
 
@@ -424,7 +413,7 @@ static void gather_device(doc_report *r, int i) {
     gpuipc_uuid_format(&u, d->uuid);
     d->have_uuid = true;
   } else {
-    append(d->errors, sizeof d->errors, "%s%s", d->errors[0] ? "; " : "",
+    gpuipc__appendf(d->errors, sizeof d->errors, "%s%s", d->errors[0] ? "; " : "",
            gpuipc_last_error());
   }
   cr = GPUIPC__CU(cuDeviceGetPCIBusId, d->pci, (int)sizeof d->pci, d->dev);
@@ -564,7 +553,7 @@ static bool fab_fail(doc_fabric_path *p, const char *call, CUresult cr) {
 
 static void fab_cleanup(doc_fabric *f, const char *call, CUresult cr) {
   if (cr != CUDA_SUCCESS)
-    append(f->cleanup, sizeof f->cleanup, "%s%s: %s", f->cleanup[0] ? "; " : "", call,
+    gpuipc__appendf(f->cleanup, sizeof f->cleanup, "%s%s: %s", f->cleanup[0] ? "; " : "", call,
            gpuipc__cuda_error_name(cr));
 }
 
@@ -895,7 +884,7 @@ static void gather_container(doc_report *r) {
     bool not_pid1s = n->have_self && n->have_pid1 && n->self != n->pid1;
     n->own = not_initial || not_pid1s;
     if (n->own && (i == NS_PID || i == NS_IPC || i == NS_MNT))
-      append(why, sizeof why, "%s%s namespace %s", why[0] ? ", " : "",
+      gpuipc__appendf(why, sizeof why, "%s%s namespace %s", why[0] ? ", " : "",
              ns_info[i].name,
              not_initial ? "of its own" : "differs from pid 1's");
   }
@@ -908,7 +897,7 @@ static void gather_container(doc_report *r) {
       snprintf(r->runtime, sizeof r->runtime, "podman");
   }
   if (r->runtime[0])
-    append(why, sizeof why, "%s%s (cgroup or marker file)", why[0] ? ", " : "",
+    gpuipc__appendf(why, sizeof why, "%s%s (cgroup or marker file)", why[0] ? ", " : "",
            r->runtime);
   r->in_container = why[0] != '\0';
   snprintf(r->container_why, sizeof r->container_why, "%s",
@@ -1253,7 +1242,7 @@ static void handle_types_text(int mask, char *buf, size_t cap) {
   buf[0] = '\0';
   for (size_t k = 0; k < GPUIPC__ARRAY_SIZE(handle_types); k++)
     if (mask & handle_types[k].bit)
-      append(buf, cap, "%s%s", buf[0] ? ", " : "", handle_types[k].name);
+      gpuipc__appendf(buf, cap, "%s%s", buf[0] ? ", " : "", handle_types[k].name);
   if (buf[0] == '\0')
     snprintf(buf, cap, "none");
 }
@@ -1820,7 +1809,7 @@ static void report_mechanisms(emit *e, const doc_report *r) {
             e_int(e, NULL, j);
             e_arr_end(e);
             if (i < j)
-              append(where, sizeof where, "%s%d<->%d", where[0] ? ", " : "", i, j);
+              gpuipc__appendf(where, sizeof where, "%s%d<->%d", where[0] ? ", " : "", i, j);
           }
       e_arr_end(e);
       if (v->usable)
@@ -1830,7 +1819,7 @@ static void report_mechanisms(emit *e, const doc_report *r) {
       for (int i = 0; i < r->device_count; i++)
         if (v->on_device[i]) {
           e_int(e, NULL, i);
-          append(where, sizeof where, "%s%d", where[0] ? ", " : "", i);
+          gpuipc__appendf(where, sizeof where, "%s%d", where[0] ? ", " : "", i);
           k++;
         }
       e_arr_end(e);

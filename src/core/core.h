@@ -187,6 +187,10 @@ int gpuipc__wait_fd(int fd, short events, uint64_t deadline);
 /* ---- small utilities (util.c) ------------------------------------------- */
 
 uint64_t gpuipc__now_ns(void); /* CLOCK_MONOTONIC */
+/* Appends printf-formatted text to the NUL-terminated buf of cap bytes,
+ * cut at its end (a full buf is left as it is). */
+void gpuipc__appendf(char *buf, size_t cap, const char *fmt, ...)
+    GPUIPC__PRINTF(3, 4);
 /* Reads /proc/sys/kernel/random/boot_id into out (16 bytes). */
 gpuipc_status gpuipc__boot_id(uint8_t out[16]);
 /* Inode of /proc/self/ns/pid (0 when unavailable). */

@@ -210,48 +210,37 @@ void gpuipc__imex_probe(gpuipc__imex *x) {
   }
 }
 
-static void imex_append(char *buf, size_t cap, const char *fmt, ...) GPUIPC__PRINTF(3, 4);
-static void imex_append(char *buf, size_t cap, const char *fmt, ...) {
-  size_t len = strlen(buf);
-  if (len + 1 >= cap)
-    return;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf + len, cap - len, fmt, ap);
-  va_end(ap);
-}
-
 void gpuipc__imex_describe(const gpuipc__imex *x, char *buf, size_t cap) {
   if (cap == 0)
     return;
   buf[0] = '\0';
   bool usable = false;
   if (x->dir_errno == ENOENT) {
-    imex_append(buf, cap, "%s is missing", GPUIPC__IMEX_DIR);
+    gpuipc__appendf(buf, cap, "%s is missing", GPUIPC__IMEX_DIR);
   } else if (x->dir_errno != 0) {
-    imex_append(buf, cap, "%s cannot be listed (%s)", GPUIPC__IMEX_DIR,
+    gpuipc__appendf(buf, cap, "%s cannot be listed (%s)", GPUIPC__IMEX_DIR,
                 strerror(x->dir_errno));
   } else if (x->count == 0) {
-    imex_append(buf, cap, "%s is empty", GPUIPC__IMEX_DIR);
+    gpuipc__appendf(buf, cap, "%s is empty", GPUIPC__IMEX_DIR);
   } else {
-    imex_append(buf, cap, "%s:", GPUIPC__IMEX_DIR);
+    gpuipc__appendf(buf, cap, "%s:", GPUIPC__IMEX_DIR);
     int n = x->count < GPUIPC__IMEX_MAX ? x->count : GPUIPC__IMEX_MAX;
     for (int i = 0; i < n; i++) {
       if (x->channel[i].open_errno == 0)
         usable = true;
-      imex_append(buf, cap, "%s %s (%s%s)", i ? "," : "", x->channel[i].name,
+      gpuipc__appendf(buf, cap, "%s %s (%s%s)", i ? "," : "", x->channel[i].name,
                   x->channel[i].open_errno ? "cannot open: " : "opens",
                   x->channel[i].open_errno ? strerror(x->channel[i].open_errno) : "");
     }
     if (x->count > n)
-      imex_append(buf, cap, " and %d more", x->count - n);
+      gpuipc__appendf(buf, cap, " and %d more", x->count - n);
   }
   if (usable)
     return;
   if (x->major < 0)
-    imex_append(buf, cap, "; /proc/devices does not list nvidia-caps-imex-channels");
+    gpuipc__appendf(buf, cap, "; /proc/devices does not list nvidia-caps-imex-channels");
   else
-    imex_append(buf, cap,
+    gpuipc__appendf(buf, cap,
                 "; /proc/devices lists nvidia-caps-imex-channels as major %d "
                 "(cuda.h: mknod %s/channel0 c %d 0 makes channel 0)",
                 x->major, GPUIPC__IMEX_DIR, x->major);
