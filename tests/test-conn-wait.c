@@ -179,3 +179,92 @@ TEST_IMPL(conn_wait_beside_another_thread) {
   ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }
+
+/* A binding's threads: each waits without the lock, then calls under it. */
+typedef struct {
+  gpuipc_conn *c;
+  pthread_mutex_t mu;
+  int n, next;       /* buffers to come; the next index (under mu) */
+  int out_of_order;  /* a buffer came with another index than next */
+  atomic_int timeouts, gone;
+} pool;
+
+typedef struct {
+  pool *p;
+  int spin_us;
+} pool_thread;
+
+static void *wait_and_take(void *arg) {
+  pool_thread *t = arg;
+  pool *p = t->p;
+  for (;;) {
+    pthread_mutex_lock(&p->mu);
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    gpuipc_status s = gpuipc_conn_recv(p->c, NULL, &r);
+    if (s == GPUIPC_OK) {
+      int seq = -1;
+      if (r.meta_len == sizeof seq)
+        memcpy(&seq, r.meta, sizeof seq);
+      if (seq != p->next)
+        p->out_of_order++;
+      p->next++;
+      (void)gpuipc_conn_release(p->c, r.id, NULL);
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (s == GPUIPC_E_PEER_GONE) {
+      atomic_fetch_add(&p->gone, 1);
+      return NULL;
+    }
+    if (s != GPUIPC_OK && s != GPUIPC_E_WOULD_BLOCK)
+      return NULL; /* the test sees it missing from gone */
+    if (s == GPUIPC_E_WOULD_BLOCK &&
+        gpuipc_conn_wait(p->c, POLLIN, 10000, t->spin_us) == GPUIPC_E_TIMEOUT)
+      atomic_fetch_add(&p->timeouts, 1);
+  }
+}
+
+/* Three threads wait on one connection at once, one sleeping at once, one
+ * spinning briefly, one longer, while the producer sends a buffer every
+ * 300 us: every buffer is taken once, in order, no wait sleeps to its
+ * 10 s limit while buffers come (a wake-up missed by all three would),
+ * and every thread sees the producer leave. */
+TEST_IMPL(conn_wait_in_three_threads_at_once) {
+  REQUIRE_DEVICES(1);
+  const int n = 300;
+  pid_t pid;
+  pool p = {.n = n};
+  p.c = ready_producer(n, 300, &pid);
+  pthread_mutex_init(&p.mu, NULL);
+  atomic_init(&p.timeouts, 0);
+  atomic_init(&p.gone, 0);
+  pool_thread ts[3] = {{&p, 0}, {&p, 20}, {&p, 500}};
+  pthread_t th[3];
+  for (int i = 0; i < 3; i++)
+    ASSERT_EQ(pthread_create(&th[i], NULL, wait_and_take, &ts[i]), 0);
+  ASSERT_OK(gpuipc_conn_send_msg(p.c, "go", 2, NULL, 0));
+  for (int i = 0; i < 30000; i++) {
+    pthread_mutex_lock(&p.mu);
+    int got = p.next;
+    pthread_mutex_unlock(&p.mu);
+    if (got >= n)
+      break;
+    usleep(1000);
+  }
+  pthread_mutex_lock(&p.mu);
+  int got = p.next, wrong = p.out_of_order;
+  pthread_mutex_unlock(&p.mu);
+  if (got != n || wrong || atomic_load(&p.timeouts))
+    printf("%d of %d buffers taken, %d out of order, %d waits timed out\n",
+           got, n, wrong, atomic_load(&p.timeouts));
+  ASSERT_EQ(got, n);
+  ASSERT_EQ(wrong, 0);
+  ASSERT_EQ(atomic_load(&p.timeouts), 0);
+  ASSERT_OK(gpuipc_conn_send_msg(p.c, "end", 3, NULL, 0));
+  for (int i = 0; i < 3; i++)
+    ASSERT_EQ(pthread_join(th[i], NULL), 0);
+  ASSERT_EQ(atomic_load(&p.gone), 3);
+  gpuipc_conn_close(p.c);
+  pthread_mutex_destroy(&p.mu);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}

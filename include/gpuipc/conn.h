@@ -501,9 +501,12 @@ GPUIPC_API int gpuipc_conn_get_fd(const gpuipc_conn *conn);
  * POLLIN|POLLOUT or a timeout or spin below -1. A signal does not end
  * the wait: a binding that must handle signals waits in slices.
  *
- * Thread: the one call that may run beside the calls of one other thread
- * on the same connection (e.g. a waiter without the binding's lock while
- * another thread sends). Not beside gpuipc_conn_close. An event loop that
+ * Thread: the one call that may run beside the calls of another thread
+ * on the same connection (e.g. waiters without the binding's lock while
+ * another thread sends), in any number of threads at once: a record or
+ * frame that arrives wakes at least one of them (each then calls again,
+ * and the calls, one thread at a time, say who got it). Not beside
+ * gpuipc_conn_close. An event loop that
  * waits in its own poll uses gpuipc_conn_get_fd (POLLIN, plus POLLOUT
  * after a send said it would block) instead. */
 GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_conn_wait(gpuipc_conn *conn, short events,

@@ -83,7 +83,6 @@ PyObject *conn_new(gpuipc_conn *gc, int timeout_ms, unsigned maxo, int borrowed)
   c->weak = NULL;
   c->spin_us = -1;
   c->torch_dev = -1;
-  c->waiting = 0;
   gpuipc_peer_info pi = {0};
   c->peer_pid = gpuipc_conn_get_peer(gc, &pi) == GPUIPC_OK ? pi.pid : -1;
   gpuipc_conn_set_nonblocking(gc, 1);
@@ -96,19 +95,6 @@ static int conn_ok(ConnObject *c) {
     return 0;
   }
   return 1;
-}
-
-/* A second thread that waits on a connection another thread already
- * waits on (gpuipc_conn_wait runs beside one other thread's calls, not
- * beside a second wait): poll on its socket, which the first waiter's
- * sleep keeps a wake-up channel for the ring too. No GIL. */
-static gpuipc_status conn_wait_second(gpuipc_conn *gc, short events, int timeout_ms) {
-  int fd = gpuipc_conn_get_fd(gc);
-  if (fd < 0) return GPUIPC_E_CLOSED;
-  struct pollfd p = {.fd = fd, .events = events ? events : POLLIN};
-  int n = poll(&p, 1, timeout_ms);
-  if (n > 0 || (n < 0 && errno == EINTR)) return GPUIPC_OK;
-  return n == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_E_SYSTEM;
 }
 
 /* The spin of a call that may wait: spin_us= of the call, else the
@@ -150,13 +136,11 @@ static gpuipc_status cr_sleep(void *v, short events, int timeout_ms, int spin_us
   gpuipc_conn *gc = c->c;
   if (!gc) return GPUIPC_OK; /* the attempt says closed */
   c->held++;
-  int second = c->waiting++ > 0;
   gpuipc_status w;
+  /* Any number of threads may wait at once (gpuipc_conn_wait). */
   Py_BEGIN_ALLOW_THREADS
-  w = second ? conn_wait_second(gc, events, timeout_ms)
-             : gpuipc_conn_wait(gc, events, timeout_ms, spin_us);
+  w = gpuipc_conn_wait(gc, events, timeout_ms, spin_us);
   Py_END_ALLOW_THREADS
-  c->waiting--;
   conn_held_drop(c);
   return w;
 }

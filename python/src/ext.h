@@ -190,7 +190,6 @@ typedef struct {
   PyObject *weak;
   int spin_us;   /* spin_us= given where it was made, else -1 (the default) */
   int torch_dev; /* recv(as_torch=True): the device the last buffer was on */
-  int waiting;   /* threads in gpuipc_conn_wait on it (GIL-guarded) */
 } ConnObject;
 
 typedef struct BlockObject BlockObject;

@@ -255,6 +255,47 @@ def test_no_leak_receiving(arena):
         del threading, res
 
 
+def test_three_threads_receive_from_one_connection():
+    """Three threads wait in recv on one connection at once (one sleeping
+    at once, two spinning first): every buffer reaches exactly one of
+    them, none waits to its timeout while buffers come, and each sees the
+    sender leave."""
+    import threading
+
+    n = 3000
+    got, errors, lock = [], [], threading.Lock()
+
+    def take(spin):
+        while True:
+            try:
+                rx = p.conn.recv(timeout=10, spin_us=spin)
+            except gpuipc.PeerGoneError:
+                return
+            except Exception as e:  # a timeout here: a wake-up missed by all
+                with lock:
+                    errors.append(repr(e))
+                return
+            with lock:
+                got.append(int(rx.meta))
+            rx.release()
+
+    with gpuipc.spawn(sender_of, n) as p:
+        ts = [threading.Thread(target=take, args=(s,)) for s in (0, 20, 500)]
+        for t in ts:
+            t.start()
+        end = time.monotonic() + 60
+        while len(got) < n and not errors and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not errors, errors
+        assert sorted(got) == list(range(n)), f"{len(got)} of {n}, {len(set(got))} distinct"
+        p.conn.send_msg(b"go")
+        for t in ts:
+            t.join(30)
+            assert not t.is_alive(), "a receiving thread did not see the sender leave"
+        assert not errors, errors
+        assert p.join(60) == 0
+
+
 def sender_of(conn, n):
     a = gpuipc.Arena(chunk_bytes=1 << 20)
     blocks = [a.alloc(256) for _ in range(32)]
