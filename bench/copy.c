@@ -82,7 +82,11 @@ static double run_once(bench *b, int which, size_t n) {
     CU_OR(gpuipc__cu.cuStreamSynchronize(b->s2), return -1);
     break;
   case RAW_H2D_PAGEABLE:
+    /* cuMemcpyHtoD from pageable memory may return once the source is in
+     * the driver's staging, its DMA still running on the legacy stream:
+     * the window ends, as gpuipc's does, with the data on the device. */
     CU_OR(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(NULL), return -1);
     break;
   case RAW_D2H_PAGEABLE:
     CU_OR(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_b, n), return -1);
@@ -94,7 +98,10 @@ static double run_once(bench *b, int which, size_t n) {
     CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     break;
   case X_PIPE_PAGEABLE_SERIAL:
+    /* s1 does not wait for the legacy stream, where the H2D's DMA may
+     * still run. */
     CU_OR(gpuipc__cu.cuMemcpyHtoD(b->dev_a, b->page_a, n), return -1);
+    CU_OR(gpuipc__cu.cuStreamSynchronize(NULL), return -1);
     CU_OR(gpuipc__cu.cuMemcpyDtoDAsync(b->dev_c, b->dev_a, n, b->s1), return -1);
     CU_OR(gpuipc__cu.cuStreamSynchronize(b->s1), return -1);
     CU_OR(gpuipc__cu.cuMemcpyDtoH(b->page_b, b->dev_c, n), return -1);
@@ -394,8 +401,9 @@ int gpuipc_bench_copy(int argc, char **argv) {
          in.staging_slots, in.staging_slot_bytes >> 20, in.host_threads,
          sysconf(_SC_NPROCESSORS_ONLN), reps);
   printf("plain: the raw driver call (pinned one-way: cuMemcpy*Async = the "
-         "bound; pageable: cuMemcpy; pipeline: H2D, D2D, D2H in sequence on "
-         "one stream)\n"
+         "bound; pageable: cuMemcpyHtoD then the legacy stream synchronized, "
+         "or cuMemcpyDtoH: the data arrived, as in gpuipc's rows; pipeline: "
+         "H2D, D2D, D2H in sequence on one stream)\n"
          "bound: pinned one-way of the same direction; pipeline: H2D and D2H "
          "at once on two streams. Pipeline rates count bytes moved both "
          "ways (2 x size / time).\n"
