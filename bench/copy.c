@@ -14,10 +14,17 @@
 #include "bench_int.h"
 #include "tree.h"
 
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+extern char **environ;
 
 #define MIB ((size_t)1 << 20)
 
@@ -200,17 +207,237 @@ static void size_text(size_t n, char *buf, size_t cap) {
     snprintf(buf, cap, "%zu GiB", n >> 30);
   else if (n >= MIB && n % MIB == 0)
     snprintf(buf, cap, "%zu MiB", n >> 20);
+  else if (n >= 1024 && n % 1024 == 0)
+    snprintf(buf, cap, "%zu KiB", n >> 10);
   else
     snprintf(buf, cap, "%zu B", n);
+}
+
+/* ---- the peers, through Python, in the same run ------------------------------------- */
+
+/* What a data loader does with a pageable array, timed the way the rows
+ * above are (a warm-up, then the median of the repetitions; each ends
+ * with the device synchronized, so the bytes have arrived): torch's
+ * tensor.to("cuda") of a pageable tensor, tensor.pin_memory().to("cuda",
+ * non_blocking=True) (the pinning copy included), tensor.cpu() into
+ * pageable memory; CuPy's cupy.asarray of a numpy array and
+ * cupy.asnumpy. argv: sizes (comma-separated bytes), repetitions, device.
+ * Prints "peer SIZE CASE GBPS" lines, and "skip WHAT: REASON" for a peer
+ * that cannot run here. */
+static const char peers_py[] =
+    "import sys, time, statistics\n"
+    "sizes = [int(x) for x in sys.argv[1].split(',')]\n"
+    "reps, dev = int(sys.argv[2]), int(sys.argv[3])\n"
+    "def rate(n, f):\n"
+    "    f()\n"
+    "    ts = []\n"
+    "    for _ in range(reps):\n"
+    "        t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)\n"
+    "    return n / statistics.median(ts) / 1e9\n"
+    "def say(n, case, f):\n"
+    "    try:\n"
+    "        print('peer %d %s %.4f' % (n, case, rate(n, f)), flush=True)\n"
+    "    except Exception as e:\n"
+    "        print('skip %s: %s: %s' % (case, type(e).__name__, str(e).splitlines()[0] if str(e) else ''), flush=True)\n"
+    "try:\n"
+    "    import numpy as np\n"
+    "except Exception as e:\n"
+    "    print('skip numpy: %s' % e, flush=True); sys.exit(0)\n"
+    "torch = cp = None\n"
+    "try:\n"
+    "    import torch\n"
+    "    if not torch.cuda.is_available(): raise RuntimeError('torch.cuda.is_available() is False')\n"
+    "    torch.cuda.set_device(dev)\n"
+    "except Exception as e:\n"
+    "    torch = None; print('skip torch: %s: %s' % (type(e).__name__, e), flush=True)\n"
+    "try:\n"
+    "    import cupy as cp\n"
+    "    cp.cuda.Device(dev).use()\n"
+    "except Exception as e:\n"
+    "    cp = None; print('skip cupy: %s: %s' % (type(e).__name__, e), flush=True)\n"
+    "for n in sizes:\n"
+    "    a = np.ones(n, dtype=np.uint8)\n"
+    "    if torch is not None:\n"
+    "        t = torch.from_numpy(a)\n"
+    "        d = torch.ones(n, dtype=torch.uint8, device='cuda')\n"
+    "        def to_cuda(): t.to('cuda'); torch.cuda.synchronize()\n"
+    "        def pin_to_cuda(): t.pin_memory().to('cuda', non_blocking=True); torch.cuda.synchronize()\n"
+    "        def to_cpu(): d.cpu(); torch.cuda.synchronize()\n"
+    "        say(n, 'torch_to_cuda', to_cuda)\n"
+    "        say(n, 'torch_pin_to_cuda', pin_to_cuda)\n"
+    "        say(n, 'torch_cpu', to_cpu)\n"
+    "        del t, d\n"
+    "        torch.cuda.empty_cache()\n"
+    "    if cp is not None:\n"
+    "        dc = cp.ones(n, dtype=cp.uint8)\n"
+    "        def asarray(): cp.asarray(a); cp.cuda.Device(dev).synchronize()\n"
+    "        def asnumpy(): cp.asnumpy(dc); cp.cuda.Device(dev).synchronize()\n"
+    "        say(n, 'cupy_asarray', asarray)\n"
+    "        say(n, 'cupy_asnumpy', asnumpy)\n"
+    "        del dc\n"
+    "        cp.get_default_memory_pool().free_all_blocks()\n";
+
+enum { PEER_CASES = 5, PEER_SIZES = 24 };
+
+static const struct {
+  const char *key;   /* the script's name of the case */
+  const char *label; /* the table's */
+  bool to_device;    /* compared with gpuipc's H2D pageable, else D2H */
+} peer_case[PEER_CASES] = {
+    {"torch_to_cuda", "torch .to(\"cuda\")", true},
+    {"torch_pin_to_cuda", "torch pin_memory().to()", true},
+    {"cupy_asarray", "cupy.asarray", true},
+    {"torch_cpu", "torch .cpu()", false},
+    {"cupy_asnumpy", "cupy.asnumpy", false},
+};
+
+typedef struct peers {
+  size_t n;                /* sizes */
+  size_t size[PEER_SIZES];
+  double gpuipc_h2d[PEER_SIZES], gpuipc_d2h[PEER_SIZES]; /* pageable, GB/s */
+  double rate[PEER_SIZES][PEER_CASES];                   /* 0: not measured */
+  char skipped[512];                                     /* "; "-separated */
+} peers;
+
+/* Runs peers_py with python (through PATH when it has no '/'), reading
+ * its lines into p; at most limit_s seconds. Returns 0, or -1 with why. */
+static int peers_run(peers *p, const char *python, int reps, int device,
+                     int limit_s, char *why, size_t why_cap) {
+  char sizes[PEER_SIZES * 24] = "", rs[16], ds[16];
+  for (size_t i = 0; i < p->n; i++)
+    gpuipc__appendf(sizes, sizeof sizes, "%s%zu", i ? "," : "", p->size[i]);
+  snprintf(rs, sizeof rs, "%d", reps);
+  snprintf(ds, sizeof ds, "%d", device);
+  int fds[2];
+  if (pipe(fds) != 0) {
+    snprintf(why, why_cap, "pipe: %s", strerror(errno));
+    return -1;
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_addclose(&fa, fds[0]);
+  posix_spawn_file_actions_addclose(&fa, fds[1]);
+  char *args[] = {(char *)python, "-c", (char *)peers_py, sizes, rs, ds, NULL};
+  pid_t pid;
+  int err = posix_spawnp(&pid, python, &fa, NULL, args, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(fds[1]);
+  if (err != 0) {
+    close(fds[0]);
+    snprintf(why, why_cap, "cannot start %s: %s", python, strerror(err));
+    return -1;
+  }
+  FILE *f = fdopen(fds[0], "r");
+  if (f == NULL) {
+    close(fds[0]);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    snprintf(why, why_cap, "fdopen: %s", strerror(errno));
+    return -1;
+  }
+  uint64_t until = gpuipc__now_ns() + (uint64_t)limit_s * 1000000000ull;
+  char line[600];
+  bool late = false;
+  for (;;) {
+    uint64_t now = gpuipc__now_ns();
+    if (now >= until) {
+      late = true;
+      break;
+    }
+    struct pollfd pf = {fileno(f), POLLIN, 0};
+    int r = poll(&pf, 1, (int)((until - now) / 1000000 + 1));
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      continue; /* the deadline is checked above */
+    if (fgets(line, sizeof line, f) == NULL)
+      break;
+    line[strcspn(line, "\n")] = '\0';
+    size_t n;
+    char key[64];
+    double gbps;
+    if (sscanf(line, "peer %zu %63s %lf", &n, key, &gbps) == 3) {
+      for (size_t i = 0; i < p->n; i++)
+        for (int c = 0; c < PEER_CASES; c++)
+          if (p->size[i] == n && strcmp(peer_case[c].key, key) == 0)
+            p->rate[i][c] = gbps;
+    } else if (strncmp(line, "skip ", 5) == 0) {
+      if (strstr(p->skipped, line + 5) == NULL)
+        gpuipc__appendf(p->skipped, sizeof p->skipped, "%s%s",
+                        *p->skipped ? "; " : "", line + 5);
+    }
+  }
+  if (late)
+    kill(pid, SIGKILL);
+  fclose(f);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+    ;
+  if (late) {
+    snprintf(why, why_cap, "%s ran past %d s and was stopped", python,
+             limit_s);
+    return -1;
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    snprintf(why, why_cap, "%s ended with status %d%s", python,
+             WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),
+             WIFEXITED(status) && WEXITSTATUS(status) == 127
+                 ? " (not found?)" : "");
+    return -1;
+  }
+  return 0;
+}
+
+/* The peers' table: each peer's rate beside gpuipc's pageable copy of the
+ * same direction and size; the target (gpuipc ahead of torch's .to("cuda")
+ * from 1 MiB) counted into the misses. */
+static int peers_print(const peers *p, const char *python) {
+  int misses = 0;
+  printf("\npeers through Python (%s, in this run; median of the same "
+         "repetitions, each ending with the device synchronized; gpuipc: "
+         "its pageable rows above)\n", python);
+  if (*p->skipped)
+    printf("not measured: %s\n", p->skipped);
+  printf("%-8s  %-26s %9s  %9s  %11s  %s\n", "size", "peer", "peer GB/s",
+         "gpuipc", "gpuipc/peer", "target");
+  for (size_t i = 0; i < p->n; i++) {
+    char sz[32];
+    size_text(p->size[i], sz, sizeof sz);
+    for (int c = 0; c < PEER_CASES; c++) {
+      double r = p->rate[i][c];
+      if (r <= 0)
+        continue;
+      double g = peer_case[c].to_device ? p->gpuipc_h2d[i] : p->gpuipc_d2h[i];
+      bool judged = c == 0 && p->size[i] >= MIB;
+      bool ok = g > r;
+      misses += judged && !ok;
+      printf("%-8s  %-26s %9.2f  %9.2f  %10.2fx  %s%s\n", sz,
+             peer_case[c].label, r, g, g / r, judged ? "ahead from 1 MiB" : "",
+             judged ? (ok ? " ok" : " MISS") : "");
+      gpuipc_bench_json_row_begin("copy_peers");
+      gpuipc_bench_json_num("size_bytes", (double)p->size[i]);
+      gpuipc_bench_json_str("peer", peer_case[c].key);
+      gpuipc_bench_json_num("peer_gbps", r);
+      gpuipc_bench_json_num("gpuipc_gbps", g);
+      if (judged)
+        gpuipc_bench_json_num("target_met", ok);
+      gpuipc_bench_json_row_end();
+    }
+  }
+  return misses;
 }
 
 static void usage(FILE *f) {
   fprintf(f,
           "usage: gpuipc bench copy [--max SIZE] [--min SIZE] [--reps N] "
           "[--quick] [--device N] [--threads N] [--chunk SIZE] [--streams N]\n"
-          "       [--emulator PATH]\n"
-          "  sizes go from --min (default 1M) to --max (default 4G on a GPU,\n"
+          "       [--python PATH] [--emulator PATH]\n"
+          "  sizes go from --min (default 4K) to --max (default 4G on a GPU,\n"
           "  16M on the emulator) by factors of 4; SIZE takes K/M/G.\n"
+          "  --python: the interpreter that measures the peers (torch, CuPy)\n"
+          "  in the same run (default python3; none: no peers; not on the\n"
+          "  emulator).\n"
           "  --quick: 3 repetitions and at most 64M (4M on the emulator).\n"
           "  --threads: host threads of the engine's staged memcpy (default:\n"
           "  the engine's choice), to compare settings on one machine.\n"
@@ -257,7 +484,8 @@ int gpuipc_bench_copy(int argc, char **argv) {
   int emulated = gpuipc_bench_pick_driver(&argc, argv, "bench copy");
   if (emulated < 0)
     return 2;
-  size_t max = 0, min = MIB;
+  size_t max = 0, min = 4096;
+  const char *python = "python3";
   int reps = 0, quick = 0, device = 0, threads = 0, streams = 0;
   size_t chunk = 0;
   for (int i = 1; i < argc; i++) {
@@ -276,6 +504,8 @@ int gpuipc_bench_copy(int argc, char **argv) {
         usage(stderr);
         return 2;
       }
+    } else if (strcmp(argv[i], "--python") == 0 && i + 1 < argc) {
+      python = argv[++i];
     } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
       reps = atoi(argv[++i]);
       if (reps < 1 || reps > 63) {
@@ -431,6 +661,8 @@ int gpuipc_bench_copy(int argc, char **argv) {
          "gpuipc", "bound", "x/bound", "x/plain", "target");
 
   int misses = 0;
+  static peers pe;
+  memset(&pe, 0, sizeof pe);
   for (size_t n = min; n <= max; n *= 4) {
     char sz[32];
     size_text(n, sz, sizeof sz);
@@ -457,6 +689,12 @@ int gpuipc_bench_copy(int argc, char **argv) {
     ok = xd2h_pg >= 3 * d2h_pg;
     misses += !ok;
     row(sz, n, "D2H pageable", d2h_pg, xd2h_pg, d2h, ">=3x plain", ok);
+    if (pe.n < PEER_SIZES) {
+      pe.size[pe.n] = n;
+      pe.gpuipc_h2d[pe.n] = xh2d_pg;
+      pe.gpuipc_d2h[pe.n] = xd2h_pg;
+      pe.n++;
+    }
     /* Below 64 MiB the pipeline has too few chunks to hide its fill and
      * drain (at least 1 MiB each): the target is judged on large copies. */
     if (n >= 64 * MIB) {
@@ -468,6 +706,17 @@ int gpuipc_bench_copy(int argc, char **argv) {
     }
     row(sz, n, "in->stage->out pageable", serial_pg, xpipe_pg, both, "", 1);
     row(sz, n, "H2D from shared segment", h2d, xshared, h2d, "", 1);
+  }
+  if (emulated) {
+    printf("\npeers (torch, CuPy): not measured on the emulator\n");
+  } else if (strcmp(python, "none") == 0) {
+    printf("\npeers (torch, CuPy): not measured (--python none)\n");
+  } else {
+    char why[256];
+    if (peers_run(&pe, python, reps, device, 600, why, sizeof why) != 0)
+      printf("\npeers (torch, CuPy): not measured: %s\n", why);
+    else
+      misses += peers_print(&pe, python);
   }
   gpuipc_bench_json_num("targets_missed", misses);
   printf("\n%d target(s) missed%s\n", misses,
