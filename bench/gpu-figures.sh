@@ -11,15 +11,23 @@
 #   sets     gpuipc bench sets (Llama-2-7B-shaped set, KV-cache sets of
 #            1,000-100,000 blocks with both floors) and python3 -m
 #            gpuipc.bench_sets (the same from Python, torch's index_copy_)
-#   copy     gpuipc bench copy (pinned and pageable, both directions)
+#   copy     gpuipc bench copy (pinned and pageable, both directions,
+#            4 KiB to 4 GiB, torch's and CuPy's copies in the same run)
+#   mpi      gpuipc bench mpi to 256 MiB (node-local and the staged path
+#            across simulated machines, against MPI and plain copies)
+#   probes   the driver's answers the docs record: gpuipc doctor --json
+#            (fabric export among them), tests/gpu-probes/fabric.c (also
+#            from another pid namespace when run as root) and
+#            tests/gpu-probes/stream_gate.c (which calls wait behind a
+#            held stream)
 #
 #   bench/gpu-figures.sh OUT [STEP ...]
 set -u
-out=${1:?usage: bench/gpu-figures.sh OUT [suite|handoff|python|sets|copy ...]}
+out=${1:?usage: bench/gpu-figures.sh OUT [suite|handoff|python|sets|copy|mpi|probes ...]}
 shift
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-steps=${*:-suite handoff python sets copy}
+steps=${*:-suite handoff python sets copy mpi probes}
 here=$(pwd)
 export NCCL_NVLS_ENABLE=0
 build() {
@@ -65,6 +73,23 @@ for s in $steps; do
     build || exit 1
     build-gpu/gpuipc bench copy --json "$out/copy.json" >"$out/copy.txt" 2>&1
     echo "bench copy: exit $?"
+    ;;
+  mpi)
+    build || exit 1
+    build-gpu/gpuipc bench mpi --max-mib 256 --json "$out/mpi.json" >"$out/mpi.txt" 2>&1
+    echo "bench mpi: exit $?"
+    ;;
+  probes)
+    build || exit 1
+    build-gpu/gpuipc doctor --json >"$out/doctor.json" 2>"$out/doctor.err"
+    echo "doctor: exit $?"
+    inc=$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")/../include
+    for pr in fabric stream_gate; do
+      cc -O1 -pthread -I"$inc" -o "$out/$pr" "tests/gpu-probes/$pr.c" -lcuda \
+        >"$out/$pr.build.log" 2>&1 || { echo "$pr: did not build"; continue; }
+    done
+    [ -x "$out/fabric" ] && { timeout 120 "$out/fabric" >"$out/fabric.txt" 2>&1; echo "fabric probe: exit $?"; }
+    [ -x "$out/stream_gate" ] && { timeout 60 "$out/stream_gate" streamcount prewarm >"$out/stream_gate.txt" 2>&1; echo "stream_gate probe: exit $?"; }
     ;;
   *) echo "unknown step $s" >&2; exit 2 ;;
   esac
