@@ -456,26 +456,41 @@ static PyObject *rx_to_torch(ReceivedObject *r, int with_meta) {
   return ret;
 }
 
+/* What recv and recv_batch take alike, from a[0..4] = stream, timeout,
+ * spin_us, as_torch, with_meta: the stream is torch's current one (on
+ * *dev) for as_torch when none is given. -1 with an exception. */
+typedef struct {
+  int tmo, spin, as_torch, with_meta, dev;
+  uintptr_t stream;
+} RecvOpts;
+
+static int recv_opts(ConnObject *c, const char *what, PyObject *const *a, RecvOpts *o) {
+  o->dev = 0;
+  o->stream = 0;
+  if (kw_bool(a[3], what, "as_torch", 0, &o->as_torch) < 0 ||
+      kw_bool(a[4], what, "with_meta", 0, &o->with_meta) < 0 ||
+      parse_timeout(a[1], c->timeout_ms, &o->tmo) < 0 || parse_spin(a[2], c, &o->spin) < 0)
+    return -1;
+  if (o->with_meta && !o->as_torch) {
+    PyErr_Format(PyExc_ValueError, "%s: with_meta=True goes with as_torch=True (a "
+                 "Received has its .meta)", what);
+    return -1;
+  }
+  return o->as_torch ? torch_recv_stream(c, a[0], &o->dev, &o->stream)
+                     : parse_stream(a[0], &o->stream);
+}
+
 static PyObject *Conn_recv(ConnObject *c, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
   static const char *const names[] = {"stream", "timeout", "spin_us", "as_torch", "with_meta"};
   PyObject *a[5];
   if (gpy_args("recv", args, nargs, kwnames, 0, 0, names, 5, a) < 0) return NULL;
+  RecvOpts o;
+  if (recv_opts(c, "recv", a, &o) < 0) return NULL;
   RecvCtx x;
-  x.stream = 0;
-  int tmo, spin, as_torch, with_meta, dev = 0;
-  if (kw_bool(a[3], "recv", "as_torch", 0, &as_torch) < 0 ||
-      kw_bool(a[4], "recv", "with_meta", 0, &with_meta) < 0 ||
-      parse_timeout(a[1], c->timeout_ms, &tmo) < 0 || parse_spin(a[2], c, &spin) < 0)
-    return NULL;
-  if (with_meta && !as_torch) {
-    PyErr_SetString(PyExc_ValueError, "recv: with_meta=True goes with as_torch=True (a "
-                    "Received has its .meta)");
-    return NULL;
-  }
-  if (as_torch ? torch_recv_stream(c, a[0], &dev, &x.stream) < 0
-               : parse_stream(a[0], &x.stream) < 0)
-    return NULL;
+  x.stream = o.stream;
+  int tmo = o.tmo, spin = o.spin, as_torch = o.as_torch, with_meta = o.with_meta,
+      dev = o.dev;
   gpuipc_status st;
   if (conn_run_spin(c, tmo, spin, 0, op_recv, &x, &st) < 0) return NULL;
   if (st != GPUIPC_OK) return conn_status(st, "recv", tmo);
@@ -859,20 +874,12 @@ static PyObject *Conn_recv_batch(ConnObject *c, PyObject *const *args, Py_ssize_
     PyErr_Format(PyExc_ValueError, "recv_batch: max must be >= 1, not %zd", max);
     return NULL;
   }
+  RecvOpts o;
+  if (recv_opts(c, "recv_batch", a + 1, &o) < 0) return NULL;
   RecvBatchCtx x = {0};
-  int tmo, spin, as_torch, with_meta, dev = 0;
-  if (kw_bool(a[4], "recv_batch", "as_torch", 0, &as_torch) < 0 ||
-      kw_bool(a[5], "recv_batch", "with_meta", 0, &with_meta) < 0 ||
-      parse_timeout(a[2], c->timeout_ms, &tmo) < 0 || parse_spin(a[3], c, &spin) < 0)
-    return NULL;
-  if (with_meta && !as_torch) {
-    PyErr_SetString(PyExc_ValueError, "recv_batch: with_meta=True goes with as_torch=True "
-                    "(a Received has its .meta)");
-    return NULL;
-  }
-  if (as_torch ? torch_recv_stream(c, a[1], &dev, &x.stream) < 0
-               : parse_stream(a[1], &x.stream) < 0)
-    return NULL;
+  x.stream = o.stream;
+  int tmo = o.tmo, spin = o.spin, as_torch = o.as_torch, with_meta = o.with_meta,
+      dev = o.dev;
   if (!conn_ok(c)) return NULL;
   /* No more can be queued than a peer may have outstanding (at most 65536). */
   x.max = max > 65536 ? 65536 : (size_t)max;
