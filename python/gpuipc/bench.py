@@ -342,7 +342,10 @@ def _c_bench_binary():
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(here, "..", "..", "build"), os.path.join(os.getcwd(), "build")):
+    # build-gpu/ is what `make gpu-test` builds, build/ what `make test` does.
+    dirs = [os.path.join(root, b) for root in (os.path.join(here, "..", ".."), os.getcwd())
+            for b in ("build-gpu", "build")]
+    for d in dirs:
         cand = os.path.normpath(os.path.join(d, "gpuipc"))
         if os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
