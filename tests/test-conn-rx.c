@@ -318,6 +318,9 @@ TEST_IMPL(handoff_rejects_forged_frames) {
     int fd;
     pid_t pid = spawn_helper("ho_forger", NULL, &fd, (char *)cases[i].what, NULL);
     gpuipc_conn *c = pair_conn(fd);
+    /* The forger's first frame follows its CUDA start, seconds on a GPU
+     * machine that runs many such tests at once. */
+    ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
     gpuipc_status st = GPUIPC_OK;
     int oks = 0;
     for (int k = 0; k < 3 + GPUIPC__BWORDS_MAX && st == GPUIPC_OK; k++) {

@@ -888,6 +888,9 @@ TEST_IMPL(handoff_batch_driver_calls) {
   pid_t pid = spawn_helper("ho_batch_producer", NULL, &fd, "2",
                            idle ? "idle" : "busy", NULL);
   gpuipc_conn *c = pair_conn(fd);
+  /* Its first batch follows its CUDA start, seconds on a loaded GPU
+   * machine. */
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
   gpuipc_received rs[8];
   for (int round = 0; round < 2; round++) {
     for (int i = 0; i < 8; i++)
