@@ -1248,7 +1248,11 @@ TEST_IMPL(handoff_broadcast_stalled_consumer) {
       pids[i] = spawn_helper("ho_bc_honest", no_delay, &fd, rfd, wfd, rounds,
                              NULL);
     gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
-    o.timeout_ms = 20000;
+    /* The first broadcast waits for every helper's CUDA start (seconds on
+     * a GPU machine running many such tests); a broadcast that waited for
+     * the stalled connection before sending to the others would run into
+     * this timeout, or into the hang guard below, all the same. */
+    o.timeout_ms = 120000;
     o.order = stalled_alone_memop ? (i == STALLED ? GPUIPC_ORDER_MEMOP
                                                   : GPUIPC_ORDER_EVENT)
                                   : test_order();
@@ -1267,8 +1271,8 @@ TEST_IMPL(handoff_broadcast_stalled_consumer) {
     ASSERT_OK(gpuipc_conn_set_polling(cs[STALLED], 1));
     ASSERT_OK(gpuipc_conn_set_timeout(cs[STALLED], -1));
   }
-  /* A hang guard only (the stalled connection's timeout is 20 s). */
-  bounded("broadcasts past a stalled consumer", 90);
+  /* A hang guard only (the stalled connection's timeout is 120 s). */
+  bounded("broadcasts past a stalled consumer", 240);
   uint8_t *host[ROUNDS];
   for (int r = 0; r < ROUNDS; r++) {
     if (r == SLOTS + 1)
