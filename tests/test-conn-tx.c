@@ -852,6 +852,9 @@ TEST_IMPL(handoff_broadcast_held_stream_fresh_connections) {
   for (int i = 0; i < N; i++) {
     char buf[4];
     size_t len;
+    /* Each consumer answers after its CUDA start and its import: 48 of
+     * them at once on a GPU machine that runs other tests take long. */
+    ASSERT_OK(gpuipc_conn_set_timeout(cs[i], 120000));
     ASSERT_OK(gpuipc_conn_recv_msg(cs[i], buf, sizeof buf, &len, NULL, NULL));
   }
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
