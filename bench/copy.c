@@ -299,6 +299,23 @@ typedef struct peers {
   char skipped[512];                                     /* "; "-separated */
 } peers;
 
+/* One line of peers_py's output into p. */
+static void peers_line(peers *p, const char *line) {
+  size_t n;
+  char key[64];
+  double gbps;
+  if (sscanf(line, "peer %zu %63s %lf", &n, key, &gbps) == 3) {
+    for (size_t i = 0; i < p->n; i++)
+      for (int c = 0; c < PEER_CASES; c++)
+        if (p->size[i] == n && strcmp(peer_case[c].key, key) == 0)
+          p->rate[i][c] = gbps;
+  } else if (strncmp(line, "skip ", 5) == 0) {
+    if (strstr(p->skipped, line + 5) == NULL)
+      gpuipc__appendf(p->skipped, sizeof p->skipped, "%s%s",
+                      *p->skipped ? "; " : "", line + 5);
+  }
+}
+
 /* Runs peers_py with python (through PATH when it has no '/'), reading
  * its lines into p; at most limit_s seconds. Returns 0, or -1 with why. */
 static int peers_run(peers *p, const char *python, int reps, int device,
@@ -328,49 +345,45 @@ static int peers_run(peers *p, const char *python, int reps, int device,
     snprintf(why, why_cap, "cannot start %s: %s", python, strerror(err));
     return -1;
   }
-  FILE *f = fdopen(fds[0], "r");
-  if (f == NULL) {
-    close(fds[0]);
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-    snprintf(why, why_cap, "fdopen: %s", strerror(errno));
-    return -1;
-  }
+  /* Lines read with read(), not stdio: a FILE's buffer would hide lines
+   * from poll, and a line cut short would block fgets past the deadline. */
   uint64_t until = gpuipc__now_ns() + (uint64_t)limit_s * 1000000000ull;
-  char line[600];
-  bool late = false;
-  for (;;) {
+  char acc[4096];
+  size_t have = 0;
+  bool late = false, eof = false;
+  while (!eof) {
     uint64_t now = gpuipc__now_ns();
     if (now >= until) {
       late = true;
       break;
     }
-    struct pollfd pf = {fileno(f), POLLIN, 0};
+    struct pollfd pf = {fds[0], POLLIN, 0};
     int r = poll(&pf, 1, (int)((until - now) / 1000000 + 1));
-    if (r < 0 && errno == EINTR)
-      continue;
     if (r <= 0)
-      continue; /* the deadline is checked above */
-    if (fgets(line, sizeof line, f) == NULL)
-      break;
-    line[strcspn(line, "\n")] = '\0';
-    size_t n;
-    char key[64];
-    double gbps;
-    if (sscanf(line, "peer %zu %63s %lf", &n, key, &gbps) == 3) {
-      for (size_t i = 0; i < p->n; i++)
-        for (int c = 0; c < PEER_CASES; c++)
-          if (p->size[i] == n && strcmp(peer_case[c].key, key) == 0)
-            p->rate[i][c] = gbps;
-    } else if (strncmp(line, "skip ", 5) == 0) {
-      if (strstr(p->skipped, line + 5) == NULL)
-        gpuipc__appendf(p->skipped, sizeof p->skipped, "%s%s",
-                        *p->skipped ? "; " : "", line + 5);
+      continue; /* EINTR or no line yet: the deadline is checked above */
+    ssize_t got = read(fds[0], acc + have, sizeof acc - 1 - have);
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got <= 0) {
+      eof = true;
+      got = 0;
     }
+    have += (size_t)got;
+    acc[have] = '\0';
+    char *line = acc, *nl;
+    while ((nl = strchr(line, '\n')) != NULL || (eof && *line) ||
+           (have == sizeof acc - 1 && line == acc)) {
+      if (nl != NULL)
+        *nl = '\0';
+      peers_line(p, line);
+      line = nl != NULL ? nl + 1 : acc + have;
+    }
+    have -= (size_t)(line - acc);
+    memmove(acc, line, have);
   }
+  close(fds[0]);
   if (late)
     kill(pid, SIGKILL);
-  fclose(f);
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
     ;
