@@ -241,7 +241,10 @@ TEST_IMPL(conn_wait_in_three_threads_at_once) {
   pthread_t th[3];
   for (int i = 0; i < 3; i++)
     ASSERT_EQ(pthread_create(&th[i], NULL, wait_and_take, &ts[i]), 0);
+  /* The calls of one thread at a time: this one's too. */
+  pthread_mutex_lock(&p.mu);
   ASSERT_OK(gpuipc_conn_send_msg(p.c, "go", 2, NULL, 0));
+  pthread_mutex_unlock(&p.mu);
   for (int i = 0; i < 30000; i++) {
     pthread_mutex_lock(&p.mu);
     int got = p.next;
@@ -259,12 +262,66 @@ TEST_IMPL(conn_wait_in_three_threads_at_once) {
   ASSERT_EQ(got, n);
   ASSERT_EQ(wrong, 0);
   ASSERT_EQ(atomic_load(&p.timeouts), 0);
+  pthread_mutex_lock(&p.mu);
   ASSERT_OK(gpuipc_conn_send_msg(p.c, "end", 3, NULL, 0));
+  pthread_mutex_unlock(&p.mu);
   for (int i = 0; i < 3; i++)
     ASSERT_EQ(pthread_join(th[i], NULL), 0);
   ASSERT_EQ(atomic_load(&p.gone), 3);
   gpuipc_conn_close(p.c);
   pthread_mutex_destroy(&p.mu);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}
+
+typedef struct {
+  gpuipc_conn *c;
+  atomic_int asleep;
+  gpuipc_status st;
+} long_wait;
+
+static void *wait_long(void *arg) {
+  long_wait *w = arg;
+  atomic_store(&w->asleep, 1);
+  w->st = gpuipc_conn_wait(w->c, POLLIN, 20000, 0);
+  return NULL;
+}
+
+/* A connection whose application polls (gpuipc_conn_set_polling), one
+ * thread asleep in a long wait, another whose short wait ends first: the
+ * next buffer, which travels on the ring alone (its chunk came with the
+ * first), still wakes the sleeper (a waiter that left the sleep word
+ * "awake" as it returned, as the ring carrier did, left the other asleep
+ * without a wake-up, to its 20 s limit). */
+TEST_IMPL(conn_wait_polling_second_waiter_returns_first) {
+  REQUIRE_DEVICES(1);
+  pid_t pid;
+  gpuipc_conn *c = ready_producer(2, 500 * 1000, &pid);
+  ASSERT_OK(gpuipc_conn_set_polling(c, 1));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
+  gpuipc_received r = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(recv_waiting(c, &r, 0)); /* the first, 500 ms after "go" */
+  ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+  long_wait w = {.c = c, .st = GPUIPC_OK};
+  atomic_init(&w.asleep, 0);
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, wait_long, &w), 0);
+  while (!atomic_load(&w.asleep))
+    usleep(1000);
+  usleep(100 * 1000); /* in its poll() by now; the second comes 400 ms on */
+  ASSERT_STATUS(gpuipc_conn_wait(c, POLLIN, 10, 0), GPUIPC_E_TIMEOUT);
+  ASSERT_EQ(pthread_join(t, NULL), 0);
+  if (w.st != GPUIPC_OK)
+    printf("the sleeping waiter: %s\n", gpuipc_status_name(w.st));
+  ASSERT_OK(w.st);
+  r = (gpuipc_received)GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(recv_waiting(c, &r, 0));
+  int seq;
+  memcpy(&seq, r.meta, sizeof seq);
+  ASSERT_EQ(seq, 1);
+  ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
+  gpuipc_conn_close(c);
   ASSERT_EQ(wait_helper(pid, 30), 0);
   return 0;
 }

@@ -505,7 +505,12 @@ GPUIPC_API int gpuipc_conn_get_fd(const gpuipc_conn *conn);
  * on the same connection (e.g. waiters without the binding's lock while
  * another thread sends), in any number of threads at once: a record or
  * frame that arrives wakes at least one of them (each then calls again,
- * and the calls, one thread at a time, say who got it). Not beside
+ * and the calls, one thread at a time, say who got it). But a call reads
+ * whatever has arrived, so what a call of the other thread took in first
+ * (a send also reads the peer's frames) is in the connection, where no
+ * waiter sees it: a waiter then sleeps on until the next arrival or its
+ * timeout. Threads that wait while others make calls wait in slices (the
+ * Python package: 50 ms) or are woken by the application. Not beside
  * gpuipc_conn_close. An event loop that
  * waits in its own poll uses gpuipc_conn_get_fd (POLLIN, plus POLLOUT
  * after a send said it would block) instead. */

@@ -343,11 +343,11 @@ static int ring_wait(gpuipc__carrier *k, short events, uint64_t deadline,
   sleep_again(r);
   if ((events & POLLIN) && ring_ready(r))
     return POLLIN;
-  int ev = gpuipc__wait_fd(fd, events, deadline);
-  /* Awake again between calls when the application polls. */
-  if (atomic_load_explicit(&r->polling, memory_order_relaxed))
-    stay_awake(r);
-  return ev;
+  /* The word stays odd after the sleep, also when the application polls:
+   * another thread may still sleep on it (a waiter making it even would
+   * leave that one without a wake-up). It costs at most one WAKE frame,
+   * for the value set here, which the next call reads. */
+  return gpuipc__wait_fd(fd, events, deadline);
 }
 
 static void ring_hangup(gpuipc__carrier *k) {
