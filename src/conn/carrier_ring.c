@@ -74,6 +74,7 @@ typedef struct ring {
    * makes calls: our sleep word (mine->sleep, changed only by the
    * transitions below), and these. */
   atomic_bool consumed; /* records taken since our word last changed */
+  atomic_int sleepers;  /* threads in gpuipc_conn_wait's sleep */
   atomic_bool polling;  /* the application polls: even between calls */
   atomic_bool dead;     /* hung up: no more reads or writes */
   int spin_us;
@@ -233,6 +234,19 @@ static void stay_awake(ring *r) {
   atomic_thread_fence(memory_order_seq_cst);
 }
 
+/* Even, as stay_awake, unless a thread sleeps on the word (another
+ * waiter): the application polls, and its calls need no wake-up, but a
+ * sleeper does. A sleeper counts itself before it sets a new odd value,
+ * so either the count is seen here, or its value comes after the CAS
+ * (which then fails and looks again, or is overwritten by it). */
+static void stay_awake_unless_asleep(ring *r) {
+  uint64_t v = atomic_load(&r->mine->sleep);
+  while ((v & 1) && atomic_load(&r->sleepers) == 0 &&
+         !atomic_compare_exchange_weak(&r->mine->sleep, &v, v + 1))
+    ;
+  atomic_thread_fence(memory_order_seq_cst);
+}
+
 /* A new odd value, one no sender woke yet. */
 static void sleep_again(ring *r) {
   atomic_store_explicit(&r->consumed, false, memory_order_relaxed);
@@ -340,14 +354,19 @@ static int ring_wait(gpuipc__carrier *k, short events, uint64_t deadline,
   }
   /* Asleep from here: a value no sender woke yet, so that a record
    * published from now on brings a WAKE frame. */
+  atomic_fetch_add(&r->sleepers, 1);
   sleep_again(r);
-  if ((events & POLLIN) && ring_ready(r))
+  if ((events & POLLIN) && ring_ready(r)) {
+    atomic_fetch_sub(&r->sleepers, 1);
     return POLLIN;
-  /* The word stays odd after the sleep, also when the application polls:
-   * another thread may still sleep on it (a waiter making it even would
-   * leave that one without a wake-up). It costs at most one WAKE frame,
-   * for the value set here, which the next call reads. */
-  return gpuipc__wait_fd(fd, events, deadline);
+  }
+  int ev = gpuipc__wait_fd(fd, events, deadline);
+  atomic_fetch_sub(&r->sleepers, 1);
+  /* Awake again between calls when the application polls, unless another
+   * thread still sleeps on the word. */
+  if (atomic_load_explicit(&r->polling, memory_order_relaxed))
+    stay_awake_unless_asleep(r);
+  return ev;
 }
 
 static void ring_hangup(gpuipc__carrier *k) {
@@ -370,7 +389,7 @@ static void ring_set_polling(gpuipc__carrier *k, bool on) {
   ring *r = ring_of(k);
   atomic_store_explicit(&r->polling, on, memory_order_relaxed);
   if (on)
-    stay_awake(r);
+    stay_awake_unless_asleep(r);
   else if (!(sleep_word(r) & 1))
     sleep_again(r);
 }
