@@ -1429,3 +1429,31 @@ TEST_IMPL(doctor_container_namespaces) {
   free(buf);
   return 0;
 }
+
+/* A device in exclusive-process compute mode is not probed for fabric
+ * export (the probe's context could keep a job that starts meanwhile
+ * out): the probe says so per device, and makes no context there. */
+TEST_IMPL(doctor_fabric_probe_skips_exclusive_devices) {
+  REQUIRE_EMULATOR("sets GPUIPC_EMU_COMPUTE_MODE");
+  char *env[] = {"GPUIPC_EMU_COMPUTE_MODE=exclusive-process", "GPUIPC_EMU_FABRIC=yes",
+                 "GPUIPC_EMU_DEVICES=2", "CUDA_VISIBLE_DEVICES=", NULL};
+  doctor_run j = run_doctor(env, "--json", NULL);
+  ASSERT_EQ(j.status, 0);
+  jval *fx = JREQ(j.json, "fabric_export", J_OBJ);
+  ASSERT(!JREQ(fx, "usable", J_BOOL)->b);
+  ASSERT_STR_EQ(JREQ(fx, "reason", J_STR)->str,
+                "not probed: device 0 is in exclusive-process compute mode");
+  jval *probes = JREQ(fx, "probes", J_ARR);
+  ASSERT_EQ(probes->n, 2);
+  for (int i = 0; i < 2; i++) {
+    ASSERT_STR_EQ(JREQ(probes->items[i], "skipped", J_STR)->str, "exclusive-process");
+    ASSERT(jget(probes->items[i], "vmm") == NULL);
+  }
+  doctor_run t = run_doctor(env, NULL, NULL);
+  ASSERT_EQ(t.status, 0);
+  check_line_widths(t.out);
+  ASSERT_STR_CONTAINS(t.out, "device 1: not probed: exclusive-process compute mode");
+  doctor_run_free(&j);
+  doctor_run_free(&t);
+  return 0;
+}

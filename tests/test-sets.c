@@ -2786,6 +2786,19 @@ TEST_IMPL(sets_copy_sorts_many_ranges) {
   ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_kernels) - k0, 0);
   ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_batches) - b0, 0);
   ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_singles) - s0, N);
+  /* Back, and now the last range's destination is 8 bytes into the first
+   * range's source, far apart in the input: only the sweep over both
+   * sorted lists finds it. */
+  d[N / 2] = dst + pd[N / 2] * SLOT;
+  d[N - 1] = s[0] + 8;
+  k0 = atomic_load(&gpuipc__tset_copy_kernels);
+  b0 = atomic_load(&gpuipc__tset_copy_batches);
+  s0 = atomic_load(&gpuipc__tset_copy_singles);
+  ASSERT_OK(gpuipc__tset_copy(0, s, d, l, N, st));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_kernels) - k0, 0);
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_batches) - b0, 0);
+  ASSERT_UEQ(atomic_load(&gpuipc__tset_copy_singles) - s0, N);
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
   ASSERT_CU(gpuipc__cu.cuMemFree(src));
   ASSERT_CU(gpuipc__cu.cuMemFree(dst));

@@ -212,6 +212,7 @@ typedef struct doc_fabric_path {
 
 typedef struct doc_fabric {
   bool probed;           /* the device was examined */
+  int skipped_mode;      /* not examined: its compute mode (0: examined) */
   doc_fabric_path vmm, pool;
   char cleanup[256];     /* calls that failed while giving back, "; "-separated */
 } doc_fabric;
@@ -667,6 +668,12 @@ destroy:
  * (retained, made current, then popped and released: the doctor leaves no
  * context behind it), and the IMEX channels (needed whatever the driver
  * says, so that a refusal comes with what is missing). */
+static const char *compute_mode_name(int mode) {
+  return mode == CU_COMPUTEMODE_EXCLUSIVE_PROCESS ? "exclusive-process"
+         : mode == CU_COMPUTEMODE_PROHIBITED      ? "prohibited"
+                                                  : "another";
+}
+
 static void gather_fabric(doc_report *r) {
   gpuipc__imex_probe(&r->imex);
   if (!r->initialized)
@@ -676,8 +683,17 @@ static void gather_fabric(doc_report *r) {
     doc_fabric *f = &r->fabric[i];
     if (!r->dev[i].ok)
       continue;
-    f->probed = true;
     CUdevice dev = r->dev[i].dev;
+    /* A context made here on a device that takes one process only would
+     * keep out a job starting meanwhile: not probed there. */
+    int mode = CU_COMPUTEMODE_DEFAULT;
+    if (GPUIPC__CU(cuDeviceGetAttribute, &mode, CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, dev) ==
+            CUDA_SUCCESS &&
+        mode != CU_COMPUTEMODE_DEFAULT) {
+      f->skipped_mode = mode;
+      continue;
+    }
+    f->probed = true;
     CUcontext ctx = NULL;
     CUresult cr = GPUIPC__CU(cuDevicePrimaryCtxRetain, &ctx, dev);
     if (cr != CUDA_SUCCESS) {
@@ -1174,6 +1190,12 @@ static void decide_fabric(doc_report *r) {
       return;
     }
   }
+  for (int i = 0; i < r->device_count; i++)
+    if (r->fabric[i].skipped_mode) {
+      snprintf(v->reason, sizeof v->reason, "not probed: device %d is in %s compute mode",
+               i, compute_mode_name(r->fabric[i].skipped_mode));
+      return;
+    }
   snprintf(v->reason, sizeof v->reason, "no device could be examined");
 }
 
@@ -1886,11 +1908,24 @@ static void report_fabric(emit *e, const doc_report *r) {
   e_arr(e, "probes", false);
   for (int i = 0; i < r->device_count; i++) {
     const doc_fabric *f = &r->fabric[i];
+    if (f->skipped_mode) {
+      e_obj(e, NULL);
+      e_int(e, "ordinal", i);
+      e_opt_bool(e, "attribute", r->dev[i].have_attr[A_FABRIC], r->dev[i].attr[A_FABRIC] != 0);
+      e_str(e, "skipped", compute_mode_name(f->skipped_mode));
+      e_obj_end(e);
+      h_line(e, first ? "fabric export" : "",
+             "device %d: not probed: %s compute mode (a context made here could keep a "
+             "job out)", i, compute_mode_name(f->skipped_mode));
+      first = false;
+      continue;
+    }
     if (!f->probed)
       continue;
     e_obj(e, NULL);
     e_int(e, "ordinal", i);
     e_opt_bool(e, "attribute", r->dev[i].have_attr[A_FABRIC], r->dev[i].attr[A_FABRIC] != 0);
+    e_str(e, "skipped", NULL);
     json_fabric_path(e, "vmm", &f->vmm);
     json_fabric_path(e, "pool", &f->pool);
     e_str(e, "cleanup_errors", f->cleanup[0] ? f->cleanup : NULL);

@@ -63,6 +63,9 @@
  *                            every stream of the context has drained, as
  *                            the real driver's cuStreamCreate does behind a
  *                            stream held by a wait (docs/driver-behaviour.md).
+ *   GPUIPC_EMU_COMPUTE_MODE=M  what CU_DEVICE_ATTRIBUTE_COMPUTE_MODE says
+ *                            (default, exclusive-process, prohibited;
+ *                            contexts are made all the same)
  *   GPUIPC_EMU_FABRIC=MODE   fabric handles (CU_MEM_HANDLE_TYPE_FABRIC):
  *                              (unset, no) the device reports them
  *                                          unsupported; every FABRIC request
@@ -244,6 +247,7 @@ static struct {
   bool no_devices;       /* CUDA_VISIBLE_DEVICES hid them all */
   unsigned disable;
   int fabric; /* FABRIC_OFF, FABRIC_NO_CHANNEL, FABRIC_ON */
+  int compute_mode; /* GPUIPC_EMU_COMPUTE_MODE: what the attribute says */
   size_t total_mem;
   unsigned copy_delay_us;
   int stream_room;
@@ -485,6 +489,16 @@ static void configure(void) {
       E.fabric = FABRIC_ON;
     else
       emu_msg("GPUIPC_EMU_FABRIC: unknown mode '%s' (no, no-channel, yes)", s);
+  }
+  s = getenv("GPUIPC_EMU_COMPUTE_MODE");
+  if (s && *s) {
+    if (strcmp(s, "exclusive-process") == 0)
+      E.compute_mode = CU_COMPUTEMODE_EXCLUSIVE_PROCESS;
+    else if (strcmp(s, "prohibited") == 0)
+      E.compute_mode = CU_COMPUTEMODE_PROHIBITED;
+    else if (strcmp(s, "default") != 0)
+      emu_msg("GPUIPC_EMU_COMPUTE_MODE: unknown mode '%s' (default, "
+              "exclusive-process, prohibited)", s);
   }
   s = getenv("GPUIPC_EMU_FAIL");
   if (s && *s)
@@ -809,7 +823,7 @@ static int attr_value(int a, int dev) {
   case CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT: return 0;
   case CU_DEVICE_ATTRIBUTE_INTEGRATED: return 0;
   case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: return 1;
-  case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: return CU_COMPUTEMODE_DEFAULT;
+  case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: return E.compute_mode;
   case CU_DEVICE_ATTRIBUTE_SURFACE_ALIGNMENT: return 512;
   case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: return 1;
   case CU_DEVICE_ATTRIBUTE_ECC_ENABLED: return 1;
