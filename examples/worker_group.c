@@ -199,6 +199,21 @@ int main(int argc, char **argv) {
     }
   }
 
+  /* The killed worker may have finished every job of its own before it
+   * died: then the gathering ended before its death was seen. */
+  if (kill_one && alive[1]) {
+    int dead = -1;
+    gpuipc_child_status st;
+    gpuipc_status s = gpuipc_group_check(g, 10000, &dead, &st);
+    if (s == GPUIPC_E_PEER_GONE) {
+      printf("%s\n", gpuipc_last_error());
+      printf("worker %d had finished its jobs before it died\n", dead);
+      alive[dead] = 0;
+    } else {
+      CHECK("gpuipc_group_check", s == GPUIPC_OK ? GPUIPC_E_TIMEOUT : s);
+    }
+  }
+
   /* Check the data: each byte is j + (index of the worker that did it) + 1
    * at least once; with --kill a dead worker may have added before dying,
    * so only the survivors' share is checked exactly. */
