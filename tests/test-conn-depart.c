@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -368,16 +369,31 @@ TEST_IMPL(handoff_close_with_queued_buffers_releases_them) {
 /* ---- a consumer whose main thread exited --------------------------------------------- */
 
 static gpuipc_received lone_rx = GPUIPC_RECEIVED_INIT;
+static atomic_int lone_stop;
+
+static void on_lone_stop(int sig) {
+  (void)sig;
+  atomic_store(&lone_stop, 1);
+}
 
 static void *lone_reader(void *arg) {
   (void)arg;
-  /* Reads the buffer for 1.5 s after the main thread is gone: the data
-   * must stay the producer's (the memory is not handed out again). */
+  /* Reads the buffer after the main thread is gone until the test says
+   * it is done (SIGUSR1; at most 120 s): the data must stay the
+   * producer's (the memory is not handed out again). */
   uint8_t first[64], now[64];
   ctx_current();
+  sigset_t usr1;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  ASSERT_EQ(pthread_sigmask(SIG_UNBLOCK, &usr1, NULL), 0); /* this thread only */
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(first, (CUdeviceptr)(uintptr_t)lone_rx.ptr,
                                     sizeof first));
-  for (int i = 0; i < 15; i++) {
+  for (int i = 0; !atomic_load(&lone_stop); i++) {
+    if (i == 1200) {
+      fprintf(stderr, "lone reader: the test never said it was done\n");
+      _exit(4);
+    }
     usleep(100000);
     ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(now, (CUdeviceptr)(uintptr_t)lone_rx.ptr,
                                       sizeof now));
@@ -390,11 +406,24 @@ static void *lone_reader(void *arg) {
 }
 
 /* Receives a buffer, hangs up without releasing it, starts a thread that
- * keeps reading it, and ends its main thread (pthread_exit). */
+ * keeps reading it until SIGUSR1, and ends its main thread
+ * (pthread_exit). */
 HELPER_IMPL(ho_lone_thread) {
+  /* SIGUSR1 goes to the reader alone: blocked here before any thread
+   * (the library's, the emulator's) starts, unblocked by the reader. */
+  sigset_t usr1;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  ASSERT_EQ(pthread_sigmask(SIG_BLOCK, &usr1, NULL), 0);
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   ASSERT_OK(gpuipc_conn_recv(c, NULL, &lone_rx));
   ctx_current();
+  /* Before the hang-up: the test signals only after it saw it. */
+  struct sigaction sa = {0};
+  sa.sa_handler = on_lone_stop;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  ASSERT_EQ(sigaction(SIGUSR1, &sa, NULL), 0);
   pthread_t t;
   ASSERT_EQ(pthread_create(&t, NULL, lone_reader, NULL), 0);
   close(gpuipc_conn_get_fd(c)); /* hang up, holding the buffer */
@@ -423,8 +452,11 @@ TEST_IMPL(handoff_consumer_main_thread_exit_keeps_lease) {
   for (int k = 0; k < 3000 && ps == GPUIPC_OK; k++)
     ps = gpuipc_conn_progress(c, 10);
   ASSERT_STATUS(ps, GPUIPC_E_PEER_GONE);
-  /* The helper's reader runs for 1.5 s: for most of it, its lease must
-   * hold (an exited main thread is not an exited process). */
+  /* The helper's reader runs until told to stop (SIGUSR1, below): all
+   * the while, its lease must hold (an exited main thread is not an
+   * exited process). It used to stop on its own after 1.5 s, which a
+   * loaded machine could take for these 80 checks ("ended early"); now it
+   * cannot end before them, however slow either side is. */
   for (int i = 0; i < 80; i++) {
     (void)gpuipc_conn_progress(c, 0);
     gpuipc_arena_stats st = GPUIPC_ARENA_STATS_INIT;
@@ -438,6 +470,7 @@ TEST_IMPL(handoff_consumer_main_thread_exit_keeps_lease) {
     usleep(10000);
   }
   /* Once the whole process is gone, the lease comes back. */
+  ASSERT_EQ(kill(pid, SIGUSR1), 0);
   ASSERT_EQ(wait_helper(pid, 60), 0);
   for (int i = 0; i < 1000 && gpuipc_block_get_holders(b) > 0; i++) {
     (void)gpuipc_conn_progress(c, 0);
@@ -563,11 +596,15 @@ static void tolerant_consumer(gpuipc_conn *c) {
     (void)gpuipc__cu.cuStreamSynchronize(s);
 }
 
+/* The handshake waits for the other process to start (seconds under a
+ * sanitizer on a loaded machine: with 2 s it could time out, failing the
+ * test before any fault); only what follows gets the short timeout. */
 static gpuipc_conn *fault_conn(int fd) {
   gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
-  o.timeout_ms = 2000;
+  o.timeout_ms = 120000;
   gpuipc_conn *c = NULL;
   ASSERT_OK(gpuipc_conn_from_fd(fd, &o, &c));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 2000));
   return c;
 }
 
@@ -693,7 +730,8 @@ TEST_IMPL(handoff_consumer_gives_up_tells_what_it_held) {
    * (the consumer reads nothing more). */
   gpuipc_status st = gpuipc_conn_send(c, b2, NULL, NULL, 0);
   ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
-  for (int i = 0; i < 500 && gpuipc_block_get_holders(b2) > 0; i++)
+  /* Up to 30 s (as below): the consumer's ABANDON needs it to run. */
+  for (int i = 0; i < 3000 && gpuipc_block_get_holders(b2) > 0; i++)
     if (gpuipc_conn_progress(c, 10) != GPUIPC_OK)
       usleep(10000);
   ASSERT_EQ(waitpid(pid, NULL, WNOHANG), 0); /* it lives */
