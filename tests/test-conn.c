@@ -1189,25 +1189,45 @@ TEST_IMPL(conn_accept_handshakes_concurrent) {
     gpuipc_listener_close(l);
   }
   /* The deadline bounds how long a peer keeps us waiting, not how long the
-   * application takes to call accept again: two honest peers, a short
-   * handshake deadline, a pause between the accepts; both come out. */
+   * application takes to call accept again: two honest peers, one after
+   * the other, a short handshake deadline, and before every call of
+   * accept a pause longer than it; both come out. The listener is
+   * non-blocking and accept is called only once its descriptor says the
+   * peer answered (then the pause): the peer never has to answer within
+   * the deadline, so a slow peer on a loaded machine cannot be dropped,
+   * while every answer waits past the deadline for the next call. (With
+   * blocking accepts and one pause between them, each peer had to answer
+   * within 300 ms inside the accepts, and the second peer was pending
+   * during the pause only if it had connected in time.) */
   {
     gpuipc_conn_options o = GPUIPC_CONN_OPTIONS_INIT;
     o.abstract_name = 1;
-    o.timeout_ms = 30000;
+    o.nonblocking = 1;
     o.handshake_timeout_ms = 300;
     gpuipc_listener *l = NULL;
     ASSERT_OK(gpuipc_listen(name, &o, &l));
-    pid_t p1 = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
-    pid_t p2 = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
-    gpuipc_conn *c1 = NULL, *c2 = NULL;
-    ASSERT_OK(gpuipc_accept(l, &c1));
-    usleep(1000000);
-    ASSERT_OK(gpuipc_accept(l, &c2));
+    pid_t pids[2];
+    gpuipc_conn *cs[2] = {NULL, NULL};
+    for (int k = 0; k < 2; k++) {
+      pids[k] = spawn_helper("conn_echo", NULL, NULL, name, "@", NULL);
+      gpuipc_status s;
+      int rounds = 0;
+      do {
+        struct pollfd p = {gpuipc_listener_get_fd(l), POLLIN, 0};
+        ASSERT_EQ(poll(&p, 1, 60000), 1);
+        usleep(400 * 1000); /* past the handshake deadline */
+        ASSERT_LT(++rounds, 20);
+      } while ((s = gpuipc_accept(l, &cs[k])) == GPUIPC_E_WOULD_BLOCK);
+      ASSERT_OK(s);
+      ASSERT_OK(gpuipc_conn_set_nonblocking(cs[k], 0));
+      ASSERT_OK(gpuipc_conn_set_timeout(cs[k], 30000));
+    }
+    gpuipc_conn *c1 = cs[0], *c2 = cs[1];
+    pid_t p1 = pids[0], p2 = pids[1];
     gpuipc_peer_info a, b;
     ASSERT_OK(gpuipc_conn_get_peer(c1, &a));
     ASSERT_OK(gpuipc_conn_get_peer(c2, &b));
-    ASSERT((a.pid == p1 && b.pid == p2) || (a.pid == p2 && b.pid == p1));
+    ASSERT(a.pid == p1 && b.pid == p2);
     roundtrip(c1, 5, 1);
     roundtrip(c2, 5, 2);
     gpuipc_conn_close(c1);
