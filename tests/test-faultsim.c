@@ -91,8 +91,10 @@ static long fs_run(const fs_case *k) {
       if (s == GPUIPC_OK)
         k->undo(k->ctx); /* an allocation it can do without */
       /* Frees the driver finishes on its own threads (stream-ordered) may
-       * close descriptors a moment later: give them a second. */
-      for (int w = 0; w < 100 && harness_count_fds() > fds0; w++)
+       * close descriptors a moment later: give them up to 10 s (a second
+       * was short for those threads under a sanitizer on a loaded
+       * machine; a leak stays open however long we wait). */
+      for (int w = 0; w < 1000 && harness_count_fds() > fds0; w++)
         usleep(10000);
       if (harness_count_fds() > fds0)
         harness_fail(__FILE__, __LINE__,

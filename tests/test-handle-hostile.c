@@ -465,7 +465,11 @@ struct fifo_watch {
 
 static void *fifo_watchdog(void *arg) {
   struct fifo_watch *w = arg;
-  for (int i = 0; i < 300 && !atomic_load(&w->done); i++)
+  /* 30 s: an import that waits on the FIFO waits for ever, while an
+   * honest one (its driver calls) may take seconds under a sanitizer on a
+   * loaded machine; 3 s could "rescue" an import that was only slow, and
+   * fail the test. */
+  for (int i = 0; i < 3000 && !atomic_load(&w->done); i++)
     usleep(10000);
   while (!atomic_load(&w->done)) {
     int fd = open(w->path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
