@@ -184,11 +184,18 @@ def sender_batches(conn, n, k):
 
 def release_one_later(conn, n, delay):
     """Receives n buffers and keeps them (its connection then has no free
-    slot at the producer), says so, releases one after delay seconds, then
+    slot at the producer), says so, releases one after delay seconds (or,
+    delay a path, once that file exists: the parent says when, without a
+    message on a connection one of its threads may be waiting on), then
     receives one more and reports its meta."""
     held = [conn.recv(timeout=30) for _ in range(n)]
     _report(conn, holding=len(held))
-    time.sleep(delay)
+    if isinstance(delay, str):
+        end = time.monotonic() + 60
+        while not os.path.exists(delay) and time.monotonic() < end:
+            time.sleep(0.01)
+    else:
+        time.sleep(delay)
     held.pop(0).release()
     rx = conn.recv(timeout=30)
     _report(conn, meta=rx.meta.hex())

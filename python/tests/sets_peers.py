@@ -131,12 +131,15 @@ def expect_refusal(conn, name):
 
 def produce(conn, name, delay):
     """A producer in the child: subscribes its connection to an owned set,
-    publishes one version after `delay` seconds, and ends the subscription
-    when the parent says so."""
+    publishes one version after `delay` seconds (None: when the parent
+    says so), and ends the subscription when the parent says so."""
     sc = gpuipc.connect(name, timeout=30)
     ts = gpuipc.TensorSet.empty({"x": ((64,), "uint8")})
     ts.subscribe(sc)
-    time.sleep(delay)
+    if delay is None:
+        conn.recv_msg(timeout=60)
+    else:
+        time.sleep(delay)
     drv().htod(ts.tensors(0)["x"].ptr, bytes(range(64)))
     ts.update()
     conn.recv_msg(timeout=30)

@@ -370,12 +370,20 @@ def test_bench_sets_runs_on_the_emulator(capsys):
 def test_recv_releases_the_gil_and_times_out():
     import threading
 
-    peer = Peer(sets_peers.produce, 0.5)
-    ticks, stop = [0], threading.Event()
+    # The child publishes only when told, by this test's other thread once
+    # it ticked 100 times from just before the long recv: the short recv cannot
+    # see a publish, and the long one waits however loaded the machine is
+    # (a publish 0.5 s after the child's start could come before either).
+    # A recv that held the GIL would stop the ticks, never tell, and time out.
+    peer = Peer(sets_peers.produce, None)
+    ticks, stop, waiting = [0], threading.Event(), threading.Event()
 
     def spin():
+        waiting.wait(60)
         while not stop.is_set():
             ticks[0] += 1
+            if ticks[0] == 100:
+                peer.p.conn.send_msg(b"publish")
             time.sleep(0.001)
 
     t = threading.Thread(target=spin)
@@ -384,7 +392,8 @@ def test_recv_releases_the_gil_and_times_out():
         with pytest.raises(gpuipc.TimeoutError):
             sub.recv(timeout=0.05)  # nothing published yet
         t.start()
-        with sub.recv(timeout=30) as v:  # waits ~0.5 s for the child's publish
+        waiting.set()
+        with sub.recv(timeout=30) as v:  # waits for the child's publish
             n = ticks[0]
             assert v.number == 1 and drv().dtoh(v["x"].ptr, 64) == bytes(range(64))
         stop.set()
@@ -397,6 +406,7 @@ def test_recv_releases_the_gil_and_times_out():
         assert sub.closed
     finally:
         stop.set()
+        waiting.set()
         rc = peer.close()
     assert rc == 0
     peer.sc.close()
