@@ -469,7 +469,8 @@ TEST_IMPL(handoff_consumer_main_thread_exit_keeps_lease) {
                    "reclaimed while its other thread runs");
     usleep(10000);
   }
-  /* Once the whole process is gone, the lease comes back. */
+  /* Done: the reader ends, and with it the process. Once the whole
+   * process is gone, the lease comes back. */
   ASSERT_EQ(kill(pid, SIGUSR1), 0);
   ASSERT_EQ(wait_helper(pid, 60), 0);
   for (int i = 0; i < 1000 && gpuipc_block_get_holders(b) > 0; i++) {
