@@ -280,7 +280,10 @@ def test_three_threads_receive_from_one_connection():
                 got.append(int(rx.meta))
             rx.release()
 
-    with gpuipc.spawn(sender_of, n) as p:
+    with gpuipc.spawn(sender_of, n, True) as p:
+        # Its CUDA start (seconds on a loaded machine) is not for the
+        # threads' 10 s waits to cover: they start once its arena is made.
+        assert p.conn.recv_msg(timeout=120) == b"ready"
         ts = [threading.Thread(target=take, args=(s,)) for s in (0, 20, 500)]
         for t in ts:
             t.start()
@@ -297,9 +300,11 @@ def test_three_threads_receive_from_one_connection():
         assert p.join(60) == 0
 
 
-def sender_of(conn, n):
+def sender_of(conn, n, ready=False):
     a = gpuipc.Arena(chunk_bytes=1 << 20)
     blocks = [a.alloc(256) for _ in range(32)]
+    if ready:
+        conn.send_msg(b"ready")  # CUDA is up: the sends come at once
     for i in range(n):
         conn.send(blocks[i % 32], meta=b"%d" % i)
     conn.recv_msg(timeout=60)
