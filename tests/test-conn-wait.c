@@ -7,13 +7,16 @@
  */
 #include "test-conn-handoff.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <unistd.h>
 
 /* After the test's "go": argv[0] buffers of 4 KiB, argv[1] microseconds
  * apart (a negative gap: each after the first when the test says "next"),
- * each with its index as meta; then waits for the test to close. */
+ * each with its index as meta; then waits for the test to close. With
+ * argv[2], a path: after the send of buffer i returned (its WAKE frame,
+ * if any, written), the file "<path>.<i>" is made. */
 HELPER_IMPL(wait_producer) {
   ASSERT(argc >= 2);
   int n = atoi(argv[0]);
@@ -33,6 +36,13 @@ HELPER_IMPL(wait_producer) {
     ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
     ASSERT_OK(gpuipc_conn_send(c, b, NULL, &i, sizeof i));
     ASSERT_OK(gpuipc_block_free(b, NULL));
+    if (argc >= 3) {
+      char path[600];
+      snprintf(path, sizeof path, "%s.%d", argv[2], i);
+      int f = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+      ASSERT(f >= 0);
+      close(f);
+    }
   }
   ASSERT_OK(gpuipc_conn_recv_msg(c, go, sizeof go, &len, NULL, NULL));
   gpuipc_conn_close(c);
@@ -53,12 +63,14 @@ static gpuipc_status recv_waiting(gpuipc_conn *c, gpuipc_received *r,
   }
 }
 
-static gpuipc_conn *ready_producer(int n, int gap_us, pid_t *pid) {
+static gpuipc_conn *ready_producer_marking(int n, int gap_us,
+                                          const char *marks, pid_t *pid) {
   int fd;
   char ns[16], gs[16];
   snprintf(ns, sizeof ns, "%d", n);
   snprintf(gs, sizeof gs, "%d", gap_us);
-  *pid = spawn_helper("wait_producer", NULL, &fd, ns, gs, NULL);
+  *pid = spawn_helper("wait_producer", NULL, &fd, ns, gs, (char *)marks,
+                      NULL);
   gpuipc_conn *c = pair_conn(fd);
   char buf[8];
   size_t len;
@@ -68,6 +80,26 @@ static gpuipc_conn *ready_producer(int n, int gap_us, pid_t *pid) {
   ASSERT_OK(gpuipc_conn_set_timeout(c, 30000));
   ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
   return c;
+}
+
+static gpuipc_conn *ready_producer(int n, int gap_us, pid_t *pid) {
+  return ready_producer_marking(n, gap_us, NULL, pid);
+}
+
+/* Waits (up to 60 s) for the producer's mark of buffer i. */
+static void wait_mark(const char *marks, int i) {
+  char path[600];
+  snprintf(path, sizeof path, "%s.%d", marks, i);
+  for (int t = 0; t < 60000 && access(path, F_OK) != 0; t++)
+    usleep(1000);
+  if (access(path, F_OK) != 0)
+    harness_fail(__FILE__, __LINE__, "the producer never sent buffer %d", i);
+}
+
+/* Whether the connection's fd is readable right now. */
+static bool fd_readable(gpuipc_conn *c) {
+  struct pollfd p = {gpuipc_conn_get_fd(c), POLLIN, 0};
+  return poll(&p, 1, 0) > 0;
 }
 
 TEST_IMPL(conn_wait_rule_spinning_and_sleeping) {
@@ -313,8 +345,18 @@ TEST_IMPL(conn_wait_polling_second_waiter_returns_first) {
     usleep(1000);
   usleep(100 * 1000); /* in its poll() by now */
   /* The second is sent only after this wait ended: nothing can come
-   * during it, however loaded the machine. */
-  ASSERT_STATUS(gpuipc_conn_wait(c, POLLIN, 10, 0), GPUIPC_E_TIMEOUT);
+   * during it, however loaded the machine. It ends by its timeout, or at
+   * once for a WAKE frame of the first buffer that reached the socket
+   * after the recv had read it (a call then takes it in, and the wait is
+   * tried again); either way it returns while the other sleeps. */
+  gpuipc_status ws = GPUIPC_OK;
+  for (int i = 0; i < 3; i++) {
+    ws = gpuipc_conn_wait(c, POLLIN, 10, 0);
+    if (ws != GPUIPC_OK)
+      break;
+    ASSERT_OK(gpuipc_conn_progress(c, 0));
+  }
+  ASSERT_STATUS(ws, GPUIPC_E_TIMEOUT);
   ASSERT_OK(gpuipc_conn_send_msg(c, "next", 4, NULL, 0));
   ASSERT_EQ(pthread_join(t, NULL), 0);
   if (w.st != GPUIPC_OK)
@@ -326,6 +368,47 @@ TEST_IMPL(conn_wait_polling_second_waiter_returns_first) {
   memcpy(&seq, r.meta, sizeof seq);
   ASSERT_EQ(seq, 1);
   ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
+  gpuipc_conn_close(c);
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  return 0;
+}
+
+/* A receiver that slept between its calls (no polling): the sender puts
+ * each record and then, on the ring carrier, a WAKE frame on the socket.
+ * The recv that takes the record takes that frame in too, so the fd is
+ * not left readable with nothing to read (before, the WAKE stayed in the
+ * socket until a later call, and every poll or gpuipc_conn_wait in
+ * between returned at once). The producer marks each send once it
+ * returned, so the frame is in the socket before the recv. */
+TEST_IMPL(conn_recv_takes_in_the_wake_of_its_record) {
+  REQUIRE_DEVICES(1);
+  char marks[512];
+  snprintf(marks, sizeof marks, "%s/sent", harness_tmpdir());
+  pid_t pid;
+  gpuipc_conn *c = ready_producer_marking(3, -1, marks, &pid);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "go", 2, NULL, 0));
+  for (int i = 0; i < 3; i++) {
+    wait_mark(marks, i);
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, NULL, &r));
+    int seq;
+    memcpy(&seq, r.meta, sizeof seq);
+    ASSERT_EQ(seq, i);
+    if (fd_readable(c)) {
+      /* Still readable: what is there must be nothing but a frame the
+       * recv should have taken in (a call finds no buffer). */
+      gpuipc_received r2 = GPUIPC_RECEIVED_INIT;
+      ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r2), GPUIPC_E_WOULD_BLOCK);
+      harness_fail(__FILE__, __LINE__,
+                   "buffer %d: the fd stayed readable after the recv that "
+                   "took it, with nothing more to receive",
+                   i);
+    }
+    ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+    if (i < 2)
+      ASSERT_OK(gpuipc_conn_send_msg(c, "next", 4, NULL, 0));
+  }
   ASSERT_OK(gpuipc_conn_send_msg(c, "end", 3, NULL, 0));
   gpuipc_conn_close(c);
   ASSERT_EQ(wait_helper(pid, 30), 0);

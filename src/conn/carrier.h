@@ -88,6 +88,12 @@ typedef struct gpuipc__carrier_ops {
   /* The application says it calls into the connection often and never
    * sleeps on the fd without telling (on), or no longer (off). */
   void (*set_polling)(struct gpuipc__carrier *k, bool on);
+  /* True when our sleep word was made odd (a value a sender may wake with
+   * a WAKE frame) since the last time this was asked; asking clears it.
+   * The frame layer reads the socket in the same pass as the records then,
+   * so the WAKE that came with them is not left to make the fd readable
+   * for nothing after the call. */
+  bool (*slept)(struct gpuipc__carrier *k);
 } gpuipc__carrier_ops;
 
 /* A connection's carrier: its operations, the socket every carrier keeps

@@ -74,6 +74,7 @@ typedef struct ring {
    * makes calls: our sleep word (mine->sleep, changed only by the
    * transitions below), and these. */
   atomic_bool consumed; /* records taken since our word last changed */
+  atomic_bool slept;    /* our word made odd since the frame layer asked */
   atomic_int sleepers;  /* threads in gpuipc_conn_wait's sleep */
   atomic_bool polling;  /* the application polls: even between calls */
   atomic_bool dead;     /* hung up: no more reads or writes */
@@ -250,6 +251,7 @@ static void stay_awake_unless_asleep(ring *r) {
 /* A new odd value, one no sender woke yet. */
 static void sleep_again(ring *r) {
   atomic_store_explicit(&r->consumed, false, memory_order_relaxed);
+  atomic_store_explicit(&r->slept, true, memory_order_relaxed);
   uint64_t v = sleep_word(r);
   while (!atomic_compare_exchange_weak_explicit(&r->mine->sleep, &v,
                                                 (v | 1) + 2,
@@ -394,6 +396,11 @@ static void ring_set_polling(gpuipc__carrier *k, bool on) {
     sleep_again(r);
 }
 
+static bool ring_slept(gpuipc__carrier *k) {
+  return atomic_exchange_explicit(&ring_of(k)->slept, false,
+                                  memory_order_relaxed);
+}
+
 static const gpuipc__carrier_ops ring_ops = {
     .name = "ring",
     .write = gpuipc__sock_carrier_write,
@@ -406,6 +413,7 @@ static const gpuipc__carrier_ops ring_ops = {
     .wake = ring_wake,
     .get = ring_get,
     .set_polling = ring_set_polling,
+    .slept = ring_slept,
 };
 
 gpuipc_status gpuipc__carrier_ring_init(gpuipc__carrier *k, void *mine,

@@ -660,10 +660,13 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
       c->rx_len < sizeof(gpuipc__frame_hdr)) {
     /* The records first: when they brought something and wait for no
      * socket frame, the socket is not read this pass (no system call on
-     * the fast path); it is on the next. */
+     * the fast path); it is on the next. Unless our word slept since the
+     * socket was last read: then the WAKE frame a sender owed it is read
+     * now too, not left to make the fd readable after the call. */
     uint64_t before = c->rx_records;
     GPUIPC__CHECK(drain_records(c));
-    if (c->rx_records != before && !record_waits(c))
+    if (c->rx_records != before && !record_waits(c) &&
+        !(c->k.ops->slept && c->k.ops->slept(&c->k)))
       return GPUIPC_OK;
   }
   if (c->rx_paused || c->rx_len >= sizeof(gpuipc__frame_hdr)) {
