@@ -735,6 +735,14 @@ TEST_IMPL(handoff_broadcast_64_consumers) {
                                         NULL, 0, NULL),
                   GPUIPC_E_INVALID_ARG);
     ASSERT_STR_CONTAINS(gpuipc_last_error(), "same");
+    /* The first repeat in the list's order is named, whatever comes
+     * after it. */
+    gpuipc_conn *dup5[5] = {cs[2], cs[1], cs[0], cs[1], cs[2]};
+    ASSERT_STATUS(gpuipc_conn_broadcast(dup5, 5, b, (struct CUstream_st *)s,
+                                        NULL, 0, NULL),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "connections 1 and 3 are the same");
+    ASSERT_EQ(gpuipc_block_get_holders(b), 0);
     gpuipc_conn *withnull[2] = {cs[0], NULL};
     ASSERT_STATUS(gpuipc_conn_broadcast(withnull, 2, b, (struct CUstream_st *)s,
                                         NULL, 0, NULL),

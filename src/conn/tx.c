@@ -874,6 +874,47 @@ static void bc_wait(bc_call *x, struct pollfd *pf) {
   }
 }
 
+typedef struct bc_pos {
+  uintptr_t conn;
+  size_t i;
+} bc_pos;
+
+static int bc_pos_cmp(const void *a, const void *b) {
+  const bc_pos *x = a, *y = b;
+  if (x->conn != y->conn)
+    return x->conn < y->conn ? -1 : 1;
+  return x->i < y->i ? -1 : x->i > y->i;
+}
+
+/* GPUIPC_E_INVALID_ARG when a connection is named twice, naming the first
+ * such pair in the order of the list (the lowest second index, with the
+ * first index of that connection): sorted, O(n log n). */
+static gpuipc_status bc_distinct(gpuipc_conn *const *conns, size_t n) {
+  if (n < 2)
+    return GPUIPC_OK;
+  bc_pos *v = malloc(n * sizeof *v);
+  if (v == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "gpuipc_conn_broadcast");
+  for (size_t i = 0; i < n; i++)
+    v[i] = (bc_pos){(uintptr_t)conns[i], i};
+  qsort(v, n, sizeof *v, bc_pos_cmp);
+  size_t first = 0, second = SIZE_MAX;
+  for (size_t j = 1; j < n; j++)
+    /* In a run of one connection, its first two entries. */
+    if (v[j].conn == v[j - 1].conn && (j < 2 || v[j - 1].conn != v[j - 2].conn) &&
+        v[j].i < second) {
+      first = v[j - 1].i;
+      second = v[j].i;
+    }
+  free(v);
+  if (second == SIZE_MAX)
+    return GPUIPC_OK;
+  return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                      "gpuipc_conn_broadcast: connections %zu and %zu are "
+                      "the same",
+                      first, second);
+}
+
 gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
                                     gpuipc_block *block,
                                     struct CUstream_st *stream,
@@ -889,17 +930,11 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
   if (!gpuipc__block_sendable(block))
     return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                         "gpuipc_conn_broadcast: the block was freed");
-  for (size_t i = 0; i < n; i++) {
+  for (size_t i = 0; i < n; i++)
     if (conns[i] == NULL)
       return gpuipc__fail(GPUIPC_E_INVALID_ARG,
                           "gpuipc_conn_broadcast: connection %zu is NULL", i);
-    for (size_t k = 0; k < i; k++)
-      if (conns[k] == conns[i])
-        return gpuipc__fail(GPUIPC_E_INVALID_ARG,
-                            "gpuipc_conn_broadcast: connections %zu and %zu "
-                            "are the same",
-                            k, i);
-  }
+  GPUIPC__CHECK(bc_distinct(conns, n));
   GPUIPC__CHECK(gpuipc__driver());
   bc_call x = {.conns = conns,
                .n = n,
