@@ -38,6 +38,7 @@ struct gpuipc__ho;         /* the fast path's state, handoff_int.h */
 struct gpuipc__peer;       /* the peer process, lease.c */
 struct gpuipc__watch;      /* the peer watcher's record, lease.c */
 struct gpuipc__conn_hooks; /* below */
+struct pollfd;             /* <poll.h> */
 
 /* Who writes what: frames.c the transport's fields (carrier, state, rx,
  * tx, the message queue); handshake.c the peer's identity and the limits it
@@ -159,6 +160,15 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
 
 /* Status for a call on a connection that is no longer open. */
 gpuipc_status gpuipc__conn_ended(gpuipc_conn *c);
+
+/* The look for a hang-up that a record's put makes now and then (at most
+ * once a millisecond per connection), made for n connections in one poll
+ * (pf: room for n entries): those found alive count as looked at now, so
+ * their next puts make no system call for it; one that hung up is left to
+ * its own put, which reads what the peer sent before it left. For a
+ * broadcast. */
+void gpuipc__conn_hup_look(gpuipc_conn *const *conns, size_t n,
+                           struct pollfd *pf);
 
 /* Marks the connection broken by a protocol violation: logs, closes the
  * socket, runs the peer-gone cleanup; returns E_PROTOCOL. */

@@ -291,6 +291,32 @@ static bool ring_type(int type) {
          type == GPUIPC__F_BUFW || type == GPUIPC__F_REL;
 }
 
+/* How often a record's sender looks for the peer's hang-up. */
+#define HUP_LOOK_NS 1000000u
+
+void gpuipc__conn_hup_look(gpuipc_conn *const *conns, size_t n,
+                           struct pollfd *pf) {
+  uint64_t now = gpuipc__now_ns();
+  size_t np = 0;
+  for (size_t i = 0; i < n; i++) {
+    gpuipc_conn *c = conns[i];
+    if (c->state == GPUIPC__CONN_OPEN && c->k.ops->put != NULL &&
+        !c->closing && c->k.fd >= 0 && now - c->hup_checked > HUP_LOOK_NS)
+      pf[np++] = (struct pollfd){c->k.fd, 0, 0};
+  }
+  if (np < 2 || poll(pf, (nfds_t)np, 0) < 0)
+    return; /* one look is what the put makes anyway */
+  size_t k = 0;
+  for (size_t i = 0; i < n && k < np; i++) {
+    gpuipc_conn *c = conns[i];
+    if (c->k.fd != pf[k].fd)
+      continue;
+    if (!(pf[k].revents & (POLLHUP | POLLERR | POLLNVAL)))
+      c->hup_checked = now;
+    k++;
+  }
+}
+
 /* Puts the frame (iov, total bytes) into the carrier's records when it can
  * go there now: GPUIPC_OK when it went (and the peer was woken if it
  * sleeps), GPUIPC_E_WOULD_BLOCK when it must go on the socket. */
@@ -306,7 +332,7 @@ static gpuipc_status put_record(gpuipc_conn *c, int type,
    * socket for its hang-up now and then (at most once a millisecond), as
    * a write to it would have told. */
   uint64_t now = gpuipc__now_ns();
-  if (now - c->hup_checked > 1000000 && !c->closing) {
+  if (now - c->hup_checked > HUP_LOOK_NS && !c->closing) {
     c->hup_checked = now;
     struct pollfd p = {c->k.fd, 0, 0};
     if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR))) {

@@ -985,7 +985,10 @@ gpuipc_status gpuipc_conn_broadcast(gpuipc_conn *const *conns, size_t n,
   if (h0 != NULL)
     bc_signal(&x, h0);
   /* 3: the frames of the ready ones, back to back, so that the last of
-   * them is behind neither the others' sends nor their signals. */
+   * them is behind neither the others' sends nor their signals; the looks
+   * for a hang-up their records' puts would make one by one, in one poll
+   * first. */
+  gpuipc__conn_hup_look(conns, n, pf);
   for (size_t i = 0; i < n; i++)
     if (x.bc[i].ready)
       bc_settle(&x, i, bc_send(&x, i));
