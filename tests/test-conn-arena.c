@@ -389,7 +389,10 @@ TEST_IMPL(handoff_forged_release_holds_back_only_its_block) {
 
 /* Receives two buffers and gives them back with a forged REL frame
  * (argv[0]: "last" flags the frame's last entry BY_NEXT, "unknown" sets a
- * flag that does not exist); then waits to be hung up on. */
+ * flag that does not exist, "complete_by_next" flags the first COMPLETE
+ * and BY_NEXT, "complete_next" the first BY_NEXT and the second COMPLETE,
+ * "complete_written" both COMPLETE where their ready words were written);
+ * then waits to be hung up on. */
 HELPER_IMPL(ho_rel_forger) {
   gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
   CUstream s = mkstream();
@@ -405,6 +408,14 @@ HELPER_IMPL(ho_rel_forger) {
   if (strcmp(argv[0], "last") == 0) {
     rel[0].flags = GPUIPC__REL_BY_NEXT;
     rel[1].flags = GPUIPC__REL_BY_NEXT;
+  } else if (strcmp(argv[0], "complete_by_next") == 0) {
+    rel[0].flags = GPUIPC__REL_COMPLETE | GPUIPC__REL_BY_NEXT;
+  } else if (strcmp(argv[0], "complete_next") == 0) {
+    rel[0].flags = GPUIPC__REL_BY_NEXT;
+    rel[1].flags = GPUIPC__REL_COMPLETE;
+  } else if (strcmp(argv[0], "complete_written") == 0) {
+    rel[0].flags = GPUIPC__REL_COMPLETE;
+    rel[1].flags = GPUIPC__REL_COMPLETE;
   } else {
     rel[0].flags = 0x8;
   }
@@ -421,18 +432,30 @@ TEST_IMPL(handoff_rejects_forged_release_flags) {
   REQUIRE_DEVICES(1);
   if (test_order() != GPUIPC_ORDER_MEMOP)
     SKIP("BY_NEXT is for stream memory operations");
-  const char *cases[2] = {"last", "unknown"};
+  const char *cases[] = {"last", "unknown", "complete_by_next",
+                         "complete_next", "complete_written"};
   CUstream s = mkstream();
   gpuipc_arena *a = mkarena((size_t)1 << 20);
-  for (int i = 0; i < 2; i++) {
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(cases); i++) {
     int fd;
     pid_t pid = spawn_helper("ho_rel_forger", NULL, &fd, (char *)cases[i], NULL);
     gpuipc_conn *c = pair_conn(fd);
+    /* Written ready words: sent while the stream is held back. */
+    bool held = strcmp(cases[i], "complete_written") == 0;
+    if (held) {
+      ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 8));
+      ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(s, gate, 1,
+                                               CU_STREAM_WAIT_VALUE_GEQ));
+    }
     gpuipc_block *b[2];
     for (int k = 0; k < 2; k++) {
       ASSERT_OK(gpuipc_arena_alloc(a, 4096, (struct CUstream_st *)s, &b[k]));
       ASSERT_OK(gpuipc_conn_send(c, b[k], (struct CUstream_st *)s, NULL, 0));
     }
+    if (held)
+      open_gate(gate);
     gpuipc_status st = GPUIPC_OK;
     for (int k = 0; k < 3000 && st == GPUIPC_OK; k++)
       st = gpuipc_conn_progress(c, 10);
@@ -440,6 +463,8 @@ TEST_IMPL(handoff_rejects_forged_release_flags) {
       harness_fail(__FILE__, __LINE__, "case %s: %s (%s)", cases[i],
                    gpuipc_status_name(st), gpuipc_last_error());
     ASSERT_STR_CONTAINS(gpuipc_last_error(), "flags");
+    if (held)
+      ASSERT_STR_CONTAINS(gpuipc_last_error(), "ready word was written");
     /* Nothing of the frame was applied: both leases stay until the
      * forger is gone, then come back. */
     ASSERT_EQ(gpuipc_block_get_holders(b[0]), 1);
@@ -456,6 +481,7 @@ TEST_IMPL(handoff_rejects_forged_release_flags) {
     gpuipc_conn_close(c);
   }
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate));
   gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
   ASSERT_OK(gpuipc_arena_get_stats(a, &as));
   ASSERT_EQ(as.blocks_allocated, 0);

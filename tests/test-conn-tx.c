@@ -1087,6 +1087,151 @@ TEST_IMPL(handoff_event_send_complete) {
   return test_handoff_send_complete();
 }
 
+/* ---- a use the consumer asserts complete (GPUIPC_RELEASE_COMPLETE) ------------------- */
+
+/* Receives argv[0] buffers, copies each to the host and checks its
+ * pattern (seed in the meta), then gives it back with
+ * gpuipc_conn_release_ex(GPUIPC_RELEASE_COMPLETE), counting the driver
+ * calls of that release; reports them as one message, a digit per buffer
+ * (its release writes and records: 0, or how many). */
+HELPER_IMPL(ho_rel_complete) {
+  int n = atoi(argv[0]);
+  ASSERT(n > 0 && n < 32);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
+  CUstream s = mkstream();
+  char calls[32];
+  for (int i = 0; i < n; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
+    uint32_t seed;
+    ASSERT_EQ(r.meta_len, sizeof seed);
+    memcpy(&seed, r.meta, sizeof seed);
+    uint8_t *host = malloc(r.length);
+    ASSERT_NOT_NULL(host);
+    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r.ptr,
+                                          r.length, s));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+    check_pattern(host, r.length, seed);
+    free(host);
+    count_calls();
+    ASSERT_OK(gpuipc_conn_release_ex(c, r.id, (struct CUstream_st *)s,
+                                     GPUIPC_RELEASE_COMPLETE));
+    int k = counted(DC_WRITE) + counted(DC_RECORD) + counted(DC_WAIT) +
+            counted(DC_WAIT_EVENT) + counted(DC_QUERY);
+    uncount_calls();
+    calls[i] = (char)('0' + (k > 9 ? 9 : k));
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, calls, (size_t)n, NULL, 0));
+  char buf[4];
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* A consumer that says its use of a buffer completed: for buffers that
+ * came without a GPU wait (GPUIPC_SEND_COMPLETE) its release asks the
+ * driver nothing, and the producer takes the release without a reclaim
+ * wait or marker; a buffer whose receive queued a wait (sent from a busy
+ * stream) is released the ordinary way (a release write, a reclaim wait).
+ * The order of the kinds matters: the ordered send after the complete
+ * ones comes from another stream than the slot's last write, so it first
+ * waits for that lease's release word; a complete release wrote none, so
+ * the slot's record must have gone back to the ordered lease before them
+ * (else that wait, and the consumer's recv behind it, never end). The data
+ * of every buffer is as sent; bad flags are refused. */
+enum { RC_N = 5 };
+TEST_IMPL(handoff_release_complete) {
+  /* Counting swaps entries of the driver table: no watcher thread (here
+   * and in the helper, which inherits it) reads them meanwhile. */
+  setenv("GPUIPC_TEST_NO_WATCH", "1", 1);
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("event mode records its release event in every case");
+  int fd;
+  char ns[8];
+  snprintf(ns, sizeof ns, "%d", RC_N);
+  pid_t pid = spawn_helper("ho_rel_complete", NULL, &fd, ns, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
+  static const unsigned bad[] = {0x2u, 0x80000000u,
+                                 GPUIPC_RELEASE_COMPLETE | 0x4u};
+  for (size_t i = 0; i < GPUIPC__ARRAY_SIZE(bad); i++) {
+    ASSERT_STATUS(gpuipc_conn_release_ex(c, 1, NULL, bad[i]),
+                  GPUIPC_E_INVALID_ARG);
+    ASSERT_STR_CONTAINS(gpuipc_last_error(), "GPUIPC_RELEASE_COMPLETE");
+  }
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream s[2] = {mkstream(), mkstream()};
+  CUdeviceptr gate;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gate, 256));
+  /* Sent from a held stream (ordered: a ready write, the consumer's
+   * wait), or asserted complete. */
+  static const int ordered_on[RC_N] = {1, -1, -1, -1, 0};
+  int reclaim[RC_N];
+  for (int i = 0; i < RC_N; i++) {
+    gpuipc_block *b = NULL;
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b));
+    uint32_t seed = 700 + (uint32_t)i;
+    uint8_t host[4096];
+    pattern(host, sizeof host, seed);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoD(
+        (CUdeviceptr)(uintptr_t)gpuipc_block_get_ptr(b), host, sizeof host));
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(NULL));
+    if (ordered_on[i] < 0) {
+      ASSERT_OK(gpuipc_conn_send_ex(c, b, NULL, &seed, sizeof seed,
+                                    GPUIPC_SEND_COMPLETE));
+    } else {
+      CUstream o = s[ordered_on[i]];
+      ASSERT_CU(gpuipc__cu.cuMemsetD8(gate, 0, 8));
+      ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(o, gate, 1,
+                                               CU_STREAM_WAIT_VALUE_GEQ));
+      ASSERT_OK(gpuipc_conn_send(c, b, (struct CUstream_st *)o, &seed,
+                                 sizeof seed));
+      open_gate(gate);
+      ASSERT_CU(gpuipc__cu.cuStreamSynchronize(o));
+    }
+    /* What taking its release in costs here. */
+    count_calls();
+    wait_unheld(c, b);
+    reclaim[i] = counted(DC_WAIT) + counted(DC_WAIT_EVENT) + counted(DC_RECORD);
+    uncount_calls();
+    ASSERT_OK(gpuipc_block_free(b, NULL));
+  }
+  char calls[RC_N + 1] = "";
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, calls, sizeof calls - 1, &len, NULL, NULL));
+  calls[len] = '\0';
+  printf("release calls per buffer (consumer): %s; reclaim calls (producer):",
+         calls);
+  for (int i = 0; i < RC_N; i++)
+    printf(" %d", reclaim[i]);
+  printf("\n");
+  ASSERT_EQ(len, RC_N);
+  for (int i = 0; i < RC_N; i++) {
+    if (ordered_on[i] < 0) {
+      ASSERT_EQ(calls[i], '0');
+      ASSERT_EQ(reclaim[i], 0);
+    } else {
+      /* An ordinary release (its write), an ordinary reclaim (a wait for
+       * that write, a marker). */
+      ASSERT(calls[i] != '0');
+      ASSERT(reclaim[i] > 0);
+    }
+  }
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  gpuipc_conn_close(c);
+  ASSERT_CU(gpuipc__cu.cuMemFree(gate));
+  gpuipc_arena_stats as = GPUIPC_ARENA_STATS_INIT;
+  ASSERT_OK(gpuipc_arena_get_stats(a, &as));
+  ASSERT_EQ(as.blocks_allocated, 0);
+  ASSERT_OK(gpuipc_arena_destroy(a));
+  return 0;
+}
+
 /* ---- batches and broadcast in event mode and on the legacy stream -------------------- */
 
 TEST_IMPL(handoff_event_batch_mixed_arenas_and_sizes) {

@@ -814,6 +814,28 @@ GPUIPC_API gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn,
 GPUIPC_API gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
                                              struct CUstream_st *stream);
 
+/* Flags of gpuipc_conn_release_ex. */
+/* The caller asserts that its use of the buffer has completed: every GPU
+ * work of this process that reads or writes it finished before this call
+ * (it synchronized the stream or an event after that work, or used the
+ * memory from the host only). When the buffer came without a GPU wait
+ * (sent with GPUIPC_SEND_COMPLETE, or from a producer stream that was
+ * idle), the release then asks the driver nothing (no release write, no
+ * event) and the producer may hand the memory out again as soon as it
+ * reads the release, without a GPU wait. Otherwise (the receive queued a
+ * wait on the stream it was received on, GPUIPC_ORDER_EVENT, or a peer of
+ * an older library) it is an ordinary release on `stream`. If the
+ * assertion is false, the producer may overwrite the memory while this
+ * process still uses it: the library cannot check it. */
+#define GPUIPC_RELEASE_COMPLETE 0x1u
+
+/* gpuipc_conn_release with flags (0 or GPUIPC_RELEASE_COMPLETE; any other
+ * bit: GPUIPC_E_INVALID_ARG, nothing released). gpuipc_conn_release is
+ * gpuipc_conn_release_ex with flags 0. */
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status
+gpuipc_conn_release_ex(gpuipc_conn *conn, uint64_t id,
+                       struct CUstream_st *stream, unsigned flags);
+
 /* ---- batches and broadcast ----------------------------------------------- */
 
 /* Sends n blocks (1 <= n <= GPUIPC_BATCH_MAX) as one operation: one frame

@@ -73,6 +73,8 @@ struct gpuipc_conn {
   /* The peer watcher's record (NULL: watch_peer was 0, or no pidfd). */
   struct gpuipc__watch *watch;
   int peer_said_bye;
+  /* Its HELLO has GPUIPC__HELLO_F_RELC: it takes complete releases. */
+  bool peer_relc;
   /* The peer sent BYE or ABANDON: it reads nothing more (set by the fast
    * path; records are no longer put for it). */
   bool peer_ended;

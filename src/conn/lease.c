@@ -296,6 +296,30 @@ void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
                            uint64_t seq, struct CUstream_st *stream) {
   lt->tx[slot].last_seq = seq;
   lt->tx[slot].last_stream = stream;
+  lt->tx[slot].stand_in = false;
+}
+
+void gpuipc__lease_written_stand_in(gpuipc__lease_table *lt, uint32_t slot,
+                                    uint64_t seq, struct CUstream_st *stream) {
+  gpuipc__txs *t = &lt->tx[slot];
+  /* The slot's previous lease was released (its slot is free again): its
+   * release's word is known now. */
+  t->prev_seq = t->last_seq;
+  t->prev_stream = t->last_stream;
+  gpuipc__lease_last_release(lt, slot, &t->prev_rel_slot, &t->prev_rel_seq);
+  t->last_seq = seq;
+  t->last_stream = stream;
+  t->stand_in = true;
+}
+
+/* A release that wrote no word (GPUIPC__REL_COMPLETE) of a lease whose
+ * send wrote none: the slot's record is again what it was before it. */
+static void stand_in_undone(gpuipc__txs *t) {
+  t->last_seq = t->prev_seq;
+  t->last_stream = t->prev_stream;
+  t->rel_slot = t->prev_rel_slot;
+  t->rel_seq = t->prev_seq != 0 ? t->prev_rel_seq : 0;
+  t->stand_in = false;
 }
 
 gpuipc_event *gpuipc__lease_ready_event(const gpuipc__lease_table *lt,
@@ -454,10 +478,16 @@ static gpuipc_status order_owner(gpuipc__lease_table *lt,
  * mode, a local event that completes after the peer's release record).
  * Context current. */
 static gpuipc_status release_buffer(gpuipc__lease_table *lt, uint32_t slot,
-                                    uint32_t wslot, uint64_t wseq) {
+                                    uint32_t wslot, uint64_t wseq,
+                                    bool complete) {
   gpuipc__txs *t = &lt->tx[slot];
   gpuipc_status s = GPUIPC_OK;
   struct CUevent_st *local = NULL;
+  if (complete) {
+    /* Its holder's use completed: no record for the owner to wait on. */
+    slot_free(lt, slot);
+    return GPUIPC_OK;
+  }
   if (t->by_event) {
     /* The release event is recorded again when the slot comes back;
      * capture this record now on a private stream, and remember a local
@@ -532,16 +562,31 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
       if (rel[k].slot == rel[i].slot)
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "slot %u released twice",
                             rel[i].slot);
-    if (lt->tx[rel[i].slot].by_event && lt->tx[rel[i].slot].rel_ev == NULL)
+    bool complete = (rel[i].flags & GPUIPC__REL_COMPLETE) != 0;
+    if (lt->tx[rel[i].slot].by_event && lt->tx[rel[i].slot].rel_ev == NULL &&
+        !complete)
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u without its event", rel[i].slot);
-    if ((rel[i].flags & ~GPUIPC__REL_BY_NEXT) ||
+    /* A complete release only of a lease whose send wrote no ready word:
+     * after one that did, the peer's stream waited, and its release must
+     * write its word (a later write of ours may wait for it). */
+    if (complete && lt->tx[rel[i].slot].ordered &&
+        !lt->tx[rel[i].slot].stand_in)
+      return gpuipc__fail(GPUIPC_E_PROTOCOL,
+                          "release of slot %u: flags 0x%x refused (COMPLETE "
+                          "of a buffer whose ready word was written)",
+                          rel[i].slot, rel[i].flags);
+    if ((rel[i].flags & ~(GPUIPC__REL_BY_NEXT | GPUIPC__REL_COMPLETE)) ||
+        (complete && (rel[i].flags & GPUIPC__REL_BY_NEXT)) ||
         ((rel[i].flags & GPUIPC__REL_BY_NEXT) &&
          (i + 1 == n || !lt->tx[rel[i].slot].ordered ||
-          rel[i + 1].slot >= lt->nslots || !lt->tx[rel[i + 1].slot].ordered)))
+          rel[i + 1].slot >= lt->nslots || !lt->tx[rel[i + 1].slot].ordered ||
+          (rel[i + 1].flags & GPUIPC__REL_COMPLETE))))
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u: flags 0x%x refused (BY_NEXT "
-                          "only between two ordered leases, never last)",
+                          "only between two ordered leases whose next wrote "
+                          "its word, never last; COMPLETE never with "
+                          "BY_NEXT)",
                           rel[i].slot, rel[i].flags);
   }
   /* The word that signals each release: its own, or that of the end of
@@ -554,7 +599,13 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
     bool chained = (rel[i].flags & GPUIPC__REL_BY_NEXT) != 0;
     wslot[i] = chained ? wslot[i + 1] : rel[i].slot;
     wseq[i] = chained ? wseq[i + 1] : rel[i].seq;
-    if (lt->tx[rel[i].slot].ordered) {
+    /* A complete release wrote no word, of a lease that wrote no ready
+     * word: the slot's record goes back to the write before it, whose
+     * release wrote its word (it had a wait). */
+    if (rel[i].flags & GPUIPC__REL_COMPLETE) {
+      if (lt->tx[rel[i].slot].stand_in)
+        stand_in_undone(&lt->tx[rel[i].slot]);
+    } else if (lt->tx[rel[i].slot].ordered) {
       lt->tx[rel[i].slot].rel_slot = wslot[i];
       lt->tx[rel[i].slot].rel_seq = wseq[i];
     }
@@ -567,8 +618,10 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
   size_t i = 0;
   while (i < n) {
     gpuipc__txs *t0 = &lt->tx[rel[i].slot];
+    bool complete0 = (rel[i].flags & GPUIPC__REL_COMPLETE) != 0;
     if (t0->buf) {
-      gpuipc_status bs = release_buffer(lt, rel[i].slot, wslot[i], wseq[i]);
+      gpuipc_status bs = release_buffer(lt, rel[i].slot, wslot[i], wseq[i],
+                                        complete0);
       if (bs != GPUIPC_OK && s == GPUIPC_OK)
         s = bs;
       i++;
@@ -581,14 +634,18 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
       uint32_t slot = rel[i].slot;
       gpuipc__txs *t = &lt->tx[slot];
       gpuipc__release *r = &rs[nb++];
-      *r = (gpuipc__release){t->block, 0, 0, NULL, t->ordered || t->by_event};
-      if (t->ordered) {
+      /* A complete release: its holder's use completed, nothing to wait
+       * for (no marker either). */
+      bool complete = (rel[i].flags & GPUIPC__REL_COMPLETE) != 0;
+      *r = (gpuipc__release){t->block, 0, 0, NULL,
+                             !complete && (t->ordered || t->by_event)};
+      if (!complete && t->ordered) {
         /* Reuse waits, on the GPU, for the consumer's release write (a
          * chain's entries all for its end's: the arena queues that wait
          * once). */
         r->word = gpuipc__released_word(lt->ctl->ptr, lt->nslots, wslot[i]);
         r->value = wseq[i];
-      } else if (t->by_event) {
+      } else if (!complete && t->by_event) {
         /* The same with the consumer's release event; the wait captures
          * its record now, before the slot can be used again. */
         r->event = (struct CUevent_st *)gpuipc_event_get_handle(t->rel_ev);

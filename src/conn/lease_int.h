@@ -72,6 +72,17 @@ typedef struct gpuipc__txs {
    * (then released[slot] >= last_seq). */
   uint32_t rel_slot;
   uint64_t rel_seq;
+  /* The current lease's send wrote no ready word (the work before it had
+   * completed, or a broadcast word stood for it): its record above only
+   * stands in for a write, and the record it replaced (the last write,
+   * and the word that signals the release of that write's lease) is kept
+   * here. A release that wrote no word either (GPUIPC__REL_COMPLETE)
+   * puts it back, so that nothing ever waits for a word nobody writes. */
+  bool stand_in;
+  uint64_t prev_seq;
+  struct CUstream_st *prev_stream;
+  uint32_t prev_rel_slot;
+  uint64_t prev_rel_seq;
   bool ordered;
   bool by_event;          /* event mode */
   gpuipc_event *ready_ev; /* event mode: ours, recorded at send */
@@ -156,6 +167,12 @@ void gpuipc__lease_last_release(const gpuipc__lease_table *lt, uint32_t slot,
 /* The ready word of slot was written with seq on stream. */
 void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
                            uint64_t seq, struct CUstream_st *stream);
+/* The lease seq sent in slot from stream needed no ready write: recorded
+ * as the slot's last write all the same (a later write from another
+ * stream then waits for this lease's release, and a dead peer's release
+ * word is forced), the record it replaces kept (see stand_in). */
+void gpuipc__lease_written_stand_in(gpuipc__lease_table *lt, uint32_t slot,
+                                    uint64_t seq, struct CUstream_st *stream);
 /* Event mode: the slot's ready event (ours; NULL until made). */
 gpuipc_event *gpuipc__lease_ready_event(const gpuipc__lease_table *lt,
                                         uint32_t slot);

@@ -855,10 +855,43 @@ static gpuipc_status held_slot(const struct gpuipc__ho *h, uint64_t id,
   return GPUIPC_OK;
 }
 
+/* A complete release (GPUIPC_RELEASE_COMPLETE) of a held slot: nothing
+ * asked of the driver, nothing written for the peer. Only for a lease
+ * whose receive queued no wait (it came complete, or from an idle stream):
+ * no GPU work of ours can still read the peer's words for it, its own
+ * ready word was never written (so no later write of the producer's must
+ * wait for this release's word), and an earlier release's rel_done still
+ * covers what that one queued. Not in event mode (its release event is
+ * recorded in every case). */
+static bool complete_release_applies(const gpuipc_conn *conn,
+                                     const gpuipc__rxs *r) {
+  return conn->peer_relc && !r->by_event && !r->waited;
+}
+
+static void release_complete(struct gpuipc__ho *h, gpuipc__rxs *r) {
+  if (r->imp) {
+    /* The caller's use of the import is done: closed now. */
+    gpuipc_buffer_close(r->imp);
+    r->imp = NULL;
+  }
+  r->last_rel = r->held;
+  r->held = 0;
+  h->rx_held--;
+}
+
 gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
                                   struct CUstream_st *stream) {
-  if (conn == NULL)
-    return gpuipc__fail(GPUIPC_E_INVALID_ARG, "gpuipc_conn_release: NULL");
+  return gpuipc_conn_release_ex(conn, id, stream, 0);
+}
+
+gpuipc_status gpuipc_conn_release_ex(gpuipc_conn *conn, uint64_t id,
+                                     struct CUstream_st *stream,
+                                     unsigned flags) {
+  if (conn == NULL || (flags & ~GPUIPC_RELEASE_COMPLETE))
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "gpuipc_conn_release: NULL connection or flags 0x%x "
+                        "(only GPUIPC_RELEASE_COMPLETE)",
+                        flags);
   struct gpuipc__ho *h = conn->ho;
   uint32_t slot;
   GPUIPC__CHECK(held_slot(h, id, "gpuipc_conn_release", &slot));
@@ -874,7 +907,14 @@ gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
     return gpuipc__ho_release_slot(conn, h, slot, stream, false);
   }
   gpuipc__w_rel rel = {h->rx[slot].held, slot, 0};
-  GPUIPC__CHECK(gpuipc__ho_release_slot(conn, h, slot, stream, true));
+  if ((flags & GPUIPC_RELEASE_COMPLETE) &&
+      complete_release_applies(conn, &h->rx[slot])) {
+    rel.flags = GPUIPC__REL_COMPLETE;
+    release_complete(h, &h->rx[slot]);
+    gpuipc__stats_conn_held_here(conn->stats_slot, -1);
+  } else {
+    GPUIPC__CHECK(gpuipc__ho_release_slot(conn, h, slot, stream, true));
+  }
   gpuipc_status s = gpuipc__conn_send_frame(conn, GPUIPC__F_REL, &rel,
                                             sizeof rel, NULL, 0, NULL, 0, 0);
   if (s == GPUIPC_E_PEER_GONE || s == GPUIPC_E_CLOSED)

@@ -275,7 +275,7 @@ static gpuipc_status tx_commit(gpuipc_conn *conn, struct gpuipc__ho *h,
      * later write from another stream first waits for this lease's
      * release, and a dead peer's release word is forced. */
     for (uint32_t i = 0; i < n; i++)
-      gpuipc__lease_written(lt, slots[i], seqs[i], stream);
+      gpuipc__lease_written_stand_in(lt, slots[i], seqs[i], stream);
   } else if (ordered) {
     /* The ready write is enqueued after the frame left: the consumer's
      * stream waits for it on the GPU anyway, and the consumer holds the

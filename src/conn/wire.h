@@ -104,6 +104,8 @@ typedef struct gpuipc__hello {
  * RING frame after its ACCEPT (and LIVE) when the peer's HELLO has the flag
  * too (docs/ring.md). */
 #define GPUIPC__HELLO_F_RING 0x2u
+/* This side takes REL entries flagged GPUIPC__REL_COMPLETE. */
+#define GPUIPC__HELLO_F_RELC 0x4u
 _Static_assert(sizeof(gpuipc__hello) == 56, "wire layout");
 
 /* A ring's memfd (docs/ring.md), as its writer lays it out: this page,
@@ -234,6 +236,12 @@ typedef struct gpuipc__w_rel { /* REL: n of these */
  * stream after this release's work). Only between two ORDERED leases; the
  * last entry of a frame never has it. */
 #define GPUIPC__REL_BY_NEXT 0x1u
+/* REL flag: the releaser asserts that its use of this lease completed (it
+ * queued no wait for it, and its own work on the memory is done): no
+ * word was written, and the memory may be used again at once. Never with
+ * BY_NEXT, nor on the entry a BY_NEXT entry names. Sent only to a peer
+ * whose HELLO has GPUIPC__HELLO_F_RELC. */
+#define GPUIPC__REL_COMPLETE 0x2u
 
 _Static_assert(sizeof(gpuipc__w_chunk) == 24, "wire layout");
 _Static_assert(sizeof(gpuipc__w_ctl) == 24, "wire layout");
