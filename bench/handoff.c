@@ -98,8 +98,9 @@ enum {
   OP_CARRIER /* send back the name of our end's carrier */
 };
 enum {
-  FL_SLEEP = 1,   /* wait in poll() between receives (else poll the library) */
-  FL_SENDBACK = 2 /* send every latency back (messages of doubles) */
+  FL_SLEEP = 1,    /* wait in poll() between receives (else poll the library) */
+  FL_SENDBACK = 2, /* send every latency back (messages of doubles) */
+  FL_RELC = 4      /* release with GPUIPC_RELEASE_COMPLETE (no GPU work here) */
 };
 
 typedef struct cmd {
@@ -218,7 +219,9 @@ static reply op_lat(cons *k, const cmd *m) {
     double sent;
     memcpy(&sent, in.meta, sizeof sent);
     v[i] = t - sent;
-    OK(gpuipc_conn_release(k->c, in.id, (struct CUstream_st *)k->s));
+    OK(gpuipc_conn_release_ex(k->c, in.id, (struct CUstream_st *)k->s,
+                              (m->flags & FL_RELC) ? GPUIPC_RELEASE_COMPLETE
+                                                   : 0));
   }
   OK(gpuipc_conn_set_nonblocking(k->c, 0));
   /* Before the percentiles sort them. */
@@ -551,7 +554,7 @@ static void watch_buffer(int i) {
 
 /* ---- producer: paths, the gate, sending --------------------------------------- */
 
-typedef enum { P_ORDERED, P_IDLE, P_COMPLETE } path_id;
+typedef enum { P_ORDERED, P_IDLE, P_COMPLETE, P_BOTH, P_N } path_id;
 static const struct {
   const char *key, *text;
 } PATHS[] = {
@@ -563,7 +566,13 @@ static const struct {
     {"complete", "asserted complete: gpuipc_conn_send_ex with "
                  "GPUIPC_SEND_COMPLETE (no query, no ready write, no "
                  "consumer wait)"},
+    {"complete2", "both asserted complete: that send, and the consumer's "
+                  "gpuipc_conn_release_ex with GPUIPC_RELEASE_COMPLETE (no "
+                  "release write, no reclaim wait)"},
 };
+
+/* The consumer's command flags of a path. */
+static uint32_t path_flags(path_id p) { return p == P_BOTH ? FL_RELC : 0; }
 
 static const char *const carrier_ask[NCARRIER] = {"socket", "ring"};
 
@@ -642,7 +651,8 @@ static void gate_open(bctx *b, path_id p) {
 static void send_path(bctx *b, gpuipc_conn *c, gpuipc_block *blk, path_id p,
                       const double *t) {
   OK(gpuipc_conn_send_ex(c, blk, (struct CUstream_st *)b->s, t, sizeof *t,
-                         p == P_COMPLETE ? GPUIPC_SEND_COMPLETE : 0));
+                         p == P_COMPLETE || p == P_BOTH ? GPUIPC_SEND_COMPLETE
+                                                        : 0));
 }
 
 /* One send stamped with its start; returns the time inside the call. */
@@ -693,7 +703,7 @@ static void run_lat(bctx *b, gpuipc_conn *const *cs, int nc, gpuipc_arena *a,
   int n = b->iters;
   double *sc = xcalloc((size_t)n * (size_t)nc, sizeof *sc);
   for (int k = 0; k < nc; k++)
-    send_cmd(cs[k], OP_LAT, (uint32_t)n);
+    send_cmd_fl(cs[k], OP_LAT, (uint32_t)n, path_flags(p));
   for (int i = 0; i < n; i++) {
     gate_close(b, p);
     for (int k = 0; k < nc; k++)
@@ -723,7 +733,7 @@ static double run_tput(bctx *b, gpuipc_conn *const *cs, int nc,
   int n = b->iters * 4;
   n -= n % nc;
   for (int k = 0; k < nc; k++)
-    send_cmd(cs[k], OP_TPUT, (uint32_t)(n / nc));
+    send_cmd_fl(cs[k], OP_TPUT, (uint32_t)(n / nc), path_flags(p));
   double t0 = now_us();
   for (int i = 0; i < n; i++) {
     gpuipc_block *x = blk[i % ring];
@@ -1246,7 +1256,7 @@ static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
          "blocks in flight; send()/recv(): median time inside\n"
          "gpuipc_conn_send / the gpuipc_conn_recv call that returned the "
          "buffer. Paths:\n");
-  for (int p = 0; p < 3; p++)
+  for (int p = 0; p < P_N; p++)
     printf("  %-9s %s\n", PATHS[p].key, PATHS[p].text);
   printf("asked: GPUIPC_CARRIER in both processes; carrier: what carried the "
          "frames (gpuipc__conn_carrier_name); probe: before the row, one\n"
@@ -1255,7 +1265,7 @@ static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
   printf("%-9s %-7s %-8s %10s %9s %12s %10s %10s  %s\n", "path", "asked",
          "carrier", "median us", "p90 us", "buffers/s", "send() us",
          "recv() us", "probe");
-  static const path_id order[] = {P_IDLE, P_COMPLETE, P_ORDERED};
+  static const path_id order[] = {P_IDLE, P_COMPLETE, P_BOTH, P_ORDERED};
   for (int ci = 0; ci < NCARRIER; ci++) {
     char carrier[160];
     carrier_of(b->pair[ci], carrier, sizeof carrier);
@@ -1267,7 +1277,7 @@ static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
     lat_fig w;
     run_lat(b, &b->pair[ci], 1, a, 4096, P_IDLE, &w);
     b->iters = keep;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < P_N; i++)
       pair_row(b, a, ci, carrier, order[i], sum);
   }
   printf("raw parts beside them (same run): one small message one way %.2f "
