@@ -220,8 +220,11 @@ class Received(_ArrayView):
         """Bytes of the whole buffer sent."""
     @property
     def connection(self) -> Optional[Connection]: ...
-    def release(self, stream: _Stream = ...) -> None:
-        """stream left out: the receive stream (None: the legacy stream)."""
+    def release(self, stream: _Stream = ..., *, complete: bool = False) -> None:
+        """stream left out: the receive stream (None: the legacy stream).
+        complete=True: the caller's use of the buffer completed (it
+        synchronized): no release write or reclaim wait for a buffer that
+        came without a GPU wait."""
     def __enter__(self) -> Received: ...
     def __exit__(self, *exc: Any) -> None: ...
 

@@ -1678,33 +1678,40 @@ static int rx_alive(ReceivedObject *r) {
   return 1;
 }
 
-static void rx_release(ReceivedObject *r, uintptr_t stream, gpuipc_status *st) {
+static void rx_release(ReceivedObject *r, uintptr_t stream, unsigned flags,
+                       gpuipc_status *st) {
   *st = GPUIPC_OK;
   if (!r->held) return;
   r->held = 0;
   LOCK();
   gpuipc_conn *gc = conn_rx(r->conn);
-  if (gc) *st = gpuipc_conn_release(gc, r->id, S(stream));
+  if (gc) *st = gpuipc_conn_release_ex(gc, r->id, S(stream), flags);
   UNLOCK();
   conn_held_drop(r->conn); /* the last after a close closes it */
 }
 
 static PyObject *Rx_release(ReceivedObject *r, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames) {
-  static const char *const names[] = {"stream"};
-  PyObject *stream_o;
-  if (gpy_args("release", args, nargs, kwnames, 0, 1, names, 1, &stream_o) < 0) return NULL;
+  static const char *const names[] = {"stream", "complete"};
+  PyObject *a[2];
+  if (gpy_args("release", args, nargs, kwnames, 0, 1, names, 2, a) < 0) return NULL;
+  PyObject *stream_o = a[0], *complete_o = a[1];
+  if (complete_o && !PyBool_Check(complete_o)) {
+    PyErr_Format(PyExc_TypeError, "release: complete must be True or False, not %.80s",
+                 Py_TYPE(complete_o)->tp_name);
+    return NULL;
+  }
   uintptr_t s = r->stream;
   if (stream_o && parse_stream(stream_o, &s) < 0) return NULL;
   gpuipc_status st;
-  rx_release(r, s, &st);
+  rx_release(r, s, complete_o == Py_True ? GPUIPC_RELEASE_COMPLETE : 0, &st);
   if (st != GPUIPC_OK) return raise_st(st, "release");
   Py_RETURN_NONE;
 }
 
 static void Rx_dealloc(ReceivedObject *r) {
   gpuipc_status st;
-  rx_release(r, r->stream, &st);
+  rx_release(r, r->stream, 0, &st);
   g_count.live_received--;
   Py_XDECREF(r->user);
   Py_DECREF(r->conn);
@@ -1728,7 +1735,7 @@ static PyObject *Rx_dlpack_device(ReceivedObject *r, PyObject *u) {
 }
 static PyObject *Rx_exit(ReceivedObject *r, PyObject *a) {
   gpuipc_status st;
-  rx_release(r, r->stream, &st);
+  rx_release(r, r->stream, 0, &st);
   if (st != GPUIPC_OK) return raise_st(st, "release");
   Py_RETURN_NONE;
 }
@@ -1763,8 +1770,12 @@ static PyObject *Rx_repr(ReceivedObject *r) {
  * stream): its signature's default is `...` (left out). */
 static PyMethodDef Rx_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Rx_release, METH_FASTCALL | METH_KEYWORDS,
-     "release($self, /, stream=...)\n--\n\n"
-     "release(stream=<the receive stream>): give the buffer back (after the work queued on stream)"},
+     "release($self, /, stream=..., *, complete=False)\n--\n\n"
+     "release(stream=<the receive stream>, *, complete=False): give the buffer back (after "
+     "the work queued on stream). complete=True: the caller asserts its use of the buffer "
+     "completed (it synchronized): for a buffer that came without a GPU wait (sent with "
+     "complete=True, or from an idle stream) no release write and no reclaim wait; "
+     "otherwise an ordinary release"},
     {"__dlpack__", (PyCFunction)(void (*)(void))Rx_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "A DLPack capsule of the data"},

@@ -34,6 +34,23 @@ def check_consumer(conn, n=1):
     conn.recv_msg(timeout=30)  # the parent says when to go
 
 
+def complete_consumer(conn, n):
+    """Receives n buffers, reports each (its data read to the host: the use
+    is complete), and releases it with complete=True (a bad value for it is
+    refused first, the lease kept)."""
+    for _ in range(n):
+        rx = conn.recv(timeout=30)
+        d = describe(rx)
+        try:
+            rx.release(complete=1)
+            d["bad_refused"] = False
+        except TypeError:
+            d["bad_refused"] = True
+        rx.release(complete=True)
+        _report(conn, **d)
+    conn.recv_msg(timeout=30)  # the parent says when to go
+
+
 def echo_consumer(conn, n):
     """Receives n buffers and releases each at once; reports the count and
     its import cache."""

@@ -270,6 +270,40 @@ def test_carrier_options_carry_buffers(carrier):
         assert p.join(30) == 0
 
 
+@pytest.mark.parametrize("carrier", ["socket", "ring"])
+def test_release_complete(carrier):
+    """Received.release(complete=True): the consumer says its use is done.
+    A block sent with complete=True, then from the idle legacy stream, then
+    from an idle stream of its own, arrives whole each time and comes back
+    (the driver calls it saves are counted by the C suite,
+    handoff_release_complete)."""
+    import json
+
+    import peers
+    from cudrv import drv, pattern
+
+    with gpuipc.spawn(peers.complete_consumer, 3, carrier=carrier) as p:
+        arena = gpuipc.Arena(chunk_bytes=1 << 20)
+        b = arena.alloc(256)
+        for i, how in enumerate(("complete", "idle", "stream")):
+            drv().htod(b.ptr, pattern(256, 10 + i))
+            if how == "complete":
+                p.conn.send(b, complete=True)
+            elif how == "idle":
+                p.conn.send(b)
+            else:
+                p.conn.send(b, stream=drv().stream())
+            got = json.loads(p.conn.recv_msg(timeout=30))
+            assert bytes.fromhex(got["data"]) == pattern(256, 10 + i), how
+            assert got["bad_refused"], how
+            while b.holders:
+                p.conn.progress(timeout=5)  # its release
+        p.conn.send_msg(b"go")
+        assert p.join(30) == 0
+        b.free()
+        arena.close()
+
+
 def test_ring_is_refused_by_a_socket_only_peer():
     nm = name()
     out = {}
