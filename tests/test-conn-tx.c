@@ -1232,6 +1232,127 @@ TEST_IMPL(handoff_release_complete) {
   return 0;
 }
 
+/* Whether stream z finishes its work within ms milliseconds. */
+static bool finishes_within(CUstream z, int ms) {
+  for (int i = 0; i < ms / 10; i++) {
+    if (gpuipc__cu.cuStreamQuery(z) == CUDA_SUCCESS)
+      return true;
+    usleep(10000);
+  }
+  return gpuipc__cu.cuStreamQuery(z) == CUDA_SUCCESS;
+}
+
+/* The consumer of handoff_done_send_keeps_ready_words_in_order: receives
+ * P and D, releases them, receives and releases L, all on one stream z;
+ * after the test's "1" says whether z finished within 0.5 s (it must not:
+ * z waits for P, whose producer stream the test holds until this answer),
+ * after "2" receives N, and says whether z then finishes (it must). */
+HELPER_IMPL(ho_ready_order) {
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
+  CUstream z = mkstream();
+  gpuipc_received p = GPUIPC_RECEIVED_INIT, d = GPUIPC_RECEIVED_INIT,
+                   l = GPUIPC_RECEIVED_INIT, n = GPUIPC_RECEIVED_INIT;
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)z, &p));
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)z, &d));
+  ASSERT_OK(gpuipc_conn_release(c, d.id, (struct CUstream_st *)z));
+  ASSERT_OK(gpuipc_conn_release(c, p.id, (struct CUstream_st *)z));
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)z, &l));
+  ASSERT_OK(gpuipc_conn_release(c, l.id, (struct CUstream_st *)z));
+  char buf[8];
+  size_t len;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  /* E: our wait for P passed while P's producer stream was still held. */
+  char early = finishes_within(z, 500) ? 'E' : 'w';
+  ASSERT_OK(gpuipc_conn_send_msg(c, &early, 1, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)z, &n));
+  /* H: our wait for N never ends (the word went back to P's value). */
+  char done = finishes_within(z, 60000) ? 'o' : 'H';
+  ASSERT_OK(gpuipc_conn_send_msg(c, &done, 1, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* A send from an idle stream (DONE: no ready write) is recorded as the
+ * slot's last write by no stream. It named its stream Y before: P's
+ * ready write was queued on a held stream X; P released; L sent from
+ * idle Y in P's slot; then N, from Y busy, in the same slot: N's write
+ * skipped the wait for the slot's last release (the record said Y wrote
+ * last), so Y wrote n first and X then p < n: the consumer's wait for P
+ * passed on n before P's work ran, and its wait for N never ended. */
+TEST_IMPL(handoff_done_send_keeps_ready_words_in_order) {
+  REQUIRE_DEVICES(1);
+  if (test_order() != GPUIPC_ORDER_MEMOP)
+    SKIP("ready words are stream memory operations");
+  int fd;
+  pid_t pid = spawn_helper("ho_ready_order", NULL, &fd, NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  ASSERT_OK(gpuipc_conn_set_timeout(c, 120000));
+  gpuipc_arena *a = mkarena((size_t)1 << 20);
+  CUstream x = mkstream(), y = mkstream();
+  CUdeviceptr gx, gy;
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gx, 256));
+  ASSERT_CU(gpuipc__cu.cuMemAlloc(&gy, 256));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gx, 0, 8));
+  ASSERT_CU(gpuipc__cu.cuMemsetD8(gy, 0, 8));
+  gpuipc_block *b[4];
+  for (int i = 0; i < 4; i++)
+    ASSERT_OK(gpuipc_arena_alloc(a, 4096, NULL, &b[i]));
+  /* P from X, held by a gate: its ready write stays queued. */
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(x, gx, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  ASSERT_OK(gpuipc_conn_send(c, b[0], (struct CUstream_st *)x, NULL, 0));
+  /* D from Y (takes up the query skip after X's busy answer). */
+  ASSERT_OK(gpuipc_conn_send(c, b[1], (struct CUstream_st *)y, NULL, 0));
+  wait_unheld(c, b[1]);
+  wait_unheld(c, b[0]);
+  /* L from idle Y: DONE, in P's slot. */
+  ASSERT_OK(gpuipc_conn_send(c, b[2], (struct CUstream_st *)y, NULL, 0));
+  wait_unheld(c, b[2]);
+  /* N from Y with work queued: a ready write on Y. */
+  ASSERT_CU(gpuipc__cu.cuStreamWaitValue64(y, gy, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  ASSERT_OK(gpuipc_conn_send(c, b[3], (struct CUstream_st *)y, NULL, 0));
+  /* Y may run now, before X (N's ready write must still wait for L's
+   * release, which is behind the consumer's wait for P: so Y is not
+   * synchronized here). */
+  open_gate(gy);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "1", 1, NULL, 0));
+  char rep[2];
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, &rep[0], 1, &len, NULL, NULL));
+  open_gate(gx); /* only after the consumer looked */
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(x));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "2", 1, NULL, 0));
+  ASSERT_OK(gpuipc_conn_recv_msg(c, &rep[1], 1, &len, NULL, NULL));
+  if (rep[0] != 'w' || rep[1] != 'o')
+    harness_fail(__FILE__, __LINE__,
+                 "the consumer saw %.2s (E: its wait for P passed before P's "
+                 "stream ran; H: its wait for N never ended)",
+                 rep);
+  ASSERT_OK(gpuipc_conn_send_msg(c, "k", 1, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(y));
+  /* The consumer closed holding N: released there, or reclaimed now that
+   * it is gone. */
+  for (int i = 0; i < 30000 && gpuipc_block_get_holders(b[3]) > 0; i++)
+    if (gpuipc_conn_progress(c, 1) != GPUIPC_OK)
+      break;
+  gpuipc_conn_close(c);
+  for (int i = 0; i < 4; i++)
+    ASSERT_OK(gpuipc_block_free(b[i], NULL));
+  ASSERT_CU(gpuipc__cu.cuMemFree(gx));
+  ASSERT_CU(gpuipc__cu.cuMemFree(gy));
+  gpuipc_status ds = GPUIPC_E_BUSY;
+  for (int i = 0; i < 3000 && ds == GPUIPC_E_BUSY; i++) {
+    ds = gpuipc_arena_destroy(a);
+    if (ds == GPUIPC_E_BUSY)
+      usleep(10000);
+  }
+  ASSERT_OK(ds);
+  return 0;
+}
+
 /* ---- batches and broadcast in event mode and on the legacy stream -------------------- */
 
 TEST_IMPL(handoff_event_batch_mixed_arenas_and_sizes) {

@@ -300,7 +300,7 @@ void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
 }
 
 void gpuipc__lease_written_stand_in(gpuipc__lease_table *lt, uint32_t slot,
-                                    uint64_t seq, struct CUstream_st *stream) {
+                                    uint64_t seq) {
   gpuipc__txs *t = &lt->tx[slot];
   /* The slot's previous lease was released (its slot is free again): its
    * release's word is known now. */
@@ -308,7 +308,13 @@ void gpuipc__lease_written_stand_in(gpuipc__lease_table *lt, uint32_t slot,
   t->prev_stream = t->last_stream;
   gpuipc__lease_last_release(lt, slot, &t->prev_rel_slot, &t->prev_rel_seq);
   t->last_seq = seq;
-  t->last_stream = stream;
+  /* No stream wrote it: the next write, from whatever stream, first
+   * waits for this lease's release. Naming the send's stream here let a
+   * write from it skip that wait while the slot's last real write, from
+   * another stream, was still queued: the word went back when that one
+   * ran (the consumer's wait for the older buffer passed on the newer
+   * value, its wait for the newer one never ended). */
+  t->last_stream = NULL;
   t->stand_in = true;
 }
 
@@ -563,18 +569,21 @@ gpuipc_status gpuipc__lease_released(gpuipc__lease_table *lt,
         return gpuipc__fail(GPUIPC_E_PROTOCOL, "slot %u released twice",
                             rel[i].slot);
     bool complete = (rel[i].flags & GPUIPC__REL_COMPLETE) != 0;
-    if (lt->tx[rel[i].slot].by_event && lt->tx[rel[i].slot].rel_ev == NULL &&
-        !complete)
+    if (lt->tx[rel[i].slot].by_event && lt->tx[rel[i].slot].rel_ev == NULL)
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u without its event", rel[i].slot);
-    /* A complete release only of a lease whose send wrote no ready word:
-     * after one that did, the peer's stream waited, and its release must
-     * write its word (a later write of ours may wait for it). */
-    if (complete && lt->tx[rel[i].slot].ordered &&
-        !lt->tx[rel[i].slot].stand_in)
+    /* A complete release only of a lease whose send wrote no ready word
+     * (stand_in: set or cleared by every send of an ordered connection
+     * before its lease exists): after one that did, the peer's stream
+     * waited, and its release must write its word (a later write of ours
+     * may wait for it). Not in event mode, whose release is its event. */
+    if (complete && (lt->tx[rel[i].slot].by_event ||
+                     (lt->tx[rel[i].slot].ordered &&
+                      !lt->tx[rel[i].slot].stand_in)))
       return gpuipc__fail(GPUIPC_E_PROTOCOL,
                           "release of slot %u: flags 0x%x refused (COMPLETE "
-                          "of a buffer whose ready word was written)",
+                          "of a buffer whose ready word was written, or of "
+                          "event mode)",
                           rel[i].slot, rel[i].flags);
     if ((rel[i].flags & ~(GPUIPC__REL_BY_NEXT | GPUIPC__REL_COMPLETE)) ||
         (complete && (rel[i].flags & GPUIPC__REL_BY_NEXT)) ||

@@ -167,12 +167,12 @@ void gpuipc__lease_last_release(const gpuipc__lease_table *lt, uint32_t slot,
 /* The ready word of slot was written with seq on stream. */
 void gpuipc__lease_written(gpuipc__lease_table *lt, uint32_t slot,
                            uint64_t seq, struct CUstream_st *stream);
-/* The lease seq sent in slot from stream needed no ready write: recorded
- * as the slot's last write all the same (a later write from another
- * stream then waits for this lease's release, and a dead peer's release
- * word is forced), the record it replaces kept (see stand_in). */
+/* The lease seq sent in slot needed no ready write: recorded as the
+ * slot's last write all the same, by no stream (the next write, from any
+ * stream, then waits for this lease's release; a dead peer's release word
+ * is forced), the record it replaces kept (see stand_in). */
 void gpuipc__lease_written_stand_in(gpuipc__lease_table *lt, uint32_t slot,
-                                    uint64_t seq, struct CUstream_st *stream);
+                                    uint64_t seq);
 /* Event mode: the slot's ready event (ours; NULL until made). */
 gpuipc_event *gpuipc__lease_ready_event(const gpuipc__lease_table *lt,
                                         uint32_t slot);

@@ -271,11 +271,12 @@ static gpuipc_status tx_commit(gpuipc_conn *conn, struct gpuipc__ho *h,
   for (uint32_t i = 0; i < n; i++)
     gpuipc__lease_take_slot(lt, slots[i]);
   if (signalled) {
-    /* No write: recorded as each slot's last one all the same, so that a
-     * later write from another stream first waits for this lease's
-     * release, and a dead peer's release word is forced. */
+    /* No write: recorded as each slot's last one all the same, by no
+     * stream, so that the next write (from any stream: the slot's last
+     * real write may still be queued on another) first waits for this
+     * lease's release, and a dead peer's release word is forced. */
     for (uint32_t i = 0; i < n; i++)
-      gpuipc__lease_written_stand_in(lt, slots[i], seqs[i], stream);
+      gpuipc__lease_written_stand_in(lt, slots[i], seqs[i]);
   } else if (ordered) {
     /* The ready write is enqueued after the frame left: the consumer's
      * stream waits for it on the GPU anyway, and the consumer holds the
