@@ -730,6 +730,15 @@ static void record_rel_done(struct gpuipc__ho *h, gpuipc__rxs *r, CUstream ws) {
     h->rx_unknown = true;
 }
 
+/* The held lease of r is no longer ours (its import, if any, dealt with). */
+static void lease_forgotten(gpuipc_conn *conn, struct gpuipc__ho *h,
+                            gpuipc__rxs *r) {
+  r->last_rel = r->held;
+  r->held = 0;
+  h->rx_held--;
+  gpuipc__stats_conn_held_here(conn->stats_slot, -1);
+}
+
 /* Writes the release flag of a held slot on stream (ordered mode) and
  * forgets the lease locally. */
 gpuipc_status gpuipc__ho_release_slot(gpuipc_conn *conn, struct gpuipc__ho *h,
@@ -833,10 +842,7 @@ forget:
     r->imp = NULL;
     gpuipc__ho_poll_closing(h, false);
   }
-  r->last_rel = r->held;
-  r->held = 0;
-  h->rx_held--;
-  gpuipc__stats_conn_held_here(conn->stats_slot, -1);
+  lease_forgotten(conn, h, r);
   return GPUIPC_OK;
 }
 
@@ -868,15 +874,14 @@ static bool complete_release_applies(const gpuipc_conn *conn,
   return conn->peer_relc && !r->by_event && !r->waited;
 }
 
-static void release_complete(struct gpuipc__ho *h, gpuipc__rxs *r) {
+static void release_complete(gpuipc_conn *conn, struct gpuipc__ho *h,
+                             gpuipc__rxs *r) {
   if (r->imp) {
     /* The caller's use of the import is done: closed now. */
     gpuipc_buffer_close(r->imp);
     r->imp = NULL;
   }
-  r->last_rel = r->held;
-  r->held = 0;
-  h->rx_held--;
+  lease_forgotten(conn, h, r);
 }
 
 gpuipc_status gpuipc_conn_release(gpuipc_conn *conn, uint64_t id,
@@ -910,8 +915,7 @@ gpuipc_status gpuipc_conn_release_ex(gpuipc_conn *conn, uint64_t id,
   if ((flags & GPUIPC_RELEASE_COMPLETE) &&
       complete_release_applies(conn, &h->rx[slot])) {
     rel.flags = GPUIPC__REL_COMPLETE;
-    release_complete(h, &h->rx[slot]);
-    gpuipc__stats_conn_held_here(conn->stats_slot, -1);
+    release_complete(conn, h, &h->rx[slot]);
   } else {
     GPUIPC__CHECK(gpuipc__ho_release_slot(conn, h, slot, stream, true));
   }

@@ -889,7 +889,8 @@ static int bc_pos_cmp(const void *a, const void *b) {
 
 /* GPUIPC_E_INVALID_ARG when a connection is named twice, naming the first
  * such pair in the order of the list (the lowest second index, with the
- * first index of that connection): sorted, O(n log n). */
+ * first index of that connection): sorted by connection, then index, so
+ * the pair with the lowest second index is adjacent. O(n log n). */
 static gpuipc_status bc_distinct(gpuipc_conn *const *conns, size_t n) {
   if (n < 2)
     return GPUIPC_OK;
@@ -901,9 +902,7 @@ static gpuipc_status bc_distinct(gpuipc_conn *const *conns, size_t n) {
   qsort(v, n, sizeof *v, bc_pos_cmp);
   size_t first = 0, second = SIZE_MAX;
   for (size_t j = 1; j < n; j++)
-    /* In a run of one connection, its first two entries. */
-    if (v[j].conn == v[j - 1].conn && (j < 2 || v[j - 1].conn != v[j - 2].conn) &&
-        v[j].i < second) {
+    if (v[j].conn == v[j - 1].conn && v[j].i < second) {
       first = v[j - 1].i;
       second = v[j].i;
     }
