@@ -86,6 +86,20 @@ void wait_unheld(gpuipc_conn *c, gpuipc_block *b) {
 }
 
 /* Copies n bytes of device memory at p to the host (synchronous). */
+uint32_t check_received(const gpuipc_received *r, CUstream s) {
+  uint32_t seed;
+  ASSERT_EQ(r->meta_len, sizeof seed);
+  memcpy(&seed, r->meta, sizeof seed);
+  uint8_t *host = malloc(r->length);
+  ASSERT_NOT_NULL(host);
+  ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r->ptr,
+                                        r->length, s));
+  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
+  check_pattern(host, r->length, seed);
+  free(host);
+  return seed;
+}
+
 void d2h(void *dst, const void *p, size_t n) {
   ASSERT_CU(gpuipc__cu.cuMemcpyDtoH(dst, (CUdeviceptr)(uintptr_t)p, n));
 }
@@ -359,17 +373,7 @@ HELPER_IMPL(ho_consumer) {
       waits += counted(DC_WAIT) + counted(DC_WAIT_EVENT);
       uncount_calls();
     }
-    ASSERT_EQ(r.meta_len, sizeof(uint32_t));
-    uint32_t seed;
-    memcpy(&seed, r.meta, sizeof seed);
-    uint8_t *host = malloc(r.length);
-    ASSERT_NOT_NULL(host);
-    /* Ordered on s after the wait recv queued. */
-    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r.ptr,
-                                          r.length, s));
-    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
-    check_pattern(host, r.length, seed);
-    free(host);
+    check_received(&r, s); /* ordered on s after the wait recv queued */
     ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
   }
   ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));

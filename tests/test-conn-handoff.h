@@ -29,6 +29,10 @@ bool test_legacy(void);
 CUstream mkstream(void);
 void pattern(uint8_t *p, size_t n, uint32_t seed);
 void check_pattern(const uint8_t *p, size_t n, uint32_t seed);
+/* Copies a received buffer to the host on s (ordered after the wait its
+ * receive enqueued), synchronizes s and checks the pattern whose seed (a
+ * u32) is its metadata; returns the seed. */
+uint32_t check_received(const gpuipc_received *r, CUstream s);
 gpuipc_arena *mkarena(size_t chunk);
 gpuipc_order_mode test_order(void);
 gpuipc_conn *pair_conn(int fd);

@@ -53,16 +53,7 @@ HELPER_IMPL(keep_consumer) {
   for (int i = 0; i < n; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
-    uint32_t seed;
-    ASSERT_EQ(r.meta_len, sizeof seed);
-    memcpy(&seed, r.meta, sizeof seed);
-    uint8_t *host = malloc(r.length);
-    ASSERT_NOT_NULL(host);
-    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r.ptr,
-                                          r.length, s));
-    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
-    check_pattern(host, r.length, seed);
-    free(host);
+    check_received(&r, s);
     if (!hold || i + 1 < n)
       ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
   }

@@ -1104,16 +1104,7 @@ HELPER_IMPL(ho_rel_complete) {
   for (int i = 0; i < n; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
-    uint32_t seed;
-    ASSERT_EQ(r.meta_len, sizeof seed);
-    memcpy(&seed, r.meta, sizeof seed);
-    uint8_t *host = malloc(r.length);
-    ASSERT_NOT_NULL(host);
-    ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r.ptr,
-                                          r.length, s));
-    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
-    check_pattern(host, r.length, seed);
-    free(host);
+    check_received(&r, s);
     count_calls();
     ASSERT_OK(gpuipc_conn_release_ex(c, r.id, (struct CUstream_st *)s,
                                      GPUIPC_RELEASE_COMPLETE));
@@ -1232,16 +1223,6 @@ TEST_IMPL(handoff_release_complete) {
   return 0;
 }
 
-/* Whether stream z finishes its work within ms milliseconds. */
-static bool finishes_within(CUstream z, int ms) {
-  for (int i = 0; i < ms / 10; i++) {
-    if (gpuipc__cu.cuStreamQuery(z) == CUDA_SUCCESS)
-      return true;
-    usleep(10000);
-  }
-  return gpuipc__cu.cuStreamQuery(z) == CUDA_SUCCESS;
-}
-
 /* The consumer of handoff_done_send_keeps_ready_words_in_order: receives
  * P and D, releases them, receives and releases L, all on one stream z;
  * after the test's "1" says whether z finished within 0.5 s (it must not:
@@ -1263,12 +1244,12 @@ HELPER_IMPL(ho_ready_order) {
   size_t len;
   ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
   /* E: our wait for P passed while P's producer stream was still held. */
-  char early = finishes_within(z, 500) ? 'E' : 'w';
+  char early = stream_drains(z, 500) ? 'E' : 'w';
   ASSERT_OK(gpuipc_conn_send_msg(c, &early, 1, NULL, 0));
   ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
   ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)z, &n));
   /* H: our wait for N never ends (the word went back to P's value). */
-  char done = finishes_within(z, 60000) ? 'o' : 'H';
+  char done = stream_drains(z, 60000) ? 'o' : 'H';
   ASSERT_OK(gpuipc_conn_send_msg(c, &done, 1, NULL, 0));
   ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL));
   gpuipc_conn_close(c);
@@ -1382,22 +1363,6 @@ TEST_IMPL(handoff_legacy_broadcast_order_slow_producer) {
 
 /* ---- broadcast: a stalled consumer delays nobody else ------------------------------- */
 
-/* Copies the received buffer out (after the wait its receive enqueued) and
- * checks it holds the pattern of `seed`. */
-static void check_received(CUstream s, const gpuipc_received *r, uint32_t seed) {
-  uint32_t got = 0;
-  ASSERT_EQ(r->meta_len, sizeof got);
-  memcpy(&got, r->meta, sizeof got);
-  ASSERT_UEQ(got, seed);
-  uint8_t *host = malloc(r->length);
-  ASSERT_NOT_NULL(host);
-  ASSERT_CU(gpuipc__cu.cuMemcpyDtoHAsync(host, (CUdeviceptr)(uintptr_t)r->ptr,
-                                        r->length, s));
-  ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
-  check_pattern(host, r->length, seed);
-  free(host);
-}
-
 /* An honest consumer of handoff_broadcast_stalled_consumer: receives
  * argv[2] buffers (seeds 1, 2, ...), checks each, releases it at once and
  * writes a byte on the pipe argv[1] for it (argv[0]: the pipe's other
@@ -1412,7 +1377,7 @@ HELPER_IMPL(ho_bc_honest) {
   for (int i = 0; i < count; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
-    check_received(s, &r, (uint32_t)i + 1);
+    ASSERT_UEQ(check_received(&r, s), (uint32_t)i + 1);
     ASSERT_OK(gpuipc_conn_release(c, r.id, (struct CUstream_st *)s));
     ASSERT_EQ(write(pfd, "x", 1), 1);
   }
@@ -1444,7 +1409,7 @@ HELPER_IMPL(ho_bc_stalled) {
   for (int i = 0; i < held; i++) {
     gpuipc_received r = GPUIPC_RECEIVED_INIT;
     ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
-    check_received(s, &r, (uint32_t)i + 1);
+    ASSERT_UEQ(check_received(&r, s), (uint32_t)i + 1);
     if (i == 0)
       first = r;
   }
@@ -1461,7 +1426,7 @@ HELPER_IMPL(ho_bc_stalled) {
   ASSERT_OK(gpuipc_conn_release(c, first.id, (struct CUstream_st *)s));
   gpuipc_received r = GPUIPC_RECEIVED_INIT;
   ASSERT_OK(gpuipc_conn_recv(c, (struct CUstream_st *)s, &r));
-  check_received(s, &r, (uint32_t)held + 1);
+  ASSERT_UEQ(check_received(&r, s), (uint32_t)held + 1);
   ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
   char buf[4];
   size_t len;
