@@ -9,6 +9,9 @@
  * namespaces (the peer's pid reads 0 there) is in test-conn-ns.c. Also
  * destroy when drained (gpuipc_arena_release): an arena given up is
  * destroyed at once when drained, else once its last block came back.
+ * And the exit call (gpuipc_conn_call_when_peer_exits): run once the
+ * peer's process is gone, not when it merely closed the connection, also
+ * after our close; at once for a peer gone already.
  */
 #include "test-conn-handoff.h"
 
@@ -220,6 +223,73 @@ TEST_IMPL(keep_closed_here_then_peer_dies) {
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(s));
   ASSERT_CU(gpuipc__cu.cuMemFree(k1.raw));
   ASSERT_CU(gpuipc__cu.cuMemFree(k2.raw));
+  return 0;
+}
+
+/* ---- the exit call (gpuipc_conn_call_when_peer_exits) ------------------------------- */
+
+/* A peer that connects and closes its connection; argv[0] "live": then
+ * lives on until it is killed; "exit": then exits. */
+HELPER_IMPL(exit_call_peer) {
+  ASSERT(argc >= 1);
+  gpuipc_conn *c = pair_conn(dup(harness_helper_fd()));
+  gpuipc_conn_close(c);
+  close(harness_helper_fd()); /* the test sees the end of the stream */
+  if (strcmp(argv[0], "exit") == 0)
+    return 0;
+  for (;;)
+    pause();
+}
+
+TEST_IMPL(conn_exit_call_waits_for_the_process) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("exit_call_peer", NULL, &fd, "live", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  kept k = {0};
+  ASSERT_STATUS(gpuipc_conn_call_when_peer_exits(NULL, on_done, &k),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_STATUS(gpuipc_conn_call_when_peer_exits(c, NULL, &k),
+                GPUIPC_E_INVALID_ARG);
+  ASSERT_OK(gpuipc_conn_call_when_peer_exits(c, on_done, &k));
+  /* Its connection ends, its process lives: not called. */
+  gpuipc_status st = GPUIPC_OK;
+  for (int i = 0; i < 3000 && st != GPUIPC_E_PEER_GONE; i++) {
+    st = gpuipc_conn_progress(c, 10);
+    ASSERT(st == GPUIPC_OK || st == GPUIPC_E_TIMEOUT ||
+           st == GPUIPC_E_PEER_GONE);
+  }
+  ASSERT_STATUS(st, GPUIPC_E_PEER_GONE);
+  ASSERT_EQ(atomic_load(&k.calls), 0);
+  /* Nor after our close, whatever we call, past the watcher's rescan. */
+  gpuipc_conn_close(c);
+  (void)gpuipc_conn_collect();
+  usleep(300 * 1000);
+  ASSERT_EQ(atomic_load(&k.calls), 0);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  /* No call of ours: the watcher sees the process exit, and calls once. */
+  for (int i = 0; i < 3000 && atomic_load(&k.calls) == 0; i++)
+    usleep(10000);
+  ASSERT_EQ(atomic_load(&k.calls), 1);
+  usleep(300 * 1000);
+  ASSERT_EQ(atomic_load(&k.calls), 1);
+  return 0;
+}
+
+TEST_IMPL(conn_exit_call_for_a_peer_gone_already) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("exit_call_peer", NULL, &fd, "exit", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  ASSERT_EQ(wait_helper(pid, 60), 0);
+  kept k = {0};
+  /* Gone (and reaped): called inside the call, once. */
+  ASSERT_OK(gpuipc_conn_call_when_peer_exits(c, on_done, &k));
+  ASSERT_EQ(atomic_load(&k.calls), 1);
+  gpuipc_conn_close(c);
+  usleep(300 * 1000);
+  ASSERT_EQ(atomic_load(&k.calls), 1);
   return 0;
 }
 

@@ -470,6 +470,27 @@ GPUIPC_API void gpuipc_conn_close(gpuipc_conn *conn);
  * still hold leases, or their work is still queued). Thread-safe. */
 GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_conn_collect(void);
 
+/* Calls done(ctx) exactly once, when the process of conn's peer is gone:
+ * inside this call when it is gone already, else in the peer watcher
+ * thread ("gpuipc-watch") once the kernel says it exited. The peer is the
+ * process the handshake vouched for (its pidfd, taken then), also one in
+ * a pid namespace this process cannot see, whose pid reads 0 here; a
+ * process that merely closed the connection, or whose main thread ended
+ * while others run, is not gone. It holds after gpuipc_conn_close: the
+ * call needs conn only while it runs. For what an application keeps on a
+ * peer's behalf outside the connection's leases (memory whose descriptor
+ * the peer opened on its own, say), so that no binding decides a peer's
+ * death itself. done runs as gpuipc_buffer_release_when_done's does: no
+ * lock or CUDA context of gpuipc's held, and it must not call gpuipc,
+ * block on anything a thread calling gpuipc may hold (an interpreter
+ * lock) or take long. Calls whose peer never exits never run (nor at this
+ * process's exit). GPUIPC_E_NOT_SUPPORTED when the peer's exit cannot be
+ * told here (no pidfd of it: a kernel without pidfds); GPUIPC_E_INVALID_ARG
+ * for NULL conn or done, or a connection without a peer: nothing is
+ * registered then. Thread-safe. */
+GPUIPC_EXPERIMENTAL GPUIPC_API gpuipc_status gpuipc_conn_call_when_peer_exits(
+    gpuipc_conn *conn, void (*done)(void *ctx), void *ctx);
+
 /* The socket, for poll/epoll: POLLIN means a call to gpuipc_conn_progress or
  * recv will find something (or learn the peer is gone). Do not read or write
  * it yourself. Valid until gpuipc_conn_close (-1 after a disconnect). */

@@ -26,8 +26,9 @@ table when it pickles its next tensor (and now and then in between), makes
 the tensor's stream wait for the consumer's event and lets the tensor go.
 No message and no thread wake-up per tensor on either side. A consumer
 that dies: the producer sees its connection end, reads its table a last
-time, and lets go of what it held once the kernel says the process is gone
-(its pidfd); PyTorch's own path leaks it. Memory that needs a file
+time, and hands what it held to the library, which lets go of it once the
+kernel says the process is gone (its peer watcher, from the pidfd taken at
+the handshake); PyTorch's own path leaks it. Memory that needs a file
 descriptor (expandable segments) goes the other way: the pickle carries a
 token, the consumer asks the producer's server for it and receives the
 tensor over a gpuipc connection as a leased buffer.
@@ -49,6 +50,7 @@ import secrets
 import selectors
 import threading
 import time
+import weakref
 
 import gpuipc
 from gpuipc import _gpuipc
@@ -339,7 +341,7 @@ class _Server:
         self.counter = itertools.count(1)
         self.conns = {}  # fd -> Connection (every consumer connected)
         self.peers = {}  # Connection -> _Peer
-        self.dead = {}  # pidfd -> items held by a gone connection's process
+        self.gone = weakref.WeakSet()  # _Held of ended connections, kept by the library
         self.forever = []  # items of a gone peer whose death cannot be seen
         self.events = {}  # (device, stream) -> (gpuipc.Event, descriptor)
         self.exports = {}  # (device, storage ptr, bytes) -> gpuipc.Buffer (no owner)
@@ -414,7 +416,7 @@ class _Server:
         with self.lock:
             self._poll()
             n = sum(len(p.held) + len(p.stuck) for p in self.peers.values())
-            n += sum(len(items) for items in self.dead.values()) + len(self.forever)
+            n += sum(len(h.items) for h in list(self.gone)) + len(self.forever)
         return n + sum(c.wrapped_pending for c in list(self.conns.values()))
 
     # -- the hold tables
@@ -473,8 +475,6 @@ class _Server:
                     with self.lock:
                         self.peers[c] = _Peer(c)
                     sel.register(c.fileno(), selectors.EVENT_READ, c)
-                elif isinstance(key.data, int):  # a gone consumer's pidfd: it exited
-                    self._reap(key.data)
                 elif not self._serve(key.data):
                     fd = key.fd
                     sel.unregister(fd)
@@ -546,8 +546,8 @@ class _Server:
 
     def _peer_left(self, c):
         """c's connection ended: its table is read a last time, and what its
-        consumer still holds is kept until the kernel says its process is
-        gone (its pidfd, watched by this thread)."""
+        consumer still holds is kept by the library until the kernel says
+        its process is gone (the library's peer watcher)."""
         with self.lock:
             p = self.peers.pop(c, None)
             if p is None:
@@ -558,27 +558,25 @@ class _Server:
             items = list(p.held.values()) + p.stuck
             if not items:
                 return
-            pidfd = -1
-            if p.pid > 0 and hasattr(os, "pidfd_open"):
-                try:
-                    pidfd = os.pidfd_open(p.pid)
-                except OSError:
-                    items = []  # no such process: gone already
-            if pidfd >= 0:
-                self.dead[pidfd] = items
-                self.sel.register(pidfd, selectors.EVENT_READ, pidfd)
-            elif items:
-                # Its death cannot be seen from here (another pid namespace,
-                # no pidfd): kept until this process exits.
+            held = _Held(items)
+            try:
+                c.keep_until_peer_exits(held)
+                self.gone.add(held)
+            except gpuipc.Error:
+                # Its exit cannot be told here (no pidfd of it): kept until
+                # this process exits.
                 self.forever.extend(items)
-            del items
+            del items, held
 
-    def _reap(self, pidfd):
-        self.sel.unregister(pidfd)
-        with self.lock:
-            items = self.dead.pop(pidfd, [])
-        os.close(pidfd)
-        del items
+
+class _Held:
+    """What a consumer whose connection ended still held: kept by the
+    library until its process is gone."""
+
+    __slots__ = ("items", "__weakref__")
+
+    def __init__(self, items):
+        self.items = items
 
 
 def _get_server():

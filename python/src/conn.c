@@ -1469,6 +1469,23 @@ static PyObject *Conn_outstanding(ConnObject *c, PyObject *unused) {
   return Py_BuildValue("(nn)", (Py_ssize_t)a, (Py_ssize_t)b);
 }
 
+/* obj is kept (a reference) until the peer's process is gone, by the
+ * library's exit call: its watcher, not a pid check here. */
+static PyObject *Conn_keep_until_peer_exits(ConnObject *c, PyObject *obj) {
+  if (!conn_ok(c)) return NULL;
+  Kept *k = kept_new(obj, NULL, NULL, 0);
+  if (!k) return NULL;
+  LOCK();
+  gpuipc_status st = gpuipc_conn_call_when_peer_exits(c->c, kept_done, k);
+  UNLOCK();
+  if (st != GPUIPC_OK) {
+    kept_undo(k);
+    return raise_st(st, "keep_until_peer_exits");
+  }
+  flush_decrefs(); /* a peer gone already: dropped here */
+  Py_RETURN_NONE;
+}
+
 static PyObject *Conn_open(ConnObject *c, PyObject *args, PyObject *kw) {
   if (!conn_ok(c)) return NULL;
   return open_desc(c, args, kw);
@@ -1619,6 +1636,16 @@ static PyMethodDef Conn_methods[] = {
     {"progress", (PyCFunction)(void (*)(void))Conn_progress, METH_VARARGS | METH_KEYWORDS,
      "progress($self, /, timeout=0)\n--\n\n"
      "progress(timeout=0): handle incoming releases and departures"},
+    {"keep_until_peer_exits", (PyCFunction)Conn_keep_until_peer_exits, METH_O,
+     "keep_until_peer_exits($self, obj, /)\n--\n\n"
+     "keep_until_peer_exits(obj): keep a reference to obj until the peer's process is "
+     "gone (told by the library's peer watcher from the pidfd of the handshake, also "
+     "for a peer in another pid namespace; a peer that only closed the connection is "
+     "not gone), also after this connection is closed; dropped at once when it is gone "
+     "already, else in a later gpuipc call of this process once it exited. For what a "
+     "peer may still use that the connection's leases do not cover (memory it opened "
+     "from a descriptor). NotSupportedError when its exit cannot be told here (a "
+     "kernel without pidfds): nothing is kept then"},
     {"outstanding", (PyCFunction)Conn_outstanding, METH_NOARGS,
      "outstanding($self, /)\n--\n\noutstanding() -> (held_by_peer, held_here)"},
     {"open", (PyCFunction)(void (*)(void))Conn_open, METH_VARARGS | METH_KEYWORDS,

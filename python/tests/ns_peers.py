@@ -54,6 +54,10 @@ class PoolArray:
                 "strides": None, "stream": None}
 
 
+class Mine:
+    pass
+
+
 def exporter(runtime_dir):
     lst = gpuipc.listen("ns", runtime_dir=runtime_dir)
     say(listening=True)
@@ -64,18 +68,25 @@ def exporter(runtime_dir):
     alive = weakref.ref(arr)
     c.send(arr)
     del arr  # only what gpuipc keeps holds it now
+    # And an object of the application's, kept for the peer's lifetime.
+    mine = Mine()
+    mine_alive = weakref.ref(mine)
+    c.keep_until_peer_exits(mine)
+    del mine
     msg = c.recv_msg(timeout=30)
     c.close()
     gpuipc.collect()
     gc.collect()
     say(peer_pid=peer_pid, msg=msg.decode(), alive_after_close=alive() is not None,
+        mine_after_close=mine_alive() is not None,
         kept=gpuipc._gpuipc.counters().get("kept"))
     assert hear() == {"dead": True}
     end = time.monotonic() + 30
-    while alive() is not None and time.monotonic() < end:
+    while (alive() is not None or mine_alive() is not None) and time.monotonic() < end:
         gpuipc.collect()
         time.sleep(0.01)
-    say(alive_after_death=alive() is not None, kept=gpuipc._gpuipc.counters().get("kept"))
+    say(alive_after_death=alive() is not None, mine_after_death=mine_alive() is not None,
+        kept=gpuipc._gpuipc.counters().get("kept"))
 
 
 def importer(runtime_dir):

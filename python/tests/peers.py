@@ -239,3 +239,16 @@ def closed_by_parent(conn):
     except gpuipc.TimeoutError:
         os._exit(6)
     os._exit(8)
+
+
+def lives_on_after_close(conn):
+    """Waits for the parent's close, then lives on (until it is killed)."""
+    try:
+        conn.recv_msg(timeout=60)
+    except gpuipc.PeerGoneError:
+        time.sleep(600)
+    os._exit(3)
+
+
+def exits_at_once(conn):
+    os._exit(0)

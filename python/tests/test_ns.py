@@ -1,7 +1,8 @@
 """A peer in another pid namespace (as a sibling container, whose pid
 reads 0 here): wrapped memory sent to it and the connection closed here
 stays kept while the peer lives, and comes back once its process is gone
-(the library's pidfd of the peer says so). The exporter runs under
+(the library's pidfd of the peer says so); so does an object of the
+application's kept with Connection.keep_until_peer_exits. The exporter runs under
 unshare --pid --fork --mount-proc, so the importer (in the test's
 namespace) is outside its view."""
 import json
@@ -60,13 +61,13 @@ def test_wrapped_memory_to_another_pid_namespace_kept_after_close_until_peer_die
         assert r["peer_pid"] == 0  # outside the exporter's pid namespace
         assert r["msg"] == "held"
         # closed there while the peer maps the memory: kept
-        assert r["alive_after_close"] and r["kept"] == 1
+        assert r["alive_after_close"] and r["mine_after_close"] and r["kept"] == 2
         im.send_signal(signal.SIGKILL)
         im.wait(30)
         ex.stdin.write(json.dumps({"dead": True}) + "\n")
         ex.stdin.flush()
         r = _read(ex)
-        assert not r["alive_after_death"] and r["kept"] == 0
+        assert not r["alive_after_death"] and not r["mine_after_death"] and r["kept"] == 0
         assert ex.wait(30) == 0
     finally:
         for p in (im, ex):

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import gpuipc
 import peers
 
@@ -90,3 +92,54 @@ def test_closing_the_connection_is_seen_by_the_child():
     finally:
         p.close(timeout=0)
     arena.close()
+
+
+class _Obj:
+    pass
+
+
+def _dropped(ref, limit=15.0):
+    import time
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        gpuipc.collect()  # where the library's drops are taken
+        if ref() is None:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_keep_until_peer_exits():
+    """Connection.keep_until_peer_exits: the object is kept while the peer's
+    process lives, also after the connection closed at both ends, and
+    dropped once it was killed; for a peer gone already, at once."""
+    import time
+    import weakref
+    p = gpuipc.spawn(peers.lives_on_after_close)
+    try:
+        o = _Obj()
+        ref = weakref.ref(o)
+        p.conn.keep_until_peer_exits(o)
+        del o
+        p.conn.close()
+        for _ in range(5):  # past the watcher's rescans: kept
+            time.sleep(0.1)
+            gpuipc.collect()
+        assert ref() is not None, "dropped while the peer lives"
+        p.kill()
+        p.join(30)
+        assert _dropped(ref), "kept after the peer was killed"
+        with pytest.raises(gpuipc.ClosedError):
+            p.conn.keep_until_peer_exits(_Obj())
+    finally:
+        p.close(timeout=0)
+    q = gpuipc.spawn(peers.exits_at_once)
+    try:
+        assert q.join(30) == 0
+        o = _Obj()
+        ref = weakref.ref(o)
+        q.conn.keep_until_peer_exits(o)
+        del o
+        assert ref() is None, "a peer gone already: kept"
+    finally:
+        q.close(timeout=0)

@@ -2,6 +2,7 @@
 the per-process server, one-shot tokens, leases kept until the consumer
 releases or dies."""
 import json
+import os
 import time
 
 import pytest
@@ -79,6 +80,13 @@ def open_shared_and_report(conn, name, token, pid, desc, ev_desc, hold):
     buf = gt._open_shared(name, token, pid, desc, ev_desc, lambda dev: 0)
     conn.send_msg(json.dumps({"shape": list(buf.shape), "dtype": buf.dtype,
                               "data": drv().dtoh(buf.ptr, 512).hex()}).encode())
+    if hold == "closed":
+        # Its connection to the producer's server ends, its process lives
+        # on holding the view: the producer must keep the memory.
+        gt._clients[name].conn.close()
+        conn.send_msg(b"closed")
+        conn.recv_msg(timeout=60)
+        os._exit(0)
     if hold:
         time.sleep(600)
     conn.recv_msg(timeout=30)  # the parent saw it held
@@ -86,7 +94,7 @@ def open_shared_and_report(conn, name, token, pid, desc, ev_desc, hold):
     conn.recv_msg(timeout=30)
 
 
-@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize("hold", [False, True, "closed"])
 def test_descriptor_route_holds_until_done_or_death(hold):
     import weakref
 
@@ -105,7 +113,16 @@ def test_descriptor_route_holds_until_done_or_death(hold):
         assert bytes.fromhex(r["data"]) == pattern(512, 13)
         assert wait_for(lambda: gt.stats() == {"pending": 0, "held": 1}), gt.stats()
         assert gone() is not None
-        if hold:
+        if hold == "closed":
+            assert p.conn.recv_msg(timeout=30) == b"closed"
+            assert wait_for(lambda: not srv.peers), "the server did not see the end"
+            for _ in range(4):  # past the server's collects: still kept
+                time.sleep(0.2)
+                gpuipc.collect()
+            assert gt.stats()["held"] == 1 and gone() is not None
+            p.conn.send_msg(b"exit")
+            assert p.join(30) == 0
+        elif hold:
             p.kill()
             p.join(30)
         else:

@@ -204,6 +204,13 @@ void gpuipc__peer_unref(struct gpuipc__peer *p);
 gpuipc_status gpuipc__watch_add(gpuipc_conn *c);
 /* Stops it (idempotent; waits for writes in progress). */
 void gpuipc__watch_remove(gpuipc_conn *c);
+/* Calls fn(ctx) once, when peer's process is gone: here, at once, when it
+ * is gone already, else in the watcher thread (which holds its own
+ * reference to peer, so the connection may close meanwhile).
+ * GPUIPC_E_NOT_SUPPORTED without a pidfd of the peer, GPUIPC_E_NO_MEMORY:
+ * nothing registered. */
+gpuipc_status gpuipc__watch_exit(struct gpuipc__peer *peer, int pid,
+                                 void (*fn)(void *), void *ctx);
 
 /* ---- the fast path's hooks ---------------------------------------------------- */
 

@@ -392,6 +392,19 @@ size_t gpuipc_conn_collect(void) {
   return n + gpuipc__handoff_held_poll();
 }
 
+gpuipc_status gpuipc_conn_call_when_peer_exits(gpuipc_conn *conn,
+                                               void (*done)(void *ctx),
+                                               void *ctx) {
+  if (conn == NULL || done == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "call_when_peer_exits: NULL connection or function");
+  if (conn->peer == NULL)
+    return gpuipc__fail(GPUIPC_E_INVALID_ARG,
+                        "call_when_peer_exits: the connection has no peer "
+                        "(its handshake did not complete)");
+  return gpuipc__watch_exit(conn->peer, conn->peer_pid, done, ctx);
+}
+
 static void ho_close(gpuipc_conn *c) {
   struct gpuipc__ho *h = c->ho;
   c->ho = NULL;

@@ -50,7 +50,8 @@
 static void orphan_add(gpuipc__lease_table *lt);
 static bool words_settled(gpuipc__lease_table *lt);
 static struct gpuipc__watch *watch_new(gpuipc__peer *peer, int pid,
-                                       bool orphan);
+                                       bool orphan, void (*on_exit)(void *),
+                                       void *ctx);
 static void watch_unlink(struct gpuipc__watch *w);
 
 #ifndef SYS_pidfd_open
@@ -857,7 +858,7 @@ static void orphan_add(gpuipc__lease_table *lt) {
    * the application's (what the table keeps, handed-over buffers among
    * them, comes back then); without a pidfd, calls reap it. */
   if (lt->owatch == NULL && gpuipc__peer_pidfd(lt->peer) >= 0)
-    lt->owatch = watch_new(lt->peer, lt->peer_pid, true);
+    lt->owatch = watch_new(lt->peer, lt->peer_pid, true, NULL, NULL);
   pthread_mutex_lock(&orphan_lock);
   lt->next_orphan = orphans;
   orphans = lt;
@@ -1051,6 +1052,39 @@ static void watch_fire(struct gpuipc__watch *w) {
   }
 }
 
+/* Takes the fired exit watches out of the list and calls their
+ * application's functions, no lock held. */
+static void watch_run_exits(void) {
+  struct gpuipc__watch *done = NULL;
+  pthread_mutex_lock(&watch_lock);
+  for (struct gpuipc__watch **pp = &watches; *pp;) {
+    struct gpuipc__watch *w = *pp;
+    pthread_mutex_lock(&w->mu);
+    bool take = w->on_exit && w->fired;
+    pthread_mutex_unlock(&w->mu);
+    if (!take) {
+      pp = &w->next;
+      continue;
+    }
+    *pp = w->next;
+    nwatches--;
+    w->next = done;
+    done = w;
+  }
+  pthread_mutex_unlock(&watch_lock);
+  while (done) {
+    struct gpuipc__watch *w = done;
+    done = w->next;
+    GPUIPC__DEBUG("lease", "watcher: peer pid %d exited; calling the "
+                           "application's exit call",
+                  w->pid);
+    w->on_exit(w->on_exit_ctx);
+    pthread_mutex_destroy(&w->mu);
+    gpuipc__peer_unref(w->peer);
+    free(w);
+  }
+}
+
 static void *watcher(void *arg) {
   (void)arg;
   struct pollfd *pf = NULL;
@@ -1095,7 +1129,7 @@ static void *watcher(void *arg) {
     }
     if (poll(pf, n, WATCH_RESCAN_MS) <= 0)
       continue;
-    bool reap_now = false;
+    bool reap_now = false, exits_now = false;
     for (nfds_t i = 0; i < n; i++) {
       if (!(pf[i].revents & (POLLIN | POLLHUP | POLLERR)))
         continue;
@@ -1115,6 +1149,8 @@ static void *watcher(void *arg) {
       if (!w->fired && gpuipc__peer_gone(w->peer)) {
         if (w->orphan)
           w->fired = reap_now = true;
+        else if (w->on_exit)
+          w->fired = exits_now = true;
         else
           watch_fire(w);
       }
@@ -1124,6 +1160,8 @@ static void *watcher(void *arg) {
      * callbacks of handed-over buffers may run). */
     if (reap_now)
       (void)gpuipc__lease_reap_orphans_now();
+    if (exits_now)
+      watch_run_exits();
   }
   free(pf);
   free(ws);
@@ -1193,7 +1231,7 @@ gpuipc_status gpuipc__watch_add(gpuipc_conn *c) {
                   c->peer_pid);
     return GPUIPC_OK;
   }
-  struct gpuipc__watch *w = watch_new(c->peer, c->peer_pid, false);
+  struct gpuipc__watch *w = watch_new(c->peer, c->peer_pid, false, NULL, NULL);
   if (w == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "peer watch");
   c->watch = w;
@@ -1203,13 +1241,16 @@ gpuipc_status gpuipc__watch_add(gpuipc_conn *c) {
 /* A watch of peer (a reference is taken), in the list, the thread
  * started; NULL without memory. */
 static struct gpuipc__watch *watch_new(gpuipc__peer *peer, int pid,
-                                       bool orphan) {
+                                       bool orphan, void (*on_exit)(void *),
+                                       void *ctx) {
   struct gpuipc__watch *w = calloc(1, sizeof *w);
   if (w == NULL)
     return NULL;
   w->peer = gpuipc__peer_ref(peer);
   w->pid = pid;
   w->orphan = orphan;
+  w->on_exit = on_exit;
+  w->on_exit_ctx = ctx;
   pthread_mutex_init(&w->mu, NULL);
   atomic_init(&w->rx_ordinal, -1);
   atomic_init(&w->tx_ordinal, -1);
@@ -1221,6 +1262,24 @@ static struct gpuipc__watch *watch_new(gpuipc__peer *peer, int pid,
   watcher_start();
   pthread_mutex_unlock(&watch_lock);
   return w;
+}
+
+gpuipc_status gpuipc__watch_exit(gpuipc__peer *peer, int pid,
+                                 void (*fn)(void *), void *ctx) {
+  if (gpuipc__peer_pidfd(peer) < 0)
+    return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
+                        "call_when_peer_exits: the exit of peer pid %d cannot "
+                        "be told here (no pidfd of it)",
+                        pid);
+  if (gpuipc__peer_gone(peer)) {
+    fn(ctx);
+    return GPUIPC_OK;
+  }
+  /* A peer that exits from here on makes its pidfd readable: the thread
+   * finds it at its next poll (at most WATCH_RESCAN_MS after the add). */
+  if (watch_new(peer, pid, false, fn, ctx) == NULL)
+    return gpuipc__fail(GPUIPC_E_NO_MEMORY, "call_when_peer_exits");
+  return GPUIPC_OK;
 }
 
 void gpuipc__watch_remove(gpuipc_conn *c) {

@@ -51,6 +51,10 @@ struct gpuipc__watch {
   bool fired;         /* under mu */
   bool orphan;        /* watches the peer of an orphan table (no words):
                          its exit makes the thread reap the orphans */
+  /* Not NULL: an application's exit call (gpuipc_conn_call_when_peer_exits;
+   * no words): the thread calls it once, then drops the watch. */
+  void (*on_exit)(void *ctx);
+  void *on_exit_ctx;
   _Atomic uint64_t rx_base, tx_base; /* 0: not known yet */
   _Atomic int rx_ordinal, tx_ordinal;
   _Atomic uint32_t rx_nslots, tx_nslots;
