@@ -409,6 +409,48 @@ def test_a_signal_interrupts_a_wait_without_end():
         signal.signal(signal.SIGALRM, old)
 
 
+def waits_for_go(conn):
+    """Waits for the parent's "go", then exits 0."""
+    conn.recv_msg(timeout=120)
+
+
+@pytest.mark.parametrize("wait", ["recv_msg", "join", "accept", "subscriber_recv"])
+def test_a_signal_interrupts_every_wait_without_end(wait):
+    """Each of the package's waits with timeout=None (the one loop,
+    gpy_wait_loop) ends when a signal handler raises, and what it waited
+    on stays usable afterwards."""
+    import signal
+
+    def on_alarm(sig, frame):
+        raise _Alarm()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        with gpuipc.spawn(waits_for_go) as p:
+            lst = gpuipc.listen("pyt-sig-%d" % os.getpid()) if wait == "accept" else None
+            sub = gpuipc.Subscriber(p.conn) if wait == "subscriber_recv" else None
+            call = {
+                "recv_msg": lambda: p.conn.recv_msg(timeout=None),
+                "join": lambda: p.join(None),
+                "accept": lambda: lst.accept(timeout=None),
+                "subscriber_recv": lambda: sub.recv(timeout=None),
+            }[wait]
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            t0 = time.monotonic()
+            with pytest.raises(_Alarm):
+                call()  # nothing comes: only the signal ends it
+            assert time.monotonic() - t0 < 20
+            if sub is not None:
+                sub.close()
+            if lst is not None:
+                lst.close()
+            p.conn.send_msg(b"go")  # the connection still works
+            assert p.join(30) == 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def test_connect_waits_for_the_listener_to_appear():
     name = "pyt-late-%d" % os.getpid()
     with gpuipc.spawn(late_listener, name, 0.5) as p:
