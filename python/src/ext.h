@@ -332,10 +332,51 @@ DLBox *dlbox_take(DLBox *embedded);
 void dl_fill(DLBox *b, PyObject *owner, const View *v, int dev_type, int versioned);
 PyObject *dl_capsule(DLBox *b, int versioned);
 
-/* torchc.c: torch tensors made in C. torch_ready: imports torch once and
- * looks up what the others use (0, or -1 with an ImportError saying that
- * as_torch needs torch). The others need it done. */
+/* dlpack.h 1.3's DLPackExchangeAPI: a table of C functions a framework
+ * puts on its tensor type as a PyCapsule named "dlpack_exchange_api"
+ * (attribute __dlpack_c_exchange_api__; torch releases before the name
+ * settled used __c_dlpack_exchange_api__, a capsule or an int). Major
+ * version 1 only. Used here: dltensor_from_py_object_no_sync (a
+ * non-owning DLTensor of a tensor, no Python call, no stream work),
+ * managed_tensor_to_py_object_no_sync (a tensor of our DLPack tensor) and
+ * current_work_stream (the framework's current stream as a raw handle). */
+typedef struct DLXHeader {
+  DLPackVersion version;
+  struct DLXHeader *prev_api;
+} DLXHeader;
+typedef struct {
+  DLXHeader header;
+  void *managed_tensor_allocator;
+  int (*managed_tensor_from_py_object_no_sync)(void *py, DLManagedTensorVersioned **out);
+  int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *t, void **out);
+  int (*dltensor_from_py_object_no_sync)(void *py, DLTensor *out);
+  int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out);
+} DLXApi;
+
+/* torchc.c: torch looked up once, for the package (recv(as_torch=True),
+ * the sets' torch views and their reading of torch tensors).
+ * dlx_api_of: the exchange API a type (or object) carries, NULL (no
+ * exception) when none or not one this code speaks (major version 1, with
+ * managed_tensor_to_py_object_no_sync and current_work_stream; its
+ * dltensor_from_py_object_no_sync may be NULL). torch_lookup: 1 once
+ * torch is ready (what the calls below use is looked up: the tensor type,
+ * its exchange API unless GPUIPC_TORCH_EXCHANGE=0, else
+ * torch._C._from_dlpack and _cuda_getCurrentRawStream); 0 when torch is
+ * not imported and import is 0; -1 with an exception. torch_ready: the
+ * same, importing, 0 or -1 with an ImportError saying that as_torch needs
+ * torch. The others need it done. */
+const DLXApi *dlx_api_of(PyObject *holder);
+int torch_lookup(int import);
 int torch_ready(void);
+/* torch's exchange API (NULL: the _from_dlpack way), its Tensor type, and
+ * torch._C._from_dlpack(cap). */
+const DLXApi *torch_api(void);
+PyTypeObject *torch_tensor_type(void);
+PyObject *torch_from_capsule(PyObject *cap);
+/* The current stream of device dev, as a raw CUstream (0: the legacy
+ * default stream), through api's current_work_stream, or torch's
+ * (_cuda_getCurrentRawStream) when api is NULL. */
+int dlx_current_stream(const DLXApi *api, int dev, uintptr_t *out);
 /* 1 when torch's DLPack C exchange API is used, 0 when torch._C._from_dlpack. */
 int torch_uses_exchange(void);
 int torch_current_device(int *dev);

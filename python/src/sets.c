@@ -178,50 +178,8 @@ static PyObject *view_new(PyObject *owner, const gpuipc_tensor *t, int device,
 }
 
 /* ------------------------------------------------------------------------ */
-/* torch at C speed: DLPack's C exchange API                                */
+/* torch at C speed: DLPack's C exchange API (DLXApi, torchc.c)             */
 /* ------------------------------------------------------------------------ */
-
-/* dlpack.h 1.3's DLPackExchangeAPI: a table of C functions a framework
- * puts on its tensor type as a PyCapsule named "dlpack_exchange_api"
- * (attribute __dlpack_c_exchange_api__; torch releases before the name
- * settled used __c_dlpack_exchange_api__, a capsule or an int). Major
- * version 1 only. Read here: dltensor_from_py_object_no_sync (a
- * non-owning DLTensor of a tensor, no Python call, no stream work),
- * managed_tensor_to_py_object_no_sync (a tensor of our DLPack tensor) and
- * current_work_stream (torch.cuda.current_stream as a raw handle). */
-typedef struct SetsXApiHeader {
-  DLPackVersion version;
-  struct SetsXApiHeader *prev_api;
-} SetsXApiHeader;
-typedef struct {
-  SetsXApiHeader header;
-  void *managed_tensor_allocator;
-  int (*managed_tensor_from_py_object_no_sync)(void *py, DLManagedTensorVersioned **out);
-  int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *t, void **out);
-  int (*dltensor_from_py_object_no_sync)(void *py, DLTensor *out);
-  int (*current_work_stream)(int device_type, int32_t device_id, void **out);
-} SetsXApi;
-
-/* The exchange API a type (or an object) carries; NULL: none. */
-static const SetsXApi *xapi_read(PyObject *holder) {
-  static const char *attrs[] = {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"};
-  for (int k = 0; k < 2; k++) {
-    PyObject *a = PyObject_GetAttrString(holder, attrs[k]);
-    if (!a) {
-      PyErr_Clear();
-      continue;
-    }
-    const SetsXApi *x = NULL;
-    if (PyCapsule_CheckExact(a)) x = PyCapsule_GetPointer(a, "dlpack_exchange_api");
-    else if (PyLong_Check(a)) x = PyLong_AsVoidPtr(a);
-    PyErr_Clear();
-    Py_DECREF(a);
-    if (x && x->header.version.major == 1 && x->dltensor_from_py_object_no_sync &&
-        x->current_work_stream && x->managed_tensor_to_py_object_no_sync)
-      return x;
-  }
-  return NULL;
-}
 
 /* torch itself: the tensor type (its tensors are read without the array
  * protocols), its exchange API where it has one, else the calls read in
@@ -242,84 +200,57 @@ static const struct { const char *name; int d; } g_torch_dt[] = {
 
 static struct {
   int state;               /* 0 not looked up, 1 ready */
-  PyTypeObject *tensor;    /* torch.Tensor */
-  const SetsXApi *api;     /* its exchange API, or NULL */
-  PyObject *from_dlpack;   /* torch._C._from_dlpack */
-  PyObject *raw_stream;    /* torch._C._cuda_getCurrentRawStream */
   PyObject *dtypes[TORCH_NDT]; /* torch.bool, ... (NULL: not in this torch) */
   PyObject *s_data_ptr, *s_dtype, *s_shape, *s_stride, *s_is_cuda, *s_get_device;
 } g_torch;
 
-/* 1: torch ready; 0: torch not imported (import 0); -1: error set. */
+/* 1: torch ready (torchc.c's lookup, and what is read here: its dtypes
+ * and attribute names); 0: torch not imported (import 0); -1: error set. */
 static int sets_torch_ready(int import) {
   if (g_torch.state == 1) return 1;
-  PyObject *t;
-  if (import) {
-    t = PyImport_ImportModule("torch");
-    if (!t) return -1; /* its ImportError says why */
-  } else {
-    PyObject *nm = PyUnicode_FromString("torch");
-    t = nm ? PyImport_GetModule(nm) : NULL;
-    Py_XDECREF(nm);
-    if (!t) return PyErr_Occurred() ? -1 : 0;
-  }
-  PyObject *tt = PyObject_GetAttrString(t, "Tensor");
-  PyObject *c = PyObject_GetAttrString(t, "_C");
-  int ok = tt && c && PyType_Check(tt);
-  if (ok) {
-    g_torch.from_dlpack = PyObject_GetAttrString(c, "_from_dlpack");
-    g_torch.raw_stream = PyObject_GetAttrString(c, "_cuda_getCurrentRawStream");
-    ok = g_torch.from_dlpack && g_torch.raw_stream;
-  }
-  for (size_t k = 0; ok && k < TORCH_NDT; k++) {
+  int r = torch_lookup(import);
+  if (r != 1) return r;
+  PyObject *t = PyImport_ImportModule("torch"); /* imported: a lookup */
+  if (!t) return -1;
+  for (size_t k = 0; k < TORCH_NDT; k++) {
     g_torch.dtypes[k] = PyObject_GetAttrString(t, g_torch_dt[k].name);
     if (!g_torch.dtypes[k]) PyErr_Clear(); /* an older torch: not there */
   }
-  if (ok) {
-    g_torch.s_data_ptr = PyUnicode_InternFromString("data_ptr");
-    g_torch.s_dtype = PyUnicode_InternFromString("dtype");
-    g_torch.s_shape = PyUnicode_InternFromString("shape");
-    g_torch.s_stride = PyUnicode_InternFromString("stride");
-    g_torch.s_is_cuda = PyUnicode_InternFromString("is_cuda");
-    g_torch.s_get_device = PyUnicode_InternFromString("get_device");
-    ok = g_torch.s_data_ptr && g_torch.s_dtype && g_torch.s_shape && g_torch.s_stride &&
-         g_torch.s_is_cuda && g_torch.s_get_device;
-  }
-  if (ok) {
-    g_torch.api = xapi_read(tt);
-    g_torch.tensor = (PyTypeObject *)tt;
-    Py_INCREF(tt);
-    g_torch.state = 1;
-  } else if (!PyErr_Occurred()) {
-    PyErr_SetString(PyExc_ImportError, "torch has no Tensor, _C._from_dlpack or "
-                    "_C._cuda_getCurrentRawStream");
-  }
-  Py_XDECREF(tt);
-  Py_XDECREF(c);
   Py_DECREF(t);
-  return ok ? 1 : -1;
+  g_torch.s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  g_torch.s_dtype = PyUnicode_InternFromString("dtype");
+  g_torch.s_shape = PyUnicode_InternFromString("shape");
+  g_torch.s_stride = PyUnicode_InternFromString("stride");
+  g_torch.s_is_cuda = PyUnicode_InternFromString("is_cuda");
+  g_torch.s_get_device = PyUnicode_InternFromString("get_device");
+  if (!(g_torch.s_data_ptr && g_torch.s_dtype && g_torch.s_shape && g_torch.s_stride &&
+        g_torch.s_is_cuda && g_torch.s_get_device))
+    return -1;
+  g_torch.state = 1;
+  return 1;
 }
 
 /* How an array is read, per type (cached: a type is looked up once; when
  * full, later types are looked up each time). */
 enum { XK_PROTOCOL = 0, XK_EXCHANGE = 1, XK_TORCH = 2 };
 #define SETS_XTYPES 8
-static struct { PyTypeObject *tp; int kind; const SetsXApi *api; } g_xtypes[SETS_XTYPES];
+static struct { PyTypeObject *tp; int kind; const DLXApi *api; } g_xtypes[SETS_XTYPES];
 static int g_nxtypes;
 
-static int xkind_of(PyObject *o, const SetsXApi **api) {
+static int xkind_of(PyObject *o, const DLXApi **api) {
   PyTypeObject *tp = Py_TYPE(o);
   for (int i = 0; i < g_nxtypes; i++)
     if (g_xtypes[i].tp == tp) {
       *api = g_xtypes[i].api;
       return g_xtypes[i].kind;
     }
-  *api = xapi_read((PyObject *)tp);
+  *api = dlx_api_of((PyObject *)tp);
+  if (*api && !(*api)->dltensor_from_py_object_no_sync) *api = NULL; /* it cannot be read so */
   int kind = *api ? XK_EXCHANGE : XK_PROTOCOL;
   if (!*api) {
     int r = sets_torch_ready(0);
     if (r < 0) PyErr_Clear();
-    if (r == 1 && PyType_IsSubtype(tp, g_torch.tensor)) kind = XK_TORCH;
+    if (r == 1 && PyType_IsSubtype(tp, torch_tensor_type())) kind = XK_TORCH;
   }
   if (g_nxtypes < SETS_XTYPES) {
     Py_INCREF(tp);
@@ -381,24 +312,6 @@ static int torch_read(PyObject *o, DLTensor *dl, int64_t *shape, int64_t *stride
   return rc;
 }
 
-/* torch's current stream on device dev, as a raw handle (0: legacy). */
-static int torch_stream(const SetsXApi *api, int dev, uintptr_t *out) {
-  if (api) {
-    void *s = NULL;
-    if (api->current_work_stream(kDLCUDA, dev, &s) != 0) {
-      if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "torch's current_work_stream failed");
-      return -1;
-    }
-    *out = (uintptr_t)s;
-    return 0;
-  }
-  PyObject *r = PyObject_CallFunction(g_torch.raw_stream, "i", dev);
-  if (!r) return -1;
-  *out = (uintptr_t)PyLong_AsUnsignedLongLong(r);
-  Py_DECREF(r);
-  return PyErr_Occurred() ? -1 : 0;
-}
 
 /* ------------------------------------------------------------------------ */
 /* Resolving the caller's arrays against a set's layout                     */
@@ -480,7 +393,7 @@ typedef struct {
   int xdev;             /* device of the first array read through the exchange
                            API (-1: none): torch's current stream on it is
                            ordered before `stream`, once per call */
-  const SetsXApi *xapi;
+  const DLXApi *xapi;
   int xordered;         /* done for this call */
   uintptr_t cai[8];     /* streams of CUDA-Array-Interface arrays */
   int ncai;
@@ -501,7 +414,7 @@ static int resolve_cai_stream(Resolve *r, uintptr_t s, int now) {
 static int resolve_order(Resolve *r) {
   if (r->xdev < 0 || r->xordered) return 0;
   uintptr_t cur;
-  if (torch_stream(r->xapi, r->xdev, &cur) < 0) return -1;
+  if (dlx_current_stream(r->xapi, r->xdev, &cur) < 0) return -1;
   r->xordered = 1;
   return cur == r->stream ? 0 : order_streams(r->xdev, cur, r->stream);
 }
@@ -519,7 +432,7 @@ static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t
     *out = PyLong_AsVoidPtr(o);
     return PyErr_Occurred() ? -1 : 0;
   }
-  const SetsXApi *x;
+  const DLXApi *x;
   int kind = xkind_of(o, &x);
   if (kind != XK_PROTOCOL) {
     DLTensor dl;
@@ -667,7 +580,7 @@ typedef struct {
   void **ptrs;
   PyObject *refs;   /* the arrays, kept alive */
   int xdev;         /* torch's device (-1: no torch tensor) */
-  const SetsXApi *xapi;
+  const DLXApi *xapi;
   uintptr_t cai[8]; /* CUDA-Array-Interface arrays' streams */
   int ncai, cai_over;
 } TPlanObject;
@@ -748,7 +661,7 @@ static int plan_run(const CopyJob *j, TPlanObject *pl, uintptr_t stream, int sid
     if (pl->cai[k] != stream && order_streams(0, pl->cai[k], stream) < 0) return -1;
   if (pl->xdev >= 0) {
     uintptr_t cur;
-    if (torch_stream(pl->xapi, pl->xdev, &cur) < 0) return -1;
+    if (dlx_current_stream(pl->xapi, pl->xdev, &cur) < 0) return -1;
     if (cur != stream && order_streams(pl->xdev, cur, stream) < 0) return -1;
   }
   return job_run(j, pl->ptrs, stream);
@@ -1611,10 +1524,10 @@ static void vcache_clear(TSubObject *o) {
 /* Whether the cached tensors are still what was built (a tensor changed
  * in place, t.resize_() say, is not handed out again). */
 static int vcache_intact(const VCache *e) {
-  if (!g_torch.api) return 1;
+  if (!torch_api() || !torch_api()->dltensor_from_py_object_no_sync) return 1;
   for (size_t i = 0; i < e->n; i++) {
     DLTensor dl;
-    if (g_torch.api->dltensor_from_py_object_no_sync(PyTuple_GET_ITEM(e->tensors, (Py_ssize_t)i),
+    if (torch_api()->dltensor_from_py_object_no_sync(PyTuple_GET_ITEM(e->tensors, (Py_ssize_t)i),
                                                      &dl) != 0) {
       PyErr_Clear();
       return 0;
@@ -1640,7 +1553,7 @@ static PyObject *torch_build(TVerObject *v, size_t n) {
       goto fail;
     }
     BatchItem *it = &b->it[i];
-    DLTensor *d = g_torch.api ? &it->u.v.dl_tensor : &it->u.m.dl_tensor;
+    DLTensor *d = torch_api() ? &it->u.v.dl_tensor : &it->u.m.dl_tensor;
     d->data = t.ptr;
     d->device = (DLDevice){kDLCUDA, v->sub->device};
     d->ndim = t.ndim;
@@ -1651,11 +1564,11 @@ static PyObject *torch_build(TVerObject *v, size_t n) {
     d->strides = it->dims + GPUIPC_TSET_NDIM_MAX;
     d->byte_offset = 0;
     PyObject *x = NULL;
-    if (g_torch.api) {
+    if (torch_api()) {
       it->u.v.version = (DLPackVersion){1, 0};
       it->u.v.manager_ctx = b;
       it->u.v.deleter = batch_del_v;
-      if (g_torch.api->managed_tensor_to_py_object_no_sync(&it->u.v, (void **)&x) != 0) {
+      if (torch_api()->managed_tensor_to_py_object_no_sync(&it->u.v, (void **)&x) != 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "as_torch: torch refused");
         goto fail;
       }
@@ -1664,7 +1577,7 @@ static PyObject *torch_build(TVerObject *v, size_t n) {
       it->u.m.deleter = batch_del_m;
       PyObject *cap = PyCapsule_New(&it->u.m, "dltensor", batch_capsule_dtor);
       if (!cap) goto fail;
-      x = PyObject_CallOneArg(g_torch.from_dlpack, cap);
+      x = torch_from_capsule(cap);
       Py_DECREF(cap); /* consumed: renamed; else its destructor gave it back */
       if (!x) {
         i++;
@@ -1694,7 +1607,7 @@ static PyObject *Ver_torch_views(TVerObject *v, PyObject *u) {
   uint64_t layout = gpuipc_tset_version_get_layout(v->v);
   int copy = gpuipc_tset_version_get_copy(v->v);
   uintptr_t cur;
-  if (torch_stream(g_torch.api, sub->device, &cur) < 0) return NULL;
+  if (dlx_current_stream(torch_api(), sub->device, &cur) < 0) return NULL;
   if (cur != v->stream && order_streams(sub->device, v->stream, cur) < 0) return NULL;
   void **ptrs = PyMem_Malloc((n ? n : 1) * sizeof *ptrs);
   if (!ptrs) return PyErr_NoMemory();

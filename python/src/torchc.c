@@ -23,121 +23,126 @@
 
 #include <stdlib.h>
 
-/* DLPack 1.3, dlpack.h: DLPackExchangeAPIHeader and DLPackExchangeAPI.
- * Only the two entries used here are typed; the layout is the header's. */
-typedef struct XHeader {
-  DLPackVersion version;
-  struct XHeader *prev_api;
-} XHeader;
-
-typedef struct {
-  XHeader header;
-  void *managed_tensor_allocator;
-  void *managed_tensor_from_py_object_no_sync;
-  int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor,
-                                             void **out_py_object);
-  void *dltensor_from_py_object_no_sync;
-  int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_stream);
-} XApi;
-
 static int g_ready;
-static const XApi *g_api;
+static const DLXApi *g_api;
+static PyTypeObject *g_tensor;
 static PyObject *g_from_dlpack, *g_raw_stream, *g_get_device;
 
-/* The exchange API of torch.Tensor, or NULL (no exception). The extension
- * sees only the public API, so it reads its one variable itself (the
- * library's are GPUIPC__PARAM declarations); docs/environment.md lists it
- * with the others, and tools/check-env keeps it there. */
-static const XApi *find_api(PyObject *torch) {
-  const char *env = getenv("GPUIPC_TORCH_EXCHANGE");
-  if (env && !strcmp(env, "0")) return NULL;
-  PyObject *tt = PyObject_GetAttrString(torch, "Tensor");
-  if (!tt) {
-    PyErr_Clear();
-    return NULL;
-  }
-  const XApi *api = NULL;
-  const char *names[] = {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"};
-  for (int i = 0; i < 2 && !api; i++) {
-    PyObject *o = PyObject_GetAttrString(tt, names[i]);
-    if (!o) {
+const DLXApi *dlx_api_of(PyObject *holder) {
+  static const char *attrs[] = {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"};
+  for (int k = 0; k < 2; k++) {
+    PyObject *a = PyObject_GetAttrString(holder, attrs[k]);
+    if (!a) {
       PyErr_Clear();
       continue;
     }
-    if (PyCapsule_IsValid(o, "dlpack_exchange_api")) {
-      api = PyCapsule_GetPointer(o, "dlpack_exchange_api");
-    } else if (PyLong_Check(o)) {
-      api = PyLong_AsVoidPtr(o);
-    }
-    if (PyErr_Occurred()) PyErr_Clear();
-    Py_DECREF(o);
-    /* this code speaks major version 1 */
-    if (api && (api->header.version.major != 1 || !api->managed_tensor_to_py_object_no_sync ||
-                !api->current_work_stream))
-      api = NULL;
+    const DLXApi *x = NULL;
+    if (PyCapsule_IsValid(a, "dlpack_exchange_api")) x = PyCapsule_GetPointer(a, "dlpack_exchange_api");
+    else if (PyLong_Check(a)) x = PyLong_AsVoidPtr(a);
+    PyErr_Clear();
+    Py_DECREF(a);
+    /* this code speaks major version 1, and needs these two entries (a
+     * reader checks dltensor_from_py_object_no_sync itself) */
+    if (x && x->header.version.major == 1 && x->current_work_stream &&
+        x->managed_tensor_to_py_object_no_sync)
+      return x;
   }
-  Py_DECREF(tt);
-  return api;
+  return NULL;
 }
 
-int torch_ready(void) {
-  if (g_ready) return 0;
-  PyObject *torch = PyImport_ImportModule("torch");
-  if (!torch) {
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject *cause = PyErr_GetRaisedException();
-#else
-    PyObject *t, *cause, *tb;
-    PyErr_Fetch(&t, &cause, &tb);
-    PyErr_NormalizeException(&t, &cause, &tb);
-    Py_XDECREF(t);
-    Py_XDECREF(tb);
-#endif
-    PyErr_Format(PyExc_ImportError, "as_torch=True needs torch, which cannot be imported "
-                 "here (%S); without it, take the Received and read it through DLPack or "
-                 "the CUDA Array Interface", cause ? cause : Py_None);
-    if (cause) {
-#if PY_VERSION_HEX >= 0x030C0000
-      PyObject *exc = PyErr_GetRaisedException();
-      PyException_SetCause(exc, cause); /* steals cause */
-      PyErr_SetRaisedException(exc);
-#else
-      PyObject *et, *ev, *etb;
-      PyErr_Fetch(&et, &ev, &etb);
-      PyErr_NormalizeException(&et, &ev, &etb);
-      if (ev) PyException_SetCause(ev, cause);
-      else Py_DECREF(cause);
-      PyErr_Restore(et, ev, etb);
-#endif
-    }
+/* torch's exchange API, or NULL (no exception). The extension sees only
+ * the public API, so it reads its one variable itself (the library's are
+ * GPUIPC__PARAM declarations); docs/environment.md lists it with the
+ * others, and tools/check-env keeps it there. */
+static const DLXApi *find_api(PyObject *tensor_type) {
+  const char *env = getenv("GPUIPC_TORCH_EXCHANGE");
+  if (env && !strcmp(env, "0")) return NULL;
+  return dlx_api_of(tensor_type);
+}
+
+int torch_lookup(int import) {
+  if (g_ready) return 1;
+  PyObject *torch;
+  if (import) {
+    torch = PyImport_ImportModule("torch");
+    if (!torch) return -1; /* its ImportError says why */
+  } else {
+    PyObject *nm = PyUnicode_FromString("torch");
+    torch = nm ? PyImport_GetModule(nm) : NULL;
+    Py_XDECREF(nm);
+    if (!torch) return PyErr_Occurred() ? -1 : 0;
+  }
+  PyObject *tt = PyObject_GetAttrString(torch, "Tensor");
+  PyObject *C = tt ? PyObject_GetAttrString(torch, "_C") : NULL;
+  Py_DECREF(torch);
+  if (!tt || !C || !PyType_Check(tt)) {
+    Py_XDECREF(tt);
+    Py_XDECREF(C);
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ImportError, "this torch has no Tensor type or torch._C");
     return -1;
   }
-  PyObject *C = PyObject_GetAttrString(torch, "_C");
-  const XApi *api = find_api(torch);
-  Py_DECREF(torch);
-  if (!C) return -1;
+  const DLXApi *api = find_api(tt);
   PyObject *fd = PyObject_GetAttrString(C, "_from_dlpack");
   PyObject *rs = PyObject_GetAttrString(C, "_cuda_getCurrentRawStream");
   PyObject *gd = PyObject_GetAttrString(C, "_cuda_getDevice");
   Py_DECREF(C);
-  if (!api && (!fd || !rs || !gd)) {
+  PyErr_Clear();
+  if (!api && (!fd || !rs)) {
     Py_XDECREF(fd);
     Py_XDECREF(rs);
     Py_XDECREF(gd);
-    PyErr_Clear();
-    PyErr_SetString(PyExc_ImportError, "as_torch=True: this torch has neither the DLPack C "
-                    "exchange API nor torch._C._from_dlpack, _cuda_getCurrentRawStream and "
-                    "_cuda_getDevice (a torch built with CUDA is needed)");
+    Py_DECREF(tt);
+    PyErr_SetString(PyExc_ImportError, "this torch has neither the DLPack C exchange API "
+                    "nor torch._C._from_dlpack and _cuda_getCurrentRawStream (a torch "
+                    "built with CUDA is needed)");
     return -1;
   }
-  PyErr_Clear();
   g_api = api;
+  g_tensor = (PyTypeObject *)tt; /* kept for the process */
   g_from_dlpack = fd;
   g_raw_stream = rs;
   g_get_device = gd;
   g_ready = 1;
-  return 0;
+  return 1;
 }
+
+int torch_ready(void) {
+  int r = torch_lookup(1);
+  if (r == 1) return 0;
+  /* Says what needs torch, the lookup's error as the cause. */
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *cause = PyErr_GetRaisedException();
+#else
+  PyObject *t, *cause, *tb;
+  PyErr_Fetch(&t, &cause, &tb);
+  PyErr_NormalizeException(&t, &cause, &tb);
+  Py_XDECREF(t);
+  Py_XDECREF(tb);
+#endif
+  PyErr_Format(PyExc_ImportError, "as_torch=True needs torch, which cannot be used "
+               "here (%S); without it, take the Received and read it through DLPack or "
+               "the CUDA Array Interface", cause ? cause : Py_None);
+  if (cause) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+    PyException_SetCause(exc, cause); /* steals cause */
+    PyErr_SetRaisedException(exc);
+#else
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyErr_NormalizeException(&et, &ev, &etb);
+    if (ev) PyException_SetCause(ev, cause);
+    else Py_DECREF(cause);
+    PyErr_Restore(et, ev, etb);
+#endif
+  }
+  return -1;
+}
+
+const DLXApi *torch_api(void) { return g_api; }
+PyTypeObject *torch_tensor_type(void) { return g_tensor; }
+PyObject *torch_from_capsule(PyObject *cap) { return PyObject_CallOneArg(g_from_dlpack, cap); }
 
 int torch_uses_exchange(void) { return g_api != NULL; }
 
@@ -153,17 +158,21 @@ int torch_current_device(int *dev) {
   return 0;
 }
 
-int torch_current_stream(int dev, uintptr_t *out) {
+int dlx_current_stream(const DLXApi *api, int dev, uintptr_t *out) {
   *out = 0;
-  if (g_api) {
-    void *s = NULL;
-    if (g_api->current_work_stream(kDLCUDA, dev, &s) != 0) {
+  if (api) {
+    void *st = NULL;
+    if (api->current_work_stream(kDLCUDA, dev, &st) != 0) {
       if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "torch's current_work_stream failed");
+        PyErr_SetString(PyExc_RuntimeError, "the framework's current_work_stream failed");
       return -1;
     }
-    *out = (uintptr_t)s;
+    *out = (uintptr_t)st;
     return 0;
+  }
+  if (!g_raw_stream) {
+    PyErr_SetString(PyExc_RuntimeError, "torch's current stream: torch was not looked up");
+    return -1;
   }
   PyObject *d = PyLong_FromLong(dev);
   if (!d) return -1;
@@ -176,6 +185,8 @@ int torch_current_stream(int dev, uintptr_t *out) {
   *out = (u == 1) ? 0 : (uintptr_t)u; /* 1 names the legacy stream too */
   return 0;
 }
+
+int torch_current_stream(int dev, uintptr_t *out) { return dlx_current_stream(g_api, dev, out); }
 
 PyObject *torch_tensor(PyObject *owner, const View *v, DLBox *box) {
   DLBox *b = dlbox_take(box);
