@@ -63,9 +63,13 @@ endforeach()
 # processes' CUDA start). Two of them at once, under ctest -j 16, starved
 # the rest of the suite on an H200 (contexts failed for want of device
 # memory, helpers took over 30 s to start): they run one at a time and
-# take 8 of ctest's slots each.
+# take 8 of ctest's slots each. The held-stream broadcast (48 consumers)
+# is one of them: run beside its socket twin and a dozen other tests, its
+# consumers' and others' contexts failed with CUDA_ERROR_OUT_OF_MEMORY.
 foreach(t handoff_64_consumers handoff_broadcast_64_consumers
-          handoff_64_consumers_on_socket handoff_broadcast_64_consumers_on_socket)
+          handoff_64_consumers_on_socket handoff_broadcast_64_consumers_on_socket
+          handoff_broadcast_held_stream_fresh_connections
+          handoff_broadcast_held_stream_fresh_connections_on_socket)
   if(TEST ${t})
     set_tests_properties(${t} PROPERTIES RESOURCE_LOCK gpu_process_crowd PROCESSORS 8)
   endif()

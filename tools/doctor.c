@@ -208,6 +208,7 @@ typedef struct doc_fabric_path {
   const char *import_failed_call; /* NULL: the import succeeded */
   CUresult import_error;
   bool import_same; /* the import gave back the exporter's own handle or pool */
+  const char *skipped; /* not tried, and why (then nothing above is set) */
 } doc_fabric_path;
 
 typedef struct doc_fabric {
@@ -674,6 +675,24 @@ static const char *compute_mode_name(int mode) {
                                                   : "another";
 }
 
+/* Whether an IMEX channel here opens (what the driver needs for fabric
+ * handles). */
+static bool imex_channel_opens(const gpuipc__imex *x) {
+  for (int k = 0; k < x->count && k < GPUIPC__IMEX_MAX; k++)
+    if (x->channel[k].open_errno == 0)
+      return true;
+  return false;
+}
+
+/* Why the pool path is not tried after a VMM refusal for want of a
+ * channel: on the H200's driver (580.159.04) a pool made with the fabric
+ * handle type, whose export was then refused the same way, crashed the
+ * process (SIGSEGV) when its memory was given back
+ * (docs/driver-behaviour.md). */
+static const char fabric_pool_skip[] =
+    "not tried: the VMM export was refused (CUDA_ERROR_NOT_PERMITTED) and no IMEX channel "
+    "opens here; without one a fabric pool's clean-up crashed a process on a real driver";
+
 static void gather_fabric(doc_report *r) {
   gpuipc__imex_probe(&r->imex);
   if (!r->initialized)
@@ -708,7 +727,11 @@ static void gather_fabric(doc_report *r) {
     } else {
       size_t gran = (size_t)2 << 20;
       fabric_vmm(f, dev, &gran);
-      fabric_pool(f, dev, gran);
+      if (!f->vmm.exported && f->vmm.error == CUDA_ERROR_NOT_PERMITTED &&
+          !imex_channel_opens(&r->imex))
+        f->pool.skipped = fabric_pool_skip;
+      else
+        fabric_pool(f, dev, gran);
       CUcontext popped = NULL;
       fab_cleanup(f, "cuCtxPopCurrent", GPUIPC__CU(cuCtxPopCurrent, &popped));
     }
@@ -1856,7 +1879,9 @@ static void report_mechanisms(emit *e, const doc_report *r) {
 /* One path of the fabric probe in words: "yes", with what the import in
  * this process answered, or "no: <call> returned <error>". */
 static void fabric_path_text(const doc_fabric_path *p, bool pool, char *buf, size_t cap) {
-  if (!p->exported)
+  if (p->skipped)
+    snprintf(buf, cap, "%s", p->skipped);
+  else if (!p->exported)
     snprintf(buf, cap, "no: %s returned %s", p->failed_call,
              gpuipc__cuda_error_name(p->error));
   else if (p->import_failed_call)
@@ -1872,8 +1897,9 @@ static void fabric_path_text(const doc_fabric_path *p, bool pool, char *buf, siz
 static void json_fabric_path(emit *e, const char *key, const doc_fabric_path *p) {
   e_obj(e, key);
   e_bool(e, "exported", p->exported);
-  e_str(e, "failed_call", p->exported ? NULL : p->failed_call);
-  e_str(e, "error", p->exported ? NULL : gpuipc__cuda_error_name(p->error));
+  e_str(e, "skipped", p->skipped);
+  e_str(e, "failed_call", p->exported || p->skipped ? NULL : p->failed_call);
+  e_str(e, "error", p->exported || p->skipped ? NULL : gpuipc__cuda_error_name(p->error));
   e_opt_bool(e, "imported", p->import_tried, p->import_failed_call == NULL);
   e_str(e, "import_failed_call", p->import_failed_call);
   e_str(e, "import_error",

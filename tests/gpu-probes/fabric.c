@@ -233,7 +233,20 @@ int main(void) {
 
   if (va) { ASK(cuMemUnmap(va, gran)); ASK(cuMemAddressFree(va, gran)); }
   if (created) ASK(cuMemRelease(h));
-  if (pptr) { ASK(cuMemFreeAsync(pptr, 0)); ASK(cuStreamSynchronize(0)); }
-  if (pool) ASK(cuMemPoolDestroy(pool));
+  /* The clean-up calls say their name first: on the H200's 580.159.04
+   * driver, after the pool's fabric export was refused (no IMEX channel),
+   * one of these crashed the process (SIGSEGV) after cuMemFreeAsync had
+   * returned. */
+  if (pptr) {
+    ASK(cuMemFreeAsync(pptr, 0));
+    printf("[%s] calling cuStreamSynchronize(0)\n", who);
+    fflush(stdout);
+    ASK(cuStreamSynchronize(0));
+  }
+  if (pool) {
+    printf("[%s] calling cuMemPoolDestroy(pool)\n", who);
+    fflush(stdout);
+    ASK(cuMemPoolDestroy(pool));
+  }
   return 0;
 }
