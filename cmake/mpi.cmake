@@ -44,7 +44,7 @@ endforeach()
 # mpirun for `gpuipc bench mpi` (the command itself never links MPI).
 add_executable(gpuipc_bench_mpi ${PROJECT_SOURCE_DIR}/bench/mpi/bench-mpi.c)
 set_target_properties(gpuipc_bench_mpi PROPERTIES OUTPUT_NAME gpuipc-bench-mpi)
-target_link_libraries(gpuipc_bench_mpi PRIVATE gpuipc_mpi)
+target_link_libraries(gpuipc_bench_mpi PRIVATE gpuipc_mpi gpuipc_internal)
 install(TARGETS gpuipc_bench_mpi RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 # Tests: each MPI example under mpirun with 4 ranks on this machine. This
