@@ -18,6 +18,7 @@
 
 #include <signal.h>
 #include <stdatomic.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 /* What the done callback sees. */
@@ -290,6 +291,68 @@ TEST_IMPL(conn_exit_call_for_a_peer_gone_already) {
   gpuipc_conn_close(c);
   usleep(300 * 1000);
   ASSERT_EQ(atomic_load(&k.calls), 1);
+  return 0;
+}
+
+/* A child forked after the call runs none of the parent's exit calls,
+ * also once a watcher of its own runs there (its own call makes one):
+ * each runs once, in the process that made it. */
+TEST_IMPL(conn_exit_call_not_run_in_a_forked_child) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("exit_call_peer", NULL, &fd, "live", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  kept k = {0};
+  ASSERT_OK(gpuipc_conn_call_when_peer_exits(c, on_done, &k));
+  pid_t child = fork();
+  ASSERT(child >= 0);
+  if (child == 0) {
+    kept k2 = {0};
+    if (gpuipc_conn_call_when_peer_exits(c, on_done, &k2) != GPUIPC_OK)
+      _exit(5);
+    for (int i = 0; i < 3000 && atomic_load(&k2.calls) == 0; i++)
+      usleep(10000);
+    if (atomic_load(&k2.calls) != 1)
+      _exit(4); /* its own call did not run */
+    usleep(300 * 1000);
+    _exit(atomic_load(&k.calls) == 0 ? 0 : 3); /* 3: the parent's ran here */
+  }
+  usleep(200 * 1000); /* the child's watcher is up before the peer exits */
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  int st = 0;
+  ASSERT_EQ(waitpid(child, &st, 0), child);
+  ASSERT(WIFEXITED(st));
+  ASSERT_EQ(WEXITSTATUS(st), 0);
+  for (int i = 0; i < 3000 && atomic_load(&k.calls) == 0; i++)
+    usleep(10000);
+  ASSERT_EQ(atomic_load(&k.calls), 1);
+  gpuipc_conn_close(c);
+  return 0;
+}
+
+/* gpuipc_conn_collect runs the exit calls whose peers are gone (for a
+ * process whose watcher could not start; here it only finds them first
+ * or finds them done), and never twice. */
+TEST_IMPL(conn_exit_call_collect_runs_it_once) {
+  REQUIRE_DEVICES(1);
+  int fd;
+  pid_t pid = spawn_helper("exit_call_peer", NULL, &fd, "live", NULL);
+  gpuipc_conn *c = pair_conn(fd);
+  kept k = {0};
+  ASSERT_OK(gpuipc_conn_call_when_peer_exits(c, on_done, &k));
+  (void)gpuipc_conn_collect();
+  ASSERT_EQ(atomic_load(&k.calls), 0);
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
+  for (int i = 0; i < 3000 && atomic_load(&k.calls) == 0; i++)
+    (void)gpuipc_conn_collect();
+  ASSERT_EQ(atomic_load(&k.calls), 1);
+  for (int i = 0; i < 50; i++)
+    (void)gpuipc_conn_collect();
+  usleep(300 * 1000);
+  ASSERT_EQ(atomic_load(&k.calls), 1);
+  gpuipc_conn_close(c);
   return 0;
 }
 

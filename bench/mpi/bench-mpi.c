@@ -94,16 +94,16 @@ static double run(ctx *c, gpuipc_mpi *g, enum op op, size_t n,
       break;
     case OP_D2D: /* the node-local floor: one copy on the receiver's device */
       if (rank_ == 1) {
-        CUcontext cx = NULL;
-        CHECK("primary context", gpuipc__primary_ctx(c->ordinal, &cx));
-        if (gpuipc__cu.cuCtxPushCurrent(cx) != CUDA_SUCCESS ||
-            gpuipc__cu.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)c->dev2,
-                                         (CUdeviceptr)(uintptr_t)c->dev, n,
-                                         (CUstream)0) != CUDA_SUCCESS) {
-          fprintf(stderr, "rank 1: cuMemcpyDtoDAsync failed\n");
+        gpuipc__ctx_guard cg;
+        CHECK("primary context", gpuipc__ctx_enter(&cg, c->ordinal));
+        CUresult cr = gpuipc__cu.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)c->dev2,
+                                                   (CUdeviceptr)(uintptr_t)c->dev, n,
+                                                   (CUstream)0);
+        gpuipc__ctx_leave(&cg);
+        if (cr != CUDA_SUCCESS) {
+          fprintf(stderr, "rank 1: cuMemcpyDtoDAsync: %s\n", gpuipc__cuda_error_name(cr));
           MPI_Abort(MPI_COMM_WORLD, 1);
         }
-        gpuipc__cu.cuCtxPopCurrent(&cx);
       }
       break;
     }

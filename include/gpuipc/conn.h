@@ -480,7 +480,10 @@ GPUIPC_EXPERIMENTAL GPUIPC_API size_t gpuipc_conn_collect(void);
  * call needs conn only while it runs. For what an application keeps on a
  * peer's behalf outside the connection's leases (memory whose descriptor
  * the peer opened on its own, say), so that no binding decides a peer's
- * death itself. done runs as gpuipc_buffer_release_when_done's does: no
+ * death itself. A process that cannot start the watcher thread (logged)
+ * has them run by gpuipc_conn_collect. A child forked after the call
+ * runs none of them (they are the parent's). done runs as
+ * gpuipc_buffer_release_when_done's does: no
  * lock or CUDA context of gpuipc's held, and it must not call gpuipc,
  * block on anything a thread calling gpuipc may hold (an interpreter
  * lock) or take long. Calls whose peer never exits never run (nor at this

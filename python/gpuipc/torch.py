@@ -413,6 +413,7 @@ class _Server:
             return len(self.pending)
 
     def held_count(self):
+        _gpuipc.counters()  # takes what the library let go of meanwhile
         with self.lock:
             self._poll()
             n = sum(len(p.held) + len(p.stuck) for p in self.peers.values())
@@ -562,9 +563,9 @@ class _Server:
             try:
                 c.keep_until_peer_exits(held)
                 self.gone.add(held)
-            except gpuipc.Error:
-                # Its exit cannot be told here (no pidfd of it): kept until
-                # this process exits.
+            except (gpuipc.Error, MemoryError):
+                # Its exit cannot be told here (no pidfd of it), or no
+                # memory to say so: kept until this process exits.
                 self.forever.extend(items)
             del items, held
 

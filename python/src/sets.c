@@ -461,7 +461,9 @@ static int resolve_one(Resolve *r, PyObject *o, size_t i, const gpuipc_tensor *t
       return -1;
     if (r->xdev < 0) {
       r->xdev = dl.device.device_id;
-      r->xapi = x; /* NULL for XK_TORCH: torch._C's raw stream */
+      /* the stream by the type's own API; a torch tensor read through its
+       * attributes: torch's (its API, else torch._C's raw stream) */
+      r->xapi = kind == XK_EXCHANGE ? x : torch_api();
     }
     *out = (char *)dl.data + dl.byte_offset;
     return 0;

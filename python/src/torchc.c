@@ -109,6 +109,13 @@ int torch_lookup(int import) {
 
 int torch_ready(void) {
   int r = torch_lookup(1);
+  if (r == 1 && !g_api && !g_get_device) {
+    /* recv(as_torch=True) without the exchange API needs the current
+     * device too (the sets' reading does not) */
+    PyErr_SetString(PyExc_ImportError, "this torch has neither the DLPack C exchange API "
+                    "nor torch._C._cuda_getDevice (a torch built with CUDA is needed)");
+    r = -1;
+  }
   if (r == 1) return 0;
   /* Says what needs torch, the lookup's error as the cause. */
 #if PY_VERSION_HEX >= 0x030C0000
@@ -148,7 +155,7 @@ int torch_uses_exchange(void) { return g_api != NULL; }
 
 int torch_current_device(int *dev) {
   *dev = 0;
-  if (!g_get_device) return 0; /* exchange API: device 0 is the first guess */
+  if (!g_get_device) return 0; /* exchange API (torch_ready checked): device 0 first */
   PyObject *r = PyObject_CallNoArgs(g_get_device);
   if (!r) return -1;
   long d = PyLong_AsLong(r);

@@ -211,6 +211,9 @@ void gpuipc__watch_remove(gpuipc_conn *c);
  * nothing registered. */
 gpuipc_status gpuipc__watch_exit(struct gpuipc__peer *peer, int pid,
                                  void (*fn)(void *), void *ctx);
+/* Runs the exit calls whose peers are gone, here (gpuipc_conn_collect: for
+ * a process whose watcher thread could not start). */
+void gpuipc__watch_run_due_exits(void);
 
 /* ---- the fast path's hooks ---------------------------------------------------- */
 

@@ -387,6 +387,7 @@ size_t gpuipc__handoff_held_poll(void) {
 }
 
 size_t gpuipc_conn_collect(void) {
+  gpuipc__watch_run_due_exits();
   size_t n = gpuipc__lease_reap_orphans_now();
   n += gpuipc__arena_given_retry();
   return n + gpuipc__handoff_held_poll();

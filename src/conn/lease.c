@@ -1186,6 +1186,21 @@ static void watch_atfork_child(void) {
   watch_atfork_parent();
   watcher_pid = 0; /* the thread is the parent's */
   reaping = 0;     /* and so are the reaps it was making */
+  /* The exit calls are the parent's: each runs once, there. The child's
+   * copies go without being called (its first watch would start a
+   * watcher here that called them again). */
+  for (struct gpuipc__watch **pp = &watches; *pp;) {
+    struct gpuipc__watch *w = *pp;
+    if (w->on_exit == NULL) {
+      pp = &w->next;
+      continue;
+    }
+    *pp = w->next;
+    nwatches--;
+    pthread_mutex_destroy(&w->mu);
+    gpuipc__peer_unref(w->peer);
+    free(w);
+  }
 }
 
 static void watch_atfork_register(void) {
@@ -1266,20 +1281,36 @@ static struct gpuipc__watch *watch_new(gpuipc__peer *peer, int pid,
 
 gpuipc_status gpuipc__watch_exit(gpuipc__peer *peer, int pid,
                                  void (*fn)(void *), void *ctx) {
+  if (gpuipc__peer_gone(peer)) {
+    fn(ctx);
+    return GPUIPC_OK;
+  }
   if (gpuipc__peer_pidfd(peer) < 0)
     return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,
                         "call_when_peer_exits: the exit of peer pid %d cannot "
                         "be told here (no pidfd of it)",
                         pid);
-  if (gpuipc__peer_gone(peer)) {
-    fn(ctx);
-    return GPUIPC_OK;
-  }
   /* A peer that exits from here on makes its pidfd readable: the thread
    * finds it at its next poll (at most WATCH_RESCAN_MS after the add). */
   if (watch_new(peer, pid, false, fn, ctx) == NULL)
     return gpuipc__fail(GPUIPC_E_NO_MEMORY, "call_when_peer_exits");
   return GPUIPC_OK;
+}
+
+void gpuipc__watch_run_due_exits(void) {
+  bool any = false;
+  pthread_mutex_lock(&watch_lock);
+  for (struct gpuipc__watch *w = watches; w; w = w->next) {
+    if (w->on_exit == NULL)
+      continue;
+    pthread_mutex_lock(&w->mu);
+    if (!w->fired && gpuipc__peer_gone(w->peer))
+      w->fired = any = true;
+    pthread_mutex_unlock(&w->mu);
+  }
+  pthread_mutex_unlock(&watch_lock);
+  if (any)
+    watch_run_exits();
 }
 
 void gpuipc__watch_remove(gpuipc_conn *c) {
