@@ -53,6 +53,7 @@ static struct gpuipc__watch *watch_new(gpuipc__peer *peer, int pid,
                                        bool orphan, void (*on_exit)(void *),
                                        void *ctx);
 static void watch_unlink(struct gpuipc__watch *w);
+static void watch_free(struct gpuipc__watch *w);
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -1079,9 +1080,7 @@ static void watch_run_exits(void) {
                            "application's exit call",
                   w->pid);
     w->on_exit(w->on_exit_ctx);
-    pthread_mutex_destroy(&w->mu);
-    gpuipc__peer_unref(w->peer);
-    free(w);
+    watch_free(w);
   }
 }
 
@@ -1197,9 +1196,7 @@ static void watch_atfork_child(void) {
     }
     *pp = w->next;
     nwatches--;
-    pthread_mutex_destroy(&w->mu);
-    gpuipc__peer_unref(w->peer);
-    free(w);
+    watch_free(w);
   }
 }
 
@@ -1333,6 +1330,11 @@ static void watch_unlink(struct gpuipc__watch *w) {
   /* Writes in progress end before the words may be unmapped. */
   pthread_mutex_lock(&w->mu);
   pthread_mutex_unlock(&w->mu);
+  watch_free(w);
+}
+
+/* Frees a watch out of the list (no thread can reach it any more). */
+static void watch_free(struct gpuipc__watch *w) {
   pthread_mutex_destroy(&w->mu);
   gpuipc__peer_unref(w->peer);
   free(w);
