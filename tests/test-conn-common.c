@@ -406,11 +406,7 @@ HELPER_IMPL(ho_consumer) {
     ASSERT_OK(gpuipc_arena_destroy(a));
     return 0;
   }
-  char buf[4];
-  size_t len;
-  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
-  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
-  gpuipc_conn_close(c);
+  await_test_then_close(c);
   return 0;
 }
 
@@ -457,11 +453,7 @@ HELPER_IMPL(ho_order) {
   }
   free(host);
   ASSERT_OK(gpuipc_conn_send_msg(c, "ok", 2, NULL, 0));
-  char buf[4];
-  size_t len;
-  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
-  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
-  gpuipc_conn_close(c);
+  await_test_then_close(c);
   return 0;
 }
 
@@ -494,4 +486,12 @@ HELPER_IMPL(ho_batch_producer) {
   ASSERT_OK(gpuipc_arena_destroy(a1));
   ASSERT_OK(gpuipc_arena_destroy(a2));
   return 0;
+}
+
+void await_test_then_close(gpuipc_conn *c) {
+  char buf[4];
+  size_t len;
+  gpuipc_status st = gpuipc_conn_recv_msg(c, buf, sizeof buf, &len, NULL, NULL);
+  ASSERT(st == GPUIPC_OK || st == GPUIPC_E_PEER_GONE);
+  gpuipc_conn_close(c);
 }

@@ -36,6 +36,8 @@ uint32_t check_received(const gpuipc_received *r, CUstream s);
 gpuipc_arena *mkarena(size_t chunk);
 gpuipc_order_mode test_order(void);
 gpuipc_conn *pair_conn(int fd);
+/* A helper's end: waits for the test's word (or its hang-up), then closes c. */
+void await_test_then_close(gpuipc_conn *c);
 void wait_unheld(gpuipc_conn *c, gpuipc_block *b);
 void d2h(void *dst, const void *p, size_t n);
 void wait_up(gpuipc_conn *c, int timeout_ms);

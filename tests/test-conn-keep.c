@@ -29,6 +29,12 @@ typedef struct kept {
 
 static void on_done(void *ctx) { atomic_fetch_add(&((kept *)ctx)->calls, 1); }
 
+/* Waits up to 30 s, calling nothing of gpuipc, for done to have run. */
+static void wait_called(kept *k) {
+  for (int i = 0; i < 3000 && atomic_load(&k->calls) == 0; i++)
+    usleep(10000);
+}
+
 /* A wrapped cuMemAlloc allocation of n bytes filled with seed's pattern,
  * ready to send. */
 static gpuipc_buffer *wrapped(kept *k, size_t n, uint32_t seed) {
@@ -215,8 +221,7 @@ TEST_IMPL(keep_closed_here_then_peer_dies) {
   kill(pid, SIGKILL);
   ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
   /* No call of ours: the watcher sees the process exit. */
-  for (int i = 0; i < 3000 && atomic_load(&k2.calls) == 0; i++)
-    usleep(10000);
+  wait_called(&k2);
   ASSERT_EQ(atomic_load(&k2.calls), 1);
   (void)gpuipc_conn_collect();
   ASSERT_EQ(atomic_load(&k1.calls), 1);
@@ -270,8 +275,7 @@ TEST_IMPL(conn_exit_call_waits_for_the_process) {
   kill(pid, SIGKILL);
   ASSERT_EQ(wait_helper(pid, 60), 128 + SIGKILL);
   /* No call of ours: the watcher sees the process exit, and calls once. */
-  for (int i = 0; i < 3000 && atomic_load(&k.calls) == 0; i++)
-    usleep(10000);
+  wait_called(&k);
   ASSERT_EQ(atomic_load(&k.calls), 1);
   usleep(300 * 1000);
   ASSERT_EQ(atomic_load(&k.calls), 1);
@@ -323,8 +327,7 @@ TEST_IMPL(conn_exit_call_not_run_in_a_forked_child) {
     kept k2 = {0};
     if (gpuipc_conn_call_when_peer_exits(c, on_done, &k2) != GPUIPC_OK)
       _exit(5);
-    for (int i = 0; i < 3000 && atomic_load(&k2.calls) == 0; i++)
-      usleep(10000);
+    wait_called(&k2);
     if (atomic_load(&k2.calls) != 1)
       _exit(4); /* its own call did not run */
     usleep(300 * 1000);
@@ -337,8 +340,7 @@ TEST_IMPL(conn_exit_call_not_run_in_a_forked_child) {
   ASSERT_EQ(waitpid(child, &st, 0), child);
   ASSERT(WIFEXITED(st));
   ASSERT_EQ(WEXITSTATUS(st), 0);
-  for (int i = 0; i < 3000 && atomic_load(&k.calls) == 0; i++)
-    usleep(10000);
+  wait_called(&k);
   ASSERT_EQ(atomic_load(&k.calls), 1);
   gpuipc_conn_close(c);
   return 0;
