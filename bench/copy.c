@@ -467,6 +467,10 @@ static void usage(FILE *f) {
           "  the engine's choice), to compare settings on one machine.\n"
           "  --chunk, --streams: the engine's chunk size and stream count\n"
           "  (default: its heuristic), likewise.\n"
+          "  --part SIZE: the smallest part of a staged memcpy given to one\n"
+          "  host thread; --staged-min SIZE: the smallest staged chunk;\n"
+          "  --direct-max SIZE: a pageable source below SIZE into an idle\n"
+          "  stream takes the driver's pageable copy (0: never); likewise.\n"
           "  --json FILE: also write every figure to FILE (gpuipc bench "
           "--help).\n");
 }
@@ -546,6 +550,25 @@ int gpuipc_bench_copy(int argc, char **argv) {
     } else if (strcmp(argv[i], "--streams") == 0 && i + 1 < argc) {
       streams = atoi(argv[++i]);
       if (streams < 1 || streams > GPUIPC_XFER_MAX_STREAMS) {
+        usage(stderr);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--part") == 0 && i + 1 < argc) {
+      if (parse_size(argv[++i], &gpuipc__hcopy_min_part) != 0) {
+        usage(stderr);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--staged-min") == 0 && i + 1 < argc) {
+      if (parse_size(argv[++i], &gpuipc__xfer_staged_min_chunk) != 0) {
+        usage(stderr);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--direct-max") == 0 && i + 1 < argc) {
+      if (strcmp(argv[i + 1], "0") == 0) {
+        gpuipc__xfer_driver_pageable_max = 0;
+        i++;
+      } else if (parse_size(argv[++i], &gpuipc__xfer_driver_pageable_max) !=
+                 0) {
         usage(stderr);
         return 2;
       }
@@ -668,6 +691,15 @@ int gpuipc_bench_copy(int argc, char **argv) {
          "into an idle stream goes to the driver's pageable copy instead.\n"
          "shared segment: a pinned memfd segment (gpuipc_xfer_shared): "
          "publish, then the stream waits on its word and copies from it.\n");
+  printf("staged: chunks of n/8, at least %zu KiB; parts of at least %zu "
+         "KiB per host thread; the driver's pageable copy below %zu KiB "
+         "into an idle stream\n",
+         gpuipc__xfer_staged_min_chunk >> 10, gpuipc__hcopy_min_part >> 10,
+         gpuipc__xfer_driver_pageable_max >> 10);
+  gpuipc_bench_json_num("staged_min_chunk", (double)gpuipc__xfer_staged_min_chunk);
+  gpuipc_bench_json_num("host_min_part", (double)gpuipc__hcopy_min_part);
+  gpuipc_bench_json_num("driver_pageable_max",
+                        (double)gpuipc__xfer_driver_pageable_max);
   gpuipc_bench_json_num("device", device);
   gpuipc_bench_json_str("device_name", name);
   gpuipc_bench_json_num("copy_engines", in.copy_engines);

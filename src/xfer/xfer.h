@@ -33,6 +33,10 @@ gpuipc_status gpuipc__xfer_shared_check_header(const void *mem, size_t avail,
 /* ---- host copy helpers (xfer_host.c) ------------------------------------- */
 
 #define GPUIPC__HCOPY_MAX_THREADS 16
+/* A copy is split between threads only in parts of at least this much
+ * (xfer_host.c); the benchmark sets the variable to compare. */
+#define GPUIPC__HCOPY_MIN_PART ((size_t)256 << 10)
+extern size_t gpuipc__hcopy_min_part;
 typedef struct gpuipc__hcopy gpuipc__hcopy;
 
 /* Starts threads - 1 helper threads (the caller of run is the last one).
@@ -54,5 +58,9 @@ void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n,
  * Tests set it to 0 to exercise staging at every size. */
 #define GPUIPC__XFER_DRIVER_PAGEABLE_MAX ((size_t)16 << 20)
 extern size_t gpuipc__xfer_driver_pageable_max;
+/* The smallest chunk of a staged copy (xfer.c, staged_chunk); the benchmark
+ * sets the variable to compare. */
+#define GPUIPC__XFER_STAGED_MIN_CHUNK ((size_t)1 << 20)
+extern size_t gpuipc__xfer_staged_min_chunk;
 
 #endif /* GPUIPC_XFER_LAYER_H */

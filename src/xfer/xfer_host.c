@@ -24,8 +24,9 @@
 #include <emmintrin.h>
 #endif
 
-/* Below this much per thread, waking a helper costs more than it saves. */
-#define HCOPY_MIN_PART ((size_t)256 << 10)
+/* Below this much per thread, waking a helper costs more than it saves
+ * (GPUIPC__HCOPY_MIN_PART; the benchmark varies it). */
+size_t gpuipc__hcopy_min_part = GPUIPC__HCOPY_MIN_PART;
 /* In a pipeline the next job follows within microseconds: a helper that has
  * finished watches for it this long before it sleeps (waking a sleeping
  * thread costs tens of microseconds, a good part of a 2 MiB memcpy), and the
@@ -85,7 +86,7 @@ static void spin_while_nonzero(atomic_int *w) {
  * third at 4 GiB). SSE2 is part of x86-64; elsewhere memcpy. */
 static void copy_part(char *dst, const char *src, size_t n, bool nt) {
 #if defined(__x86_64__)
-  if (nt && n >= HCOPY_MIN_PART) {
+  if (nt && n >= GPUIPC__HCOPY_MIN_PART) {
     size_t head = (size_t)(-(uintptr_t)dst & 15u);
     memcpy(dst, src, head);
     dst += head;
@@ -225,8 +226,9 @@ int gpuipc__hcopy_threads(const gpuipc__hcopy *p) {
 void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n,
                        bool nt) {
   int parts = p ? p->nthreads + 1 : 1;
-  if ((size_t)parts > n / HCOPY_MIN_PART)
-    parts = (int)(n / HCOPY_MIN_PART);
+  size_t min_part = gpuipc__hcopy_min_part ? gpuipc__hcopy_min_part : 4096;
+  if ((size_t)parts > n / min_part)
+    parts = (int)(n / min_part);
   if (parts <= 1) {
     copy_part(dst, src, n, nt);
     return;
