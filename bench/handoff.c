@@ -69,6 +69,8 @@
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdatomic.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -618,10 +620,15 @@ static bool table_on(const bctx *b, const char *name) {
 
 /* What the summary lines and the record's info report. */
 typedef struct summary {
-  double pair_med, pair_p90, pair_tput, idle_med, complete_med;
-  const char *pair_carrier;
-  double bc8_med, bc8_p90, b16;
+  /* one pair, per carrier asked (carrier_ask) and path: 0 = not measured */
+  double med[NCARRIER][P_N], tput[NCARRIER][P_N];
+  const char *carrier[NCARRIER]; /* what carried each pair's frames */
+  double spin8_med, spin8_p90;   /* broadcast to 8 polling consumers */
+  double sleep_med[3];           /* broadcast to 8, 16, 64 sleeping ones */
+  double b16;
+  double flat_min, flat_max; /* per buffer us over the flatness rows */
   double msg, write_enq, wait_enq; /* the raw parts, same run */
+  double shm;                      /* shared-memory record one way, spinning */
 } summary;
 
 static void gate_make(bctx *b) {
@@ -1117,6 +1124,49 @@ static void raw_floor(bctx *b, gpuipc_conn *c, double out[3]) {
   free(v);
 }
 
+/* The floor of a ring record: one 64-bit word written by one process and
+ * seen by another spinning on it, half the median of a ping-pong over
+ * two words of a shared mapping (no library, no driver). A child of its
+ * own (fork: it touches no CUDA and only spins), pinned nowhere. */
+static double raw_shm(bctx *b) {
+  int n = b->iters;
+  _Atomic uint64_t *w = mmap(NULL, 4096, PROT_READ | PROT_WRITE,
+                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (w == MAP_FAILED)
+    DIE("mmap: %s", strerror(errno));
+  _Atomic uint64_t *ping = &w[0], *pong = &w[16]; /* 128 bytes apart */
+  atomic_store(ping, 0);
+  atomic_store(pong, 0);
+  pid_t pid = fork();
+  if (pid < 0)
+    DIE("fork: %s", strerror(errno));
+  if (pid == 0) {
+    /* the parent's last ping is n + 64 (the warm-up's included) */
+    for (uint64_t i = 1; i <= (uint64_t)n + 64; i++) {
+      while (atomic_load_explicit(ping, memory_order_acquire) != i)
+        ;
+      atomic_store_explicit(pong, i, memory_order_release);
+    }
+    _exit(0);
+  }
+  double *v = xcalloc((size_t)n, sizeof *v);
+  for (uint64_t i = 1; i <= (uint64_t)n + 64; i++) {
+    double t0 = now_us();
+    atomic_store_explicit(ping, i, memory_order_release);
+    while (atomic_load_explicit(pong, memory_order_acquire) != i)
+      ;
+    if (i > 64)
+      v[i - 65] = (now_us() - t0) / 2;
+  }
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0 && errno == EINTR)
+    ;
+  double med = bench_pct(v, n, 0.5);
+  free(v);
+  munmap((void *)w, 4096);
+  return med;
+}
+
 /* ---- the rows, as printed and recorded ---------------------------------------- */
 
 static const char *size_name(size_t s, char *buf) {
@@ -1156,6 +1206,7 @@ static void raw_rows(bctx *b, summary *sum) {
   sum->msg = fl[0];
   sum->write_enq = fl[1];
   sum->wait_enq = fl[2];
+  sum->shm = raw_shm(b);
   printf("\nraw parts, same run (medians, us; 1 MiB allocations):\n");
   printf("  legacy   cuIpcGetMemHandle %.2f | cuIpcOpenMemHandle %.2f | "
          "cuIpcCloseMemHandle %.2f | per buffer %.2f\n",
@@ -1172,8 +1223,10 @@ static void raw_rows(bctx *b, summary *sum) {
          "%.2f\n           (the ordered path is a message, then the "
          "consumer's wait enqueue, with the producer's write after the "
          "message;\n           a full cycle also costs each side a write "
-         "enqueue and a message back)\n",
-         carrier, fl[0], fl[1], fl[2]);
+         "enqueue and a message back)\n"
+         "  ring     one 64-bit word one way between two processes spinning "
+         "on a shared mapping (a ring record's floor): %.2f\n",
+         carrier, fl[0], fl[1], fl[2], sum->shm);
   fflush(stdout);
   /* The same figures, one row per path; per_buffer_us is what one
    * buffer handed over that way costs (the line the charts draw). */
@@ -1202,6 +1255,10 @@ static void raw_rows(bctx *b, summary *sum) {
   gpuipc_bench_json_num("write_value_enqueue_us", fl[1]);
   gpuipc_bench_json_num("wait_value_enqueue_us", fl[2]);
   gpuipc_bench_json_str("carrier", carrier);
+  gpuipc_bench_json_row_end();
+  gpuipc_bench_json_row_begin("raw");
+  gpuipc_bench_json_str("path", "shared_word_one_way");
+  gpuipc_bench_json_num("per_buffer_us", sum->shm);
   gpuipc_bench_json_row_end();
 }
 
@@ -1238,15 +1295,8 @@ static void pair_row(bctx *b, gpuipc_arena *a, int ci, const char *carrier,
   gpuipc_bench_json_num("probe_consumer_waited", waited);
   gpuipc_bench_json_num("path_confirmed", confirmed);
   gpuipc_bench_json_row_end();
-  if (ci == 0 && p == P_ORDERED) {
-    sum->pair_med = f.med;
-    sum->pair_p90 = f.p90;
-    sum->pair_tput = tput;
-  }
-  if (ci == 0 && p == P_IDLE)
-    sum->idle_med = f.med;
-  if (ci == 0 && p == P_COMPLETE)
-    sum->complete_med = f.med;
+  sum->med[ci][p] = f.med;
+  sum->tput[ci][p] = tput;
 }
 
 static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
@@ -1269,8 +1319,7 @@ static void pair_rows(bctx *b, gpuipc_arena *a, summary *sum) {
   for (int ci = 0; ci < NCARRIER; ci++) {
     char carrier[160];
     carrier_of(b->pair[ci], carrier, sizeof carrier);
-    if (ci == 0)
-      sum->pair_carrier = strdup(carrier);
+    sum->carrier[ci] = strdup(carrier);
     /* Warm-up: the consumer imports the arena and the flag words. */
     int keep = b->iters;
     b->iters = 70;
@@ -1386,9 +1435,11 @@ static void fan_rows(bctx *b, gpuipc_arena *a, summary *sum) {
         gpuipc_bench_json_num("oversubscribed", !sleep && nc + 1 > b->cpus);
         gpuipc_bench_json_str("path", PATHS[P_ORDERED].key);
         gpuipc_bench_json_row_end();
-        if (sleep && mode == 1 && nc == 8) {
-          sum->bc8_med = f.med_last;
-          sum->bc8_p90 = f.p90_last;
+        if (sleep && mode == 1)
+          sum->sleep_med[fi] = f.med_last;
+        if (!sleep && mode == 1 && nc == 8) {
+          sum->spin8_med = f.med_last;
+          sum->spin8_p90 = f.p90_last;
         }
       }
   alarm(0);
@@ -1420,7 +1471,7 @@ static void batch_rows(bctx *b, gpuipc_arena *a, summary *sum) {
   }
 }
 
-static void flat_rows(bctx *b) {
+static void flat_rows(bctx *b, summary *sum) {
   printf("\nflatness: single 4 KiB handoffs (full cycle, path ordered) while "
          "other buffers stay leased: half held by each of two consumers,\n"
          "one connection each (a connection allows at most 65536 "
@@ -1437,6 +1488,11 @@ static void flat_rows(bctx *b) {
   for (int li = 0; li < (b->quick ? 3 : 4); li++) {
     long live = live_n[li];
     double rate = run_flat(b, fa, live);
+    double per = 1e6 / rate;
+    if (li == 0 || per < sum->flat_min)
+      sum->flat_min = per;
+    if (li == 0 || per > sum->flat_max)
+      sum->flat_max = per;
     printf("%12ld %14.0f %16.3f %14ld\n", live, rate, 1e6 / rate,
            live - live / 2);
     fflush(stdout);
@@ -1454,28 +1510,83 @@ static void flat_rows(bctx *b) {
   OK(gpuipc_arena_destroy(fa));
 }
 
+/* One line of the summary: the figure, the target, met or missed. */
+static int target_line(const char *what, double v, const char *unit,
+                       bool higher, double target, const char *target_text) {
+  if (!(v > 0) || !(target > 0)) /* its table did not run (--only) */
+    return 0;
+  bool ok = higher ? v >= target : v <= target;
+  printf("  %-58s %12.*f %-10s %s %-30s %s\n", what,
+         strcmp(unit, "us") == 0 ? 2 : 0, v, unit, higher ? ">=" : "<=",
+         target_text, ok ? "met" : "MISSED");
+  gpuipc_bench_json_row_begin("target");
+  gpuipc_bench_json_str("what", what);
+  gpuipc_bench_json_num("value", v);
+  gpuipc_bench_json_str("unit", unit);
+  gpuipc_bench_json_num("target", target);
+  gpuipc_bench_json_str("target_text", target_text);
+  gpuipc_bench_json_num("met", ok);
+  gpuipc_bench_json_row_end();
+  return !ok;
+}
+
+/* The targets, judged on the ring (the default carrier) against the raw
+ * parts of this run. */
 static void summary_rows(const bctx *b, const summary *s) {
-  const char *emu =
-      b->emu ? "; on the emulator these say little about a GPU" : "";
-  printf("\none pair, 4 KiB: median %.2f us, path ordered, carrier %s "
-         "(target <= 2; idle stream: %.2f us, asserted complete: %.2f us), "
-         "%.0f buffers/s (target >= 400000)%s\n",
-         s->pair_med, s->pair_carrier, s->idle_med, s->complete_med,
-         s->pair_tput, emu);
-  printf("broadcast to 8 sleeping consumers, 4 KiB, last consumer: median "
-         "%.2f us (target <= 6), p90 %.2f us (target <= 15); batches of "
-         "16: %.0f buffers/s (target >= 2000000)%s\n",
-         s->bc8_med, s->bc8_p90, s->b16, emu);
-  gpuipc_bench_json_num("pair_4k_median_us", s->pair_med);
-  gpuipc_bench_json_num("pair_4k_p90_us", s->pair_p90);
-  gpuipc_bench_json_num("pair_4k_buffers_per_s", s->pair_tput);
-  gpuipc_bench_json_str("pair_4k_path", PATHS[P_ORDERED].key);
-  gpuipc_bench_json_str("pair_4k_carrier", s->pair_carrier);
-  gpuipc_bench_json_num("pair_4k_idle_median_us", s->idle_med);
-  gpuipc_bench_json_num("pair_4k_complete_median_us", s->complete_med);
-  gpuipc_bench_json_num("broadcast_8_median_last_us", s->bc8_med);
-  gpuipc_bench_json_num("broadcast_8_p90_last_us", s->bc8_p90);
-  gpuipc_bench_json_str("broadcast_8_wait", "sleep");
+  const int R = 1; /* carrier_ask[1]: the ring */
+  printf("\nsummary (4 KiB; one pair over the %s carrier, the consumer "
+         "polling; targets against the raw parts above%s):\n",
+         s->carrier[R] ? s->carrier[R] : "ring",
+         b->emu ? "; on the emulator these say little about a GPU" : "");
+  char t[96];
+  int miss = 0;
+  double floor = s->wait_enq + s->shm;
+  snprintf(t, sizeof t, "1.3 x (wait %.2f + word %.2f) = %.2f", s->wait_enq,
+           s->shm, 1.3 * floor);
+  miss += target_line("stream-ordered handoff, busy producer stream",
+                      s->med[R][P_ORDERED], "us", false, 1.3 * floor, t);
+  miss += target_line("asserted-complete handoff (GPUIPC_SEND_COMPLETE)",
+                      s->med[R][P_COMPLETE], "us", false, 0.8, "0.8");
+  snprintf(t, sizeof t, "the ordered one, %.2f", s->med[R][P_ORDERED]);
+  miss += target_line("idle-stream handoff (the query path)", s->med[R][P_IDLE],
+                      "us", false, s->med[R][P_ORDERED], t);
+  miss += target_line("full cycle, single sends, ordered",
+                      s->tput[R][P_ORDERED], "buffers/s", true, 400000,
+                      "400000");
+  miss += target_line("full cycle, single sends, both asserted complete",
+                      s->tput[R][P_BOTH], "buffers/s", true, 400000, "400000");
+  if (s->b16 > 0)
+    miss += target_line("full cycle, batches of 16, ordered", s->b16,
+                        "buffers/s", true, 2500000, "2500000");
+  if (s->spin8_med > 0) {
+    miss += target_line("broadcast to 8 polling consumers, last, median",
+                        s->spin8_med, "us", false, 3, "3");
+    miss += target_line("broadcast to 8 polling consumers, last, p90",
+                        s->spin8_p90, "us", false, 6, "6");
+  }
+  if (s->sleep_med[2] > 0) {
+    miss += target_line("broadcast to 64 sleeping consumers, last, median",
+                        s->sleep_med[2], "us", false, 60, "60");
+    /* linear from 8: 8 times the figure for 8 consumers */
+    snprintf(t, sizeof t, "8 x the 8-consumer %.2f", s->sleep_med[0]);
+    miss += target_line("  the same, no step beyond linear from 8",
+                        s->sleep_med[2], "us", false, 8 * s->sleep_med[0], t);
+  }
+  if (s->flat_min > 0) {
+    snprintf(t, sizeof t, "1.10 x the least, %.3f", s->flat_min);
+    miss += target_line("per buffer, 10 to 100000 live leases, the most",
+                        s->flat_max, "us", false, 1.10 * s->flat_min, t);
+  }
+  printf("%d target(s) missed%s\n", miss,
+         b->only ? " (of those whose tables ran: --only)" : "");
+  gpuipc_bench_json_num("targets_missed", miss);
+  gpuipc_bench_json_num("pair_4k_ordered_median_us", s->med[R][P_ORDERED]);
+  gpuipc_bench_json_num("pair_4k_idle_median_us", s->med[R][P_IDLE]);
+  gpuipc_bench_json_num("pair_4k_complete_median_us", s->med[R][P_COMPLETE]);
+  gpuipc_bench_json_num("pair_4k_complete2_buffers_per_s", s->tput[R][P_BOTH]);
+  gpuipc_bench_json_str("pair_4k_carrier", s->carrier[R] ? s->carrier[R] : "");
+  gpuipc_bench_json_num("broadcast_8_polling_median_last_us", s->spin8_med);
+  gpuipc_bench_json_num("broadcast_64_sleeping_median_last_us", s->sleep_med[2]);
   gpuipc_bench_json_num("batch_16_buffers_per_s", s->b16);
 }
 
@@ -1584,7 +1695,7 @@ static void usage(FILE *f) {
              "  --iters N  iterations per figure (default 2000)\n"
              "  --only T,..  only these tables: raw, pair, sizes, fanout, "
              "batches, flatness\n"
-             "             (the summary needs them all)\n"
+             "             (the summary judges what ran)\n"
              "  --watch S  end the run, naming where, when one figure makes "
              "no progress for S s\n"
              "             (default %d)\n",
@@ -1698,14 +1809,14 @@ int gpuipc_bench_handoff(int argc, char **argv) {
   if (table_on(&b, "batches"))
     batch_rows(&b, a, &sum);
   if (table_on(&b, "flatness"))
-    flat_rows(&b);
-  if (b.only == NULL)
-    summary_rows(&b, &sum);
+    flat_rows(&b, &sum);
+  summary_rows(&b, &sum);
 
   rc = stop_consumers(&b);
   CU(gpuipc__cu.cuStreamSynchronize(b.s));
   OK(gpuipc_arena_destroy(a));
   CU(gpuipc__cu.cuMemFreeHost(b.gate_h));
-  free((void *)sum.pair_carrier);
+  for (int ci = 0; ci < NCARRIER; ci++)
+    free((void *)sum.carrier[ci]);
   return rc;
 }

@@ -167,7 +167,10 @@ TEST_IMPL(bench_json_record_and_plot_check) {
   static char out[1 << 16];
   ASSERT_EQ(cli(args, out, sizeof out, NULL, 0), 0);
   /* What it printed is also in the record. */
-  ASSERT(strstr(out, "one pair, 4 KiB: median") != NULL);
+  ASSERT(strstr(out, "summary (4 KiB; one pair over the ring carrier") !=
+         NULL);
+  ASSERT(strstr(out, "  stream-ordered handoff, busy producer stream") != NULL);
+  ASSERT(strstr(out, " target(s) missed") != NULL);
   FILE *f = fopen(path, "r");
   ASSERT_NOT_NULL(f);
   static char rec[1 << 16];
@@ -189,7 +192,11 @@ TEST_IMPL(bench_json_record_and_plot_check) {
       "\"handoff\": [",
       "{\"size_bytes\": 4096, \"consumers\": 1, \"median_us\": ",
       "{\"size_bytes\": 1048576, \"consumers\": 8, \"median_us\": ",
-      "\"pair_4k_median_us\": ",
+      "{\"path\": \"shared_word_one_way\", \"per_buffer_us\": ",
+      "\"target\": [",
+      "{\"what\": \"stream-ordered handoff, busy producer stream\", "
+      "\"value\": ",
+      "\"pair_4k_ordered_median_us\": ",
       /* --quick: fan-out to 16, flatness to 10,000 (64 and 100,000 in a
        * full run) */
       "{\"mode\": \"broadcast\", \"size_bytes\": 4096, \"consumers\": 16, "
