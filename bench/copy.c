@@ -469,8 +469,10 @@ static void usage(FILE *f) {
           "  (default: its heuristic), likewise.\n"
           "  --part SIZE: the smallest part of a staged memcpy given to one\n"
           "  host thread; --staged-min SIZE: the smallest staged chunk;\n"
-          "  --direct-max SIZE: a pageable source below SIZE into an idle\n"
-          "  stream takes the driver's pageable copy (0: never); likewise.\n"
+          "  --direct-min, --direct-max SIZE: a pageable source of MIN to\n"
+          "  MAX (excluded) into an idle stream takes the driver's pageable\n"
+          "  copy; --direct-out-max SIZE: a pageable destination below it\n"
+          "  does (0: never); likewise.\n"
           "  --json FILE: also write every figure to FILE (gpuipc bench "
           "--help).\n");
 }
@@ -563,12 +565,19 @@ int gpuipc_bench_copy(int argc, char **argv) {
         usage(stderr);
         return 2;
       }
-    } else if (strcmp(argv[i], "--direct-max") == 0 && i + 1 < argc) {
+    } else if ((strcmp(argv[i], "--direct-min") == 0 ||
+                strcmp(argv[i], "--direct-max") == 0 ||
+                strcmp(argv[i], "--direct-out-max") == 0) &&
+               i + 1 < argc) {
+      size_t *v = strcmp(argv[i], "--direct-min") == 0
+                      ? &gpuipc__xfer_driver_pageable_min
+                  : strcmp(argv[i], "--direct-max") == 0
+                      ? &gpuipc__xfer_driver_pageable_max
+                      : &gpuipc__xfer_driver_pageable_out_max;
       if (strcmp(argv[i + 1], "0") == 0) {
-        gpuipc__xfer_driver_pageable_max = 0;
+        *v = 0;
         i++;
-      } else if (parse_size(argv[++i], &gpuipc__xfer_driver_pageable_max) !=
-                 0) {
+      } else if (parse_size(argv[++i], v) != 0) {
         usage(stderr);
         return 2;
       }
@@ -687,19 +696,26 @@ int gpuipc_bench_copy(int argc, char **argv) {
          "targets (H200): pinned one-way >= 95%% of the bound; pipeline >= "
          "90%% of the both-ways bound (judged from 64 MiB); pageable staged "
          ">= 3x plain.\n"
-         "pageable: through the engine's staging; a source under 16 MiB "
-         "into an idle stream goes to the driver's pageable copy instead.\n"
+         "pageable: through the engine's staging, or the driver's pageable "
+         "copy where that is as quick (the line below).\n"
          "shared segment: a pinned memfd segment (gpuipc_xfer_shared): "
          "publish, then the stream waits on its word and copies from it.\n");
   printf("staged: chunks of n/8, at least %zu KiB; parts of at least %zu "
-         "KiB per host thread; the driver's pageable copy below %zu KiB "
-         "into an idle stream\n",
+         "KiB per host thread; the driver's pageable copy for a source of "
+         "%zu KiB to %zu KiB (excluded) into an idle stream and for a "
+         "destination below %zu KiB\n",
          gpuipc__xfer_staged_min_chunk >> 10, gpuipc__hcopy_min_part >> 10,
-         gpuipc__xfer_driver_pageable_max >> 10);
+         gpuipc__xfer_driver_pageable_min >> 10,
+         gpuipc__xfer_driver_pageable_max >> 10,
+         gpuipc__xfer_driver_pageable_out_max >> 10);
   gpuipc_bench_json_num("staged_min_chunk", (double)gpuipc__xfer_staged_min_chunk);
   gpuipc_bench_json_num("host_min_part", (double)gpuipc__hcopy_min_part);
+  gpuipc_bench_json_num("driver_pageable_min",
+                        (double)gpuipc__xfer_driver_pageable_min);
   gpuipc_bench_json_num("driver_pageable_max",
                         (double)gpuipc__xfer_driver_pageable_max);
+  gpuipc_bench_json_num("driver_pageable_out_max",
+                        (double)gpuipc__xfer_driver_pageable_out_max);
   gpuipc_bench_json_num("device", device);
   gpuipc_bench_json_str("device_name", name);
   gpuipc_bench_json_num("copy_engines", in.copy_engines);

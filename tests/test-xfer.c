@@ -138,6 +138,7 @@ static gpuipc_xfer *engine(int streams, size_t chunk, size_t staging) {
    * would go to the driver's pageable copy: see
    * xfer_small_pageable_to_device). */
   gpuipc__xfer_driver_pageable_max = 0;
+  gpuipc__xfer_driver_pageable_out_max = 0;
   gpuipc_xfer_options o = GPUIPC_XFER_OPTIONS_INIT;
   o.streams = streams;
   o.chunk_bytes = chunk;
@@ -1236,11 +1237,12 @@ TEST_IMPL(xfer_hcopy_many_jobs) {
   return 0;
 }
 
-/* A small pageable source into the device goes to the driver's own
- * pageable copy when the caller's stream is idle (it is quicker than
- * staging below 16 MiB), and is staged when the stream still has work (the
- * driver's copy would wait on the host for that work). Either way the data
- * arrives and the source may be reused on return. */
+/* A pageable source of 256 KiB to 4 MiB into the device goes to the
+ * driver's own pageable copy when the caller's stream is idle (it is as
+ * quick as staging there, or quicker), and is staged when the stream still
+ * has work (the driver's copy would wait on the host for that work), below
+ * 256 KiB and from 4 MiB. Either way the data arrives and the source may
+ * be reused on return. */
 /* Copies n pageable bytes (pattern `seed`) to d on st, overwrites the
  * source at once (it is consumed on return), and checks which way the
  * engine took (direct, or staged) and that the data arrived. busy_word: a
@@ -1284,6 +1286,7 @@ TEST_IMPL(xfer_small_pageable_to_device) {
   enter0(&g);
   gpuipc_xfer *x = engine(0, 0, 0);
   gpuipc__xfer_driver_pageable_max = GPUIPC__XFER_DRIVER_PAGEABLE_MAX;
+  gpuipc__xfer_driver_pageable_out_max = GPUIPC__XFER_DRIVER_PAGEABLE_OUT_MAX;
   CUstream st = new_stream();
   const size_t n = (size_t)1 << 20;
   uint8_t *a = malloc(n), *back = malloc(n);
@@ -1293,8 +1296,13 @@ TEST_IMPL(xfer_small_pageable_to_device) {
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
   small_copy(x, st, d, a, back, n, 41, 0, true);     /* idle stream: direct */
   small_copy(x, st, d, a, back, n, 42, busy_word, false); /* busy stream: staged */
+  /* Below 256 KiB: staged, the stream idle or not. */
+  small_copy(x, st, d, a, back, (size_t)64 << 10, 44, 0, false);
+  small_copy(x, st, d, a, back, GPUIPC__XFER_DRIVER_PAGEABLE_MIN - 4096, 45, 0,
+             false);
+  small_copy(x, st, d, a, back, GPUIPC__XFER_DRIVER_PAGEABLE_MIN, 46, 0, true);
 
-  /* 16 MiB and up: staged even into an idle stream. */
+  /* 4 MiB and up: staged even into an idle stream. */
   const size_t big = (size_t)16 << 20;
   uint8_t *b = malloc(big), *bback = malloc(big);
   ASSERT_NOT_NULL(b);
@@ -1302,6 +1310,10 @@ TEST_IMPL(xfer_small_pageable_to_device) {
   CUdeviceptr db = dev_alloc(big);
   ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
   small_copy(x, st, db, b, bback, big, 43, 0, false);
+  small_copy(x, st, db, b, bback, GPUIPC__XFER_DRIVER_PAGEABLE_MAX, 47, 0,
+             false);
+  small_copy(x, st, db, b, bback, GPUIPC__XFER_DRIVER_PAGEABLE_MAX - 4096, 48,
+             0, true);
   ASSERT_OK(destroy_checked(x, 1));
   free(a);
   free(b);
@@ -1310,6 +1322,64 @@ TEST_IMPL(xfer_small_pageable_to_device) {
   ASSERT_CU(gpuipc__cu.cuMemFree(d));
   ASSERT_CU(gpuipc__cu.cuMemFree(db));
   ASSERT_CU(gpuipc__cu.cuMemFree(busy_word));
+  ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
+  gpuipc__ctx_leave(&g);
+  return 0;
+}
+
+/* A pageable destination below 256 KiB out of the device takes the
+ * driver's pageable copy (complete when the call returns, after the
+ * stream's earlier work, as the engine's own copy out is), the stream idle
+ * or not; from 256 KiB it is staged. Either way the bytes are in the
+ * destination when the call returns, with no synchronize, and they are
+ * the ones the stream's earlier work wrote. */
+TEST_IMPL(xfer_small_pageable_to_host) {
+  setenv("GPUIPC_EMU_COPY_DELAY_US", "2000", 1);
+  gpuipc__ctx_guard g;
+  enter0(&g);
+  gpuipc_xfer *x = engine(0, 0, 0);
+  gpuipc__xfer_driver_pageable_out_max = GPUIPC__XFER_DRIVER_PAGEABLE_OUT_MAX;
+  CUstream st = new_stream();
+  const size_t cap = (size_t)1 << 20;
+  uint8_t *a = malloc(cap), *back = malloc(cap);
+  ASSERT_NOT_NULL(a);
+  ASSERT_NOT_NULL(back);
+  CUdeviceptr d = dev_alloc(cap);
+  static const struct {
+    size_t n;
+    bool direct;
+  } cases[] = {{4096, true},
+               {(size_t)64 << 10, true},
+               {GPUIPC__XFER_DRIVER_PAGEABLE_OUT_MAX - 4096, true},
+               {GPUIPC__XFER_DRIVER_PAGEABLE_OUT_MAX, false},
+               {(size_t)1 << 20, false}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    size_t n = cases[i].n;
+    fill_random(a, n, 60 + i);
+    /* The stream's earlier work writes what the copy must read: an H2D
+     * from pinned memory the emulator delays (2 ms). */
+    uint8_t *pin = NULL;
+    ASSERT_CU(gpuipc__cu.cuMemHostAlloc((void **)&pin, n, 0));
+    memcpy(pin, a, n);
+    ASSERT_CU(gpuipc__cu.cuMemcpyHtoDAsync(d, pin, n, st));
+    memset(back, 0, n);
+    gpuipc_xfer_info before = info_of(x);
+    ASSERT_OK(gpuipc_xfer_to_host(x, back, D(d), n, st, 0));
+    gpuipc_xfer_info after = info_of(x);
+    if (memcmp(back, a, n) != 0)
+      harness_fail(__FILE__, __LINE__,
+                   "%zu bytes: the destination did not hold the data when "
+                   "gpuipc_xfer_to_host returned (%s path)",
+                   n, cases[i].direct ? "driver's" : "staged");
+    ASSERT_UEQ(after.direct_bytes - before.direct_bytes, cases[i].direct ? n : 0);
+    ASSERT_UEQ(after.staged_bytes - before.staged_bytes, cases[i].direct ? 0 : n);
+    ASSERT_CU(gpuipc__cu.cuStreamSynchronize(st));
+    ASSERT_CU(gpuipc__cu.cuMemFreeHost(pin));
+  }
+  ASSERT_OK(destroy_checked(x, 1));
+  free(a);
+  free(back);
+  ASSERT_CU(gpuipc__cu.cuMemFree(d));
   ASSERT_CU(gpuipc__cu.cuStreamDestroy(st));
   gpuipc__ctx_leave(&g);
   return 0;

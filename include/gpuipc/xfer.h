@@ -82,16 +82,20 @@
  *     64 KiB, at least 1 MiB, at most the maximum (and a staging slot): the
  *     memcpy of one chunk still overlaps the DMA of the previous one, and
  *     the per-chunk costs stay small. A one-way transfer through staging
- *     issues its DMAs on one engine stream, in order, so that each chunk
+ *     issues its DMAs on the caller's stream, in order, so that each chunk
  *     lands as early as possible (parallel DMAs of one direction share the
- *     link and would delay the first).
- *     Exception: a pageable source of less than 16 MiB copied to the device
- *     while the caller's stream is idle goes to the driver's own pageable
- *     copy (cuMemcpyHtoDAsync), quicker than staging at those sizes (on an
- *     H200 staging reached 0.55x of it at 1 MiB, 0.78x at 4 MiB, 1.08x at
- *     16 MiB). With work pending on the stream it is staged: the driver's
- *     copy would first wait on the host for that work. (An explicit
- *     chunk_bytes always stages.)
+ *     link and would delay the first), with no fork and join.
+ *     Exceptions, where the driver's own pageable copy is as quick as
+ *     staging or quicker (measured on an H200): a pageable source of 256
+ *     KiB up to 4 MiB (excluded) copied to the device while the caller's
+ *     stream is idle goes to cuMemcpyHtoDAsync (staging reached 0.72-0.96x
+ *     of it at 1 MiB, 1.10-1.15x at 4 MiB, 1.4x at 16 MiB; below 256 KiB
+ *     staging is as quick, 1.5x at 64 KiB). With work pending on the
+ *     stream it is staged: the driver's copy would first wait on the host
+ *     for that work. A pageable destination below 256 KiB goes to
+ *     cuMemcpyDtoHAsync at any time (complete when it returns, after the
+ *     stream's earlier work, as the engine's own copy out would be).
+ *     (An explicit chunk_bytes always stages.)
  *   - staging ring: 2 slots per stream, each slot at most one maximum chunk
  *     (64 MiB of pinned memory with the defaults), allocated on the first
  *     copy that needs it and kept until the engine is destroyed. Its slots

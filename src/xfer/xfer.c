@@ -27,13 +27,16 @@
 #define XFER_STAGED_TARGET_CHUNKS 8
 #define XFER_AUTO_HOST_THREADS 16
 
+size_t gpuipc__xfer_driver_pageable_min = GPUIPC__XFER_DRIVER_PAGEABLE_MIN;
 size_t gpuipc__xfer_driver_pageable_max = GPUIPC__XFER_DRIVER_PAGEABLE_MAX;
+size_t gpuipc__xfer_driver_pageable_out_max =
+    GPUIPC__XFER_DRIVER_PAGEABLE_OUT_MAX;
 size_t gpuipc__xfer_staged_min_chunk = GPUIPC__XFER_STAGED_MIN_CHUNK;
 #define XFER_MAX_SLOTS 64
 #define XFER_MIN_SLOT ((size_t)64 << 10)
 
-/* MEM_PAGEABLE_DRIVER: a pageable source the driver's own pageable copy
- * takes (see run()). */
+/* MEM_PAGEABLE_DRIVER: a pageable source or destination the driver's own
+ * pageable copy takes (see run()). */
 enum mem_kind { MEM_PAGEABLE, MEM_PINNED, MEM_DEVICE, MEM_PAGEABLE_DRIVER };
 enum slot_state {
   SLOT_FREE,
@@ -671,10 +674,12 @@ static gpuipc_status copy_out(gpuipc_xfer *x, CUstream st, char *dst,
     x->staged_bytes += len;
     return GPUIPC_OK;
   }
-  if (k == MEM_PINNED) {
+  if (k == MEM_PINNED || k == MEM_PAGEABLE_DRIVER) {
+    /* pageable: complete when the call returns */
     r = GPUIPC__CU(cuMemcpyDtoHAsync, dst, d, len, st);
     if (r != CUDA_SUCCESS)
-      return gpuipc__fail_cuda(r, "cuMemcpyDtoHAsync", "%zu bytes", len);
+      return gpuipc__fail_cuda(r, "cuMemcpyDtoHAsync", "%zu bytes%s", len,
+                               k == MEM_PINNED ? "" : " (pageable)");
   } else {
     r = GPUIPC__CU(cuMemcpyDtoDAsync, dptr(dst), d, len, st);
     if (r != CUDA_SUCCESS)
@@ -859,18 +864,28 @@ static gpuipc_status run(gpuipc_xfer *x, struct op *op) {
   if (op->kind == OP_TO_HOST)
     op->src_kind = MEM_DEVICE;
 
-  /* A small pageable source into the device: the driver's own pageable
-   * copy is quicker than staging it (it pipelines small pieces inside;
-   * measured on an H200, staging reached 0.55x of it at 1 MiB, 0.78x at
-   * 4 MiB and 1.08x at 16 MiB). Only when the caller's stream is idle: the
-   * driver's pageable copy first waits, on the host, for the stream's
-   * earlier work, which the engine's promise (a pageable source is
-   * consumed without waiting for that work) rules out otherwise. The same
-   * holds when the source is consumed: on return. */
+  /* Where the driver's own pageable copy is as quick as staging or
+   * quicker (measured on an H200, 2026-12-04, `gpuipc bench copy
+   * --direct-max 0` against the default, median of 9): a source of 256 KiB
+   * to 4 MiB into the device (the driver pipelines small pieces inside:
+   * staged 0.95x of it at 256 KiB, 0.72-0.96x at 1 MiB, 1.10-1.15x at 4
+   * MiB, 1.4x at 16 MiB; below 256 KiB staging is as quick, 1.5x at
+   * 64 KiB), and a destination below 256 KiB out of it (staged 0.79-0.89x
+   * of the driver's copy there, 1.08x at 256 KiB). A source only when the
+   * caller's stream is idle: the driver's pageable copy first waits, on
+   * the host, for the stream's earlier work, which the engine's promise
+   * (a pageable source is consumed without waiting for that work) rules
+   * out otherwise. A destination at any time: the engine's own copy out
+   * waits for that work as the driver's does (cuda.h: a copy to pageable
+   * memory returns once it is complete). */
   if (op->kind == OP_TO_DEVICE && op->src_kind == MEM_PAGEABLE &&
-      x->user_chunk == 0 && op->bytes < gpuipc__xfer_driver_pageable_max &&
+      x->user_chunk == 0 && op->bytes >= gpuipc__xfer_driver_pageable_min &&
+      op->bytes < gpuipc__xfer_driver_pageable_max &&
       GPUIPC__CU(cuStreamQuery, op->caller) == CUDA_SUCCESS)
     op->src_kind = MEM_PAGEABLE_DRIVER;
+  if (op->kind == OP_TO_HOST && op->dst_kind == MEM_PAGEABLE &&
+      x->user_chunk == 0 && op->bytes < gpuipc__xfer_driver_pageable_out_max)
+    op->dst_kind = MEM_PAGEABLE_DRIVER;
   bool direct = op->kind != OP_PIPELINE && op->src_kind != MEM_PAGEABLE &&
                 op->dst_kind != MEM_PAGEABLE &&
                 (x->user_chunk == 0 || op->bytes <= x->user_chunk);

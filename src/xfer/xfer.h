@@ -53,11 +53,17 @@ int gpuipc__hcopy_threads(const gpuipc__hcopy *p);
 void gpuipc__hcopy_run(gpuipc__hcopy *p, void *dst, const void *src, size_t n,
                        bool nt);
 
-/* A pageable source into the device below this many bytes goes to the
- * driver's own pageable copy when the caller's stream is idle (xfer.c).
- * Tests set it to 0 to exercise staging at every size. */
-#define GPUIPC__XFER_DRIVER_PAGEABLE_MAX ((size_t)16 << 20)
+/* A pageable source into the device of MIN to MAX bytes (MAX excluded)
+ * goes to the driver's own pageable copy when the caller's stream is idle,
+ * and a pageable destination below OUT_MAX bytes at any time (xfer.c, run).
+ * Tests set the variables to 0 to exercise staging at every size; the
+ * benchmark sets them to compare. */
+#define GPUIPC__XFER_DRIVER_PAGEABLE_MIN ((size_t)256 << 10)
+#define GPUIPC__XFER_DRIVER_PAGEABLE_MAX ((size_t)4 << 20)
+#define GPUIPC__XFER_DRIVER_PAGEABLE_OUT_MAX ((size_t)256 << 10)
+extern size_t gpuipc__xfer_driver_pageable_min;
 extern size_t gpuipc__xfer_driver_pageable_max;
+extern size_t gpuipc__xfer_driver_pageable_out_max;
 /* The smallest chunk of a staged copy (xfer.c, staged_chunk); the benchmark
  * sets the variable to compare. */
 #define GPUIPC__XFER_STAGED_MIN_CHUNK ((size_t)1 << 20)
