@@ -136,6 +136,7 @@ typedef struct hostile {
   const unsigned char *their_bytes;
   uint64_t head, tail;
   size_t size;
+  uint32_t hello_flags; /* beside NS and RING */
 } hostile;
 
 /* A frame written whole on the socket, with our credentials (the HELLO
@@ -206,7 +207,7 @@ static void h_handshake(hostile *x, int how) {
   me.gid = getegid();
   me.max_outstanding = 256;
   me.pidns = gpuipc__pid_namespace();
-  me.flags = GPUIPC__HELLO_F_NS | GPUIPC__HELLO_F_RING;
+  me.flags = GPUIPC__HELLO_F_NS | GPUIPC__HELLO_F_RING | x->hello_flags;
   (void)gpuipc__boot_id(me.boot_id);
   h_frame(sock, GPUIPC__F_HELLO, &me, sizeof me, -1);
   unsigned char buf[512];
@@ -342,6 +343,8 @@ HELPER_IMPL(ring_hostile) {
   int how = strcmp(mode, "unsealed") == 0     ? RING_UNSEALED
             : strcmp(mode, "wrong_size") == 0 ? RING_WRONG_SIZE
                                               : RING_GOOD;
+  if (strncmp(mode, "sfc_", 4) == 0)
+    x.hello_flags = GPUIPC__HELLO_F_SFC;
   h_handshake(&x, how);
   if (how != RING_GOOD) {
     /* The test refuses the ring: it closes the connection. Its frames
@@ -386,6 +389,35 @@ HELPER_IMPL(ring_hostile) {
     ASSERT_EQ(sendmsg(x.sock, &mh, MSG_NOSIGNAL), (ssize_t)sizeof fh);
     for (int i = 0; i < 20; i++)
       close(fds[i]);
+  } else if (strcmp(mode, "sfc_lies") == 0) {
+    /* Says it counts its socket frames in its ring page, and never does:
+     * a message on the socket all the same, which the test's polling
+     * calls must still read (at the look for a hang-up). Then the test's
+     * answer, whose frame its own page must count: one more than before.
+     * Then it leaves without a word, which the test's polling calls must
+     * still see. */
+    uint64_t before = atomic_load(&x.theirs->sock_frames);
+    h_frame(x.sock, GPUIPC__F_MSG, "uncounted", 9, -1);
+    unsigned char b[64];
+    int type;
+    while ((type = h_read(x.sock, b, sizeof b, NULL)) != GPUIPC__F_MSG)
+      ;
+    ASSERT_EQ(memcmp(b, "ack", 3), 0);
+    /* Published once its write returned: maybe after we read it. */
+    uint64_t after = atomic_load(&x.theirs->sock_frames);
+    for (int i = 0; i < 2000 && after == before; i++) {
+      usleep(1000);
+      after = atomic_load(&x.theirs->sock_frames);
+    }
+    char msg[64];
+    int m = snprintf(msg, sizeof msg, "%llu %llu", (unsigned long long)before,
+                     (unsigned long long)after);
+    h_frame(x.sock, GPUIPC__F_MSG, msg, (size_t)m, -1);
+    atomic_store(&x.mine->sock_frames, 2); /* the two messages, late */
+    /* The test's "bye", then gone. */
+    while (h_read(x.sock, b, sizeof b, NULL) != GPUIPC__F_MSG)
+      ;
+    return 0;
   } else if (strcmp(mode, "head_past_ring") == 0) {
     atomic_store(&x.mine->head, (uint64_t)x.size + 64);
   } else if (strcmp(mode, "len_lies") == 0) {
@@ -552,6 +584,90 @@ TEST_IMPL(conn_ring_record_not_a_frame_refused) {
 /* A user message may carry descriptors: it has no place on the ring. */
 TEST_IMPL(conn_ring_message_on_the_ring_refused) {
   return refused_with("msg_on_ring", "not a fast-path frame");
+}
+
+/* Nonblocking receives that poll, until one says something other than
+ * GPUIPC_E_WOULD_BLOCK, or until *until (a test's condition) holds, or 5 s
+ * passed; returns the last status. */
+static gpuipc_status polled_recv(gpuipc_conn *c, bool (*until)(gpuipc_conn *)) {
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 1));
+  ASSERT_OK(gpuipc_conn_set_polling(c, 1));
+  uint64_t end = gpuipc__now_ns() + 5000000000ull;
+  gpuipc_status s;
+  do {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    s = gpuipc_conn_recv(c, NULL, &r);
+    if (s == GPUIPC_OK)
+      ASSERT_OK(gpuipc_conn_release(c, r.id, NULL));
+  } while (s == GPUIPC_E_WOULD_BLOCK && !(until && until(c)) &&
+           gpuipc__now_ns() < end);
+  return s;
+}
+
+static bool msg_queued(gpuipc_conn *c) {
+  size_t n = 0;
+  gpuipc__conn_queued(c, &n, NULL, NULL, NULL);
+  return n > 0;
+}
+
+/* A peer whose ring page counts its socket frames (HELLO_F_SFC) lets a
+ * polling receiver leave the socket unread while the count says nothing
+ * came; a peer that says so and does not count still has its frames read,
+ * and its departure seen, by receives that only poll; our own page counts
+ * our socket frames. */
+TEST_IMPL(conn_ring_socket_count_that_lies) {
+  pid_t pid;
+  gpuipc_conn *c = hostile_conn("sfc_lies", &pid);
+  /* Its message, on the socket and never counted, reaches the queue in a
+   * receive's passes (the look for a hang-up reads it). */
+  ASSERT_STATUS(polled_recv(c, msg_queued), GPUIPC_E_WOULD_BLOCK);
+  if (!msg_queued(c))
+    harness_fail(__FILE__, __LINE__,
+                 "an uncounted socket frame was not read in 5 s of "
+                 "polling receives");
+  char buf[64] = {0};
+  size_t len = 0;
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf - 1, &len, NULL, NULL));
+  ASSERT_EQ(len, 9);
+  ASSERT_EQ(memcmp(buf, "uncounted", 9), 0);
+  /* Receives that find nothing leave the socket alone: at most every 16th
+   * looks at the clock, and one a millisecond reads. */
+  uint64_t reads0 = gpuipc__conn_socket_reads(c);
+  uint64_t t0 = gpuipc__now_ns();
+  enum { CALLS = 1000 };
+  for (int i = 0; i < CALLS; i++) {
+    gpuipc_received r = GPUIPC_RECEIVED_INIT;
+    ASSERT_STATUS(gpuipc_conn_recv(c, NULL, &r), GPUIPC_E_WOULD_BLOCK);
+  }
+  uint64_t ms = (gpuipc__now_ns() - t0) / 1000000;
+  uint64_t reads = gpuipc__conn_socket_reads(c) - reads0;
+  if (reads > CALLS / 16 + ms + 2)
+    harness_fail(__FILE__, __LINE__,
+                 "%d empty receives in %llu ms read the socket %llu times: "
+                 "want at most one a millisecond",
+                 CALLS, (unsigned long long)ms, (unsigned long long)reads);
+  /* Our count: one more after our message. */
+  ASSERT_OK(gpuipc_conn_set_nonblocking(c, 0));
+  ASSERT_OK(gpuipc_conn_send_msg(c, "ack", 3, NULL, 0));
+  memset(buf, 0, sizeof buf);
+  ASSERT_OK(gpuipc_conn_recv_msg(c, buf, sizeof buf - 1, &len, NULL, NULL));
+  unsigned long long before = 0, after = 0;
+  ASSERT_EQ(sscanf(buf, "%llu %llu", &before, &after), 2);
+  if (after != before + 1)
+    harness_fail(__FILE__, __LINE__,
+                 "our ring page counted %llu socket frames before the "
+                 "message and %llu after it: want one more",
+                 before, after);
+  /* Gone without a word: polling receives see it. */
+  ASSERT_OK(gpuipc_conn_send_msg(c, "bye", 3, NULL, 0));
+  ASSERT_EQ(wait_helper(pid, 30), 0);
+  gpuipc_status s = polled_recv(c, NULL);
+  if (s != GPUIPC_E_PEER_GONE && s != GPUIPC_E_CLOSED)
+    harness_fail(__FILE__, __LINE__,
+                 "a peer gone without a word: polling receives said %s (%s)",
+                 gpuipc_status_name(s), gpuipc_last_error());
+  gpuipc_conn_close(c);
+  return 0;
 }
 
 /* A record that names socket frames that never came. */

@@ -94,6 +94,12 @@ typedef struct gpuipc__carrier_ops {
    * so the WAKE that came with them is not left to make the fd readable
    * for nothing after the call. */
   bool (*slept)(struct gpuipc__carrier *k);
+  /* Publishes n, the socket frames we wrote whole so far, for the peer. */
+  void (*sent)(struct gpuipc__carrier *k, uint64_t n);
+  /* What the peer published as its socket frames written whole: a hint
+   * (a lying peer only makes our reads of its socket come later or for
+   * nothing). */
+  uint64_t (*peer_sent)(const struct gpuipc__carrier *k);
 } gpuipc__carrier_ops;
 
 /* A connection's carrier: its operations, the socket every carrier keeps

@@ -401,6 +401,16 @@ static bool ring_slept(gpuipc__carrier *k) {
                                   memory_order_relaxed);
 }
 
+static void ring_sent(gpuipc__carrier *k, uint64_t n) {
+  atomic_store_explicit(&ring_of(k)->mine->sock_frames, n,
+                        memory_order_release);
+}
+
+static uint64_t ring_peer_sent(const gpuipc__carrier *k) {
+  const ring *r = k->impl;
+  return atomic_load_explicit(&r->peer->sock_frames, memory_order_acquire);
+}
+
 static const gpuipc__carrier_ops ring_ops = {
     .name = "ring",
     .write = gpuipc__sock_carrier_write,
@@ -414,6 +424,8 @@ static const gpuipc__carrier_ops ring_ops = {
     .get = ring_get,
     .set_polling = ring_set_polling,
     .slept = ring_slept,
+    .sent = ring_sent,
+    .peer_sent = ring_peer_sent,
 };
 
 gpuipc_status gpuipc__carrier_ring_init(gpuipc__carrier *k, void *mine,

@@ -17,6 +17,10 @@
 void gpuipc__conn_queued(const struct gpuipc_conn *c, size_t *msgs,
                          size_t *bytes, size_t *fds, bool *paused);
 
+/* The reads of conn's socket its passes made so far (tests: which calls
+ * leave the socket unread). */
+uint64_t gpuipc__conn_socket_reads(const struct gpuipc_conn *c);
+
 /* The name of the carrier that carries conn's frames now ("socket";
  * "ring" once a shared-memory ring carries its fast-path frames). */
 const char *gpuipc__conn_carrier_name(const struct gpuipc_conn *c);

@@ -75,6 +75,17 @@ struct gpuipc_conn {
   int peer_said_bye;
   /* Its HELLO has GPUIPC__HELLO_F_RELC: it takes complete releases. */
   bool peer_relc;
+  /* Its HELLO has GPUIPC__HELLO_F_SFC: its ring page counts its socket
+   * frames, and the socket is read when that count says a frame is there
+   * (or a wait saw the fd ready: sock_ready), and else at most once per
+   * GPUIPC__SOCK_LOOK_NS (sock_looked), for its hang-up. */
+  bool peer_sfc;
+#define GPUIPC__SOCK_LOOK_NS 1000000u
+  atomic_bool sock_ready;
+  uint64_t sock_looked;
+  unsigned sock_skipped;
+  bool rx_hot; /* a receive's passes: the only ones that may skip it */
+  uint64_t rx_sock_reads; /* reads of the socket by the passes */
   /* The peer sent BYE or ABANDON: it reads nothing more (set by the fast
    * path; records are no longer put for it). */
   bool peer_ended;

@@ -70,6 +70,10 @@ static void free_msgs(gpuipc_conn *c) {
   c->msg_count = c->msg_bytes = c->msg_fds = 0;
 }
 
+uint64_t gpuipc__conn_socket_reads(const gpuipc_conn *c) {
+  return c->rx_sock_reads;
+}
+
 const char *gpuipc__conn_carrier_name(const gpuipc_conn *c) {
   return c->k.ops->name;
 }
@@ -210,6 +214,14 @@ gpuipc_status gpuipc__conn_break(gpuipc_conn *c, const char *fmt, ...) {
 
 /* ---- sending --------------------------------------------------------------------- */
 
+/* n more socket frames are out whole: counted for the barrier, and
+ * published for the peer where the carrier does (GPUIPC__HELLO_F_SFC). */
+static void tx_whole(gpuipc_conn *c, uint64_t n) {
+  c->tx_frames += n;
+  if (c->k.ops->sent)
+    c->k.ops->sent(&c->k, c->tx_frames);
+}
+
 /* Writes queued bytes; returns OK (maybe with bytes left), or an error
  * status when the peer is gone. */
 static gpuipc_status flush_tx(gpuipc_conn *c) {
@@ -230,7 +242,7 @@ static gpuipc_status flush_tx(gpuipc_conn *c) {
   }
   c->tx_off = c->tx_len = 0;
   /* Every queued frame is out whole now (see tx_frames). */
-  c->tx_frames += c->tx_qframes;
+  tx_whole(c, c->tx_qframes);
   c->tx_qframes = 0;
   return GPUIPC_OK;
 }
@@ -411,7 +423,7 @@ gpuipc_status gpuipc__conn_send_frame(gpuipc_conn *c, int type, const void *p1,
           tx_append(c, iov, niov, w);
           c->tx_qframes++;
         } else {
-          c->tx_frames++;
+          tx_whole(c, 1);
         }
         return GPUIPC_OK;
       }
@@ -679,6 +691,35 @@ static bool record_waits(const gpuipc_conn *c) {
   return c->rec_have && c->rec_barrier > c->rx_frames;
 }
 
+/* Whether a pass reads the socket. Always, but in a receive's passes
+ * (rx_hot) beside the ring of a peer that counts its socket frames in its
+ * ring page (GPUIPC__HELLO_F_SFC): then only when that count is past the
+ * frames dispatched here, a frame is partly read, a record waits for
+ * socket frames, or a wait saw the fd ready; else at most once per
+ * GPUIPC__SOCK_LOOK_NS, for the peer's hang-up (a count that lies, or a
+ * peer gone without a word). So a polling receiver's call that finds
+ * nothing makes no system call. Every other call (progress, messages,
+ * the counts) reads the socket as before, so what they report of the
+ * peer is as fresh as ever. */
+static bool sock_worth_reading(gpuipc_conn *c) {
+  if (atomic_exchange_explicit(&c->sock_ready, false, memory_order_relaxed))
+    return true;
+  if (!c->rx_hot || !c->peer_sfc || c->k.ops->peer_sent == NULL ||
+      c->rx_len != 0 || record_waits(c))
+    return true;
+  if (c->k.ops->peer_sent(&c->k) > c->rx_frames)
+    return true;
+  /* The clock only every 16th pass that found nothing: a spinning
+   * receiver's passes come far closer together than the look's period. */
+  if ((++c->sock_skipped & 15) != 0)
+    return false;
+  uint64_t now = gpuipc__now_ns();
+  if (now - c->sock_looked < GPUIPC__SOCK_LOOK_NS)
+    return false;
+  c->sock_looked = now;
+  return true;
+}
+
 static gpuipc_status pump_once(gpuipc_conn *c) {
   if (c->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(c);
@@ -703,6 +744,8 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
     if (c->rx_paused)
       return GPUIPC_OK;
   }
+  if (!sock_worth_reading(c))
+    return GPUIPC_OK;
   for (int rounds = 0; rounds < 64; rounds++) {
     if (c->rx_cap - c->rx_len < RX_CHUNK / 2) {
       size_t need = c->rx_len + RX_CHUNK;
@@ -719,6 +762,7 @@ static gpuipc_status pump_once(gpuipc_conn *c) {
     }
     size_t room = c->rx_cap - c->rx_len, r = 0;
     int tmp[GPUIPC__FRAME_FDS_MAX], k = 0;
+    c->rx_sock_reads++;
     gpuipc_status s = c->k.ops->read(&c->k, c->rx + c->rx_len, room, tmp,
                                      GPUIPC__FRAME_FDS_MAX, &k, &r);
     if (s == GPUIPC_E_WOULD_BLOCK) {
@@ -833,6 +877,8 @@ gpuipc_status gpuipc__conn_pump(gpuipc_conn *c, uint64_t deadline,
     if (r < 0)
       return gpuipc__fail_errno(errno, "poll", "connection to pid %d",
                                 c->peer_pid);
+    if (r & (POLLIN | POLLHUP | POLLERR))
+      atomic_store_explicit(&c->sock_ready, true, memory_order_relaxed);
     if (r == 0) {
       if (wait_for == NULL)
         return GPUIPC_OK;
@@ -888,6 +934,10 @@ gpuipc_status gpuipc_conn_wait(gpuipc_conn *conn, short events,
   int r = conn->k.ops->wait(&conn->k, events, deadline, spin_us);
   if (r < 0)
     return gpuipc__fail_errno(errno, "poll", "gpuipc_conn_wait");
+  /* The next call reads the socket: what made the fd ready may be on it
+   * (this may be another thread than the one making calls). */
+  if (r & (POLLIN | POLLHUP | POLLERR))
+    atomic_store_explicit(&conn->sock_ready, true, memory_order_relaxed);
   return r == 0 ? GPUIPC_E_TIMEOUT : GPUIPC_OK;
 }
 

@@ -312,7 +312,7 @@ static gpuipc_status hs_start(hs *x, uint64_t wdeadline) {
   if (gpuipc__boot_id(me.boot_id) != GPUIPC_OK)
     memset(me.boot_id, 0, sizeof me.boot_id);
   me.pidns = gpuipc__pid_namespace();
-  me.flags = GPUIPC__HELLO_F_NS | GPUIPC__HELLO_F_RELC;
+  me.flags = GPUIPC__HELLO_F_NS | GPUIPC__HELLO_F_RELC | GPUIPC__HELLO_F_SFC;
   GPUIPC__CHECK(ring_wanted(&x->o, &x->ring_say));
   if (x->ring_say != RING_NO)
     me.flags |= GPUIPC__HELLO_F_RING;
@@ -423,6 +423,7 @@ static gpuipc_status hs_on_ring(hs *x, const gpuipc__frame_hdr *h,
   }
   x->ring_map = NULL; /* the carrier's now */
   c->polling = x->o.polling != 0;
+  c->k.ops->sent(&c->k, c->tx_frames); /* from here on, after each one */
   return GPUIPC_OK;
 }
 
@@ -591,6 +592,7 @@ static gpuipc_status hs_on_hello(hs *x, const gpuipc__frame_hdr *h,
   GPUIPC__CHECK(hs_check_hello(x, &peer, foreign, wdeadline));
   bool peer_ring = (peer.flags & GPUIPC__HELLO_F_RING) != 0;
   c->peer_relc = (peer.flags & GPUIPC__HELLO_F_RELC) != 0;
+  c->peer_sfc = (peer.flags & GPUIPC__HELLO_F_SFC) != 0;
   if (x->ring_say == RING_REQUIRE && !peer_ring) {
     refuse(c->k.fd, "this side requires the ring carrier", wdeadline);
     return gpuipc__fail(GPUIPC_E_NOT_SUPPORTED,

@@ -651,6 +651,18 @@ static gpuipc_status recv_head(gpuipc_conn *conn, struct gpuipc__ho *h,
   return GPUIPC_OK;
 }
 
+/* What a receive waits for a buffer with. Its passes are the ones that
+ * may leave the socket unread while the peer's count says nothing came
+ * there (frames.c, sock_worth_reading): a polling receiver's calls that
+ * find nothing then make no system call. */
+static gpuipc_status recv_pump(gpuipc_conn *conn) {
+  conn->rx_hot = true;
+  gpuipc_status s =
+      gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL);
+  conn->rx_hot = false;
+  return s;
+}
+
 gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
                                gpuipc_received *out) {
   if (conn == NULL || out == NULL || out->size < sizeof *out)
@@ -659,10 +671,8 @@ gpuipc_status gpuipc_conn_recv(gpuipc_conn *conn, struct CUstream_st *stream,
                         "(use GPUIPC_RECEIVED_INIT)");
   if (conn->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(conn);
-  if (!have_buf(conn, NULL)) {
-    GPUIPC__CHECK(
-        gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL));
-  }
+  if (!have_buf(conn, NULL))
+    GPUIPC__CHECK(recv_pump(conn));
   return recv_head(conn, conn->ho, 1, stream, out);
 }
 
@@ -683,10 +693,8 @@ gpuipc_status gpuipc_conn_recv_batch(gpuipc_conn *conn,
                           i);
   if (conn->state != GPUIPC__CONN_OPEN)
     return gpuipc__conn_ended(conn);
-  if (!have_buf(conn, NULL)) {
-    GPUIPC__CHECK(
-        gpuipc__conn_pump(conn, gpuipc__conn_deadline(conn), have_buf, NULL));
-  }
+  if (!have_buf(conn, NULL))
+    GPUIPC__CHECK(recv_pump(conn));
   struct gpuipc__ho *h = conn->ho;
   uint32_t k = h->qlen < max ? h->qlen : (uint32_t)max;
   GPUIPC__CHECK(recv_head(conn, h, k, stream, out));

@@ -106,6 +106,10 @@ typedef struct gpuipc__hello {
 #define GPUIPC__HELLO_F_RING 0x2u
 /* This side takes REL entries flagged GPUIPC__REL_COMPLETE. */
 #define GPUIPC__HELLO_F_RELC 0x4u
+/* This side publishes its socket frames written whole in its ring page
+ * (sock_frames), so that the peer need not read the socket for frames
+ * that were not sent (docs/ring.md). */
+#define GPUIPC__HELLO_F_SFC 0x8u
 _Static_assert(sizeof(gpuipc__hello) == 56, "wire layout");
 
 /* A ring's memfd (docs/ring.md), as its writer lays it out: this page,
@@ -130,6 +134,10 @@ typedef struct gpuipc__w_ring_page {
   _Atomic uint64_t tail; /* bytes of the peer's ring consumed */
   unsigned char pad2[56];
   _Atomic uint64_t sleep; /* odd: the writer of this page may sleep */
+  unsigned char pad3[56];
+  /* GPUIPC__HELLO_F_SFC: socket frames the writer of this page wrote
+   * whole, published after each one (a hint: see docs/ring.md). */
+  _Atomic uint64_t sock_frames;
 } gpuipc__w_ring_page;
 _Static_assert(sizeof(gpuipc__w_ring_page) <= GPUIPC__RING_HDR, "ring page");
 
