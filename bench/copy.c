@@ -456,6 +456,8 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: gpuipc bench copy [--max SIZE] [--min SIZE] [--reps N] "
           "[--quick] [--device N] [--threads N] [--chunk SIZE] [--streams N]\n"
+          "       [--part SIZE] [--staged-min SIZE] [--direct-min SIZE] "
+          "[--direct-max SIZE] [--direct-out-max SIZE]\n"
           "       [--python PATH] [--emulator PATH]\n"
           "  sizes go from --min (default 4K) to --max (default 4G on a GPU,\n"
           "  16M on the emulator) by factors of 4; SIZE takes K/M/G.\n"
