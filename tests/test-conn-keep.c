@@ -308,12 +308,25 @@ TEST_IMPL(conn_exit_call_for_a_peer_gone_already) {
 #define KEEP_UNDER_TSAN 1
 #endif
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+#define KEEP_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KEEP_UNDER_ASAN 1
+#endif
+#endif
 
 TEST_IMPL(conn_exit_call_not_run_in_a_forked_child) {
 #ifdef KEEP_UNDER_TSAN
   SKIP("under ThreadSanitizer, whose child of a threaded process dies when "
        "it starts a thread (die_after_fork), as this child's watcher must; "
        "the test runs in the other builds");
+#endif
+#ifdef KEEP_UNDER_ASAN
+  SKIP("under AddressSanitizer, whose allocator a forked child of a "
+       "threaded process can find locked by one of the parent's threads "
+       "(seen under load: the child's watcher thread stuck for good in "
+       "ASan's calloc); the test runs in the gcc and clang builds");
 #endif
   REQUIRE_DEVICES(1);
   int fd;

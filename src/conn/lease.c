@@ -1191,6 +1191,13 @@ static void watch_atfork_child(void) {
   for (struct gpuipc__watch **pp = &watches; *pp;) {
     struct gpuipc__watch *w = *pp;
     if (w->on_exit == NULL) {
+      /* A connection's or an orphan table's: its flag words, streams and
+       * leases are the parent's CUDA state, which a forked child must not
+       * touch (the driver is not fork-safe: a lock held at the fork by
+       * another of the parent's threads stays held here, and the child's
+       * watcher hung in it before its own exit calls). Kept in the list,
+       * for its connection's close, but never fired here. */
+      w->fired = true;
       pp = &w->next;
       continue;
     }
